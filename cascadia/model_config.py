@@ -1,0 +1,197 @@
+"""The Inkling text-model configuration, read from a Hugging Face `config.json`.
+
+Mirrors transformers' `InklingTextConfig` (the definition of correct): same field names, same defaults, same
+derivation of `layer_types` and `mlp_layer_types`. Only the text model is described; vision and audio keys are
+ignored. Everything else in Cascadia (graph, planner, engine, simulator) reads the model through this class.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+SLIDING = "hybrid_sliding"
+GLOBAL = "hybrid"
+DENSE = "dense"
+SPARSE = "sparse"
+
+# Keys a checkpoint may use for a field (transformers' `attribute_map`).
+_ALIASES = {
+    "sliding_window": "sliding_window_size",
+    "num_local_experts": "n_routed_experts",
+    "sconv_kernel_size": "conv_kernel_size",
+    "model_max_length": "max_position_embeddings",
+    "embedding_multiplier": "logits_mup_width_multiplier",
+}
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot describe a valid Inkling text model."""
+
+
+@attrs.frozen(kw_only=True)
+class InklingConfig:
+    vocab_size: int = 201024
+    unpadded_vocab_size: int | None = None
+    hidden_size: int = 6144
+    num_hidden_layers: int = 66
+    # global ("hybrid") attention layers
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    # sliding-window ("hybrid_sliding") attention layers
+    swa_num_attention_heads: int = 64
+    swa_num_key_value_heads: int = 16
+    swa_head_dim: int = 128
+    sliding_window_size: int = 512
+    d_rel: int = 16
+    rel_extent: int = 1024
+    log_scaling_n_floor: int | None = None
+    log_scaling_alpha: float = 0.1
+    layer_types: tuple[str, ...] = ()
+    mlp_layer_types: tuple[str, ...] = ()
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-6
+    conv_kernel_size: int = 4
+    intermediate_size: int = 24576  # dense MLP width
+    hidden_act: str = "silu"
+    moe_intermediate_size: int = 3072  # width of one routed or shared expert
+    n_routed_experts: int = 256
+    num_experts_per_tok: int = 6
+    n_shared_experts: int = 2
+    shared_expert_sink: bool = True
+    route_scale: float = 8.0
+    logits_mup_width_multiplier: float = 24.0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+    num_mtp_layers: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    # ---- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> InklingConfig:
+        """Build from a transformers config dict: the text config, or the multimodal top level."""
+        d = dict(raw.get("text_config") or raw)
+        mtp = raw.get("mtp_config") or {}
+        if "num_mtp_layers" not in d and mtp.get("num_nextn_predict_layers") is not None:
+            d["num_mtp_layers"] = mtp["num_nextn_predict_layers"]
+        for alias, name in _ALIASES.items():
+            if alias in d:
+                d.setdefault(name, d.pop(alias))
+        if d.get("dense_intermediate_size") is not None:
+            # In such checkpoints `intermediate_size` is the experts' width (transformers #49416).
+            d["moe_intermediate_size"] = d.get("intermediate_size", cls.moe_intermediate_size)
+            d["intermediate_size"] = d.pop("dense_intermediate_size")
+        n_layers = int(d.get("num_hidden_layers", 66))
+        if not d.get("layer_types"):
+            local = d.get("local_layer_ids")
+            local = set(local) if local is not None else {i for i in range(n_layers) if (i + 1) % 6}
+            d["layer_types"] = [SLIDING if i in local else GLOBAL for i in range(n_layers)]
+        if not d.get("mlp_layer_types"):
+            dense_idx = int(d.get("dense_mlp_idx") or 0)
+            d["mlp_layer_types"] = [DENSE if i < dense_idx else SPARSE for i in range(n_layers)]
+        known = {f.name for f in attrs.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        kwargs["layer_types"] = tuple(kwargs["layer_types"])
+        kwargs["mlp_layer_types"] = tuple(kwargs["mlp_layer_types"])
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # a wrongly typed value that attrs could not even take
+            raise ConfigError(str(e)) from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> InklingConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        try:
+            return cls.from_hf_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A `config.json` body that transformers' `InklingTextConfig` reads back to the same model."""
+        d = attrs.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["mlp_layer_types"] = list(self.mlp_layer_types)
+        d["model_type"] = "inkling_text"
+        d["architectures"] = ["InklingForCausalLM"]
+        return d
+
+    # ---- validation ---------------------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim",
+                     "sliding_window_size", "d_rel", "rel_extent", "conv_kernel_size", "intermediate_size",
+                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                out.append(f"{name} must be a positive integer, got {value!r}")
+        if out:
+            return out
+        if len(self.layer_types) != self.num_hidden_layers:
+            out.append(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+        if len(self.mlp_layer_types) != self.num_hidden_layers:
+            out.append(f"mlp_layer_types has {len(self.mlp_layer_types)} entries, "
+                       f"num_hidden_layers is {self.num_hidden_layers}")
+        if bad := sorted(set(self.layer_types) - {SLIDING, GLOBAL}):
+            out.append(f"layer_types may hold only {SLIDING!r} and {GLOBAL!r}, found {bad}")
+        if bad := sorted(set(self.mlp_layer_types) - {DENSE, SPARSE}):
+            out.append(f"mlp_layer_types may hold only {DENSE!r} and {SPARSE!r}, found {bad}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
+                       f"({self.n_routed_experts})")
+        if self.n_shared_experts < 1:
+            out.append("n_shared_experts must be at least 1 (the shared experts are the router's softmax sink)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            out.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.swa_num_attention_heads % self.swa_num_key_value_heads:
+            out.append("swa_num_attention_heads must be a multiple of swa_num_key_value_heads")
+        if self.unpadded_vocab_size is not None and not 0 < self.unpadded_vocab_size <= self.vocab_size:
+            out.append(f"unpadded_vocab_size must lie in 1..vocab_size ({self.vocab_size})")
+        if self.hidden_act != "silu":
+            out.append(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        return out
+
+    # ---- per-layer geometry -------------------------------------------------------------------------------
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    def is_dense(self, layer: int) -> bool:
+        return self.mlp_layer_types[layer] == DENSE
+
+    def heads(self, layer: int) -> tuple[int, int, int]:
+        """(query heads, key/value heads, head dim) of a layer's attention."""
+        if self.is_sliding(layer):
+            return self.swa_num_attention_heads, self.swa_num_key_value_heads, self.swa_head_dim
+        return self.num_attention_heads, self.num_key_value_heads, self.head_dim
+
+    def layer_rel_extent(self, layer: int) -> int:
+        """Backward distance covered by a layer's relative-position bias bank (the window on sliding layers)."""
+        return self.sliding_window_size if self.is_sliding(layer) else self.rel_extent
+
+    def kv_positions(self, layer: int, context: int) -> int:
+        """Positions of K/V a layer keeps for a stream of `context` positions (a sliding layer keeps its window)."""
+        return min(context, self.sliding_window_size) if self.is_sliding(layer) else context
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Logits actually produced: the head's unpadded rows when the checkpoint says so."""
+        return self.unpadded_vocab_size or self.vocab_size

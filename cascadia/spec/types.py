@@ -1,0 +1,154 @@
+"""The validated spec: model, cluster, runtime and workload as frozen attrs classes.
+
+Sizes are bytes, times seconds, rates per second, everywhere. `cascadia.spec.load` builds these from YAML and reports
+every problem with its file, key path and line; these classes only hold values that already passed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import attrs
+
+from cascadia.model_config import InklingConfig
+
+WEIGHT_DTYPES = ("int4", "int8", "f16", "bf16", "f32")
+PRECISIONS = ("f32", "bf16", "f16")
+DEVICES = ("auto", "GPU", "CPU")
+# Tensor groups that each get a weight format.
+TENSOR_GROUPS = ("routed_experts", "shared_experts", "attention", "dense_mlp", "embedding", "head")
+
+
+@attrs.frozen
+class WeightFormat:
+    """How one group of weight matrices is stored: integer with per-group scales, or a float type."""
+
+    dtype: str = "f32"
+    group_size: int | None = None  # int4/int8: weights per scale along the input dim; None = one scale per row
+    symmetric: bool = True  # asymmetric integer formats also store a zero point per group
+
+    @property
+    def bits(self) -> int:
+        return {"int4": 4, "int8": 8, "f16": 16, "bf16": 16, "f32": 32}[self.dtype]
+
+    @property
+    def is_integer(self) -> bool:
+        return self.dtype in ("int4", "int8")
+
+    def matrix_bytes(self, rows: int, cols: int) -> int:
+        """Bytes of a [rows, cols] matrix (cols = input dim), scales (f16) and zero points included."""
+        data = math.ceil(rows * cols * self.bits / 8)
+        if not self.is_integer:
+            return data
+        groups = rows * (math.ceil(cols / self.group_size) if self.group_size else 1)
+        zero_point_bytes = 0 if self.symmetric else math.ceil(groups * self.bits / 8)
+        return data + 2 * groups + zero_point_bytes
+
+    def __str__(self) -> str:
+        if not self.is_integer:
+            return self.dtype
+        group = f" g{self.group_size}" if self.group_size else " per-row"
+        return f"{self.dtype}{group}{'' if self.symmetric else ' asym'}"
+
+
+@attrs.frozen
+class WeightFormats:
+    routed_experts: WeightFormat = WeightFormat()
+    shared_experts: WeightFormat = WeightFormat()
+    attention: WeightFormat = WeightFormat()
+    dense_mlp: WeightFormat = WeightFormat()
+    embedding: WeightFormat = WeightFormat()
+    head: WeightFormat = WeightFormat()
+
+
+@attrs.frozen
+class ModelSpec:
+    config: InklingConfig
+    formats: WeightFormats = WeightFormats()
+    checkpoint: Path | None = None  # resolved against the spec file's folder
+    name: str = "inkling"
+
+
+@attrs.frozen
+class NodeSpec:
+    name: str
+    address: str = "local"  # "local" (started by cascadia run on 127.0.0.1) or "tcp://HOST:PORT"
+    device: str = "auto"
+    memory_bytes: int = 0  # usable memory for weights, state and reserve
+    memory_bandwidth: float | None = None  # bytes/s, for analytic estimates
+    compute_flops: float | None = None  # FLOP/s at the compute precision, for analytic estimates
+    host: str | None = None  # nodes naming the same host share its cores and memory bandwidth
+    threads: int | None = None  # inference threads; None = let OpenVINO decide
+    reserve_bytes: int | None = None  # overrides the cluster's runtime reserve
+
+    @property
+    def is_local(self) -> bool:
+        return self.address == "local"
+
+
+@attrs.frozen
+class LinkSpec:
+    bandwidth: float = 125e6  # bytes/s (gigabit Ethernet)
+    latency: float = 100e-6  # s, one way
+
+
+@attrs.frozen
+class ClusterSpec:
+    nodes: tuple[NodeSpec, ...]
+    default_link: LinkSpec = LinkSpec()
+    links: dict[tuple[str, str], LinkSpec] = attrs.field(factory=dict)  # keyed by sorted node-name pair
+    reserve_bytes: int = 2 * 2**30  # OS, runtime, buffers: kept free on every node
+    curve_keys: Path | None = None  # folder of CurveZMQ key files; None = no encryption
+
+    def link(self, a: str, b: str) -> LinkSpec:
+        return self.links.get(tuple(sorted((a, b))), self.default_link)
+
+    def reserve(self, node: NodeSpec) -> int:
+        return self.reserve_bytes if node.reserve_bytes is None else node.reserve_bytes
+
+
+@attrs.frozen
+class RuntimeSpec:
+    context_budget: int = 1024  # positions per stream
+    max_streams: int = 16  # concurrent streams the KV budget is sized for
+    precision: str = "bf16"  # compute precision of the engine
+    kv_precision: str = "f32"  # dtype of the K/V cache and convolution states
+    row_buckets: tuple[int, ...] = (2, 8, 16, 24, 32)
+    prefill_window: int = 8  # most prompt rows admitted per step
+    # Use the fused gather-matmul MoE graph when a frame has at most this many rows; above it, the dense form.
+    fused_moe_max_rows: int = 32
+
+
+@attrs.frozen
+class LengthSpec:
+    """A token count: fixed, or drawn uniformly from [low, high] with the workload's seed."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def fixed(cls, n: int) -> LengthSpec:
+        return cls(n, n)
+
+
+@attrs.frozen
+class WorkloadSpec:
+    concurrency: tuple[int, ...] = (1,)
+    requests: int | None = None  # per level; None = as many as the level's concurrency
+    prompt_tokens: LengthSpec = LengthSpec.fixed(16)
+    prompts_file: Path | None = None  # JSONL: {"ids": [...]} or {"text": "..."} per line
+    output_tokens: int = 16
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@attrs.frozen
+class Spec:
+    model: ModelSpec
+    cluster: ClusterSpec
+    runtime: RuntimeSpec = RuntimeSpec()
+    workload: WorkloadSpec = WorkloadSpec()
+    source: Path | None = None  # the YAML file it came from
