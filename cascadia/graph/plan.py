@@ -9,9 +9,16 @@ from pathlib import Path
 import attrs
 
 PLAN_VERSION = 1
-# Roles a stage may hold besides its decoder layers.
+# Roles a stage holds: its decoder layers, and the embedding or head at the ends of the pipeline.
 EMBED = "embed"  # token embedding and admission (first stage)
+LAYERS = "layers"  # a run of consecutive decoder layers (every stage)
 HEAD = "head"  # final norm, LM head and sampling (last stage)
+
+
+def _count(n: int) -> str:
+    """947.03B, 1.23M, 512."""
+    return next((f"{n / size:.2f}{suffix}" for suffix, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)) if n >= size),
+                str(n))
 
 
 @attrs.frozen
@@ -23,7 +30,8 @@ class Stage:
     weight_bytes: int
     state_bytes: int  # K/V and convolution state for max_streams x context_budget
     free_bytes: int  # memory left after weights, state and reserve
-    max_positions_per_stream: int  # context per stream that would fit at max_streams
+    # context per stream that would fit at max_streams; None = any (the stage keeps only sliding-window K/V)
+    max_positions_per_stream: int | None
     est_time_s: float  # estimated time of one decode row through this stage
 
     @property
@@ -69,6 +77,31 @@ class Plan:
                        bottleneck_s=d["bottleneck_s"], cost_source=d["cost_source"])
         except (KeyError, IndexError, TypeError) as e:
             raise ValueError(f"{where}: malformed plan ({type(e).__name__}: {e})") from None
+
+    def table(self) -> str:
+        """The plan for people: one line per stage, then totals and what the stage times bound."""
+        largest = max(max(s.weight_bytes, s.state_bytes, s.free_bytes) for s in self.stages)
+        unit, size = next((u, n) for u, n in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                          if largest >= n or n == 1)
+        rows = [("node", "layers", "roles", f"weight {unit}", f"state {unit}", f"free {unit}", "positions/stream",
+                 "est. ms")]
+        for s in self.stages:
+            positions = "any" if s.max_positions_per_stream is None else f"{s.max_positions_per_stream:,}"
+            rows.append((s.node, f"{s.first_layer}-{s.last_layer}", "+".join(s.roles), f"{s.weight_bytes / size:.2f}",
+                         f"{s.state_bytes / size:.2f}", f"{s.free_bytes / size:.2f}", positions,
+                         f"{s.est_time_s * 1e3:.3f}"))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                 for row in rows]
+        slowest = max(self.stages, key=lambda s: s.est_time_s)
+        one_row = sum(s.est_time_s for s in self.stages)
+        lines += [
+            f"params: {_count(self.total_params)} total, {_count(self.active_params)} active per token",
+            f"bottleneck: {slowest.node}, {self.bottleneck_s * 1e3:.3f} ms per row ({self.cost_source})",
+            f"bounds before batching: one stream {1 / one_row:.2f} tokens/s (a row crosses every stage in turn); "
+            f"{1 / self.bottleneck_s:.2f} tokens/s with a row in flight on every stage",
+        ]
+        return "\n".join(lines)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -1,0 +1,220 @@
+"""What each part of an Inkling model costs: parameters, stored bytes, bytes and FLOPs per decode row, state.
+
+Shapes come from `cascadia.tensors` (the checkpoint layout); bytes from the spec's weight formats. Conventions:
+- `params` counts every stored tensor, as transformers builds it (the LM head has `vocab_size` rows).
+- Bytes and FLOPs of the head use the rows the checkpoint stores and the logits produced: `unpadded_vocab_size`.
+- Small tensors (norms, convolution weights, the router, the relative-bias bank) are stored in f32 whatever the
+  format; the router is f32 because routing is computed in FP32.
+- FLOPs are matmul FLOPs (2 per multiply-add); norms, convolutions and activations are left out.
+- K/V and convolution states use the runtime's `kv_precision`. A short convolution of kernel K keeps the previous
+  K - 1 inputs of its channels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from cascadia import tensors
+from cascadia.spec.types import ModelSpec
+
+STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+VECTOR_BYTES = 4  # small tensors are f32
+ROUTER_WEIGHT = "mlp.gate.weight"  # the one f32 "vector" tensor that is a matmul weight
+
+# Op kinds of a decoder layer, in dataflow order; each checkpoint tensor belongs to one (see `layer_kind`).
+LAYER_KINDS = ("input_norm", "attention", "attn_sconv", "post_norm", "router", "routed_experts", "shared_experts",
+               "dense_mlp", "mlp_sconv")
+# Op kinds outside the decoder layers.
+EMBEDDING, FINAL_NORM, HEAD, SAMPLER = "embedding", "final_norm", "head", "sampler"
+
+# First matching prefix of a layer-relative tensor name gives its kind ("mlp.gate." before the dense "mlp.").
+_LAYER_PREFIXES = (
+    ("input_layernorm.", "input_norm"),
+    ("post_attention_layernorm.", "post_norm"),
+    ("self_attn.", "attention"),
+    ("attn_sconv.", "attn_sconv"),
+    ("mlp_sconv.", "mlp_sconv"),
+    ("mlp.gate.", "router"),
+    ("mlp.experts.", "routed_experts"),
+    ("mlp.shared_experts.", "shared_experts"),
+    ("mlp.", "dense_mlp"),
+)
+
+
+def layer_kind(name: str) -> str:
+    """The op kind of a tensor, from its name relative to the layer prefix (e.g. "self_attn.q_proj.weight")."""
+    for prefix, kind in _LAYER_PREFIXES:
+        if name.startswith(prefix):
+            return kind
+    raise KeyError(f"no op kind for layer tensor {name!r}")
+
+
+@attrs.frozen
+class OpCost:
+    """One op of the dataflow graph (tensors used together): its size, and what one decode row reads and computes."""
+
+    kind: str
+    params: int
+    active_params: int  # parameters one row uses
+    weight_bytes: int  # stored bytes
+    bytes_per_row: int  # weight bytes one decode row reads
+    flops_per_row: float
+
+
+@attrs.frozen
+class LayerCost:
+    """One decoder layer: what it stores, what one decode row reads and computes, what state a stream keeps."""
+
+    layer: int
+    attention: str  # "sliding" | "global"
+    mlp: str  # "dense" | "moe"
+    params: int  # all parameters of the layer
+    active_params: int  # parameters one token uses (top-k routed + shared experts, or the dense MLP)
+    weight_bytes: int  # stored bytes under the spec's formats (scales and zero points included)
+    bytes_per_row: int  # weight bytes one decode row reads (attention + router + top-k experts + shared, or dense)
+    expert_bytes: int  # bytes of ONE routed expert (0 for dense layers)
+    flops_per_row: float  # matmul FLOPs of one row at context 0
+    attn_flops_per_position: float  # extra FLOPs per row per attended position (QK and PV)
+    kv_bytes_per_position: int  # K+V bytes per position per stream
+    kv_window: int | None  # sliding layers keep only this many positions; None = all
+    conv_state_bytes: int  # the four short-convolution states per stream
+
+    def kv_positions(self, context: int) -> int:
+        return context if self.kv_window is None else min(context, self.kv_window)
+
+    def state_bytes(self, context: int) -> int:
+        """K/V and convolution state of one stream of `context` positions."""
+        return self.kv_bytes_per_position * self.kv_positions(context) + self.conv_state_bytes
+
+
+@attrs.frozen
+class EndCost:
+    """The embedding (with its norm) or the head (final norm and LM head)."""
+
+    params: int
+    weight_bytes: int
+    bytes_per_row: int
+    flops_per_row: float
+
+
+def _tensor_bytes(model: ModelSpec, shape: tuple[int, ...], group: str) -> int:
+    """Stored bytes of a tensor; stacked matrices ([n, rows, cols]) are quantised matrix by matrix."""
+    if group == tensors.VECTOR:
+        return math.prod(shape) * VECTOR_BYTES
+    fmt = getattr(model.formats, group)
+    *stack, rows, cols = shape
+    return math.prod(stack) * fmt.matrix_bytes(rows, cols)
+
+
+def _matmul_flops(shape: tuple[int, ...]) -> float:
+    return 2.0 * math.prod(shape)
+
+
+def layer_ops(model: ModelSpec, layer: int) -> dict[str, OpCost]:
+    """The costs of each op kind present in a decoder layer, in dataflow order."""
+    cfg = model.config
+    by_kind: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
+    for name, (shape, group) in tensors.layer_tensors(cfg, layer).items():
+        by_kind.setdefault(layer_kind(name), []).append((name, shape, group))
+    n_heads = cfg.heads(layer)[0]
+    ops = {}
+    for kind in (k for k in LAYER_KINDS if k in by_kind):
+        entries = by_kind[kind]
+        params = sum(math.prod(shape) for _, shape, _ in entries)
+        weight_bytes = sum(_tensor_bytes(model, shape, group) for _, shape, group in entries)
+        flops = sum(_matmul_flops(shape) for name, shape, group in entries
+                    if group != tensors.VECTOR or name == ROUTER_WEIGHT)
+        if kind == "attention":
+            # every row mixes its relative states with the whole bias bank: [heads, d_rel] @ [d_rel, rel_extent]
+            flops += 2.0 * n_heads * cfg.d_rel * cfg.layer_rel_extent(layer)
+        active, row_bytes = params, weight_bytes
+        if kind == "routed_experts":
+            # one row reads top_k of the n_routed_experts stacked experts
+            k, n = cfg.num_experts_per_tok, cfg.n_routed_experts
+            active, row_bytes, flops = params // n * k, weight_bytes // n * k, flops / n * k
+        ops[kind] = OpCost(kind, params, active, weight_bytes, row_bytes, flops)
+    return ops
+
+
+def conv_state_bytes(model: ModelSpec, layer: int, kv_precision: str) -> dict[str, int]:
+    """Bytes of the short-convolution states of one stream, by the op kind that owns them."""
+    cfg = model.config
+    n_kv, head_dim = cfg.heads(layer)[1:]
+    per_channel = (cfg.conv_kernel_size - 1) * STATE_DTYPE_BYTES[kv_precision]
+    return {"attention": 2 * n_kv * head_dim * per_channel,  # k_sconv and v_sconv
+            "attn_sconv": cfg.hidden_size * per_channel, "mlp_sconv": cfg.hidden_size * per_channel}
+
+
+def kv_bytes_per_position(model: ModelSpec, layer: int, kv_precision: str) -> int:
+    n_kv, head_dim = model.config.heads(layer)[1:]
+    return 2 * n_kv * head_dim * STATE_DTYPE_BYTES[kv_precision]
+
+
+def layer_costs(model: ModelSpec, kv_precision: str = "f32") -> list[LayerCost]:
+    cfg = model.config
+    out = []
+    for layer in range(cfg.num_hidden_layers):
+        ops = layer_ops(model, layer).values()
+        n_heads, _, head_dim = cfg.heads(layer)
+        routed = [op for op in ops if op.kind == "routed_experts"]
+        out.append(LayerCost(
+            layer=layer,
+            attention="sliding" if cfg.is_sliding(layer) else "global",
+            mlp="dense" if cfg.is_dense(layer) else "moe",
+            params=sum(op.params for op in ops),
+            active_params=sum(op.active_params for op in ops),
+            weight_bytes=sum(op.weight_bytes for op in ops),
+            bytes_per_row=sum(op.bytes_per_row for op in ops),
+            expert_bytes=routed[0].weight_bytes // cfg.n_routed_experts if routed else 0,
+            flops_per_row=sum(op.flops_per_row for op in ops),
+            attn_flops_per_position=4.0 * n_heads * head_dim,  # q.k and p.v, 2 FLOPs per multiply-add each
+            kv_bytes_per_position=kv_bytes_per_position(model, layer, kv_precision),
+            kv_window=cfg.sliding_window_size if cfg.is_sliding(layer) else None,
+            conv_state_bytes=sum(conv_state_bytes(model, layer, kv_precision).values()),
+        ))
+    return out
+
+
+def end_ops(model: ModelSpec) -> dict[str, OpCost]:
+    """The ops outside the decoder layers: embedding (with its norm), final norm and LM head.
+
+    The whole embedding table counts as active (the usual convention: 41.06B active for Inkling), though a row
+    reads only its own table row. The head's bytes and FLOPs count the stored rows (`output_vocab_size`).
+    """
+    cfg = model.config
+    hidden, vector = cfg.hidden_size, cfg.hidden_size * VECTOR_BYTES
+    embed_shape = tensors.embedding_tensors(cfg)[tensors.EMBED][0]
+    head_shape = tensors.head_tensors(cfg)[tensors.HEAD][0]
+    embed_params, head_params = math.prod(embed_shape) + hidden, math.prod(head_shape)
+    head_bytes = model.formats.head.matrix_bytes(cfg.output_vocab_size, hidden)
+    return {
+        EMBEDDING: OpCost(EMBEDDING, embed_params, embed_params,
+                          weight_bytes=_tensor_bytes(model, embed_shape, "embedding") + vector,
+                          bytes_per_row=model.formats.embedding.matrix_bytes(1, hidden) + vector, flops_per_row=0.0),
+        FINAL_NORM: OpCost(FINAL_NORM, hidden, hidden, vector, vector, 0.0),
+        HEAD: OpCost(HEAD, head_params, head_params, head_bytes, head_bytes,
+                     flops_per_row=_matmul_flops((cfg.output_vocab_size, hidden))),
+    }
+
+
+def _end_cost(*ops: OpCost) -> EndCost:
+    return EndCost(params=sum(op.params for op in ops), weight_bytes=sum(op.weight_bytes for op in ops),
+                   bytes_per_row=sum(op.bytes_per_row for op in ops),
+                   flops_per_row=sum(op.flops_per_row for op in ops))
+
+
+def embedding_cost(model: ModelSpec) -> EndCost:
+    return _end_cost(end_ops(model)[EMBEDDING])
+
+
+def head_cost(model: ModelSpec) -> EndCost:
+    """The final norm and the LM head."""
+    ops = end_ops(model)
+    return _end_cost(ops[FINAL_NORM], ops[HEAD])
+
+
+def state_bytes(costs: list[LayerCost], context: int) -> int:
+    """K/V and convolution state of one stream of `context` positions over a slice of layers."""
+    return sum(c.state_bytes(context) for c in costs)

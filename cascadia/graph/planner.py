@@ -1,0 +1,284 @@
+"""The planner: which consecutive decoder layers each node holds.
+
+The layers are cut into one contiguous stage per node, in the cluster's node order; the first stage also holds the
+embedding, the last the final norm and head. A stage fits when its weights, the K/V and convolution state of
+`runtime.max_streams` streams of `runtime.context_budget` positions, and the node's reserve fit in its
+`memory_bytes`. Among the partitions that fit, the planner takes the one whose slowest stage is fastest, and among
+those the one whose fullest node is least full. Both are exact dynamic programs over (stage, last layer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+from cascadia.graph.build import ACTIVATION_BYTES
+from cascadia.graph.costs import LayerCost, embedding_cost, head_cost, layer_costs, state_bytes
+from cascadia.graph.plan import EMBED, HEAD, LAYERS, Plan, Stage
+from cascadia.spec.types import NodeSpec, Spec
+
+GIB = 2**30
+TOKEN_ID_BYTES = 4  # what the last stage sends back to the first for each row
+NOMINAL_BANDWIDTH = 100e9  # bytes/s assumed on every node when some node gives no memory_bandwidth
+
+# (node, layers, roles) -> seconds for one decode row through that stage; a calibration can supply its own.
+StageTime = Callable[[NodeSpec, range, tuple[str, ...]], float]
+
+
+class InfeasiblePlan(Exception):
+    """No partition fits in memory; the message names the node short of memory, by how much, and what would fit."""
+
+
+def stage_roles(index: int, n_stages: int) -> tuple[str, ...]:
+    return (EMBED,) * (index == 0) + (LAYERS,) + (HEAD,) * (index == n_stages - 1)
+
+
+class RooflineStageTime:
+    """Time of one decode row (one stream at the full context budget) through a stage, from the nodes' figures.
+
+    Each layer, the embedding and the head take max(bytes read / memory_bandwidth, FLOPs / compute_flops): the bytes
+    are the weights the row reads plus the K/V of its context, the FLOPs its matmuls plus attention over that
+    context (no compute term on a node without compute_flops). Then the row is sent on: the FP32 residual to the next
+    node, or from the last node the sampled token id back to the first (link latency + bytes / bandwidth). When some
+    node gives no memory_bandwidth, every node is taken to read at NOMINAL_BANDWIDTH and FLOPs are ignored: the
+    times then only rank partitions by bytes read ("uniform").
+    """
+
+    def __init__(self, spec: Spec) -> None:
+        self._spec = spec
+        self._layers = layer_costs(spec.model, spec.runtime.kv_precision)
+        self._ends = {EMBED: embedding_cost(spec.model), HEAD: head_cost(spec.model)}
+        nodes = spec.cluster.nodes
+        self._next = {node.name: nodes[(i + 1) % len(nodes)] for i, node in enumerate(nodes)}
+        self.uniform = any(node.memory_bandwidth is None for node in nodes)
+        self.source = (f"uniform: bytes read at an assumed {NOMINAL_BANDWIDTH / 1e9:g} GB/s on every node, plus links"
+                       if self.uniform else "spec figures: roofline of node memory_bandwidth and compute_flops, "
+                                            "plus links")
+        self._prefix: dict[str, list[float]] = {}  # node name -> running sum of its per-layer times
+
+    def _roofline(self, node: NodeSpec, bytes_read: float, flops: float) -> float:
+        if self.uniform:
+            return bytes_read / NOMINAL_BANDWIDTH
+        compute = flops / node.compute_flops if node.compute_flops else 0.0
+        return max(bytes_read / node.memory_bandwidth, compute)
+
+    def _layer_prefix(self, node: NodeSpec) -> list[float]:
+        if node.name not in self._prefix:
+            context = self._spec.runtime.context_budget
+            times = (self._roofline(node, c.bytes_per_row + c.kv_bytes_per_position * c.kv_positions(context),
+                                    c.flops_per_row + c.attn_flops_per_position * c.kv_positions(context))
+                     for c in self._layers)
+            self._prefix[node.name] = [0.0, *itertools.accumulate(times)]
+        return self._prefix[node.name]
+
+    def send_time(self, node: NodeSpec, roles: tuple[str, ...]) -> float:
+        target = self._next[node.name]
+        if target.name == node.name:
+            return 0.0
+        link = self._spec.cluster.link(node.name, target.name)
+        sent = TOKEN_ID_BYTES if HEAD in roles else self._spec.model.config.hidden_size * ACTIVATION_BYTES
+        return link.latency + sent / link.bandwidth
+
+    def __call__(self, node: NodeSpec, layers: range, roles: tuple[str, ...]) -> float:
+        prefix = self._layer_prefix(node)
+        ends = sum(self._roofline(node, end.bytes_per_row, end.flops_per_row)
+                   for role, end in self._ends.items() if role in roles)
+        return prefix[layers.stop] - prefix[layers.start] + ends + self.send_time(node, roles)
+
+
+class _Memory:
+    """Bytes a stage needs on its node: weights, state for the streams, reserve (running sums over layers, since
+    the dynamic programs ask for every stage)."""
+
+    def __init__(self, spec: Spec, nodes: tuple[NodeSpec, ...]) -> None:
+        self.spec, self.nodes = spec, nodes
+        self.costs = layer_costs(spec.model, spec.runtime.kv_precision)
+        self._weights = [0, *itertools.accumulate(c.weight_bytes for c in self.costs)]
+        ends = {EMBED: embedding_cost(spec.model).weight_bytes, HEAD: head_cost(spec.model).weight_bytes}
+        self._all_weights = self._weights[-1] + sum(ends.values())
+        self._end_weights = [sum(size for role, size in ends.items() if role in stage_roles(j, len(nodes)))
+                             for j in range(len(nodes))]
+        self._reserves = [spec.cluster.reserve(node) for node in nodes]
+        self._state: dict[int, list[int]] = {}  # context -> running sum of per-stream state over layers
+
+    def _state_sums(self, context: int) -> list[int]:
+        if context not in self._state:
+            self._state[context] = [0, *itertools.accumulate(c.state_bytes(context) for c in self.costs)]
+        return self._state[context]
+
+    def all_weights(self) -> int:
+        return self._all_weights
+
+    def weights(self, stage: int, first: int, last: int) -> int:
+        return self._weights[last + 1] - self._weights[first] + self._end_weights[stage]
+
+    def state(self, first: int, last: int, context: int) -> int:
+        """Per stream."""
+        sums = self._state_sums(context)
+        return sums[last + 1] - sums[first]
+
+    def reserve(self, stage: int) -> int:
+        return self._reserves[stage]
+
+    def need(self, stage: int, first: int, last: int, streams: int, context: int) -> int:
+        return self.weights(stage, first, last) + streams * self.state(first, last, context) + self._reserves[stage]
+
+    def shortfall(self, streams: int, context: int) -> Callable[[int, int, int], float]:
+        """Score of a stage for `min_max_split`: bytes it needs beyond its node's memory (<= 0 when it fits).
+        Inlined from `need`: it is called for every candidate stage."""
+        weights, state = self._weights, self._state_sums(context)
+        fixed = [ends + reserve - node.memory_bytes
+                 for ends, reserve, node in zip(self._end_weights, self._reserves, self.nodes)]
+        return lambda j, a, b: weights[b + 1] - weights[a] + streams * (state[b + 1] - state[a]) + fixed[j]
+
+    def fits(self, streams: int, context: int) -> bool:
+        return min_max_split(len(self.nodes), len(self.costs), self.shortfall(streams, context))[0] <= 0
+
+
+def min_max_split(n_stages: int, n_layers: int, score: Callable[[int, int, int], float]) -> tuple[float, list[int]]:
+    """Cut layers 0..n_layers-1 into n_stages contiguous non-empty stages so that the largest
+    score(stage, first, last) is smallest. Returns that score and each stage's first layer; a score of math.inf
+    forbids a stage, and the result is math.inf when every cut has a forbidden stage."""
+    best = [[math.inf] * (n_layers + 1) for _ in range(n_stages + 1)]  # best[j][end]: layers < end on j stages
+    start = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = -math.inf
+    for j in range(1, n_stages + 1):
+        for end in range(j, n_layers - (n_stages - j) + 1):  # every later stage still needs a layer
+            for first in range(j - 1, end):
+                before = best[j - 1][first]
+                if before >= best[j][end]:
+                    continue  # cannot improve: the max only grows
+                value = max(before, score(j - 1, first, end - 1))
+                if value < best[j][end]:
+                    best[j][end], start[j][end] = value, first
+    firsts, end = [], n_layers
+    for j in range(n_stages, 0, -1):
+        end = start[j][end]
+        firsts.append(end)
+    return best[n_stages][n_layers], firsts[::-1]
+
+
+def _max_positions(costs: list[LayerCost], streams: int, budget: int) -> int | None:
+    """Largest context per stream whose state for `streams` streams fits in `budget` bytes (given that the
+    planned context fits); None when the state stops growing (sliding layers only) and still fits."""
+    def fits(positions: int) -> bool:
+        return streams * state_bytes(costs, positions) <= budget
+
+    if all(c.kv_window is not None for c in costs) and fits(max(c.kv_window for c in costs)):
+        return None
+    lo, hi = 0, 1
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _gib(n: float) -> str:
+    """Binary units, GiB for the sizes that matter, smaller ones for toy models: "61.20 GiB", "3.50 KiB"."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _largest_fitting(limit: int, fits: Callable[[int], bool]) -> int | None:
+    """Largest n in 1..limit with fits(n), for a monotone `fits`; None if not even 1 fits."""
+    if not fits(1):
+        return None
+    lo, hi = 1, limit + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _extra_nodes_needed(spec: Spec, memory: _Memory, like: NodeSpec) -> int | None:
+    """Fewest copies of `like` that, appended to the fleet, make the plan fit; None if no number does."""
+    streams, context, n_layers = spec.runtime.max_streams, spec.runtime.context_budget, len(memory.costs)
+    room = like.memory_bytes - spec.cluster.reserve(like)
+    if room <= 0 or any(c.weight_bytes + streams * c.state_bytes(context) > room for c in memory.costs):
+        return None  # some layer does not fit even alone
+    # start from what the total memory demands, then check the cuts themselves
+    nodes = memory.nodes
+    total_need = (memory.all_weights() + streams * memory.state(0, n_layers - 1, context)
+                  + sum(spec.cluster.reserve(n) for n in nodes))
+    shortage = total_need - sum(n.memory_bytes for n in nodes)
+    for extra in range(max(1, math.ceil(shortage / room)), n_layers - len(nodes) + 1):
+        if _Memory(spec, nodes + (like,) * extra).fits(streams, context):
+            return extra
+    return None
+
+
+def _infeasible_message(spec: Spec, memory: _Memory, firsts: list[int]) -> str:
+    nodes, runtime = spec.cluster.nodes, spec.runtime
+    streams, context, n_layers = runtime.max_streams, runtime.context_budget, len(memory.costs)
+    score = memory.shortfall(streams, context)
+    stages = [(j, first, end - 1) for j, (first, end) in enumerate(zip(firsts, [*firsts[1:], n_layers]))]
+    j, first, last = max(stages, key=lambda s: score(*s))
+    node = nodes[j]
+    weights, state = memory.weights(j, first, last), streams * memory.state(first, last, context)
+    extras = "".join(f" + {role}" for role in stage_roles(j, len(nodes)) if role != LAYERS)
+    message = (f"node {node.name} is short of memory by {_gib(score(j, first, last))}: in the split that fits best, "
+               f"layers {first}-{last}{extras} need {_gib(memory.need(j, first, last, streams, context))} (weights "
+               f"{_gib(weights)}, state {_gib(state)} for {streams} streams x {context} positions, reserve "
+               f"{_gib(memory.reserve(j))}) but it has {_gib(node.memory_bytes)}.")
+    options = []
+    if streams > 1 and (s := _largest_fitting(streams - 1, lambda s: memory.fits(s, context))):
+        options.append(f"max_streams {s}")
+    if context > 1 and (c := _largest_fitting(context - 1, lambda c: memory.fits(streams, c))):
+        options.append(f"context_budget {c}")
+    largest = max(nodes, key=lambda n: n.memory_bytes)
+    if extra := _extra_nodes_needed(spec, memory, largest):
+        options.append(f"{extra} more nodes like {largest.name} ({_gib(largest.memory_bytes)} each, "
+                       f"{len(nodes) + extra} in all)")
+    if not options:
+        return message + " Neither fewer streams, a smaller context budget nor more such nodes would make it fit."
+    return message + " It would fit with " + ", or ".join(options) + "."
+
+
+def plan(spec: Spec, stage_time: StageTime | None = None, cost_source: str = "custom") -> Plan:
+    """The fastest partition that fits (then the least full); `stage_time` defaults to `RooflineStageTime`."""
+    nodes, runtime = spec.cluster.nodes, spec.runtime
+    n_layers, n_nodes = spec.model.config.num_hidden_layers, len(spec.cluster.nodes)
+    if n_nodes > n_layers:
+        raise InfeasiblePlan(f"{n_nodes} nodes but only {n_layers} layers: every node must hold at least one "
+                             f"layer, so use at most {n_layers} nodes")
+    streams, context = runtime.max_streams, runtime.context_budget
+    memory = _Memory(spec, nodes)
+    short = memory.shortfall(streams, context)
+    worst, firsts = min_max_split(n_nodes, n_layers, short)
+    if worst > 0:
+        raise InfeasiblePlan(_infeasible_message(spec, memory, firsts))
+    if stage_time is None:
+        stage_time = RooflineStageTime(spec)
+        cost_source = stage_time.source
+
+    times: dict[tuple[int, int, int], float] = {}
+
+    def time_of(j: int, first: int, last: int) -> float:
+        if (j, first, last) not in times:
+            times[j, first, last] = stage_time(nodes[j], range(first, last + 1), stage_roles(j, n_nodes))
+        return times[j, first, last]
+
+    bottleneck, _ = min_max_split(n_nodes, n_layers,
+                                  lambda j, a, b: time_of(j, a, b) if short(j, a, b) <= 0 else math.inf)
+    _, firsts = min_max_split(n_nodes, n_layers, lambda j, a, b: (
+        memory.need(j, a, b, streams, context) / nodes[j].memory_bytes
+        if short(j, a, b) <= 0 and time_of(j, a, b) <= bottleneck else math.inf))
+
+    stages = []
+    for j, (first, end) in enumerate(zip(firsts, [*firsts[1:], n_layers])):
+        last, node = end - 1, nodes[j]
+        weights, state = memory.weights(j, first, last), streams * memory.state(first, last, context)
+        room_for_state = node.memory_bytes - weights - memory.reserve(j)
+        stages.append(Stage(node=node.name, first_layer=first, last_layer=last, roles=stage_roles(j, n_nodes),
+                            weight_bytes=weights, state_bytes=state, free_bytes=room_for_state - state,
+                            max_positions_per_stream=_max_positions(memory.costs[first:end], streams, room_for_state),
+                            est_time_s=time_of(j, first, last)))
+    ends = embedding_cost(spec.model).params + head_cost(spec.model).params
+    return Plan(stages=tuple(stages), total_params=sum(c.params for c in memory.costs) + ends,
+                active_params=sum(c.active_params for c in memory.costs) + ends,
+                bottleneck_s=max(s.est_time_s for s in stages), cost_source=cost_source)

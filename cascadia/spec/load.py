@@ -1,0 +1,938 @@
+"""Load a spec from YAML, validate it, and report every problem with its file, line and key path.
+
+    model:     hf_config: inkling-975b/config.json      # or config: {...}; overrides: {...} on top
+               checkpoint: DIR                           # optional
+               formats: {default: int8, routed_experts: {dtype: int4, group_size: 32}}
+    cluster:   nodes: [{name: pc, count: 11, memory: 61.2GiB, memory_bandwidth: 120GB/s, compute: 30TFLOPS}]
+               links: {default: {bandwidth: 1gbit, latency: 100us}, pairs: [{between: [pc0, pc1], ...}]}
+               reserve: 2GiB                             # kept free on every node
+    runtime:   context_budget, max_streams, precision, kv_precision, row_buckets, prefill_window, ...
+    workload:  concurrency: 1,2,4  requests  prompt_tokens: {uniform: [8, 24]}  output_tokens  greedy ...
+    include:   [models/inkling.yaml, clusters/lab.yaml]  # merged first, in order; this file's keys win
+
+Paths are relative to the file that names them. A key set to null counts as absent, so a file can drop a key it
+included. The YAML is read as a node tree (`yaml.SafeLoader`, no object construction beyond plain scalars), so every
+value keeps its line and no input, however malformed, escapes as anything but `SpecError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import re
+import typing
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from cascadia.model_config import _ALIASES, ConfigError, InklingConfig
+from cascadia.spec.types import (
+    DEVICES,
+    PRECISIONS,
+    TENSOR_GROUPS,
+    WEIGHT_DTYPES,
+    ClusterSpec,
+    LengthSpec,
+    LinkSpec,
+    ModelSpec,
+    NodeSpec,
+    RuntimeSpec,
+    Spec,
+    WeightFormat,
+    WeightFormats,
+    WorkloadSpec,
+)
+from cascadia.units import (
+    UnitError,
+    format_bytes,
+    format_duration,
+    format_flops,
+    format_rate,
+    parse_bytes,
+    parse_duration,
+    parse_flops,
+    parse_rate,
+)
+
+# Guards against inputs that are valid YAML but would take forever: alias bombs, self-referencing anchors,
+# include chains, a billion stamped nodes or layers.
+_MAX_VALUES = 100_000
+_MAX_DEPTH = 64
+_MAX_INCLUDE_DEPTH = 32
+_MAX_COUNT = 10_000
+
+
+# ---- problems ------------------------------------------------------------------------------------------------------
+@attrs.frozen
+class Problem:
+    file: Path | None
+    line: int | None  # 1-based
+    key: str  # dotted path, e.g. "cluster.nodes[3].memory"; "" for the whole file
+    message: str
+
+    def __str__(self) -> str:
+        where = ":".join(str(part) for part in (self.file, self.line) if part is not None)
+        return ": ".join(part for part in (where, self.key, self.message) if part)
+
+
+class SpecError(Exception):
+    """A spec with problems; `str()` gives one `FILE:LINE: key: message` line per problem."""
+
+    def __init__(self, problems: list[Problem]):
+        super().__init__(problems)
+        self.problems = problems
+
+    def __str__(self) -> str:
+        return "\n".join(str(p) for p in self.problems)
+
+
+# ---- YAML with positions -------------------------------------------------------------------------------------------
+@attrs.frozen
+class _Node:
+    """A YAML value and where it was written. Mappings hold `dict[str, _Node]`, sequences `list[_Node]`."""
+
+    value: Any
+    file: Path
+    line: int  # of the key, for mapping values: the line a reader looks for
+
+    def plain(self) -> Any:
+        if isinstance(self.value, dict):
+            return {k: v.plain() for k, v in self.value.items()}
+        if isinstance(self.value, list):
+            return [v.plain() for v in self.value]
+        return self.value
+
+
+class _Unreadable(Exception):
+    """A YAML file that cannot be turned into a node tree; the message says why."""
+
+    def __init__(self, message: str, line: int | None = None):
+        super().__init__(message)
+        self.line = line
+
+
+class _Composer:
+    """Turns PyYAML's node graph into `_Node`s, constructing scalars only, within the size and depth guards."""
+
+    def __init__(self, loader: yaml.SafeLoader, file: Path, problems: list[Problem]):
+        self.loader, self.file, self.problems = loader, file, problems
+        self.budget = _MAX_VALUES
+
+    def convert(self, node: yaml.Node, line: int, path: str = "", depth: int = 0) -> _Node:
+        self.budget -= 1
+        if self.budget < 0:
+            raise _Unreadable(f"more than {_MAX_VALUES} values (aliases expanding without end?)")
+        if depth > _MAX_DEPTH:
+            raise _Unreadable(f"nested deeper than {_MAX_DEPTH} levels (a self-referencing alias?)", line)
+        if isinstance(node, yaml.MappingNode):
+            self._expect_tag(node, "map")
+            return _Node(self._mapping(node, path, depth), self.file, line)
+        if isinstance(node, yaml.SequenceNode):
+            self._expect_tag(node, "seq")
+            items = [self.convert(item, item.start_mark.line + 1, f"{path}[{i}]", depth + 1)
+                     for i, item in enumerate(node.value)]
+            return _Node(items, self.file, line)
+        try:
+            return _Node(self.loader.construct_object(node), self.file, line)
+        except (yaml.YAMLError, ValueError, TypeError, OverflowError) as e:  # e.g. `!!int x`, `!!python/name:os`
+            raise _Unreadable(f"cannot read value {node.value!r} tagged {node.tag}: {e}", line) from None
+
+    def _expect_tag(self, node: yaml.Node, kind: str) -> None:
+        if node.tag != f"tag:yaml.org,2002:{kind}":
+            raise _Unreadable(f"unsupported YAML tag {node.tag}", node.start_mark.line + 1)
+
+    def _mapping(self, node: yaml.MappingNode, path: str, depth: int) -> dict[str, _Node]:
+        out: dict[str, _Node] = {}
+        for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise _Unreadable("YAML merge keys (<<) are not supported: use include: or a node's count:", line)
+            key = self.convert(key_node, line, path, depth + 1).value
+            if not isinstance(key, str):
+                self.problems.append(Problem(self.file, line, path, f"keys must be text, got {_shown(key)}"))
+                continue
+            key_path = f"{path}.{key}" if path else key
+            if key in out:
+                first = f"duplicate key (first on line {out[key].line})"
+                self.problems.append(Problem(self.file, line, key_path, first))
+            out[key] = self.convert(value_node, line, key_path, depth + 1)
+        return out
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise _Unreadable("no such file") from None
+    except IsADirectoryError:
+        raise _Unreadable("is a folder, not a file") from None
+    except (OSError, ValueError) as e:  # permissions, name too long or with a NUL byte, not UTF-8
+        raise _Unreadable(f"cannot read: {e}") from None
+
+
+def _compose(path: Path, problems: list[Problem]) -> _Node:
+    text = _read_text(path)
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)
+        root = loader.get_single_node()
+        if root is None:
+            raise _Unreadable("the file is empty")
+        return _Composer(loader, path, problems).convert(root, root.start_mark.line + 1)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        raise _Unreadable(f"not valid YAML: {e.problem or e.context}", mark.line + 1 if mark else None) from None
+    except yaml.YAMLError as e:  # e.g. a control character: its message has no line, and a second line we drop
+        raise _Unreadable(f"not valid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise _Unreadable("not readable: nested too deeply") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _merge(base: _Node, over: _Node) -> _Node:
+    """Deep merge of mappings; anything else (lists included) is replaced by `over`."""
+    if not (isinstance(base.value, dict) and isinstance(over.value, dict)):
+        return over
+    merged = dict(base.value)
+    for key, value in over.value.items():
+        merged[key] = _merge(merged[key], value) if key in merged else value
+    return _Node(merged, over.file, over.line)
+
+
+def _read_document(path: Path, problems: list[Problem], chain: tuple[str, ...] = (),
+                   cited_at: _Node | None = None) -> _Node | None:
+    """The file's mapping with its includes merged in; None (with a problem recorded) when it cannot be read."""
+    try:
+        root = _compose(path, problems)
+    except _Unreadable as e:
+        if cited_at is None:
+            problems.append(Problem(path, e.line, "", str(e)))
+        else:
+            problems.append(Problem(cited_at.file, cited_at.line, "include", f"{path}: {e}"))
+        return None
+    if not isinstance(root.value, dict):
+        problems.append(Problem(path, root.line, "", "a spec is a mapping of sections (model, cluster, ...)"))
+        return None
+    chain = (*chain, os.path.realpath(path))
+    merged = None
+    for entry in _include_entries(root.value.get("include"), problems):
+        target = Path(os.path.normpath(path.parent / entry.value))
+        if os.path.realpath(target) in chain:
+            cycle = " -> ".join(os.path.relpath(p) for p in (*chain, os.path.realpath(target)))
+            problems.append(Problem(entry.file, entry.line, "include", f"include cycle: {cycle}"))
+            continue
+        if len(chain) >= _MAX_INCLUDE_DEPTH:
+            problems.append(Problem(entry.file, entry.line, "include", f"includes nest deeper than {len(chain)} files"))
+            continue
+        included = _read_document(target, problems, chain, cited_at=entry)
+        if included is not None:
+            merged = included if merged is None else _merge(merged, included)
+    own = _Node({k: v for k, v in root.value.items() if k != "include"}, root.file, root.line)
+    return own if merged is None else _merge(merged, own)
+
+
+def _include_entries(node: _Node | None, problems: list[Problem]) -> list[_Node]:
+    if node is None or node.value is None:
+        return []
+    good = []
+    for entry in node.value if isinstance(node.value, list) else [node]:
+        if isinstance(entry.value, str) and entry.value.strip() and "\0" not in entry.value:
+            good.append(entry)
+        else:
+            message = f"expected a file path, got {_shown(entry.plain())}"
+            problems.append(Problem(entry.file, entry.line, "include", message))
+    return good
+
+
+# ---- reading values ------------------------------------------------------------------------------------------------
+class _Invalid(ValueError):
+    """A value of the wrong kind; the message says what was expected."""
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def report(self, node: _Node, key: str, message: str) -> None:
+        self.problems.append(Problem(node.file, node.line, key, message))
+
+    def parse(self, node: _Node, key: str, parse: Callable[[Any], Any]) -> Any:
+        """`parse` of the node's plain value, or None with the problem recorded at the node."""
+        try:
+            return parse(node.plain())
+        except (_Invalid, UnitError) as e:
+            self.report(node, key, str(e))
+            return None
+
+
+class _Fields:
+    """The keys of one mapping, read one at a time; keys never asked for are reported as unknown by `finish`."""
+
+    def __init__(self, ctx: _Context, node: _Node, path: str):
+        self.ctx, self.node, self.path = ctx, node, path
+        self.items: dict[str, _Node] = node.value if isinstance(node.value, dict) else {}
+        self.asked: list[str] = []
+        if not isinstance(node.value, dict):
+            ctx.report(node, path, f"expected a mapping of keys, got {_shown(node.value)}")
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def get(self, name: str, required: bool = False) -> _Node | None:
+        """The node under `name`, or None when absent or null (reported when required)."""
+        self.asked.append(name)
+        node = self.items.get(name)
+        if node is not None and node.value is not None:
+            return node
+        if required and isinstance(self.node.value, dict):
+            self.ctx.report(node or self.node, self.key(name), "missing (required)")
+        return None
+
+    def take(self, name: str, parse: Callable[[Any], Any], required: bool = False) -> Any:
+        """The parsed value under `name`, or None when absent or invalid (a problem is recorded)."""
+        node = self.get(name, required)
+        return None if node is None else self.ctx.parse(node, self.key(name), parse)
+
+    def path_value(self, name: str, must_exist: bool = False) -> Path | None:
+        """A path under `name`, made absolute from the folder of the file that wrote it."""
+        node = self.get(name)
+        text = None if node is None else self.ctx.parse(node, self.key(name), _text)
+        if text is None:
+            return None
+        path = Path(os.path.abspath(node.file.parent / text))
+        if must_exist and not _is_file(path):
+            self.ctx.report(node, self.key(name), f"no such file: {path}")
+        return path
+
+    def finish(self) -> None:
+        for name, node in self.items.items():
+            if name not in self.asked:
+                hint = difflib.get_close_matches(name, self.asked, n=1)
+                known = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(self.asked)}"
+                self.ctx.report(node, self.key(name), f"unknown key; {known}")
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _integer(low: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise _Invalid(f"expected an integer >= {low}, got {_shown(value)}")
+        return value
+    return parse
+
+
+_positive_int = _integer(1)
+_count_int = _integer(0)
+
+
+def _number(value: Any) -> float:
+    # PyYAML reads `1e-3` (no dot) as text, so numeric text is accepted too.
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _Invalid(f"expected a number, got {_shown(value)}")
+    return float(value)
+
+
+def _positive_number(value: Any) -> float:
+    number = _number(value)
+    if number <= 0:
+        raise _Invalid(f"expected a number > 0, got {_shown(value)}")
+    return number
+
+
+def _fraction(value: Any) -> float:
+    number = _number(value)
+    if not 0 < number <= 1:
+        raise _Invalid(f"expected a number in (0, 1], got {_shown(value)}")
+    return number
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid(f"expected true or false, got {_shown(value)}")
+    return value
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise _Invalid(f"expected text, got {_shown(value)}")
+    return value
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
+    """One of `options`, matched ignoring case, returned as spelled in `options`."""
+    def parse(value: Any) -> str:
+        for option in options:
+            if isinstance(value, str) and value.lower() == option.lower():
+                return option
+        raise _Invalid(f"expected one of {', '.join(options)}, got {_shown(value)}")
+    return parse
+
+
+def _positive(parse: Callable[[Any], float]) -> Callable[[Any], float]:
+    def positive(value: Any) -> float:
+        quantity = parse(value)
+        if quantity <= 0:
+            raise _Invalid(f"must be more than zero, got {_shown(value)}")
+        return quantity
+    return positive
+
+
+def _int_list(value: Any) -> tuple[int, ...]:
+    """Positive integers, distinct: `[1, 2, 4]`, `"1,2,4"` or `8`."""
+    if isinstance(value, str):
+        try:
+            value = [int(part) for part in value.split(",")]
+        except ValueError:
+            raise _Invalid(f"expected integers like '1,2,4', got {_shown(value)}") from None
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in items):
+        raise _Invalid(f"expected positive integers like [1, 2, 4], got {_shown(value)}")
+    if len(set(items)) != len(items):
+        raise _Invalid(f"values repeat: {_shown(value)}")
+    return tuple(items)
+
+
+def _buckets(value: Any) -> tuple[int, ...]:
+    buckets = _int_list(value)
+    if list(buckets) != sorted(buckets):
+        raise _Invalid(f"must be increasing, got {_shown(value)}")
+    return buckets
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_TCP = re.compile(r"tcp://(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
+
+
+def _node_name(value: Any) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise _Invalid(f"expected a name of letters, digits, '_', '.', '-', got {_shown(value)}")
+    return value
+
+
+def _address(value: Any) -> str:
+    match = _TCP.fullmatch(value) if isinstance(value, str) else None
+    if value != "local" and not (match and 0 < int(match.group(1)) < 65536):
+        raise _Invalid(f"expected 'local' or 'tcp://HOST:PORT', got {_shown(value)}")
+    return value
+
+
+# ---- model ---------------------------------------------------------------------------------------------------------
+# Keys a model config may hold, with their types: InklingConfig's fields, the checkpoint aliases of some, and the
+# keys transformers derives fields from.
+_CONFIG_TYPES: dict[str, Any] = typing.get_type_hints(InklingConfig)
+_CONFIG_TYPES.update({alias: _CONFIG_TYPES[name] for alias, name in _ALIASES.items()})
+_CONFIG_TYPES.update({"local_layer_ids": list[int], "dense_mlp_idx": int, "dense_intermediate_size": int})
+_CONFIG_METADATA = {"model_type", "architectures"}  # in every config.json; harmless inline
+_MAX_LAYERS = 10_000  # InklingConfig builds per-layer lists; a typo like 1e12 layers must fail, not hang
+
+
+def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, type(int | None)):
+        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) in (list, tuple):
+        return "a list of " + {int: "integers", str: "text values"}[typing.get_args(hint)[0]]
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "text", type(None): "null"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _conform(value: Any, hint: Any) -> Any:
+    """`value` as type `hint` (a number from numeric text, an int widened to float), or raise `_Invalid`."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, type(int | None)):
+        for arg in typing.get_args(hint):
+            try:
+                return _conform(value, arg)
+            except _Invalid:
+                pass
+    elif origin in (list, tuple) and isinstance(value, list):
+        return [_conform(item, typing.get_args(hint)[0]) for item in value]
+    elif hint is float:
+        return _number(value)
+    elif isinstance(hint, type) and isinstance(value, hint) and (hint is bool or not isinstance(value, bool)):
+        return value
+    raise _Invalid(f"expected {_describe(hint)}, got {_shown(value)}")
+
+
+def _config_values(ctx: _Context, fields: dict[str, Any], where: Callable[[str], tuple[_Node, str]],
+                   check_unknown: bool) -> dict[str, Any] | None:
+    """Config fields conformed to their types, or None; problems reported at `where(key)` -> (node, key path).
+
+    None when a field is wrong, rather than the others alone: a dropped field would come back as its default
+    and set off problems of its own (a default 66 layers against a 6-entry layer_types).
+    """
+    before = len(ctx.problems)
+    out = {}
+    for key, value in fields.items():
+        node, path = where(key)
+        if key not in _CONFIG_TYPES:
+            if check_unknown and key not in _CONFIG_METADATA:
+                hint = difflib.get_close_matches(key, list(_CONFIG_TYPES), n=1)
+                ctx.report(node, path, "unknown model config key" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+            out[key] = value
+            continue
+        try:
+            out[key] = _conform(value, _CONFIG_TYPES[key])
+        except _Invalid as e:
+            ctx.report(node, path, str(e))
+            continue
+        if key == "num_hidden_layers" and out[key] > _MAX_LAYERS:
+            ctx.report(node, path, f"expected at most {_MAX_LAYERS} layers, got {value}")
+    return out if len(ctx.problems) == before else None
+
+
+def _read_hf_config(ctx: _Context, node: _Node) -> tuple[dict[str, Any], Path] | None:
+    """The text-config dict of a config.json (the text_config of a multimodal one), with `mtp_config` folded in."""
+    if ctx.parse(node, "model.hf_config", _text) is None:
+        return None
+    path = Path(os.path.normpath(node.file.parent / node.value))
+    if os.path.isdir(path):
+        path = path / "config.json"
+    try:
+        raw = json.loads(_read_text(path))
+    except _Unreadable as e:
+        ctx.report(node, "model.hf_config", f"{path}: {e}")
+        return None
+    except (ValueError, RecursionError) as e:
+        ctx.report(node, "model.hf_config", f"{path}: not valid JSON ({e})")
+        return None
+    if not isinstance(raw, dict):
+        raw = {"text_config": raw}  # reported just below
+    text, mtp = raw.get("text_config") or raw, raw.get("mtp_config") or {}
+    if not isinstance(text, dict) or not isinstance(mtp, dict):
+        ctx.report(node, "model.hf_config", f"{path}: expected a JSON object (with text_config, mtp_config objects)")
+        return None
+    if "num_mtp_layers" not in text and mtp.get("num_nextn_predict_layers") is not None:
+        text = {**text, "num_mtp_layers": mtp["num_nextn_predict_layers"]}  # as InklingConfig.from_hf_dict does
+    values = _config_values(ctx, text, lambda key: (node, "model.hf_config"), check_unknown=False)
+    return None if values is None else (values, path)
+
+
+def _mapping_values(ctx: _Context, node: _Node, path: str) -> dict[str, Any] | None:
+    """Inline config fields (`model.config`, `model.overrides`), each checked at its own line."""
+    if not isinstance(node.value, dict):
+        ctx.report(node, path, f"expected a mapping of config fields, got {_shown(node.value)}")
+        return None
+    return _config_values(ctx, {k: v.plain() for k, v in node.value.items()},
+                          lambda key: (node.value[key], f"{path}.{key}"), check_unknown=True)
+
+
+def _inkling_config(ctx: _Context, model: _Node, fields: _Fields) -> InklingConfig | None:
+    hf_node, inline_node, overrides_node = fields.get("hf_config"), fields.get("config"), fields.get("overrides")
+    if hf_node is not None and inline_node is not None:
+        ctx.report(inline_node, "model.config", "give model.hf_config or model.config, not both")
+        return None
+    if hf_node is None and inline_node is None:
+        ctx.report(model, "model", "missing hf_config (path of a transformers config.json) or config (inline fields)")
+        return None
+    if inline_node is not None:
+        base, source = _mapping_values(ctx, inline_node, "model.config"), None
+    else:
+        base, source = _read_hf_config(ctx, hf_node) or (None, None)
+    overrides = {} if overrides_node is None else _mapping_values(ctx, overrides_node, "model.overrides")
+    if base is None or overrides is None:
+        return None
+    # An override under an alias (sliding_window) must beat the base's proper name (sliding_window_size).
+    merged = {**base, **{_ALIASES.get(key, key): value for key, value in overrides.items()}}
+    try:
+        return InklingConfig.from_hf_dict(merged)
+    except ConfigError as e:
+        for message in str(e).split("; "):
+            # A message starts with the field it is about: point at the line that set that field.
+            field = message.split(" ", 1)[0]
+            if field in overrides:
+                ctx.report(overrides_node.value[field], f"model.overrides.{field}", message)
+            elif inline_node is not None:
+                ctx.report(inline_node.value.get(field, inline_node), f"model.config.{field}", message)
+            else:
+                ctx.report(hf_node, "model.hf_config", f"{source}: {message}")
+        return None
+
+
+def _weight_format(ctx: _Context, node: _Node, path: str) -> WeightFormat | None:
+    """`int4`, `bf16`, or `{dtype: int4, group_size: 32, symmetric: true}`."""
+    dtype = _choice(WEIGHT_DTYPES)
+    if not isinstance(node.value, dict):
+        kind = ctx.parse(node, path, dtype)
+        return None if kind is None else WeightFormat(kind)
+    fields = _Fields(ctx, node, path)
+    kind = fields.take("dtype", dtype, required=True)
+    group_size = fields.take("group_size", _positive_int)
+    symmetric = fields.take("symmetric", _boolean)
+    fields.finish()
+    if kind is None:
+        return None
+    if not WeightFormat(kind).is_integer and (group_size is not None or symmetric is not None):
+        ctx.report(node, path, f"group_size and symmetric apply to int4 and int8 only, not {kind}")
+        return None
+    return WeightFormat(kind, group_size, True if symmetric is None else symmetric)
+
+
+def _weight_formats(ctx: _Context, node: _Node | None) -> WeightFormats:
+    """One format for every tensor group (`formats: int8`), or per group over an optional `default`."""
+    if node is None:
+        return WeightFormats()
+    if not isinstance(node.value, dict):
+        fmt = _weight_format(ctx, node, "model.formats")
+        return WeightFormats(**dict.fromkeys(TENSOR_GROUPS, fmt)) if fmt else WeightFormats()
+    fields = _Fields(ctx, node, "model.formats")
+    default_node = fields.get("default")
+    default = WeightFormat() if default_node is None else _weight_format(ctx, default_node, "model.formats.default")
+    groups = {}
+    for group in TENSOR_GROUPS:
+        group_node = fields.get(group)
+        fmt = default if group_node is None else _weight_format(ctx, group_node, f"model.formats.{group}")
+        if fmt is not None:
+            groups[group] = fmt
+    fields.finish()
+    return WeightFormats(**groups)
+
+
+def _model(ctx: _Context, node: _Node) -> ModelSpec | None:
+    fields = _Fields(ctx, node, "model")
+    name = fields.take("name", _node_name)
+    checkpoint = fields.path_value("checkpoint")
+    formats = _weight_formats(ctx, fields.get("formats"))
+    config = _inkling_config(ctx, node, fields) if isinstance(node.value, dict) else None
+    fields.finish()
+    if config is None:
+        return None
+    return ModelSpec(config, formats, checkpoint, **({"name": name} if name else {}))
+
+
+# ---- cluster -------------------------------------------------------------------------------------------------------
+def _nodes(ctx: _Context, entry: _Node, path: str, cluster_reserve: int) -> list[NodeSpec]:
+    """The node(s) of one `nodes:` entry: `count: N` stamps out N alike, named NAME0..NAME{N-1}."""
+    fields = _Fields(ctx, entry, path)
+    name = fields.take("name", _node_name, required=True)
+    count = fields.take("count", _integer(1))
+    values = {
+        "address": fields.take("address", _address),
+        "device": fields.take("device", _choice(DEVICES)),
+        "memory_bytes": fields.take("memory", _positive(parse_bytes), required=True),
+        "memory_bandwidth": fields.take("memory_bandwidth", _positive(parse_rate)),
+        "compute_flops": fields.take("compute", _positive(parse_flops)),
+        "host": fields.take("host", _text),
+        "threads": fields.take("threads", _positive_int),
+        "reserve_bytes": fields.take("reserve", parse_bytes),
+    }
+    fields.finish()
+    memory, reserve = values["memory_bytes"], values["reserve_bytes"]
+    reserve = cluster_reserve if reserve is None else reserve
+    if memory is not None and reserve is not None and memory <= reserve:
+        ctx.report(fields.items["memory"], fields.key("memory"),
+                   f"{format_bytes(memory)} leaves nothing beyond the reserve of {format_bytes(reserve)}")
+    if count is not None and count > _MAX_COUNT:
+        ctx.report(fields.items["count"], fields.key("count"), f"expected at most {_MAX_COUNT} nodes")
+        return []
+    if count is not None and values["address"] not in (None, "local"):
+        ctx.report(fields.items["address"], fields.key("address"), "nodes stamped out by count cannot share an address")
+        return []
+    if name is None:
+        return []
+    # Nodes with an invalid value are still named, so links to them are not reported too; the spec is refused anyway.
+    given = {k: v for k, v in values.items() if v is not None}
+    names = [name] if count is None else [f"{name}{i}" for i in range(count)]
+    return [NodeSpec(node_name, **given) for node_name in names]
+
+
+def _link(fields: _Fields, base: LinkSpec) -> LinkSpec:
+    bandwidth = fields.take("bandwidth", _positive(parse_rate))
+    latency = fields.take("latency", parse_duration)
+    return LinkSpec(base.bandwidth if bandwidth is None else bandwidth, base.latency if latency is None else latency)
+
+
+def _links(ctx: _Context, node: _Node | None, names: set[str]) -> tuple[LinkSpec, dict[tuple[str, str], LinkSpec]]:
+    """The default link, and per node pair what differs from it (`pairs: [{between: [a, b], bandwidth: ...}]`)."""
+    if node is None:
+        return LinkSpec(), {}
+    fields = _Fields(ctx, node, "cluster.links")
+    default_node = fields.get("default")
+    default = LinkSpec()
+    if default_node is not None:
+        default_fields = _Fields(ctx, default_node, "cluster.links.default")
+        default = _link(default_fields, default)
+        default_fields.finish()
+    pairs_node = fields.get("pairs")
+    fields.finish()
+    pairs: dict[tuple[str, str], LinkSpec] = {}
+    entries = [] if pairs_node is None else pairs_node.value
+    if not isinstance(entries, list):
+        ctx.report(pairs_node, "cluster.links.pairs", "expected a list of {between: [a, b], bandwidth, latency}")
+        entries = []
+    for i, entry in enumerate(entries):
+        pair_fields = _Fields(ctx, entry, f"cluster.links.pairs[{i}]")
+        between = pair_fields.get("between", required=True)
+        link = _link(pair_fields, default)
+        pair_fields.finish()
+        if between is None:
+            continue
+        ends = between.plain()
+        if not (isinstance(ends, list) and len(ends) == 2 and all(isinstance(e, str) for e in ends)
+                and ends[0] != ends[1]):
+            ctx.report(between, pair_fields.key("between"), f"expected two node names, got {_shown(ends)}")
+        elif unknown := [e for e in ends if e not in names]:
+            hint = difflib.get_close_matches(unknown[0], names, n=1)
+            ctx.report(between, pair_fields.key("between"),
+                       f"no node named {unknown[0]!r}" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+        elif (key := tuple(sorted(ends))) in pairs:
+            ctx.report(between, pair_fields.key("between"), f"link {key[0]}-{key[1]} given twice")
+        else:
+            pairs[key] = link
+    return default, pairs
+
+
+def _cluster(ctx: _Context, node: _Node) -> ClusterSpec | None:
+    fields = _Fields(ctx, node, "cluster")
+    reserve = fields.take("reserve", parse_bytes)
+    reserve = attrs.fields(ClusterSpec).reserve_bytes.default if reserve is None else reserve
+    curve_keys = fields.path_value("curve_keys")
+    nodes_node = fields.get("nodes", required=True)
+    links_node = fields.get("links")
+    fields.finish()
+    if nodes_node is None:
+        return None
+    if not isinstance(nodes_node.value, list) or not nodes_node.value:
+        ctx.report(nodes_node, "cluster.nodes", "expected a list of nodes ({name, memory, ...})")
+        return None
+    nodes: list[NodeSpec] = []
+    seen: dict[str, str] = {}  # name or tcp address -> key path of the entry that introduced it
+    for i, entry in enumerate(nodes_node.value):
+        for spec in _nodes(ctx, entry, f"cluster.nodes[{i}]", reserve):
+            for label, value in (("name", spec.name), ("address", None if spec.is_local else spec.address)):
+                if value in seen:
+                    ctx.report(entry, f"cluster.nodes[{i}]", f"{label} {value!r} already used by {seen[value]}")
+                elif value is not None:
+                    seen[value] = f"cluster.nodes[{i}]"
+            nodes.append(spec)
+    default, pairs = _links(ctx, links_node, {n.name for n in nodes})
+    return ClusterSpec(tuple(nodes), default, pairs, reserve, curve_keys)
+
+
+# ---- runtime and workload ------------------------------------------------------------------------------------------
+def _runtime(ctx: _Context, node: _Node | None) -> RuntimeSpec:
+    if node is None:
+        return RuntimeSpec()
+    fields = _Fields(ctx, node, "runtime")
+    values = {
+        "context_budget": fields.take("context_budget", _positive_int),
+        "max_streams": fields.take("max_streams", _positive_int),
+        "precision": fields.take("precision", _choice(PRECISIONS)),
+        "kv_precision": fields.take("kv_precision", _choice(PRECISIONS)),
+        "row_buckets": fields.take("row_buckets", _buckets),
+        "prefill_window": fields.take("prefill_window", _positive_int),
+        "fused_moe_max_rows": fields.take("fused_moe_max_rows", _count_int),
+    }
+    fields.finish()
+    return RuntimeSpec(**{k: v for k, v in values.items() if v is not None})
+
+
+def _length(ctx: _Context, node: _Node, path: str) -> LengthSpec | None:
+    """`16` or `{uniform: [8, 24]}`."""
+    if not isinstance(node.value, dict):
+        n = ctx.parse(node, path, _positive_int)
+        return None if n is None else LengthSpec.fixed(n)
+    fields = _Fields(ctx, node, path)
+    bounds = fields.get("uniform", required=True)
+    fields.finish()
+    if bounds is None:
+        return None
+    low_high = bounds.plain()
+    if not (isinstance(low_high, list) and len(low_high) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in low_high)
+            and 1 <= low_high[0] <= low_high[1]):
+        ctx.report(bounds, fields.key("uniform"), f"expected [low, high] with 1 <= low <= high, got {_shown(low_high)}")
+        return None
+    return LengthSpec(*low_high)
+
+
+def _workload(ctx: _Context, node: _Node | None) -> WorkloadSpec:
+    if node is None:
+        return WorkloadSpec()
+    fields = _Fields(ctx, node, "workload")
+    prompt_node = fields.get("prompt_tokens")
+    values = {
+        "concurrency": fields.take("concurrency", _int_list),
+        "requests": fields.take("requests", _positive_int),
+        "prompt_tokens": None if prompt_node is None else _length(ctx, prompt_node, "workload.prompt_tokens"),
+        "prompts_file": fields.path_value("prompts_file", must_exist=True),
+        "output_tokens": fields.take("output_tokens", _positive_int),
+        "greedy": fields.take("greedy", _boolean),
+        "temperature": fields.take("temperature", _positive_number),
+        "top_p": fields.take("top_p", _fraction),
+        "seed": fields.take("seed", _count_int),
+    }
+    fields.finish()
+    if prompt_node is not None and values["prompts_file"] is not None:
+        ctx.report(prompt_node, "workload.prompt_tokens", "give prompt_tokens or prompts_file, not both")
+    return WorkloadSpec(**{k: v for k, v in values.items() if v is not None})
+
+
+def _check_workload_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, workload: WorkloadSpec) -> None:
+    """The workload must fit the stream slots and the context budget the runtime sizes its state for."""
+    node = root.items["workload"]
+    at = node.value if isinstance(node.value, dict) else {}
+    if max(workload.concurrency) > runtime.max_streams:
+        ctx.report(at.get("concurrency", node), "workload.concurrency",
+                   f"{max(workload.concurrency)} streams exceed runtime.max_streams ({runtime.max_streams})")
+    longest = workload.prompt_tokens.high + workload.output_tokens
+    if workload.prompts_file is None and longest > runtime.context_budget:
+        ctx.report(at.get("output_tokens", at.get("prompt_tokens", node)), "workload.output_tokens",
+                   f"prompt ({workload.prompt_tokens.high}) + output ({workload.output_tokens}) tokens exceed "
+                   f"runtime.context_budget ({runtime.context_budget})")
+
+
+# ---- entry points --------------------------------------------------------------------------------------------------
+def load_spec(path: str | Path) -> Spec:
+    """Read, merge includes, validate. Raises `SpecError` listing every problem; never anything else."""
+    path = Path(path)
+    ctx = _Context()
+    root = _read_document(path, ctx.problems)
+    if root is None:
+        raise SpecError(ctx.problems)
+    fields = _Fields(ctx, root, "")
+    model_node, cluster_node = fields.get("model", required=True), fields.get("cluster", required=True)
+    runtime_node, workload_node = fields.get("runtime"), fields.get("workload")
+    fields.finish()
+    model = None if model_node is None else _model(ctx, model_node)
+    cluster = None if cluster_node is None else _cluster(ctx, cluster_node)
+    before = len(ctx.problems)
+    runtime, workload = _runtime(ctx, runtime_node), _workload(ctx, workload_node)
+    if workload_node is not None and len(ctx.problems) == before:
+        _check_workload_fits(ctx, fields, runtime, workload)
+    if ctx.problems or model is None or cluster is None:
+        raise SpecError(sorted(ctx.problems, key=lambda p: (str(p.file), p.line or 0)))
+    return Spec(model, cluster, runtime, workload, source=path)
+
+
+def _dump_format(fmt: WeightFormat) -> str | dict[str, Any]:
+    if fmt.group_size is None and fmt.symmetric:
+        return fmt.dtype
+    return {"dtype": fmt.dtype, "group_size": fmt.group_size, **({} if fmt.symmetric else {"symmetric": False})}
+
+
+def _dump_node(node: NodeSpec) -> dict[str, Any]:
+    values = {
+        "name": node.name, "address": node.address, "device": node.device, "memory": format_bytes(node.memory_bytes),
+        "memory_bandwidth": node.memory_bandwidth and format_rate(node.memory_bandwidth),
+        "compute": node.compute_flops and format_flops(node.compute_flops), "host": node.host,
+        "threads": node.threads, "reserve": None if node.reserve_bytes is None else format_bytes(node.reserve_bytes),
+    }
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _dump_link(link: LinkSpec) -> dict[str, str]:
+    return {"bandwidth": format_rate(link.bandwidth, bits=True), "latency": format_duration(link.latency)}
+
+
+def _dump_runtime(runtime: RuntimeSpec) -> dict[str, Any]:
+    return attrs.asdict(runtime, value_serializer=lambda _, __, v: list(v) if isinstance(v, tuple) else v)
+
+
+def _dump_workload(workload: WorkloadSpec) -> dict[str, Any]:
+    prompt = workload.prompt_tokens
+    values = {
+        **attrs.asdict(workload, recurse=False), "concurrency": list(workload.concurrency),
+        "prompt_tokens": prompt.low if prompt.low == prompt.high else {"uniform": [prompt.low, prompt.high]},
+        "prompts_file": workload.prompts_file and str(workload.prompts_file),
+    }
+    if workload.prompts_file is not None:
+        del values["prompt_tokens"]
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def dump_spec(spec: Spec) -> dict[str, Any]:
+    """The resolved spec as plain data (for `spec show`); written as YAML it loads back to an equal spec."""
+    model = spec.model
+    cluster = spec.cluster
+    links: dict[str, Any] = {"default": _dump_link(cluster.default_link)}
+    if cluster.links:
+        links["pairs"] = [{"between": list(pair), **_dump_link(link)} for pair, link in cluster.links.items()]
+    return {
+        "model": {
+            "name": model.name,
+            **({"checkpoint": str(model.checkpoint)} if model.checkpoint else {}),
+            "formats": {group: _dump_format(getattr(model.formats, group)) for group in TENSOR_GROUPS},
+            "config": model.config.to_hf_dict(),
+        },
+        "cluster": {
+            "reserve": format_bytes(cluster.reserve_bytes),
+            **({"curve_keys": str(cluster.curve_keys)} if cluster.curve_keys else {}),
+            "nodes": [_dump_node(node) for node in cluster.nodes],
+            "links": links,
+        },
+        "runtime": _dump_runtime(spec.runtime),
+        "workload": _dump_workload(spec.workload),
+    }
+
+
+def summarize(spec: Spec) -> str:
+    """One line for `spec validate`: the model, the fleet, the serving envelope."""
+    cfg, nodes = spec.model.config, spec.cluster.nodes
+    sizes = Counter(format_bytes(n.memory_bytes) for n in nodes)  # in order of first appearance
+    memory = " + ".join(f"{count} x {size}" for size, count in sizes.items())
+    levels = spec.workload.concurrency
+    concurrency = f"{min(levels)}-{max(levels)} in {len(levels)} levels" if len(levels) > 1 else str(levels[0])
+    return (f"{spec.model.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+            f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}; {len(nodes)} nodes ({memory}); "
+            f"context {spec.runtime.context_budget} x {spec.runtime.max_streams} streams; concurrency {concurrency}")
+
+
+# The weight formats of the paper's deployment: a sensible start for any large Inkling.
+_PAPER_FORMATS = {"default": "int8", "routed_experts": {"dtype": "int4", "group_size": 32},
+                 "shared_experts": {"dtype": "int4", "group_size": 32}}
+
+
+def spec_from_hf(config_path: str | Path, out_dir: str | Path, nodes: int, memory_bytes: int,
+                 link: LinkSpec = LinkSpec()) -> dict[str, Any]:
+    """A starting spec for a transformers config (or checkpoint folder) on `nodes` alike machines.
+
+    `out_dir` is where the spec will be saved: a config inside it is named by a relative path (the folder can move
+    as a whole), any other by its absolute path. Raises `ConfigError` for a config that is not a valid Inkling.
+    """
+    config_path = Path(config_path)
+    folder = config_path if config_path.is_dir() else config_path.parent
+    InklingConfig.from_file(config_path)
+    has_weights = any(folder.glob("*.safetensors"))
+
+    def written(path: Path) -> str:
+        relative = os.path.relpath(path, out_dir)
+        return os.path.abspath(path) if relative.startswith("..") else relative
+
+    return {
+        "model": {
+            "name": re.sub(r"[^A-Za-z0-9_.-]+", "-", folder.resolve().name).lstrip("_.-") or "inkling",
+            "hf_config": written(config_path),
+            **({"checkpoint": written(folder)} if has_weights else {}),
+            "formats": _PAPER_FORMATS,
+        },
+        "cluster": {
+            "nodes": [{"name": "pc", "count": nodes, "memory": format_bytes(memory_bytes), "device": "auto"}],
+            "links": {"default": _dump_link(link)},
+        },
+        "runtime": _dump_runtime(RuntimeSpec()),
+        "workload": _dump_workload(WorkloadSpec()),
+    }

@@ -1,0 +1,90 @@
+"""Write tests/fixtures/param_counts.json: parameter counts of transformers' InklingForCausalLM per op kind.
+
+Reference tooling, run by a developer (needs torch and transformers, `pip install -e .[dev]`), never by the tests:
+    python scripts/count_params.py
+The models are built on the meta device, so even the full 947B-parameter configuration takes no memory. Counts
+cover every stored tensor (the state dict: parameters and persistent buffers such as the router's correction bias).
+The small configurations also record every tensor's shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.models.inkling.configuration_inkling import InklingTextConfig
+from transformers.models.inkling.modeling_inkling import InklingForCausalLM
+
+from cascadia.graph.costs import EMBEDDING, FINAL_NORM, HEAD, layer_kind
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "param_counts.json"
+
+CONFIGS = {
+    # the released model
+    "inkling": {"dense_mlp_idx": 2, "unpadded_vocab_size": 200058},
+    # an unpadded head and odd widths
+    "small_unpadded": {
+        "vocab_size": 1000, "unpadded_vocab_size": 997, "hidden_size": 40, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 4, "swa_head_dim": 12, "sliding_window_size": 8, "d_rel": 3, "rel_extent": 20,
+        "intermediate_size": 72, "moe_intermediate_size": 24, "n_routed_experts": 5, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "dense_mlp_idx": 1,
+    },
+    # dense and sparse MLPs interleaved, not just a dense prefix
+    "small_mixed": {
+        "vocab_size": 301, "hidden_size": 48, "num_hidden_layers": 5,
+        "mlp_layer_types": ["sparse", "dense", "sparse", "dense", "sparse"],
+        "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8, "swa_num_attention_heads": 6,
+        "swa_num_key_value_heads": 2, "swa_head_dim": 8, "sliding_window_size": 6, "d_rel": 2, "rel_extent": 10,
+        "intermediate_size": 40, "moe_intermediate_size": 16, "n_routed_experts": 7, "num_experts_per_tok": 3,
+        "n_shared_experts": 2,
+    },
+    # sliding and global layers with different head counts and head widths, a custom local-layer set
+    "small_heads": {
+        "vocab_size": 512, "hidden_size": 32, "num_hidden_layers": 4, "local_layer_ids": [0, 2],
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 24, "swa_num_attention_heads": 8,
+        "swa_num_key_value_heads": 4, "swa_head_dim": 16, "sliding_window_size": 5, "d_rel": 4, "rel_extent": 11,
+        "conv_kernel_size": 3, "intermediate_size": 64, "moe_intermediate_size": 8, "n_routed_experts": 6,
+        "num_experts_per_tok": 2, "n_shared_experts": 3, "dense_mlp_idx": 2,
+    },
+}
+
+
+def tensor_kind(name: str) -> str:
+    if name.startswith("model.embed_tokens."):
+        return EMBEDDING
+    if name == "model.norm.weight":
+        return FINAL_NORM
+    if name == "lm_head.weight":
+        return HEAD
+    prefix, layer, rest = name.split(".", 3)[1:]  # "model.layers.<i>.<rest>"
+    assert prefix == "layers", name
+    return layer_kind(rest)
+
+
+def count(raw: dict, with_shapes: bool) -> dict:
+    with torch.device("meta"):
+        model = InklingForCausalLM(InklingTextConfig(**raw))
+    by_kind: dict[str, int] = {}
+    shapes = {}
+    for name, tensor in model.state_dict().items():
+        by_kind[tensor_kind(name)] = by_kind.get(tensor_kind(name), 0) + tensor.numel()
+        shapes[name] = list(tensor.shape)
+    out = {"config": raw, "total": sum(by_kind.values()), "params_by_kind": dict(sorted(by_kind.items()))}
+    if with_shapes:
+        out["shapes"] = shapes
+    return out
+
+
+def main() -> None:
+    configs = {name: count(raw, with_shapes=name != "inkling") for name, raw in CONFIGS.items()}
+    body = {"generated_by": "scripts/count_params.py", "transformers": transformers.__version__, "configs": configs}
+    OUT.write_text(json.dumps(body, indent=1) + "\n")
+    for name, c in configs.items():
+        print(f"{name}: {c['total']:,} parameters")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+import json
+import textwrap
+from pathlib import Path
+
+import attrs
+import pytest
+import yaml
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cascadia.cli import cli
+from cascadia.model_config import InklingConfig
+from cascadia.spec.load import SpecError, dump_spec, load_spec, spec_from_hf
+from cascadia.spec.types import LengthSpec, LinkSpec, WeightFormat
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+TINY_CONFIG = SPECS / "tiny" / "config.json"
+CLUSTER = "cluster: {nodes: [{name: a, memory: 8GB}]}\n"
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def problems(path: Path) -> list[str]:
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    return [str(p) for p in caught.value.problems]
+
+
+def tiny_spec(folder: Path, cluster: str) -> Path:
+    return write(folder, "spec.yaml", f"model: {{hf_config: {TINY_CONFIG}}}\n{textwrap.dedent(cluster)}")
+
+
+# ---- the ready specs -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", sorted(SPECS.glob("*.yaml")), ids=lambda p: p.name)
+def test_ready_specs_load_and_dump_round_trips(path, tmp_path):
+    spec = load_spec(path)
+    again = load_spec(write(tmp_path, "dumped.yaml", yaml.safe_dump(dump_spec(spec), sort_keys=False)))
+    assert attrs.evolve(again, source=None) == attrs.evolve(spec, source=None)
+
+
+def test_paper_deployment():
+    spec = load_spec(SPECS / "inkling-975b-11pc.yaml")
+    cfg = spec.model.config
+    assert cfg == InklingConfig.from_file(SPECS / "inkling-975b" / "config.json")
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.output_vocab_size) == (66, 6144, 201024, 200058)
+    assert [i for i in range(66) if cfg.is_dense(i)] == [0, 1]
+    assert [n.name for n in spec.cluster.nodes] == [f"pc{i}" for i in range(11)]
+    assert {n.memory_bytes for n in spec.cluster.nodes} == {round(61.2 * 2**30)}
+    assert spec.cluster.link("pc0", "pc5") == LinkSpec(125e6, 1e-4)
+    formats = spec.model.formats
+    assert formats.routed_experts == formats.shared_experts == WeightFormat("int4", 32)
+    assert formats.attention == formats.dense_mlp == formats.head == WeightFormat("int8")
+    assert formats.embedding == WeightFormat("bf16")
+    assert spec.workload.concurrency[0] == 1 and max(spec.workload.concurrency) == spec.runtime.max_streams == 176
+    assert len(spec.workload.concurrency) == 15 and spec.workload.output_tokens == 128
+
+
+def test_tiny_spec_paths_resolve_against_the_spec_folder():
+    spec = load_spec(SPECS / "tiny-local.yaml")
+    assert spec.model.checkpoint == SPECS / "tiny-checkpoint"
+    assert [n.name for n in spec.cluster.nodes] == ["node0", "node1", "node2"]
+    assert spec.model.formats.routed_experts == WeightFormat("f32")
+    assert spec.workload.prompt_tokens == LengthSpec(8, 24)
+    cfg = spec.model.config
+    assert {cfg.is_sliding(i) for i in range(6)} == {True, False} and cfg.is_dense(0) and not cfg.is_dense(1)
+
+
+def test_hetero_example_mixes_nodes_and_links():
+    spec = load_spec(SPECS / "hetero-example.yaml")
+    assert len({n.memory_bytes for n in spec.cluster.nodes}) == 3 and len(spec.cluster.nodes) == 14
+    assert spec.cluster.link("mini1", "mini0").bandwidth == 1.25e9
+    assert spec.cluster.link("ws0", "mini0") == spec.cluster.default_link
+
+
+# ---- language features ---------------------------------------------------------------------------------------------
+def test_includes_merge_deeply_replace_lists_and_null_drops(tmp_path):
+    write(tmp_path, "parts/model.yaml", "model: {hf_config: ../tiny/config.json, name: base, checkpoint: ckpt}\n")
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(TINY_CONFIG.read_text())
+    write(tmp_path, "parts/cluster.yaml", """\
+        cluster:
+          reserve: 1GiB
+          nodes: [{name: a, memory: 8GB}, {name: b, memory: 8GB}]
+        runtime: {max_streams: 4, row_buckets: [2, 4]}
+    """)
+    spec = load_spec(write(tmp_path, "main.yaml", """\
+        include: [parts/model.yaml, parts/cluster.yaml]
+        model: {name: mine, checkpoint: null}
+        cluster:
+          nodes: [{name: c, memory: 16GB}]
+        runtime: {row_buckets: [8]}
+    """))
+    assert spec.model.name == "mine" and spec.model.checkpoint is None
+    assert spec.model.config.hidden_size == 64  # hf_config relative to parts/, where it was written
+    assert [n.name for n in spec.cluster.nodes] == ["c"] and spec.cluster.reserve_bytes == 2**30
+    assert (spec.runtime.max_streams, spec.runtime.row_buckets) == (4, (8,))
+
+
+def test_count_stamps_out_named_nodes(tmp_path):
+    spec = load_spec(tiny_spec(tmp_path, cluster="""\
+        cluster:
+          nodes:
+            - {name: pc, count: 3, memory: 64GB, compute: 30TFLOPS, threads: 4}
+            - {name: gw, address: "tcp://10.0.0.1:5555", memory: 32GB, reserve: 1GiB}
+          links:
+            default: {bandwidth: 2.5gbit}
+            pairs: [{between: [gw, pc2], latency: 1ms}]
+    """))
+    nodes = spec.cluster.nodes
+    assert [n.name for n in nodes] == ["pc0", "pc1", "pc2", "gw"]
+    assert nodes[1].compute_flops == 30e12 and nodes[1].threads == 4 and nodes[1].is_local
+    assert spec.cluster.reserve(nodes[3]) == 2**30 and spec.cluster.reserve(nodes[0]) == 2 * 2**30
+    assert spec.cluster.link("pc2", "gw") == LinkSpec(312.5e6, 1e-3)  # the pair keeps the default's bandwidth
+    assert spec.cluster.link("pc0", "gw") == LinkSpec(312.5e6, 1e-4)
+
+
+def test_model_formats_config_and_overrides(tmp_path):
+    spec = load_spec(write(tmp_path, "s.yaml", CLUSTER + textwrap.dedent("""\
+        model:
+          config: {hidden_size: 32, num_hidden_layers: 2, dense_mlp_idx: 1, n_routed_experts: 4,
+                   num_experts_per_tok: 2, rms_norm_eps: 1e-5}
+          overrides: {num_experts_per_tok: 3}
+          formats: {default: int8, routed_experts: {dtype: int4, group_size: 32, symmetric: false}}
+        workload: {concurrency: "1, 2,4", prompt_tokens: 8}
+    """)))
+    cfg = spec.model.config
+    assert (cfg.hidden_size, cfg.num_experts_per_tok, cfg.mlp_layer_types, cfg.rms_norm_eps) == (
+        32, 3, ("dense", "sparse"), 1e-5)
+    assert spec.model.formats.routed_experts == WeightFormat("int4", 32, symmetric=False)
+    assert spec.model.formats.head == WeightFormat("int8")
+    assert spec.workload.concurrency == (1, 2, 4) and spec.workload.prompt_tokens == LengthSpec.fixed(8)
+
+
+def test_multimodal_hf_config_with_mtp(tmp_path):
+    text = json.loads(TINY_CONFIG.read_text())
+    del text["num_mtp_layers"]  # as in transformers, a text config's own value (even null) wins over mtp_config
+    write(tmp_path, "ckpt/config.json", json.dumps({"text_config": text, "mtp_config": {"num_nextn_predict_layers": 1},
+                                                   "vision_config": {}}))
+    spec = load_spec(write(tmp_path, "s.yaml", "model: {hf_config: ckpt}\n" + CLUSTER))
+    assert spec.model.config.num_mtp_layers == 1 and spec.model.config.hidden_size == 64
+
+
+# ---- problems ------------------------------------------------------------------------------------------------------
+BAD = [
+    ("model: {hf_config: missing.json}\n" + CLUSTER, "s.yaml:1: model.hf_config: {dir}/missing.json: no such file"),
+    ("model: {hf_config: " + str(TINY_CONFIG) + ", config: {}}\n" + CLUSTER, "s.yaml:1: model.config: give"),
+    ("model: {name: x}\n" + CLUSTER, "s.yaml:1: model: missing hf_config"),
+    (CLUSTER, "s.yaml:1: model: missing (required)"),
+    ("model: {config: {hidden_size: 0}}\n" + CLUSTER,
+     "s.yaml:1: model.config.hidden_size: hidden_size must be a positive integer, got 0"),
+    ("model: {config: {num_hidden_layers: 1000000000000}}\n" + CLUSTER, "expected at most 10000 layers"),
+    ("model: {config: {hidden_sise: 8}}\n" + CLUSTER, "model.config.hidden_sise: unknown model config key; "
+                                                       "did you mean 'hidden_size'?"),
+    ("model: {config: {eos_token_id: [1, x]}}\n" + CLUSTER,
+     "model.config.eos_token_id: expected an integer or a list of integers or null, got [1, 'x']"),
+    ("model:\n  config: {}\n  formats: {head: {dtype: bf16, group_size: 32}}\n" + CLUSTER,
+     "s.yaml:3: model.formats.head: group_size and symmetric apply to int4 and int8 only, not bf16"),
+    ("model: {config: {}, formats: int3}\n" + CLUSTER, "s.yaml:1: model.formats: expected one of int4, int8"),
+    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: -1GB}]}\n",
+     "s.yaml:2: cluster.nodes[0].memory: a size must not be negative, got '-1GB'"),
+    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 1GB}]}\n",
+     "s.yaml:2: cluster.nodes[0].memory: 1 GB leaves nothing beyond the reserve of 2 GiB"),
+    ("model: {config: {}}\ncluster:\n  nodes:\n  - {name: a, memroy: 1GB}\n",
+     "s.yaml:4: cluster.nodes[0].memroy: unknown key; did you mean 'memory'?"),
+    ("model: {config: {}}\ncluster: {nodes: [{name: a1, memory: 8GB}, {name: a, count: 2, memory: 8GB}]}\n",
+     "s.yaml:2: cluster.nodes[1]: name 'a1' already used by cluster.nodes[0]"),
+    ("model: {config: {}}\ncluster: {nodes: [{name: a, count: 2, memory: 8GB, address: 'tcp://h:1'}]}\n",
+     "cluster.nodes[0].address: nodes stamped out by count cannot share an address"),
+    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB}], links: {pairs: [{between: [a, b]}]}}\n",
+     "s.yaml:2: cluster.links.pairs[0].between: no node named 'b'"),
+    ("model: {config: {}}\n" + CLUSTER + "runtime: {max_streams: 4}\nworkload: {concurrency: [1, 8]}\n",
+     "s.yaml:4: workload.concurrency: 8 streams exceed runtime.max_streams (4)"),
+    ("model: {config: {}}\n" + CLUSTER + "runtime: {context_budget: 32}\nworkload: {output_tokens: 20}\n",
+     "s.yaml:4: workload.output_tokens: prompt (16) + output (20) tokens exceed runtime.context_budget (32)"),
+    ("model: {config: {}}\n" + CLUSTER + "workload: {prompts_file: none.jsonl}\n",
+     "s.yaml:3: workload.prompts_file: no such file: {dir}/none.jsonl"),
+    ("model: {config: {}}\n" + CLUSTER + "runtime: {row_buckets: [8, 2]}\n", "runtime.row_buckets: must be increasing"),
+    ("model: {config: {}}\n" + CLUSTER + "worklaod: {}\n", "s.yaml:3: worklaod: unknown key; did you mean 'workload'?"),
+    ("model: {config: {}}\n" + CLUSTER + "runtime:\n  max_streams: 2\n  max_streams: 3\n",
+     "s.yaml:5: runtime.max_streams: duplicate key (first on line 4)"),
+    ("model: [1\n", "s.yaml:2: not valid YAML"),
+    ("- 1\n", "s.yaml:1: a spec is a mapping of sections"),
+    ("", "s.yaml: the file is empty"),
+    ("a: !!python/object:os.system {}\n", "s.yaml:1: unsupported YAML tag"),
+    ("a: &x [*x]\n", "nested deeper than 64 levels"),
+    ("include: other.yaml\n", "s.yaml:1: include: {dir}/other.yaml: no such file"),
+]
+
+
+@pytest.mark.parametrize("text, expected", BAD, ids=[b[1][:50] for b in BAD])
+def test_bad_spec_names_file_line_and_key(tmp_path, text, expected):
+    found = problems(write(tmp_path, "s.yaml", text))
+    expected = expected.format(dir=tmp_path)
+    assert any(expected in p for p in found), found
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    path = write(tmp_path, "s.yaml", """\
+        model: {config: {hidden_size: -1}, formats: {head: int3}}
+        cluster:
+          nodes:
+            - {name: a, memory: 8 furlongs}
+            - {name: b, memory: 8GB, device: TPU}
+        runtime: {precision: fp8}
+        workload: {top_p: 2}
+    """)
+    lines = sorted(int(p.split(":")[1]) for p in problems(path))
+    assert lines == [1, 1, 4, 5, 6, 7]
+
+
+def test_problems_in_an_included_file_name_that_file(tmp_path):
+    write(tmp_path, "clusters/bad.yaml", "cluster:\n  nodes:\n    - {name: a, memory: lots}\n")
+    found = problems(write(tmp_path, "s.yaml", f"include: clusters/bad.yaml\nmodel: {{hf_config: {TINY_CONFIG}}}\n"))
+    assert found == [f"{tmp_path}/clusters/bad.yaml:3: cluster.nodes[0].memory: "
+                     "expected a size like '64GB', got 'lots'"]
+
+
+def test_include_cycle_is_reported(tmp_path):
+    write(tmp_path, "a.yaml", "include: b.yaml\n")
+    write(tmp_path, "b.yaml", "runtime: {}\ninclude: [a.yaml]\n")
+    found = problems(tmp_path / "a.yaml")
+    assert any(p.startswith(f"{tmp_path}/b.yaml:2: include: include cycle:") for p in found), found
+
+
+def test_override_problem_points_at_the_override_line(tmp_path):
+    found = problems(write(tmp_path, "spec.yaml", f"model:\n  hf_config: {TINY_CONFIG}\n  overrides:\n"
+                                                  f"    num_experts_per_tok: 9\n{CLUSTER}"))
+    assert found == [f"{tmp_path}/spec.yaml:4: model.overrides.num_experts_per_tok: "
+                     "num_experts_per_tok (9) exceeds n_routed_experts (8)"]
+
+
+def test_override_by_alias_beats_the_base_field(tmp_path):
+    spec = load_spec(write(tmp_path, "s.yaml", f"model: {{hf_config: {TINY_CONFIG}, overrides: {{sliding_window: 8}}}}\n"
+                                               + CLUSTER))
+    assert spec.model.config.sliding_window_size == 8
+
+
+def test_a_wrong_config_field_does_not_set_off_others(tmp_path):
+    found = problems(write(tmp_path, "s.yaml", "model:\n  config:\n    num_hidden_layers: six\n"
+                                               "    layer_types: [hybrid, hybrid]\n" + CLUSTER))
+    assert found == [f"{tmp_path}/s.yaml:3: model.config.num_hidden_layers: expected an integer, got 'six'"]
+
+
+def test_missing_spec_file(tmp_path):
+    assert problems(tmp_path / "nope.yaml") == [f"{tmp_path}/nope.yaml: no such file"]
+
+
+# ---- never anything but SpecError ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    return tmp_path_factory.mktemp("junk")
+
+
+def load_never_crashes(path: Path) -> None:
+    try:
+        load_spec(path)
+    except SpecError as e:
+        assert e.problems and all(p.file is not None for p in e.problems)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(max_size=200))
+def test_random_text_gives_spec_error_only(scratch, text):
+    path = scratch / "text.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    load_never_crashes(path)
+
+
+KEYS = ["model", "cluster", "runtime", "workload", "include", "config", "hf_config", "overrides", "formats",
+        "nodes", "name", "count", "memory", "reserve", "links", "default", "pairs", "between", "bandwidth",
+        "latency", "concurrency", "prompt_tokens", "uniform", "row_buckets", "dtype", "group_size"]
+SCALARS = (st.integers(-5, 300) | st.floats(allow_nan=True) | st.booleans() | st.none() | st.sampled_from(
+    ["64GB", "1gbit", "100us", "int4", "a", "..", "/", "1,2", "hybrid", "sparse", "tcp://h:1", "GPU"])
+    | st.text(max_size=10))
+JUNK = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(KEYS) | st.text(max_size=5), inner, max_size=4), max_leaves=10)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(JUNK)
+def test_random_structures_give_spec_error_only(scratch, junk):
+    path = scratch / "junk.yaml"
+    path.write_text(yaml.safe_dump(junk))
+    load_never_crashes(path)
+
+
+def _set(tree: dict, where: list, value) -> None:
+    """Put `value` at the path `where` of keys and list indices, unless an earlier edit put junk on the way."""
+    node = tree
+    for key in where:
+        if isinstance(node, list) and isinstance(key, int) and key < len(node):
+            parent, node = node, node[key]
+        elif isinstance(node, dict) and isinstance(key, str):
+            parent, node = node, node.setdefault(key, {})
+        else:
+            return
+    parent[where[-1]] = value
+
+
+PLACES = [["model", "config", key] for key in attrs.fields_dict(InklingConfig)]
+PLACES += [["model", "config", key] for key in ("dense_mlp_idx", "local_layer_ids", "num_local_experts",
+                                                "dense_intermediate_size")]
+PLACES += [["model", "formats"], ["model", "formats", "head"], ["model", "name"], ["cluster", "reserve"],
+           ["cluster", "nodes", 0, "memory"], ["cluster", "nodes", 0, "count"], ["cluster", "nodes", 0, "address"],
+           ["cluster", "links"], ["cluster", "links", "pairs"], ["runtime", "row_buckets"],
+           ["workload", "prompt_tokens"], ["workload", "concurrency"], ["workload", "seed"]]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(PLACES), JUNK), min_size=1, max_size=3))
+def test_valid_spec_with_junk_in_places_gives_spec_error_only(scratch, edits):
+    tree = {"model": {"config": {"num_hidden_layers": 2}}, "cluster": {"nodes": [{"name": "a", "memory": "8GB"}]}}
+    for where, value in edits:
+        _set(tree, where, value)
+    path = scratch / "mutated.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    load_never_crashes(path)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(sorted(attrs.fields_dict(InklingConfig)) + ["text_config", "mtp_config"]),
+                       JUNK, max_size=4))
+def test_junk_hf_config_gives_spec_error_only(scratch, config):
+    (scratch / "config.json").write_text(json.dumps(config))
+    path = scratch / "hf.yaml"
+    path.write_text("model: {hf_config: config.json}\n" + CLUSTER)
+    load_never_crashes(path)
+
+
+# ---- the command line ----------------------------------------------------------------------------------------------
+def test_cli_validate_ok_and_problems(tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(cli, ["spec", "validate", str(SPECS / "inkling-975b-11pc.yaml")])
+    assert ok.exit_code == 0 and ok.output.startswith("OK: ") and "11 nodes (11 x 61.2 GiB)" in ok.output
+    bad = write(tmp_path, "s.yaml", "model: {config: {}}\ncluster: {nodes: [{name: a, memory: 1GB}]}\nruntme: {}\n")
+    result = runner.invoke(cli, ["spec", "validate", str(bad)])
+    assert result.exit_code == 2
+    assert f"{bad}:2: cluster.nodes[0].memory:" in result.stderr and f"{bad}:3: runtme:" in result.stderr
+
+
+def test_cli_show_prints_loadable_yaml(tmp_path):
+    result = CliRunner().invoke(cli, ["spec", "show", str(SPECS / "tiny-local.yaml")])
+    assert result.exit_code == 0
+    shown = yaml.safe_load(result.output)
+    assert [n["name"] for n in shown["cluster"]["nodes"]] == ["node0", "node1", "node2"]
+    assert load_spec(write(tmp_path, "shown.yaml", result.output)).model.config.hidden_size == 64
+
+
+def test_cli_from_hf_writes_a_spec_that_validates(tmp_path):
+    out = tmp_path / "spec.yaml"
+    result = CliRunner().invoke(cli, ["spec", "from-hf", str(SPECS / "tiny"), "--nodes", "3", "--memory", "16GiB",
+                                      "--bandwidth", "10gbit", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    spec = load_spec(out)
+    assert len(spec.cluster.nodes) == 3 and spec.cluster.nodes[0].memory_bytes == 16 * 2**30
+    assert spec.cluster.default_link.bandwidth == 1.25e9
+    assert spec.model.formats.routed_experts == WeightFormat("int4", 32)
+
+
+def test_spec_from_hf_names_nearby_configs_relatively(tmp_path):
+    write(tmp_path, "models/tiny/config.json", TINY_CONFIG.read_text())
+    (tmp_path / "models" / "tiny" / "model.safetensors").write_bytes(b"")
+    body = spec_from_hf(tmp_path / "models" / "tiny", tmp_path, nodes=2, memory_bytes=8 * 10**9)
+    assert body["model"]["hf_config"] == "models/tiny" and body["model"]["checkpoint"] == "models/tiny"
+    assert body["model"]["name"] == "tiny"
+    elsewhere = spec_from_hf(tmp_path / "models" / "tiny", tmp_path / "specs", nodes=2, memory_bytes=8 * 10**9)
+    assert elsewhere["model"]["hf_config"] == str(tmp_path / "models" / "tiny")
