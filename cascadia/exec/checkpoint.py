@@ -1,0 +1,196 @@
+"""Read an Inkling text checkpoint (config.json + safetensors, single file or sharded) lazily, as float32 numpy.
+
+A node reads only the tensors of its own layers: opening reads config.json and the shard index (or the single
+file's JSON header), a shard's header is parsed the first time one of its tensors is asked for, and tensor data are
+read by byte range. The safetensors header is parsed here rather than through `safe_open` because numpy has no
+bfloat16, so `safe_open(framework="numpy")` cannot return BF16 tensors; reading the documented layout (8-byte
+little-endian header length, JSON header with dtype, shape and data offsets, then the data) handles F32, F16 and BF16
+the same way. Vision and audio tensors are ignored; multi-token-prediction tensors (`model.mtp.*`) are listed apart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from cascadia.model_config import ConfigError, InklingConfig
+from cascadia.tensors import all_tensors, embedding_tensors, head_tensors, layer_prefix, layer_tensors
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MTP_PREFIX = "model.mtp."
+_IGNORED_PREFIXES = ("model.vision_tower.", "model.audio_tower.")
+# Stored dtype -> numpy dtype of the raw little-endian values. BF16 is read as its 16 raw bits.
+_RAW_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot supply a tensor: the message names the tensor, the file and the expected shape."""
+
+
+def canonical_name(stored: str) -> str | None:
+    """The text-model name of a stored tensor (as `cascadia.tensors` spells it), or None for tensors we ignore.
+    Multimodal checkpoints keep the text model under `model.language_model.`."""
+    if stored.startswith(_IGNORED_PREFIXES):
+        return None
+    if stored.startswith("model.language_model."):
+        return "model." + stored.removeprefix("model.language_model.")
+    return stored
+
+
+@attrs.frozen
+class _Entry:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+@attrs.frozen
+class _Header:
+    entries: dict[str, _Entry]  # stored name -> entry
+    file_size: int
+
+
+def _read_header(path: Path) -> _Header:
+    """The JSON header of one safetensors file; raises ValueError saying what is wrong with the file."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"a header of {header_len} bytes does not fit in a file of {size} bytes")
+            header = json.loads(f.read(header_len))
+        data_start = 8 + header_len
+        entries = {name: _Entry(meta["dtype"], tuple(meta["shape"]), data_start + meta["data_offsets"][0],
+                                meta["data_offsets"][1] - meta["data_offsets"][0])
+                   for name, meta in header.items() if name != "__metadata__"}
+    except FileNotFoundError:
+        raise ValueError("no such file") from None
+    except (struct.error, KeyError, TypeError, IndexError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"not a readable safetensors file ({e})") from None
+    return _Header(entries, size)
+
+
+class Checkpoint:
+    """One checkpoint directory. Use `Checkpoint.open(path)`."""
+
+    def __init__(self, path: Path, config: InklingConfig, listing: Path, files: dict[str, tuple[Path, str]],
+                 headers: dict[Path, _Header]):
+        self.path = path
+        self.config = config
+        self._listing = listing  # the file that says which tensors exist (index or single file)
+        self._files = files  # canonical name -> (file, stored name)
+        self._headers = headers  # safetensors headers parsed so far
+        self._expected = all_tensors(config)  # canonical name -> (shape, group)
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        path = Path(path)
+        try:
+            config = InklingConfig.from_file(path / "config.json")
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        headers = {}
+        if (listing := path / INDEX_FILE).is_file():
+            try:
+                weight_map = json.loads(listing.read_text())["weight_map"]
+                stored = {name: path / file for name, file in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{listing}: no readable weight_map ({e})") from None
+        elif (listing := path / SINGLE_FILE).is_file():
+            try:
+                headers[listing] = _read_header(listing)
+            except ValueError as e:
+                raise CheckpointError(f"{listing}: {e}") from None
+            stored = dict.fromkeys(headers[listing].entries, listing)
+        else:
+            raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE}")
+        files = {}
+        for name, file in stored.items():
+            if (canonical := canonical_name(name)) is not None:
+                files[canonical] = (file, name)
+        return cls(path, config, listing, files, headers)
+
+    # ---- listing ------------------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Text-model tensors present (canonical names), multi-token-prediction ones excluded."""
+        return sorted(n for n in self._files if not n.startswith(MTP_PREFIX))
+
+    def mtp_names(self) -> list[str]:
+        return sorted(n for n in self._files if n.startswith(MTP_PREFIX))
+
+    # ---- reading ------------------------------------------------------------------------------------------
+    def tensor(self, name: str) -> np.ndarray:
+        """One tensor as float32, its shape checked against `cascadia.tensors` (`model.mtp.*` come unchecked)."""
+        file, entry = self._checked_entry(name)
+        raw = np.fromfile(file, dtype=_RAW_DTYPES[entry.dtype], count=math.prod(entry.shape), offset=entry.offset)
+        if entry.dtype == "BF16":  # bfloat16 is the top half of a float32
+            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(entry.shape)
+        return raw.astype(np.float32, copy=False).reshape(entry.shape)
+
+    def layer(self, layer: int) -> dict[str, np.ndarray]:
+        """One decoder layer's tensors, by name relative to its prefix (as `cascadia.tensors.layer_tensors`)."""
+        return {rel: self.tensor(layer_prefix(layer) + rel) for rel in self._layer_tensors(layer)}
+
+    def embedding(self) -> dict[str, np.ndarray]:
+        return {name: self.tensor(name) for name in embedding_tensors(self.config)}
+
+    def head(self) -> dict[str, np.ndarray]:
+        return {name: self.tensor(name) for name in head_tensors(self.config)}
+
+    def validate(self, layers: Iterable[int] | None = None, embed: bool = False, head: bool = False) -> None:
+        """Check presence, shape and dtype of the given layers (None: every layer) and, if asked, of the embedding
+        and the head, from the safetensors headers alone: no tensor data is read."""
+        names = list(embedding_tensors(self.config)) if embed else []
+        for layer in range(self.config.num_hidden_layers) if layers is None else layers:
+            names += [layer_prefix(layer) + rel for rel in self._layer_tensors(layer)]
+        names += list(head_tensors(self.config)) if head else []
+        for name in names:
+            self._checked_entry(name)
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _layer_tensors(self, layer: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        if not 0 <= layer < self.config.num_hidden_layers:
+            raise CheckpointError(f"{self.path}: layer {layer} out of range (the model has "
+                                  f"{self.config.num_hidden_layers} layers)")
+        return layer_tensors(self.config, layer)
+
+    def _checked_entry(self, name: str) -> tuple[Path, _Entry]:
+        """Where a tensor's bytes are, after checking everything that can be checked without reading them."""
+        expected = self._expected[name][0] if name in self._expected else None
+        if expected is None and not name.startswith(MTP_PREFIX):
+            raise CheckpointError(f"{self.path}: {name!r} is not a tensor of the Inkling text model")
+
+        def fail(file: Path, problem: str) -> CheckpointError:
+            shape = f"expected shape {expected}" if expected else "shape not checked"
+            return CheckpointError(f"{file}: tensor {name!r} ({shape}): {problem}")
+
+        if name not in self._files:
+            raise fail(self._listing, "missing from the checkpoint")
+        file, stored = self._files[name]
+        if file not in self._headers:
+            try:
+                self._headers[file] = _read_header(file)
+            except ValueError as e:
+                raise fail(file, str(e)) from None
+        header = self._headers[file]
+        entry = header.entries.get(stored)
+        if entry is None:
+            raise fail(file, f"the index places {stored!r} in this file but the file does not hold it")
+        if entry.dtype not in _RAW_DTYPES:
+            raise fail(file, f"stored as {entry.dtype}; only {', '.join(_RAW_DTYPES)} can be read")
+        if expected is not None and entry.shape != expected:
+            raise fail(file, f"stored with shape {entry.shape}")
+        if entry.nbytes != math.prod(entry.shape) * _RAW_DTYPES[entry.dtype].itemsize:
+            raise fail(file, f"its {entry.nbytes} bytes do not hold shape {entry.shape} in {entry.dtype}")
+        if entry.offset + entry.nbytes > header.file_size:
+            raise fail(file, f"the file is truncated: the tensor ends at byte {entry.offset + entry.nbytes}, "
+                             f"the file has {header.file_size} bytes")
+        return file, entry

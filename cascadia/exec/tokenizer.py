@@ -1,0 +1,79 @@
+"""A small byte-level BPE tokenizer for random checkpoints, trained on a short embedded English text.
+
+Byte-level, so every string round-trips whatever the merges. The special tokens come first so that their ids match
+the model config (bos, eos, pad); the rest of the vocabulary is the 256 bytes and as many merges as the text allows,
+up to the model's output vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from cascadia.model_config import InklingConfig
+
+TOKENIZER_FILE = "tokenizer.json"
+BYTES = 256
+MAX_SPECIAL_ID = 255  # special ids beyond this are not placed: the ids below them would all need reserved tokens
+
+TEXT = """\
+A fleet of ordinary computers can hold a model that none of them could hold alone. Each machine keeps a run of
+consecutive layers in its memory, and the hidden state of every token travels from one machine to the next, like a
+note passed along a row of desks. The first machine turns words into vectors, the last one turns vectors back into
+words, and the machines in between refine what they receive before they hand it on.
+
+The work is not free. Every hop across the network costs time, and every machine must wait when the one before it is
+slow. So the planner weighs memory, bandwidth and arithmetic together: it places layers where they fit, keeps the
+busiest links short, and lets many conversations share the pipeline at once, so that no machine sits idle while
+another is working. When a new request arrives, its prompt is read in one large step; after that, each new word needs
+only a small step through every layer, using the keys and values that each layer remembered from before.
+
+Experts make the model large but each token cheap. A router looks at the token and picks a few experts out of many;
+only those experts do any work for it, while the shared experts see every token. The experts that are rarely chosen
+still need memory, which is why the weights are stored compactly and why a careful plan matters more than a fast disk.
+
+Measure first, then predict. A simulator that follows the same rules as the real system can tell, before anything is
+bought or wired, how many words per second a fleet will produce and how long a person will wait for the first word.
+"""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built for a model, or a tokenizer file that cannot be read."""
+
+
+def special_tokens(cfg: InklingConfig) -> list[str]:
+    """Special tokens in id order: bos, eos and pad at their config ids, reserved tokens filling the gaps."""
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    named = {cfg.bos_token_id: "<|bos|>", cfg.pad_token_id: "<|pad|>"}
+    named |= {token_id: "<|eos|>" if i == 0 else f"<|eos_{i}|>" for i, token_id in enumerate(eos)}
+    placed = {i: name for i, name in named.items() if i is not None and 0 <= i <= MAX_SPECIAL_ID}
+    count = max(placed, default=-1) + 1
+    return [placed.get(i, f"<|reserved_{i}|>") for i in range(count)]
+
+
+def build_tokenizer(cfg: InklingConfig) -> Tokenizer:
+    """Train the tokenizer for a model; at most `cfg.output_vocab_size` entries (fewer when the text runs out of
+    merges). Raises TokenizerError when the vocabulary cannot even hold the bytes and the special tokens."""
+    specials = special_tokens(cfg)
+    if cfg.output_vocab_size < BYTES + len(specials):
+        raise TokenizerError(f"a byte-level tokenizer needs {BYTES + len(specials)} entries ({len(specials)} special "
+                             f"+ {BYTES} bytes), the model has only {cfg.output_vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=cfg.output_vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(TEXT.split("\n\n"), trainer)
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A tokenizer from `tokenizer.json` or from the checkpoint directory holding it."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception for missing and malformed files
+        raise TokenizerError(f"{path}: cannot read a tokenizer ({e})") from None

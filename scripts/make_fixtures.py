@@ -1,0 +1,145 @@
+"""Write the tiny reference checkpoints and logits under tests/fixtures/ (needs torch and transformers; tests don't).
+
+For each case: seeded random weights (cascadia.exec.init_model.random_weights, so every parameter, including norm
+weights, global scales and routing corrections, is away from its trivial init) are loaded into transformers'
+InklingForCausalLM, saved with save_pretrained, read back in float32 with eager attention, and run to record
+reference logits. Run from the repository root:
+
+    python scripts/make_fixtures.py            # writes tests/fixtures/<case>/
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import DynamicCache, InklingForCausalLM
+from transformers.models.inkling.configuration_inkling import InklingTextConfig
+
+from cascadia.exec.init_model import random_weights
+from cascadia.model_config import InklingConfig
+
+S, G = "hybrid_sliding", "hybrid"
+SEQ_LEN = 40  # > sliding window and > rel_extent in every case
+MIXED_LENS = (23, 31)  # two independent streams of different lengths for batching checks
+TOLERANCE = 1e-5
+
+# name: (HF config keys, save options, decode prefill length P)
+CASES = {
+    # Single f32 file. Log scaling on, dense and sparse layers, sliding heads differ from global heads.
+    "base": (dict(
+        vocab_size=256, hidden_size=48, num_hidden_layers=4, layer_types=[S, G, S, G],
+        mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16,
+        sliding_window_size=8, rel_extent=12, d_rel=4, log_scaling_n_floor=4, log_scaling_alpha=0.2,
+        intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=2, route_scale=2.5, logits_mup_width_multiplier=4.0, conv_kernel_size=4,
+    ), dict(), 10),
+    # Sharded into several files with an index. GQA 4:1 on global layers, top-3 of 12, kernel 3, no log scaling.
+    "sharded": (dict(
+        vocab_size=320, hidden_size=64, num_hidden_layers=5, layer_types=[G, S, S, G, S],
+        mlp_layer_types=["sparse", "dense", "sparse", "sparse", "dense"],
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+        swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
+        sliding_window_size=6, rel_extent=16, d_rel=8,
+        intermediate_size=96, moe_intermediate_size=16, n_routed_experts=12, num_experts_per_tok=3,
+        n_shared_experts=2, route_scale=3.0, logits_mup_width_multiplier=6.0, conv_kernel_size=3,
+    ), dict(max_shard_size="500KB"), 7),
+    # Saved in bf16 (as transformers writes a bf16 model: fp32-kept modules stay fp32); head padded past
+    # unpadded_vocab_size; top-4 of 16 experts; log scaling on.
+    "bf16_unpadded": (dict(
+        vocab_size=512, unpadded_vocab_size=500, hidden_size=32, num_hidden_layers=3, layer_types=[S, G, S],
+        mlp_layer_types=["sparse", "sparse", "dense"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
+        sliding_window_size=8, rel_extent=12, d_rel=4, log_scaling_n_floor=6,
+        intermediate_size=48, moe_intermediate_size=8, n_routed_experts=16, num_experts_per_tok=4,
+        n_shared_experts=2, route_scale=4.0, logits_mup_width_multiplier=3.0, conv_kernel_size=4,
+    ), dict(dtype=torch.bfloat16), 12),
+}
+
+
+def build_model(hf: dict, seed: int) -> InklingForCausalLM:
+    model = InklingForCausalLM(InklingTextConfig(**hf, attn_implementation="eager"))
+    weights = {name: torch.from_numpy(w) for name, w in random_weights(InklingConfig.from_hf_dict(hf), seed)}
+    model.load_state_dict(weights, strict=True)  # also proves cascadia.tensors names every parameter
+    return model.float().eval()
+
+
+def save(model: InklingForCausalLM, out: Path, max_shard_size: str = "50GB", dtype=None) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    if dtype is None:
+        model.save_pretrained(out, max_shard_size=max_shard_size)
+        return
+    with tempfile.TemporaryDirectory() as tmp:  # let transformers decide which modules it keeps in fp32
+        model.save_pretrained(tmp)
+        InklingForCausalLM.from_pretrained(tmp, dtype=dtype).save_pretrained(out)
+
+
+@torch.no_grad()
+def logits(model: InklingForCausalLM, ids: np.ndarray) -> np.ndarray:
+    return model(torch.from_numpy(ids)[None]).logits[0].numpy()
+
+
+@torch.no_grad()
+def decode_logits(model: InklingForCausalLM, ids: np.ndarray, prefill_len: int) -> np.ndarray:
+    """Logits of positions prefill_len.. when the first prefill_len tokens go in at once and the rest one by one."""
+    cache = DynamicCache(config=model.config)
+    tokens = torch.from_numpy(ids)[None]
+    model(tokens[:, :prefill_len], cache=cache, use_cache=True)
+    rows = [model(tokens[:, t:t + 1], cache=cache, use_cache=True).logits[0, 0] for t in range(prefill_len, len(ids))]
+    return torch.stack(rows).numpy()
+
+
+@torch.no_grad()
+def check_window(model: InklingForCausalLM, ids: np.ndarray) -> str:
+    """Confirm how many keys each query attends to: a sliding layer at position t sees t-W+1..t (itself included)."""
+    window = model.config.sliding_window_size
+    out = model(torch.from_numpy(ids)[None], output_attentions=True)
+    for kind, attn in zip(model.config.layer_types, out.attentions):
+        seen = (attn[0] > 0).sum(-1)  # [heads, T]: keys with nonzero weight per query
+        positions = torch.arange(len(ids))
+        expected = torch.clamp(positions + 1, max=window) if kind == S else positions + 1
+        assert (seen == expected).all(), f"{kind}: attended keys {seen[0].tolist()}"
+    return f"sliding layers attend to min(t + 1, {window}) keys, global layers to t + 1"
+
+
+def make_case(name: str, hf: dict, save_options: dict, prefill_len: int, root: Path, seed: int) -> None:
+    out = root / name
+    save(build_model(hf, seed), out, **save_options)
+    model = InklingForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    vocab = hf.get("unpadded_vocab_size") or hf["vocab_size"]
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, SEQ_LEN, dtype=np.int64)
+    mixed_a = rng.integers(0, vocab, MIXED_LENS[0], dtype=np.int64)
+    mixed_b = rng.integers(0, vocab, MIXED_LENS[1], dtype=np.int64)
+    ref = dict(ids=ids, prefill_logits=logits(model, ids), prefill_len=np.int64(prefill_len),
+               decode_logits=decode_logits(model, ids, prefill_len),
+               mixed_a_ids=mixed_a, mixed_a_logits=logits(model, mixed_a),
+               mixed_b_ids=mixed_b, mixed_b_logits=logits(model, mixed_b))
+    gap = np.abs(ref["decode_logits"] - ref["prefill_logits"][prefill_len:]).max()
+    assert gap <= TOLERANCE, f"{name}: cached decode differs from prefill by {gap}"
+    np.savez_compressed(out / "reference.npz", **ref)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"{name}: logits {ref['prefill_logits'].shape} (std {ref['prefill_logits'].std():.3f}), "
+          f"decode vs prefill max |diff| {gap:.2e}, files {files}")
+    print(f"  {check_window(model, ids)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("tests/fixtures"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for name, (hf, save_options, prefill_len) in CASES.items():
+        make_case(name, hf, save_options, prefill_len, args.out, args.seed)
+
+
+if __name__ == "__main__":
+    main()

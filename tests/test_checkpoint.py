@@ -1,0 +1,188 @@
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from cascadia.exec.checkpoint import Checkpoint, CheckpointError, canonical_name
+from cascadia.exec.init_model import random_tensor, to_bf16_bits
+from cascadia.model_config import InklingConfig
+from cascadia.tensors import EMBED, HEAD, all_tensors, embedding_tensors, head_tensors, layer_tensors
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CASES = ("base", "sharded", "bf16_unpadded")
+
+
+def small_config(**over) -> dict:
+    return dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
+                mlp_layer_types=["dense", "sparse"], num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=8, sliding_window_size=4,
+                rel_extent=6, d_rel=2, intermediate_size=24, moe_intermediate_size=8, n_routed_experts=4,
+                num_experts_per_tok=2) | over
+
+
+def write_checkpoint(path: Path, raw_config: dict, tensors: dict[str, np.ndarray]) -> Path:
+    """A single-file checkpoint written with safetensors' own numpy writer (independent of cascadia's)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw_config))
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+def full_tensors(raw_config: dict) -> dict[str, np.ndarray]:
+    cfg = InklingConfig.from_hf_dict(raw_config)
+    return {name: random_tensor(1, name, shape) for name, (shape, _) in all_tensors(cfg).items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fixture_lists_exactly_the_model_tensors_and_validates(case):
+    ckpt = Checkpoint.open(FIXTURES / case)
+    ckpt.validate(embed=True, head=True)
+    assert ckpt.names() == sorted(all_tensors(ckpt.config))
+    assert ckpt.mtp_names() == []
+
+
+@pytest.mark.parametrize("case", ["base", "sharded"])
+def test_f32_fixture_values_are_the_seeded_random_weights(case):
+    # scripts/make_fixtures.py loads random_weights(seed 0) into transformers and saves: values come back exactly
+    ckpt = Checkpoint.open(FIXTURES / case)
+    for name, (shape, _) in all_tensors(ckpt.config).items():
+        np.testing.assert_array_equal(ckpt.tensor(name), random_tensor(0, name, shape), err_msg=name)
+
+
+def test_bf16_fixture_reads_as_the_values_torch_rounded():
+    ckpt = Checkpoint.open(FIXTURES / "bf16_unpadded")
+    kept_f32 = 0
+    for name, (shape, _) in all_tensors(ckpt.config).items():
+        drawn = random_tensor(0, name, shape)
+        got = ckpt.tensor(name)
+        assert got.dtype == np.float32 and got.shape == shape
+        if np.array_equal(got, drawn):  # transformers keeps convolutions and routing corrections in F32
+            kept_f32 += 1
+            continue
+        # torch rounded to bf16 when saving: reading back must give exactly those 16 bits, zero-extended
+        np.testing.assert_array_equal(got.view(np.uint32) >> 16, to_bf16_bits(drawn), err_msg=name)
+        assert not (got.view(np.uint32) & 0xFFFF).any()
+    assert kept_f32 == 16  # 4 convolutions per layer x 3 layers + correction bias and global scale x 2 MoE layers
+
+
+def test_layer_reads_only_that_layer(monkeypatch):
+    reads = []  # (offset, bytes) of every data read
+    real_fromfile = np.fromfile
+
+    def spy(file, dtype, count, offset):
+        reads.append((offset, count * np.dtype(dtype).itemsize))
+        return real_fromfile(file, dtype=dtype, count=count, offset=offset)
+
+    monkeypatch.setattr(np, "fromfile", spy)
+    ckpt = Checkpoint.open(FIXTURES / "base")
+    tensors = ckpt.layer(0)
+    assert {k: v.shape for k, v in tensors.items()} == {k: s for k, (s, _) in layer_tensors(ckpt.config, 0).items()}
+    assert len(reads) == len(tensors) and sum(n for _, n in reads) == sum(v.nbytes for v in tensors.values())
+    assert ckpt.embedding().keys() == embedding_tensors(ckpt.config).keys()
+    assert ckpt.head().keys() == head_tensors(ckpt.config).keys()
+
+
+def test_a_node_needs_only_the_shards_holding_its_layers(tmp_path):
+    partial = shutil.copytree(FIXTURES / "sharded", tmp_path / "ckpt")
+    (partial / "model-00003-of-00003.safetensors").unlink()
+    ckpt = Checkpoint.open(partial)
+    ckpt.validate(layers=[0, 1], embed=True)
+    assert ckpt.layer(1).keys() == layer_tensors(ckpt.config, 1).keys()
+    with pytest.raises(CheckpointError, match=r"model-00003-of-00003\.safetensors: tensor 'model\.norm\.weight' "
+                                              r"\(expected shape \(64,\)\): no such file"):
+        ckpt.validate(layers=[], head=True)
+
+
+def test_multimodal_checkpoint_maps_the_language_model_prefix(tmp_path):
+    raw = small_config()
+    tensors = full_tensors(raw)
+    stored = {name.replace("model.", "model.language_model.", 1) if name != HEAD else name: value
+              for name, value in tensors.items()}
+    stored["model.vision_tower.patch.weight"] = np.zeros((3, 3), np.float32)
+    stored["model.audio_tower.norm.weight"] = np.zeros(3, np.float32)
+    stored["model.mtp.0.fc.weight"] = np.ones((2, 5), np.float32)
+    ckpt = Checkpoint.open(write_checkpoint(tmp_path, {"text_config": raw, "vision_config": {}}, stored))
+    ckpt.validate(embed=True, head=True)
+    assert ckpt.names() == sorted(tensors)
+    assert ckpt.mtp_names() == ["model.mtp.0.fc.weight"]
+    np.testing.assert_array_equal(ckpt.tensor(EMBED), tensors[EMBED])
+    np.testing.assert_array_equal(ckpt.tensor("model.mtp.0.fc.weight"), np.ones((2, 5)))
+    assert canonical_name("model.vision_tower.patch.weight") is None
+
+
+def test_f16_tensors_are_widened(tmp_path):
+    raw = small_config()
+    tensors = full_tensors(raw)
+    tensors[EMBED] = tensors[EMBED].astype(np.float16)
+    ckpt = Checkpoint.open(write_checkpoint(tmp_path, raw, tensors))
+    got = ckpt.tensor(EMBED)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, tensors[EMBED].astype(np.float32))
+
+
+def _without(name):
+    def edit(tensors):
+        del tensors[name]
+    return edit
+
+
+def _reshaped(name):
+    def edit(tensors):
+        tensors[name] = tensors[name].T.copy()
+    return edit
+
+
+def _as_int8(name):
+    def edit(tensors):
+        tensors[name] = tensors[name].astype(np.int8)
+    return edit
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (_without(HEAD), r"tensor 'lm_head\.weight' \(expected shape \(64, 16\)\): missing from the checkpoint"),
+    (_reshaped(HEAD), r"tensor 'lm_head\.weight' \(expected shape \(64, 16\)\): stored with shape \(16, 64\)"),
+    (_as_int8(HEAD), r"tensor 'lm_head\.weight' \(expected shape \(64, 16\)\): stored as I8; only F32, F16, BF16"),
+])
+def test_bad_tensors_are_named_with_file_and_expected_shape(tmp_path, edit, needle):
+    raw = small_config()
+    tensors = full_tensors(raw)
+    edit(tensors)
+    ckpt = Checkpoint.open(write_checkpoint(tmp_path, raw, tensors))
+    ckpt.validate(layers=[0, 1], embed=True)  # the head is the only fault
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: " + needle):
+        ckpt.validate(layers=[], head=True)
+    with pytest.raises(CheckpointError, match=needle):
+        ckpt.tensor(HEAD)
+
+
+def test_truncated_file(tmp_path):
+    path = shutil.copytree(FIXTURES / "base", tmp_path / "ckpt")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:-100])
+    ckpt = Checkpoint.open(path)
+    ckpt.validate(layers=[0])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor '.+' \(expected shape \(.+\)\): "
+                                              r"the file is truncated"):
+        ckpt.validate(embed=True, head=True)
+    (path / "model.safetensors").write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+        Checkpoint.open(path)
+
+
+def test_missing_config_or_weights(tmp_path):
+    with pytest.raises(CheckpointError, match=r"config\.json: no such file"):
+        Checkpoint.open(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(small_config()))
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
+        Checkpoint.open(tmp_path)
+
+
+def test_unknown_names_and_layers_are_refused():
+    ckpt = Checkpoint.open(FIXTURES / "base")
+    with pytest.raises(CheckpointError, match="'model.layers.9.mlp.gate.weight' is not a tensor"):
+        ckpt.tensor("model.layers.9.mlp.gate.weight")
+    with pytest.raises(CheckpointError, match="layer 4 out of range"):
+        ckpt.layer(4)
