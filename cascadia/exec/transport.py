@@ -1,0 +1,191 @@
+"""ZeroMQ sockets for the pipeline, optionally authenticated and encrypted with CurveZMQ.
+
+Each node binds a PULL socket for its input and connects a PUSH socket to its successor (the last node's successor
+is the coordinator's token socket); the coordinator binds a ROUTER for control and each node connects a DEALER
+named after itself. The binding side is the Curve server: with keys, it accepts only clients whose public key is in
+the key folder's `public/` directory, and a client must know the public key of the server it connects to.
+
+Key folder layout (made by `generate_keys`, named by `ClusterSpec.curve_keys`):
+  public/NAME.key          every participant's public key; copy the whole folder to every machine
+  secret/NAME.key_secret   each participant's secret key; a machine needs only its own
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import attrs
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from cascadia.exec.wire import DEFAULT_MAX_MESSAGE_BYTES
+
+COORDINATOR = "coordinator"  # the name under which the coordinator holds Curve keys
+_KEY_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+_LINGER_MS = 1000  # on close, how long queued messages may still go out before they are dropped
+
+
+class TransportError(RuntimeError):
+    """A socket could not be bound, connected, or could not deliver; the text names the address."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago (for tests and local nodes)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tcp_address(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+@attrs.frozen
+class CurveKeys:
+    folder: Path = attrs.field(converter=Path)
+
+    @property
+    def public_dir(self) -> Path:
+        return self.folder / "public"
+
+    def public_key(self, name: str) -> bytes:
+        return self._load(self.public_dir / f"{name}.key")[0]
+
+    def keypair(self, name: str) -> tuple[bytes, bytes]:
+        public, secret = self._load(self.folder / "secret" / f"{name}.key_secret")
+        if secret is None:
+            raise TransportError(f"{self.folder / 'secret' / f'{name}.key_secret'}: no secret key in this file")
+        return public, secret
+
+    @staticmethod
+    def _load(path: Path) -> tuple[bytes, bytes | None]:
+        try:
+            return zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as e:
+            raise TransportError(f"{path}: cannot read Curve key ({e})") from None
+
+
+def generate_keys(folder: str | Path, names: Iterable[str]) -> list[Path]:
+    """Make a Curve key pair for each name in `folder` (public/ and secret/); refuse to overwrite existing keys."""
+    folder = Path(folder)
+    public_dir, secret_dir = folder / "public", folder / "secret"
+    names = list(dict.fromkeys(names))
+    for name in names:
+        if not _KEY_NAME.fullmatch(name):
+            raise TransportError(f"{name!r}: a key name is letters, digits, '_', '-' or '.', not starting with '.'")
+        for path in (public_dir / f"{name}.key", secret_dir / f"{name}.key_secret"):
+            if path.exists():
+                raise TransportError(f"{path}: already exists; remove it to make new keys")
+    public_dir.mkdir(parents=True, exist_ok=True)
+    secret_dir.mkdir(parents=True, exist_ok=True)
+    secret_dir.chmod(0o700)
+    written = []
+    for name in names:
+        public, secret = zmq.auth.create_certificates(secret_dir, name)
+        os.chmod(secret, 0o600)
+        written += [Path(shutil.move(public, public_dir / f"{name}.key")), Path(secret)]
+    return written
+
+
+class Transport:
+    """One process's ZeroMQ context and sockets. `name` is whose Curve keys to use when `curve_keys` is given."""
+
+    def __init__(self, name: str, curve_keys: str | Path | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, send_timeout_s: float = 10.0):
+        self.name = name
+        self.max_message_bytes = max_message_bytes
+        self.send_timeout_s = send_timeout_s
+        self.curve = None if curve_keys is None else CurveKeys(curve_keys)
+        self._keypair = None if self.curve is None else self.curve.keypair(name)
+        self.context = zmq.Context()
+        self._authenticator = None
+        if self.curve is not None:
+            if not zmq.has("curve"):
+                raise TransportError("this libzmq was built without CurveZMQ; cannot use curve_keys")
+            if not self.curve.public_dir.is_dir():
+                raise TransportError(f"{self.curve.public_dir}: no such folder of public keys")
+            # Without a running authenticator a Curve server would accept any client key.
+            self._authenticator = ThreadAuthenticator(self.context)
+            self._authenticator.start()
+            self._authenticator.configure_curve(domain="*", location=str(self.curve.public_dir))
+
+    def bind(self, socket_type: int, address: str) -> zmq.Socket:
+        """A socket bound to `address`, the Curve server side when keys are in use."""
+        sock = self._socket(socket_type)
+        if socket_type == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown peer raises instead of vanishing
+        if self._keypair is not None:
+            sock.curve_publickey, sock.curve_secretkey = self._keypair
+            sock.curve_server = True
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            reason = "address already in use" if e.errno == zmq.EADDRINUSE else e.strerror
+            raise TransportError(f"cannot listen on {address}: {reason}") from None
+        return sock
+
+    def connect(self, socket_type: int, address: str, peer: str) -> zmq.Socket:
+        """A socket connected to `address`, where `peer` (a name in the key folder) listens. Messages are queued
+        only for a completed connection, so a send to an absent or refusing peer times out (see `send`)."""
+        sock = self._socket(socket_type)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDTIMEO, round(self.send_timeout_s * 1000))
+        if socket_type == zmq.DEALER:
+            sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
+        if self._keypair is not None:
+            sock.curve_publickey, sock.curve_secretkey = self._keypair
+            sock.curve_serverkey = self.curve.public_key(peer)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise TransportError(f"cannot connect to {peer} at {address}: {e.strerror}") from None
+        return sock
+
+    def _socket(self, socket_type: int) -> zmq.Socket:
+        sock = self.context.socket(socket_type)
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        # ZeroMQ drops (and disconnects) any single frame above the limit before it is held in memory.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        return sock
+
+    def close(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self.context.destroy(linger=_LINGER_MS)
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def send(sock: zmq.Socket, frames: Sequence) -> None:
+    """Send one message's frames without copying large buffers; raise TransportError naming the peer's address
+    when it cannot be delivered within the socket's send timeout."""
+    try:
+        sock.send_multipart(frames, copy=False)
+    except zmq.Again:
+        where = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        timeout_s = sock.getsockopt(zmq.SNDTIMEO) / 1000
+        raise TransportError(f"{where} unreachable: no connection accepted the message within {timeout_s:g} s "
+                             "(not listening, or refusing our Curve key)") from None
+    except zmq.ZMQError as e:
+        if e.errno != zmq.EHOSTUNREACH:
+            raise
+        # A ROUTER addressed a peer (the first frame) that is not connected.
+        raise TransportError(f"{bytes(frames[0]).decode(errors='replace')} is not connected to "
+                             f"{sock.getsockopt_string(zmq.LAST_ENDPOINT)}") from None
+
+
+def receive(sock: zmq.Socket) -> list[zmq.Frame]:
+    """One message's frames, without copying them."""
+    return sock.recv_multipart(copy=False)

@@ -1,0 +1,375 @@
+"""The pipeline's message codec: a fixed versioned header plus raw little-endian buffers, one ZeroMQ frame each.
+
+A message is a list of frames: the 40-byte header first, then the buffers its kind expects, always the same number
+(an absent optional array is an empty buffer). The header says how many rows and columns the arrays hold, so every
+buffer's byte length is checked before a single value is read. Nothing is pickled; decoding only ever builds numpy
+arrays over the received bytes (no copy) and short UTF-8 strings.
+
+Kinds and their buffers (n = header rows, c = header cols):
+  FRAME          slots i32[n], positions i32[n], token_ids i32[n], sample u8[n], residual dtype[n, c] (c = 0: absent)
+  TOKENS         slots i32[n], token_ids i32[n], logits dtype[n, c] (c = 0: absent)
+  HELLO, READY   node utf-8, layers i32[2] (first, last)
+  PROGRESS       node utf-8, i64[2] (done, total)
+  RELEASE        slots i32[n]
+  ERROR          node utf-8, text utf-8
+  STATS          node utf-8, f64 busy seconds + u64 frames + u64 rejected
+  SHUTDOWN, STATS_REQUEST: none
+
+Every sender numbers its messages; a `Decoder` rejects a number that does not exceed the last one it accepted from
+that sender (a duplicate or a reordering), so a replayed or misrouted message never reaches a stage.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import attrs
+import numpy as np
+
+MAGIC = b"CSCD"
+VERSION = 1
+DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
+
+# magic, version, kind, sender, sequence number, then _Fields: frame id, group, rows, cols, dtype code
+_HEADER = struct.Struct("<4sHBIQQIIIB")
+_DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2")}  # payload dtype codes; 0 = no payload
+_DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+_I32 = np.dtype("<i4")
+_LAYERS = struct.Struct("<ii")
+_PROGRESS = struct.Struct("<qq")
+_STATS = struct.Struct("<dQQ")
+
+
+class WireError(ValueError):
+    """A message that does not decode; the text says which check failed."""
+
+
+class Kind(enum.IntEnum):
+    FRAME = 1
+    TOKENS = 2
+    HELLO = 3
+    PROGRESS = 4
+    READY = 5
+    RELEASE = 6
+    SHUTDOWN = 7
+    ERROR = 8
+    STATS_REQUEST = 9
+    STATS = 10
+
+
+def _vector(values, dtype: np.dtype) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=dtype).reshape(-1)
+
+
+def _matrix(values) -> np.ndarray | None:
+    if values is None:
+        return None
+    values = np.asarray(values)
+    if values.ndim != 2 or values.dtype not in _DTYPE_CODES:
+        raise ValueError(f"expected a 2-D float32/float16 array, got {values.dtype} of shape {values.shape}")
+    return np.ascontiguousarray(values)
+
+
+def _same_rows(message, names: tuple[str, ...]) -> None:
+    rows = {name: len(getattr(message, name)) for name in names if getattr(message, name) is not None}
+    if len(set(rows.values())) > 1:
+        raise ValueError(f"{type(message).__name__}: row counts differ: {rows}")
+
+
+@attrs.frozen(eq=False)
+class Frame:
+    """Rows travelling forward through the pipeline, one row per (stream, position)."""
+
+    frame_id: int
+    group: int
+    slots: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))  # [n] each row's stream slot
+    positions: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))  # [n] position in its stream
+    token_ids: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))  # [n] the row's input token
+    sample: np.ndarray = attrs.field(converter=lambda v: _vector(v, np.bool_))  # [n] sample a token from this row
+    residual: np.ndarray | None = attrs.field(default=None, converter=_matrix)  # [n, hidden]; None into the first role
+
+    def __attrs_post_init__(self) -> None:
+        _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual"))
+
+    @property
+    def rows(self) -> int:
+        return len(self.slots)
+
+
+@attrs.frozen(eq=False)
+class Tokens:
+    """Tokens sampled by the last role for the sampled rows of one frame (and their logits, when scoring)."""
+
+    frame_id: int
+    group: int
+    slots: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))  # [n]
+    token_ids: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))  # [n]
+    logits: np.ndarray | None = attrs.field(default=None, converter=_matrix)  # [n, vocab] or None
+
+    def __attrs_post_init__(self) -> None:
+        _same_rows(self, ("slots", "token_ids", "logits"))
+
+
+@attrs.frozen
+class Hello:
+    """A node is up, its sockets open, and about to load `first_layer..last_layer`."""
+
+    node: str
+    first_layer: int
+    last_layer: int
+
+
+@attrs.frozen
+class Progress:
+    node: str
+    done: int
+    total: int
+
+
+@attrs.frozen
+class Ready:
+    """A node has loaded its layers and serves frames."""
+
+    node: str
+    first_layer: int
+    last_layer: int
+
+
+@attrs.frozen(eq=False)
+class Release:
+    """The streams in these slots have ended: their state may be reused."""
+
+    slots: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))
+
+
+@attrs.frozen
+class Shutdown:
+    pass
+
+
+@attrs.frozen
+class Error:
+    node: str
+    text: str
+
+
+@attrs.frozen
+class StatsRequest:
+    pass
+
+
+@attrs.frozen
+class Stats:
+    node: str
+    busy_s: float  # total time spent inside the stage's process()
+    frames: int
+    rejected: int  # messages that failed to decode
+
+
+Message = Frame | Tokens | Hello | Progress | Ready | Release | Shutdown | Error | StatsRequest | Stats
+
+
+@attrs.frozen
+class Received:
+    sender: int
+    seq: int
+    message: Message
+
+
+# --- encoding ---------------------------------------------------------------------------------------------------
+
+class _Fields(NamedTuple):
+    """The header fields that describe a message's body; a kind leaves those it does not use at zero."""
+
+    frame_id: int = 0
+    group: int = 0
+    rows: int = 0
+    cols: int = 0
+    dtype: int = 0  # code of the payload's dtype, 0 when there is no payload
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8")
+
+
+def _payload_fields(frame_id: int, group: int, rows: int, payload: np.ndarray | None) -> _Fields:
+    if payload is None:
+        return _Fields(frame_id, group, rows)
+    return _Fields(frame_id, group, rows, payload.shape[1], _DTYPE_CODES[payload.dtype])
+
+
+def _payload(matrix: np.ndarray | None):
+    return b"" if matrix is None else matrix
+
+
+def _body(message: Message) -> tuple[Kind, _Fields, list]:
+    """The kind, header fields and buffers of a message."""
+    match message:
+        case Frame():
+            fields = _payload_fields(message.frame_id, message.group, message.rows, message.residual)
+            return Kind.FRAME, fields, [message.slots, message.positions, message.token_ids,
+                                        message.sample.view(np.uint8), _payload(message.residual)]
+        case Tokens():
+            fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
+            return Kind.TOKENS, fields, [message.slots, message.token_ids, _payload(message.logits)]
+        case Hello():
+            return Kind.HELLO, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer)]
+        case Ready():
+            return Kind.READY, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer)]
+        case Progress():
+            return Kind.PROGRESS, _Fields(), [_utf8(message.node), _PROGRESS.pack(message.done, message.total)]
+        case Release():
+            return Kind.RELEASE, _Fields(rows=len(message.slots)), [message.slots]
+        case Shutdown():
+            return Kind.SHUTDOWN, _Fields(), []
+        case Error():
+            return Kind.ERROR, _Fields(), [_utf8(message.node), _utf8(message.text)]
+        case StatsRequest():
+            return Kind.STATS_REQUEST, _Fields(), []
+        case Stats():
+            return Kind.STATS, _Fields(), [_utf8(message.node),
+                                           _STATS.pack(message.busy_s, message.frames, message.rejected)]
+    raise TypeError(f"not a wire message: {message!r}")
+
+
+def encode(message: Message, sender: int, seq: int) -> list:
+    """The frames of a message: header bytes, then buffers (numpy arrays are sent as they are, without a copy)."""
+    kind, fields, buffers = _body(message)
+    return [_HEADER.pack(MAGIC, VERSION, kind, sender, seq, *fields), *buffers]
+
+
+class Encoder:
+    """Encodes the messages of one sender, numbering them 1, 2, 3, ..."""
+
+    def __init__(self, sender: int):
+        self.sender = sender
+        self._seq = 0
+
+    def encode(self, message: Message) -> list:
+        self._seq += 1
+        return encode(message, self.sender, self._seq)
+
+
+# --- decoding ---------------------------------------------------------------------------------------------------
+
+_BUFFER_COUNTS = {Kind.FRAME: 5, Kind.TOKENS: 3, Kind.HELLO: 2, Kind.READY: 2, Kind.PROGRESS: 2, Kind.RELEASE: 1,
+                  Kind.SHUTDOWN: 0, Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 2}
+
+
+def _array(buffer: memoryview, dtype: np.dtype, count: int, name: str) -> np.ndarray:
+    if buffer.nbytes != count * dtype.itemsize:
+        raise WireError(f"{name}: {buffer.nbytes} bytes, expected {count} x {dtype.itemsize}")
+    return np.frombuffer(buffer, dtype=dtype, count=count)
+
+
+def _indices(buffer: memoryview, rows: int, name: str) -> np.ndarray:
+    values = _array(buffer, _I32, rows, name)
+    if rows and values.min() < 0:
+        raise WireError(f"{name}: negative value {values.min()}")
+    return values
+
+
+def _payload_matrix(buffer: memoryview, rows: int, cols: int, code: int, name: str) -> np.ndarray | None:
+    if cols == 0:
+        if buffer.nbytes:
+            raise WireError(f"{name}: {buffer.nbytes} bytes but the header says none")
+        return None
+    if code not in _DTYPES:
+        raise WireError(f"{name}: unknown dtype code {code}")
+    return _array(buffer, _DTYPES[code], rows * cols, name).reshape(rows, cols)
+
+
+def _text(buffer: memoryview, name: str) -> str:
+    try:
+        return bytes(buffer).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise WireError(f"{name}: not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def _unpack(layout: struct.Struct, buffer: memoryview, name: str) -> tuple:
+    if buffer.nbytes != layout.size:
+        raise WireError(f"{name}: {buffer.nbytes} bytes, expected {layout.size}")
+    return layout.unpack(buffer)
+
+
+def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
+    frame_id, group, rows, cols, code = fields
+    match kind:
+        case Kind.FRAME:
+            sample = _array(b[3], np.dtype(np.uint8), rows, "sample")
+            if rows and sample.max() > 1:
+                raise WireError(f"sample: value {sample.max()} is not 0 or 1")
+            return Frame(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "positions"),
+                         _indices(b[2], rows, "token_ids"), sample.view(np.bool_),
+                         _payload_matrix(b[4], rows, cols, code, "residual"))
+        case Kind.TOKENS:
+            return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
+                          _payload_matrix(b[2], rows, cols, code, "logits"))
+        case Kind.HELLO:
+            return Hello(_text(b[0], "node"), *_unpack(_LAYERS, b[1], "layers"))
+        case Kind.READY:
+            return Ready(_text(b[0], "node"), *_unpack(_LAYERS, b[1], "layers"))
+        case Kind.PROGRESS:
+            return Progress(_text(b[0], "node"), *_unpack(_PROGRESS, b[1], "progress"))
+        case Kind.RELEASE:
+            return Release(_indices(b[0], rows, "slots"))
+        case Kind.SHUTDOWN:
+            return Shutdown()
+        case Kind.ERROR:
+            return Error(_text(b[0], "node"), _text(b[1], "text"))
+        case Kind.STATS_REQUEST:
+            return StatsRequest()
+        case Kind.STATS:
+            return Stats(_text(b[0], "node"), *_unpack(_STATS, b[1], "stats"))
+
+
+def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Received:
+    """Decode the frames of one message (bytes, memoryviews or zmq.Frame objects); raise WireError if anything is
+    wrong. Arrays in the result are read-only views of the received frames."""
+    if not frames:
+        raise WireError("empty message")
+    views = [memoryview(f) for f in frames]
+    size = sum(v.nbytes for v in views)
+    if size > max_message_bytes:
+        raise WireError(f"message of {size} bytes exceeds the limit of {max_message_bytes}")
+    if views[0].nbytes != _HEADER.size:
+        raise WireError(f"header of {views[0].nbytes} bytes, expected {_HEADER.size}")
+    magic, version, kind, sender, seq, *fields = _HEADER.unpack(views[0])
+    fields = _Fields(*fields)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise WireError(f"protocol version {version}, this build speaks version {VERSION}")
+    if kind not in _BUFFER_COUNTS:
+        raise WireError(f"unknown message kind {kind}")
+    kind = Kind(kind)
+    buffers = views[1:]
+    if len(buffers) != _BUFFER_COUNTS[kind]:
+        raise WireError(f"{kind.name} with {len(buffers)} buffers, expected {_BUFFER_COUNTS[kind]}")
+    message = _message(kind, fields, buffers)
+    # Header fields this kind does not use must be zero, so that every header byte is accounted for.
+    if _body(message)[1] != fields:
+        raise WireError(f"{kind.name}: header fields {fields} do not match its body")
+    return Received(sender, seq, message)
+
+
+class Decoder:
+    """Decodes the messages arriving on one socket, and rejects any whose sequence number does not exceed the last
+    one accepted from the same sender."""
+
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.max_message_bytes = max_message_bytes
+        self._last_seq: dict[int, int] = {}
+
+    def decode(self, frames: Sequence) -> Received:
+        received = decode(frames, self.max_message_bytes)
+        last = self._last_seq.get(received.sender)
+        if last is not None and received.seq <= last:
+            what = "duplicate" if received.seq == last else "out of order"
+            raise WireError(f"sequence number {received.seq} from sender {received.sender} is {what} "
+                            f"(last accepted {last})")
+        self._last_seq[received.sender] = received.seq
+        return received

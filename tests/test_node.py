@@ -1,0 +1,300 @@
+"""Node processes on 127.0.0.1 with a tiny test stage; the test plays the coordinator."""
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+
+import attrs
+import numpy as np
+import pytest
+import zmq
+
+from cascadia.exec.node import NodeSettings, Peer, run_node
+from cascadia.exec.transport import (COORDINATOR, Transport, TransportError, free_port, generate_keys, receive, send,
+                                     tcp_address)
+from cascadia.exec.wire import (VERSION, Decoder, Encoder, Error, Frame, Hello, Progress, Ready, Release, Shutdown,
+                                Stats, StatsRequest, Tokens, encode)
+
+HIDDEN = 8
+MAX_MESSAGE_BYTES = 256 * 1024
+COORDINATOR_SENDER = 100
+POISON = 666  # a token id the test stage refuses
+TIMEOUT_S = 10  # generous bound on any single wait; the tests never measure time
+SPAWN = multiprocessing.get_context("spawn")
+
+
+class AddOne:
+    """Test stage: embeds token t as a row of t's, adds 1 per stage, and when last samples round(row[0])."""
+
+    def __init__(self, last: bool, slots: int = 4):
+        self.last = last
+        self.slots = slots
+
+    def process(self, frame: Frame) -> Frame | Tokens:
+        if POISON in frame.token_ids:
+            raise ValueError("poisoned token")
+        if frame.residual is None:
+            residual = np.repeat(frame.token_ids[:, None].astype(np.float32), HIDDEN, axis=1)
+        else:
+            residual = frame.residual
+        residual = residual + 1
+        if not self.last:
+            return Frame(frame.frame_id, frame.group, frame.slots, frame.positions, frame.token_ids, frame.sample,
+                         residual)
+        rows = frame.sample
+        return Tokens(frame.frame_id, frame.group, frame.slots[rows], np.rint(residual[rows, 0]))
+
+    def release(self, slots: np.ndarray) -> None:
+        if slots.max(initial=0) >= self.slots:
+            raise ValueError(f"slot {slots.max()} out of range")
+
+
+def load_stage(progress, last: bool) -> AddOne:
+    for done in (1, 2):
+        progress(done, 2)
+    return AddOne(last)
+
+
+def node_main(settings: NodeSettings, last: bool, log_path: str) -> None:
+    logging.basicConfig(filename=log_path, level=logging.INFO, format="%(levelname)s %(message)s")
+    run_node(settings, lambda progress: load_stage(progress, last))
+
+
+def node_via_middleman(settings: NodeSettings, log_path: str, pids) -> None:
+    """Start a node whose parent is this process, report its pid, and wait to be killed."""
+    node = SPAWN.Process(target=node_main, args=(attrs.evolve(settings, parent_pid=os.getpid()), True, log_path))
+    node.start()
+    pids.put(node.pid)
+    node.join()
+
+
+class Coordinator:
+    """The test's side of a pipeline: control ROUTER, token PULL, and a PUSH into the first node."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.control_address = tcp_address("127.0.0.1", free_port())
+        self.token_address = tcp_address("127.0.0.1", free_port())
+        self.control = transport.bind(zmq.ROUTER, self.control_address)
+        self.tokens = transport.bind(zmq.PULL, self.token_address)
+        self.encoder = Encoder(COORDINATOR_SENDER)
+        self.control_decoder = Decoder()
+        self.token_decoder = Decoder()
+        self.first: zmq.Socket | None = None
+
+    def settings(self, names: list[str], **extra) -> list[NodeSettings]:
+        listens = [tcp_address("127.0.0.1", free_port()) for _ in names]
+        successors = [Peer(name, listen) for name, listen in zip(names[1:], listens[1:])]
+        successors.append(Peer(COORDINATOR, self.token_address))
+        return [NodeSettings(name, sender=i, first_layer=2 * i, last_layer=2 * i + 1, listen=listen, successor=succ,
+                             control=Peer(COORDINATOR, self.control_address), max_message_bytes=MAX_MESSAGE_BYTES,
+                             poll_s=0.05, **extra)
+                for i, (name, listen, succ) in enumerate(zip(names, listens, successors))]
+
+    def connect_first(self, settings: NodeSettings) -> None:
+        self.first = self.transport.connect(zmq.PUSH, settings.listen, settings.name)
+
+    def next_control(self) -> tuple[str, object]:
+        assert self.control.poll(TIMEOUT_S * 1000), "no control message"
+        node, *frames = receive(self.control)
+        return node.bytes.decode(), self.control_decoder.decode(frames).message
+
+    def tell(self, node: str, message) -> None:
+        send(self.control, [node.encode(), *self.encoder.encode(message)])
+
+    def push(self, frame: Frame) -> None:
+        send(self.first, self.encoder.encode(frame))
+
+    def next_tokens(self) -> Tokens:
+        assert self.tokens.poll(TIMEOUT_S * 1000), "no tokens came back"
+        return self.token_decoder.decode(receive(self.tokens)).message
+
+    def wait_ready(self, settings: list[NodeSettings]) -> None:
+        """Each node says HELLO, reports its loading, then READY, with its name and layers."""
+        seen = {s.name: [] for s in settings}
+        while any(not events or not isinstance(events[-1], Ready) for events in seen.values()):
+            node, message = self.next_control()
+            seen[node].append(message)
+        for s in settings:
+            assert seen[s.name] == [Hello(s.name, s.first_layer, s.last_layer), Progress(s.name, 1, 2),
+                                    Progress(s.name, 2, 2), Ready(s.name, s.first_layer, s.last_layer)]
+
+    def stats(self, node: str) -> Stats:
+        self.tell(node, StatsRequest())
+        sender, stats = self.next_control()
+        assert sender == node and isinstance(stats, Stats)
+        return stats
+
+
+def start_nodes(settings: list[NodeSettings], tmp_path) -> list:
+    """Node processes that stop if this process dies."""
+    processes = []
+    for i, s in enumerate(settings):
+        s = attrs.evolve(s, parent_pid=os.getpid())
+        p = SPAWN.Process(target=node_main, args=(s, i == len(settings) - 1, str(tmp_path / f"{s.name}.log")))
+        p.start()
+        processes.append(p)
+    return processes
+
+
+def stop(processes) -> None:
+    for p in processes:
+        p.join(TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def frame(frame_id: int, tokens: list[int], sample: list[bool] | None = None) -> Frame:
+    n = len(tokens)
+    return Frame(frame_id, 0, list(range(n)), [0] * n, tokens, [True] * n if sample is None else sample)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Three Curve-authenticated nodes a -> b -> c -> coordinator, shut down after the module's tests."""
+    tmp_path = tmp_path_factory.mktemp("pipeline")
+    keys = tmp_path / "keys"
+    generate_keys(keys, ["a", "b", "c", COORDINATOR])
+    transport = Transport(COORDINATOR, keys, send_timeout_s=TIMEOUT_S)
+    coordinator = Coordinator(transport)
+    settings = coordinator.settings(["a", "b", "c"], curve_keys=keys)
+    processes = start_nodes(settings, tmp_path)
+    try:
+        coordinator.wait_ready(settings)
+        coordinator.connect_first(settings[0])
+        yield coordinator, settings, tmp_path
+        for s in settings:
+            coordinator.tell(s.name, Shutdown())
+    finally:
+        stop(processes)
+        transport.close()
+    assert [p.exitcode for p in processes] == [0, 0, 0]
+
+
+def test_frames_flow_through_three_nodes_and_tokens_come_back(pipeline):
+    coordinator, settings, _ = pipeline
+    coordinator.push(frame(1, [10, 20, 30], [True, False, True]))
+    tokens = coordinator.next_tokens()
+    assert (tokens.frame_id, tokens.slots.tolist(), tokens.token_ids.tolist()) == (1, [0, 2], [13, 33])
+    before = [coordinator.stats(s.name) for s in settings]
+    for i in range(2, 12):  # frames in flight arrive whole and in order
+        coordinator.push(frame(i, [i]))
+    assert [(t.frame_id, t.token_ids.tolist()) for t in (coordinator.next_tokens() for _ in range(10))] == \
+        [(i, [i + 3]) for i in range(2, 12)]
+    for s, old in zip(settings, before):
+        new = coordinator.stats(s.name)
+        assert new.frames == old.frames + 10 and new.busy_s > old.busy_s
+
+
+def test_bad_messages_are_rejected_logged_and_the_node_keeps_serving(pipeline):
+    coordinator, settings, tmp_path = pipeline
+    b = settings[1]
+    rejected_before = coordinator.stats("b").rejected
+    intruder = coordinator.transport.connect(zmq.PUSH, b.listen, "b")
+    good = encode(frame(50, [1]), 7, 5)
+    wrong_version = [good[0][:4] + (VERSION + 1).to_bytes(2, "little") + good[0][6:], *good[1:]]
+    oversized = [*good, *[np.zeros(MAX_MESSAGE_BYTES // 4, np.uint8)] * 5]
+    oversized_bytes = sum(memoryview(f).nbytes for f in oversized)
+    for message in (wrong_version, [b"not a message"], oversized, good, encode(frame(51, [1]), 7, 3)):
+        send(intruder, message)
+    assert coordinator.next_tokens().frame_id == 50  # the one good message went on
+    coordinator.push(frame(52, [5]))
+    assert coordinator.next_tokens().token_ids.tolist() == [8]
+    assert coordinator.stats("b").rejected == rejected_before + 4
+    log = (tmp_path / "b.log").read_text()
+    for reason in ("protocol version 2, this build speaks version 1", "header of 13 bytes",
+                   f"message of {oversized_bytes} bytes exceeds the limit of {MAX_MESSAGE_BYTES}",
+                   "sequence number 3 from sender 7 is out of order"):
+        assert f"b: rejected a message on its input socket: {reason}" in log
+
+
+def test_a_frame_over_the_socket_limit_is_dropped_and_the_node_keeps_serving(pipeline):
+    coordinator, settings, _ = pipeline
+    intruder = coordinator.transport.connect(zmq.PUSH, settings[0].listen, "a")
+    send(intruder, [np.zeros(MAX_MESSAGE_BYTES + 1, np.uint8)])
+    coordinator.push(frame(60, [1]))
+    assert coordinator.next_tokens().frame_id == 60
+
+
+def test_stage_failures_are_reported_and_the_node_keeps_serving(pipeline):
+    coordinator, _, _ = pipeline
+    coordinator.push(frame(70, [POISON]))
+    assert coordinator.next_control() == ("a", Error("a", "frame 70: ValueError: poisoned token"))
+    coordinator.tell("b", Release([99]))
+    assert coordinator.next_control() == ("b", Error("b", "release of slots [99]: ValueError: slot 99 out of range"))
+    coordinator.push(frame(71, [2]))
+    assert coordinator.next_tokens().token_ids.tolist() == [5]
+
+
+@pytest.fixture
+def coordinator():
+    transport = Transport(COORDINATOR, send_timeout_s=TIMEOUT_S)
+    yield Coordinator(transport)
+    transport.close()
+
+
+def test_shutdown_ends_the_process(coordinator, tmp_path):
+    settings = coordinator.settings(["solo"])
+    processes = start_nodes(settings, tmp_path)
+    try:
+        coordinator.wait_ready(settings)
+        coordinator.tell("solo", Shutdown())
+        processes[0].join(TIMEOUT_S)
+        assert processes[0].exitcode == 0
+    finally:
+        stop(processes)
+    assert "INFO solo: stopping: shutdown requested" in (tmp_path / "solo.log").read_text()
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # an exited orphan nobody has reaped yet
+    except FileNotFoundError:
+        return True
+
+
+def test_node_stops_when_its_parent_dies(coordinator, tmp_path):
+    settings = coordinator.settings(["orphan"])
+    pids = SPAWN.Queue()
+    middleman = SPAWN.Process(target=node_via_middleman, args=(settings[0], str(tmp_path / "orphan.log"), pids))
+    middleman.start()
+    try:
+        node_pid = pids.get(timeout=TIMEOUT_S)
+        coordinator.wait_ready(settings)
+        os.kill(middleman.pid, signal.SIGKILL)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not process_gone(node_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_gone(node_pid)
+    finally:
+        stop([middleman])
+    assert f"orphan: stopping: parent process {middleman.pid} is gone" in (tmp_path / "orphan.log").read_text()
+
+
+def test_port_in_use_is_a_clear_error_and_reported(coordinator):
+    (settings,) = coordinator.settings(["late"])
+    squatter = coordinator.transport.bind(zmq.PULL, settings.listen)
+    with pytest.raises(TransportError, match=f"cannot listen on {settings.listen}: address already in use"):
+        run_node(settings, lambda progress: pytest.fail("must not load a stage"))
+    node, error = coordinator.next_control()
+    assert node == "late" and f"cannot listen on {settings.listen}" in error.text
+    squatter.close()
+
+
+def test_unreachable_successor_is_a_clear_error_and_reported(coordinator):
+    (settings,) = coordinator.settings(["lonely"])
+    settings = attrs.evolve(settings, successor=Peer("nobody", tcp_address("127.0.0.1", free_port())),
+                            send_timeout_s=0.3)
+    # A plain PUSH queues the frame until the node binds, so it is waiting when the node starts serving.
+    early = coordinator.transport.context.socket(zmq.PUSH)
+    early.connect(settings.listen)
+    early.send_multipart(coordinator.encoder.encode(frame(1, [1])))
+    with pytest.raises(TransportError, match=f"{settings.successor.address} unreachable"):
+        run_node(settings, lambda progress: load_stage(progress, last=False))
+    messages = [coordinator.next_control()[1] for _ in range(5)]
+    assert isinstance(messages[-1], Error) and f"{settings.successor.address} unreachable" in messages[-1].text
+    early.close(linger=0)

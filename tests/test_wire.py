@@ -1,0 +1,224 @@
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cascadia.exec import wire
+from cascadia.exec.wire import (Decoder, Encoder, Error, Frame, Hello, Progress, Ready, Release, Shutdown, Stats,
+                                StatsRequest, Tokens, WireError, decode, encode)
+
+# No per-example deadline: the suite runs on shared, busy machines.
+PROPERTY = settings(max_examples=60, deadline=None)
+FLOAT_DTYPES = st.sampled_from([np.float32, np.float16])
+IDS = st.integers(0, 2**31 - 1)
+NAMES = st.text(max_size=20)
+
+
+@st.composite
+def frames(draw, min_rows=0):
+    n = draw(st.integers(min_rows, 6))
+    hidden = draw(st.integers(0, 5))
+    ints = st.lists(IDS, min_size=n, max_size=n)
+    residual = None
+    if hidden:
+        values = draw(st.lists(st.floats(-1e4, 1e4, width=16), min_size=n * hidden, max_size=n * hidden))
+        residual = np.array(values, dtype=draw(FLOAT_DTYPES)).reshape(n, hidden)
+    return Frame(draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)), draw(ints), draw(ints), draw(ints),
+                 draw(st.lists(st.booleans(), min_size=n, max_size=n)), residual)
+
+
+@st.composite
+def tokens(draw, min_rows=0):
+    n = draw(st.integers(min_rows, 6))
+    vocab = draw(st.integers(0, 7))
+    logits = np.array(draw(st.lists(st.floats(-1e4, 1e4, width=16), min_size=n * vocab, max_size=n * vocab)),
+                      dtype=draw(FLOAT_DTYPES)).reshape(n, vocab) if vocab else None
+    ints = st.lists(IDS, min_size=n, max_size=n)
+    return Tokens(draw(IDS), draw(IDS), draw(ints), draw(ints), logits)
+
+
+CONTROLS = st.one_of(
+    st.builds(Hello, NAMES, st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1)),
+    st.builds(Ready, NAMES, st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1)),
+    st.builds(Progress, NAMES, st.integers(0, 2**40), st.integers(0, 2**40)),
+    st.builds(Release, st.lists(IDS, max_size=5)),
+    st.just(Shutdown()),
+    st.builds(Error, NAMES, st.text(max_size=200)),
+    st.just(StatsRequest()),
+    st.builds(Stats, NAMES, st.floats(0, 1e6), st.integers(0, 2**63), st.integers(0, 2**63)),
+)
+MESSAGES = st.one_of(frames(), tokens(), CONTROLS)
+
+
+def as_bytes(message_frames) -> list[bytes]:
+    """What a receiver gets: every frame as separate bytes."""
+    return [memoryview(f).tobytes() for f in message_frames]
+
+
+def assert_same(a, b) -> None:
+    assert type(a) is type(b)
+    for name in a.__attrs_attrs__:
+        x, y = getattr(a, name.name), getattr(b, name.name)
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            assert x is not None and y is not None
+            assert x.dtype == y.dtype
+            np.testing.assert_array_equal(x, y)
+        else:
+            assert x == y
+
+
+@PROPERTY
+@given(MESSAGES, st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1))
+def test_round_trip(message, sender, seq):
+    received = decode(as_bytes(encode(message, sender, seq)))
+    assert (received.sender, received.seq) == (sender, seq)
+    assert_same(received.message, message)
+
+
+def test_frame_without_residual_is_what_the_first_role_receives():
+    frame = decode(as_bytes(encode(Frame(1, 0, [3], [0], [42], [True]), 0, 1))).message
+    assert frame.residual is None and frame.token_ids.tolist() == [42] and frame.sample.tolist() == [True]
+
+
+@PROPERTY
+@given(st.lists(st.binary(max_size=64), max_size=6))
+def test_random_bytes_are_rejected(raw):
+    with pytest.raises(WireError):
+        decode(raw)
+
+
+@PROPERTY
+@given(st.one_of(frames(), tokens()), st.data())
+def test_any_truncation_is_rejected(message, data):
+    parts = as_bytes(encode(message, 1, 1))
+    i = data.draw(st.sampled_from([i for i, p in enumerate(parts) if p]), label="frame")
+    cut = data.draw(st.integers(0, len(parts[i]) - 1), label="new length")
+    parts[i] = parts[i][:cut]
+    with pytest.raises(WireError):
+        decode(parts)
+
+
+@PROPERTY
+@given(MESSAGES, st.data())
+def test_missing_or_extra_buffers_are_rejected(message, data):
+    parts = as_bytes(encode(message, 1, 1))
+    if len(parts) > 1 and data.draw(st.booleans(), label="drop"):
+        del parts[data.draw(st.integers(1, len(parts) - 1), label="dropped")]
+    else:
+        parts.append(b"")
+    with pytest.raises(WireError):
+        decode(parts)
+
+
+# Byte offsets of header fields in wire._HEADER.
+_MAGIC, _VERSION, _KIND, _ROWS, _COLS, _DTYPE = 0, 4, 6, 31, 35, 39
+
+
+def corrupt(header: bytes, offset: int, fmt: str, value) -> bytes:
+    return header[:offset] + struct.pack(fmt, value) + header[offset + struct.calcsize(fmt):]
+
+
+@PROPERTY
+@given(st.one_of(frames(min_rows=1), tokens(min_rows=1)), st.data())
+def test_corrupted_fields_are_rejected(message, data):
+    parts = as_bytes(encode(message, 1, 1))
+    *_, rows, cols, code = wire._HEADER.unpack(parts[0])
+    field = data.draw(st.sampled_from(["magic", "version", "kind", "rows", "cols", "dtype"]), label="field")
+    if field == "magic":
+        parts[0] = corrupt(parts[0], _MAGIC, "4s", data.draw(st.binary(min_size=4, max_size=4).filter(lambda b: b != wire.MAGIC)))
+    elif field == "version":
+        parts[0] = corrupt(parts[0], _VERSION, "<H", data.draw(st.integers(0, 2**16 - 1).filter(lambda v: v != 1)))
+    elif field == "kind":
+        parts[0] = corrupt(parts[0], _KIND, "B", data.draw(st.integers(0, 255).filter(lambda k: k != parts[0][_KIND])))
+    elif field == "rows":
+        parts[0] = corrupt(parts[0], _ROWS, "<I", data.draw(st.integers(0, 2**32 - 1).filter(lambda r: r != rows)))
+    elif field == "cols":
+        parts[0] = corrupt(parts[0], _COLS, "<I", data.draw(st.integers(0, 2**32 - 1).filter(lambda c: c != cols)))
+    else:
+        parts[0] = corrupt(parts[0], _DTYPE, "B", data.draw(st.integers(0, 255).filter(lambda c: c != code)))
+    with pytest.raises(WireError):
+        decode(parts)
+
+
+@PROPERTY
+@given(MESSAGES, st.data())
+def test_any_corrupted_byte_gives_wire_error_or_a_valid_message(message, data):
+    parts = as_bytes(encode(message, 1, 1))
+    i = data.draw(st.sampled_from([i for i, p in enumerate(parts) if p]), label="frame")
+    at = data.draw(st.integers(0, len(parts[i]) - 1), label="offset")
+    parts[i] = parts[i][:at] + bytes([data.draw(st.integers(0, 255), label="byte")]) + parts[i][at + 1:]
+    try:
+        decode(parts)
+    except WireError:
+        pass
+
+
+def test_unknown_version_names_both_versions():
+    parts = as_bytes(encode(Shutdown(), 0, 1))
+    parts[0] = corrupt(parts[0], _VERSION, "<H", 9)
+    with pytest.raises(WireError, match="version 9, this build speaks version 1"):
+        decode(parts)
+
+
+def test_message_over_the_size_limit_is_rejected():
+    frame = Frame(1, 0, [0, 1], [0, 0], [1, 2], [True, True], np.zeros((2, 64), np.float32))
+    parts = encode(frame, 0, 1)
+    size = sum(memoryview(p).nbytes for p in parts)
+    assert decode(parts, max_message_bytes=size).message.rows == 2
+    with pytest.raises(WireError, match=f"message of {size} bytes exceeds the limit of {size - 1}"):
+        decode(parts, max_message_bytes=size - 1)
+
+
+def test_value_checks():
+    good = as_bytes(encode(Frame(1, 0, [0], [0], [5], [True]), 0, 1))
+    bad_sample = good[:4] + [b"\x02"] + good[5:]
+    with pytest.raises(WireError, match="sample: value 2"):
+        decode(bad_sample)
+    negative_slot = [good[0], np.array([-1], np.int32).tobytes(), *good[2:]]
+    with pytest.raises(WireError, match="slots: negative"):
+        decode(negative_slot)
+    error = as_bytes(encode(Error("n", "x"), 0, 1))
+    with pytest.raises(WireError, match="text: not UTF-8"):
+        decode([*error[:2], b"\xff"])
+
+
+@pytest.mark.parametrize("message, offset", [(Shutdown(), _ROWS), (Hello("n", 0, 1), _COLS),
+                                             (Frame(1, 0, [0], [0], [5], [True]), _DTYPE)])
+def test_header_fields_a_kind_does_not_use_must_be_zero(message, offset):
+    parts = as_bytes(encode(message, 0, 1))
+    parts[0] = parts[0][:offset] + b"\x01" + parts[0][offset + 1:]
+    with pytest.raises(WireError, match="do not match its body"):
+        decode(parts)
+
+
+def test_decoder_rejects_duplicates_and_reordering_per_sender():
+    decoder = Decoder()
+    first, second = Encoder(sender=1), Encoder(sender=2)
+    m1, m2, m3 = (first.encode(StatsRequest()) for _ in range(3))
+    decoder.decode(m1)
+    decoder.decode(m3)
+    with pytest.raises(WireError, match="sequence number 3 from sender 1 is duplicate"):
+        decoder.decode(m3)
+    with pytest.raises(WireError, match="sequence number 2 from sender 1 is out of order .last accepted 3"):
+        decoder.decode(m2)
+    assert decoder.decode(second.encode(StatsRequest())).seq == 1  # another sender has its own numbering
+    assert decoder.decode(first.encode(Shutdown())).seq == 4  # a rejection does not break the sender's stream
+
+
+def test_messages_check_their_row_counts():
+    with pytest.raises(ValueError, match="row counts differ"):
+        Frame(1, 0, [0, 1], [0], [5, 6], [True, True])
+    with pytest.raises(ValueError, match="row counts differ"):
+        Tokens(1, 0, [0], [5], np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="2-D float32/float16"):
+        Frame(1, 0, [0], [0], [5], [True], np.zeros((1, 3), np.float64))
+
+
+def test_decoded_arrays_view_the_received_buffers():
+    residual = np.arange(8, dtype=np.float32).reshape(2, 4)
+    parts = as_bytes(encode(Frame(1, 0, [0, 1], [0, 0], [1, 2], [True, False], residual), 0, 1))
+    frame = decode(parts).message
+    assert np.shares_memory(frame.residual, np.frombuffer(parts[5], np.uint8))
+    assert not frame.residual.flags.writeable
