@@ -162,6 +162,28 @@ def test_papers_deployment_moves_a_layer_off_the_head_node():
     assert p.bottleneck_s < six_each
 
 
+def pinned(spec: Spec, pins: dict[str, int]) -> Spec:
+    nodes = tuple(attrs.evolve(n, layers=pins.get(n.name)) for n in spec.cluster.nodes)
+    return attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=nodes))
+
+
+def test_layer_pins_fix_those_nodes_and_the_rest_is_still_optimised():
+    spec = paper_spec()
+    assert stage_sizes(plan(pinned(spec, {f"pc{i}": 6 for i in range(11)}))) == [6] * 11
+    # pinning only the head's node to six: the other ten nodes share the other 60 layers as fast as they can
+    p = plan(pinned(spec, {"pc10": 6}))
+    assert stage_sizes(p)[-1] == 6 and sum(stage_sizes(p)[:-1]) == 60
+    assert p.bottleneck_s >= plan(spec).bottleneck_s
+
+
+def test_pins_that_cannot_split_the_layers_are_infeasible():
+    spec = paper_spec()
+    with pytest.raises(InfeasiblePlan, match=r"pins \(pc0 7, .*77 layers\) cannot split the model's 66 layers"):
+        plan(pinned(spec, {f"pc{i}": 7 for i in range(11)}))
+    with pytest.raises(InfeasiblePlan, match="short of memory"):  # 8 expert layers do not fit in 61.2 GiB
+        plan(pinned(spec, {"pc1": 8}))
+
+
 def test_papers_deployment_context_grows_8_kib_per_position_per_node():
     p = plan(paper_spec(max_streams=1, context_budget=4096, bandwidth=None))
     assert p.cost_source.startswith("uniform")

@@ -54,8 +54,10 @@ def test_paper_deployment():
     assert {n.memory_bytes for n in spec.cluster.nodes} == {round(61.2 * 2**30)}
     assert spec.cluster.link("pc0", "pc5") == LinkSpec(125e6, 1e-4)
     formats = spec.model.formats
-    assert formats.routed_experts == formats.shared_experts == WeightFormat("int4", 32)
-    assert formats.attention == formats.dense_mlp == formats.head == WeightFormat("int8")
+    int4_g32 = WeightFormat("int4", 32, symmetric=False)
+    assert formats.routed_experts == formats.shared_experts == formats.dense_mlp == int4_g32
+    assert formats.attention == formats.head == WeightFormat("int8", symmetric=False)
+    assert {n.layers for n in spec.cluster.nodes} == {6}
     assert formats.embedding == WeightFormat("bf16")
     assert spec.workload.concurrency[0] == 1 and max(spec.workload.concurrency) == spec.runtime.max_streams == 176
     assert len(spec.workload.concurrency) == 15 and spec.workload.output_tokens == 128

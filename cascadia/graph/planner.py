@@ -125,12 +125,19 @@ class _Memory:
         return self.weights(stage, first, last) + streams * self.state(first, last, context) + self._reserves[stage]
 
     def shortfall(self, streams: int, context: int) -> Callable[[int, int, int], float]:
-        """Score of a stage for `min_max_split`: bytes it needs beyond its node's memory (<= 0 when it fits).
-        Inlined from `need`: it is called for every candidate stage."""
+        """Score of a stage for `min_max_split`: bytes it needs beyond its node's memory (<= 0 when it fits);
+        math.inf for a stage whose length breaks its node's `layers` pin. Inlined from `need`: it is called for
+        every candidate stage."""
         weights, state = self._weights, self._state_sums(context)
         fixed = [ends + reserve - node.memory_bytes
                  for ends, reserve, node in zip(self._end_weights, self._reserves, self.nodes)]
-        return lambda j, a, b: weights[b + 1] - weights[a] + streams * (state[b + 1] - state[a]) + fixed[j]
+        pins = [node.layers for node in self.nodes]
+
+        def score(j: int, a: int, b: int) -> float:
+            if pins[j] is not None and b - a + 1 != pins[j]:
+                return math.inf
+            return weights[b + 1] - weights[a] + streams * (state[b + 1] - state[a]) + fixed[j]
+        return score
 
     def fits(self, streams: int, context: int) -> bool:
         return min_max_split(len(self.nodes), len(self.costs), self.shortfall(streams, context))[0] <= 0
@@ -239,6 +246,18 @@ def _infeasible_message(spec: Spec, memory: _Memory, firsts: list[int]) -> str:
     return message + " It would fit with " + ", or ".join(options) + "."
 
 
+def _check_pins(nodes: tuple[NodeSpec, ...], n_layers: int) -> None:
+    """Layer pins that no split can honour: together they must leave every unpinned node at least one layer."""
+    pinned = {node.name: node.layers for node in nodes if node.layers is not None}
+    if not pinned:
+        return
+    free_nodes, pinned_layers = len(nodes) - len(pinned), sum(pinned.values())
+    if pinned_layers + free_nodes > n_layers or (free_nodes == 0 and pinned_layers != n_layers):
+        pins = ", ".join(f"{name} {count}" for name, count in pinned.items())
+        raise InfeasiblePlan(f"the nodes' `layers` pins ({pins}: {pinned_layers} layers) cannot split the model's "
+                             f"{n_layers} layers with {free_nodes} unpinned node(s) taking at least one each")
+
+
 def plan(spec: Spec, stage_time: StageTime | None = None, cost_source: str = "custom") -> Plan:
     """The fastest partition that fits (then the least full); `stage_time` defaults to `RooflineStageTime`."""
     nodes, runtime = spec.cluster.nodes, spec.runtime
@@ -246,6 +265,7 @@ def plan(spec: Spec, stage_time: StageTime | None = None, cost_source: str = "cu
     if n_nodes > n_layers:
         raise InfeasiblePlan(f"{n_nodes} nodes but only {n_layers} layers: every node must hold at least one "
                              f"layer, so use at most {n_layers} nodes")
+    _check_pins(nodes, n_layers)
     streams, context = runtime.max_streams, runtime.context_budget
     memory = _Memory(spec, nodes)
     short = memory.shortfall(streams, context)

@@ -638,6 +638,7 @@ def _nodes(ctx: _Context, entry: _Node, path: str, cluster_reserve: int) -> list
         "host": fields.take("host", _text),
         "threads": fields.take("threads", _positive_int),
         "reserve_bytes": fields.take("reserve", parse_bytes),
+        "layers": fields.take("layers", _positive_int),
     }
     fields.finish()
     memory, reserve = values["memory_bytes"], values["reserve_bytes"]
@@ -840,6 +841,7 @@ def _dump_node(node: NodeSpec) -> dict[str, Any]:
         "memory_bandwidth": node.memory_bandwidth and format_rate(node.memory_bandwidth),
         "compute": node.compute_flops and format_flops(node.compute_flops), "host": node.host,
         "threads": node.threads, "reserve": None if node.reserve_bytes is None else format_bytes(node.reserve_bytes),
+        "layers": node.layers,
     }
     return {k: v for k, v in values.items() if v is not None}
 

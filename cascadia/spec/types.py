@@ -81,6 +81,7 @@ class NodeSpec:
     host: str | None = None  # nodes naming the same host share its cores and memory bandwidth
     threads: int | None = None  # inference threads; None = let OpenVINO decide
     reserve_bytes: int | None = None  # overrides the cluster's runtime reserve
+    layers: int | None = None  # pin: this node holds exactly this many layers; None = the planner chooses
 
     @property
     def is_local(self) -> bool:
