@@ -1,0 +1,245 @@
+"""The scheduling policy shared by `cascadia run` and `cascadia simulate`: admission, slots, groups, frames.
+
+Pure and deterministic: no I/O, no clock, no tensors. The same three calls drive both backends (vLLM v1's seam,
+adapted to a pipeline):
+
+    events = policy.add_request(request)              # a client asks
+    frame = policy.next_frame(group)                  # for every group with no frame in flight, after every change
+    events = policy.complete_frame(frame, sampled)    # the last stage's sampled tokens came back
+
+Scenario: `max_streams` slots each hold one stream's state (K/V, convolution states) on every node. A waiting request
+takes the lowest free slot and joins the least-populated of `n_groups` pipeline groups (ties: lowest group). A group has
+at most one frame in flight, because its next decode rows need the tokens its current frame samples. A frame carries
+one decode row per decoding stream of the group plus at most `prefill_window` prompt rows of the group's streams still
+being prefilled (oldest first), so admitting a long prompt delays the others' next token by one window, never by a
+whole prompt. A stream's first token is sampled from the row of its last prompt position.
+
+Requests whose prompt plus `max_new_tokens` exceeds the context budget are rejected with a reason, never truncated:
+truncation would silently change what the client asked for. A stream finishes after `max_new_tokens` tokens, or
+earlier when it samples one of its request's `stop_ids` (EOS, when the workload asks for it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import deque
+from collections.abc import Mapping
+
+import attrs
+
+from cascadia.spec.types import RuntimeSpec
+
+PREFILL, DECODE = "prefill", "decode"
+LENGTH, STOP = "length", "stop"  # why a stream finished
+
+
+@attrs.frozen
+class Request:
+    id: int
+    prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    max_new_tokens: int
+    stop_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+
+
+@attrs.frozen
+class Row:
+    """One position of one stream in a frame: what the first stage embeds and where the nodes write its state."""
+
+    slot: int
+    request_id: int
+    position: int
+    kind: str  # PREFILL or DECODE
+    token: int  # the prompt token, or the stream's last sampled token
+    sampled: bool  # the last stage samples a token from this row's logits
+
+
+@attrs.frozen
+class Frame:
+    seq: int  # serial number over the policy's life
+    group: int
+    rows: tuple[Row, ...]  # decode rows (by admission order), then prompt rows
+    padded_rows: int  # the row bucket the engine runs; rows beyond len(rows) are padding
+
+    @property
+    def sampled_ids(self) -> tuple[int, ...]:
+        return tuple(row.request_id for row in self.rows if row.sampled)
+
+
+# ---- events: what changed, in order; the backends timestamp them ------------------------------------------------
+@attrs.frozen
+class Rejected:
+    request_id: int
+    reason: str
+
+
+@attrs.frozen
+class Admitted:
+    request_id: int
+    slot: int  # the nodes reset this slot's state before its first row (position 0)
+    group: int
+
+
+@attrs.frozen
+class Token:
+    request_id: int
+    token: int
+    index: int  # 0 = the first token
+
+
+@attrs.frozen
+class Finished:
+    request_id: int
+    slot: int  # released: free for the next waiting request
+    reason: str  # LENGTH or STOP
+    output_tokens: int
+
+
+Event = Rejected | Admitted | Token | Finished
+
+
+def padded_size(rows: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket holding `rows`; beyond the largest bucket, the next multiple of it."""
+    i = bisect.bisect_left(buckets, rows)
+    if i < len(buckets):
+        return buckets[i]
+    return -(-rows // buckets[-1]) * buckets[-1]
+
+
+@attrs.define
+class _Stream:
+    request: Request
+    slot: int
+    group: int
+    prompt_len: int
+    prefilled: int = 0  # prompt rows already put in a frame
+    output: list[int] = attrs.Factory(list)
+
+
+class Policy:
+    def __init__(self, n_groups: int, max_streams: int, prefill_window: int, row_buckets: tuple[int, ...],
+                 context_budget: int) -> None:
+        for name, value in (("n_groups", n_groups), ("max_streams", max_streams), ("prefill_window", prefill_window),
+                            ("context_budget", context_budget)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if not row_buckets or list(row_buckets) != sorted(set(row_buckets)) or row_buckets[0] < 1:
+            raise ValueError(f"row_buckets must be increasing positive sizes, got {row_buckets}")
+        self.n_groups, self.max_streams, self.prefill_window = n_groups, max_streams, prefill_window
+        self.row_buckets, self.context_budget = tuple(row_buckets), context_budget
+        self._waiting: deque[Request] = deque()
+        self._free_slots = list(range(max_streams))  # a heap: the lowest free slot goes first
+        self._groups: list[list[_Stream]] = [[] for _ in range(n_groups)]  # streams by admission order
+        self._prefilling: list[deque[_Stream]] = [deque() for _ in range(n_groups)]  # with prompt rows still to send
+        self._streams: dict[int, _Stream] = {}  # by request id
+        self._in_flight: dict[int, Frame] = {}  # by group
+        self._seen: set[int] = set()
+        self._seq = 0
+
+    @classmethod
+    def for_runtime(cls, runtime: RuntimeSpec, n_groups: int) -> Policy:
+        return cls(n_groups, runtime.max_streams, runtime.prefill_window, runtime.row_buckets, runtime.context_budget)
+
+    # ---- state ------------------------------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """No frame in flight."""
+        return not self._in_flight
+
+    @property
+    def done(self) -> bool:
+        """Every request added so far has finished or was rejected."""
+        return not self._waiting and not self._streams
+
+    @property
+    def in_flight(self) -> tuple[Frame, ...]:
+        return tuple(self._in_flight[g] for g in sorted(self._in_flight))
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        """Streams holding a slot."""
+        return len(self._streams)
+
+    # ---- the three calls ----------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> list[Event]:
+        if request.id in self._seen:
+            raise ValueError(f"request {request.id} was already added")
+        if not request.prompt_ids:
+            raise ValueError(f"request {request.id} has an empty prompt")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"request {request.id}: max_new_tokens must be at least 1, got {request.max_new_tokens}")
+        self._seen.add(request.id)
+        needed = len(request.prompt_ids) + request.max_new_tokens
+        if needed > self.context_budget:
+            return [Rejected(request.id, f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
+                                         f"({request.max_new_tokens}) = {needed} exceeds the context budget "
+                                         f"of {self.context_budget} positions")]
+        self._waiting.append(request)
+        return self._admit()
+
+    def next_frame(self, group: int) -> Frame | None:
+        """The group's next frame, now in flight; None while it has a frame in flight or nothing to compute."""
+        if not 0 <= group < self.n_groups:
+            raise ValueError(f"group {group} is not in 0..{self.n_groups - 1}")
+        if group in self._in_flight:
+            return None
+        rows = [Row(s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True)
+                for s in self._groups[group] if s.output]
+        window, prefilling = self.prefill_window, self._prefilling[group]
+        while window and prefilling:
+            s = prefilling[0]
+            end = min(s.prompt_len, s.prefilled + window)
+            rows += [Row(s.slot, s.request.id, pos, PREFILL, s.request.prompt_ids[pos], pos == s.prompt_len - 1)
+                     for pos in range(s.prefilled, end)]
+            window -= end - s.prefilled
+            s.prefilled = end
+            if end == s.prompt_len:
+                prefilling.popleft()
+        if not rows:
+            return None
+        frame = Frame(self._seq, group, tuple(rows), padded_size(len(rows), self.row_buckets))
+        self._seq += 1
+        self._in_flight[group] = frame
+        return frame
+
+    def complete_frame(self, frame: Frame, sampled: Mapping[int, int]) -> list[Event]:
+        """Take the tokens sampled from a frame's rows ({request id: token}); finish streams, admit waiting ones."""
+        if self._in_flight.get(frame.group) != frame:
+            raise ValueError(f"frame {frame.seq} of group {frame.group} is not in flight")
+        expected = frame.sampled_ids
+        if set(sampled) != set(expected):
+            raise ValueError(f"frame {frame.seq} samples requests {sorted(expected)}, got tokens for {sorted(sampled)}")
+        del self._in_flight[frame.group]
+        events: list[Event] = []
+        for request_id in expected:
+            stream, token = self._streams[request_id], sampled[request_id]
+            stream.output.append(token)
+            events.append(Token(request_id, token, len(stream.output) - 1))
+            stop = token in stream.request.stop_ids
+            if stop or len(stream.output) == stream.request.max_new_tokens:
+                events.append(self._release(stream, STOP if stop else LENGTH))
+        return events + self._admit()
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+    def _admit(self) -> list[Event]:
+        events: list[Event] = []
+        while self._waiting and self._free_slots:
+            request = self._waiting.popleft()
+            slot = heapq.heappop(self._free_slots)
+            group = min(range(self.n_groups), key=lambda g: (len(self._groups[g]), g))
+            stream = _Stream(request, slot, group, len(request.prompt_ids))
+            self._groups[group].append(stream)
+            self._prefilling[group].append(stream)
+            self._streams[request.id] = stream
+            events.append(Admitted(request.id, slot, group))
+        return events
+
+    def _release(self, stream: _Stream, reason: str) -> Finished:
+        self._groups[stream.group].remove(stream)
+        del self._streams[stream.request.id]
+        heapq.heappush(self._free_slots, stream.slot)
+        return Finished(stream.request.id, stream.slot, reason, len(stream.output))

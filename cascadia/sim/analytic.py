@@ -1,0 +1,118 @@
+"""An analytic calibration: a roofline estimate of each layer kind on each node from the spec's hardware figures.
+
+Each table entry is max(bytes read / memory_bandwidth, FLOPs / compute_flops) for one layer and a frame of R rows
+(no compute term on a node without compute_flops):
+- attention (sliding, global) over C attended positions: its weights once, plus every row's K/V over C positions;
+  FLOPs per row for the projections and relative bias, plus attention FLOPs per position;
+- moe over D distinct experts touched: router, shared experts and D routed experts' weights, once per frame;
+  FLOPs per row for the router, top-k routed and shared experts;
+- dense: the dense MLP's weights once; its FLOPs per row;
+- embedding: each row reads its own table row; head: final norm and head weights once, FLOPs per row, plus reading the
+  R x vocabulary logits to sample.
+Links come from the spec; host overheads are not estimated (zero). Every output labels it kind "analytic".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops
+from cascadia.graph.build import ACTIVATION_BYTES
+from cascadia.policy import padded_size
+from cascadia.sim.calibration import (
+    ANALYTIC, DENSE, EMBEDDING, GLOBAL, HEAD, MOE, SLIDING, Calibration, CalibrationError, NodeCalibration, Table,
+    make_meta,
+)
+from cascadia.spec.types import NodeSpec, Spec
+
+ATTENTION_OPS = ("input_norm", "attention", "attn_sconv")  # the attention half of a decoder layer
+ROUTED_OPS = ("routed_experts",)  # read as distinct experts; the rest of an MLP is read whatever the routing
+
+
+def _doubling(low: int, high: int) -> tuple[int, ...]:
+    """low, 2 low, 4 low, ... up to and including high."""
+    points, x = [], low
+    while x < high:
+        points.append(x)
+        x *= 2
+    return (*points, high)
+
+
+def row_grid(spec: Spec) -> tuple[int, ...]:
+    """Every padded frame size the policy can produce: the buckets, and multiples of the largest up to a full group."""
+    runtime = spec.runtime
+    largest_frame = padded_size(runtime.max_streams + runtime.prefill_window, runtime.row_buckets)
+    step = runtime.row_buckets[-1]
+    return tuple(sorted(set(runtime.row_buckets) | set(range(step, largest_frame + 1, step))))
+
+
+class _Roofline:
+    def __init__(self, node: NodeSpec) -> None:
+        if node.memory_bandwidth is None:
+            raise CalibrationError(f"node {node.name}: no memory_bandwidth in the spec, which an analytic estimate "
+                                   f"needs (or simulate with a measured calibration)")
+        self.bandwidth, self.flops = node.memory_bandwidth, node.compute_flops
+
+    def __call__(self, bytes_read: float, flops: float) -> float:
+        return max(bytes_read / self.bandwidth, flops / self.flops if self.flops else 0.0)
+
+
+# (rows, point on the second axis) -> (bytes read, FLOPs) of one layer of a kind
+Cost = Callable[[int, int], tuple[float, float]]
+
+
+def kind_costs(spec: Spec) -> dict[str, tuple[tuple[int, ...], Cost]]:
+    """Each layer kind the model has: the grid of its second axis (() for none) and its bytes and FLOPs."""
+    cfg, runtime = spec.model.config, spec.runtime
+    costs = layer_costs(spec.model, runtime.kv_precision)
+    out: dict[str, tuple[tuple[int, ...], Cost]] = {}
+
+    def ops_of(layer: int, attention_half: bool) -> list:
+        return [op for kind, op in layer_ops(spec.model, layer).items() if (kind in ATTENTION_OPS) == attention_half]
+
+    for attention in (SLIDING, GLOBAL):
+        if (layer := next((c for c in costs if c.attention == attention), None)) is None:
+            continue
+        ops = ops_of(layer.layer, attention_half=True)
+        weights, flops = sum(op.weight_bytes for op in ops), sum(op.flops_per_row for op in ops)
+        out[attention] = (_doubling(1, layer.kv_positions(runtime.context_budget)),
+                          lambda r, c, layer=layer, weights=weights, flops=flops: (
+                              weights + r * c * layer.kv_bytes_per_position,
+                              r * (flops + c * layer.attn_flops_per_position)))
+    for mlp in (MOE, DENSE):
+        if (layer := next((c for c in costs if c.mlp == mlp), None)) is None:
+            continue
+        ops = ops_of(layer.layer, attention_half=False)
+        flops = sum(op.flops_per_row for op in ops)
+        unrouted = sum(op.weight_bytes for op in ops if op.kind not in ROUTED_OPS)
+        if mlp == DENSE:
+            out[DENSE] = ((), lambda r, _, unrouted=unrouted, flops=flops: (unrouted, r * flops))
+        else:
+            out[MOE] = (_doubling(cfg.num_experts_per_tok, cfg.n_routed_experts),
+                        lambda r, d, unrouted=unrouted, flops=flops, expert=layer.expert_bytes: (
+                            unrouted + d * expert, r * flops))
+    embed, head = embedding_cost(spec.model), head_cost(spec.model)
+    logits_bytes = cfg.output_vocab_size * ACTIVATION_BYTES
+    out[EMBEDDING] = ((), lambda r, _: (r * embed.bytes_per_row, 0.0))
+    out[HEAD] = ((), lambda r, _: (head.weight_bytes + r * logits_bytes, r * head.flops_per_row))
+    return out
+
+
+def _table(rows: tuple[int, ...], points: tuple[int, ...], time: Callable[[int, int], float]) -> Table:
+    return Table(rows, points, tuple(tuple(time(r, p) for p in points or (0,)) for r in rows))
+
+
+def analytic_calibration(spec: Spec) -> Calibration:
+    """Roofline tables for every node of the spec, and its links between consecutive nodes (the ring of stages)."""
+    rows = row_grid(spec)
+    nodes = spec.cluster.nodes
+    kinds = kind_costs(spec)
+    per_node = {}
+    for node in nodes:
+        roofline = _Roofline(node)
+        per_node[node.name] = NodeCalibration({kind: _table(rows, points, lambda r, p, cost=cost: roofline(*cost(r, p)))
+                                               for kind, (points, cost) in kinds.items()})
+    ring = [(a.name, b.name) for a, b in zip(nodes, nodes[1:] + nodes[:1]) if a.name != b.name]
+    links = {(a, b): spec.cluster.link(a, b) for a, b in ring}
+    meta = make_meta(spec, ANALYTIC, device="roofline of the spec's memory_bandwidth and compute_flops", openvino=None)
+    return Calibration(meta, per_node, links)

@@ -1,0 +1,271 @@
+"""SimPy model of the pipeline: the shared policy's frames through the plan's stages, links and hosts.
+
+Scenario: clients send requests to the policy (closed loop). Every group without a frame in flight gets its next
+frame, which enters stage 0. Each stage computes the frame on its node's host (a capacity-1 resource: nodes naming the
+same host share its cores and memory bandwidth, so their frames queue for it), then sends it on: the FP32 residual of
+its real rows to the next stage, or, from the last stage, the sampled token ids straight back to stage 0, where the
+policy completes the frame. A link is a capacity-1 resource held for bytes / bandwidth, then the message travels for
+the link's latency (so messages queue behind each other but overlap their latencies).
+
+A stage's time for a frame is its node's overheads (per frame, per real row) plus its layers' calibrated times at the
+frame's padded rows: attention at the mean attended positions of the frame's rows (each row attends its position + 1,
+at most a sliding layer's window), MoE at the expected distinct experts touched by the real rows. The simulator
+computes no tokens: every sampled token is PLACEHOLDER_TOKEN and requests run to max_new_tokens. It is deterministic:
+simultaneous events keep SimPy's scheduling order, which depends on nothing random.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+
+import attrs
+import simpy
+
+from cascadia.graph.build import ACTIVATION_BYTES
+from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
+from cascadia.graph.planner import TOKEN_ID_BYTES
+from cascadia.metrics import Recorder
+from cascadia.model_config import InklingConfig
+from cascadia.policy import Event, Finished, Frame, Policy, Rejected, Request
+from cascadia.sim.calibration import (
+    DENSE, EMBEDDING, GLOBAL, KIND_AXES, MOE, SLIDING, Calibration, CalibrationError, Extrapolations, NodeCalibration,
+    interpolate,
+)
+from cascadia.sim.calibration import HEAD as HEAD_KIND  # the layer kind; HEAD is the plan's role
+from cascadia.spec.types import LinkSpec, Spec
+from cascadia.workload import ClosedLoop
+
+PLACEHOLDER_TOKEN = 0
+
+
+@attrs.frozen
+class FrameShape:
+    """What a frame's cost depends on."""
+
+    padded_rows: int
+    rows: int
+    sliding_context: float  # mean attended positions of its rows on a sliding layer
+    global_context: float  # ... on a global layer
+
+    @classmethod
+    def of(cls, frame: Frame, window: int) -> FrameShape:
+        positions = [row.position + 1 for row in frame.rows]
+        n = len(positions)
+        return cls(frame.padded_rows, n, sum(min(p, window) for p in positions) / n, sum(positions) / n)
+
+
+def stage_kinds(stage: Stage, config: InklingConfig) -> Counter[str]:
+    """How many layers of each kind a stage computes per frame (embedding and head count as one each)."""
+    kinds = Counter(SLIDING if config.is_sliding(i) else GLOBAL for i in stage.layers)
+    kinds.update(DENSE if config.is_dense(i) else MOE for i in stage.layers)
+    kinds.update(kind for role, kind in ((EMBED, EMBEDDING), (HEAD, HEAD_KIND)) if role in stage.roles)
+    return kinds
+
+
+class StageCost:
+    """Seconds a frame spends on a stage; lookups are cached per padded size (and real rows, for MoE).
+
+    One StageCost serves every stage with the same layer kinds on equally calibrated nodes (`nodes` names them, for
+    notes: "node A" or "nodes A, B").
+    """
+
+    def __init__(self, nodes: str, kinds: Counter[str], node: NodeCalibration, config: InklingConfig,
+                 calibration: Calibration, extrapolations: Extrapolations) -> None:
+        self._nodes, self._node, self._calibration, self._log = nodes, node, calibration, extrapolations
+        self._top_k, self._experts = config.num_experts_per_tok, config.n_routed_experts
+        self._kinds = kinds
+        self._fixed: dict[tuple[int, int], float] = {}
+        self._attention: dict[int, list[tuple[int, str, tuple[float, ...], tuple[float, ...]]]] = {}
+
+    def _lookup(self, kind: str, rows: int, x: float | None = None) -> float:
+        value, outside = self._node.tables[kind].lookup(rows, x)
+        if outside:
+            axis = f", {KIND_AXES[kind]} {x:g}" if KIND_AXES[kind] else ""
+            self._log.note(self._nodes, kind, f"rows {rows}{axis}")
+        return value
+
+    def _fixed_time(self, padded: int, rows: int) -> float:
+        """Everything but attention: MLPs, embedding, head, overheads."""
+        total = self._node.frame_s + self._node.row_s * rows
+        for kind, count in self._kinds.items():
+            if kind == MOE:
+                experts, outside = self._calibration.distinct_experts(rows, self._top_k, self._experts)
+                if outside:
+                    self._log.note(self._nodes, "routing", f"rows {rows}")
+                total += count * self._lookup(MOE, padded, experts)
+            elif KIND_AXES[kind] is None:
+                total += count * self._lookup(kind, padded)
+        return total
+
+    def _attention_columns(self, padded: int) -> list[tuple[int, str, tuple[float, ...], tuple[float, ...]]]:
+        columns = []
+        for kind in (SLIDING, GLOBAL):
+            if count := self._kinds.get(kind):
+                table = self._node.tables[kind]
+                column, outside = table.column(padded)
+                if outside:
+                    self._log.note(self._nodes, kind, f"rows {padded}")
+                columns.append((count, kind, table.points, column))
+        return columns
+
+    def __call__(self, shape: FrameShape) -> float:
+        key = (shape.padded_rows, shape.rows)
+        if key not in self._fixed:
+            self._fixed[key] = self._fixed_time(*key)
+        if shape.padded_rows not in self._attention:
+            self._attention[shape.padded_rows] = self._attention_columns(shape.padded_rows)
+        total = self._fixed[key]
+        for count, kind, points, column in self._attention[shape.padded_rows]:
+            context = shape.sliding_context if kind == SLIDING else shape.global_context
+            value, outside = interpolate(points, column, context)
+            if outside:
+                self._log.note(self._nodes, kind, f"context {context:g}")
+            total += count * value
+        return total
+
+
+@attrs.define(eq=False)
+class Server:
+    """A capacity-1 FIFO resource kept as the time it next falls free.
+
+    Exactly simpy.Resource's FIFO service when each holder's duration is known when it asks, as here, at one event
+    per hop instead of the seven a request, a timeout and a release take.
+    """
+
+    free_at: float = 0.0
+
+    def serve(self, arrival: float, duration: float) -> float:
+        """Queue a job arriving at `arrival`; returns when it is done."""
+        self.free_at = max(arrival, self.free_at) + duration
+        return self.free_at
+
+
+class Link:
+    def __init__(self, spec: LinkSpec) -> None:
+        self.spec, self.wire = spec, Server()
+
+    def deliver(self, sent: float, size: int) -> float:
+        """When a message handed over at `sent` arrives: it waits for the wire, holds it, then travels."""
+        return self.wire.serve(sent, size / self.spec.bandwidth) + self.spec.latency
+
+
+class PipelineModel:
+    """The plan's stages on their hosts, joined by links in a ring; carries frames and runs workload phases."""
+
+    def __init__(self, spec: Spec, plan: Plan, calibration: Calibration) -> None:
+        self.env = simpy.Environment()
+        self.extrapolations = Extrapolations()
+        config = spec.model.config
+        self._window = config.sliding_window_size
+        self._row_bytes = config.hidden_size * ACTIVATION_BYTES
+        nodes = {node.name: node for node in spec.cluster.nodes}
+        unknown = [s.node for s in plan.stages if s.node not in nodes]
+        if unknown:
+            raise ValueError(f"the plan places stages on {', '.join(unknown)}, which the spec's cluster does not have")
+        missing = [s.node for s in plan.stages if s.node not in calibration.nodes]
+        if missing:
+            raise CalibrationError(f"{calibration.source or 'calibration'}: nodes: no entry for "
+                                   f"{', '.join(missing)} (has {', '.join(calibration.nodes)})")
+        self._names = [s.node for s in plan.stages]
+        self.costs, self._cost_index = self._stage_costs(plan, calibration, config)
+        hosts: dict[str, Server] = {}
+        self._hosts = [hosts.setdefault(nodes[s.node].host or s.node, Server()) for s in plan.stages]
+        self._shared_hosts = {host for host in self._hosts if self._hosts.count(host) > 1}
+        self.notes: list[str] = []
+        self._links = [self._link(calibration, spec, a.node, b.node)
+                       for a, b in zip(plan.stages, plan.stages[1:] + plan.stages[:1])]
+        self.busy = dict.fromkeys(self._names, 0.0)
+
+    def _stage_costs(self, plan: Plan, calibration: Calibration,
+                     config: InklingConfig) -> tuple[list[StageCost], list[int]]:
+        """One StageCost per distinct (layer kinds, node calibration), and which one each stage uses."""
+        where = calibration.source or "calibration"
+        groups: list[tuple[Counter[str], NodeCalibration, list[str]]] = []
+        index = []
+        for stage in plan.stages:
+            kinds, node = stage_kinds(stage, config), calibration.nodes[stage.node]
+            if missing := sorted(set(kinds) - set(node.tables)):
+                raise CalibrationError(f"{where}: nodes.{stage.node}.tables: missing {', '.join(missing)} (layers "
+                                       f"{stage.first_layer}-{stage.last_layer}, roles {', '.join(stage.roles)})")
+            same = next((i for i, (k, n, _) in enumerate(groups) if k == kinds and n == node), None)
+            if same is None:
+                same = len(groups)
+                groups.append((kinds, node, []))
+            groups[same][2].append(stage.node)
+            index.append(same)
+        costs = [StageCost(f"node{'s' * (len(names) > 1)} {', '.join(names)}", kinds, node, config, calibration,
+                           self.extrapolations)
+                 for kinds, node, names in groups]
+        return costs, index
+
+    def _link(self, calibration: Calibration, spec: Spec, a: str, b: str) -> Link | None:
+        if a == b:
+            return None
+        figures = calibration.links.get((a, b))
+        if figures is None:
+            figures = spec.cluster.link(a, b)
+            self.notes.append(f"link {a}->{b}: not in the calibration; using the spec's figures "
+                              f"({figures.bandwidth:g} B/s, {figures.latency:g} s)")
+        return Link(figures)
+
+    def carry(self, frame: Frame):
+        """The process of one frame: every stage in turn, then its sampled tokens back to stage 0.
+
+        Frames never overtake one another (FIFO hosts and wires, fixed latencies), so every exclusive host and every
+        wire serves frames in the order they left stage 0, and the frame can reserve them all now. A shared host
+        interleaves the frames of its several stages by the time they reach it, so the frame waits until then.
+        """
+        shape = FrameShape.of(frame, self._window)
+        times = [cost(shape) for cost in self.costs]
+        sizes = [shape.rows * self._row_bytes] * (len(self._names) - 1) + [len(frame.sampled_ids) * TOKEN_ID_BYTES]
+        env, t = self.env, self.env.now
+        for name, cost, host, link, size in zip(self._names, self._cost_index, self._hosts, self._links, sizes):
+            if host in self._shared_hosts:
+                yield env.timeout(t - env.now)
+            self.busy[name] += times[cost]
+            t = host.serve(t, times[cost])
+            if link is not None:
+                t = link.deliver(t, size)
+        yield env.timeout(t - env.now)
+
+    def run_phase(self, policy: Policy, requests: Sequence[Request], clients: int,
+                  recorder: Recorder) -> dict[str, float]:
+        """Serve a phase's requests from `clients` closed-loop clients; returns each node's busy seconds in it."""
+        env, loop = self.env, ClosedLoop(requests, clients)
+        busy_before = dict(self.busy)
+        left = len(requests)
+        drained = env.event()
+
+        def observe(events: Iterable[Event]) -> list[Request]:
+            """Record events; the requests the clients whose requests are done send next."""
+            nonlocal left
+            recorder.observe(events, env.now)
+            follow_ups = []
+            for event in events:
+                if isinstance(event, (Finished, Rejected)):
+                    left -= 1
+                    if left == 0:
+                        drained.succeed()
+                    elif (request := loop.next()) is not None:
+                        follow_ups.append(request)
+            return follow_ups
+
+        def submit(first: Iterable[Request]) -> None:
+            queue = deque(first)
+            while queue:
+                request = queue.popleft()
+                recorder.arrived(request, env.now)
+                queue.extend(observe(policy.add_request(request)))
+            for group in range(policy.n_groups):
+                if (frame := policy.next_frame(group)) is not None:
+                    env.process(fly(frame))
+
+        def fly(frame: Frame):
+            yield from self.carry(frame)
+            sampled = {request_id: PLACEHOLDER_TOKEN for request_id in frame.sampled_ids}
+            submit(observe(policy.complete_frame(frame, sampled)))
+
+        submit(loop.start())
+        env.run(until=drained)
+        return {node: self.busy[node] - busy_before[node] for node in self.busy}

@@ -1,0 +1,71 @@
+"""The simulator's entry point: a spec's workload through the SimPy model, in the metrics schema of `cascadia run`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from cascadia import metrics
+from cascadia.graph.plan import Plan
+from cascadia.policy import Policy
+from cascadia.sim.calibration import Calibration
+from cascadia.sim.model import PipelineModel
+from cascadia.spec.types import Spec
+from cascadia.workload import MEASURED, build_levels, load_prompts
+
+
+def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None,
+             prompts: Sequence[tuple[int, ...]] | None = None) -> dict:
+    """Simulate every concurrency level of `spec.workload` (warm-up and measured phase) on `plan`.
+
+    `plan` defaults to the planner's; `groups` (pipeline groups) to one per stage; `prompts` to the workload's prompts
+    file, or seeded random prompts without one.
+    """
+    if plan is None:
+        from cascadia.graph.planner import plan as make_plan
+
+        plan = make_plan(spec)
+    notes = calibration.check_model(spec)
+    if prompts is None and spec.workload.prompts_file is not None:
+        prompts = load_prompts(spec.workload.prompts_file)
+    model = PipelineModel(spec, plan, calibration)
+    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
+    summaries, records = [], []
+    for level in build_levels(spec.workload, spec.model.config.output_vocab_size, prompts):
+        for phase in level.phases:
+            recorder = metrics.Recorder(level.concurrency, phase.name)
+            busy = model.run_phase(policy, phase.requests, level.concurrency, recorder)
+            records += recorder.records
+            if phase.name == MEASURED:
+                summaries.append(metrics.summarize_level(level.concurrency, recorder.records, busy,
+                                                         rejected=len(recorder.rejected)))
+    return metrics.result("simulate", spec, summaries, records, calibration=calibration.describe(),
+                          plan=plan.to_dict(), warnings=notes + model.notes + model.extrapolations.notes)
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """Throughput and first-token latency against concurrency, as an image."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("plotting needs matplotlib, which is not installed (pip install 'cascadia[plot]')") from None
+    levels = result["levels"]
+    streams = [level["concurrency"] for level in levels]
+    fig, (rate, latency) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("decode_tokens_per_s", "decode"), ("phase_tokens_per_s", "whole phase")):
+        rate.plot(streams, [level[key] for level in levels], marker="o", label=label)
+    rate.set(xlabel="concurrent streams", ylabel="tokens/s", title="Throughput")
+    for key in ("p50", "p95"):
+        latency.plot(streams, [level["ttft_s"][key] for level in levels], marker="o", label=f"TTFT {key}")
+    latency.set(xlabel="concurrent streams", ylabel="seconds", title="First-token latency")
+    for axes in (rate, latency):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    kind = result["calibration"]["kind"] if result.get("calibration") else result["source"]
+    fig.suptitle(f"{result['spec']['model']['name']}: {result['source']} ({kind})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

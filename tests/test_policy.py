@@ -1,0 +1,201 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cascadia.policy import (
+    DECODE, LENGTH, PREFILL, STOP, Admitted, Finished, Policy, Rejected, Request, Row, Token, padded_size,
+)
+
+
+def policy(n_groups=1, max_streams=4, prefill_window=8, row_buckets=(2, 8), context_budget=64):
+    return Policy(n_groups, max_streams, prefill_window, row_buckets, context_budget)
+
+
+def shape(frame):
+    """A frame as (group, padded rows, [(request, position, kind, token, sampled)]) for golden comparisons."""
+    return frame.group, frame.padded_rows, [(r.request_id, r.position, r.kind, r.token, r.sampled) for r in frame.rows]
+
+
+@pytest.mark.parametrize("rows, padded", [(1, 2), (2, 2), (3, 8), (8, 8), (9, 16), (32, 32), (33, 64), (65, 96)])
+def test_padding_to_buckets(rows, padded):
+    assert padded_size(rows, (2, 8, 16, 24, 32)) == padded
+
+
+def test_single_stream_prefill_then_decode():
+    p = policy()
+    assert p.add_request(Request(7, (11, 12, 13), 2)) == [Admitted(7, 0, 0)]
+    f = p.next_frame(0)
+    assert shape(f) == (0, 8, [(7, 0, PREFILL, 11, False), (7, 1, PREFILL, 12, False), (7, 2, PREFILL, 13, True)])
+    assert f.rows[0] == Row(slot=0, request_id=7, position=0, kind=PREFILL, token=11, sampled=False)
+    assert p.next_frame(0) is None  # one frame in flight per group
+    assert p.complete_frame(f, {7: 40}) == [Token(7, 40, 0)]
+    f = p.next_frame(0)
+    assert shape(f) == (0, 2, [(7, 3, DECODE, 40, True)])
+    assert p.complete_frame(f, {7: 41}) == [Token(7, 41, 1), Finished(7, 0, LENGTH, 2)]
+    assert p.done and p.idle and p.next_frame(0) is None
+
+
+def test_long_prompt_is_chunked_while_others_keep_decoding():
+    p = policy(prefill_window=4)
+    p.add_request(Request(0, (1,), 3))
+    f = p.next_frame(0)
+    p.complete_frame(f, {0: 100})
+    p.add_request(Request(1, tuple(range(20, 30)), 1))  # 10 prompt tokens: chunks of 4, 4, 2
+    frames = []
+    for token in (101, 102):
+        frames.append(f := p.next_frame(0))
+        p.complete_frame(f, {0: token})
+    frames.append(f := p.next_frame(0))
+    events = p.complete_frame(f, {1: 555})
+    assert [shape(f) for f in frames] == [
+        (0, 8, [(0, 1, DECODE, 100, True)] + [(1, i, PREFILL, 20 + i, False) for i in range(4)]),
+        (0, 8, [(0, 2, DECODE, 101, True)] + [(1, i, PREFILL, 20 + i, False) for i in range(4, 8)]),
+        (0, 2, [(1, 8, PREFILL, 28, False), (1, 9, PREFILL, 29, True)]),
+    ]
+    assert events == [Token(1, 555, 0), Finished(1, 1, LENGTH, 1)]
+
+
+def test_window_is_shared_by_several_prompts_oldest_first():
+    p = policy(prefill_window=4)
+    p.add_request(Request(0, (1, 2, 3), 1))
+    p.add_request(Request(1, (4, 5, 6), 1))
+    assert shape(p.next_frame(0))[2] == [(0, 0, PREFILL, 1, False), (0, 1, PREFILL, 2, False),
+                                         (0, 2, PREFILL, 3, True), (1, 0, PREFILL, 4, False)]
+
+
+def test_groups_slots_and_waiting_requests():
+    p = policy(n_groups=2, max_streams=2)
+    events = [e for i in range(3) for e in p.add_request(Request(i, (1,), 1 + i))]
+    assert events == [Admitted(0, 0, 0), Admitted(1, 1, 1)]  # request 2 waits for a slot
+    assert (p.waiting, p.active) == (1, 2)
+    f0, f1 = p.next_frame(0), p.next_frame(1)
+    assert [f.group for f in p.in_flight] == [0, 1]
+    # group 1 finishes nothing yet; group 0's stream finishes and frees slot 0 for request 2, which joins group 0
+    assert p.complete_frame(f1, {1: 5}) == [Token(1, 5, 0)]
+    assert p.complete_frame(f0, {0: 5}) == [Token(0, 5, 0), Finished(0, 0, LENGTH, 1), Admitted(2, 0, 0)]
+    assert shape(p.next_frame(0)) == (0, 2, [(2, 0, PREFILL, 1, True)])
+
+
+def test_new_request_joins_least_populated_group():
+    p = policy(n_groups=3, max_streams=8)
+    admitted = [e for i in range(5) for e in p.add_request(Request(i, (1,), 3))]
+    assert [e.group for e in admitted] == [0, 1, 2, 0, 1]
+    p.complete_frame(p.next_frame(2), {2: 9})
+    p.complete_frame(p.next_frame(2), {2: 9})
+    events = p.complete_frame(p.next_frame(2), {2: 9})
+    assert events[-1] == Finished(2, 2, LENGTH, 3)
+    assert p.add_request(Request(5, (1,), 1)) == [Admitted(5, 2, 2)]  # group 2 is now the emptiest
+
+
+def test_stop_token_finishes_early():
+    p = policy()
+    p.add_request(Request(0, (1,), 10, stop_ids={2}))
+    p.complete_frame(p.next_frame(0), {0: 5})
+    assert p.complete_frame(p.next_frame(0), {0: 2}) == [Token(0, 2, 1), Finished(0, 0, STOP, 2)]
+
+
+def test_context_budget_rejects_with_reason():
+    p = policy(context_budget=10)
+    [event] = p.add_request(Request(0, tuple(range(6)), 5))
+    assert isinstance(event, Rejected) and "6 tokens" in event.reason and "budget of 10" in event.reason
+    assert p.done
+    assert p.add_request(Request(1, tuple(range(6)), 4)) == [Admitted(1, 0, 0)]
+
+
+@pytest.mark.parametrize("request_, message", [
+    (Request(0, (), 1), "empty prompt"),
+    (Request(0, (1,), 0), "max_new_tokens must be at least 1"),
+])
+def test_invalid_requests(request_, message):
+    with pytest.raises(ValueError, match=message):
+        policy().add_request(request_)
+
+
+def test_misuse_is_an_error():
+    p = policy()
+    p.add_request(Request(0, (1,), 2))
+    with pytest.raises(ValueError, match="already added"):
+        p.add_request(Request(0, (1,), 2))
+    f = p.next_frame(0)
+    with pytest.raises(ValueError, match=r"samples requests \[0\], got tokens for \[\]"):
+        p.complete_frame(f, {})
+    p.complete_frame(f, {0: 1})
+    with pytest.raises(ValueError, match="not in flight"):
+        p.complete_frame(f, {0: 1})
+    with pytest.raises(ValueError, match="group 1 is not in 0..0"):
+        p.next_frame(1)
+    with pytest.raises(ValueError, match="row_buckets"):
+        Policy(1, 1, 8, (8, 2), 10)
+
+
+# ---- properties over random workloads, arrival times and completion orders ------------------------------------
+requests_st = st.lists(st.tuples(st.integers(1, 25), st.integers(1, 8)), min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=requests_st, n_groups=st.integers(1, 4), max_streams=st.integers(1, 6),
+       window=st.integers(1, 9), data=st.data())
+def test_properties(requests, n_groups, max_streams, window, data):
+    p = Policy(n_groups, max_streams, window, (2, 8, 16), context_budget=30)
+    pending = [Request(i, tuple(range(100 + i, 100 + i + n)), m) for i, (n, m) in enumerate(requests)]
+    outputs: dict[int, list[int]] = {}
+    positions: dict[int, list[int]] = {}
+    group_of: dict[int, int] = {}
+    finished, rejected, decoding = set(), set(), set()
+    in_flight = {}
+
+    def observe(events):
+        for e in events:
+            if isinstance(e, Rejected):
+                rejected.add(e.request_id)
+            elif isinstance(e, Admitted):
+                group_of[e.request_id] = e.group
+            elif isinstance(e, Token):
+                outputs.setdefault(e.request_id, []).append(e.token)
+                decoding.add(e.request_id)
+            elif isinstance(e, Finished):
+                finished.add(e.request_id)
+                decoding.discard(e.request_id)
+
+    while pending or in_flight or not p.done:
+        if pending and (not in_flight or data.draw(st.booleans())):  # requests arrive at random moments
+            observe(p.add_request(pending.pop(0)))
+        for g in range(n_groups):
+            if (f := p.next_frame(g)) is None:
+                continue
+            assert g not in in_flight
+            in_flight[g] = f
+            assert sum(r.kind == PREFILL for r in f.rows) <= window
+            assert f.padded_rows >= len(f.rows)
+            # every decoding stream of the group has its row: admitting prompts never stalls decoding
+            assert {r.request_id for r in f.rows if r.kind == DECODE} == {s for s in decoding if group_of[s] == g}
+        owners = {}
+        for f in in_flight.values():
+            for r in f.rows:
+                assert owners.setdefault(r.slot, r.request_id) == r.request_id  # no slot shared by two streams
+                assert group_of[r.request_id] == f.group
+        if in_flight:
+            f = in_flight.pop(data.draw(st.sampled_from(sorted(in_flight))))  # frames return in any order
+            for r in f.rows:
+                positions.setdefault(r.request_id, []).append(r.position)
+            observe(p.complete_frame(f, {rid: 7 for rid in f.sampled_ids}))
+    assert p.idle
+    for i, (n, m) in enumerate(requests):
+        if n + m > 30:
+            assert i in rejected and i not in positions
+            continue
+        assert i in finished and len(outputs[i]) == m
+        assert positions[i] == list(range(n + m - 1))  # contiguous, each position once, in order
+
+
+def test_decoding_streams_get_a_row_in_every_frame_while_a_prompt_is_admitted():
+    p = policy(max_streams=8, prefill_window=8, context_budget=1000)
+    for i in range(3):
+        p.add_request(Request(i, (1,), 50))
+    p.complete_frame(p.next_frame(0), {0: 1, 1: 1, 2: 1})
+    p.add_request(Request(3, tuple(range(100)), 1))
+    for chunk in range(13):  # 100 prompt rows in windows of 8
+        f = p.next_frame(0)
+        assert [r.request_id for r in f.rows if r.kind == DECODE] == [0, 1, 2]
+        assert sum(r.kind == PREFILL for r in f.rows) == min(8, 100 - 8 * chunk)
+        p.complete_frame(f, {rid: 1 for rid in f.sampled_ids})

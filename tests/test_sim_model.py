@@ -1,0 +1,156 @@
+import json
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+
+from cascadia.metrics import Recorder
+from cascadia.policy import Policy, Request
+from cascadia.sim.analytic import analytic_calibration
+from cascadia.sim.calibration import CalibrationError
+from cascadia.sim.model import PipelineModel
+from cascadia.sim.simulate import simulate
+from cascadia.spec.types import LengthSpec, LinkSpec, RuntimeSpec, WorkloadSpec
+from sim_specs import calibration, even_plan, tiny_spec
+
+# Seconds per layer of each kind, chosen distinct so that a wrong count shows.
+KIND_TIMES = {"sliding": 1e-3, "global": 2e-3, "moe": 3e-3, "dense": 4e-3, "embedding": 5e-4, "head": 5e-3}
+HIDDEN_BYTES = 64 * 4  # the tiny model's FP32 residual row
+
+
+def run(spec, cal, requests, clients=1, groups=None):
+    plan = even_plan(spec)
+    model = PipelineModel(spec, plan, cal)
+    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
+    recorder = Recorder(clients, "measured")
+    busy = model.run_phase(policy, requests, clients, recorder)
+    return recorder.records, busy, model
+
+
+def test_single_stream_is_the_sum_of_stage_and_link_times():
+    spec = tiny_spec()  # layers S S G S S G, layer 0 dense; two per node
+    links = {("n0", "n1"): LinkSpec(1e8, 1e-4), ("n1", "n2"): LinkSpec(2e8, 2e-4), ("n2", "n0"): LinkSpec(5e7, 3e-4)}
+    cal = calibration(spec, lambda kind, r, x: KIND_TIMES[kind], frame_s=1e-5, row_s=1e-6, links=links)
+    [record], busy, _ = run(spec, cal, [Request(0, (7,), 1)])
+    k = KIND_TIMES
+    overhead = 1e-5 + 1e-6  # one frame of one row
+    stages = [k["embedding"] + 2 * k["sliding"] + k["dense"] + k["moe"] + overhead,
+              k["global"] + k["sliding"] + 2 * k["moe"] + overhead,
+              k["sliding"] + k["global"] + 2 * k["moe"] + k["head"] + overhead]
+    wires = [1e-4 + HIDDEN_BYTES / 1e8, 2e-4 + HIDDEN_BYTES / 2e8, 3e-4 + 4 / 5e7]  # the last sends one token id
+    assert record.ttft == pytest.approx(sum(stages) + sum(wires), rel=1e-12)
+    assert list(busy.values()) == pytest.approx(stages, rel=1e-12)
+
+
+def test_decode_slows_as_context_grows_until_the_window():
+    spec = tiny_spec()  # sliding window 16
+    cal = calibration(spec, lambda kind, r, x: 1e-4 * x if kind in ("sliding", "global") else 0.0,
+                      links={pair: LinkSpec(1e30, 0.0) for pair in (("n0", "n1"), ("n1", "n2"), ("n2", "n0"))})
+    [record], _, _ = run(spec, cal, [Request(0, (1,), 40)])
+    gaps = np.diff(record.token_times)
+    # the frame of position p: 4 sliding layers attend min(p + 1, 16) positions, 2 global layers p + 1
+    expected = [1e-4 * (4 * min(p + 1, 16) + 2 * (p + 1)) for p in range(1, 40)]
+    assert gaps == pytest.approx(expected, rel=1e-9)
+
+
+def _two_groups_on_two_nodes(host):
+    spec = tiny_spec(n_nodes=2, host=host)
+    fast = LinkSpec(1e30, 0.0)
+    cal = calibration(spec, lambda kind, r, x: 1e-3 if kind in ("moe", "dense", "embedding", "head") else 0.0,
+                      links={("n0", "n1"): fast, ("n1", "n0"): fast})
+    records, _, _ = run(spec, cal, [Request(i, (1,), 3) for i in range(2)], clients=2)
+    return [r.token_times for r in records]
+
+
+def test_nodes_sharing_a_host_take_turns():
+    s = 4e-3  # each of the two stages: 4 layers (embedding and head included) of 1 ms
+    # On their own hosts the groups overlap: group 1 waits one stage time for node 0, then each group gets a token
+    # every two stage times.
+    assert _two_groups_on_two_nodes(None) == [pytest.approx([2 * s, 4 * s, 6 * s]),
+                                              pytest.approx([3 * s, 5 * s, 7 * s])]
+    # On one host every stage of every frame queues for it in arrival order: group 0 on node 0, group 1 on node 0,
+    # group 0 on node 1 (token), group 1 on node 1 (token), ...: a token every four stage times.
+    assert _two_groups_on_two_nodes("box") == [pytest.approx([3 * s, 7 * s, 11 * s]),
+                                                pytest.approx([4 * s, 8 * s, 12 * s])]
+
+
+def test_closed_loop_keeps_littles_law():
+    spec = tiny_spec()
+    cal = calibration(spec, lambda kind, r, x: 1e-4 * (1 + r) + 1e-6 * x)
+    clients = 5
+    requests = [Request(i, tuple(range(3 + i % 7)), 4 + i % 5) for i in range(120)]
+    records, _, _ = run(spec, cal, requests, clients=clients)
+    finishes = sorted(r.t_finish for r in records)
+    start, end = finishes[20], finishes[100]  # steady state: away from the ramp and the drain
+    throughput = 80 / (end - start)
+    in_window = [r for r in records if start < r.t_finish <= end]
+    latency = np.mean([r.t_finish - r.t_arrival for r in in_window])
+    assert throughput * latency == pytest.approx(clients, rel=0.05)
+
+
+def test_missing_table_or_node_is_an_error():
+    spec = tiny_spec()
+    cal = calibration(spec, lambda kind, r, x: 1e-3)
+    no_head = attrs.evolve(cal, nodes={**cal.nodes, "n2": attrs.evolve(cal.nodes["n2"], tables={
+        k: t for k, t in cal.nodes["n2"].tables.items() if k != "head"})})
+    with pytest.raises(CalibrationError, match=r"nodes.n2.tables: missing head \(layers 4-5, roles layers, head\)"):
+        PipelineModel(spec, even_plan(spec), no_head)
+    with pytest.raises(CalibrationError, match="nodes: no entry for n1"):
+        PipelineModel(spec, even_plan(spec), attrs.evolve(cal, nodes={"n0": cal.nodes["n0"], "n2": cal.nodes["n2"]}))
+
+
+def small_workload_spec(seed=0):
+    return tiny_spec(workload=WorkloadSpec(concurrency=(1, 3), requests=4, prompt_tokens=LengthSpec(2, 9),
+                                           output_tokens=5, seed=seed))
+
+
+def test_simulate_is_deterministic_and_seeded():
+    spec = small_workload_spec()
+    cal = analytic_calibration(spec)
+    first = json.dumps(simulate(spec, cal, even_plan(spec)))
+    assert json.dumps(simulate(spec, cal, even_plan(spec))) == first
+    assert json.dumps(simulate(small_workload_spec(seed=1), cal, even_plan(spec))) != first
+
+
+def test_simulate_result():
+    spec = small_workload_spec()
+    result = simulate(spec, analytic_calibration(spec), even_plan(spec))
+    assert [level["concurrency"] for level in result["levels"]] == [1, 3]
+    assert all(level["requests"] == 4 and level["output_tokens"] == 20 for level in result["levels"])
+    assert [r["phase"] for r in result["requests"]] == ["warmup"] * 4 + ["measured"] * 4 + ["warmup"] * 4 + \
+        ["measured"] * 4
+    assert result["calibration"]["kind"] == "analytic" and result["warnings"] == []
+    assert set(result["levels"][0]["busy"]) == {"n0", "n1", "n2"}
+    one, three = result["levels"]
+    assert three["phase_tokens_per_s"] > one["phase_tokens_per_s"]  # three streams share the pipeline
+
+
+def test_extrapolation_and_link_fallback_are_reported():
+    spec = tiny_spec(runtime=RuntimeSpec(context_budget=64, max_streams=8, row_buckets=(2, 4, 8), prefill_window=4),
+                     workload=WorkloadSpec(concurrency=(4,), prompt_tokens=LengthSpec.fixed(6), output_tokens=3))
+    cal = calibration(spec, lambda kind, r, x: 1e-4 * r, rows=(1, 2), links={})
+    warnings = simulate(spec, cal, even_plan(spec))["warnings"]
+    # a first frame of 4 prompt rows: padded to 4, beyond the 2 rows calibrated; 4 rows touch 5.47 of 8 experts
+    assert "node n0: moe time extrapolated beyond the calibration grid (rows 4, experts 5.46875)" in warnings
+    assert sum("node n0: moe" in w for w in warnings) == 1
+    assert any(w.startswith("link n2->n0: not in the calibration; using the spec's figures") for w in warnings)
+
+
+@pytest.mark.slow
+def test_paper_deployment_at_fifteen_levels():
+    """The paper's 11-PC deployment, 15 levels of 128-token requests: the speed check of the simulator."""
+    from cascadia.graph.planner import plan
+    from cascadia.spec.load import load_spec
+
+    spec = load_spec(Path(__file__).parent.parent / "specs" / "inkling-975b-11pc.yaml")
+    the_plan = plan(spec)
+    levels = simulate(spec, analytic_calibration(spec), the_plan)["levels"]
+    assert [level["concurrency"] for level in levels] == list(spec.workload.concurrency)
+    assert all(level["output_tokens"] == 128 * level["concurrency"] for level in levels)
+    rates = [level["decode_tokens_per_s"] for level in levels]
+    assert all(b > 0.99 * a for a, b in zip(rates, rates[1:]))  # grows, or holds once the slowest node is saturated
+    assert rates[-1] > 10 * rates[0]
+    # one stream: the planner's own roofline (one row at the full context budget) within a few percent
+    assert levels[0]["tpot_s"]["p50"] == pytest.approx(sum(s.est_time_s for s in the_plan.stages), rel=0.03)
+    assert max(levels[-1]["busy"].values()) > 0.95  # 176 streams keep the slowest node busy

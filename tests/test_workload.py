@@ -1,0 +1,87 @@
+from pathlib import Path
+
+import attrs
+import pytest
+
+from cascadia.policy import Request
+from cascadia.spec.types import LengthSpec, WorkloadSpec
+from cascadia.workload import PHASES, ClosedLoop, build_levels, load_prompts, override
+
+
+def test_levels_phases_and_requests():
+    workload = WorkloadSpec(concurrency=(1, 3), prompt_tokens=LengthSpec(2, 5), output_tokens=7, seed=4)
+    levels = build_levels(workload, vocab_size=50)
+    assert [level.concurrency for level in levels] == [1, 3]
+    assert all(tuple(p.name for p in level.phases) == PHASES for level in levels)
+    requests = [r for level in levels for phase in level.phases for r in phase.requests]
+    assert [len(phase.requests) for level in levels for phase in level.phases] == [1, 1, 3, 3]  # default: c each
+    assert [r.id for r in requests] == list(range(8))
+    assert all(2 <= len(r.prompt_ids) <= 5 and all(0 <= t < 50 for t in r.prompt_ids) for r in requests)
+    assert all(r.max_new_tokens == 7 and not r.stop_ids for r in requests)
+    assert len({r.prompt_ids for r in requests}) > 1
+
+
+def test_seeded_and_independent_of_other_levels():
+    workload = WorkloadSpec(concurrency=(2, 4), requests=5, prompt_tokens=LengthSpec(1, 30), seed=1)
+    assert build_levels(workload, 100) == build_levels(workload, 100)
+    alone = build_levels(WorkloadSpec(concurrency=(4,), requests=5, prompt_tokens=LengthSpec(1, 30), seed=1), 100)
+    prompts = [[r.prompt_ids for r in phase.requests] for phase in alone[0].phases]
+    assert prompts == [[r.prompt_ids for r in phase.requests] for phase in build_levels(workload, 100)[1].phases]
+    other_seed = build_levels(WorkloadSpec(concurrency=(2, 4), requests=5, prompt_tokens=LengthSpec(1, 30), seed=2),
+                              100)
+    assert other_seed != build_levels(workload, 100)
+
+
+def test_prompts_file_cycles_in_order(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"ids": [5, 6]}\n\n{"ids": [7]}\n')
+    prompts = load_prompts(path)
+    assert prompts == [(5, 6), (7,)]
+    levels = build_levels(WorkloadSpec(concurrency=(3,)), 100, prompts, stop_ids=frozenset({2}))
+    assert [r.prompt_ids for phase in levels[0].phases for r in phase.requests] == [(5, 6), (7,)] * 3
+    assert levels[0].phases[0].requests[0].stop_ids == {2}
+
+
+def test_text_prompts_need_a_tokenizer(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"text": "ab"}\n')
+    assert load_prompts(path, tokenize=lambda text: [ord(c) for c in text]) == [(97, 98)]
+    with pytest.raises(ValueError, match="prompts.jsonl:1: a 'text' prompt needs a tokenizer"):
+        load_prompts(path)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"ids": [1, 2]}\n[1, 2]\n', r":2: expected an object with 'ids'"),
+    ('{"ids": []}\n', r":1: 'ids' must be a non-empty list"),
+    ('{"ids": [1, -2]}\n', r":1: 'ids' must be a non-empty list of non-negative integers"),
+    ('{"ids": [1}\n', r":1: not valid JSON"),
+    ('\n', "no prompts"),
+])
+def test_bad_prompt_files(tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_prompts(path)
+
+
+def test_missing_prompt_file(tmp_path):
+    with pytest.raises(ValueError, match="cannot read prompts"):
+        load_prompts(tmp_path / "nope.jsonl")
+
+
+def test_closed_loop_sends_the_next_request_when_one_is_done():
+    requests = [Request(i, (1,), 1) for i in range(5)]
+    loop = ClosedLoop(requests, clients=2)
+    assert loop.start() == requests[:2]
+    assert [loop.next() for _ in range(4)] == [requests[2], requests[3], requests[4], None]
+    assert ClosedLoop(requests[:1], clients=3).start() == requests[:1]
+
+
+def test_override_replaces_only_what_is_given():
+    workload = WorkloadSpec(concurrency=(1,), requests=None, prompt_tokens=LengthSpec(3, 9), output_tokens=5,
+                            prompts_file=Path("prompts.jsonl"))
+    assert override(workload) == workload
+    assert override(workload, output_tokens=2) == attrs.evolve(workload, output_tokens=2)
+    changed = override(workload, concurrency=(2, 4), requests=3, output_tokens=8, prompt_tokens=6)
+    assert (changed.concurrency, changed.requests, changed.output_tokens, changed.prompt_tokens,
+            changed.prompts_file) == ((2, 4), 3, 8, LengthSpec(6, 6), None)
