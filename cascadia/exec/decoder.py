@@ -1,0 +1,138 @@
+"""One Inkling decoder layer: its compiled weight blocks, its FP32 host weights, its per-slot state, its forward.
+
+Split of the work: OpenVINO runs the weight-heavy blocks (q/k/v/r projection, o projection, the dense SwiGLU or the
+MoE experts) at the engine's precision, on compressed weights; the host runs in FP32 everything between them, as
+the reference keeps it: norms, the four short convolutions with their states, the router, attention with its
+relative-position bias, residuals and the FP32 output restoration of the MLP (see `cascadia.exec.restoration`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import openvino as ov
+
+from cascadia.exec import graphs
+from cascadia.exec.attention import AttentionShape, attend
+from cascadia.exec.device import CompiledBlock
+from cascadia.exec.host_ops import head_rms_norm, rms_norm, short_conv
+from cascadia.exec.restoration import row_factor, up_divisor
+from cascadia.exec.routing import Router
+from cascadia.exec.rows import Rows
+from cascadia.model_config import InklingConfig
+from cascadia.spec.types import WeightFormats
+
+Compile = Callable[[ov.Model], CompiledBlock]
+
+
+class SlotState:
+    """A layer's state for every slot: K/V rings [slots, kv_heads, ring, head_dim] and the last K-1 inputs of
+    its four short convolutions [slots, K-1, width]. Zero-filled, so pages are only committed as slots fill."""
+
+    def __init__(self, shape: AttentionShape, ring: int, hidden: int, kernel: int, slots: int):
+        kv = (slots, shape.kv_heads, ring, shape.head_dim)
+        self.k, self.v = np.zeros(kv, np.float32), np.zeros(kv, np.float32)
+        kv_width = shape.kv_heads * shape.head_dim
+        self.conv = {name: np.zeros((slots, kernel - 1, width), np.float32)
+                     for name, width in (("k", kv_width), ("v", kv_width), ("attn", hidden), ("mlp", hidden))}
+
+    def release(self, slot: int) -> None:
+        """Ready a slot for a new stream. Stale K/V need no clearing: a stream only reads entries it wrote."""
+        for states in self.conv.values():
+            states[slot] = 0
+
+
+class DecoderLayer:
+    def __init__(self, cfg: InklingConfig, layer: int, tensors: dict[str, np.ndarray], formats: WeightFormats,
+                 compile: Compile, dense_slices: int | None = None):
+        """`tensors`: the layer's float32 tensors by name relative to its prefix (`Checkpoint.layer`).
+        `dense_slices`: run a dense MLP as that many all-active expert slices through the fused MoE graph."""
+        t = tensors
+        heads, kv_heads, head_dim = cfg.heads(layer)
+        log_scaling = None
+        if not cfg.is_sliding(layer) and cfg.log_scaling_n_floor is not None:
+            log_scaling = (cfg.log_scaling_n_floor, cfg.log_scaling_alpha)
+        self.shape = AttentionShape(heads, kv_heads, head_dim, cfg.sliding_window_size if cfg.is_sliding(layer)
+                                    else None, cfg.layer_rel_extent(layer), log_scaling)
+        self.eps = cfg.rms_norm_eps
+        self.input_norm, self.post_norm = t["input_layernorm.weight"], t["post_attention_layernorm.weight"]
+        self.q_norm, self.k_norm = t["self_attn.q_norm.weight"], t["self_attn.k_norm.weight"]
+        self.rel_bank = t["self_attn.rel_logits_proj.proj"]  # [d_rel, extent]
+        self.conv = {name: t[key][:, 0, :] for name, key in (
+            ("k", "self_attn.k_sconv.conv1d.weight"), ("v", "self_attn.v_sconv.conv1d.weight"),
+            ("attn", "attn_sconv.conv1d.weight"), ("mlp", "mlp_sconv.conv1d.weight"))}
+
+        qkvr = [t[f"self_attn.{p}_proj.weight"] for p in "qkvr"]
+        self.qkvr_split = np.cumsum([w.shape[0] for w in qkvr])[:-1]
+        self.qkvr = compile(graphs.projection(qkvr, formats.attention))
+        self.o_proj = compile(graphs.projection([t["self_attn.o_proj.weight"]], formats.attention))
+
+        self.router: Router | None = None
+        self.dense_slices = dense_slices if cfg.is_dense(layer) else None
+        if cfg.is_dense(layer):
+            gate, up, down = (t[f"mlp.{p}_proj.weight"] for p in ("gate", "up", "down"))
+            self.up_divisor = up_divisor(gate, up, down, self.post_norm)
+            self.output_scale = t["mlp.global_scale"]
+            up = up / np.float32(self.up_divisor)
+            if dense_slices:
+                self.mlp = compile(graphs.expert_slices(*_slices(gate, up, down, dense_slices), formats.dense_mlp))
+            else:
+                self.mlp = compile(graphs.swiglu_mlp(gate, up, down, formats.dense_mlp))
+        else:
+            self.router = Router(t["mlp.gate.weight"], t["mlp.gate.e_score_correction_bias"], cfg.route_scale,
+                                 t["mlp.gate.global_scale"], cfg.num_experts_per_tok)
+            gate_up = t["mlp.experts.gate_up_proj"]
+            routed = (gate_up[:, : cfg.moe_intermediate_size], gate_up[:, cfg.moe_intermediate_size:],
+                      t["mlp.experts.down_proj"])
+            shared = tuple(t[f"mlp.shared_experts.{p}_proj"] for p in ("gate", "up", "down"))
+            self.up_divisor = max(up_divisor(*routed, self.post_norm), up_divisor(*shared, self.post_norm))
+            scaled = [(g, u / np.float32(self.up_divisor), d) for g, u, d in (routed, shared)]
+            self.mlp = compile(graphs.moe(scaled[0], formats.routed_experts, scaled[1], formats.shared_experts,
+                                          cfg.num_experts_per_tok))
+
+    def blocks(self) -> list[CompiledBlock]:
+        return [self.qkvr, self.o_proj, self.mlp]
+
+    def forward(self, x: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
+        """x [T, H] residual stream of the rows -> after this layer. Updates the rows' slots in `state`."""
+        h = rms_norm(x, self.input_norm, self.eps)
+        x = x + short_conv(self.o_proj(self.attention(h, rows, state))[0], self.conv["attn"], state.conv["attn"],
+                           rows)
+        h = rms_norm(x, self.post_norm, self.eps)
+        return x + short_conv(self.feed_forward(h), self.conv["mlp"], state.conv["mlp"], rows)
+
+    def attention(self, h: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
+        q, k, v, r = np.split(self.qkvr(h)[0], self.qkvr_split, axis=1)
+        k = short_conv(k, self.conv["k"], state.conv["k"], rows)
+        v = short_conv(v, self.conv["v"], state.conv["v"], rows)
+        q, k = head_rms_norm(q, self.q_norm, self.eps), head_rms_norm(k, self.k_norm, self.eps)
+        v = v.reshape(k.shape)
+        rel = r.reshape(len(r), self.shape.heads, -1) @ self.rel_bank  # [T, heads, extent]: bias per distance
+        out = np.empty((len(h), self.shape.heads * self.shape.head_dim), np.float32)
+        for slot, start, count, first in rows.groups():
+            part = slice(start, start + count)
+            out[part] = attend(self.shape, q[part], k[part], v[part], rel[part], state.k[slot], state.v[slot], first)
+        return out
+
+    def feed_forward(self, h: np.ndarray) -> np.ndarray:
+        """The MLP of the rows h [T, H], restored to full scale in FP32."""
+        if self.router is None:
+            if self.dense_slices:
+                out = self.mlp(h, np.ones((len(h), self.dense_slices), np.float32))[0]
+            else:
+                out = self.mlp(h)[0]
+            return out * np.float32(self.up_divisor) * self.output_scale
+        routing = self.router(h)
+        factor = row_factor(routing.weights, routing.shared_weights)
+        out = self.mlp(h, routing.index, routing.weights / factor, routing.shared_weights / factor)[0]
+        return out * (np.float32(self.up_divisor) * factor)
+
+
+def _slices(gate: np.ndarray, up: np.ndarray, down: np.ndarray, n: int):
+    """A dense SwiGLU [I, H] / [H, I] as n experts of width I/n: [n, I/n, H] gate and up, [n, H, I/n] down."""
+    width, hidden = gate.shape
+    if width % n:
+        raise ValueError(f"dense_slices={n} does not divide the dense MLP width {width}")
+    return (gate.reshape(n, width // n, hidden), up.reshape(n, width // n, hidden),
+            np.ascontiguousarray(down.reshape(hidden, n, width // n).transpose(1, 0, 2)))
