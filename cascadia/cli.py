@@ -275,14 +275,359 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
         click.echo("(analytic estimate)")
     for warning in result["warnings"]:
         click.echo(f"warning: {warning}", err=True)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-    if plot_path:
-        try:
+    try:
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=1)
+        if plot_path:
             plot(result, plot_path)
-        except RuntimeError as e:
-            raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"{e.filename}: cannot write ({e.strerror})") from None
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _engine_options(func):
+    """Options shared by the commands that run the single-process engine."""
+    for option in reversed([
+        click.option("--precision", type=click.Choice(["f32", "bf16", "f16"]), default="bf16", show_default=True,
+                     help="compute precision (f32: exact; f16 runs as bf16 on a CPU)"),
+        click.option("--compressed", is_flag=True,
+                     help="the paper's weight formats: experts int4 in groups of 32, attention and head int8"),
+        click.option("--device", type=click.Choice(["auto", "GPU", "CPU"]), default="auto", show_default=True),
+        click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: OpenVINO's choice)"),
+    ]):
+        func = option(func)
+    return func
+
+
+def _open_engine(checkpoint: str, context: int, precision: str, compressed: bool, device: str, threads: int | None):
+    from cascadia.exec.checkpoint import Checkpoint, CheckpointError
+    from cascadia.exec.device import DeviceError
+    from cascadia.exec.engine import Engine
+    from cascadia.spec.types import WeightFormat, WeightFormats
+
+    formats = WeightFormats()
+    if compressed:
+        formats = WeightFormats(routed_experts=WeightFormat("int4", 32), shared_experts=WeightFormat("int4", 32),
+                                attention=WeightFormat("int8"), head=WeightFormat("int8"))
+    try:
+        return Engine(Checkpoint.open(checkpoint), formats=formats, precision=precision, max_streams=1,
+                      context_budget=context, device=device, threads=threads)
+    except (CheckpointError, DeviceError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of token ids", param_hint="--ids") from None
+    if not ids or min(ids) < 0:
+        raise click.BadParameter(f"{text!r}: token ids are integers >= 0", param_hint="--ids")
+    return ids
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", help="prompt text (needs CHECKPOINT/tokenizer.json)")
+@click.option("--ids", "ids_text", help="prompt token ids, e.g. 1,2,3")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--greedy", is_flag=True, help="always the most likely token (the default)")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), help="sample at this temperature")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              help="sample from the smallest set of tokens whose probability reaches P")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="keep going past the end-of-sequence token")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write ids, text and timings as JSON")
+@_engine_options
+def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_tokens: int, greedy: bool,
+             temperature: float | None, top_p: float, seed: int, ignore_eos: bool, json_path: str | None,
+             precision: str, compressed: bool, device: str, threads: int | None) -> None:
+    """Generate text (or token ids) from a prompt with the single-process OpenVINO engine."""
+    import json
+    from pathlib import Path
+
+    from cascadia.exec.generate import generate as run_generation
+    from cascadia.exec.sampling import Sampler
+
+    if (prompt is None) == (ids_text is None):
+        raise click.UsageError("give --prompt or --ids (one of them)")
+    if greedy and temperature is not None:
+        raise click.UsageError("--greedy and --temperature exclude each other")
+    tokenizer = None
+    if (tokenizer_file := Path(checkpoint) / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    if prompt is not None and tokenizer is None:
+        raise click.UsageError(f"--prompt needs {tokenizer_file}; give --ids instead")
+    prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else _token_ids(ids_text)
+    if not prompt_ids:
+        raise click.UsageError("the prompt has no tokens")
+    engine = _open_engine(checkpoint, len(prompt_ids) + max_new_tokens, precision, compressed, device, threads)
+    eos = engine.config.eos_token_id
+    stop = () if ignore_eos or eos is None else (eos if isinstance(eos, list) else [eos])
+    sampler = Sampler(temperature or 0.0, top_p, seed)
+    try:
+        result = run_generation(engine, prompt_ids, max_new_tokens, sampler, stop)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    text = tokenizer.decode(list(result.ids)) if tokenizer else None
+    if text is not None:
+        click.echo(text)
+    click.echo(f"ids: {','.join(map(str, result.ids))}")
+    click.echo(f"{len(result.ids)} tokens ({'stop token' if result.stopped else 'token limit'}); prefill "
+               f"{len(prompt_ids)} tokens in {result.prefill_s * 1e3:.1f} ms; decode {result.decode_tokens_per_s:.1f} "
+               f"tokens/s; {engine.stage.precision} on {engine.stage.device}")
+    if json_path:
+        body = result.to_json() | {"text": text, "precision": engine.stage.precision, "device": engine.stage.device}
+        with open(json_path, "w") as f:
+            json.dump(body, f, indent=1)
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--ids", "ids_path", type=click.Path(exists=True, dir_okay=False), required=True,
+              help='JSON file: a list of token ids, or {"ids": [...]}')
+@click.option("--prefill", type=click.IntRange(min=1), help="tokens fed by prefill; the rest go one decode step at a "
+                                                            "time (default: all by prefill)")
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="write the logits [N, vocab] (.npy)")
+@_engine_options
+@click.option("--spec", "spec_path", type=click.Path(exists=True, dir_okay=False),
+              help="score on this spec's pipeline (its nodes and runtime; local nodes are started here) instead of "
+                   "in one process; the engine options above are then the spec's")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
+              help="with --spec: a plan saved by `cascadia plan -o` (default: plan now)")
+def score(checkpoint: str, ids_path: str, prefill: int | None, out: str, precision: str, compressed: bool,
+          device: str, threads: int | None, spec_path: str | None, plan_path: str | None) -> None:
+    """Teacher-forced logits for every position of a token sequence, with its mean log-prob and perplexity."""
+    import json
+
+    import numpy as np
+
+    from cascadia.exec.generate import score_logits
+
+    try:
+        body = json.loads(open(ids_path).read())
+        ids = body["ids"] if isinstance(body, dict) else body
+        ids = [int(i) for i in ids]
+    except (ValueError, KeyError, TypeError) as e:
+        raise click.ClickException(f"{ids_path}: expected a JSON list of token ids or {{\"ids\": [...]}} ({e})") \
+            from None
+    if len(ids) < 2:
+        raise click.ClickException(f"{ids_path}: scoring needs at least two tokens, got {len(ids)}")
+    try:
+        if spec_path:
+            logits = _score_on_pipeline(spec_path, plan_path, checkpoint, ids, prefill)
+        else:
+            engine = _open_engine(checkpoint, len(ids), precision, compressed, device, threads)
+            logits = engine.score(ids, prefill=prefill)
+        result = score_logits(logits, ids)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    np.save(out, logits)
+    click.echo(f"scored {result.tokens} tokens ({prefill or len(ids)} by prefill): mean log-prob "
+               f"{result.mean_log_prob:.4f} nats, perplexity {result.perplexity:.2f}; logits {logits.shape} -> {out}")
+
+
+def _sampling_options(command):
+    """--greedy | --temperature T --top-p P, and --seed: how the last node picks tokens (default: the spec's)."""
+    for option in reversed((
+            click.option("--greedy", is_flag=True, default=None, help="take the most likely token"),
+            click.option("--temperature", type=click.FloatRange(min=0, min_open=True),
+                         help="sample at this temperature"),
+            click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
+                         help="sample from the most likely tokens holding this probability"),
+            click.option("--seed", type=int, help="seed of the random draws"))):
+        command = option(command)
+    return command
+
+
+def _with_sampling(workload, greedy: bool | None, temperature: float | None, top_p: float | None, seed: int | None):
+    import attrs
+
+    if greedy and (temperature is not None or top_p is not None):
+        raise click.UsageError("give --greedy or --temperature/--top-p, not both")
+    changes = {"greedy": True} if greedy else {}
+    if temperature is not None or top_p is not None:
+        changes["greedy"] = False
+    changes.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed))
+                    if v is not None})
+    return attrs.evolve(workload, **changes)
+
+
+@cli.command()
+@click.option("--spec", "spec_path", type=click.Path(exists=True, dir_okay=False), required=True)
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="the plan the coordinator runs (`cascadia plan -o`)")
+@click.option("--name", required=True, help="this node's name in the plan")
+@click.option("--listen", required=True, help="address to bind this node's input, e.g. tcp://0.0.0.0:5601")
+@click.option("--control", required=True, help="the coordinator's control address, e.g. tcp://10.0.0.1:5555")
+@click.option("--successor", help="where this node sends its results (default: the next node's address in the "
+                                  "spec; the last node: the coordinator's token address)")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
+@click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: the node's, in the spec)")
+@_sampling_options
+@click.option("--logits", is_flag=True, help="last node: send the logits of sampled rows back too (scoring)")
+@click.option("--parent-pid", type=int, help="stop when this process is no longer our parent")
+def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, successor: str | None,
+         checkpoint: str | None, threads: int | None, greedy, temperature, top_p, seed, logits: bool,
+         parent_pid: int | None) -> None:
+    """Serve one stage of a plan: load its layers, then compute frames until the coordinator says stop.
+
+    `cascadia run` starts these itself for `local` nodes; on other machines, start one per node after `cascadia run`
+    is up, with the same spec and plan files."""
+    import logging
+    from pathlib import Path
+
+    from cascadia.exec.stage import Sampling, node_settings, serve_node
+    from cascadia.graph.plan import Plan
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    loaded = _load_spec_or_exit(spec_path)
+    sampling = Sampling.of(_with_sampling(loaded.workload, greedy, temperature, top_p, seed))
+    try:
+        chosen = Plan.load(plan_path)
+        settings = node_settings(loaded, chosen, name, listen, control, successor, parent_pid)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    folder = Path(checkpoint) if checkpoint else loaded.model.checkpoint
+    if folder is None:
+        raise click.UsageError(f"{spec_path}: the model names no checkpoint; give --checkpoint")
+    try:
+        serve_node(loaded, chosen, settings, folder, threads, sampling, logits)
+    except Exception as e:  # already reported to the coordinator by the node loop; say it here too, briefly
+        raise click.ClickException(f"{name}: {type(e).__name__}: {e}") from None
+
+
+def _score_on_pipeline(spec_path: str, plan_path: str | None, checkpoint: str, ids: list[int],
+                       prefill: int | None):
+    """`cascadia score --spec`: the logits as the plan's nodes compute them, with their start-up on stderr."""
+    from pathlib import Path
+
+    from cascadia.exec.checkpoint import CheckpointError
+    from cascadia.exec.coordinator import PipelineError
+    from cascadia.exec.run import describe, score_on_pipeline
+    from cascadia.exec.transport import TransportError
+    from cascadia.graph.plan import Plan
+    from cascadia.graph.planner import InfeasiblePlan
+    from cascadia.graph.planner import plan as make_plan
+
+    loaded = _load_spec_or_exit(spec_path)
+    try:
+        chosen = Plan.load(plan_path) if plan_path else make_plan(loaded)
+        return score_on_pipeline(loaded, chosen, ids, prefill, checkpoint=Path(checkpoint),
+                                 on_message=lambda node, message: click.echo(describe(node, message), err=True))
+    except (PipelineError, TransportError, CheckpointError, InfeasiblePlan) as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | None = None, groups: int | None = None,
+                    json_path: str | None = None, outputs_path: str | None = None, control: str | None = None,
+                    tokens: str | None = None, node_timeout: float | None = None) -> None:
+    """Run the workload through the pipeline, with progress on stderr; print the table, write the files."""
+    import json
+    from pathlib import Path
+
+    from cascadia.exec.checkpoint import CheckpointError
+    from cascadia.exec.coordinator import PipelineError
+    from cascadia.exec.run import NODE_TIMEOUT_S, Addresses, RunFailed, describe, run
+    from cascadia.exec.transport import TransportError
+    from cascadia.graph.plan import Plan
+    from cascadia.graph.planner import InfeasiblePlan
+    from cascadia.graph.planner import plan as make_plan
+    from cascadia.metrics import format_table
+
+    def write(result: dict, outputs: list[dict]) -> None:
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=1)
+        if outputs_path:
+            with open(outputs_path, "w") as f:
+                f.writelines(json.dumps(line) + "\n" for line in outputs)
+
+    def phase_done(level: int, phase: str, records: list) -> None:
+        tokens_out = sum(r.output_tokens for r in records)
+        click.echo(f"concurrency {level}, {phase}: {len(records)} requests, {tokens_out} tokens", err=True)
+
+    if (control is None) != (tokens is None):
+        raise click.UsageError("give both --control and --tokens, or neither")
+    try:
+        chosen = Plan.load(plan_path) if plan_path else make_plan(loaded)
+        done = run(loaded, chosen, workload, groups=groups, checkpoint=Path(checkpoint) if checkpoint else None,
+                   addresses=Addresses(control, tokens) if control else None,
+                   node_timeout_s=node_timeout or NODE_TIMEOUT_S,
+                   on_message=lambda node, message: click.echo(describe(node, message), err=True),
+                   on_phase=phase_done)
+    except RunFailed as e:
+        write(e.result, e.outputs)
+        raise click.ClickException(f"run failed: {e}") from None
+    except (PipelineError, TransportError, CheckpointError, InfeasiblePlan, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(format_table(done.result))
+    for warning in done.result["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
+    write(done.result, done.outputs)
+
+
+@cli.command("run")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
+              help="a plan saved by `cascadia plan -o` (default: plan now)")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
+@click.option("--concurrency", type=_IntList(), help="concurrency levels, e.g. 1,2,4 (default: the spec's)")
+@click.option("--requests", type=click.IntRange(min=1), help="requests per phase (default: the level's concurrency)")
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
+              help='JSONL prompts, one {"ids": [...]} per line (default: the spec\'s, or random ids)')
+@click.option("--prompt-tokens", type=click.IntRange(min=1), help="random prompts of this many tokens")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), help="output tokens per request")
+@_sampling_options
+@click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the metrics JSON here")
+@click.option("--outputs", "outputs_path", type=click.Path(dir_okay=False),
+              help="write each request's prompt and output token ids here (JSONL)")
+@click.option("--control", help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
+@click.option("--tokens", help="tcp nodes: the token address to bind (the last node's --successor)")
+@click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True),
+              help="seconds a starting node may stay silent [default: 120]")
+def run_command(spec: str, plan_path: str | None, checkpoint: str | None, concurrency, requests, prompts,
+                prompt_tokens, max_new_tokens, greedy, temperature, top_p, seed, groups, json_path, outputs_path,
+                control, tokens, node_timeout) -> None:
+    """Run the spec's workload through the real pipeline and print throughput and latency per concurrency level.
+
+    Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
+    `cascadia node ... --control ADDRESS` (the last one also with --successor set to the --tokens address)."""
+    import attrs
+
+    from cascadia.workload import override
+
+    loaded = _load_spec_or_exit(spec)
+    workload = override(loaded.workload, concurrency, requests, max_new_tokens, prompt_tokens)
+    if prompts:
+        workload = attrs.evolve(workload, prompts_file=prompts)
+    workload = _with_sampling(workload, greedy, temperature, top_p, seed)
+    _run_and_report(loaded, plan_path, workload, checkpoint, groups, json_path, outputs_path, control, tokens,
+                    node_timeout)
+
+
+@cli.command()
+@click.option("--concurrency", type=_IntList(), help="concurrency levels (default: the spec's, 1,2,4,8)")
+def demo(concurrency) -> None:
+    """Run the tiny model (specs/tiny-local.yaml) on 3 local node processes; its random weights are written to
+    specs/tiny-checkpoint on first use."""
+    from pathlib import Path
+
+    from cascadia.exec.run import ensure_random_checkpoint
+    from cascadia.workload import override
+
+    path = Path(__file__).resolve().parent.parent / "specs" / "tiny-local.yaml"
+    if not path.is_file():
+        raise click.ClickException(f"{path}: not found (the demo runs from a source checkout)")
+    loaded = _load_spec_or_exit(str(path))
+    if ensure_random_checkpoint(loaded):
+        click.echo(f"wrote random weights to {loaded.model.checkpoint}", err=True)
+    _run_and_report(loaded, None, override(loaded.workload, concurrency))
 
 
 def main() -> None:

@@ -1,0 +1,263 @@
+"""The coordinator: drives the shared scheduling policy over the real pipeline, as the simulator drives it over SimPy.
+
+It binds the control socket (every node's DEALER connects to it) and the token socket (the last node sends there),
+waits for every node to say READY, then serves workload phases: closed-loop clients add requests to the policy,
+every group with nothing in flight gets its next frame sent to the first node at once, and each frame's sampled
+tokens coming back from the last node complete it. Events are timestamped on arrival with one monotonic clock, and
+recorded with the same `Recorder` as the simulator's.
+
+A failure stops the phase within about a second, naming the node: an ERROR from it, a local node process that
+exited (`watch`), a node whose control connection dropped (found by pinging silent pipelines), or no frame back
+within `stall_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+import zmq
+
+from cascadia.exec.transport import COORDINATOR, Transport, TransportError, receive, send
+from cascadia.exec.wire import (Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready, Shutdown, Stats,
+                                StatsRequest, Tokens, WireError)
+from cascadia.metrics import Recorder
+from cascadia.policy import Event, Finished, Policy, Rejected, Request, Token
+from cascadia.policy import Frame as PolicyFrame
+from cascadia.workload import ClosedLoop
+
+SENDER = 0  # the coordinator's sender id on the wire; nodes are 1, 2, ... in stage order
+HEARTBEAT_S = 1.0  # how often a waiting coordinator checks that every node is still there
+
+
+class PipelineError(RuntimeError):
+    """The pipeline cannot go on; the text names the node at fault when one is known."""
+
+
+class Outputs:
+    """Each request's prompt and generated tokens, for `--outputs`: what the pipeline computed, request by request."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict] = []
+        self._open: dict[int, tuple[dict, list[int]]] = {}
+
+    def arrived(self, request: Request, level: int, phase: str) -> None:
+        line = {"concurrency": level, "phase": phase, "request_id": request.id, "prompt_ids": list(request.prompt_ids)}
+        self._open[request.id] = (line, [])
+
+    def observe(self, events: Iterable[Event]) -> None:
+        for event in events:
+            if isinstance(event, Token):
+                self._open[event.request_id][1].append(event.token)
+            elif isinstance(event, Finished):
+                line, ids = self._open.pop(event.request_id)
+                self.lines.append({**line, "output_ids": ids, "finish_reason": event.reason})
+            elif isinstance(event, Rejected):
+                line, _ = self._open.pop(event.request_id)
+                self.lines.append({**line, "output_ids": [], "finish_reason": "rejected", "error": event.reason})
+
+
+class Coordinator:
+    def __init__(self, nodes: Sequence[str], control: str, tokens: str, curve_keys=None, stall_s: float = 60.0,
+                 watch: Callable[[], None] | None = None):
+        """`nodes`: the plan's node names in stage order. `control`, `tokens`: the addresses to bind.
+        `watch`: called while waiting; raises PipelineError when it sees a node gone (e.g. a local process)."""
+        self.nodes = list(nodes)
+        self.stall_s = stall_s
+        self.watch = watch or (lambda: None)
+        self.transport = Transport(COORDINATOR, curve_keys)
+        try:
+            self.control = self.transport.bind(zmq.ROUTER, control)
+            self.tokens = self.transport.bind(zmq.PULL, tokens)
+        except TransportError:
+            self.transport.close()
+            raise
+        self.control_address, self.tokens_address = control, tokens
+        self.first: zmq.Socket | None = None
+        self.encoder = Encoder(SENDER)
+        self.control_decoder = Decoder()
+        self.token_decoder = Decoder()
+        self.poller = zmq.Poller()
+        self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.tokens, zmq.POLLIN)
+        self._stats: dict[str, Stats] = {}
+        self._stats_owed = dict.fromkeys(self.nodes, 0)  # stats requests not yet answered, by node
+        self._ready: set[str] = set()
+        self._last_heard: dict[str, float] = {}  # monotonic time of each starting node's last message
+        self._on_message: Callable[[str, Message], None] = lambda node, message: None
+        self._clock0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._clock0
+
+    # ---- start-up -------------------------------------------------------------------------------------------
+    def wait_ready(self, first_address: str, timeout_s: float,
+                   on_message: Callable[[str, Message], None] = lambda node, message: None) -> None:
+        """Wait for every node's READY, passing each HELLO, PROGRESS and READY to `on_message`. A node silent for
+        `timeout_s` (from the start, or from its last message) is an error naming it. Then connect to the first."""
+        self._on_message = on_message
+        start = time.monotonic()
+        while len(self._ready) < len(self.nodes):
+            self._poll()
+            silent = [n for n in self.nodes
+                      if n not in self._ready and time.monotonic() - self._last_heard.get(n, start) > timeout_s]
+            if silent:
+                raise PipelineError(f"{', '.join(silent)}: no word within {timeout_s:g} s while starting (not "
+                                    f"started, or started without --control {self.control_address}?)")
+        self.first = self.transport.connect(zmq.PUSH, first_address, self.nodes[0])
+
+    # ---- serving --------------------------------------------------------------------------------------------
+    def run_phase(self, policy: Policy, requests: Sequence[Request], clients: int, recorder: Recorder,
+                  outputs: Outputs) -> dict[str, float]:
+        """Serve a phase's requests from `clients` closed-loop clients; returns each node's busy seconds in it.
+        Mirrors `cascadia.sim.model.PipelineModel.run_phase`, with real frames instead of simulated ones."""
+        loop = ClosedLoop(requests, clients)
+        busy_before = {node: stats.busy_s for node, stats in self.stats().items()}
+        left = len(requests)
+        in_flight: dict[int, PolicyFrame] = {}
+
+        def observe(events: list[Event]) -> list[Request]:
+            """Record events; the requests the clients whose requests are done send next."""
+            nonlocal left
+            recorder.observe(events, self.now())
+            outputs.observe(events)
+            follow_ups = []
+            for event in events:
+                if isinstance(event, (Finished, Rejected)):
+                    left -= 1
+                    if (request := loop.next()) is not None:
+                        follow_ups.append(request)
+            return follow_ups
+
+        def submit(first: Iterable[Request]) -> None:
+            queue = deque(first)
+            while queue:
+                request = queue.popleft()
+                recorder.arrived(request, self.now())
+                outputs.arrived(request, recorder.level, recorder.phase)
+                queue.extend(observe(policy.add_request(request)))
+            for group in range(policy.n_groups):
+                if (frame := policy.next_frame(group)) is not None:
+                    in_flight[group] = frame
+                    self.send_frame(_wire_frame(frame))
+
+        submit(loop.start())
+        while left:
+            tokens = self.next_tokens()
+            frame = in_flight.pop(tokens.group, None)
+            if frame is None or frame.seq != tokens.frame_id:
+                raise PipelineError(f"tokens for frame {tokens.frame_id} of group {tokens.group}, which is not in "
+                                    "flight")
+            sampled_slots = [row.slot for row in frame.rows if row.sampled]
+            if tokens.slots.tolist() != sampled_slots:
+                raise PipelineError(f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected "
+                                    f"{sampled_slots}")
+            submit(observe(policy.complete_frame(frame, dict(zip(frame.sampled_ids, tokens.token_ids.tolist())))))
+        return {node: stats.busy_s - busy_before[node] for node, stats in self.stats().items()}
+
+    def send_frame(self, frame: Frame) -> None:
+        """Send a frame into the first node."""
+        try:
+            send(self.first, self.encoder.encode(frame))
+        except TransportError as e:
+            raise PipelineError(f"{self.nodes[0]}: {e}") from None
+
+    def next_tokens(self) -> Tokens:
+        """The next TOKENS from the last node, watching the pipeline while waiting."""
+        since = time.monotonic()
+        while True:
+            ready = self._poll()
+            if self.tokens in ready:
+                try:
+                    message = self.token_decoder.decode(receive(self.tokens)).message
+                except WireError as e:
+                    raise PipelineError(f"{self.nodes[-1]}: sent an unreadable message: {e}") from None
+                if not isinstance(message, Tokens):
+                    raise PipelineError(f"{self.nodes[-1]}: sent a {type(message).__name__} to the token socket")
+                return message
+            if not ready:
+                if time.monotonic() - since > self.stall_s:
+                    raise PipelineError(f"no tokens came back for {self.stall_s:g} s; frames handled per node: "
+                                        + ", ".join(f"{n} {s.frames}" for n, s in self._stats.items()))
+                self._ping()
+
+    def stats(self) -> dict[str, Stats]:
+        """Every node's current counters."""
+        self._ping()
+        while any(self._stats_owed.values()):
+            if not self._poll():
+                self._ping()
+        return {node: self._stats[node] for node in self.nodes}
+
+    # ---- control channel --------------------------------------------------------------------------------------
+    def _tell(self, node: str, message: Message) -> None:
+        try:
+            send(self.control, [node.encode(), *self.encoder.encode(message)])
+        except TransportError:
+            raise PipelineError(f"{node}: lost its control connection (the node stopped or its machine is "
+                                "unreachable)") from None
+
+    def _ping(self) -> None:
+        """Ask every node for its stats: sending to a node whose control connection dropped fails at once."""
+        for node in self.nodes:
+            self._tell(node, StatsRequest())
+            self._stats_owed[node] += 1
+
+    def _poll(self) -> dict:
+        """Wait up to a heartbeat for input and take in one control message, then check on the nodes."""
+        ready = dict(self.poller.poll(HEARTBEAT_S * 1000))
+        if self.control in ready:
+            self._next_control()
+        self.watch()
+        return ready
+
+    def _next_control(self) -> None:
+        """Take in one control message; an ERROR stops the run."""
+        identity, *frames = receive(self.control)
+        node = identity.bytes.decode(errors="replace")
+        if node not in self._stats_owed:
+            raise PipelineError(f"a control message from {node!r}, which is not a node of the plan")
+        try:
+            message = self.control_decoder.decode(frames).message
+        except WireError as e:
+            raise PipelineError(f"{node}: sent an unreadable control message: {e}") from None
+        match message:
+            case Error():
+                raise PipelineError(f"{message.node}: {message.text}")
+            case Stats():
+                self._stats[node] = message
+                self._stats_owed[node] = max(0, self._stats_owed[node] - 1)
+            case Hello() | Progress() | Ready():
+                self._last_heard[node] = time.monotonic()
+                if isinstance(message, Ready):
+                    self._ready.add(node)
+                self._on_message(node, message)
+            case _:
+                raise PipelineError(f"{node}: sent an unexpected {type(message).__name__} on the control socket")
+
+    # ---- the end ----------------------------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float) -> None:
+        """Ask every node to stop, and wait up to `timeout_s` for their control connections to close: closing our
+        sockets at once was seen to drop a queued SHUTDOWN despite the linger, leaving a remote node running."""
+        remaining = list(self.nodes)
+        deadline = time.monotonic() + timeout_s
+        message: Message = Shutdown()
+        while remaining and time.monotonic() < deadline:
+            for node in list(remaining):
+                try:
+                    self._tell(node, message)
+                except PipelineError:  # gone
+                    remaining.remove(node)
+            message = StatsRequest()  # from now on only a probe: a node still there drops it as it stops
+            if self.control.poll(50):
+                receive(self.control)  # late replies; nothing to act on any more
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _wire_frame(frame: PolicyFrame) -> Frame:
+    rows = frame.rows
+    return Frame(frame.seq, frame.group, [r.slot for r in rows], [r.position for r in rows],
+                 [r.token for r in rows], [r.sampled for r in rows])

@@ -1,0 +1,253 @@
+"""`cascadia run`: a spec's workload through the real pipeline, in the metrics schema `cascadia simulate` writes.
+
+A `Pipeline` is the coordinator plus the plan's nodes: for `local` nodes it starts the node processes itself (see
+`cascadia.exec.launch`); for nodes with tcp addresses it waits for processes started on those machines, which need
+the coordinator's control address (and the last one its token address). It serves workloads (`run`) and scores
+token sequences (`score`) until closed; closing shuts every node down.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import numpy as np
+import yaml
+
+from cascadia import metrics
+from cascadia.exec.coordinator import Coordinator, Outputs, PipelineError
+from cascadia.exec.launch import LOCALHOST, LocalNodes, NodeCommand
+from cascadia.exec.stage import Sampling
+from cascadia.exec.transport import free_port, tcp_address
+from cascadia.exec.wire import Frame, Hello, Message, Progress, Ready
+from cascadia.graph.plan import Plan
+from cascadia.policy import Policy
+from cascadia.spec.load import dump_spec
+from cascadia.spec.types import Spec, WorkloadSpec
+from cascadia.workload import MEASURED, build_levels, load_prompts
+
+NODE_TIMEOUT_S = 120.0  # a starting node silent for this long is an error
+STALL_S = 60.0  # a running pipeline that returns no tokens for this long is an error
+SHUTDOWN_S = 10.0  # how long nodes may take to stop after SHUTDOWN before local ones are killed
+# ... after a failure, when a node may sit in a send to a dead one for its whole send timeout: kill sooner
+AFTER_FAILURE_S = 2.0
+
+
+class RunFailed(RuntimeError):
+    """The pipeline failed mid-run; `result` and `outputs` hold what finished before."""
+
+    def __init__(self, message: str, result: dict, outputs: list[dict]):
+        super().__init__(message)
+        self.result, self.outputs = result, outputs
+
+
+@attrs.frozen
+class RunResult:
+    result: dict  # the metrics schema (cascadia.metrics.result)
+    outputs: list[dict]  # one line per request: concurrency, phase, request id, prompt and output ids
+
+
+@attrs.frozen
+class Addresses:
+    """Where the coordinator listens: its control socket (every node) and token socket (the last node)."""
+
+    control: str
+    tokens: str
+
+    @classmethod
+    def local(cls) -> Addresses:
+        return cls(tcp_address(LOCALHOST, free_port()), tcp_address(LOCALHOST, free_port()))
+
+
+def describe(node: str, message: Message) -> str:
+    """A starting node's message for people."""
+    match message:
+        case Hello():
+            return f"{node}: up, loading layers {message.first_layer}-{message.last_layer}"
+        case Progress():
+            return f"{node}: compiled {message.done}/{message.total} blocks"
+        case Ready():
+            return f"{node}: ready"
+    return f"{node}: {type(message).__name__}"
+
+
+class Pipeline:
+    def __init__(self, spec: Spec, plan: Plan, coordinator: Coordinator, local: LocalNodes | None, run_dir):
+        self.spec, self.plan = spec, plan
+        self.coordinator, self.local, self._run_dir = coordinator, local, run_dir
+        self._score_frames = 0
+
+    @classmethod
+    def start(cls, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, sampling: Sampling | None = None,
+              with_logits: bool = False, addresses: Addresses | None = None, node_timeout_s: float = NODE_TIMEOUT_S,
+              stall_s: float = STALL_S, on_message: Callable[[str, Message], None] = lambda node, message: None,
+              ) -> Pipeline:
+        """Start (local) or wait for (tcp) the plan's nodes, until every one is READY.
+
+        Local nodes sample with `sampling` (default: the spec workload's) from `checkpoint` (default: the spec's),
+        and send the sampled rows' logits back when `with_logits` (for `score`). Remote nodes were started with
+        their own options; `addresses` must then be ones they reach."""
+        nodes = {node.name: node for node in spec.cluster.nodes}
+        names = [stage.node for stage in plan.stages]
+        if unknown := [name for name in names if name not in nodes]:
+            raise ValueError(f"the plan places stages on {', '.join(unknown)}, which the spec's cluster does not have")
+        local = [nodes[name].is_local for name in names]
+        if any(local) and not all(local):
+            raise ValueError("the plan mixes local nodes with tcp ones: a local node listens on 127.0.0.1, which "
+                             "the others cannot reach; give every node a tcp address, or none")
+        if all(local):
+            addresses = addresses or Addresses.local()
+        elif addresses is None:
+            raise ValueError("the nodes have tcp addresses: give the control and token addresses the coordinator "
+                             "binds, reachable from them (e.g. --control tcp://0.0.0.0:5555 --tokens "
+                             "tcp://0.0.0.0:5556)")
+        coordinator = Coordinator(names, addresses.control, addresses.tokens, spec.cluster.curve_keys, stall_s)
+        run_dir = tempfile.TemporaryDirectory(prefix="cascadia-run-")
+        local_nodes = None
+        try:
+            if all(local):
+                command = _node_command(spec, plan, Path(run_dir.name), addresses, checkpoint,
+                                        sampling or Sampling.of(spec.workload), with_logits)
+                local_nodes = LocalNodes.start(command, names, [nodes[name].threads for name in names],
+                                               Path(run_dir.name))
+                coordinator.watch = local_nodes.check
+                first = local_nodes.listens[0]
+            else:
+                first = nodes[names[0]].address
+            pipeline = cls(spec, plan, coordinator, local_nodes, run_dir)
+        except BaseException:
+            _close(coordinator, local_nodes, run_dir, AFTER_FAILURE_S)
+            raise
+        try:
+            coordinator.wait_ready(first, node_timeout_s, on_message)
+        except BaseException:
+            pipeline.close(AFTER_FAILURE_S)
+            raise
+        return pipeline
+
+    def run(self, workload: WorkloadSpec, prompts: Sequence[tuple[int, ...]] | None = None,
+            groups: int | None = None, on_phase: Callable[[int, str, list], None] = lambda level, phase, records: None,
+            ) -> RunResult:
+        """Every concurrency level of `workload` (warm-up and measured phase); `prompts` default to the workload's
+        prompts file, or seeded random prompts without one; `groups` (pipeline groups) to one per stage.
+        Raises RunFailed, holding what finished, when the pipeline fails."""
+        spec = self.spec
+        if prompts is None and workload.prompts_file is not None:
+            prompts = load_prompts(workload.prompts_file)
+        policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages))
+        summaries, records, outputs = [], [], Outputs()
+
+        def result(warnings: Sequence[str] = ()) -> dict:
+            return metrics.result("run", attrs.evolve(spec, workload=workload), summaries, records,
+                                  plan=self.plan.to_dict(), warnings=warnings)
+
+        try:
+            for level in build_levels(workload, spec.model.config.output_vocab_size, prompts):
+                for phase in level.phases:
+                    recorder = metrics.Recorder(level.concurrency, phase.name)
+                    try:
+                        busy = self.coordinator.run_phase(policy, phase.requests, level.concurrency, recorder,
+                                                          outputs)
+                    finally:
+                        records.extend(recorder.records)
+                    if phase.name == MEASURED:
+                        summaries.append(metrics.summarize_level(level.concurrency, recorder.records, busy,
+                                                                 rejected=len(recorder.rejected)))
+                    on_phase(level.concurrency, phase.name, recorder.records)
+        except PipelineError as e:
+            raise RunFailed(str(e), result([f"the run stopped early: {e}"]), outputs.lines) from None
+        return RunResult(result(), outputs.lines)
+
+    def score(self, ids: Sequence[int], prefill: int | None = None) -> np.ndarray:
+        """Teacher-forced logits of every position [N, V] of a fresh stream in slot 0, as `Engine.score` computes
+        them in one process: the first `prefill` tokens (default: all) in chunks of the largest row bucket, the
+        rest one row at a time. The nodes must have been started `with_logits`."""
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        n = len(ids) if prefill is None else prefill
+        if not 0 < n <= len(ids):
+            raise ValueError(f"prefill must lie in 1..{len(ids)}, got {n}")
+        chunk = max(self.spec.runtime.row_buckets)
+        starts = [*range(0, n, chunk), *range(n, len(ids))]
+        logits = []
+        for start, end in zip(starts, [*starts[1:], len(ids)]):
+            rows = end - start
+            self._score_frames += 1
+            self.coordinator.send_frame(Frame(self._score_frames, 0, [0] * rows, range(start, end), ids[start:end],
+                                              [True] * rows))
+            tokens = self.coordinator.next_tokens()
+            if tokens.frame_id != self._score_frames or tokens.logits is None:
+                raise PipelineError(f"frame {self._score_frames}: the last node sent back frame {tokens.frame_id} "
+                                    f"{'without' if tokens.logits is None else 'with'} logits (were the nodes "
+                                    "started with --logits?)")
+            logits.append(np.array(tokens.logits))
+        return np.concatenate(logits)
+
+    def close(self, timeout_s: float = SHUTDOWN_S) -> None:
+        """Shut every node down; kill local ones not gone within `timeout_s`."""
+        _close(self.coordinator, self.local, self._run_dir, timeout_s)
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close(SHUTDOWN_S if exc_type is None else AFTER_FAILURE_S)
+
+
+def _node_command(spec: Spec, plan: Plan, run_dir: Path, addresses: Addresses, checkpoint: Path | None,
+                  sampling: Sampling, with_logits: bool) -> NodeCommand:
+    """Local nodes read the spec and plan as this process holds them, written to the run's folder."""
+    checkpoint = checkpoint or spec.model.checkpoint
+    if checkpoint is None:
+        raise ValueError("no checkpoint: the spec's model names none; give one (--checkpoint DIR)")
+    spec_path, plan_path = run_dir / "spec.yaml", run_dir / "plan.json"
+    spec_path.write_text(yaml.safe_dump(dump_spec(spec), sort_keys=False))
+    plan.save(plan_path)
+    return NodeCommand(spec_path, plan_path, addresses.control, addresses.tokens, Path(checkpoint).resolve(),
+                       sampling, with_logits)
+
+
+def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, timeout_s: float) -> None:
+    try:
+        coordinator.shutdown(timeout_s)
+        if local is not None:
+            local.stop(timeout_s)
+    finally:
+        coordinator.close()
+        run_dir.cleanup()
+
+
+def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts=None, groups: int | None = None,
+        checkpoint: Path | None = None, addresses: Addresses | None = None,
+        node_timeout_s: float = NODE_TIMEOUT_S, on_message=lambda node, message: None,
+        on_phase=lambda level, phase, records: None) -> RunResult:
+    """Start the pipeline, run `workload` (default: the spec's, whose sampling the nodes use) through it, shut it
+    down."""
+    workload = workload or spec.workload
+    with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling.of(workload),
+                        addresses=addresses, node_timeout_s=node_timeout_s, on_message=on_message) as pipeline:
+        return pipeline.run(workload, prompts, groups, on_phase)
+
+
+def score_on_pipeline(spec: Spec, plan: Plan, ids: Sequence[int], prefill: int | None = None, *,
+                      checkpoint: Path | None = None, addresses: Addresses | None = None,
+                      node_timeout_s: float = NODE_TIMEOUT_S, on_message=lambda node, message: None) -> np.ndarray:
+    """Teacher-forced logits [N, V] of `ids` computed by the plan's nodes (see `Pipeline.score`); remote nodes must
+    have been started with --logits."""
+    with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(), with_logits=True, addresses=addresses,
+                        node_timeout_s=node_timeout_s, on_message=on_message) as pipeline:
+        return pipeline.score(ids, prefill)
+
+
+def ensure_random_checkpoint(spec: Spec, seed: int = 0) -> bool:
+    """Write random weights to the spec's checkpoint folder when it holds none; True if it did."""
+    from cascadia.exec.init_model import init_model
+
+    folder = spec.model.checkpoint
+    if folder is None:
+        raise ValueError(f"{spec.source}: the model names no checkpoint folder")
+    if (Path(folder) / "config.json").is_file():
+        return False
+    init_model(spec.model.config, folder, seed=seed)
+    return True

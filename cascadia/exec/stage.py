@@ -1,0 +1,170 @@
+"""The real pipeline stage: a `StageEngine` behind the node's `Stage` protocol, and the node process serving it.
+
+A frame's rows go through the engine in calls of at most its largest row bucket. The first stage embeds the rows'
+token ids; the last applies the head to the rows it samples and returns their tokens (and logits, when scoring).
+A row at position 0 starts a new stream, so the stage resets that slot before computing: the data channel itself
+says when a slot is reused, and no Release on the control channel can race with the new stream's first frame.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from cascadia.exec.checkpoint import Checkpoint, CheckpointError
+from cascadia.exec.engine import StageEngine
+from cascadia.exec.node import NodeSettings, Peer, ProgressFn, run_node
+from cascadia.exec.rows import BatchError
+from cascadia.exec.sampling import sample
+from cascadia.exec.transport import COORDINATOR
+from cascadia.exec.wire import Frame, Tokens
+from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
+from cascadia.spec.types import Spec, WorkloadSpec
+
+
+@attrs.frozen
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def of(cls, workload: WorkloadSpec) -> Sampling:
+        return cls(0.0 if workload.greedy else workload.temperature, workload.top_p, workload.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RowSampler:
+    """Draws the token of each sampled row. A random draw is seeded by (seed, a hash of the stream's tokens up to
+    the row), so a stream's tokens depend on its own prompt and earlier tokens only: not on its slot, the rows it
+    shares a frame with, or the timing, and every run with the same seed draws the same."""
+
+    def __init__(self, sampling: Sampling, slots: int):
+        self.sampling = sampling
+        self._history = np.zeros(slots, np.uint32)  # crc32 of each slot's tokens so far
+
+    def observe(self, slots: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
+        """Take in a frame's rows, in order."""
+        if self.sampling.greedy:
+            return
+        for slot, position, token in zip(slots.tolist(), positions.tolist(), token_ids.tolist()):
+            start = 0 if position == 0 else int(self._history[slot])
+            self._history[slot] = zlib.crc32(token.to_bytes(4, "little"), start)
+
+    def sample(self, logits: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """One token per row of logits [n, V]; row i belongs to `slots[i]`."""
+        if self.sampling.greedy:
+            return np.argmax(logits, axis=1)
+        s = self.sampling
+        return np.array([sample(row, np.random.default_rng([s.seed, int(self._history[slot])]), s.temperature,
+                                s.top_p) for row, slot in zip(logits, slots.tolist())])
+
+
+class EngineStage:
+    """A node's stage: embedding when first, its decoder layers, head and sampling when last."""
+
+    def __init__(self, engine: StageEngine, sampler: RowSampler | None = None, with_logits: bool = False):
+        if engine.head is not None and sampler is None:
+            raise ValueError("the last stage needs a sampler")
+        self.engine = engine
+        self.sampler = sampler
+        self.with_logits = with_logits  # send the sampled rows' logits back (for scoring)
+
+    def process(self, frame: Frame) -> Frame | Tokens:
+        engine = self.engine
+        if not frame.rows:
+            raise BatchError(f"frame {frame.frame_id} has no rows")
+        if frame.residual is None and engine.embedding is None:
+            raise BatchError(f"frame {frame.frame_id} carries no residual, and this stage has no embedding")
+        if frame.slots.max() >= len(engine.lengths):
+            raise BatchError(f"slots must lie in 0..{len(engine.lengths) - 1}, got {frame.slots.max()}")
+        for slot in np.unique(frame.slots[frame.positions == 0]).tolist():
+            engine.release(slot)
+        parts = []
+        for rows in self._calls(frame.rows):
+            x = engine.embed(frame.token_ids[rows]) if engine.embedding is not None else frame.residual[rows]
+            parts.append(engine.forward(x, frame.slots[rows], frame.positions[rows]))
+        hidden = np.concatenate(parts)
+        if engine.head is None:
+            return Frame(frame.frame_id, frame.group, frame.slots, frame.positions, frame.token_ids, frame.sample,
+                         hidden)
+        sampled = hidden[frame.sample]  # none in a frame that only carries the middle of prompts
+        logits = np.zeros((0, engine.config.output_vocab_size), np.float32)
+        if len(sampled):
+            logits = np.concatenate([engine.logits(sampled[rows]) for rows in self._calls(len(sampled))])
+        slots = frame.slots[frame.sample]
+        self.sampler.observe(frame.slots, frame.positions, frame.token_ids)
+        return Tokens(frame.frame_id, frame.group, slots, self.sampler.sample(logits, slots),
+                      logits if self.with_logits else None)
+
+    def release(self, slots: np.ndarray) -> None:
+        for slot in slots.tolist():
+            self.engine.release(slot)
+
+    def _calls(self, n: int) -> Iterator[slice]:
+        """Consecutive row ranges of at most the engine's largest bucket (a stream's rows may span two calls: the
+        second continues where the first left its state)."""
+        for start in range(0, n, self.engine.max_rows):
+            yield slice(start, min(n, start + self.engine.max_rows))
+
+
+# ---- the node process ----------------------------------------------------------------------------------------------
+def find_stage(plan: Plan, name: str) -> tuple[int, Stage]:
+    for index, stage in enumerate(plan.stages):
+        if stage.node == name:
+            return index, stage
+    raise ValueError(f"node {name!r} holds no stage of the plan (its nodes: "
+                     f"{', '.join(s.node for s in plan.stages)})")
+
+
+def node_settings(spec: Spec, plan: Plan, name: str, listen: str, control: str, successor: str | None,
+                  parent_pid: int | None = None) -> NodeSettings:
+    """Where node `name` listens and sends. `successor` defaults to the next stage's address in the spec; the last
+    stage sends to the coordinator's token socket, which only the coordinator can say."""
+    index, stage = find_stage(plan, name)
+    if successor is None:
+        if index == len(plan.stages) - 1:
+            raise ValueError(f"node {name!r} holds the last stage: give the coordinator's token address as its "
+                             "successor")
+        after = plan.stages[index + 1].node
+        address = {node.name: node.address for node in spec.cluster.nodes}.get(after)
+        if address is None or address == "local":
+            raise ValueError(f"the next stage's node {after!r} has no tcp address in the spec: give its address "
+                             "as the successor")
+        successor = address
+    peer = COORDINATOR if index == len(plan.stages) - 1 else plan.stages[index + 1].node
+    return NodeSettings(name, sender=index + 1, first_layer=stage.first_layer, last_layer=stage.last_layer,
+                        listen=listen, successor=Peer(peer, successor), control=Peer(COORDINATOR, control),
+                        curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid)
+
+
+def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, sampling: Sampling,
+               with_logits: bool, progress: ProgressFn) -> EngineStage:
+    """Read only this stage's layers (and the embedding or head it holds) and compile them."""
+    opened = Checkpoint.open(checkpoint)
+    if opened.config != spec.model.config:
+        raise CheckpointError(f"{checkpoint}: its config.json describes another model than the spec "
+                              f"{spec.source or ''}".rstrip())
+    runtime = spec.runtime
+    node = next(n for n in spec.cluster.nodes if n.name == stage.node)
+    engine = StageEngine(opened, stage.layers, embed=EMBED in stage.roles, head=HEAD in stage.roles,
+                         formats=spec.model.formats, precision=runtime.precision, max_streams=runtime.max_streams,
+                         context_budget=runtime.context_budget, row_buckets=runtime.row_buckets, device=node.device,
+                         threads=threads if threads is not None else node.threads, progress=progress)
+    sampler = RowSampler(sampling, runtime.max_streams) if HEAD in stage.roles else None
+    return EngineStage(engine, sampler, with_logits)
+
+
+def serve_node(spec: Spec, plan: Plan, settings: NodeSettings, checkpoint: Path, threads: int | None,
+               sampling: Sampling, with_logits: bool) -> None:
+    """Run node `settings.name` until the coordinator shuts it down (see `cascadia.exec.node.run_node`)."""
+    _, stage = find_stage(plan, settings.name)
+    run_node(settings, lambda progress: load_stage(spec, stage, checkpoint, threads, sampling, with_logits,
+                                                   progress))

@@ -1,0 +1,361 @@
+"""The distributed pipeline end to end: real node processes on 127.0.0.1 serving the tiny model of
+specs/tiny-local.yaml (3 stages), checked against the single-process engine, and its failures."""
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+import zmq
+from click.testing import CliRunner
+
+from cascadia.cli import cli
+from cascadia.exec.checkpoint import Checkpoint
+from cascadia.exec.coordinator import PipelineError
+from cascadia.exec.engine import Engine
+from cascadia.exec.init_model import init_model
+from cascadia.exec.run import Addresses, Pipeline, RunFailed, ensure_random_checkpoint, run
+from cascadia.exec.stage import RowSampler, Sampling
+from cascadia.exec.transport import COORDINATOR, Transport, TransportError, free_port, generate_keys, tcp_address
+from cascadia.graph.planner import plan as make_plan
+from cascadia.spec.load import load_spec
+from cascadia.workload import MEASURED, WARMUP
+
+SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
+TIMEOUT_S = 20  # bound on any wait for a node; the tests never measure time
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_spec(SPEC)
+
+
+@pytest.fixture(scope="module")
+def plan(spec):
+    return make_plan(spec)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(spec, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-checkpoint")
+    init_model(spec.model.config, folder, seed=1)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(spec, checkpoint):
+    """The whole model in this process: the reference for every distributed result."""
+    rt = spec.runtime
+    return Engine(Checkpoint.open(checkpoint), formats=spec.model.formats, precision=rt.precision,
+                  max_streams=rt.max_streams, context_budget=rt.context_budget, row_buckets=rt.row_buckets, threads=1)
+
+
+@pytest.fixture(scope="module")
+def pipeline(spec, plan, checkpoint):
+    """Three greedy local nodes that also send logits back, shared by the module's tests."""
+    with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(), with_logits=True,
+                        node_timeout_s=TIMEOUT_S) as started:
+        yield started
+    assert [p.returncode for p in started.local.processes] == [0, 0, 0]  # each stopped on SHUTDOWN
+
+
+def reference_tokens(engine: Engine, prompt, n: int, sampling: Sampling) -> list[int]:
+    """One stream on the single-process engine: prefill, then decode, sampling as the last node does."""
+    sampler = RowSampler(sampling, slots=1)
+    engine.release(0)
+    logits = engine.prefill(0, prompt)[None]
+    sampler.observe(np.zeros(len(prompt), int), np.arange(len(prompt)), np.array(prompt))
+    tokens = [int(sampler.sample(logits, np.zeros(1, int))[0])]
+    while len(tokens) < n:
+        logits = engine.decode([0], tokens[-1:])
+        sampler.observe(np.zeros(1, int), np.array([len(prompt) + len(tokens) - 1]), np.array(tokens[-1:]))
+        tokens.append(int(sampler.sample(logits, np.zeros(1, int))[0]))
+    return tokens
+
+
+def assert_outputs_match_engine(outputs: list[dict], engine: Engine, sampling: Sampling) -> None:
+    for line in outputs:
+        assert line["output_ids"] == reference_tokens(engine, line["prompt_ids"], len(line["output_ids"]), sampling), \
+            f"request {line['request_id']} at concurrency {line['concurrency']}"
+
+
+def child_processes() -> set[int]:
+    """Live processes whose parent is this one (node processes: the module's pipeline, and any a run left)."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if int(parent) == os.getpid() and state != "Z":
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+# ---- exactness and metrics ---------------------------------------------------------------------------------------
+def test_greedy_tokens_equal_the_single_process_engine_at_every_concurrency(spec, pipeline, engine):
+    workload = attrs.evolve(spec.workload, concurrency=(1, 4), output_tokens=8)
+    done = pipeline.run(workload)
+    assert [(line["concurrency"], line["phase"]) for line in done.outputs].count((4, MEASURED)) == 4
+    assert len(done.outputs) == 10 and all(line["finish_reason"] == "length" for line in done.outputs)
+    assert_outputs_match_engine(done.outputs, engine, Sampling())
+
+    levels = done.result["levels"]
+    assert [(level["concurrency"], level["requests"], level["output_tokens"]) for level in levels] == \
+        [(1, 1, 8), (4, 4, 32)]
+    for level in levels:
+        assert level["decode_tokens_per_s"] > 0 and level["ttft_s"]["p50"] > 0 and level["tpot_s"]["p95"] > 0
+        assert set(level["busy"]) == {"node0", "node1", "node2"}
+        assert all(0 < busy <= 1 for busy in level["busy"].values())
+    assert done.result["source"] == "run" and len(done.result["requests"]) == 10
+    json.dumps(done.result)
+
+
+def test_frames_wider_than_the_largest_row_bucket_are_split_exactly(spec, pipeline, engine):
+    # One group holds all 8 streams: 8 decode rows plus a 4-row prefill window exceed the 8-row bucket.
+    workload = attrs.evolve(spec.workload, concurrency=(8,), requests=10, output_tokens=5)
+    done = pipeline.run(workload, groups=1)
+    assert len(done.outputs) == 20
+    assert_outputs_match_engine(done.outputs, engine, Sampling())
+
+
+def test_score_gives_the_single_process_logits(pipeline, engine):
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, 512, 30)]
+    distributed = pipeline.score(ids, prefill=11)
+    single = engine.score(ids, prefill=11)
+    assert distributed.shape == single.shape == (30, 512)
+    # f32 throughout; the same kernels on the same rows: agreement to rounding (here bit for bit).
+    np.testing.assert_allclose(distributed, single, rtol=0, atol=1e-6 * np.abs(single).max())
+
+
+def test_sampled_tokens_depend_on_the_stream_only(spec, plan, checkpoint, engine):
+    """With a temperature, each stream draws the same tokens alone or among others, as in one process."""
+    sampling = Sampling(temperature=0.8, top_p=0.9, seed=7)
+    workload = attrs.evolve(spec.workload, concurrency=(1, 3), requests=3, output_tokens=6, greedy=False,
+                            temperature=0.8, top_p=0.9, seed=7)
+    prompt = list(range(3, 15))
+    done = run(spec, plan, workload, prompts=[tuple(prompt)], checkpoint=checkpoint, node_timeout_s=TIMEOUT_S)
+    outputs = {tuple(line["output_ids"]) for line in done.outputs}
+    assert len(done.outputs) == 12 and len(outputs) == 1
+    assert_outputs_match_engine(done.outputs[:1], engine, sampling)
+    assert outputs != {tuple(reference_tokens(engine, prompt, 6, Sampling()))}  # not greedy after all
+
+
+def test_run_command_prints_the_table_and_writes_metrics_and_outputs(checkpoint, engine, tmp_path):
+    metrics_path, outputs_path = tmp_path / "run.json", tmp_path / "outputs.jsonl"
+    result = CliRunner().invoke(cli, ["run", str(SPEC), "--checkpoint", str(checkpoint), "--concurrency", "2",
+                                      "--max-new-tokens", "4", "--prompt-tokens", "9", "--greedy", "--json",
+                                      str(metrics_path), "--outputs", str(outputs_path)])
+    assert result.exit_code == 0, result.output
+    assert "node2: ready" in result.stderr and "concurrency 2, measured: 2 requests, 8 tokens" in result.stderr
+    table = result.stdout.splitlines()
+    assert table[0].split()[:3] == ["streams", "requests", "tokens"] and table[1].split()[:3] == ["2", "2", "8"]
+    levels = json.loads(metrics_path.read_text())["levels"]
+    assert [(level["concurrency"], level["output_tokens"]) for level in levels] == [(2, 8)]
+    outputs = [json.loads(line) for line in outputs_path.read_text().splitlines()]
+    assert [(o["phase"], len(o["prompt_ids"])) for o in outputs] == [(WARMUP, 9)] * 2 + [(MEASURED, 9)] * 2
+    assert_outputs_match_engine(outputs, engine, Sampling())
+
+
+def test_score_command_on_the_pipeline_gives_the_single_process_logits(checkpoint, engine, tmp_path):
+    ids = [int(i) for i in np.random.default_rng(4).integers(0, 512, 20)]
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+    result = CliRunner().invoke(cli, ["score", str(checkpoint), "--ids", str(tmp_path / "ids.json"), "--prefill", "12",
+                                      "--out", str(tmp_path / "logits.npy"), "--spec", str(SPEC)])
+    assert result.exit_code == 0, result.output
+    single = engine.score(ids, prefill=12)
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), single, rtol=0, atol=1e-6 * np.abs(single).max())
+
+
+def test_a_failed_run_still_writes_what_finished_and_exits_non_zero(monkeypatch, tmp_path):
+    """The command's side of a failure (the failure itself is tested below, with real processes)."""
+    import cascadia.exec.run
+
+    line = {"concurrency": 1, "phase": WARMUP, "request_id": 0, "prompt_ids": [1], "output_ids": [2],
+            "finish_reason": "length"}
+
+    def fail(*args, **kwargs):
+        raise RunFailed("node1: the node process was killed by signal 9", {"levels": []}, [line])
+
+    monkeypatch.setattr(cascadia.exec.run, "run", fail)
+    metrics_path, outputs_path = tmp_path / "run.json", tmp_path / "outputs.jsonl"
+    result = CliRunner().invoke(cli, ["run", str(SPEC), "--json", str(metrics_path), "--outputs", str(outputs_path)])
+    assert result.exit_code == 1
+    assert "Error: run failed: node1: the node process was killed by signal 9" in result.stderr
+    assert json.loads(metrics_path.read_text()) == {"levels": []}
+    assert [json.loads(text) for text in outputs_path.read_text().splitlines()] == [line]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--greedy", "--temperature", "0.5"], "give --greedy or --temperature/--top-p, not both"),
+    (["--control", "tcp://127.0.0.1:5555"], "give both --control and --tokens, or neither"),
+])
+def test_run_command_refuses_contradictory_options(args, message):
+    result = CliRunner().invoke(cli, ["run", str(SPEC), *args])
+    assert result.exit_code == 2 and message in result.stderr
+
+
+def test_demo_runs_the_tiny_model_on_three_nodes():
+    result = CliRunner().invoke(cli, ["demo", "--concurrency", "1,3"])
+    assert result.exit_code == 0, result.output
+    assert [line.split()[:3] for line in result.stdout.splitlines()[1:]] == [["1", "1", "16"], ["3", "3", "48"]]
+    assert (SPEC.parent / "tiny-checkpoint" / "config.json").is_file()
+
+
+def test_random_checkpoint_is_written_once(spec, tmp_path):
+    local = attrs.evolve(spec, model=attrs.evolve(spec.model, checkpoint=tmp_path / "weights"))
+    assert ensure_random_checkpoint(local)
+    assert Checkpoint.open(tmp_path / "weights").config == spec.model.config
+    assert not ensure_random_checkpoint(local)
+
+
+# ---- nodes on other machines: started by hand, found by their spec addresses -----------------------------------
+def remote_spec(spec, curve_keys: Path | None = None):
+    """The tiny spec with every node at a tcp address (here all on 127.0.0.1)."""
+    nodes = tuple(attrs.evolve(n, address=tcp_address("127.0.0.1", free_port())) for n in spec.cluster.nodes)
+    return attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=nodes, curve_keys=curve_keys))
+
+
+def start_node(spec_path: Path, plan_path: Path, name: str, listen: str, addresses: Addresses, checkpoint: Path,
+               last: bool, log: Path) -> subprocess.Popen:
+    successor = ["--successor", addresses.tokens] if last else []
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "cascadia", "node", "--spec", str(spec_path), "--plan",
+                                 str(plan_path), "--name", name, "--listen", listen, "--control", addresses.control,
+                                 "--checkpoint", str(checkpoint), "--parent-pid", str(os.getpid()), *successor],
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def write_spec_and_plan(spec, plan, folder: Path) -> tuple[Path, Path]:
+    import yaml
+
+    from cascadia.spec.load import dump_spec
+
+    spec_path, plan_path = folder / "spec.yaml", folder / "plan.json"
+    spec_path.write_text(yaml.safe_dump(dump_spec(spec)))
+    plan.save(plan_path)
+    return spec_path, plan_path
+
+
+def stop_all(processes) -> None:
+    for process in processes:
+        try:
+            process.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_nodes_started_by_hand_serve_a_run_over_curve(spec, plan, checkpoint, engine, tmp_path):
+    generate_keys(tmp_path / "keys", ["node0", "node1", "node2", COORDINATOR])
+    remote = remote_spec(spec, tmp_path / "keys")
+    spec_path, plan_path = write_spec_and_plan(remote, plan, tmp_path)
+    addresses = Addresses.local()
+    processes = [start_node(spec_path, plan_path, n.name, n.address, addresses, checkpoint, i == 2,
+                            tmp_path / f"{n.name}.log") for i, n in enumerate(remote.cluster.nodes)]
+    try:
+        workload = attrs.evolve(spec.workload, concurrency=(2,), output_tokens=4)
+        with Pipeline.start(remote, plan, addresses=addresses, node_timeout_s=TIMEOUT_S) as pipeline:
+            done = pipeline.run(workload)
+    finally:
+        stop_all(processes)
+    assert [p.returncode for p in processes] == [0, 0, 0]
+    assert_outputs_match_engine(done.outputs, engine, Sampling())
+
+
+@contextlib.contextmanager
+def listening(address: str):
+    """Another socket listening on `address` meanwhile."""
+    with Transport("squatter") as squatter:
+        sock = squatter.bind(zmq.PULL, address)
+        yield
+        sock.close()
+
+
+def test_a_node_whose_port_is_taken_is_a_clear_error(spec, plan, checkpoint, tmp_path):
+    remote = remote_spec(spec)
+    spec_path, plan_path = write_spec_and_plan(remote, plan, tmp_path)
+    addresses = Addresses.local()
+    taken = remote.cluster.nodes[0].address
+    with listening(taken):
+        node0 = start_node(spec_path, plan_path, "node0", taken, addresses, checkpoint, False, tmp_path / "n0.log")
+        try:
+            with pytest.raises(PipelineError, match=f"node0: TransportError: cannot listen on {taken}: address "
+                                                    "already in use"):
+                Pipeline.start(remote, plan, addresses=addresses, node_timeout_s=TIMEOUT_S)
+        finally:
+            stop_all([node0])
+    assert node0.returncode == 1
+
+
+def test_the_coordinators_port_taken_is_a_clear_error(spec, plan):
+    before = child_processes()
+    address = tcp_address("127.0.0.1", free_port())
+    with listening(address):
+        with pytest.raises(TransportError, match=f"cannot listen on {address}: address already in use"):
+            Pipeline.start(spec, plan, addresses=Addresses(address, tcp_address("127.0.0.1", free_port())))
+    assert child_processes() == before
+
+
+def test_nodes_that_never_come_up_are_named_after_the_timeout(spec, plan):
+    with pytest.raises(PipelineError, match="node0, node1, node2: no word within 0.5 s while starting"):
+        Pipeline.start(remote_spec(spec), plan, addresses=Addresses.local(), node_timeout_s=0.5)
+
+
+# ---- failures of local nodes ---------------------------------------------------------------------------------------
+def test_a_checkpoint_a_node_cannot_read_is_a_clear_error(spec, plan, checkpoint, tmp_path):
+    before = child_processes()
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(PipelineError, match=f"node[0-2]: CheckpointError: {weights}: tensor .* the file is truncated"):
+        Pipeline.start(spec, plan, checkpoint=broken, node_timeout_s=TIMEOUT_S)
+    assert child_processes() == before
+
+
+def test_a_node_killed_mid_run_stops_the_run_and_keeps_what_finished(spec, plan, checkpoint):
+    before = child_processes()
+    workload = attrs.evolve(spec.workload, concurrency=(2,), output_tokens=6)
+    pipeline = Pipeline.start(spec, plan, checkpoint=checkpoint, node_timeout_s=TIMEOUT_S)
+    phases_done, measured_frames = [], []
+    send_frame = pipeline.coordinator.send_frame
+
+    def send_then_kill(frame):
+        """Kill node1 with the measured phase's third frame on its way."""
+        send_frame(frame)
+        if phases_done:
+            measured_frames.append(frame.frame_id)
+            if len(measured_frames) == 3:
+                pipeline.local.processes[1].kill()
+
+    pipeline.coordinator.send_frame = send_then_kill
+    try:
+        with pytest.raises(RunFailed, match="node1: the node process was killed by signal 9") as failed:
+            pipeline.run(workload, on_phase=lambda level, phase, records: phases_done.append(phase))
+    finally:
+        pipeline.close(timeout_s=2)
+    assert pipeline.local.processes[1].returncode == -9 and all(p.returncode is not None
+                                                                  for p in pipeline.local.processes)
+    assert child_processes() == before
+    result, outputs = failed.value.result, failed.value.outputs
+    assert [(r["phase"], r["output_tokens"]) for r in result["requests"]] == [(WARMUP, 6)] * 2
+    assert [(o["phase"], len(o["output_ids"])) for o in outputs] == [(WARMUP, 6)] * 2
+    assert result["levels"] == [] and "the run stopped early: node1: " in result["warnings"][0]
+
+
+def test_ctrl_c_shuts_every_node_down(spec, plan, checkpoint):
+    before = child_processes()
+    def interrupt(level, phase, records):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(spec, plan, attrs.evolve(spec.workload, concurrency=(1,), output_tokens=2), checkpoint=checkpoint,
+            node_timeout_s=TIMEOUT_S, on_phase=interrupt)
+    assert child_processes() == before

@@ -1,0 +1,97 @@
+import json
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from cascadia.cli import cli
+from cascadia.sim.analytic import analytic_calibration
+from cascadia.spec.load import load_spec
+from sim_specs import TINY_CONFIG
+
+SPEC = f"""
+model:
+  name: tiny
+  hf_config: {TINY_CONFIG}
+  formats: f32
+cluster:
+  reserve: 64MiB
+  nodes:
+    - {{name: node, count: 3, memory: 1GiB, memory_bandwidth: 1GB/s, compute: 1TFLOPS}}
+runtime:
+  context_budget: 64
+  max_streams: 8
+  row_buckets: [2, 4, 8]
+  prefill_window: 4
+workload:
+  concurrency: [1, 2]
+  prompt_tokens: 8
+  output_tokens: 4
+"""
+
+
+@pytest.fixture
+def spec_path(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(SPEC)
+    return path
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, ["simulate", *map(str, args)], catch_exceptions=False)
+
+
+def test_simulate_prints_the_table_and_writes_json(spec_path, tmp_path):
+    out = tmp_path / "result.json"
+    result = invoke(spec_path, "--concurrency", "1,3", "--requests", "3", "--max-new-tokens", "5",
+                    "--prompt-tokens", "6", "--json", out)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split()[:2] == ["streams", "requests"]
+    assert [line.split()[:3] for line in lines[1:3]] == [["1", "3", "15"], ["3", "3", "15"]]
+    assert lines[3] == "(analytic estimate)"
+    data = json.loads(out.read_text())
+    assert data["schema"] == "cascadia.metrics/1" and data["source"] == "simulate"
+    assert data["calibration"]["kind"] == "analytic"
+    assert {r["prompt_tokens"] for r in data["requests"]} == {6} and len(data["requests"]) == 12
+
+
+def test_a_saved_calibration_gives_the_same_prediction(spec_path, tmp_path):
+    calibration = tmp_path / "cal.json"
+    analytic_calibration(load_spec(spec_path)).save(calibration)
+    by_file, by_spec = tmp_path / "file.json", tmp_path / "spec.json"
+    assert invoke(spec_path, "--calibration", calibration, "--json", by_file).exit_code == 0
+    assert invoke(spec_path, "--analytic", "--json", by_spec).exit_code == 0
+    assert json.loads(by_file.read_text())["levels"] == json.loads(by_spec.read_text())["levels"]
+
+
+def test_a_saved_plan_and_groups(spec_path, tmp_path):
+    plan = tmp_path / "plan.json"
+    assert CliRunner().invoke(cli, ["plan", str(spec_path), "-o", str(plan)]).exit_code == 0
+    out = tmp_path / "result.json"
+    assert invoke(spec_path, "--plan", plan, "--groups", "1", "--json", out).exit_code == 0
+    assert json.loads(out.read_text())["plan"] == json.loads(plan.read_text())
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--calibration", "{bad}"], 1, "bad.json: format: expected 'cascadia.calibration/1'"),
+    (["--calibration", "{bad}", "--analytic"], 2, "give --calibration or --analytic, not both"),
+    (["--concurrency", "1,x"], 2, "'1,x' is not a comma-separated list of integers"),
+    (["--concurrency", "0"], 2, "every value must be at least 1"),
+])
+def test_bad_arguments(spec_path, tmp_path, args, code, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), *[a.format(bad=bad) for a in args]])
+    assert result.exit_code == code and message in result.output
+
+
+def test_plot_without_matplotlib_says_so(spec_path, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 1 and "plotting needs matplotlib" in result.output
+
+
+def test_unwritable_json_path_is_a_clear_error(spec_path, tmp_path):
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--json", str(tmp_path / "no" / "r.json")])
+    assert result.exit_code == 1 and "r.json: cannot write (No such file or directory)" in result.output
