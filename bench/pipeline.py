@@ -61,7 +61,7 @@ def spec(config: InklingConfig, checkpoint: Path, nodes: int, threads: int, max_
     cluster = ClusterSpec(tuple(NodeSpec(f"node{i}", memory_bytes=8 * 2**30, host="localhost", threads=threads)
                                 for i in range(nodes)), reserve_bytes=2**28)
     runtime = RuntimeSpec(context_budget=PROMPT_TOKENS + OUTPUT_TOKENS, max_streams=max_streams, precision="bf16",
-                          row_buckets=(2, 4, 8, 16, 32), prefill_window=8, fused_moe_max_rows=32)
+                          row_buckets=(2, 4, 8, 16, 32), prefill_window=8)
     workload = WorkloadSpec(prompt_tokens=LengthSpec.fixed(PROMPT_TOKENS), output_tokens=OUTPUT_TOKENS, seed=SEED)
     return Spec(ModelSpec(config, FORMATS, checkpoint, name="bench-mid"), cluster, runtime, workload)
 

@@ -745,7 +745,6 @@ def _runtime(ctx: _Context, node: _Node | None) -> RuntimeSpec:
         "kv_precision": fields.take("kv_precision", _choice(PRECISIONS)),
         "row_buckets": fields.take("row_buckets", _buckets),
         "prefill_window": fields.take("prefill_window", _positive_int),
-        "fused_moe_max_rows": fields.take("fused_moe_max_rows", _count_int),
     }
     fields.finish()
     return RuntimeSpec(**{k: v for k, v in values.items() if v is not None})

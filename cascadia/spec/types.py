@@ -117,8 +117,6 @@ class RuntimeSpec:
     kv_precision: str = "f32"  # dtype of the K/V cache and convolution states
     row_buckets: tuple[int, ...] = (2, 8, 16, 24, 32)
     prefill_window: int = 8  # most prompt rows admitted per step
-    # Use the fused gather-matmul MoE graph when a frame has at most this many rows; above it, the dense form.
-    fused_moe_max_rows: int = 32
 
 
 @attrs.frozen
