@@ -35,14 +35,14 @@ def even_plan(spec: Spec) -> Plan:
 
 
 def calibration(spec: Spec, time: Callable[[str, float, float], float], rows=(1, 64), context=(1, 64),
-                experts=(1, 8), frame_s: float = 0.0, row_s: float = 0.0,
+                experts=(1, 8), frame_s: float = 0.0, row_s: float = 0.0, stream_s: float = 0.0,
                 links: dict[tuple[str, str], LinkSpec] | None = None) -> Calibration:
     """Every node's tables from time(kind, rows, x) on the given grids."""
     grids = {"context": context, "experts": experts, None: (0,)}
     tables = {kind: Table(tuple(rows), tuple(grids[axis]) if axis else (),
                           tuple(tuple(time(kind, r, x) for x in grids[axis]) for r in rows))
               for kind, axis in KIND_AXES.items()}
-    nodes = {node.name: NodeCalibration(tables, frame_s, row_s) for node in spec.cluster.nodes}
+    nodes = {node.name: NodeCalibration(tables, frame_s, row_s, stream_s) for node in spec.cluster.nodes}
     if links is None:
         names = [node.name for node in spec.cluster.nodes]
         links = {(a, b): spec.cluster.default_link for a, b in zip(names, names[1:] + names[:1]) if a != b}

@@ -204,7 +204,14 @@ def test_run_command_refuses_contradictory_options(args, message):
 def test_demo_runs_the_tiny_model_on_three_nodes():
     result = CliRunner().invoke(cli, ["demo", "--concurrency", "1,3"])
     assert result.exit_code == 0, result.output
-    assert [line.split()[:3] for line in result.stdout.splitlines()[1:]] == [["1", "1", "16"], ["3", "3", "48"]]
+    out = result.stdout
+    assert "Inkling 975B on 11 PCs" in out and "pc10  60-65   layers+head" in out and "(analytic estimate)" in out
+    tiny = out[out.index("specs/tiny-local.yaml"):]
+    assert "node2  4-5     layers+head" in tiny and "host localhost:" in tiny
+    comparison = tiny[tiny.index("simulated and measured"):].splitlines()
+    assert [line.split()[:2] for line in comparison if line.split()[1:3] == ["decode", "tok/s"]] == [
+        ["1", "decode"], ["3", "decode"]]
+    assert comparison[-1].startswith("median |error|: decode tok/s")
     assert (SPEC.parent / "tiny-checkpoint" / "config.json").is_file()
 
 

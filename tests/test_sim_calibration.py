@@ -70,8 +70,9 @@ def test_extrapolations_are_noted_once_per_node_and_kind():
 
 def test_save_and_load_round_trip(tmp_path):
     spec = tiny_spec()
-    cal = attrs.evolve(calibration(spec, lambda kind, r, x: 1e-3 * r + 1e-6 * x, frame_s=1e-4, row_s=1e-6),
-                       routing=((1, 8), (2.0, 7.5)))
+    cal = attrs.evolve(calibration(spec, lambda kind, r, x: 1e-3 * r + 1e-6 * x, frame_s=1e-4, row_s=1e-6,
+                                   stream_s=1e-5),
+                       routing=((1, 8), (2.0, 7.5)), hosts={"box": 1.5})
     path = tmp_path / "cal.json"
     cal.save(path)
     loaded = Calibration.load(path)
@@ -128,9 +129,12 @@ TABLES = "nodes.n0.tables"
     (f"{TABLES}.head.time_s.0", "fast", rf"{TABLES}.head.time_s\[0\]: expected a finite number"),
     (f"{TABLES}.dense.context", [1], f"{TABLES}.dense: a dense table has only 'rows' and 'time_s'"),
     ("nodes.n1.row_s", -1e-6, "nodes.n1.row_s: a time cannot be negative"),
+    ("nodes.n1.stream_s", "1ms", "nodes.n1.stream_s: expected a finite number"),
     ("links.0.bandwidth_Bps", 0, r"links\[0\].bandwidth_Bps: must be positive"),
     ("links.1.to", DELETE, r"links\[1\]: missing 'to'"),
     ("routing", {"rows": [1, 2], "distinct_experts": [1.0]}, "routing.distinct_experts: has 1 values for 2 rows"),
+    ("hosts", {"box": {"cores": 0}}, "hosts.box.cores: must be positive"),
+    ("hosts", {"box": {}}, "hosts.box: missing 'cores'"),
 ])
 def test_bad_calibration_files_name_file_and_key(tmp_path, path, value, message):
     good = calibration(tiny_spec(), lambda kind, r, x: 1e-3).to_dict()

@@ -4,12 +4,13 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
+import simpy
 
 from cascadia.metrics import Recorder
 from cascadia.policy import Policy, Request
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import CalibrationError
-from cascadia.sim.model import PipelineModel
+from cascadia.sim.model import PipelineModel, SharedHost
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import LengthSpec, LinkSpec, RuntimeSpec, WorkloadSpec
 from sim_specs import calibration, even_plan, tiny_spec
@@ -43,6 +44,17 @@ def test_single_stream_is_the_sum_of_stage_and_link_times():
     assert list(busy.values()) == pytest.approx(stages, rel=1e-12)
 
 
+def test_rows_and_streams_are_charged_apart():
+    spec = tiny_spec()  # prefill window 4: one frame holds 4 prompt rows
+    instant = LinkSpec(1e30, 0.0)
+    cal = calibration(spec, lambda kind, r, x: 0.0, row_s=1e-6, stream_s=1e-3,
+                      links={pair: instant for pair in (("n0", "n1"), ("n1", "n2"), ("n2", "n0"))})
+    [alone], _, _ = run(spec, cal, [Request(0, (1, 2, 3, 4), 1)], groups=1)
+    assert alone.ttft == pytest.approx(3 * (4e-6 + 1e-3))  # three stages: 4 rows of one stream
+    pair, _, _ = run(spec, cal, [Request(0, (1, 2), 1), Request(1, (3, 4), 1)], clients=2, groups=1)
+    assert [r.ttft for r in pair] == pytest.approx([3 * (4e-6 + 2e-3)] * 2)  # 4 rows of two streams
+
+
 def test_decode_slows_as_context_grows_until_the_window():
     spec = tiny_spec()  # sliding window 16
     cal = calibration(spec, lambda kind, r, x: 1e-4 * x if kind in ("sliding", "global") else 0.0,
@@ -54,25 +66,47 @@ def test_decode_slows_as_context_grows_until_the_window():
     assert gaps == pytest.approx(expected, rel=1e-9)
 
 
-def _two_groups_on_two_nodes(host):
+def _two_groups_on_two_nodes(host, cores=None):
     spec = tiny_spec(n_nodes=2, host=host)
     fast = LinkSpec(1e30, 0.0)
     cal = calibration(spec, lambda kind, r, x: 1e-3 if kind in ("moe", "dense", "embedding", "head") else 0.0,
                       links={("n0", "n1"): fast, ("n1", "n0"): fast})
+    if cores is not None:
+        cal = attrs.evolve(cal, hosts={host: cores})
     records, _, _ = run(spec, cal, [Request(i, (1,), 3) for i in range(2)], clients=2)
     return [r.token_times for r in records]
 
 
-def test_nodes_sharing_a_host_take_turns():
+def test_nodes_sharing_a_host_share_its_cores():
     s = 4e-3  # each of the two stages: 4 layers (embedding and head included) of 1 ms
     # On their own hosts the groups overlap: group 1 waits one stage time for node 0, then each group gets a token
     # every two stage times.
-    assert _two_groups_on_two_nodes(None) == [pytest.approx([2 * s, 4 * s, 6 * s]),
-                                              pytest.approx([3 * s, 5 * s, 7 * s])]
-    # On one host every stage of every frame queues for it in arrival order: group 0 on node 0, group 1 on node 0,
-    # group 0 on node 1 (token), group 1 on node 1 (token), ...: a token every four stage times.
+    own_hosts = [pytest.approx([2 * s, 4 * s, 6 * s]), pytest.approx([3 * s, 5 * s, 7 * s])]
+    assert _two_groups_on_two_nodes(None) == own_hosts
+    # One core: group 0 computes alone on node 0 (one stage time), then the two nodes compute side by side at half
+    # speed (two stage times per stage), a token every four stage times per group; the last stage is alone again.
     assert _two_groups_on_two_nodes("box") == [pytest.approx([3 * s, 7 * s, 11 * s]),
-                                                pytest.approx([4 * s, 8 * s, 12 * s])]
+                                                pytest.approx([5 * s, 9 * s, 12 * s])]
+    # As many cores as nodes: as if on hosts of their own.
+    assert _two_groups_on_two_nodes("box", cores=2.0) == own_hosts
+
+
+def test_shared_host_processor_sharing():
+    env = simpy.Environment()
+    host = SharedHost(env, cores=1.5)
+    done = {}
+
+    def job(name, start, work):
+        yield env.timeout(start)
+        yield host.compute(work)
+        done[name] = env.now
+
+    for name, start, work in (("a", 0.0, 1.0), ("b", 0.0, 3.0), ("c", 2.0, 0.5)):
+        env.process(job(name, start, work))
+    env.run()
+    # a and b at 0.75 each: a done at 4/3 (b has 2 left); b alone at full speed until c comes at 2 (b has 4/3 left);
+    # then both at 0.75: c done at 2 + 2/3 (b has 5/6 left), b alone again: done at 2 + 2/3 + 5/6.
+    assert done == pytest.approx({"a": 4 / 3, "b": 2 + 2 / 3 + 5 / 6, "c": 2 + 2 / 3})
 
 
 def test_closed_loop_keeps_littles_law():

@@ -73,7 +73,7 @@ class LocalNodes:
             for name, listen, successor, count, log in zip(names, listens, successors, threads, nodes.logs):
                 with log.open("w") as out:
                     nodes.processes.append(subprocess.Popen(
-                        node_arguments(command, name, listen, successor, count), env=_thread_env(count),
+                        node_arguments(command, name, listen, successor, count), env=thread_env(count),
                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         except BaseException:
             nodes.stop(timeout_s=0)
@@ -98,7 +98,7 @@ class LocalNodes:
                 process.wait()
 
 
-def _thread_env(threads: int | None) -> dict[str, str]:
+def thread_env(threads: int | None) -> dict[str, str]:
     """The environment of a node: with a thread count, numpy's BLAS keeps to it as OpenVINO does, so that nodes
     sharing a machine do not each start a BLAS thread per core."""
     if threads is None:

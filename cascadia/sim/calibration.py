@@ -7,8 +7,10 @@ from the spec's hardware figures (kind "analytic", see `analytic.py`):
      "meta": {"kind", "cascadia", "openvino", "device", "precision", "weight_formats", "model", "date"},
      "grid_bounds": {...},                        # written for readers, ignored when loading
      "nodes": {NAME: {"frame_s": S, "row_s": S,   # host overheads per frame and per row (scheduling, serialisation)
+                      "stream_s": S,              # host time per stream in a frame (per-stream attention and state)
                       "tables": {KIND: TABLE}}},
      "links": [{"from": A, "to": B, "latency_s": S, "bandwidth_Bps": B}],
+     "hosts": {HOST: {"cores": C}},               # optional: cores the nodes sharing HOST get (default 1)
      "routing": {"rows": [...], "distinct_experts": [...]}}   # optional: measured from real routing
 
 A TABLE is the time (s) of ONE layer of its kind over a grid: "sliding" and "global" attention over rows x "context"
@@ -95,6 +97,7 @@ class NodeCalibration:
     tables: dict[str, Table]  # by layer kind (KIND_AXES); a node needs the kinds its stage holds
     frame_s: float = 0.0  # host overhead per frame through the node
     row_s: float = 0.0  # host overhead per row of a frame
+    stream_s: float = 0.0  # host time per stream (distinct request) among a frame's rows, beyond the tables
 
 
 @attrs.frozen
@@ -114,6 +117,7 @@ class Calibration:
     meta: CalibrationMeta
     nodes: dict[str, NodeCalibration]
     links: dict[tuple[str, str], LinkSpec] = attrs.Factory(dict)  # directed: (from, to)
+    hosts: dict[str, float] = attrs.Factory(dict)  # cores shared by the nodes naming a host; absent: 1
     routing: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # (rows, expected distinct experts)
     source: str | None = None  # the file it came from
 
@@ -161,12 +165,14 @@ class Calibration:
             "format": FORMAT,
             "meta": attrs.asdict(self.meta),
             "grid_bounds": self.grid_bounds(),
-            "nodes": {name: {"frame_s": node.frame_s, "row_s": node.row_s,
+            "nodes": {name: {"frame_s": node.frame_s, "row_s": node.row_s, "stream_s": node.stream_s,
                              "tables": {kind: _table_dict(kind, t) for kind, t in node.tables.items()}}
                       for name, node in self.nodes.items()},
             "links": [{"from": a, "to": b, "latency_s": link.latency, "bandwidth_Bps": link.bandwidth}
                       for (a, b), link in self.links.items()],
         }
+        if self.hosts:
+            out["hosts"] = {host: {"cores": cores} for host, cores in self.hosts.items()}
         if self.routing is not None:
             out["routing"] = {"rows": list(self.routing[0]), "distinct_experts": list(self.routing[1])}
         return out
@@ -210,8 +216,8 @@ class Calibration:
             r.mapping(node, at)
             tables = {kind: r.table(kind, t, f"{at}.tables.{kind}")
                       for kind, t in r.mapping(r.get(node, "tables", at), f"{at}.tables").items()}
-            nodes[name] = NodeCalibration(tables, r.seconds(node.get("frame_s", 0.0), f"{at}.frame_s"),
-                                          r.seconds(node.get("row_s", 0.0), f"{at}.row_s"))
+            nodes[name] = NodeCalibration(tables, *(r.seconds(node.get(key, 0.0), f"{at}.{key}")
+                                                    for key in ("frame_s", "row_s", "stream_s")))
         if not nodes:
             r.fail("nodes", "no nodes")
         links = {}
@@ -222,6 +228,9 @@ class Calibration:
             bandwidth = r.positive(r.get(link, "bandwidth_Bps", at), f"{at}.bandwidth_Bps")
             links[pair] = LinkSpec(bandwidth=bandwidth, latency=r.seconds(r.get(link, "latency_s", at),
                                                                            f"{at}.latency_s"))
+        hosts = {host: r.positive(r.get(r.mapping(entry, f"hosts.{host}"), "cores", f"hosts.{host}"),
+                                  f"hosts.{host}.cores")
+                 for host, entry in r.mapping(raw.get("hosts", {}), "hosts").items()}
         routing = None
         if "routing" in raw:
             rt = r.mapping(raw["routing"], "routing")
@@ -232,7 +241,7 @@ class Calibration:
             if len(experts) != len(rows):
                 r.fail("routing.distinct_experts", f"has {len(experts)} values for {len(rows)} rows")
             routing = (rows, experts)
-        return cls(meta, nodes, links, routing, source=where)
+        return cls(meta, nodes, links, hosts, routing, source=where)
 
 
 class Extrapolations:

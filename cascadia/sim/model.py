@@ -1,17 +1,19 @@
 """SimPy model of the pipeline: the shared policy's frames through the plan's stages, links and hosts.
 
 Scenario: clients send requests to the policy (closed loop). Every group without a frame in flight gets its next
-frame, which enters stage 0. Each stage computes the frame on its node's host (a capacity-1 resource: nodes naming the
-same host share its cores and memory bandwidth, so their frames queue for it), then sends it on: the FP32 residual of
-its real rows to the next stage, or, from the last stage, the sampled token ids straight back to stage 0, where the
-policy completes the frame. A link is a capacity-1 resource held for bytes / bandwidth, then the message travels for
-the link's latency (so messages queue behind each other but overlap their latencies).
+frame, which enters stage 0. Each stage computes the frame on its node (one frame at a time, first come first
+served), then sends it on: the FP32 residual of its real rows to the next stage, or, from the last stage, the sampled
+token ids straight back to stage 0, where the policy completes the frame. Nodes naming the same host share its cores
+(the calibration's `hosts`, 1 by default) as an operating system shares them among busy single-threaded processes:
+k of them computing at once each progress at min(1, cores / k) seconds of work per second. A link is a capacity-1
+resource held for bytes / bandwidth, then the message travels for the link's latency (so messages queue behind each
+other but overlap their latencies).
 
-A stage's time for a frame is its node's overheads (per frame, per real row) plus its layers' calibrated times at the
-frame's padded rows: attention at the mean attended positions of the frame's rows (each row attends its position + 1,
-at most a sliding layer's window), MoE at the expected distinct experts touched by the real rows. The simulator
-computes no tokens: every sampled token is PLACEHOLDER_TOKEN and requests run to max_new_tokens. It is deterministic:
-simultaneous events keep SimPy's scheduling order, which depends on nothing random.
+A stage's time for a frame is its node's overheads (per frame, per real row, per stream) plus its layers' calibrated
+times at the frame's padded rows: attention at the mean attended positions of the frame's rows (each row attends its
+position + 1, at most a sliding layer's window), MoE at the expected distinct experts touched by the real rows. The
+simulator computes no tokens: every sampled token is PLACEHOLDER_TOKEN and requests run to max_new_tokens. It is
+deterministic: simultaneous events keep SimPy's scheduling order, which depends on nothing random.
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ class FrameShape:
     rows: int
     sliding_context: float  # mean attended positions of its rows on a sliding layer
     global_context: float  # ... on a global layer
+    streams: int  # distinct streams among its rows: decode rows are one each, a prompt window's rows share one
 
     @classmethod
     def of(cls, frame: Frame, window: int) -> FrameShape:
         positions = [row.position + 1 for row in frame.rows]
         n = len(positions)
-        return cls(frame.padded_rows, n, sum(min(p, window) for p in positions) / n, sum(positions) / n)
+        return cls(frame.padded_rows, n, sum(min(p, window) for p in positions) / n, sum(positions) / n,
+                   len({row.request_id for row in frame.rows}))
 
 
 def stage_kinds(stage: Stage, config: InklingConfig) -> Counter[str]:
@@ -115,7 +119,7 @@ class StageCost:
             self._fixed[key] = self._fixed_time(*key)
         if shape.padded_rows not in self._attention:
             self._attention[shape.padded_rows] = self._attention_columns(shape.padded_rows)
-        total = self._fixed[key]
+        total = self._fixed[key] + self._node.stream_s * shape.streams
         for count, kind, points, column in self._attention[shape.padded_rows]:
             context = shape.sliding_context if kind == SLIDING else shape.global_context
             value, outside = interpolate(points, column, context)
@@ -139,6 +143,54 @@ class Server:
         """Queue a job arriving at `arrival`; returns when it is done."""
         self.free_at = max(arrival, self.free_at) + duration
         return self.free_at
+
+
+class SharedHost:
+    """Cores shared by the nodes of one host (processor sharing): with k nodes computing, each progresses at
+    min(1, cores / k) seconds of work per second."""
+
+    def __init__(self, env: simpy.Environment, cores: float) -> None:
+        self.env, self.cores = env, cores
+        self._left: dict[simpy.Event, float] = {}  # seconds of work left at full speed, by the job's done event
+        self._since = 0.0  # when `_left` was last brought up to date
+        self._timer = 0  # the number of the current completion timer; earlier ones are stale
+
+    def compute(self, seconds: float) -> simpy.Event:
+        """An event that fires when `seconds` of work started now are done."""
+        self._catch_up()
+        done = self.env.event()
+        self._left[done] = seconds
+        self._arm()
+        return done
+
+    def _speed(self) -> float:
+        return min(1.0, self.cores / len(self._left))
+
+    def _catch_up(self) -> None:
+        if self._left:
+            worked = (self.env.now - self._since) * self._speed()
+            self._left = {job: left - worked for job, left in self._left.items()}
+        self._since = self.env.now
+
+    def _arm(self) -> None:
+        """Set a timer for the next job to finish at the present speed."""
+        self._timer += 1
+        if self._left:
+            timer = self.env.timeout(max(0.0, min(self._left.values())) / self._speed())
+            timer.callbacks.append(lambda _, number=self._timer: self._on_timer(number))
+
+    def _on_timer(self, number: int) -> None:
+        if number != self._timer:
+            return
+        self._catch_up()
+        first = min(self._left.values())
+        for job in [job for job, left in self._left.items() if left <= first + _TIME_EPS]:
+            del self._left[job]
+            job.succeed()
+        self._arm()
+
+
+_TIME_EPS = 1e-12  # seconds: jobs this close to the first one finish with it (rounding of the work left)
 
 
 class Link:
@@ -169,9 +221,12 @@ class PipelineModel:
                                    f"{', '.join(missing)} (has {', '.join(calibration.nodes)})")
         self._names = [s.node for s in plan.stages]
         self.costs, self._cost_index = self._stage_costs(plan, calibration, config)
-        hosts: dict[str, Server] = {}
-        self._hosts = [hosts.setdefault(nodes[s.node].host or s.node, Server()) for s in plan.stages]
-        self._shared_hosts = {host for host in self._hosts if self._hosts.count(host) > 1}
+        host_names = [nodes[s.node].host or s.node for s in plan.stages]
+        shared = {name: SharedHost(self.env, calibration.hosts.get(name, 1.0))
+                  for name in host_names if host_names.count(name) > 1}
+        # a stage on a shared host: the host's cores and its node's turn; on a host of its own: a plain server
+        self._hosts = [shared.get(name) or Server() for name in host_names]
+        self._turns = [simpy.Resource(self.env) if name in shared else None for name in host_names]
         self.notes: list[str] = []
         self._links = [self._link(calibration, spec, a.node, b.node)
                        for a, b in zip(plan.stages, plan.stages[1:] + plan.stages[:1])]
@@ -212,19 +267,26 @@ class PipelineModel:
     def carry(self, frame: Frame):
         """The process of one frame: every stage in turn, then its sampled tokens back to stage 0.
 
-        Frames never overtake one another (FIFO hosts and wires, fixed latencies), so every exclusive host and every
-        wire serves frames in the order they left stage 0, and the frame can reserve them all now. A shared host
-        interleaves the frames of its several stages by the time they reach it, so the frame waits until then.
+        Frames never overtake one another on exclusive hosts and wires (FIFO, fixed latencies), so these serve frames
+        in the order they left stage 0, and the frame can reserve them at once. A shared host's speed depends on
+        what else computes there meanwhile, so the frame goes there when it arrives, waits for its node's turn and
+        computes as fast as the host then allows.
         """
         shape = FrameShape.of(frame, self._window)
         times = [cost(shape) for cost in self.costs]
         sizes = [shape.rows * self._row_bytes] * (len(self._names) - 1) + [len(frame.sampled_ids) * TOKEN_ID_BYTES]
         env, t = self.env, self.env.now
-        for name, cost, host, link, size in zip(self._names, self._cost_index, self._hosts, self._links, sizes):
-            if host in self._shared_hosts:
-                yield env.timeout(t - env.now)
+        for name, cost, host, turn, link, size in zip(self._names, self._cost_index, self._hosts, self._turns,
+                                                      self._links, sizes):
             self.busy[name] += times[cost]
-            t = host.serve(t, times[cost])
+            if turn is None:
+                t = host.serve(t, times[cost])
+            else:
+                yield env.timeout(t - env.now)
+                with turn.request() as mine:
+                    yield mine
+                    yield host.compute(times[cost])
+                t = env.now
             if link is not None:
                 t = link.deliver(t, size)
         yield env.timeout(t - env.now)

@@ -1,0 +1,90 @@
+"""`cascadia validate`: one workload through the simulator and through the real pipeline, and how far apart they are.
+
+Both backends serve the same requests (the workload's seeded prompts, or its prompts file) under the same policy
+and plan, and write the same metrics schema. Per concurrency level and metric, error = (predicted - measured) /
+measured; per metric, the median of the absolute errors over the levels.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from cascadia.exec.run import run
+from cascadia.graph.plan import Plan
+from cascadia.sim.calibration import Calibration
+from cascadia.sim.simulate import simulate
+from cascadia.spec.types import Spec
+
+SCHEMA = "cascadia.validation/1"
+# name -> (keys into a level summary, unit shown, scale to that unit)
+METRICS = {
+    "decode tok/s": (("decode_tokens_per_s",), "tok/s", 1.0),
+    "phase tok/s": (("phase_tokens_per_s",), "tok/s", 1.0),
+    "TTFT p50": (("ttft_s", "p50"), "ms", 1e3),
+    "TTFT p95": (("ttft_s", "p95"), "ms", 1e3),
+    "TPOT p50": (("tpot_s", "p50"), "ms", 1e3),
+}
+
+
+def _value(level: dict, keys: tuple[str, ...]) -> float | None:
+    for key in keys:
+        level = level[key]
+    return level
+
+
+def compare(measured: dict, predicted: dict) -> dict:
+    """Per level and metric the measured and predicted values and the relative error (None when either is
+    missing or the measured one is zero); per metric the median absolute error over the levels that have one."""
+    predicted_levels = {level["concurrency"]: level for level in predicted["levels"]}
+    levels, errors = [], {name: [] for name in METRICS}
+    for level in measured["levels"]:
+        concurrency = level["concurrency"]
+        if concurrency not in predicted_levels:
+            raise ValueError(f"the prediction has no level of concurrency {concurrency}")
+        metrics = {}
+        for name, (keys, _, _) in METRICS.items():
+            real, model = _value(level, keys), _value(predicted_levels[concurrency], keys)
+            error = (model - real) / real if real and model is not None else None
+            if error is not None:
+                errors[name].append(abs(error))
+            metrics[name] = {"measured": real, "predicted": model, "error": error}
+        levels.append({"concurrency": concurrency, "metrics": metrics})
+    return {"levels": levels,
+            "median_abs_error": {name: statistics.median(e) if e else None for name, e in errors.items()}}
+
+
+def validate(spec: Spec, plan: Plan, calibration: Calibration, *, groups: int | None = None,
+             checkpoint: Path | None = None, on_message: Callable = lambda node, message: None,
+             on_phase: Callable = lambda level, phase, records: None) -> dict:
+    """Simulate, then run, the spec's workload on `plan`; both results and their comparison.
+
+    The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts."""
+    predicted = simulate(spec, calibration, plan, groups=groups)
+    measured = run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
+                   on_phase=on_phase).result
+    return {"schema": SCHEMA, **compare(measured, predicted), "measured": measured, "predicted": predicted}
+
+
+def _shown(value: float | None, scale: float) -> str:
+    return "-" if value is None else f"{value * scale:.2f}"
+
+
+def format_comparison(comparison: dict) -> str:
+    """Per level and metric: measured, predicted, error; then the median absolute error of each metric."""
+    rows = [("streams", "metric", "measured", "predicted", "error")]
+    for level in comparison["levels"]:
+        for i, (name, (_, unit, scale)) in enumerate(METRICS.items()):
+            m = level["metrics"][name]
+            error = "-" if m["error"] is None else f"{m['error']:+.1%}"
+            rows.append((str(level["concurrency"]) if i == 0 else "", f"{name} ({unit})" if unit == "ms" else name,
+                         _shown(m["measured"], scale), _shown(m["predicted"], scale), error))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    medians = comparison["median_abs_error"]
+    lines.append("median |error|: " + ", ".join(f"{name} {'-' if e is None else f'{e:.1%}'}"
+                                                for name, e in medians.items()))
+    return "\n".join(lines)
+

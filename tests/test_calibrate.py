@@ -1,0 +1,144 @@
+"""`cascadia calibrate`: its measuring parts on the tiny model, and a whole calibration of specs/tiny-local.yaml that
+the simulator takes. Timings are never asserted, only what was measured and where it went."""
+
+import json
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cascadia.cli import cli
+from cascadia.exec import calibrate as calibrate_module
+from cascadia.exec.calibrate import Grid, StageProbe, SteeredRouter, fit_non_negative, format_calibration
+from cascadia.exec.init_model import init_model
+from cascadia.exec.routing import Routing
+from cascadia.exec.stage import Sampling, load_stage
+from cascadia.graph.planner import plan as make_plan
+from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration
+from cascadia.sim.model import stage_kinds
+from cascadia.spec.load import load_spec
+
+SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_spec(SPEC)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(spec, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-checkpoint")
+    init_model(spec.model.config, folder, seed=1)
+    return folder
+
+
+def test_fit_non_negative():
+    x = np.arange(1.0, 9.0)
+    assert fit_non_negative([np.ones(8), x], 2 + 0.5 * x) == pytest.approx((2, 0.5))
+    # a falling line: the best fit with no negative slope is its mean
+    assert fit_non_negative([np.ones(8), x], 10 - x) == pytest.approx((np.mean(10 - x), 0))
+    # through the origin when the intercept would be negative
+    assert fit_non_negative([np.ones(8), x], 3 * x - 1) == pytest.approx((0, (3 * x - 1) @ x / (x @ x)))
+
+
+@pytest.mark.parametrize("rows, distinct", [(1, 2), (2, 3), (4, 8), (3, 5), (8, 8)])
+def test_steered_router_touches_exactly_the_asked_experts(rows, distinct):
+    def router(h):
+        return Routing(np.zeros((len(h), 2), np.int32), np.ones((len(h), 2), np.float32),
+                       np.ones((len(h), 1), np.float32))
+
+    steered = SteeredRouter(router, distinct)
+    index = steered(np.zeros((rows, 4), np.float32)).index
+    assert index.shape == (rows, 2) and index.dtype == np.int32
+    assert all(len(set(row)) == 2 for row in index.tolist())  # two different experts per row
+    assert len(np.unique(index)) == min(distinct, 2 * rows)
+    steered.distinct = None
+    assert not steered(np.zeros((rows, 4), np.float32)).index.any()  # the router's own choice
+
+
+def test_stage_probe_measures_every_kind_of_the_stage_on_the_grid(spec, checkpoint):
+    plan = make_plan(spec)
+    stage = plan.stages[0]  # embedding, layer 0 (sliding, dense), layer 1 (sliding, moe)
+    loaded = load_stage(spec, stage, checkpoint, 1, Sampling(), False, lambda done, total: None)
+    kinds = stage_kinds(stage, spec.model.config)
+    grid = attrs.evolve(Grid.of(spec), rounds=1)
+    probe = StageProbe(loaded, kinds)
+    frame = probe.frame(4, 10)
+    assert frame.slots.tolist() == [0] * 4 and frame.positions.tolist() == [8, 9, 10, 11]  # mean attended 10.5
+    assert probe.engine.lengths[0] == 8
+    tables = probe.tables(grid, lambda text: None)
+    assert set(tables) == set(kinds) == {"embedding", "sliding", "dense", "moe"}
+    for kind, table in tables.items():
+        assert table.rows == grid.rows == (2, 4, 8, 16, 24)
+        assert table.points == (grid.points[kind] if KIND_AXES[kind] else ())
+        assert all(t > 0 for line in table.time_s for t in line)
+    assert tables["moe"].points == (2, 4, 8) and tables["sliding"].points == (1, 2, 4, 8, 16)
+
+
+# ---- a whole calibration -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def calibration_file(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("calibration") / "cal.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibrate_module, "PASSES", 1)
+        result = CliRunner().invoke(cli, ["calibrate", str(SPEC), "--checkpoint", str(checkpoint), "--rounds", "1",
+                                          "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return out, result.stdout
+
+
+def test_calibrate_writes_a_measured_calibration_with_every_table_the_plan_needs(spec, calibration_file):
+    path, output = calibration_file
+    calibration = Calibration.load(path)
+    meta = calibration.meta
+    assert meta.kind == MEASURED and meta.date and meta.openvino and meta.precision == "f32"
+    assert meta.device.count("CPU") == 3 and "(1 threads)" in meta.device
+    assert calibration.check_model(spec) == []
+    for stage in make_plan(spec).stages:
+        node = calibration.nodes[stage.node]
+        assert set(node.tables) == set(stage_kinds(stage, spec.model.config))
+        assert node.stream_s >= 0 and node.frame_s >= 0 and node.row_s >= 0
+    assert set(calibration.links) == {("node0", "node1"), ("node1", "node2"), ("node2", "node0")}
+    assert all(link.latency > 0 and link.bandwidth > 0 for link in calibration.links.values())
+    assert 1 <= calibration.hosts["localhost"] <= 3  # three nodes share this machine
+    raw = json.loads(path.read_text())
+    assert raw["grid_bounds"]["global"] == {"rows": [2, 24], "context": [1, 64]}
+    assert output.splitlines()[0].split() == ["node", "sliding", "global", "moe", "dense", "embedding", "head",
+                                              "per", "stream", "per", "frame", "per", "row"]
+    assert output.splitlines()[-1] == f"wrote {path}"
+
+
+def test_simulate_takes_the_measured_calibration(calibration_file, tmp_path):
+    path, _ = calibration_file
+    out = tmp_path / "predicted.json"
+    result = CliRunner().invoke(cli, ["simulate", str(SPEC), "--calibration", str(path), "--concurrency", "1,4",
+                                      "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    predicted = json.loads(out.read_text())
+    assert predicted["calibration"]["kind"] == MEASURED and predicted["warnings"] == []
+    assert [level["concurrency"] for level in predicted["levels"]] == [1, 4]
+    assert all(level["decode_tokens_per_s"] > 0 for level in predicted["levels"])
+
+
+def test_format_calibration():
+    from sim_specs import calibration, tiny_spec
+
+    spec = tiny_spec()
+    cal = attrs.evolve(calibration(spec, lambda kind, r, x: 1e-3 * r, rows=(1, 4), stream_s=2e-4, frame_s=1e-3),
+                       hosts={"box": 1.5})
+    lines = format_calibration(cal).splitlines()
+    assert lines[0].split() == ["node", "sliding", "global", "moe", "dense", "embedding", "head", "per", "stream",
+                                "per", "frame", "per", "row"]
+    assert lines[1].split() == ["n0", *["1.000-4.000"] * 6, "0.200", "1.000", "0.000"]
+    assert lines[4] == "link n0 -> n1: latency 100 us, bandwidth 0.10 GB/s"
+    assert lines[-1] == "host box: 1.50 cores shared by its nodes"
+
+
+def test_calibrate_refuses_tcp_nodes(spec, checkpoint):
+    remote = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=tuple(
+        attrs.evolve(node, address=f"tcp://10.0.0.{i}:5601") for i, node in enumerate(spec.cluster.nodes))))
+    with pytest.raises(ValueError, match="calibrate measures local nodes only; node0, node1, node2 have tcp"):
+        calibrate_module.calibrate(remote, make_plan(spec), checkpoint)

@@ -1,0 +1,104 @@
+"""`cascadia validate`: the comparison's arithmetic on hand-made results, and a real run against the simulator on the
+tiny local spec (its structure only: the errors depend on the machine's load)."""
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+from click.testing import CliRunner
+
+from cascadia.cli import cli
+from cascadia.exec.init_model import init_model
+from cascadia.spec.load import load_spec
+from cascadia.validate import METRICS, SCHEMA, compare, format_comparison
+from sim_specs import calibration
+
+SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
+
+
+def level(concurrency, decode, phase, ttft50, ttft95, tpot50):
+    return {"concurrency": concurrency, "decode_tokens_per_s": decode, "phase_tokens_per_s": phase,
+            "ttft_s": {"p50": ttft50, "p95": ttft95}, "tpot_s": {"p50": tpot50, "p95": None}}
+
+
+MEASURED = {"levels": [level(1, 100.0, 80.0, 0.050, 0.060, 0.010), level(4, 200.0, 160.0, 0.100, 0.200, None),
+                       level(8, 250.0, 0.0, 0.200, 0.300, 0.040)]}
+PREDICTED = {"levels": [level(1, 110.0, 80.0, 0.045, 0.060, 0.011), level(4, 150.0, 168.0, 0.100, 0.150, 0.030),
+                        level(8, 260.0, 240.0, 0.300, 0.330, None)]}
+
+
+def test_errors_are_relative_to_the_measurement_and_medians_skip_what_is_missing():
+    result = compare(MEASURED, PREDICTED)
+    errors = [{name: m["error"] for name, m in lv["metrics"].items()} for lv in result["levels"]]
+    assert errors[0] == pytest.approx({"decode tok/s": 0.1, "phase tok/s": 0.0, "TTFT p50": -0.1, "TTFT p95": 0.0,
+                                       "TPOT p50": 0.1})
+    assert errors[1]["decode tok/s"] == pytest.approx(-0.25) and errors[1]["TPOT p50"] is None  # nothing measured
+    assert errors[2]["phase tok/s"] is None and errors[2]["TPOT p50"] is None  # zero measured; nothing predicted
+    assert errors[2]["TTFT p50"] == pytest.approx(0.5)
+    assert result["levels"][1]["metrics"]["TPOT p50"] == {"measured": None, "predicted": 0.030, "error": None}
+    assert result["median_abs_error"] == pytest.approx({"decode tok/s": 0.1, "phase tok/s": 0.025, "TTFT p50": 0.1,
+                                                        "TTFT p95": 0.1, "TPOT p50": 0.1})
+
+
+def test_a_level_the_prediction_lacks_is_an_error():
+    with pytest.raises(ValueError, match="no level of concurrency 8"):
+        compare(MEASURED, {"levels": PREDICTED["levels"][:2]})
+
+
+def test_the_comparison_table():
+    lines = format_comparison(compare(MEASURED, PREDICTED)).splitlines()
+    assert lines[0].split() == ["streams", "metric", "measured", "predicted", "error"]
+    assert len(lines) == 1 + 3 * len(METRICS) + 1
+    assert lines[1].split() == ["1", "decode", "tok/s", "100.00", "110.00", "+10.0%"]
+    assert lines[3].split() == ["TTFT", "p50", "(ms)", "50.00", "45.00", "-10.0%"]
+    assert lines[10].split() == ["TPOT", "p50", "(ms)", "-", "30.00", "-"]
+    assert lines[-1] == ("median |error|: decode tok/s 10.0%, phase tok/s 2.5%, TTFT p50 10.0%, TTFT p95 10.0%, "
+                         "TPOT p50 10.0%")
+
+
+# ---- against the real pipeline -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def spec():
+    return load_spec(SPEC)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(spec, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-checkpoint")
+    init_model(spec.model.config, folder, seed=1)
+    return folder
+
+
+def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_path):
+    cal_path, out = tmp_path / "cal.json", tmp_path / "validation.json"
+    calibration(spec, lambda kind, r, x: 1e-4 * r).save(cal_path)  # hand-made: the errors mean nothing here
+    result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(cal_path), "--checkpoint",
+                                      str(checkpoint), "--concurrency", "1,3", "--max-new-tokens", "3",
+                                      "--prompt-tokens", "5", "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["streams", "metric", "measured", "predicted", "error"]
+    assert [line.split()[0] for line in lines[1::len(METRICS)][:2]] == ["1", "3"]
+    assert lines[-1].startswith("median |error|: decode tok/s ")
+    saved = json.loads(out.read_text())
+    assert saved["schema"] == SCHEMA
+    assert saved["measured"]["source"] == "run" and saved["predicted"]["source"] == "simulate"
+    for source in ("measured", "predicted"):
+        assert [lv["concurrency"] for lv in saved[source]["levels"]] == [1, 3]
+        requests = sorted((r["request_id"], r["prompt_tokens"], r["output_tokens"]) for r in saved[source]["requests"])
+        assert requests == [(i, 5, 3) for i in range(8)]  # warm-up and measured phases of both levels
+    assert [lv["concurrency"] for lv in saved["levels"]] == [1, 3]
+    assert set(saved["median_abs_error"]) == set(METRICS)
+    first = saved["levels"][0]["metrics"]["decode tok/s"]
+    assert first["measured"] == saved["measured"]["levels"][0]["decode_tokens_per_s"]
+    assert first["predicted"] == saved["predicted"]["levels"][0]["decode_tokens_per_s"]
+
+
+def test_a_calibration_for_another_model_fails_before_the_pipeline_starts(spec, tmp_path):
+    other = attrs.evolve(spec, model=attrs.evolve(spec.model, config=attrs.evolve(spec.model.config, hidden_size=32)))
+    path = tmp_path / "other.json"
+    calibration(other, lambda kind, r, x: 1e-4).save(path)
+    result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(path)])
+    assert result.exit_code == 1
+    assert "made for another model: hidden_size 32" in result.output
