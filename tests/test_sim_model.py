@@ -188,3 +188,11 @@ def test_paper_deployment_at_fifteen_levels():
     # one stream: the planner's own roofline (one row at the full context budget) within a few percent
     assert levels[0]["tpot_s"]["p50"] == pytest.approx(sum(s.est_time_s for s in the_plan.stages), rel=0.03)
     assert max(levels[-1]["busy"].values()) > 0.95  # 176 streams keep the slowest node busy
+
+
+def test_a_phase_whose_requests_are_all_rejected_ends_at_once():
+    spec = tiny_spec()
+    too_long = (1,) * spec.runtime.context_budget  # no room left for an output token
+    records, busy, model = run(spec, calibration(spec, lambda kind, r, x: KIND_TIMES[kind]),
+                               [Request(i, too_long, 1) for i in range(3)], clients=2)
+    assert records == [] and model.env.now == 0 and set(busy.values()) == {0.0}

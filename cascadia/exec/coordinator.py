@@ -14,18 +14,17 @@ within `stall_s`.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import zmq
 
+from cascadia.driver import PhaseDriver
 from cascadia.exec.transport import COORDINATOR, Transport, TransportError, receive, send
 from cascadia.exec.wire import (Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready, Shutdown, Stats,
                                 StatsRequest, Tokens, WireError)
 from cascadia.metrics import Recorder
 from cascadia.policy import Event, Finished, Policy, Rejected, Request, Token
 from cascadia.policy import Frame as PolicyFrame
-from cascadia.workload import ClosedLoop
 
 SENDER = 0  # the coordinator's sender id on the wire; nodes are 1, 2, ... in stage order
 HEARTBEAT_S = 1.0  # how often a waiting coordinator checks that every node is still there
@@ -111,39 +110,20 @@ class Coordinator:
     def run_phase(self, policy: Policy, requests: Sequence[Request], clients: int, recorder: Recorder,
                   outputs: Outputs) -> dict[str, float]:
         """Serve a phase's requests from `clients` closed-loop clients; returns each node's busy seconds in it.
-        Mirrors `cascadia.sim.model.PipelineModel.run_phase`, with real frames instead of simulated ones."""
-        loop = ClosedLoop(requests, clients)
+        The phase's bookkeeping is the simulator's `PhaseDriver`; here its frames go through the real pipeline."""
+        driver = PhaseDriver(policy, requests, clients, recorder,
+                             on_arrived=lambda request: outputs.arrived(request, recorder.level, recorder.phase),
+                             on_events=outputs.observe)
         busy_before = {node: stats.busy_s for node, stats in self.stats().items()}
-        left = len(requests)
         in_flight: dict[int, PolicyFrame] = {}
 
-        def observe(events: list[Event]) -> list[Request]:
-            """Record events; the requests the clients whose requests are done send next."""
-            nonlocal left
-            recorder.observe(events, self.now())
-            outputs.observe(events)
-            follow_ups = []
-            for event in events:
-                if isinstance(event, (Finished, Rejected)):
-                    left -= 1
-                    if (request := loop.next()) is not None:
-                        follow_ups.append(request)
-            return follow_ups
+        def launch(frames: list[PolicyFrame]) -> None:
+            for frame in frames:
+                in_flight[frame.group] = frame
+                self.send_frame(_wire_frame(frame))
 
-        def submit(first: Iterable[Request]) -> None:
-            queue = deque(first)
-            while queue:
-                request = queue.popleft()
-                recorder.arrived(request, self.now())
-                outputs.arrived(request, recorder.level, recorder.phase)
-                queue.extend(observe(policy.add_request(request)))
-            for group in range(policy.n_groups):
-                if (frame := policy.next_frame(group)) is not None:
-                    in_flight[group] = frame
-                    self.send_frame(_wire_frame(frame))
-
-        submit(loop.start())
-        while left:
+        launch(driver.start(self.now()))
+        while not driver.done:
             tokens = self.next_tokens()
             frame = in_flight.pop(tokens.group, None)
             if frame is None or frame.seq != tokens.frame_id:
@@ -153,7 +133,8 @@ class Coordinator:
             if tokens.slots.tolist() != sampled_slots:
                 raise PipelineError(f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected "
                                     f"{sampled_slots}")
-            submit(observe(policy.complete_frame(frame, dict(zip(frame.sampled_ids, tokens.token_ids.tolist())))))
+            sampled = dict(zip(frame.sampled_ids, tokens.token_ids.tolist()))
+            launch(driver.complete(frame, sampled, self.now()))
         return {node: stats.busy_s - busy_before[node] for node, stats in self.stats().items()}
 
     def send_frame(self, frame: Frame) -> None:

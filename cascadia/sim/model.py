@@ -18,25 +18,25 @@ deterministic: simultaneous events keep SimPy's scheduling order, which depends 
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 
 import attrs
 import simpy
 
+from cascadia.driver import PhaseDriver
 from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
 from cascadia.graph.planner import TOKEN_ID_BYTES
 from cascadia.metrics import Recorder
 from cascadia.model_config import InklingConfig
-from cascadia.policy import Event, Finished, Frame, Policy, Rejected, Request
+from cascadia.policy import Frame, Policy, Request
 from cascadia.sim.calibration import (
     DENSE, EMBEDDING, GLOBAL, KIND_AXES, MOE, SLIDING, Calibration, CalibrationError, Extrapolations, NodeCalibration,
     interpolate,
 )
 from cascadia.sim.calibration import HEAD as HEAD_KIND  # the layer kind; HEAD is the plan's role
 from cascadia.spec.types import LinkSpec, Spec
-from cascadia.workload import ClosedLoop
 
 PLACEHOLDER_TOKEN = 0
 
@@ -294,40 +294,23 @@ class PipelineModel:
     def run_phase(self, policy: Policy, requests: Sequence[Request], clients: int,
                   recorder: Recorder) -> dict[str, float]:
         """Serve a phase's requests from `clients` closed-loop clients; returns each node's busy seconds in it."""
-        env, loop = self.env, ClosedLoop(requests, clients)
+        env = self.env
+        driver = PhaseDriver(policy, requests, clients, recorder)
         busy_before = dict(self.busy)
-        left = len(requests)
         drained = env.event()
 
-        def observe(events: Iterable[Event]) -> list[Request]:
-            """Record events; the requests the clients whose requests are done send next."""
-            nonlocal left
-            recorder.observe(events, env.now)
-            follow_ups = []
-            for event in events:
-                if isinstance(event, (Finished, Rejected)):
-                    left -= 1
-                    if left == 0:
-                        drained.succeed()
-                    elif (request := loop.next()) is not None:
-                        follow_ups.append(request)
-            return follow_ups
-
-        def submit(first: Iterable[Request]) -> None:
-            queue = deque(first)
-            while queue:
-                request = queue.popleft()
-                recorder.arrived(request, env.now)
-                queue.extend(observe(policy.add_request(request)))
-            for group in range(policy.n_groups):
-                if (frame := policy.next_frame(group)) is not None:
-                    env.process(fly(frame))
+        def launch(frames: list[Frame]) -> None:
+            for frame in frames:
+                env.process(fly(frame))
 
         def fly(frame: Frame):
             yield from self.carry(frame)
             sampled = {request_id: PLACEHOLDER_TOKEN for request_id in frame.sampled_ids}
-            submit(observe(policy.complete_frame(frame, sampled)))
+            launch(driver.complete(frame, sampled, env.now))
+            if driver.done:
+                drained.succeed()
 
-        submit(loop.start())
-        env.run(until=drained)
+        launch(driver.start(env.now))
+        if not driver.done:  # else every request was rejected at once
+            env.run(until=drained)
         return {node: self.busy[node] - busy_before[node] for node in self.busy}

@@ -1,0 +1,62 @@
+from cascadia.driver import PhaseDriver
+from cascadia.metrics import Recorder
+from cascadia.policy import PREFILL, Finished, Policy, Request
+
+TOKEN = 7
+
+
+def policy(n_groups: int = 2, context_budget: int = 64) -> Policy:
+    return Policy(n_groups, max_streams=2, prefill_window=8, row_buckets=(1, 2, 4, 8), context_budget=context_budget)
+
+
+def complete(driver: PhaseDriver, frame, now: float):
+    return driver.complete(frame, dict.fromkeys(frame.sampled_ids, TOKEN), now)
+
+
+def test_follow_ups_are_sent_as_clients_finish_and_frames_come_for_idle_groups():
+    requests = [Request(i, (1, 2, 3), max_new_tokens=2) for i in range(3)]
+    recorder = Recorder(level=2, phase="measured")
+    arrived, events = [], []
+    driver = PhaseDriver(policy(), requests, 2, recorder, on_arrived=lambda r: arrived.append((r.id, recorder.level)),
+                         on_events=events.extend)
+
+    g0, g1 = driver.start(now=0.0)  # two clients: requests 0 and 1, one per group, prompt rows first
+    assert arrived == [(0, 2), (1, 2)]
+    assert [(f.group, f.sampled_ids, f.rows[0].kind) for f in (g0, g1)] == [(0, (0,), PREFILL), (1, (1,), PREFILL)]
+    [g0] = complete(driver, g0, 1.0)  # request 0's first token; group 1 is still in flight, so no frame for it
+    assert g0.group == 0 and g0.sampled_ids == (0,)
+    [g1] = complete(driver, g1, 1.5)
+    [g0] = complete(driver, g0, 2.0)  # request 0 finishes: its client sends request 2 at once, to the idle group 0
+    assert arrived[-1] == (2, 2) and g0.sampled_ids == (2,) and g0.rows[0].kind == PREFILL
+    assert complete(driver, g1, 2.5) == []  # request 1 finishes, nothing left to send; group 0 is in flight
+    assert not driver.done
+    [g0] = complete(driver, g0, 3.0)
+    assert not driver.done
+    assert complete(driver, g0, 4.0) == []
+    assert driver.done
+
+    records = recorder.records
+    assert [(r.request_id, r.t_arrival, r.token_times) for r in records] == [
+        (0, 0.0, (1.0, 2.0)), (1, 0.0, (1.5, 2.5)), (2, 2.0, (3.0, 4.0))]
+    assert [e.request_id for e in events if isinstance(e, Finished)] == [0, 1, 2]
+
+
+def test_a_rejected_request_lets_its_client_send_the_next_at_once():
+    requests = [Request(0, (1,) * 10, max_new_tokens=1), Request(1, (1,), max_new_tokens=1)]
+    recorder = Recorder(level=1, phase="warmup")
+    driver = PhaseDriver(policy(context_budget=8), requests, 1, recorder)
+
+    [frame] = driver.start(now=0.0)
+    assert [r.request_id for r in recorder.rejected] == [0]
+    assert frame.sampled_ids == (1,)
+    assert not driver.done  # one of two requests is done
+    assert complete(driver, frame, 1.0) == []
+    assert driver.done
+    assert [(r.request_id, r.t_arrival, r.t_finish) for r in recorder.records] == [(1, 0.0, 1.0)]
+
+
+def test_a_phase_of_only_rejected_requests_is_done_at_the_start():
+    requests = [Request(i, (1,) * 10, max_new_tokens=1) for i in range(3)]
+    driver = PhaseDriver(policy(context_budget=8), requests, 2, Recorder(level=2, phase="warmup"))
+    assert driver.start(now=0.0) == []
+    assert driver.done
