@@ -183,6 +183,8 @@ BAD = [
     ("model: {config: {}}\n" + CLUSTER + "workload: {prompts_file: none.jsonl}\n",
      "s.yaml:3: workload.prompts_file: no such file: {dir}/none.jsonl"),
     ("model: {config: {}}\n" + CLUSTER + "runtime: {row_buckets: [8, 2]}\n", "runtime.row_buckets: must be increasing"),
+    ("model: {config: {}}\n" + CLUSTER + "runtime: {kv_precision: bf16}\n",
+     "s.yaml:3: runtime.kv_precision: only f32 is implemented by the engine, got 'bf16'"),
     ("model: {config: {}}\n" + CLUSTER + "worklaod: {}\n", "s.yaml:3: worklaod: unknown key; did you mean 'workload'?"),
     ("model: {config: {}}\n" + CLUSTER + "runtime:\n  max_streams: 2\n  max_streams: 3\n",
      "s.yaml:5: runtime.max_streams: duplicate key (first on line 4)"),
