@@ -431,6 +431,35 @@ def score(checkpoint: str, ids_path: str, prefill: int | None, out: str, precisi
                f"{result.mean_log_prob:.4f} nats, perplexity {result.perplexity:.2f}; logits {logits.shape} -> {out}")
 
 
+def _workload_options(command):
+    """The plan, checkpoint, workload and group options that `run` and `validate` share."""
+    for option in reversed((
+            click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
+                         help="a plan saved by `cascadia plan -o` (default: plan now)"),
+            click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's"),
+            click.option("--concurrency", type=_IntList(), help="concurrency levels, e.g. 1,2,4 (default: the spec's)"),
+            click.option("--requests", type=click.IntRange(min=1),
+                         help="requests per phase (default: the level's concurrency)"),
+            click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
+                         help='JSONL prompts, one {"ids": [...]} per line (default: the spec\'s, or random ids)'),
+            click.option("--prompt-tokens", type=click.IntRange(min=1), help="random prompts of this many tokens"),
+            click.option("--max-new-tokens", type=click.IntRange(min=1), help="output tokens per request"),
+            click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)"),
+    )):
+        command = option(command)
+    return command
+
+
+def _workload(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens):
+    """The spec's workload with the command line's overrides."""
+    import attrs
+
+    from cascadia.workload import override
+
+    workload = override(loaded.workload, concurrency, requests, max_new_tokens, prompt_tokens)
+    return attrs.evolve(workload, prompts_file=prompts) if prompts else workload
+
+
 def _sampling_options(command):
     """--greedy | --temperature T --top-p P, and --seed: how the last node picks tokens (default: the spec's)."""
     for option in reversed((
@@ -573,17 +602,8 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
 
 @cli.command("run")
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
-@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
-              help="a plan saved by `cascadia plan -o` (default: plan now)")
-@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
-@click.option("--concurrency", type=_IntList(), help="concurrency levels, e.g. 1,2,4 (default: the spec's)")
-@click.option("--requests", type=click.IntRange(min=1), help="requests per phase (default: the level's concurrency)")
-@click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
-              help='JSONL prompts, one {"ids": [...]} per line (default: the spec\'s, or random ids)')
-@click.option("--prompt-tokens", type=click.IntRange(min=1), help="random prompts of this many tokens")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), help="output tokens per request")
+@_workload_options
 @_sampling_options
-@click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the metrics JSON here")
 @click.option("--outputs", "outputs_path", type=click.Path(dir_okay=False),
               help="write each request's prompt and output token ids here (JSONL)")
@@ -598,15 +618,9 @@ def run_command(spec: str, plan_path: str | None, checkpoint: str | None, concur
 
     Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
     `cascadia node ... --control ADDRESS` (the last one also with --successor set to the --tokens address)."""
-    import attrs
-
-    from cascadia.workload import override
-
     loaded = _load_spec_or_exit(spec)
-    workload = override(loaded.workload, concurrency, requests, max_new_tokens, prompt_tokens)
-    if prompts:
-        workload = attrs.evolve(workload, prompts_file=prompts)
-    workload = _with_sampling(workload, greedy, temperature, top_p, seed)
+    workload = _with_sampling(_workload(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens),
+                              greedy, temperature, top_p, seed)
     _run_and_report(loaded, plan_path, workload, checkpoint, groups, json_path, outputs_path, control, tokens,
                     node_timeout)
 
@@ -714,16 +728,7 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @click.option("--calibration", "calibration_path", type=click.Path(exists=True, dir_okay=False), required=True,
               help="the calibration the simulator uses (`cascadia calibrate -o`)")
-@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
-              help="a plan saved by `cascadia plan -o` (default: plan now)")
-@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
-@click.option("--concurrency", type=_IntList(), help="concurrency levels, e.g. 1,2,4 (default: the spec's)")
-@click.option("--requests", type=click.IntRange(min=1), help="requests per phase (default: the level's concurrency)")
-@click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
-              help='JSONL prompts, one {"ids": [...]} per line (default: the spec\'s, or random ids)')
-@click.option("--prompt-tokens", type=click.IntRange(min=1), help="random prompts of this many tokens")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), help="output tokens per request")
-@click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)")
+@_workload_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="write both results and the errors here")
 def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, concurrency,
@@ -733,12 +738,9 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
     import attrs
 
     from cascadia.sim.calibration import Calibration, CalibrationError
-    from cascadia.workload import override
 
     loaded = _load_spec_or_exit(spec)
-    workload = override(loaded.workload, concurrency, requests, max_new_tokens, prompt_tokens)
-    if prompts:
-        workload = attrs.evolve(workload, prompts_file=prompts)
+    workload = _workload(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens)
     try:
         calibration = Calibration.load(calibration_path)
     except CalibrationError as e:

@@ -12,27 +12,13 @@ from click.testing import CliRunner
 from cascadia.cli import cli
 from cascadia.exec import calibrate as calibrate_module
 from cascadia.exec.calibrate import Grid, StageProbe, SteeredRouter, fit_non_negative, format_calibration
-from cascadia.exec.init_model import init_model
 from cascadia.exec.routing import Routing
 from cascadia.exec.stage import Sampling, load_stage
 from cascadia.graph.planner import plan as make_plan
 from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration
 from cascadia.sim.model import stage_kinds
-from cascadia.spec.load import load_spec
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
-
-
-@pytest.fixture(scope="module")
-def spec():
-    return load_spec(SPEC)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(spec, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-checkpoint")
-    init_model(spec.model.config, folder, seed=1)
-    return folder
 
 
 def test_fit_non_negative():

@@ -19,12 +19,10 @@ from cascadia.cli import cli
 from cascadia.exec.checkpoint import Checkpoint
 from cascadia.exec.coordinator import PipelineError
 from cascadia.exec.engine import Engine
-from cascadia.exec.init_model import init_model
 from cascadia.exec.run import Addresses, Pipeline, RunFailed, ensure_random_checkpoint, run
 from cascadia.exec.stage import RowSampler, Sampling
 from cascadia.exec.transport import COORDINATOR, Transport, TransportError, free_port, generate_keys, tcp_address
 from cascadia.graph.planner import plan as make_plan
-from cascadia.spec.load import load_spec
 from cascadia.workload import MEASURED, WARMUP
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
@@ -32,20 +30,8 @@ TIMEOUT_S = 20  # bound on any wait for a node; the tests never measure time
 
 
 @pytest.fixture(scope="module")
-def spec():
-    return load_spec(SPEC)
-
-
-@pytest.fixture(scope="module")
 def plan(spec):
     return make_plan(spec)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(spec, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-checkpoint")
-    init_model(spec.model.config, folder, seed=1)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ import pytest
 from click.testing import CliRunner
 
 from cascadia.cli import cli
-from cascadia.exec.init_model import init_model
-from cascadia.spec.load import load_spec
 from cascadia.validate import METRICS, SCHEMA, compare, format_comparison
 from sim_specs import calibration
 
@@ -58,18 +56,6 @@ def test_the_comparison_table():
 
 
 # ---- against the real pipeline -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def spec():
-    return load_spec(SPEC)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(spec, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-checkpoint")
-    init_model(spec.model.config, folder, seed=1)
-    return folder
-
-
 def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_path):
     cal_path, out = tmp_path / "cal.json", tmp_path / "validation.json"
     calibration(spec, lambda kind, r, x: 1e-4 * r).save(cal_path)  # hand-made: the errors mean nothing here
