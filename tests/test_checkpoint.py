@@ -9,7 +9,7 @@ from safetensors.numpy import save_file
 from cascadia.exec.checkpoint import Checkpoint, CheckpointError, canonical_name
 from cascadia.exec.init_model import random_tensor, to_bf16_bits
 from cascadia.model_config import InklingConfig
-from cascadia.tensors import EMBED, HEAD, all_tensors, embedding_tensors, head_tensors, layer_tensors
+from cascadia.tensors import EMBED, HEAD, all_tensors, embedding_tensors, head_tensors, layer_prefix, layer_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded")
@@ -83,6 +83,31 @@ def test_layer_reads_only_that_layer(monkeypatch):
     assert len(reads) == len(tensors) and sum(n for _, n in reads) == sum(v.nbytes for v in tensors.values())
     assert ckpt.embedding().keys() == embedding_tensors(ckpt.config).keys()
     assert ckpt.head().keys() == head_tensors(ckpt.config).keys()
+
+
+@pytest.mark.parametrize("case", ["base", "bf16_unpadded"])
+def test_slices_read_only_their_byte_ranges(monkeypatch, case):
+    """Expert e of an [E, N, K] stack is the e-th contiguous run of N*K values: each slice reads just that run."""
+    reads = []  # (offset, values) of every data read
+    real_fromfile = np.fromfile
+
+    def spy(file, dtype, count, offset):
+        reads.append((offset, count))
+        return real_fromfile(file, dtype=dtype, count=count, offset=offset)
+
+    ckpt = Checkpoint.open(FIXTURES / case)
+    layer = next(i for i in range(ckpt.config.num_hidden_layers) if not ckpt.config.is_dense(i))
+    name = layer_prefix(layer) + "mlp.experts.down_proj"
+    monkeypatch.setattr(np, "fromfile", spy)
+    whole = ckpt.tensor(name)
+    (whole_offset, _), *reads = reads
+    chunks = list(ckpt.slices(name, per=3))
+    n_experts, per_expert = len(whole), whole[0].size
+    assert [len(c) for c in chunks] == [3] * (n_experts // 3) + ([n_experts % 3] if n_experts % 3 else [])
+    np.testing.assert_array_equal(np.concatenate(chunks), whole)
+    itemsize = 2 if case == "bf16_unpadded" else 4
+    assert reads == [(whole_offset + 3 * i * per_expert * itemsize, len(c) * per_expert) for i, c in enumerate(chunks)]
+    assert ckpt.layer(layer).slices("mlp.experts.down_proj").__next__().shape == whole[:1].shape
 
 
 def test_a_node_needs_only_the_shards_holding_its_layers(tmp_path):

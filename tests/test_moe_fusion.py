@@ -10,10 +10,12 @@ import pytest
 
 from cascadia.exec import graphs
 from cascadia.exec.checkpoint import Checkpoint
+from cascadia.exec.decoder import DecoderLayer
 from cascadia.exec.device import CompiledBlock, compile_options
 from cascadia.exec.engine import Engine
 from cascadia.exec.quantize import quantize
-from cascadia.spec.types import WeightFormat
+from cascadia.exec.restoration import up_divisor
+from cascadia.spec.types import WeightFormat, WeightFormats
 
 FIXTURES = Path(__file__).parent / "fixtures"
 E, H, I, S, K = 8, 64, 32, 2, 2  # routed experts, hidden, expert width, shared experts, experts per row
@@ -124,3 +126,31 @@ def test_dense_mlp_as_expert_slices_equals_dense(dense_engines):
 def test_dense_slices_must_divide_the_width():
     with pytest.raises(ValueError, match="dense_slices=5 does not divide the dense MLP width 64"):
         Engine(Checkpoint.open(FIXTURES / "base"), dense_slices=5)
+
+
+def _constants(model) -> list[tuple[str, list, bytes]]:
+    return [(str(op.get_element_type()), list(op.get_output_shape(0)), np.array(op.get_data()).tobytes())
+            for op in model.get_ordered_ops() if op.get_type_name() == "Constant"]
+
+
+@pytest.mark.parametrize("fmt", [INT4, WeightFormat("int4", 4, symmetric=False), WeightFormat("int8")],
+                         ids=["int4", "int4-asym-g4", "int8-per-row"])
+def test_expert_by_expert_build_packs_the_same_bytes_as_whole_stacks(fmt):
+    """A MoE layer read from a (bf16) checkpoint one expert at a time holds exactly the constants of the graph built
+    from its whole float32 stacks."""
+    ckpt = Checkpoint.open(FIXTURES / "bf16_unpadded")
+    cfg = ckpt.config
+    layer = next(i for i in range(cfg.num_hidden_layers) if not cfg.is_dense(i))
+    built = DecoderLayer(cfg, layer, ckpt.layer(layer), WeightFormats(routed_experts=fmt, shared_experts=fmt),
+                         lambda model: model)
+
+    t = ckpt.layer(layer)
+    gate_up, width = t["mlp.experts.gate_up_proj"], cfg.moe_intermediate_size
+    routed = (gate_up[:, :width], gate_up[:, width:], t["mlp.experts.down_proj"])
+    shared = tuple(t[f"mlp.shared_experts.{p}_proj"] for p in ("gate", "up", "down"))
+    divisor = max(up_divisor(*routed, t["post_attention_layernorm.weight"]),
+                  up_divisor(*shared, t["post_attention_layernorm.weight"]))
+    assert built.up_divisor == divisor
+    routed, shared = ((g, u / np.float32(divisor), d) for g, u, d in (routed, shared))
+    whole = graphs.moe(routed, fmt, shared, fmt, cfg.num_experts_per_tok)
+    assert _constants(built.mlp) == _constants(whole)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import attrs
@@ -130,14 +130,19 @@ class Checkpoint:
     def tensor(self, name: str) -> np.ndarray:
         """One tensor as float32, its shape checked against `cascadia.tensors` (`model.mtp.*` come unchecked)."""
         file, entry = self._checked_entry(name)
-        raw = np.fromfile(file, dtype=_RAW_DTYPES[entry.dtype], count=math.prod(entry.shape), offset=entry.offset)
-        if entry.dtype == "BF16":  # bfloat16 is the top half of a float32
-            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(entry.shape)
-        return raw.astype(np.float32, copy=False).reshape(entry.shape)
+        return _read(file, entry, 0, entry.shape[0] if entry.shape else 1)
 
-    def layer(self, layer: int) -> dict[str, np.ndarray]:
-        """One decoder layer's tensors, by name relative to its prefix (as `cascadia.tensors.layer_tensors`)."""
-        return {rel: self.tensor(layer_prefix(layer) + rel) for rel in self._layer_tensors(layer)}
+    def slices(self, name: str, per: int = 1) -> Iterator[np.ndarray]:
+        """A tensor's slices along axis 0, `per` at a time (fewer in the last), as float32, each read from its own
+        byte range: safetensors data are row-major, so slices along axis 0 (experts of a stack) are contiguous."""
+        file, entry = self._checked_entry(name)
+        for first in range(0, entry.shape[0], per):
+            yield _read(file, entry, first, min(per, entry.shape[0] - first))
+
+    def layer(self, layer: int) -> LayerTensors:
+        """One decoder layer's tensors, by name relative to its prefix (as `cascadia.tensors.layer_tensors`), each
+        read when first asked for."""
+        return LayerTensors(self, layer_prefix(layer), self._layer_tensors(layer).keys())
 
     def embedding(self) -> dict[str, np.ndarray]:
         return {name: self.tensor(name) for name in embedding_tensors(self.config)}
@@ -194,3 +199,42 @@ class Checkpoint:
             raise fail(file, f"the file is truncated: the tensor ends at byte {entry.offset + entry.nbytes}, "
                              f"the file has {header.file_size} bytes")
         return file, entry
+
+
+def _read(file: Path, entry: _Entry, first: int, count: int) -> np.ndarray:
+    """Slices [first, first + count) along axis 0 of a tensor (the whole of a 0-d one) as float32."""
+    dtype = _RAW_DTYPES[entry.dtype]
+    per_slice = math.prod(entry.shape[1:])
+    offset = entry.offset + first * per_slice * dtype.itemsize
+    raw = np.fromfile(file, dtype=dtype, count=count * per_slice, offset=offset)
+    shape = (count, *entry.shape[1:]) if entry.shape else ()
+    if entry.dtype == "BF16":  # bfloat16 is the top half of a float32
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    return raw.astype(np.float32, copy=False).reshape(shape)
+
+
+class LayerTensors(Mapping[str, np.ndarray]):
+    """A layer's tensors by relative name, each read once, when first asked for; `slices` streams a stack without
+    keeping it (for MoE expert stacks quantised one expert at a time)."""
+
+    def __init__(self, checkpoint: Checkpoint, prefix: str, names: Iterable[str]):
+        self._checkpoint, self._prefix, self._names = checkpoint, prefix, list(names)
+        self._read: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, rel: str) -> np.ndarray:
+        if rel not in self._read:
+            if rel not in self._names:
+                raise KeyError(rel)
+            self._read[rel] = self._checkpoint.tensor(self._prefix + rel)
+        return self._read[rel]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def slices(self, rel: str, per: int = 1) -> Iterator[np.ndarray]:
+        if rel not in self._names:
+            raise KeyError(rel)
+        return self._checkpoint.slices(self._prefix + rel, per)

@@ -8,22 +8,25 @@ relative-position bias, residuals and the FP32 output restoration of the MLP (se
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import openvino as ov
 
 from cascadia.exec import graphs
 from cascadia.exec.attention import AttentionShape, attend
+from cascadia.exec.checkpoint import LayerTensors
 from cascadia.exec.device import CompiledBlock
 from cascadia.exec.host_ops import head_rms_norm, rms_norm, short_conv
+from cascadia.exec.quantize import quantize_stacks
 from cascadia.exec.restoration import row_factor, up_divisor
 from cascadia.exec.routing import Router
 from cascadia.exec.rows import Rows
 from cascadia.model_config import InklingConfig
-from cascadia.spec.types import WeightFormats
+from cascadia.spec.types import WeightFormat, WeightFormats
 
 Compile = Callable[[ov.Model], CompiledBlock]
+Chunk = tuple[np.ndarray, np.ndarray, np.ndarray]  # gate, up, down of a few experts
 
 
 class SlotState:
@@ -44,9 +47,10 @@ class SlotState:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: InklingConfig, layer: int, tensors: dict[str, np.ndarray], formats: WeightFormats,
+    def __init__(self, cfg: InklingConfig, layer: int, tensors: Mapping[str, np.ndarray], formats: WeightFormats,
                  compile: Compile, dense_slices: int | None = None):
-        """`tensors`: the layer's float32 tensors by name relative to its prefix (`Checkpoint.layer`).
+        """`tensors`: the layer's float32 tensors by name relative to its prefix (`Checkpoint.layer`: expert stacks
+        in an integer format are then read and quantised one expert at a time, never held whole in float32).
         `dense_slices`: run a dense MLP as that many all-active expert slices through the fused MoE graph."""
         t = tensors
         heads, kv_heads, head_dim = cfg.heads(layer)
@@ -82,13 +86,15 @@ class DecoderLayer:
         else:
             self.router = Router(t["mlp.gate.weight"], t["mlp.gate.e_score_correction_bias"], cfg.route_scale,
                                  t["mlp.gate.global_scale"], cfg.num_experts_per_tok)
-            gate_up = t["mlp.experts.gate_up_proj"]
-            routed = (gate_up[:, : cfg.moe_intermediate_size], gate_up[:, cfg.moe_intermediate_size:],
-                      t["mlp.experts.down_proj"])
-            shared = tuple(t[f"mlp.shared_experts.{p}_proj"] for p in ("gate", "up", "down"))
-            self.up_divisor = max(up_divisor(*routed, self.post_norm), up_divisor(*shared, self.post_norm))
-            scaled = [(g, u / np.float32(self.up_divisor), d) for g, u, d in (routed, shared)]
-            self.mlp = compile(graphs.moe(scaled[0], formats.routed_experts, scaled[1], formats.shared_experts,
+            width = cfg.moe_intermediate_size
+            groups = ((lambda per: _routed_chunks(t, width, per), cfg.n_routed_experts, formats.routed_experts),
+                      (lambda per: _shared_chunks(t, per), cfg.n_shared_experts, formats.shared_experts))
+            # Integer formats stream one expert at a time (twice: A must be known before quantising up / A).
+            self.up_divisor = max(up_divisor(*_peak_rows(chunks(_per(fmt))), self.post_norm)
+                                  for chunks, _, fmt in groups)
+            routed, shared = (_expert_weights(chunks(_per(fmt)), count, fmt, self.up_divisor)
+                              for chunks, count, fmt in groups)
+            self.mlp = compile(graphs.moe(routed, formats.routed_experts, shared, formats.shared_experts,
                                           cfg.num_experts_per_tok))
 
     def blocks(self) -> list[CompiledBlock]:
@@ -136,3 +142,49 @@ def _slices(gate: np.ndarray, up: np.ndarray, down: np.ndarray, n: int):
         raise ValueError(f"dense_slices={n} does not divide the dense MLP width {width}")
     return (gate.reshape(n, width // n, hidden), up.reshape(n, width // n, hidden),
             np.ascontiguousarray(down.reshape(hidden, n, width // n).transpose(1, 0, 2)))
+
+
+def _per(fmt: WeightFormat) -> int | None:
+    """Experts per chunk: one for integer formats (quantised into preallocated arrays), else the whole stack."""
+    return 1 if fmt.is_integer else None
+
+
+def _stack_chunks(t: Mapping[str, np.ndarray], rel: str, per: int | None) -> Iterator[np.ndarray]:
+    """A stack whole (`per` None) or `per` experts at a time, read expert by expert from a checkpoint's layer."""
+    if per is None:
+        return iter([t[rel]])
+    if isinstance(t, LayerTensors):
+        return t.slices(rel, per)
+    stack = t[rel]
+    return (stack[first: first + per] for first in range(0, len(stack), per))
+
+
+def _routed_chunks(t: Mapping[str, np.ndarray], width: int, per: int | None) -> Iterator[Chunk]:
+    for gate_up, down in zip(_stack_chunks(t, "mlp.experts.gate_up_proj", per),
+                             _stack_chunks(t, "mlp.experts.down_proj", per), strict=True):
+        yield gate_up[:, :width], gate_up[:, width:], down
+
+
+def _shared_chunks(t: Mapping[str, np.ndarray], per: int | None) -> Iterator[Chunk]:
+    return zip(*(_stack_chunks(t, f"mlp.shared_experts.{p}_proj", per) for p in ("gate", "up", "down")), strict=True)
+
+
+def _peak_rows(chunks: Iterator[Chunk]) -> list[np.ndarray]:
+    """For each of gate, up and down, the row of largest norm of every chunk: `up_divisor` depends only on the
+    largest row norms, so it gives the same A for these rows as for the whole stacks."""
+    peaks: list[list[np.ndarray]] = [[], [], []]
+    for chunk in chunks:
+        for rows, w in zip(peaks, chunk):
+            norms = np.einsum("...i,...i->...", w, w)
+            rows.append(w[np.unravel_index(norms.argmax(), norms.shape)].copy())  # a view would keep w alive
+    return [np.stack(rows) for rows in peaks]
+
+
+def _expert_weights(chunks: Iterator[Chunk], count: int, fmt: WeightFormat, divisor: float):
+    """Gate, up / A and down of `count` experts: quantised chunk by chunk for an integer `fmt`, else the float32
+    stacks (one chunk)."""
+    scaled = ((gate, up / np.float32(divisor), down) for gate, up, down in chunks)
+    if fmt.is_integer:
+        return tuple(quantize_stacks(scaled, count, fmt))
+    (whole,) = scaled
+    return whole

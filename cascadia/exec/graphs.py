@@ -2,7 +2,7 @@
 FP32 on the host: see `cascadia.exec.decoder`). Each returns an `ov.Model` whose inputs all have a dynamic row axis.
 
 Weights arrive as float32 arrays in checkpoint layout ([out, in], experts [E, out, in]) and are stored in the graph
-in their `WeightFormat`.
+in their `WeightFormat`; expert stacks in an integer format may also arrive already quantised (`Quantized`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import openvino as ov
 import openvino.opset16 as ops
 
 from cascadia.exec.ov_ops import all_experts_index, const, linear, swiglu, tiled_experts, weight
+from cascadia.exec.quantize import Quantized
 from cascadia.spec.types import WeightFormat
 
 
@@ -34,7 +35,10 @@ def swiglu_mlp(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: WeightFo
     return ov.Model([swiglu(x.output(0), weight(gate, fmt), weight(up, fmt), weight(down, fmt))], [x], "swiglu")
 
 
-def _experts(x: ov.Output, gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: WeightFormat,
+Stack = np.ndarray | Quantized
+
+
+def _experts(x: ov.Output, gate: Stack, up: Stack, down: Stack, fmt: WeightFormat,
              index: ov.Output, weights: ov.Output) -> ov.Output:
     n_experts, _, hidden = gate.shape
     return tiled_experts(x, weight(gate, fmt), weight(up, fmt), weight(down, fmt), n_experts, hidden, index, weights)
@@ -48,8 +52,8 @@ def expert_slices(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: Weigh
     return ov.Model([out], [x, w], "expert_slices")
 
 
-def moe(routed: tuple[np.ndarray, np.ndarray, np.ndarray], routed_fmt: WeightFormat,
-        shared: tuple[np.ndarray, np.ndarray, np.ndarray], shared_fmt: WeightFormat, top_k: int) -> ov.Model:
+def moe(routed: tuple[Stack, Stack, Stack], routed_fmt: WeightFormat,
+        shared: tuple[Stack, Stack, Stack], shared_fmt: WeightFormat, top_k: int) -> ov.Model:
     """Routed experts ([E, ...] gate, up, down) chosen per row plus always-active shared experts ([S, ...]):
     x [T, H], index [T, k] int32, weights [T, k], shared_weights [T, S] -> [T, H]."""
     hidden, n_shared = routed[0].shape[2], shared[0].shape[0]

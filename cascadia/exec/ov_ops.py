@@ -10,7 +10,7 @@ import openvino as ov
 import openvino.opset16 as ops
 from openvino.utils.node_factory import NodeFactory
 
-from cascadia.exec.quantize import quantize, round_to_bf16
+from cascadia.exec.quantize import Quantized, quantize, round_to_bf16
 from cascadia.spec.types import WeightFormat
 
 _INT_TYPES = {(4, True): ov.Type.i4, (8, True): ov.Type.i8, (4, False): ov.Type.u4, (8, False): ov.Type.u8}
@@ -25,10 +25,13 @@ def ints(*values: int) -> ov.Output:
     return const(np.array(values, np.int64))
 
 
-def weight(w: np.ndarray, fmt: WeightFormat) -> ov.Output:
+def weight(w: np.ndarray | Quantized, fmt: WeightFormat) -> ov.Output:
     """A float32 `[..., out, in]` weight stored in `fmt`, as the decompression subgraph the plugins recognise:
     `Constant(int) -> Convert(f16) -> [Subtract(zero point)] -> Multiply(scale) -> [Reshape] -> Convert(f32)`, or
-    `Constant(f16|bf16) -> Convert(f32)`, or a plain f32 constant."""
+    `Constant(f16|bf16) -> Convert(f32)`, or a plain f32 constant. An integer `fmt` also takes `w` already
+    quantised in it (`cascadia.exec.quantize.quantize_stacks`)."""
+    if isinstance(w, Quantized) and not fmt.is_integer:
+        raise ValueError(f"weight: a quantised matrix cannot be stored as {fmt}")
     if fmt.dtype == "f32":
         return ops.constant(np.ascontiguousarray(w, dtype=np.float32), shared_memory=True).output(0)
     if fmt.dtype == "f16":
@@ -37,7 +40,7 @@ def weight(w: np.ndarray, fmt: WeightFormat) -> ov.Output:
         # The constant must own a copy: a Tensor over a temporary uint16 array does not keep the array alive.
         packed = ov.op.Constant(ov.Tensor(round_to_bf16(w), list(w.shape), ov.Type.bf16), shared_memory=False)
         return ops.convert(packed, ov.Type.f32).output(0)
-    q = quantize(w, fmt)
+    q = w if isinstance(w, Quantized) else quantize(w, fmt)
     grouped = q.values.shape[-2] > 1
     # Per-row scales need no group axis: [..., out, in] * [..., out, 1].
     values = q.values if grouped else q.values[..., 0, :]

@@ -12,6 +12,7 @@ coarser): tiny test models have widths such as 48 that a group of 32 does not di
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -67,6 +68,33 @@ def quantize(w: np.ndarray, fmt: WeightFormat) -> Quantized:
     zero_point = np.clip(np.rint(-low / scale), 0, top)
     values = np.clip(np.rint(grouped / scale) + zero_point, 0, top).astype(np.uint8)
     return Quantized(values, scale, zero_point.astype(np.uint8), fmt.bits)
+
+
+def quantize_stacks(chunks: Iterable[Sequence[np.ndarray]], count: int, fmt: WeightFormat) -> list[Quantized]:
+    """`quantize` of several stacks [count, out, in] that arrive together a few experts at a time (each chunk: one
+    [n, out, in] slice of every stack), into arrays allocated once: only one chunk is ever held in float32. Groups
+    never span experts, so the result is exactly that of quantising each whole stack."""
+    stacks: list[Quantized] = []
+    start = 0
+    for chunk in chunks:
+        parts = [quantize(w, fmt) for w in chunk]
+        if not stacks:
+            stacks = [Quantized(_empty_stack(p.values, count), _empty_stack(p.scale, count),
+                                None if p.zero_point is None else _empty_stack(p.zero_point, count), p.bits)
+                      for p in parts]
+        end = start + len(chunk[0])
+        for stack, part in zip(stacks, parts, strict=True):
+            stack.values[start:end], stack.scale[start:end] = part.values, part.scale
+            if part.zero_point is not None:
+                stack.zero_point[start:end] = part.zero_point
+        start = end
+    if start != count:
+        raise ValueError(f"quantize_stacks: the chunks held {start} experts, expected {count}")
+    return stacks
+
+
+def _empty_stack(part: np.ndarray, count: int) -> np.ndarray:
+    return np.empty((count, *part.shape[1:]), part.dtype)
 
 
 def _f16_scale(scale: np.ndarray) -> np.ndarray:
