@@ -7,7 +7,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from cascadia.exec.checkpoint import Checkpoint, CheckpointError, canonical_name
-from cascadia.exec.init_model import random_tensor, to_bf16_bits
+from cascadia.exec.init_model import random_tensor
+from cascadia.exec.quantize import round_to_bf16
 from cascadia.model_config import InklingConfig
 from cascadia.tensors import EMBED, HEAD, all_tensors, embedding_tensors, head_tensors, layer_prefix, layer_tensors
 
@@ -63,7 +64,7 @@ def test_bf16_fixture_reads_as_the_values_torch_rounded():
             kept_f32 += 1
             continue
         # torch rounded to bf16 when saving: reading back must give exactly those 16 bits, zero-extended
-        np.testing.assert_array_equal(got.view(np.uint32) >> 16, to_bf16_bits(drawn), err_msg=name)
+        np.testing.assert_array_equal(got.view(np.uint32) >> 16, round_to_bf16(drawn), err_msg=name)
         assert not (got.view(np.uint32) & 0xFFFF).any()
     assert kept_f32 == 16  # 4 convolutions per layer x 3 layers + correction bias and global scale x 2 MoE layers
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from cascadia.exec.quantize import bf16_to_f32
 from cascadia.model_config import ConfigError, InklingConfig
 from cascadia.tensors import all_tensors, embedding_tensors, head_tensors, layer_prefix, layer_tensors
 
@@ -208,8 +209,8 @@ def _read(file: Path, entry: _Entry, first: int, count: int) -> np.ndarray:
     offset = entry.offset + first * per_slice * dtype.itemsize
     raw = np.fromfile(file, dtype=dtype, count=count * per_slice, offset=offset)
     shape = (count, *entry.shape[1:]) if entry.shape else ()
-    if entry.dtype == "BF16":  # bfloat16 is the top half of a float32
-        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    if entry.dtype == "BF16":
+        return bf16_to_f32(raw).reshape(shape)
     return raw.astype(np.float32, copy=False).reshape(shape)
 
 

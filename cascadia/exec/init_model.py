@@ -21,6 +21,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from cascadia.exec.quantize import round_to_bf16
 from cascadia.exec.tokenizer import TOKENIZER_FILE, TokenizerError, build_tokenizer
 from cascadia.model_config import InklingConfig
 from cascadia.tensors import all_tensors
@@ -67,12 +68,6 @@ def random_weights(cfg: InklingConfig, seed: int) -> Iterator[tuple[str, np.ndar
         yield name, random_tensor(seed, name, shape)
 
 
-def to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even as torch does."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-
-
 def _stored_dtype(name: str, dtype: str) -> str:
     return "BF16" if dtype == "bf16" and not name.endswith(_KEPT_F32) else "F32"
 
@@ -82,7 +77,7 @@ def _stored_bytes(name: str, shape: tuple[int, ...], dtype: str) -> int:
 
 
 def _encode(x: np.ndarray, stored: str) -> bytes:
-    return (to_bf16_bits(x) if stored == "BF16" else x.astype("<f4")).tobytes()
+    return (round_to_bf16(x) if stored == "BF16" else x.astype("<f4")).tobytes()
 
 
 def _shards(tensors: dict[str, tuple[int, ...]], dtype: str, max_shard_bytes: int) -> list[dict[str, tuple]]:

@@ -104,10 +104,12 @@ def _f16_scale(scale: np.ndarray) -> np.ndarray:
 
 
 def round_to_bf16(w: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) of a float32 array, rounded to nearest even (OpenVINO's own cast truncates)."""
+    """bfloat16 bit patterns (uint16) of a float32 array, rounded to nearest even as torch does (OpenVINO's own
+    cast truncates)."""
     bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns: a bfloat16 is the top half of a float32."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
