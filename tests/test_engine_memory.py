@@ -1,18 +1,23 @@
-"""A compiled block holds its weights once: the plugin's own (repacked) copy, not also the model's constants."""
+"""Build memory: a compiled block holds its weights once (the plugin's own repacked copy, not also the model's
+constants); the vocabulary tables are quantised a block of rows at a time, never whole in float32."""
 
 from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from graph_constants import constants
 
-from cascadia.exec import graphs
+from cascadia.exec import engine, graphs
+from cascadia.exec.checkpoint import Checkpoint
 from cascadia.exec.device import CompiledBlock, compile_options
-from cascadia.spec.types import WeightFormat
+from cascadia.spec.types import WeightFormat, WeightFormats
+from cascadia.tensors import EMBED, HEAD
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
+FIXTURES = Path(__file__).parent / "fixtures"
 OUT, IN = 4096, 2048  # 32 MiB of f32 weights: far above the noise of a process's resident memory
 BUCKETS = (1, 8)
 # f32 weights only: their constants alias a numpy array, whose memory goes back to the system when freed, so the
@@ -27,6 +32,7 @@ def resident_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
 @pytest.mark.parametrize("precision, most", [("f32", 0.5), ("bf16", 0.25)])
 def test_block_holds_its_weights_once(precision, most):
     """Compiling and warming up a block, then dropping its model, may add at most `most` times the model's weight
@@ -44,3 +50,26 @@ def test_block_holds_its_weights_once(precision, most):
     assert grown < most * F32.matrix_bytes(OUT, IN), f"{grown / 2**20:.1f} MiB more resident"
     x = np.ones((1, IN), np.float32)
     assert block(x)[0].shape == (1, OUT)  # the weights are still there to compute with
+
+
+def test_vocabulary_tables_are_quantised_a_block_of_rows_at_a_time(monkeypatch):
+    """Embedding and head in integer formats are read a few rows at a time, into exactly the constants of graphs
+    built from the whole float32 tables."""
+    rows = 5  # blocks that do not divide the vocabulary (256)
+    monkeypatch.setattr(engine, "_QUANTIZED_ROWS", rows)
+    monkeypatch.setattr(engine, "CompiledBlock", lambda model, *args: model)  # keep the graphs
+    reads = []  # values read by each np.fromfile call
+    real_fromfile = np.fromfile
+
+    def spy(file, dtype, count, offset):
+        reads.append(count)
+        return real_fromfile(file, dtype=dtype, count=count, offset=offset)
+
+    checkpoint = Checkpoint.open(FIXTURES / "base")
+    formats = WeightFormats(embedding=WeightFormat("int8"), head=WeightFormat("int4", 16, symmetric=False))
+    monkeypatch.setattr(np, "fromfile", spy)
+    stage = engine.StageEngine(checkpoint, range(0), embed=True, head=True, formats=formats, warm_up=False)
+    assert max(reads) == rows * checkpoint.config.hidden_size
+    monkeypatch.undo()
+    assert constants(stage.embedding) == constants(graphs.embedding(checkpoint.tensor(EMBED), formats.embedding))
+    assert constants(stage.head) == constants(graphs.projection([checkpoint.tensor(HEAD)], formats.head))

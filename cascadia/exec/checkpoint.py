@@ -133,6 +133,10 @@ class Checkpoint:
         file, entry = self._checked_entry(name)
         return _read(file, entry, 0, entry.shape[0] if entry.shape else 1)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, checked as by `tensor`, without reading its data."""
+        return self._checked_entry(name)[1].shape
+
     def slices(self, name: str, per: int = 1) -> Iterator[np.ndarray]:
         """A tensor's slices along axis 0, `per` at a time (fewer in the last), as float32, each read from its own
         byte range: safetensors data are row-major, so slices along axis 0 (experts of a stack) are contiguous."""

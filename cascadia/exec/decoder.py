@@ -94,8 +94,10 @@ class DecoderLayer:
                                   for chunks, _, fmt in groups)
             routed, shared = (_expert_weights(chunks(_per(fmt)), count, fmt, self.up_divisor)
                               for chunks, count, fmt in groups)
-            self.mlp = compile(graphs.moe(routed, formats.routed_experts, shared, formats.shared_experts,
-                                          cfg.num_experts_per_tok))
+            model = graphs.moe(routed, formats.routed_experts, shared, formats.shared_experts,
+                               cfg.num_experts_per_tok)
+            del routed, shared  # the graph holds copies of 4-bit stacks: not twice while it compiles
+            self.mlp = compile(model)
 
     def blocks(self) -> list[CompiledBlock]:
         return [self.qkvr, self.o_proj, self.mlp]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import shutil
 import tempfile
@@ -103,10 +104,12 @@ class CompiledBlock:
         return [self.request.get_output_tensor(i).data[:rows].copy() for i in range(len(self.compiled.outputs))]
 
     def warm_up(self) -> None:
-        """Run every bucket once, so that no later call pays for the plugin preparing a new shape."""
+        """Run every bucket once, so that no later call pays for the plugin preparing a new shape. Every row is a
+        padding row (`_pad_rows`): all-zero expert indices, one expert named k times in a row, made the CPU's fused
+        MoE kernel write out of bounds (a crash once freed memory goes back to the system)."""
         for size in self.buckets:
-            self(*(np.zeros([size, *(d.get_length() for d in p.get_partial_shape()[1:])],
-                            p.get_element_type().to_dtype()) for p in self.compiled.inputs))
+            self(*(_pad_rows(np.empty([0, *(d.get_length() for d in p.get_partial_shape()[1:])],
+                                      p.get_element_type().to_dtype()), size) for p in self.compiled.inputs))
         _drop_mapped_pages(self._weights_file)
 
 
@@ -149,6 +152,7 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     if x.shape[0] == rows:
         return np.ascontiguousarray(x)
     out = np.empty((rows, *x.shape[1:]), x.dtype)
-    out[x.shape[0]:] = np.arange(x[0].size, dtype=x.dtype).reshape(x.shape[1:]) if x.dtype.kind in "iu" else 0
+    pad = np.arange(math.prod(x.shape[1:]), dtype=x.dtype).reshape(x.shape[1:]) if x.dtype.kind in "iu" else 0
+    out[x.shape[0]:] = pad
     out[: x.shape[0]] = x
     return out

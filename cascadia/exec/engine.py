@@ -18,8 +18,9 @@ from cascadia.exec.checkpoint import Checkpoint
 from cascadia.exec.decoder import DecoderLayer, SlotState
 from cascadia.exec.device import CompiledBlock, compile_options, device_precision, pick_device
 from cascadia.exec.host_ops import rms_norm
+from cascadia.exec.quantize import Quantized, quantize_stacks
 from cascadia.exec.rows import BatchError, Rows
-from cascadia.spec.types import WeightFormats
+from cascadia.spec.types import WeightFormat, WeightFormats
 from cascadia.tensors import EMBED, EMBED_NORM, FINAL_NORM, HEAD
 
 ProgressFn = Callable[[int, int], None]  # (parts built, parts to build): embedding, each layer, head
@@ -56,7 +57,8 @@ class StageEngine:
 
         self.embedding = self.head = None
         if embed:
-            self.embedding = compile_block(graphs.embedding(checkpoint.tensor(EMBED), formats.embedding))
+            self.embedding = compile_block(graphs.embedding(_matrix(checkpoint, EMBED, formats.embedding),
+                                                            formats.embedding))
             self.embed_norm = checkpoint.tensor(EMBED_NORM)
             advance()
         self.layers, self.states = [], []
@@ -70,7 +72,7 @@ class StageEngine:
             advance()
         if head:
             self.final_norm = checkpoint.tensor(FINAL_NORM)
-            self.head = compile_block(graphs.projection([checkpoint.tensor(HEAD)], formats.head))
+            self.head = compile_block(graphs.projection([_matrix(checkpoint, HEAD, formats.head)], formats.head))
             advance()
         self.lengths = np.zeros(max_streams, np.int64)  # next position of each slot
         if warm_up:
@@ -126,6 +128,19 @@ class StageEngine:
         for state in self.states:
             state.release(slot)
         self.lengths[slot] = 0
+
+
+def _matrix(checkpoint: Checkpoint, name: str, fmt: WeightFormat) -> np.ndarray | Quantized:
+    """A weight matrix for a graph storing it in `fmt`. An integer format quantises it a block of rows at a time: the
+    vocabulary tables are the largest matrices, and whole in float32 they and the temporaries of their quantisation
+    would take several times the bytes they are stored in."""
+    if not fmt.is_integer:
+        return checkpoint.tensor(name)
+    rows = ((block,) for block in checkpoint.slices(name, _QUANTIZED_ROWS))
+    return quantize_stacks(rows, checkpoint.shape(name)[0], fmt)[0]
+
+
+_QUANTIZED_ROWS = 1024
 
 
 class Engine:

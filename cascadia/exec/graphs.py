@@ -22,8 +22,9 @@ def _rows(width: int, name: str = "x", dtype=ov.Type.f32) -> ov.Output:
     return ops.parameter([-1, width], dtype, name=name)
 
 
-def projection(weights: Sequence[np.ndarray], fmt: WeightFormat) -> ov.Model:
-    """x [T, in] -> x @ concat(weights).T: several projections of the same input as one matmul."""
+def projection(weights: Sequence[np.ndarray | Quantized], fmt: WeightFormat) -> ov.Model:
+    """x [T, in] -> x @ concat(weights).T: several projections of the same input as one matmul (several only as
+    float arrays)."""
     w = np.concatenate(weights) if len(weights) > 1 else weights[0]
     x = _rows(w.shape[1])
     return ov.Model([linear(x.output(0), weight(w, fmt))], [x], "projection")
@@ -66,7 +67,7 @@ def moe(routed: tuple[Stack, Stack, Stack], routed_fmt: WeightFormat,
     return ov.Model([ops.add(routed_out, shared_out).output(0)], [x, index, w, shared_w], "moe")
 
 
-def embedding(table: np.ndarray, fmt: WeightFormat) -> ov.Model:
+def embedding(table: np.ndarray | Quantized, fmt: WeightFormat) -> ov.Model:
     """ids [T] int64 -> rows of the table [T, H] (the plugins gather straight from compressed tables)."""
     ids = ops.parameter([-1], ov.Type.i64, name="ids")
     return ov.Model([ops.gather(weight(table, fmt), ids, const(np.int64(0))).output(0)], [ids], "embedding")

@@ -10,10 +10,10 @@ import openvino as ov
 import openvino.opset16 as ops
 from openvino.utils.node_factory import NodeFactory
 
-from cascadia.exec.quantize import Quantized, quantize, round_to_bf16
+from cascadia.exec.quantize import Ints, Nibbles, Quantized, quantize, round_to_bf16
 from cascadia.spec.types import WeightFormat
 
-_INT_TYPES = {(4, True): ov.Type.i4, (8, True): ov.Type.i8, (4, False): ov.Type.u4, (8, False): ov.Type.u8}
+_NIBBLE_TYPES = {True: ov.Type.i4, False: ov.Type.u4}  # by `Nibbles.signed`
 
 
 def const(values) -> ov.Output:
@@ -41,31 +41,28 @@ def weight(w: np.ndarray | Quantized, fmt: WeightFormat) -> ov.Output:
         packed = ov.op.Constant(ov.Tensor(round_to_bf16(w), list(w.shape), ov.Type.bf16), shared_memory=False)
         return ops.convert(packed, ov.Type.f32).output(0)
     q = w if isinstance(w, Quantized) else quantize(w, fmt)
-    grouped = q.values.shape[-2] > 1
+    *lead, out, groups, group = q.values.shape
+    grouped = groups > 1
     # Per-row scales need no group axis: [..., out, in] * [..., out, 1].
-    values = q.values if grouped else q.values[..., 0, :]
-    scale = q.scale if grouped else q.scale[..., 0, :]
-    decompressed = ops.convert(_int_constant(values, q.bits), ov.Type.f16)
+    shape = q.values.shape if grouped else (*lead, out, group)
+    scale_shape = q.scale.shape if grouped else (*lead, out, 1)
+    decompressed = ops.convert(_int_constant(q.values, shape), ov.Type.f16)
     if q.zero_point is not None:
-        zero_point = q.zero_point if grouped else q.zero_point[..., 0, :]
-        zero = ops.convert(_int_constant(zero_point, q.bits), ov.Type.f16)
-        decompressed = ops.subtract(decompressed, zero)
-    decompressed = ops.multiply(decompressed, ops.constant(scale))
+        decompressed = ops.subtract(decompressed, ops.convert(_int_constant(q.zero_point, scale_shape), ov.Type.f16))
+    decompressed = ops.multiply(decompressed, ops.constant(q.scale.reshape(scale_shape), shared_memory=True))
     if grouped:
-        decompressed = ops.reshape(decompressed, ints(*w.shape), False)
+        decompressed = ops.reshape(decompressed, ints(*q.shape), False)
     return ops.convert(decompressed, ov.Type.f32).output(0)
 
 
-def _int_constant(values: np.ndarray, bits: int) -> ov.Node:
-    """An i8/u8/i4/u4 constant from int8 (signed) or uint8 values. 4-bit values are packed here, two per byte, low
-    nibble first, over the flattened array (OpenVINO's own packing goes through Python lists: seconds per layer)."""
-    signed = values.dtype == np.int8
-    if bits == 8:
-        return ops.constant(values)
-    nibbles = np.append(values.reshape(-1).view(np.uint8) & 0x0F, np.zeros(values.size % 2, np.uint8))
-    packed = nibbles[0::2] | (nibbles[1::2] << 4)
-    # A Tensor over a temporary array does not keep it alive: the constant takes a copy.
-    return ov.op.Constant(ov.Tensor(packed, list(values.shape), _INT_TYPES[4, signed]), shared_memory=False)
+def _int_constant(values: Ints, shape: tuple[int, ...]) -> ov.Node:
+    """An i8/u8 constant sharing the memory of int8/uint8 `values` (the constant keeps the array alive), or an
+    i4/u4 constant of packed `Nibbles`, of `shape` (the same number of values). A Tensor over a numpy array of
+    another element type does not keep the array alive: a 4-bit constant takes a copy."""
+    if isinstance(values, Nibbles):
+        tensor = ov.Tensor(values.data, list(shape), _NIBBLE_TYPES[values.signed])
+        return ov.op.Constant(tensor, shared_memory=False)
+    return ops.constant(values.reshape(shape), shared_memory=True)
 
 
 def linear(x: ov.Output, w: ov.Output) -> ov.Output:

@@ -2,7 +2,8 @@
 
 A matrix `[..., out, in]` is cut along its input dimension into groups; each group keeps one f16 scale (and, when
 asymmetric, one zero point). The plugins recognise the NNCF decompression pattern built from these arrays
-(`cascadia.exec.ov_ops.weight`) and keep the weights compressed in memory.
+(`cascadia.exec.ov_ops.weight`) and keep the weights compressed in memory. 4-bit integers are packed two per byte,
+as OpenVINO stores them (`Nibbles`), as soon as they are rounded.
 
 A group size that does not divide the input width is replaced by their greatest common divisor (finer groups, never
 coarser): tiny test models have widths such as 48 that a group of 32 does not divide; real widths are multiples of
@@ -21,13 +22,53 @@ from cascadia.spec.types import WeightFormat
 
 
 @attrs.frozen(eq=False)
-class Quantized:
-    """`values` [..., out, groups, group] (int8 for symmetric, uint8 with `zero_point` for asymmetric formats),
-    `scale` float16 [..., out, groups, 1]."""
+class Nibbles:
+    """4-bit integers of shape `shape` held two per byte, low nibble first, over the flattened array (an odd count
+    ends with a zero nibble): the byte layout of OpenVINO's i4/u4 constants, at half the bytes of one per byte.
+    Packed here because OpenVINO's own packing (`ops.constant(values, ov.Type.u4)`) goes through Python lists:
+    seconds per layer."""
 
-    values: np.ndarray
+    data: np.ndarray  # uint8 [ceil(size / 2)]
+    shape: tuple[int, ...]
+    signed: bool
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], signed: bool) -> Nibbles:
+        return cls(np.zeros((math.prod(shape) + 1) // 2, np.uint8), tuple(shape), signed)
+
+    def put(self, first: int, values: np.ndarray) -> None:
+        """Store int8 (signed) or uint8 `values` in the 4-bit range as entries first, first + 1, ... along axis 0.
+        Each entry is stored once into zeros, so a byte that two puts share gets its low nibble from one and its high
+        nibble from the other."""
+        start = first * math.prod(self.shape[1:])  # flat position of the first value
+        flat = values.reshape(-1).view(np.uint8)
+        if start % 2 and flat.size:
+            self.data[start // 2] |= (flat[0] & 0x0F) << 4
+            flat, start = flat[1:], start + 1
+        low = flat[0::2] & 0x0F
+        self.data[start // 2: start // 2 + low.size] = low
+        self.data[start // 2: start // 2 + flat.size // 2] |= flat[1::2] << 4
+
+    def unpack(self) -> np.ndarray:
+        """The values one per byte: int8 (sign-extended) or uint8."""
+        nibbles = np.stack([self.data & 0x0F, self.data >> 4], axis=-1).reshape(-1)[: math.prod(self.shape)]
+        if self.signed:
+            return ((nibbles ^ 8).astype(np.int8) - 8).reshape(self.shape)  # 8..15 -> -8..-1
+        return nibbles.reshape(self.shape)
+
+
+Ints = np.ndarray | Nibbles
+
+
+@attrs.frozen(eq=False)
+class Quantized:
+    """`values` [..., out, groups, group], signed for symmetric formats, unsigned with `zero_point` [..., out, groups,
+    1] for asymmetric ones; `scale` float16 [..., out, groups, 1]. 8-bit integers are int8/uint8 arrays, 4-bit ones
+    `Nibbles`."""
+
+    values: Ints
     scale: np.ndarray
-    zero_point: np.ndarray | None
+    zero_point: Ints | None
     bits: int
 
     @property
@@ -38,9 +79,9 @@ class Quantized:
 
     def dequantize(self) -> np.ndarray:
         """The float32 matrix the plugins compute with: (values - zero point) * scale."""
-        centred = self.values.astype(np.float32)
+        centred = _one_per_byte(self.values).astype(np.float32)
         if self.zero_point is not None:
-            centred -= self.zero_point
+            centred -= _one_per_byte(self.zero_point)
         return (centred * self.scale.astype(np.float32)).reshape(self.shape)
 
 
@@ -51,50 +92,70 @@ def group_size(fmt: WeightFormat, width: int) -> int:
 
 def quantize(w: np.ndarray, fmt: WeightFormat) -> Quantized:
     """Round-to-nearest integer quantisation of a float matrix (last axis = input) in an integer `fmt`."""
+    return quantize_stacks([(w,)], len(w), fmt)[0]
+
+
+def quantize_stacks(chunks: Iterable[Sequence[np.ndarray]], count: int, fmt: WeightFormat) -> list[Quantized]:
+    """`quantize` of several arrays [count, ...] (stacks of experts, or the rows of one matrix) that arrive together
+    a few entries along axis 0 at a time (each chunk: one [n, ...] slice of every array), into arrays allocated
+    once: only one chunk is ever held in float32, and 4-bit values are packed chunk by chunk. Groups never span
+    entries, so the result is exactly that of quantising each whole array."""
     if not fmt.is_integer:
         raise ValueError(f"quantize: {fmt} is not an integer format")
+    stacks: list[Quantized] = []
+    start = 0
+    for chunk in chunks:
+        parts = [_round(w, fmt) for w in chunk]  # (values, scale, zero point) of each array
+        if not stacks:
+            stacks = [Quantized(*(_empty(a, count, fmt.bits) for a in part), fmt.bits) for part in parts]
+        for stack, part in zip(stacks, parts, strict=True):
+            for into, a in zip((stack.values, stack.scale, stack.zero_point), part, strict=True):
+                if a is not None:
+                    _put(into, start, a)
+        start += len(chunk[0])
+    if start != count:
+        raise ValueError(f"quantize_stacks: the chunks held {start} entries along axis 0, expected {count}")
+    return stacks
+
+
+def _round(w: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Values (int8, or uint8 with zero points), f16 scales and uint8 zero points (asymmetric formats) of `w`."""
     *lead, rows, width = w.shape
     g = group_size(fmt, width)
     grouped = w.astype(np.float32, copy=False).reshape(*lead, rows, width // g, g)
     if fmt.symmetric:
         top = 2 ** (fmt.bits - 1) - 1  # symmetric range [-top, top]: no clipping of the largest weight
         scale = _f16_scale(np.abs(grouped).max(axis=-1, keepdims=True) / top)
-        values = np.clip(np.rint(grouped / scale), -top, top).astype(np.int8)
-        return Quantized(values, scale, None, fmt.bits)
+        return np.clip(np.rint(grouped / scale), -top, top).astype(np.int8), scale, None
     top = 2 ** fmt.bits - 1
     low = np.minimum(grouped.min(axis=-1, keepdims=True), 0)
     high = np.maximum(grouped.max(axis=-1, keepdims=True), 0)
     scale = _f16_scale((high - low) / top)
     zero_point = np.clip(np.rint(-low / scale), 0, top)
     values = np.clip(np.rint(grouped / scale) + zero_point, 0, top).astype(np.uint8)
-    return Quantized(values, scale, zero_point.astype(np.uint8), fmt.bits)
+    return values, scale, zero_point.astype(np.uint8)
 
 
-def quantize_stacks(chunks: Iterable[Sequence[np.ndarray]], count: int, fmt: WeightFormat) -> list[Quantized]:
-    """`quantize` of several stacks [count, out, in] that arrive together a few experts at a time (each chunk: one
-    [n, out, in] slice of every stack), into arrays allocated once: only one chunk is ever held in float32. Groups
-    never span experts, so the result is exactly that of quantising each whole stack."""
-    stacks: list[Quantized] = []
-    start = 0
-    for chunk in chunks:
-        parts = [quantize(w, fmt) for w in chunk]
-        if not stacks:
-            stacks = [Quantized(_empty_stack(p.values, count), _empty_stack(p.scale, count),
-                                None if p.zero_point is None else _empty_stack(p.zero_point, count), p.bits)
-                      for p in parts]
-        end = start + len(chunk[0])
-        for stack, part in zip(stacks, parts, strict=True):
-            stack.values[start:end], stack.scale[start:end] = part.values, part.scale
-            if part.zero_point is not None:
-                stack.zero_point[start:end] = part.zero_point
-        start = end
-    if start != count:
-        raise ValueError(f"quantize_stacks: the chunks held {start} experts, expected {count}")
-    return stacks
+def _empty(part: np.ndarray | None, count: int, bits: int) -> Ints | None:
+    """Room for `count` entries along axis 0 like those of `part`: 4-bit integers as `Nibbles` (zeros, as `put`
+    needs), f16 scales and 8-bit integers as arrays."""
+    if part is None:
+        return None
+    shape = (count, *part.shape[1:])
+    if bits == 4 and part.dtype.kind in "iu":
+        return Nibbles.zeros(shape, part.dtype == np.int8)
+    return np.empty(shape, part.dtype)
 
 
-def _empty_stack(part: np.ndarray, count: int) -> np.ndarray:
-    return np.empty((count, *part.shape[1:]), part.dtype)
+def _put(into: Ints, first: int, part: np.ndarray) -> None:
+    if isinstance(into, Nibbles):
+        into.put(first, part)
+    else:
+        into[first: first + len(part)] = part
+
+
+def _one_per_byte(ints: Ints) -> np.ndarray:
+    return ints.unpack() if isinstance(ints, Nibbles) else ints
 
 
 def _f16_scale(scale: np.ndarray) -> np.ndarray:
