@@ -11,12 +11,16 @@ from click.testing import CliRunner
 
 from cascadia.cli import cli
 from cascadia.exec import calibrate as calibrate_module
-from cascadia.exec.calibrate import Grid, StageProbe, SteeredRouter, fit_non_negative, format_calibration
+from cascadia.exec.calibrate import (
+    Grid, StageProbe, SteeredRouter, fit_non_negative, format_calibration, shared_cores, simulate_burst,
+)
 from cascadia.exec.routing import Routing
 from cascadia.exec.stage import Sampling, load_stage
 from cascadia.graph.planner import plan as make_plan
 from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration
 from cascadia.sim.model import stage_kinds
+from tests.sim_specs import calibration as hand_calibration
+from tests.sim_specs import even_plan, tiny_spec
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
 
@@ -28,6 +32,29 @@ def test_fit_non_negative():
     assert fit_non_negative([np.ones(8), x], 10 - x) == pytest.approx((np.mean(10 - x), 0))
     # through the origin when the intercept would be negative
     assert fit_non_negative([np.ones(8), x], 3 * x - 1) == pytest.approx((0, (3 * x - 1) @ x / (x @ x)))
+
+
+@pytest.mark.parametrize("cores", [1.0, 1.37, 2.2, 3.0])
+def test_shared_cores_are_those_with_which_the_simulator_takes_as_long_as_the_bursts(cores):
+    spec = tiny_spec(host="box")
+    plan = even_plan(spec)
+    cal = hand_calibration(spec, lambda kind, rows, x: 1e-3 * (1 + rows / 8), frame_s=2e-4)
+    groups, steps = 6, 12
+    burst = simulate_burst(spec, plan, attrs.evolve(cal, hosts={"box": cores}), groups, steps)
+    assert len(burst) == groups * steps and burst == sorted(burst)
+    # two bursts as measured: one 5% slower, one 5% faster; their median is the simulator's own
+    slower, faster = [t * 1.05 for t in burst], [t * 0.95 for t in burst]
+    assert shared_cores(spec, plan, cal, [slower, burst, faster], groups) == {"box": pytest.approx(cores, rel=1e-4)}
+
+
+def test_shared_cores_stay_between_one_and_the_hosts_nodes():
+    spec = tiny_spec(host="box")
+    plan = even_plan(spec)
+    cal = hand_calibration(spec, lambda kind, rows, x: 1e-3)
+    burst = simulate_burst(spec, plan, attrs.evolve(cal, hosts={"box": 1.0}), 6, 8)
+    assert shared_cores(spec, plan, cal, [[t * 3 for t in burst]], 6) == {"box": 1.0}
+    assert shared_cores(spec, plan, cal, [[t / 10 for t in burst]], 6) == {"box": 3.0}
+    assert shared_cores(tiny_spec(), even_plan(tiny_spec()), cal, [burst], 6) == {}  # no shared host
 
 
 @pytest.mark.parametrize("rows, distinct", [(1, 2), (2, 3), (4, 8), (3, 5), (8, 8)])

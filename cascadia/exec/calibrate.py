@@ -24,10 +24,11 @@ processes and coordinator.
      processes around it) their level and what each stream adds. The rest of the round trip beyond the nodes'
      busy time and the links is shared evenly by the nodes as frame_s + row_s x rows: each receives, decodes,
      encodes and sends every frame outside its busy count (the coordinator's part comes with it);
-   - twice as many one-row streams as stages, all in flight: the work the calibration then says the stages of a
-     shared host did, over the time they took, is the host's cores (in units of one node computing alone, at
-     least 1, at most its nodes).
-   Least-squares fits, no coefficient below zero.
+   - twice as many one-row streams as stages, all in flight: a host that several nodes share gets the cores (in
+     units of one node computing as the frames alone found it) with which the simulator, given these bursts, takes
+     as long as the pipeline did. On a small machine that is not its processor count: the nodes' messages, the
+     coordinator and the wake-ups of idle processes take their share (2 processors gave about 1 here).
+   Least-squares fits, no coefficient below zero; a bisection for the cores.
 """
 
 from __future__ import annotations
@@ -59,20 +60,21 @@ from cascadia.exec.wire import Encoder, Frame
 from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import TOKEN_ID_BYTES
-from cascadia.policy import padded_size
+from cascadia.policy import DECODE, Row, padded_size
+from cascadia.policy import Frame as PolicyFrame
 from cascadia.sim.analytic import kind_costs, row_grid
 from cascadia.sim.calibration import (
     DENSE, EMBEDDING, GLOBAL, HEAD, KIND_AXES, MEASURED, MOE, SLIDING, Calibration, Extrapolations, NodeCalibration,
     Table, make_meta,
 )
-from cascadia.sim.model import FrameShape, StageCost, stage_kinds
+from cascadia.sim.model import FrameShape, PipelineModel, StageCost, stage_kinds
 from cascadia.spec.load import dump_spec, load_spec
 from cascadia.spec.types import LinkSpec, Spec
 
 ROUNDS = 10  # sweeps of the layer grid; each point is their median
 STEPS = 16  # frames of one shape alone through the pipeline, one after the other (at most)
 PASSES = 2  # passes over the pipeline's traffic
-BURST_STEPS = 8  # frames per stream in a burst of streams all in flight
+BURST_STEPS = 24  # frames per stream in a burst of streams all in flight
 PINGS = 30  # round trips per message size on a link
 LARGEST_MESSAGE_BYTES = 4 * 2**20
 
@@ -393,7 +395,7 @@ def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibrati
     alone = [(_decode_rows, r) for r in rows if r <= runtime.max_streams] + [(_prompt_window, r) for r in rows if r > 1]
     groups = min(2 * len(plan.stages), runtime.max_streams)
     frames: list[_Alone] = []
-    bursts: list[list[tuple[float, int]]] = []
+    bursts: list[list[float]] = []
     progress("starting the pipeline")
     with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(),
                         on_message=lambda node, message: progress(describe(node, message))) as pipeline:
@@ -405,7 +407,7 @@ def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibrati
             bursts.append(probe.saturate(groups, min(BURST_STEPS, runtime.context_budget)))
             progress(f"pipeline: pass {sweep + 1}/{PASSES}: {len(alone)} frame shapes alone, {groups} streams at once")
     calibration = _fitted(spec, plan, layers, frames, progress)
-    return attrs.evolve(calibration, hosts=_shared_cores(spec, plan, calibration, bursts, groups, progress))
+    return attrs.evolve(calibration, hosts=shared_cores(spec, plan, calibration, bursts, groups, progress))
 
 
 class PipelineProbe:
@@ -442,17 +444,17 @@ class PipelineProbe:
         after = self.coordinator.stats()
         return _Alone(tuple(shapes), round_trips, tuple(after[name].busy_s - before[name].busy_s for name in after))
 
-    def saturate(self, groups: int, steps: int) -> list[tuple[float, int]]:
-        """`groups` one-row streams (slot = group) of `steps` frames each, all in flight at once: (seconds since the
-        start, position) of every frame as its tokens come back."""
+    def saturate(self, groups: int, steps: int) -> list[float]:
+        """`groups` one-row streams (slot = group) of `steps` frames each, all in flight at once: seconds since the
+        start at which each frame's tokens came back, in order."""
         position = [0] * groups
         for group in range(groups):
             self.send(group, [group], [0])
-        done: list[tuple[float, int]] = []
+        done: list[float] = []
         start = time.perf_counter()
         while len(done) < groups * steps:
             group = self.coordinator.next_tokens().group
-            done.append((time.perf_counter() - start, position[group]))
+            done.append(time.perf_counter() - start)
             position[group] += 1
             if position[group] < steps:
                 self.send(group, [group], [position[group]])
@@ -502,26 +504,55 @@ def _fitted(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[_Alone
     return attrs.evolve(layers, nodes=nodes)
 
 
-def _shared_cores(spec: Spec, plan: Plan, calibration: Calibration, bursts: Sequence[list[tuple[float, int]]],
-                  groups: int, progress: Progress) -> dict[str, float]:
-    """Cores of each host that several stages share: the work the calibration says its stages did in the bursts,
-    over the time they took, counted after every stream's first frame and before the last round (a full pipeline)."""
+def shared_cores(spec: Spec, plan: Plan, calibration: Calibration, bursts: Sequence[list[float]], groups: int,
+                 progress: Progress = lambda text: None) -> dict[str, float]:
+    """Cores of the hosts that several stages share (one figure for all of them, in units of a node computing
+    alone, at least 1, at most the host's nodes): those with which the simulator, given the bursts, takes as long as the pipeline took, counted from
+    every stream's first frame back to the start of the last round (a full pipeline)."""
     nodes = {node.name: node for node in spec.cluster.nodes}
     host_of = [nodes[s.node].host or s.node for s in plan.stages]
-    costs = _stage_costs(spec, plan, calibration)
-    window = spec.model.config.sliding_window_size
-    cores = {}
-    for host in sorted({h for h in host_of if host_of.count(h) > 1}):
-        work = seconds = 0.0
-        for done in bursts:
-            (start, _), (end, _) = done[groups - 1], done[-groups]
-            seconds += end - start
-            work += sum(cost(FrameShape(padded_size(1, spec.runtime.row_buckets), 1, min(p + 1, window), p + 1, 1))
-                        for _, p in done[groups:len(done) - groups + 1]
-                        for cost, on in zip(costs, host_of) if on == host)
-        cores[host] = min(max(work / seconds, 1.0), float(host_of.count(host)))
-        progress(f"host {host}: {cores[host]:.2f} cores for its {host_of.count(host)} nodes")
-    return cores
+    shared = {h: host_of.count(h) for h in sorted(set(host_of)) if host_of.count(h) > 1}
+    if not shared:
+        return {}
+    measured = statistics.median(done[-groups] - done[groups - 1] for done in bursts)
+    steps = len(bursts[0]) // groups
+
+    def simulated(cores: float) -> float:
+        hosts = {h: min(cores, count) for h, count in shared.items()}
+        done = simulate_burst(spec, plan, attrs.evolve(calibration, hosts=hosts), groups, steps)
+        return done[-groups] - done[groups - 1]
+
+    low, high = 1.0, float(max(shared.values()))  # as the frames alone found them ... every node at once
+    if simulated(high) >= measured:
+        cores = high
+    elif simulated(low) <= measured:
+        cores = low
+    else:
+        for _ in range(30):  # bisection: the simulated time falls as cores grow
+            middle = (low + high) / 2
+            low, high = (middle, high) if simulated(middle) > measured else (low, middle)
+        cores = (low + high) / 2
+    for host, count in shared.items():
+        progress(f"host {host}: {min(cores, count):.2f} cores for its {count} nodes")
+    return {h: min(cores, count) for h, count in shared.items()}
+
+
+def simulate_burst(spec: Spec, plan: Plan, calibration: Calibration, groups: int, steps: int) -> list[float]:
+    """The simulator's `PipelineProbe.saturate`: when each frame's tokens come back, in order."""
+    model = PipelineModel(spec, plan, calibration)
+    padded = padded_size(1, spec.runtime.row_buckets)
+    done: list[float] = []
+
+    def stream(group: int):
+        for position in range(steps):
+            row = Row(group, group, position, DECODE, 0, True)
+            yield from model.carry(PolicyFrame(group * steps + position, group, (row,), padded))
+            done.append(model.env.now)
+
+    for group in range(groups):
+        model.env.process(stream(group))
+    model.env.run()
+    return done
 
 
 def fit_non_negative(columns: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[float, float]:
