@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from cascadia.cli import cli
 from cascadia.exec import calibrate as calibrate_module
 from cascadia.exec.calibrate import (
-    Grid, StageProbe, SteeredRouter, fit_non_negative, format_calibration, shared_cores, simulate_burst,
+    Grid, StageProbe, SteeredRouter, burst_streams, fit_non_negative, format_calibration, shared_speedup,
+    simulate_burst,
 )
 from cascadia.exec.routing import Routing
 from cascadia.exec.stage import Sampling, load_stage
@@ -34,27 +35,32 @@ def test_fit_non_negative():
     assert fit_non_negative([np.ones(8), x], 3 * x - 1) == pytest.approx((0, (3 * x - 1) @ x / (x @ x)))
 
 
-@pytest.mark.parametrize("cores", [1.0, 1.37, 2.2, 3.0])
-def test_shared_cores_are_those_with_which_the_simulator_takes_as_long_as_the_bursts(cores):
+@pytest.mark.parametrize("speedup", [(1.0, 1.0, 1.0), (1.0, 1.37, 1.1), (1.0, 2.0, 2.2), (1.0, 2.0, 3.0)])
+def test_shared_speedup_is_the_one_with_which_the_simulator_takes_as_long_as_the_bursts(speedup):
     spec = tiny_spec(host="box")
     plan = even_plan(spec)
+    assert burst_streams(spec, plan) == [2, 6]
     cal = hand_calibration(spec, lambda kind, rows, x: 1e-3 * (1 + rows / 8), frame_s=2e-4)
-    groups, steps = 6, 12
-    burst = simulate_burst(spec, plan, attrs.evolve(cal, hosts={"box": cores}), groups, steps)
-    assert len(burst) == groups * steps and burst == sorted(burst)
-    # two bursts as measured: one 5% slower, one 5% faster; their median is the simulator's own
-    slower, faster = [t * 1.05 for t in burst], [t * 0.95 for t in burst]
-    assert shared_cores(spec, plan, cal, [slower, burst, faster], groups) == {"box": pytest.approx(cores, rel=1e-4)}
+    steps = 12
+    bursts = []
+    for streams in burst_streams(spec, plan):
+        burst = simulate_burst(spec, plan, attrs.evolve(cal, hosts={"box": speedup}), streams, steps)
+        assert len(burst) == streams * steps and burst == sorted(burst)
+        # three passes as measured: one 5% slower, one 5% faster; their median is the simulator's own
+        bursts.append([[t * 1.05 for t in burst], burst, [t * 0.95 for t in burst]])
+    assert shared_speedup(spec, plan, cal, bursts) == {"box": pytest.approx(speedup, rel=1e-4)}
 
 
-def test_shared_cores_stay_between_one_and_the_hosts_nodes():
+def test_shared_speedup_stays_between_its_bounds():
     spec = tiny_spec(host="box")
     plan = even_plan(spec)
     cal = hand_calibration(spec, lambda kind, rows, x: 1e-3)
-    burst = simulate_burst(spec, plan, attrs.evolve(cal, hosts={"box": 1.0}), 6, 8)
-    assert shared_cores(spec, plan, cal, [[t * 3 for t in burst]], 6) == {"box": 1.0}
-    assert shared_cores(spec, plan, cal, [[t / 10 for t in burst]], 6) == {"box": 3.0}
-    assert shared_cores(tiny_spec(), even_plan(tiny_spec()), cal, [burst], 6) == {}  # no shared host
+    bursts = [simulate_burst(spec, plan, attrs.evolve(cal, hosts={"box": (1.0,)}), n, 8)
+              for n in burst_streams(spec, plan)]
+    assert shared_speedup(spec, plan, cal, [[[t * 9 for t in b]] for b in bursts]) == {"box": (1.0, 0.5, 0.5)}
+    assert shared_speedup(spec, plan, cal, [[[t / 9 for t in b]] for b in bursts]) == {"box": (1.0, 2.0, 3.0)}
+    assert shared_speedup(tiny_spec(), even_plan(tiny_spec()), cal, []) == {}  # no shared host
+    assert burst_streams(tiny_spec(), even_plan(tiny_spec())) == []
 
 
 @pytest.mark.parametrize("rows, distinct", [(1, 2), (2, 3), (4, 8), (3, 5), (8, 8)])
@@ -116,7 +122,8 @@ def test_calibrate_writes_a_measured_calibration_with_every_table_the_plan_needs
         assert node.stream_s >= 0 and node.frame_s >= 0 and node.row_s >= 0
     assert set(calibration.links) == {("node0", "node1"), ("node1", "node2"), ("node2", "node0")}
     assert all(link.latency > 0 and link.bandwidth > 0 for link in calibration.links.values())
-    assert 1 <= calibration.hosts["localhost"] <= 3  # three nodes share this machine
+    speedup = calibration.hosts["localhost"]  # three nodes share this machine
+    assert len(speedup) == 3 and speedup[0] == 1 and all(0.5 <= s <= k for k, s in enumerate(speedup, start=1))
     raw = json.loads(path.read_text())
     assert raw["grid_bounds"]["global"] == {"rows": [2, 24], "context": [1, 64]}
     assert output.splitlines()[0].split() == ["node", "sliding", "global", "moe", "dense", "embedding", "head",
@@ -141,13 +148,13 @@ def test_format_calibration():
 
     spec = tiny_spec()
     cal = attrs.evolve(calibration(spec, lambda kind, r, x: 1e-3 * r, rows=(1, 4), stream_s=2e-4, frame_s=1e-3),
-                       hosts={"box": 1.5})
+                       hosts={"box": (1.0, 1.5)})
     lines = format_calibration(cal).splitlines()
     assert lines[0].split() == ["node", "sliding", "global", "moe", "dense", "embedding", "head", "per", "stream",
                                 "per", "frame", "per", "row"]
     assert lines[1].split() == ["n0", *["1.000-4.000"] * 6, "0.200", "1.000", "0.000"]
     assert lines[4] == "link n0 -> n1: latency 100 us, bandwidth 0.10 GB/s"
-    assert lines[-1] == "host box: 1.50 cores shared by its nodes"
+    assert lines[-1] == "host box: speedup 1.00, 1.50 with 1, 2, ... nodes computing at once"
 
 
 def test_calibrate_refuses_tcp_nodes(spec, checkpoint):

@@ -72,7 +72,7 @@ def test_save_and_load_round_trip(tmp_path):
     spec = tiny_spec()
     cal = attrs.evolve(calibration(spec, lambda kind, r, x: 1e-3 * r + 1e-6 * x, frame_s=1e-4, row_s=1e-6,
                                    stream_s=1e-5),
-                       routing=((1, 8), (2.0, 7.5)), hosts={"box": 1.5})
+                       routing=((1, 8), (2.0, 7.5)), hosts={"box": (1.0, 1.5, 1.25)})
     path = tmp_path / "cal.json"
     cal.save(path)
     loaded = Calibration.load(path)
@@ -133,8 +133,9 @@ TABLES = "nodes.n0.tables"
     ("links.0.bandwidth_Bps", 0, r"links\[0\].bandwidth_Bps: must be positive"),
     ("links.1.to", DELETE, r"links\[1\]: missing 'to'"),
     ("routing", {"rows": [1, 2], "distinct_experts": [1.0]}, "routing.distinct_experts: has 1 values for 2 rows"),
-    ("hosts", {"box": {"cores": 0}}, "hosts.box.cores: must be positive"),
-    ("hosts", {"box": {}}, "hosts.box: missing 'cores'"),
+    ("hosts", {"box": {"speedup": [1, 0]}}, r"hosts.box.speedup\[1\]: must be positive"),
+    ("hosts", {"box": {"speedup": []}}, "hosts.box.speedup: expected a non-empty list"),
+    ("hosts", {"box": {"cores": 2}}, "hosts.box: missing 'speedup'"),
 ])
 def test_bad_calibration_files_name_file_and_key(tmp_path, path, value, message):
     good = calibration(tiny_spec(), lambda kind, r, x: 1e-3).to_dict()

@@ -66,18 +66,18 @@ def test_decode_slows_as_context_grows_until_the_window():
     assert gaps == pytest.approx(expected, rel=1e-9)
 
 
-def _two_groups_on_two_nodes(host, cores=None):
+def _two_groups_on_two_nodes(host, speedup=None):
     spec = tiny_spec(n_nodes=2, host=host)
     fast = LinkSpec(1e30, 0.0)
     cal = calibration(spec, lambda kind, r, x: 1e-3 if kind in ("moe", "dense", "embedding", "head") else 0.0,
                       links={("n0", "n1"): fast, ("n1", "n0"): fast})
-    if cores is not None:
-        cal = attrs.evolve(cal, hosts={host: cores})
+    if speedup is not None:
+        cal = attrs.evolve(cal, hosts={host: speedup})
     records, _, _ = run(spec, cal, [Request(i, (1,), 3) for i in range(2)], clients=2)
     return [r.token_times for r in records]
 
 
-def test_nodes_sharing_a_host_share_its_cores():
+def test_nodes_sharing_a_host_share_its_speed():
     s = 4e-3  # each of the two stages: 4 layers (embedding and head included) of 1 ms
     # On their own hosts the groups overlap: group 1 waits one stage time for node 0, then each group gets a token
     # every two stage times.
@@ -87,13 +87,13 @@ def test_nodes_sharing_a_host_share_its_cores():
     # speed (two stage times per stage), a token every four stage times per group; the last stage is alone again.
     assert _two_groups_on_two_nodes("box") == [pytest.approx([3 * s, 7 * s, 11 * s]),
                                                 pytest.approx([5 * s, 9 * s, 12 * s])]
-    # As many cores as nodes: as if on hosts of their own.
-    assert _two_groups_on_two_nodes("box", cores=2.0) == own_hosts
+    # Twice the work with both computing: as if on hosts of their own.
+    assert _two_groups_on_two_nodes("box", speedup=(1.0, 2.0)) == own_hosts
 
 
 def test_shared_host_processor_sharing():
     env = simpy.Environment()
-    host = SharedHost(env, cores=1.5)
+    host = SharedHost(env, speedup=(1.0, 1.5))
     done = {}
 
     def job(name, start, work):

@@ -17,18 +17,20 @@ processes and coordinator.
    D, so that the frame touches exactly D; R rows touch at most R*k, and a point beyond that holds the time at R*k.
 2. Links: pipeline messages bounced off a process at the other end of the real ZeroMQ transport (loopback: the
    nodes are local), round trip = 2 x (latency + bytes / bandwidth), fitted over sizes from one row to 4 MiB.
-3. The real pipeline (`Pipeline.start`), in passes that interleave two kinds of traffic:
+3. The real pipeline (`Pipeline.start`), in passes that interleave two kinds of traffic (a figure is the median over
+   the passes):
    - frames alone in the pipeline, of decode rows (one stream each) and of prompt windows (one stream), of 1 ... the
      largest bucket rows. Each node's own count of busy seconds fits busy = a x tables + stream_s x streams: the
      tables give each kind's shape, the node in the pipeline (its own process, idle between frames, other
      processes around it) their level and what each stream adds. The rest of the round trip beyond the nodes'
      busy time and the links is shared evenly by the nodes as frame_s + row_s x rows: each receives, decodes,
      encodes and sends every frame outside its busy count (the coordinator's part comes with it);
-   - twice as many one-row streams as stages, all in flight: a host that several nodes share gets the cores (in
-     units of one node computing as the frames alone found it) with which the simulator, given these bursts, takes
-     as long as the pipeline did. On a small machine that is not its processor count: the nodes' messages, the
-     coordinator and the wake-ups of idle processes take their share (2 processors gave about 1 here).
-   Least-squares fits, no coefficient below zero; a bisection for the cores.
+   - bursts of one-row streams all in flight (`burst_streams`: 2, 3, ... then twice as many as stages): on a host
+     that several nodes share, they find how much work k nodes computing at once get done, against one alone (the
+     speedup S_k, each fitted so that the simulator, given the burst, takes as long as the pipeline did). On a small
+     machine that is not min(k, processors): the nodes' messages, the coordinator and the wake-ups of idle
+     processes take their share (2 processors here: about 1.4 with 2 nodes busy, 1.0 with 3).
+   Least-squares fits, no coefficient below zero; bisections for the speedups.
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ from cascadia.spec.load import dump_spec, load_spec
 from cascadia.spec.types import LinkSpec, Spec
 
 ROUNDS = 10  # sweeps of the layer grid; each point is their median
-STEPS = 16  # frames of one shape alone through the pipeline, one after the other (at most)
-PASSES = 2  # passes over the pipeline's traffic
-BURST_STEPS = 24  # frames per stream in a burst of streams all in flight
+STEPS = 8  # frames of one shape alone through the pipeline, one after the other (at most)
+PASSES = 5  # passes over the pipeline's traffic; each figure is their median
+BURST_STEPS = 16  # frames per stream in a burst of streams all in flight
+SPEEDUP_LOW = 0.5  # the least speedup a fit gives k nodes computing at once on a shared host
 PINGS = 30  # round trips per message size on a link
 LARGEST_MESSAGE_BYTES = 4 * 2**20
 
@@ -134,7 +137,8 @@ def format_calibration(calibration: Calibration) -> str:
              for row in rows]
     lines += [f"link {a} -> {b}: latency {link.latency * 1e6:.0f} us, bandwidth {link.bandwidth / 1e9:.2f} GB/s"
               for (a, b), link in calibration.links.items()]
-    lines += [f"host {host}: {cores:.2f} cores shared by its nodes" for host, cores in calibration.hosts.items()]
+    lines += [f"host {host}: speedup {', '.join(f'{s:.2f}' for s in speedup)} with 1, 2, ... nodes computing at once"
+              for host, speedup in calibration.hosts.items()]
     return "\n".join(lines)
 
 
@@ -393,21 +397,23 @@ def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibrati
     largest = max(runtime.row_buckets)
     rows = sorted(set(range(1, largest + 1, max(1, largest // 8))) | set(runtime.row_buckets))
     alone = [(_decode_rows, r) for r in rows if r <= runtime.max_streams] + [(_prompt_window, r) for r in rows if r > 1]
-    groups = min(2 * len(plan.stages), runtime.max_streams)
-    frames: list[_Alone] = []
-    bursts: list[list[float]] = []
+    streams = burst_streams(spec, plan)
+    frames: list[list[_Alone]] = []  # by pass, each shape's frames in order
+    bursts: list[list[list[float]]] = [[] for _ in streams]  # per burst size, each pass's
     progress("starting the pipeline")
     with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(),
                         on_message=lambda node, message: progress(describe(node, message))) as pipeline:
         probe = PipelineProbe(pipeline, spec)
         probe.alone([_decode_rows(1, step) for step in range(STEPS)])  # the first frames pay for first use
         for sweep in range(PASSES):  # passes, so that load elsewhere touches both kinds of traffic alike
-            frames += [probe.alone([make(n, step) for step in range(min(STEPS, runtime.context_budget // n))])
-                       for make, n in alone]
-            bursts.append(probe.saturate(groups, min(BURST_STEPS, runtime.context_budget)))
-            progress(f"pipeline: pass {sweep + 1}/{PASSES}: {len(alone)} frame shapes alone, {groups} streams at once")
-    calibration = _fitted(spec, plan, layers, frames, progress)
-    return attrs.evolve(calibration, hosts=shared_cores(spec, plan, calibration, bursts, groups, progress))
+            frames.append([probe.alone([make(n, step) for step in range(min(STEPS, runtime.context_budget // n))])
+                           for make, n in alone])
+            for n, passes in zip(streams, bursts):
+                passes.append(probe.saturate(n, min(BURST_STEPS, runtime.context_budget)))
+            progress(f"pipeline: pass {sweep + 1}/{PASSES}: {len(alone)} frame shapes alone, bursts of "
+                     f"{', '.join(map(str, streams))} streams at once")
+    calibration = _fitted(spec, plan, layers, [_median(passes) for passes in zip(*frames)], progress)
+    return attrs.evolve(calibration, hosts=shared_speedup(spec, plan, calibration, bursts, progress))
 
 
 class PipelineProbe:
@@ -461,6 +467,13 @@ class PipelineProbe:
         return done
 
 
+def _median(passes: Sequence[_Alone]) -> _Alone:
+    """One shape's frames as the passes found them in the middle: the median round trip and busy seconds of each
+    node (a pass that met a burst of other load on this machine moves neither)."""
+    return _Alone(passes[0].shapes, statistics.median(p.round_trips for p in passes),
+                  tuple(map(statistics.median, zip(*(p.busy for p in passes)))))
+
+
 def _decode_rows(n: int, step: int) -> tuple[list[int], list[int]]:
     """Slots and positions of n streams' decode rows at step `step`."""
     return list(range(n)), [step] * n
@@ -504,37 +517,54 @@ def _fitted(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[_Alone
     return attrs.evolve(layers, nodes=nodes)
 
 
-def shared_cores(spec: Spec, plan: Plan, calibration: Calibration, bursts: Sequence[list[float]], groups: int,
-                 progress: Progress = lambda text: None) -> dict[str, float]:
-    """Cores of the hosts that several stages share (one figure for all of them, in units of a node computing
-    alone, at least 1, at most the host's nodes): those with which the simulator, given the bursts, takes as long as the pipeline took, counted from
-    every stream's first frame back to the start of the last round (a full pipeline)."""
+def _shared_hosts(spec: Spec, plan: Plan) -> dict[str, int]:
+    """Hosts that several of the plan's stages share, and how many."""
     nodes = {node.name: node for node in spec.cluster.nodes}
     host_of = [nodes[s.node].host or s.node for s in plan.stages]
-    shared = {h: host_of.count(h) for h in sorted(set(host_of)) if host_of.count(h) > 1}
+    return {h: host_of.count(h) for h in sorted(set(host_of)) if host_of.count(h) > 1}
+
+
+def burst_streams(spec: Spec, plan: Plan) -> list[int]:
+    """One-row streams in flight in each burst: k for k = 2 ... up to the most nodes a host shares, to find how fast
+    k of them compute at once; with every node of a host busy, twice as many streams as stages (a full pipeline)."""
+    most = max(_shared_hosts(spec, plan).values(), default=1)
+    full = min(2 * len(plan.stages), spec.runtime.max_streams)
+    return [min(k, spec.runtime.max_streams) for k in range(2, most)] + [full] if most > 1 else []
+
+
+def shared_speedup(spec: Spec, plan: Plan, calibration: Calibration, bursts: Sequence[Sequence[list[float]]],
+                   progress: Progress = lambda text: None) -> dict[str, tuple[float, ...]]:
+    """The speedup of the hosts that several stages share (one list for all of them): S_1 = 1 (the frames alone
+    measured a node computing by itself), then each S_k in turn, from the burst of `burst_streams`' k-th size, is
+    the one with which the simulator takes as long as the pipeline took (the median over the passes), counted from
+    every stream's first frame back to the start of the last round (a full pipeline). Each S_k lies in
+    [SPEEDUP_LOW, k]."""
+    shared = _shared_hosts(spec, plan)
     if not shared:
         return {}
-    measured = statistics.median(done[-groups] - done[groups - 1] for done in bursts)
-    steps = len(bursts[0]) // groups
+    speedup = [1.0]
+    for k, (streams, passes) in enumerate(zip(burst_streams(spec, plan), bursts, strict=True), start=2):
+        measured = statistics.median(done[-streams] - done[streams - 1] for done in passes)
+        steps = len(passes[0]) // streams
 
-    def simulated(cores: float) -> float:
-        hosts = {h: min(cores, count) for h, count in shared.items()}
-        done = simulate_burst(spec, plan, attrs.evolve(calibration, hosts=hosts), groups, steps)
-        return done[-groups] - done[groups - 1]
+        def simulated(value: float) -> float:
+            hosts = {h: (*speedup, value) for h in shared}
+            done = simulate_burst(spec, plan, attrs.evolve(calibration, hosts=hosts), streams, steps)
+            return done[-streams] - done[streams - 1]
 
-    low, high = 1.0, float(max(shared.values()))  # as the frames alone found them ... every node at once
-    if simulated(high) >= measured:
-        cores = high
-    elif simulated(low) <= measured:
-        cores = low
-    else:
-        for _ in range(30):  # bisection: the simulated time falls as cores grow
-            middle = (low + high) / 2
-            low, high = (middle, high) if simulated(middle) > measured else (low, middle)
-        cores = (low + high) / 2
-    for host, count in shared.items():
-        progress(f"host {host}: {min(cores, count):.2f} cores for its {count} nodes")
-    return {h: min(cores, count) for h, count in shared.items()}
+        low, high = SPEEDUP_LOW, float(k)
+        if simulated(high) >= measured:
+            speedup.append(high)
+        elif simulated(low) <= measured:
+            speedup.append(low)
+        else:
+            for _ in range(30):  # bisection: the simulated time falls as the speedup grows
+                middle = (low + high) / 2
+                low, high = (middle, high) if simulated(middle) > measured else (low, middle)
+            speedup.append((low + high) / 2)
+    rates = ", ".join(f"{k} at once {value:.2f}x" for k, value in enumerate(speedup, start=1))
+    progress(f"shared hosts: the work of one node alone done by its nodes computing {rates}")
+    return {h: tuple(speedup) for h in shared}
 
 
 def simulate_burst(spec: Spec, plan: Plan, calibration: Calibration, groups: int, steps: int) -> list[float]:

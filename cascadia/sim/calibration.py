@@ -10,13 +10,16 @@ from the spec's hardware figures (kind "analytic", see `analytic.py`):
                       "stream_s": S,              # host time per stream in a frame (per-stream attention and state)
                       "tables": {KIND: TABLE}}},
      "links": [{"from": A, "to": B, "latency_s": S, "bandwidth_Bps": B}],
-     "hosts": {HOST: {"cores": C}},               # optional: cores the nodes sharing HOST get (default 1)
+     "hosts": {HOST: {"speedup": [S1, S2, ...]}}, # optional: nodes sharing HOST (default: one core, S = [1])
      "routing": {"rows": [...], "distinct_experts": [...]}}   # optional: measured from real routing
 
 A TABLE is the time (s) of ONE layer of its kind over a grid: "sliding" and "global" attention over rows x "context"
 (attended positions: a sliding layer attends at most its window), "moe" over rows x "experts" (distinct routed experts
 the frame's rows touch), "dense", "embedding" and "head" (final norm, head and sampling) over rows alone:
     {"rows": [r...], "context": [c...], "time_s": [[t(r, c) for c] for r]}    or    {"rows": [...], "time_s": [...]}
+A host's speedup S_k is the work its nodes get done per second while k of them compute at once, in seconds of one
+node computing alone (each of the k progresses at S_k / k); beyond the list, its last value holds. N cores shared
+fairly would be S_k = min(k, N).
 A second axis with a single point means the time does not depend on it. Lookups interpolate linearly along each axis
 (bilinear) and extrapolate linearly from the edge segment outside the grid, noting that they did.
 """
@@ -117,7 +120,7 @@ class Calibration:
     meta: CalibrationMeta
     nodes: dict[str, NodeCalibration]
     links: dict[tuple[str, str], LinkSpec] = attrs.Factory(dict)  # directed: (from, to)
-    hosts: dict[str, float] = attrs.Factory(dict)  # cores shared by the nodes naming a host; absent: 1
+    hosts: dict[str, tuple[float, ...]] = attrs.Factory(dict)  # speedup of the nodes naming a host; absent: (1,)
     routing: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # (rows, expected distinct experts)
     source: str | None = None  # the file it came from
 
@@ -172,7 +175,7 @@ class Calibration:
                       for (a, b), link in self.links.items()],
         }
         if self.hosts:
-            out["hosts"] = {host: {"cores": cores} for host, cores in self.hosts.items()}
+            out["hosts"] = {host: {"speedup": list(speedup)} for host, speedup in self.hosts.items()}
         if self.routing is not None:
             out["routing"] = {"rows": list(self.routing[0]), "distinct_experts": list(self.routing[1])}
         return out
@@ -228,9 +231,11 @@ class Calibration:
             bandwidth = r.positive(r.get(link, "bandwidth_Bps", at), f"{at}.bandwidth_Bps")
             links[pair] = LinkSpec(bandwidth=bandwidth, latency=r.seconds(r.get(link, "latency_s", at),
                                                                            f"{at}.latency_s"))
-        hosts = {host: r.positive(r.get(r.mapping(entry, f"hosts.{host}"), "cores", f"hosts.{host}"),
-                                  f"hosts.{host}.cores")
-                 for host, entry in r.mapping(raw.get("hosts", {}), "hosts").items()}
+        hosts = {}
+        for host, entry in r.mapping(raw.get("hosts", {}), "hosts").items():
+            at = f"hosts.{host}.speedup"
+            values = r.list(r.get(r.mapping(entry, f"hosts.{host}"), "speedup", f"hosts.{host}"), at)
+            hosts[host] = tuple(r.positive(v, f"{at}[{i}]") for i, v in enumerate(values))
         routing = None
         if "routing" in raw:
             rt = r.mapping(raw["routing"], "routing")

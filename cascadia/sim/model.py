@@ -3,11 +3,11 @@
 Scenario: clients send requests to the policy (closed loop). Every group without a frame in flight gets its next
 frame, which enters stage 0. Each stage computes the frame on its node (one frame at a time, first come first
 served), then sends it on: the FP32 residual of its real rows to the next stage, or, from the last stage, the sampled
-token ids straight back to stage 0, where the policy completes the frame. Nodes naming the same host share its cores
-(the calibration's `hosts`, 1 by default) as an operating system shares them among busy single-threaded processes:
-k of them computing at once each progress at min(1, cores / k) seconds of work per second. A link is a capacity-1
-resource held for bytes / bandwidth, then the message travels for the link's latency (so messages queue behind each
-other but overlap their latencies).
+token ids straight back to stage 0, where the policy completes the frame. Nodes naming the same host share it as an
+operating system shares its cores among busy processes: k of them computing at once each progress at S_k / k
+seconds of work per second, S being the host's measured speedup (the calibration's `hosts`; one core by default,
+S_k = 1). A link is a capacity-1 resource held for bytes / bandwidth, then the message travels for the link's latency
+(so messages queue behind each other but overlap their latencies).
 
 A stage's time for a frame is its node's overheads (per frame, per real row, per stream) plus its layers' calibrated
 times at the frame's padded rows: attention at the mean attended positions of the frame's rows (each row attends its
@@ -146,11 +146,11 @@ class Server:
 
 
 class SharedHost:
-    """Cores shared by the nodes of one host (processor sharing): with k nodes computing, each progresses at
-    min(1, cores / k) seconds of work per second."""
+    """A host shared by several nodes (processor sharing): with k nodes computing, each progresses at
+    speedup[k - 1] / k seconds of work per second (the last speedup beyond the list)."""
 
-    def __init__(self, env: simpy.Environment, cores: float) -> None:
-        self.env, self.cores = env, cores
+    def __init__(self, env: simpy.Environment, speedup: Sequence[float]) -> None:
+        self.env, self.speedup = env, tuple(speedup)
         self._left: dict[simpy.Event, float] = {}  # seconds of work left at full speed, by the job's done event
         self._since = 0.0  # when `_left` was last brought up to date
         self._timer = 0  # the number of the current completion timer; earlier ones are stale
@@ -164,7 +164,8 @@ class SharedHost:
         return done
 
     def _speed(self) -> float:
-        return min(1.0, self.cores / len(self._left))
+        busy = len(self._left)
+        return self.speedup[min(busy, len(self.speedup)) - 1] / busy
 
     def _catch_up(self) -> None:
         if self._left:
@@ -222,9 +223,9 @@ class PipelineModel:
         self._names = [s.node for s in plan.stages]
         self.costs, self._cost_index = self._stage_costs(plan, calibration, config)
         host_names = [nodes[s.node].host or s.node for s in plan.stages]
-        shared = {name: SharedHost(self.env, calibration.hosts.get(name, 1.0))
+        shared = {name: SharedHost(self.env, calibration.hosts.get(name, (1.0,)))
                   for name in host_names if host_names.count(name) > 1}
-        # a stage on a shared host: the host's cores and its node's turn; on a host of its own: a plain server
+        # a stage on a shared host: the host's speed and its node's turn; on a host of its own: a plain server
         self._hosts = [shared.get(name) or Server() for name in host_names]
         self._turns = [simpy.Resource(self.env) if name in shared else None for name in host_names]
         self.notes: list[str] = []
