@@ -729,10 +729,12 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
 @click.option("--calibration", "calibration_path", type=click.Path(exists=True, dir_okay=False), required=True,
               help="the calibration the simulator uses (`cascadia calibrate -o`)")
 @_workload_options
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="serve the workload this many times; the median is the measurement")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="write both results and the errors here")
 def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, concurrency,
-                     requests, prompts, prompt_tokens, max_new_tokens, groups, json_path) -> None:
+                     requests, prompts, prompt_tokens, max_new_tokens, groups, repeats, json_path) -> None:
     """Simulate and run the same workload on the same plan, and print per level and metric the measured and
     predicted values and the error, then each metric's median absolute error."""
     import attrs
@@ -746,11 +748,11 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
     except CalibrationError as e:
         raise click.ClickException(str(e)) from None
     _validate_and_report(attrs.evolve(loaded, workload=workload), _chosen_plan(loaded, plan_path), calibration,
-                         checkpoint, groups, json_path)
+                         checkpoint, groups, repeats, json_path)
 
 
 def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = None, groups: int | None = None,
-                         json_path: str | None = None) -> None:
+                         repeats: int = 1, json_path: str | None = None) -> None:
     """Simulate and run with progress on stderr; print the comparison, write the JSON."""
     import json
     from pathlib import Path
@@ -766,7 +768,7 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
         click.echo(f"run: concurrency {level}, {phase}: {len(records)} requests", err=True)
 
     try:
-        result = validate(loaded, chosen, calibration, groups=groups,
+        result = validate(loaded, chosen, calibration, repeats=repeats, groups=groups,
                           checkpoint=Path(checkpoint) if checkpoint else None,
                           on_message=lambda node, message: click.echo(describe(node, message), err=True),
                           on_phase=phase_done)
@@ -775,9 +777,10 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
     except (CalibrationError, PipelineError, TransportError, CheckpointError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_comparison(result))
-    for source in ("predicted", "measured"):
-        for warning in result[source]["warnings"]:
-            click.echo(f"warning ({source}): {warning}", err=True)
+    warnings = [f"warning (predicted): {w}" for w in result["predicted"]["warnings"]]
+    warnings += dict.fromkeys(f"warning (measured): {w}" for run in result["measured"] for w in run["warnings"])
+    for warning in warnings:
+        click.echo(warning, err=True)
     if json_path:
         try:
             with open(json_path, "w") as f:

@@ -1,14 +1,16 @@
 """`cascadia validate`: one workload through the simulator and through the real pipeline, and how far apart they are.
 
 Both backends serve the same requests (the workload's seeded prompts, or its prompts file) under the same policy
-and plan, and write the same metrics schema. Per concurrency level and metric, error = (predicted - measured) /
-measured; per metric, the median of the absolute errors over the levels.
+and plan, and write the same metrics schema. The real pipeline may serve the workload several times (`repeats`):
+on a machine shared with other work its speed wanders by tens of percent from minute to minute, and the median of
+a few runs is what it typically does. Per concurrency level and metric, error = (predicted - measured) / measured,
+with the median over the runs as measured; per metric, the median of the absolute errors over the levels.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cascadia.exec.run import run
@@ -17,7 +19,7 @@ from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
 
-SCHEMA = "cascadia.validation/1"
+SCHEMA = "cascadia.validation/2"
 # name -> (keys into a level summary, unit shown, scale to that unit)
 METRICS = {
     "decode tok/s": (("decode_tokens_per_s",), "tok/s", 1.0),
@@ -34,18 +36,25 @@ def _value(level: dict, keys: tuple[str, ...]) -> float | None:
     return level
 
 
-def compare(measured: dict, predicted: dict) -> dict:
-    """Per level and metric the measured and predicted values and the relative error (None when either is
-    missing or the measured one is zero); per metric the median absolute error over the levels that have one."""
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def compare(runs: Sequence[dict], predicted: dict) -> dict:
+    """Per level and metric the measured value (the median over the runs that have one), the predicted one and the
+    relative error (None when either is missing or the measured one is zero); per metric the median absolute error
+    over the levels that have one."""
     predicted_levels = {level["concurrency"]: level for level in predicted["levels"]}
+    run_levels = [{level["concurrency"]: level for level in run["levels"]} for run in runs]
     levels, errors = [], {name: [] for name in METRICS}
-    for level in measured["levels"]:
-        concurrency = level["concurrency"]
+    for concurrency in run_levels[0]:
         if concurrency not in predicted_levels:
             raise ValueError(f"the prediction has no level of concurrency {concurrency}")
         metrics = {}
         for name, (keys, _, _) in METRICS.items():
-            real, model = _value(level, keys), _value(predicted_levels[concurrency], keys)
+            real = _median([_value(by_level[concurrency], keys) for by_level in run_levels])
+            model = _value(predicted_levels[concurrency], keys)
             error = (model - real) / real if real and model is not None else None
             if error is not None:
                 errors[name].append(abs(error))
@@ -55,16 +64,16 @@ def compare(measured: dict, predicted: dict) -> dict:
             "median_abs_error": {name: statistics.median(e) if e else None for name, e in errors.items()}}
 
 
-def validate(spec: Spec, plan: Plan, calibration: Calibration, *, groups: int | None = None,
+def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1, groups: int | None = None,
              checkpoint: Path | None = None, on_message: Callable = lambda node, message: None,
              on_phase: Callable = lambda level, phase, records: None) -> dict:
-    """Simulate, then run, the spec's workload on `plan`; both results and their comparison.
+    """Simulate, then run `repeats` times, the spec's workload on `plan`; the results and their comparison.
 
     The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts."""
     predicted = simulate(spec, calibration, plan, groups=groups)
-    measured = run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
-                   on_phase=on_phase).result
-    return {"schema": SCHEMA, **compare(measured, predicted), "measured": measured, "predicted": predicted}
+    runs = [run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
+                on_phase=on_phase).result for _ in range(repeats)]
+    return {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
 
 
 def _shown(value: float | None, scale: float) -> str:

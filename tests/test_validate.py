@@ -2,6 +2,7 @@
 tiny local spec (its structure only: the errors depend on the machine's load)."""
 
 import json
+import statistics
 from pathlib import Path
 
 import attrs
@@ -27,7 +28,7 @@ PREDICTED = {"levels": [level(1, 110.0, 80.0, 0.045, 0.060, 0.011), level(4, 150
 
 
 def test_errors_are_relative_to_the_measurement_and_medians_skip_what_is_missing():
-    result = compare(MEASURED, PREDICTED)
+    result = compare([MEASURED], PREDICTED)
     errors = [{name: m["error"] for name, m in lv["metrics"].items()} for lv in result["levels"]]
     assert errors[0] == pytest.approx({"decode tok/s": 0.1, "phase tok/s": 0.0, "TTFT p50": -0.1, "TTFT p95": 0.0,
                                        "TPOT p50": 0.1})
@@ -39,13 +40,25 @@ def test_errors_are_relative_to_the_measurement_and_medians_skip_what_is_missing
                                                         "TTFT p95": 0.1, "TPOT p50": 0.1})
 
 
+def test_several_runs_are_measured_by_their_median():
+    slow = {"levels": [level(1, 80.0, 70.0, 0.070, None, 0.012), level(4, 180.0, 150.0, 0.120, 0.250, None),
+                       level(8, 240.0, 0.0, 0.250, 0.350, None)]}
+    fast = {"levels": [level(1, 130.0, 90.0, 0.040, 0.050, None), level(4, 230.0, 170.0, 0.090, 0.180, None),
+                       level(8, 300.0, 0.0, 0.150, 0.250, None)]}
+    first = compare([slow, MEASURED, fast], PREDICTED)["levels"][0]["metrics"]
+    assert first["decode tok/s"] == {"measured": 100.0, "predicted": 110.0, "error": pytest.approx(0.1)}
+    assert first["TTFT p95"]["measured"] == pytest.approx(0.055)  # the median of the runs that have one
+    assert first["TPOT p50"]["measured"] == pytest.approx(0.011)
+    assert compare([MEASURED] * 3, PREDICTED) == compare([MEASURED], PREDICTED)
+
+
 def test_a_level_the_prediction_lacks_is_an_error():
     with pytest.raises(ValueError, match="no level of concurrency 8"):
-        compare(MEASURED, {"levels": PREDICTED["levels"][:2]})
+        compare([MEASURED], {"levels": PREDICTED["levels"][:2]})
 
 
 def test_the_comparison_table():
-    lines = format_comparison(compare(MEASURED, PREDICTED)).splitlines()
+    lines = format_comparison(compare([MEASURED], PREDICTED)).splitlines()
     assert lines[0].split() == ["streams", "metric", "measured", "predicted", "error"]
     assert len(lines) == 1 + 3 * len(METRICS) + 1
     assert lines[1].split() == ["1", "decode", "tok/s", "100.00", "110.00", "+10.0%"]
@@ -61,7 +74,8 @@ def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_pat
     calibration(spec, lambda kind, r, x: 1e-4 * r).save(cal_path)  # hand-made: the errors mean nothing here
     result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(cal_path), "--checkpoint",
                                       str(checkpoint), "--concurrency", "1,3", "--max-new-tokens", "3",
-                                      "--prompt-tokens", "5", "--json", str(out)], catch_exceptions=False)
+                                      "--prompt-tokens", "5", "--repeats", "2", "--json", str(out)],
+                           catch_exceptions=False)
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["streams", "metric", "measured", "predicted", "error"]
@@ -69,15 +83,17 @@ def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_pat
     assert lines[-1].startswith("median |error|: decode tok/s ")
     saved = json.loads(out.read_text())
     assert saved["schema"] == SCHEMA
-    assert saved["measured"]["source"] == "run" and saved["predicted"]["source"] == "simulate"
-    for source in ("measured", "predicted"):
-        assert [lv["concurrency"] for lv in saved[source]["levels"]] == [1, 3]
-        requests = sorted((r["request_id"], r["prompt_tokens"], r["output_tokens"]) for r in saved[source]["requests"])
+    assert len(saved["measured"]) == 2 and saved["predicted"]["source"] == "simulate"
+    for result in [*saved["measured"], saved["predicted"]]:
+        assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
+        requests = sorted((r["request_id"], r["prompt_tokens"], r["output_tokens"]) for r in result["requests"])
         assert requests == [(i, 5, 3) for i in range(8)]  # warm-up and measured phases of both levels
     assert [lv["concurrency"] for lv in saved["levels"]] == [1, 3]
     assert set(saved["median_abs_error"]) == set(METRICS)
     first = saved["levels"][0]["metrics"]["decode tok/s"]
-    assert first["measured"] == saved["measured"]["levels"][0]["decode_tokens_per_s"]
+    assert all(run["source"] == "run" for run in saved["measured"])
+    assert first["measured"] == pytest.approx(statistics.median(
+        run["levels"][0]["decode_tokens_per_s"] for run in saved["measured"]))
     assert first["predicted"] == saved["predicted"]["levels"][0]["decode_tokens_per_s"]
 
 
