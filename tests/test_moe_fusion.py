@@ -12,7 +12,7 @@ from graph_constants import constants
 from cascadia.exec import graphs
 from cascadia.exec.checkpoint import Checkpoint
 from cascadia.exec.decoder import DecoderLayer
-from cascadia.exec.device import CompiledBlock, compile_options
+from cascadia.exec.device import CompiledBlock, _pad_rows, compile_options
 from cascadia.exec.engine import Engine
 from cascadia.exec.quantize import quantize
 from cascadia.exec.restoration import up_divisor
@@ -101,6 +101,14 @@ def test_padding_rows_do_not_change_real_rows(moe_block):
     padded = block(junk_x, np.concatenate([index, junk_index]), np.concatenate([w, np.zeros((5, K), np.float32)]),
                    np.concatenate([shared_w, np.zeros((5, S), np.float32)]))[0]
     np.testing.assert_allclose(padded[:3], alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+
+
+def test_padding_rows_repeat_the_first_real_row_of_integer_inputs():
+    """So that a padded MoE call reads no expert weights the real rows do not (see `_pad_rows`)."""
+    index = np.array([[3, 1], [0, 2]], np.int32)
+    assert _pad_rows(index, 4).tolist() == [[3, 1], [0, 2], [3, 1], [3, 1]]
+    assert _pad_rows(np.ones((1, 3), np.float32), 2).tolist() == [[1, 1, 1], [0, 0, 0]]
+    assert _pad_rows(np.empty((0, 3), np.int32), 2).tolist() == [[0, 1, 2], [0, 1, 2]]  # warm-up: distinct experts
 
 
 def test_warm_up_rows_name_distinct_experts(moe_block, monkeypatch):
