@@ -91,7 +91,7 @@ def test_stage_probe_measures_every_kind_of_the_stage_on_the_grid(spec, checkpoi
     tables = probe.tables(grid, lambda text: None)
     assert set(tables) == set(kinds) == {"embedding", "sliding", "dense", "moe"}
     for kind, table in tables.items():
-        assert table.rows == grid.rows == (2, 4, 8, 16, 24)
+        assert table.rows == grid.rows == (1, 2, 4, 8, 16, 24)
         assert table.points == (grid.points[kind] if KIND_AXES[kind] else ())
         assert all(t > 0 for line in table.time_s for t in line)
     assert tables["moe"].points == (2, 4, 8) and tables["sliding"].points == (1, 2, 4, 8, 16)
@@ -125,7 +125,7 @@ def test_calibrate_writes_a_measured_calibration_with_every_table_the_plan_needs
     speedup = calibration.hosts["localhost"]  # three nodes share this machine
     assert len(speedup) == 3 and speedup[0] == 1 and all(0.5 <= s <= k for k, s in enumerate(speedup, start=1))
     raw = json.loads(path.read_text())
-    assert raw["grid_bounds"]["global"] == {"rows": [2, 24], "context": [1, 64]}
+    assert raw["grid_bounds"]["global"] == {"rows": [1, 24], "context": [1, 64]}
     assert output.splitlines()[0].split() == ["node", "sliding", "global", "moe", "dense", "embedding", "head",
                                               "per", "stream", "per", "frame", "per", "row"]
     assert output.splitlines()[-1] == f"wrote {path}"

@@ -29,7 +29,7 @@ ProgressFn = Callable[[int, int], None]  # (parts built, parts to build): embedd
 class StageEngine:
     def __init__(self, checkpoint: Checkpoint, layers: range, *, embed: bool, head: bool,
                  formats: WeightFormats = WeightFormats(), precision: str = "f32", max_streams: int = 16,
-                 context_budget: int = 1024, row_buckets: Sequence[int] = (2, 8, 16, 24, 32),
+                 context_budget: int = 1024, row_buckets: Sequence[int] = (1, 2, 8, 16, 24, 32),
                  device: str = "auto", threads: int | None = None, dense_slices: int | None = None,
                  warm_up: bool = True, progress: ProgressFn | None = None):
         """Compile the stage's graphs (one per weight block, dynamic rows) and allocate its slots.

@@ -115,7 +115,7 @@ class RuntimeSpec:
     max_streams: int = 16  # concurrent streams the KV budget is sized for
     precision: str = "bf16"  # compute precision of the engine
     kv_precision: str = "f32"  # dtype of the K/V cache and convolution states
-    row_buckets: tuple[int, ...] = (2, 8, 16, 24, 32)
+    row_buckets: tuple[int, ...] = (1, 2, 8, 16, 24, 32)
     prefill_window: int = 8  # most prompt rows admitted per step
 
 
