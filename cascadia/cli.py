@@ -349,7 +349,7 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     from pathlib import Path
 
     from cascadia.exec.generate import generate as run_generation
-    from cascadia.exec.sampling import Sampler
+    from cascadia.exec.sampling import Sampling
 
     if (prompt is None) == (ids_text is None):
         raise click.UsageError("give --prompt or --ids (one of them)")
@@ -368,9 +368,9 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     engine = _open_engine(checkpoint, len(prompt_ids) + max_new_tokens, precision, compressed, device, threads)
     eos = engine.config.eos_token_id
     stop = () if ignore_eos or eos is None else (eos if isinstance(eos, list) else [eos])
-    sampler = Sampler(temperature or 0.0, top_p, seed)
+    sampling = Sampling(temperature or 0.0, top_p, seed)
     try:
-        result = run_generation(engine, prompt_ids, max_new_tokens, sampler, stop)
+        result = run_generation(engine, prompt_ids, max_new_tokens, sampling, stop)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     text = tokenizer.decode(list(result.ids)) if tokenizer else None
@@ -510,7 +510,8 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
     import logging
     from pathlib import Path
 
-    from cascadia.exec.stage import Sampling, node_settings, serve_node
+    from cascadia.exec.sampling import Sampling
+    from cascadia.exec.stage import node_settings, serve_node
     from cascadia.graph.plan import Plan
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

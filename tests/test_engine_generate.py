@@ -14,7 +14,7 @@ from cascadia.cli import cli
 from cascadia.exec.checkpoint import Checkpoint
 from cascadia.exec.engine import Engine
 from cascadia.exec.generate import generate, score_logits
-from cascadia.exec.sampling import Sampler, sample
+from cascadia.exec.sampling import Sampling, extend_history, sample
 from cascadia.exec.tokenizer import build_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -33,7 +33,7 @@ def engine():
 def test_greedy_generation_follows_the_reference(engine, reference):
     """Prompt = the reference's first 10 tokens, then greedy tokens; teacher-forcing our own greedy tokens through
     the f32 engine must give back the same tokens (cached decode consistent with prefill)."""
-    result = generate(engine, reference["ids"][:10], 12, Sampler())
+    result = generate(engine, reference["ids"][:10], 12, Sampling())
     assert result.ids[0] == int(reference["prefill_logits"][9].argmax())
     assert len(result.ids) == 12 and not result.stopped and result.decode_tokens_per_s > 0
     sequence = np.concatenate([reference["ids"][:10], result.ids])
@@ -43,22 +43,22 @@ def test_greedy_generation_follows_the_reference(engine, reference):
 
 def test_generation_stops_on_a_stop_token(engine, reference):
     first = int(reference["prefill_logits"][9].argmax())
-    result = generate(engine, reference["ids"][:10], 12, Sampler(), stop_ids=[first])
+    result = generate(engine, reference["ids"][:10], 12, Sampling(), stop_ids=[first])
     assert result.ids == (first,) and result.stopped
 
 
-def test_seeded_sampling_is_reproducible_and_top_p_narrows():
+def test_seeded_sampling_depends_on_seed_and_history_only_and_top_p_narrows():
     logits = np.array([2.0, 1.0, 0.5, -1.0, 0.0])
-    draws = [Sampler(temperature=1.0, seed=5)(logits) for _ in range(3)]
-    assert len(set(draws)) == 1
-    sampler = Sampler(temperature=1.0, seed=1)
-    assert len({sampler(logits) for _ in range(200)}) == 5  # every token possible
+    sampling = Sampling(temperature=1.0, seed=5)
+    assert len({sampling.draw(logits, history=3) for _ in range(5)}) == 1
+    assert len({sampling.draw(logits, history) for history in range(200)}) == 5  # every token possible
+    assert extend_history(extend_history(0, [4, 7]), [9]) == extend_history(0, [4, 7, 9]) != extend_history(0, [9])
     rng = np.random.default_rng(0)
     assert {sample(logits, rng, 1.0, top_p=0.4) for _ in range(50)} == {0}  # p(token 0) = 0.53 >= 0.4
     assert {sample(logits, rng, 1.0, top_p=0.6) for _ in range(200)} == {0, 1}
-    assert Sampler()(logits) == 0  # temperature 0 = greedy
+    assert Sampling().draw(logits, 0) == 0  # temperature 0 = greedy
     with pytest.raises(ValueError, match="top_p"):
-        Sampler(temperature=1.0, top_p=0.0)
+        Sampling(temperature=1.0, top_p=0.0)
 
 
 def test_score_logits_log_prob_and_perplexity():

@@ -19,8 +19,10 @@ from cascadia.cli import cli
 from cascadia.exec.checkpoint import Checkpoint
 from cascadia.exec.coordinator import PipelineError
 from cascadia.exec.engine import Engine
+from cascadia.exec.generate import generate
 from cascadia.exec.run import Addresses, Pipeline, RunFailed, ensure_random_checkpoint, run
-from cascadia.exec.stage import RowSampler, Sampling
+from cascadia.exec.sampling import Sampling
+from cascadia.exec.stage import RowSampler
 from cascadia.exec.transport import COORDINATOR, Transport, TransportError, free_port, generate_keys, tcp_address
 from cascadia.graph.planner import plan as make_plan
 from cascadia.workload import MEASURED, WARMUP
@@ -131,6 +133,15 @@ def test_sampled_tokens_depend_on_the_stream_only(spec, plan, checkpoint, engine
     assert len(done.outputs) == 12 and len(outputs) == 1
     assert_outputs_match_engine(done.outputs[:1], engine, sampling)
     assert outputs != {tuple(reference_tokens(engine, prompt, 6, Sampling()))}  # not greedy after all
+
+
+def test_generate_draws_what_the_pipeline_draws(engine):
+    """`cascadia generate` samples as the last node does: the same seed and prompt give the same tokens."""
+    sampling = Sampling(temperature=1.0, top_p=0.9, seed=11)
+    prompt = [5, 9, 3, 7, 1, 8]
+    tokens = generate(engine, prompt, 12, sampling).ids
+    assert list(tokens) == reference_tokens(engine, prompt, 12, sampling)
+    assert tokens != generate(engine, prompt, 12, Sampling(temperature=1.0, top_p=0.9, seed=12)).ids
 
 
 def test_run_command_prints_the_table_and_writes_metrics_and_outputs(checkpoint, engine, tmp_path):

@@ -56,7 +56,8 @@ import zmq
 from cascadia.exec.device import core
 from cascadia.exec.launch import LOCALHOST, thread_env
 from cascadia.exec.run import Pipeline, describe
-from cascadia.exec.stage import EngineStage, Sampling, find_stage, load_stage
+from cascadia.exec.sampling import Sampling
+from cascadia.exec.stage import EngineStage, find_stage, load_stage
 from cascadia.exec.transport import Transport, free_port, receive, send, tcp_address
 from cascadia.exec.wire import Encoder, Frame
 from cascadia.graph.build import ACTIVATION_BYTES

@@ -10,7 +10,7 @@ import attrs
 import numpy as np
 
 from cascadia.exec.engine import Engine
-from cascadia.exec.sampling import Sampler
+from cascadia.exec.sampling import Sampling, extend_history
 
 
 @attrs.frozen
@@ -31,19 +31,21 @@ class Generation:
                 "decode_s": self.decode_s, "decode_tokens_per_s": self.decode_tokens_per_s, "stopped": self.stopped}
 
 
-def generate(engine: Engine, prompt_ids, max_new_tokens: int, sampler: Sampler,
+def generate(engine: Engine, prompt_ids, max_new_tokens: int, sampling: Sampling,
              stop_ids: Iterable[int] = (), slot: int = 0) -> Generation:
-    """Prefill the prompt into a fresh slot, then decode one token at a time."""
+    """Prefill the prompt into a fresh slot, then decode one token at a time; draws as `cascadia run`'s would."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     prompt = tuple(int(i) for i in prompt_ids)
     stop = set(stop_ids)
     engine.release(slot)
     start = time.perf_counter()
-    tokens = [sampler(engine.prefill(slot, prompt))]
+    history = extend_history(0, prompt)
+    tokens = [sampling.draw(engine.prefill(slot, prompt), history)]
     prefilled = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-        tokens.append(sampler(engine.decode([slot], tokens[-1:])[0]))
+        history = extend_history(history, tokens[-1:])
+        tokens.append(sampling.draw(engine.decode([slot], tokens[-1:])[0], history))
     return Generation(prompt, tuple(tokens), prefilled - start, time.perf_counter() - prefilled, tokens[-1] in stop)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import attrs
 
 from cascadia.exec.coordinator import PipelineError
-from cascadia.exec.stage import Sampling
+from cascadia.exec.sampling import Sampling
 from cascadia.exec.transport import free_port, tcp_address
 
 LOCALHOST = "127.0.0.1"

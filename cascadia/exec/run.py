@@ -19,7 +19,7 @@ import yaml
 from cascadia import metrics
 from cascadia.exec.coordinator import Coordinator, Outputs, PipelineError
 from cascadia.exec.launch import LOCALHOST, LocalNodes, NodeCommand
-from cascadia.exec.stage import Sampling
+from cascadia.exec.sampling import Sampling
 from cascadia.exec.transport import free_port, tcp_address
 from cascadia.exec.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.graph.plan import Plan

@@ -1,32 +1,56 @@
-"""Choosing the next token from logits: greedy, or temperature and nucleus (top-p) sampling with a seeded generator."""
+"""Choosing the next token from logits: greedy, or temperature and nucleus (top-p) sampling.
+
+A random draw is seeded by (seed, a hash of the stream's tokens up to the row it samples from), so a stream's tokens
+depend on its own prompt and earlier tokens only: not on its slot, the rows it shares a frame with, or the timing.
+`cascadia generate` (one stream on one engine) and `cascadia run` (many on the pipeline) draw the same tokens for
+the same prompt and seed.
+"""
 
 from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
 
 import attrs
 import numpy as np
 
+from cascadia.spec.types import WorkloadSpec
+
 
 @attrs.frozen
-class Sampler:
+class Sampling:
     """temperature 0 means greedy. top_p keeps the smallest set of most likely tokens whose probability reaches p."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    rng: np.random.Generator = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        object.__setattr__(self, "rng", np.random.default_rng(self.seed))
 
-    def __call__(self, logits: np.ndarray) -> int:
-        """One token id from logits [V]."""
-        if self.temperature == 0:
+    @classmethod
+    def of(cls, workload: WorkloadSpec) -> Sampling:
+        return cls(0.0 if workload.greedy else workload.temperature, workload.top_p, workload.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def draw(self, logits: np.ndarray, history: int) -> int:
+        """One token id from logits [V] of a stream whose tokens so far hash to `history` (`extend_history`)."""
+        if self.greedy:
             return greedy(logits)
-        return sample(logits, self.rng, self.temperature, self.top_p)
+        return sample(logits, np.random.default_rng([self.seed, history]), self.temperature, self.top_p)
+
+
+def extend_history(history: int, tokens: Iterable[int]) -> int:
+    """The hash of a stream's tokens after `tokens` more (a new stream starts at 0): crc32 over 4 bytes a token."""
+    for token in tokens:
+        history = zlib.crc32(int(token).to_bytes(4, "little"), history)
+    return history
 
 
 def greedy(logits: np.ndarray) -> int:

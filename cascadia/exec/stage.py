@@ -8,47 +8,28 @@ says when a slot is reused, and no Release on the control channel can race with 
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-import attrs
 import numpy as np
 
 from cascadia.exec.checkpoint import Checkpoint, CheckpointError
 from cascadia.exec.engine import StageEngine
 from cascadia.exec.node import NodeSettings, Peer, ProgressFn, run_node
 from cascadia.exec.rows import BatchError
-from cascadia.exec.sampling import sample
+from cascadia.exec.sampling import Sampling, extend_history
 from cascadia.exec.transport import COORDINATOR
 from cascadia.exec.wire import Frame, Tokens
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
-from cascadia.spec.types import Spec, WorkloadSpec
-
-
-@attrs.frozen
-class Sampling:
-    temperature: float = 0.0  # 0 = greedy (argmax)
-    top_p: float = 1.0
-    seed: int = 0
-
-    @classmethod
-    def of(cls, workload: WorkloadSpec) -> Sampling:
-        return cls(0.0 if workload.greedy else workload.temperature, workload.top_p, workload.seed)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from cascadia.spec.types import Spec
 
 
 class RowSampler:
-    """Draws the token of each sampled row. A random draw is seeded by (seed, a hash of the stream's tokens up to
-    the row), so a stream's tokens depend on its own prompt and earlier tokens only: not on its slot, the rows it
-    shares a frame with, or the timing, and every run with the same seed draws the same."""
+    """Draws the token of each sampled row (see `cascadia.exec.sampling`), keeping each slot's token history."""
 
     def __init__(self, sampling: Sampling, slots: int):
         self.sampling = sampling
-        self._history = np.zeros(slots, np.uint32)  # crc32 of each slot's tokens so far
+        self._history = np.zeros(slots, np.uint32)  # `extend_history` of each slot's tokens so far
 
     def observe(self, slots: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
         """Take in a frame's rows, in order."""
@@ -56,15 +37,13 @@ class RowSampler:
             return
         for slot, position, token in zip(slots.tolist(), positions.tolist(), token_ids.tolist()):
             start = 0 if position == 0 else int(self._history[slot])
-            self._history[slot] = zlib.crc32(token.to_bytes(4, "little"), start)
+            self._history[slot] = extend_history(start, [token])
 
     def sample(self, logits: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """One token per row of logits [n, V]; row i belongs to `slots[i]`."""
         if self.sampling.greedy:
             return np.argmax(logits, axis=1)
-        s = self.sampling
-        return np.array([sample(row, np.random.default_rng([s.seed, int(self._history[slot])]), s.temperature,
-                                s.top_p) for row, slot in zip(logits, slots.tolist())])
+        return np.array([self.sampling.draw(row, int(self._history[slot])) for row, slot in zip(logits, slots.tolist())])
 
 
 class EngineStage:
