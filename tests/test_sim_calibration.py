@@ -114,7 +114,7 @@ TABLES = "nodes.n0.tables"
 
 
 @pytest.mark.parametrize("path, value, message", [
-    ("format", "other/1", "format: expected 'cascadia.calibration/1'"),
+    ("format", "other/1", "format: expected 'cascadia.calibration/2'"),
     ("meta.device", DELETE, "meta: missing device"),
     ("meta.kind", "guess", "meta.kind: must be 'measured' or 'analytic'"),
     ("nodes", {}, "nodes: no nodes"),

@@ -74,7 +74,7 @@ def test_a_saved_plan_and_groups(spec_path, tmp_path):
 
 
 @pytest.mark.parametrize("args, code, message", [
-    (["--calibration", "{bad}"], 1, "bad.json: format: expected 'cascadia.calibration/1'"),
+    (["--calibration", "{bad}"], 1, "bad.json: format: expected 'cascadia.calibration/2'"),
     (["--calibration", "{bad}", "--analytic"], 2, "give --calibration or --analytic, not both"),
     (["--concurrency", "1,x"], 2, "'1,x' is not a comma-separated list of integers"),
     (["--concurrency", "0"], 2, "every value must be at least 1"),

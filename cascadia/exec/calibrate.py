@@ -29,7 +29,7 @@ processes and coordinator.
      that several nodes share, they find how much work k nodes computing at once get done, against one alone (the
      speedup S_k, each fitted so that the simulator, given the burst, takes as long as the pipeline did). On a small
      machine that is not min(k, processors): the nodes' messages, the coordinator and the wake-ups of idle
-     processes take their share (2 processors here: about 1.4 with 2 nodes busy, 1.0 with 3).
+     processes take their share (2 processors here, three node processes: 0.9-1.15 with 2 busy, 1.0-1.07 with 3).
    Least-squares fits, no coefficient below zero; bisections for the speedups.
 """
 

@@ -1,9 +1,9 @@
 """Calibration: what each layer kind costs on each node, what each link costs, and the hosts' overheads. Data, not code.
 
-A calibration file (JSON, format "cascadia.calibration/1") is measured with the real engine (kind "measured") or derived
+A calibration file (JSON, format "cascadia.calibration/2") is measured with the real engine (kind "measured") or derived
 from the spec's hardware figures (kind "analytic", see `analytic.py`):
 
-    {"format": "cascadia.calibration/1",
+    {"format": "cascadia.calibration/2",
      "meta": {"kind", "cascadia", "openvino", "device", "precision", "weight_formats", "model", "date"},
      "grid_bounds": {...},                        # written for readers, ignored when loading
      "nodes": {NAME: {"frame_s": S, "row_s": S,   # host overheads per frame and per row (scheduling, serialisation)
@@ -40,7 +40,7 @@ from cascadia import __version__
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import LinkSpec, Spec
 
-FORMAT = "cascadia.calibration/1"
+FORMAT = "cascadia.calibration/2"
 MEASURED, ANALYTIC = "measured", "analytic"
 SLIDING, GLOBAL, MOE, DENSE, EMBEDDING, HEAD = "sliding", "global", "moe", "dense", "embedding", "head"
 # Each kind's second table axis; None: the time depends on rows alone.
