@@ -20,6 +20,7 @@ from cascadia.exec.stage import Sampling, load_stage
 from cascadia.graph.planner import plan as make_plan
 from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration
 from cascadia.sim.model import stage_kinds
+from cascadia.spec.types import RuntimeSpec
 from tests.sim_specs import calibration as hand_calibration
 from tests.sim_specs import even_plan, tiny_spec
 
@@ -61,6 +62,9 @@ def test_shared_speedup_stays_between_its_bounds():
     assert shared_speedup(spec, plan, cal, [[[t / 9 for t in b]] for b in bursts]) == {"box": (1.0, 2.0, 3.0)}
     assert shared_speedup(tiny_spec(), even_plan(tiny_spec()), cal, []) == {}  # no shared host
     assert burst_streams(tiny_spec(), even_plan(tiny_spec())) == []
+    one_stream = tiny_spec(host="box", runtime=RuntimeSpec(context_budget=64, max_streams=1, row_buckets=(1, 2)))
+    assert burst_streams(one_stream, plan) == []  # nodes never compute at once
+    assert shared_speedup(one_stream, plan, cal, []) == {"box": (1.0,)}
 
 
 @pytest.mark.parametrize("rows, distinct", [(1, 2), (2, 3), (4, 8), (3, 5), (8, 8)])

@@ -527,10 +527,14 @@ def _shared_hosts(spec: Spec, plan: Plan) -> dict[str, int]:
 
 def burst_streams(spec: Spec, plan: Plan) -> list[int]:
     """One-row streams in flight in each burst: k for k = 2 ... up to the most nodes a host shares, to find how fast
-    k of them compute at once; with every node of a host busy, twice as many streams as stages (a full pipeline)."""
+    k of them compute at once; with every node of a host busy, twice as many streams as stages (a full pipeline).
+    None without a shared host, or when one stream at a time is all the runtime allows (nodes never compute at
+    once)."""
     most = max(_shared_hosts(spec, plan).values(), default=1)
-    full = min(2 * len(plan.stages), spec.runtime.max_streams)
-    return [min(k, spec.runtime.max_streams) for k in range(2, most)] + [full] if most > 1 else []
+    limit = spec.runtime.max_streams
+    if most < 2 or limit < 2:
+        return []
+    return [min(k, limit) for k in range(2, most)] + [min(2 * len(plan.stages), limit)]
 
 
 def shared_speedup(spec: Spec, plan: Plan, calibration: Calibration, bursts: Sequence[Sequence[list[float]]],
@@ -541,8 +545,6 @@ def shared_speedup(spec: Spec, plan: Plan, calibration: Calibration, bursts: Seq
     every stream's first frame back to the start of the last round (a full pipeline). Each S_k lies in
     [SPEEDUP_LOW, k]."""
     shared = _shared_hosts(spec, plan)
-    if not shared:
-        return {}
     speedup = [1.0]
     for k, (streams, passes) in enumerate(zip(burst_streams(spec, plan), bursts, strict=True), start=2):
         measured = statistics.median(done[-streams] - done[streams - 1] for done in passes)
@@ -563,8 +565,9 @@ def shared_speedup(spec: Spec, plan: Plan, calibration: Calibration, bursts: Seq
                 middle = (low + high) / 2
                 low, high = (middle, high) if simulated(middle) > measured else (low, middle)
             speedup.append((low + high) / 2)
-    rates = ", ".join(f"{k} at once {value:.2f}x" for k, value in enumerate(speedup, start=1))
-    progress(f"shared hosts: the work of one node alone done by its nodes computing {rates}")
+    if shared:
+        rates = ", ".join(f"{k} at once {value:.2f}x" for k, value in enumerate(speedup, start=1))
+        progress(f"shared hosts: the work of one node alone done by its nodes computing {rates}")
     return {h: tuple(speedup) for h in shared}
 
 
