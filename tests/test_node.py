@@ -205,7 +205,7 @@ def test_bad_messages_are_rejected_logged_and_the_node_keeps_serving(pipeline):
     assert coordinator.next_tokens().token_ids.tolist() == [8]
     assert coordinator.stats("b").rejected == rejected_before + 4
     log = (tmp_path / "b.log").read_text()
-    for reason in ("protocol version 2, this build speaks version 1", "header of 13 bytes",
+    for reason in (f"protocol version {VERSION + 1}, this build speaks version {VERSION}", "header of 13 bytes",
                    f"message of {oversized_bytes} bytes exceeds the limit of {MAX_MESSAGE_BYTES}",
                    "sequence number 3 from sender 7 is out of order"):
         assert f"b: rejected a message on its input socket: {reason}" in log

@@ -22,6 +22,7 @@ from cascadia.exec.engine import Engine
 from cascadia.exec.generate import generate
 from cascadia.exec.run import Addresses, Pipeline, RunFailed, ensure_random_checkpoint, run
 from cascadia.exec.sampling import Sampling
+from cascadia.exec.settings import settings_digest
 from cascadia.exec.stage import RowSampler
 from cascadia.exec.transport import COORDINATOR, Transport, TransportError, free_port, generate_keys, tcp_address
 from cascadia.graph.planner import plan as make_plan
@@ -227,13 +228,13 @@ def remote_spec(spec, curve_keys: Path | None = None):
 
 
 def start_node(spec_path: Path, plan_path: Path, name: str, listen: str, addresses: Addresses, checkpoint: Path,
-               last: bool, log: Path) -> subprocess.Popen:
+               last: bool, log: Path, *options: str) -> subprocess.Popen:
     successor = ["--successor", addresses.tokens] if last else []
     with log.open("w") as out:
         return subprocess.Popen([sys.executable, "-m", "cascadia", "node", "--spec", str(spec_path), "--plan",
                                  str(plan_path), "--name", name, "--listen", listen, "--control", addresses.control,
-                                 "--checkpoint", str(checkpoint), "--parent-pid", str(os.getpid()), *successor],
-                                stdout=out, stderr=subprocess.STDOUT)
+                                 "--checkpoint", str(checkpoint), "--parent-pid", str(os.getpid()), *successor,
+                                 *options], stdout=out, stderr=subprocess.STDOUT)
 
 
 def write_spec_and_plan(spec, plan, folder: Path) -> tuple[Path, Path]:
@@ -296,6 +297,29 @@ def test_a_node_whose_port_is_taken_is_a_clear_error(spec, plan, checkpoint, tmp
         finally:
             stop_all([node0])
     assert node0.returncode == 1
+
+
+def test_a_node_started_with_other_settings_is_refused(spec, plan, checkpoint, tmp_path):
+    remote = remote_spec(spec)
+    spec_path, plan_path = write_spec_and_plan(remote, plan, tmp_path)
+    addresses = Addresses.local()
+    node0 = start_node(spec_path, plan_path, "node0", remote.cluster.nodes[0].address, addresses, checkpoint, False,
+                       tmp_path / "n0.log", "--temperature", "0.7")  # the run samples greedily
+    try:
+        with pytest.raises(PipelineError, match="node0: started with other settings than this run .* same spec, "
+                                                "plan and sampling options"):
+            Pipeline.start(remote, plan, addresses=addresses, node_timeout_s=TIMEOUT_S)
+    finally:
+        stop_all([node0])
+
+
+def test_settings_digest_ignores_what_may_differ_between_machines(spec, plan):
+    digest = settings_digest(spec, plan, Sampling(), False)
+    assert settings_digest(remote_spec(spec), plan, Sampling(seed=3, top_p=0.5), False) == digest  # greedy: no draws
+    assert settings_digest(spec, plan, Sampling(temperature=0.7), False) != digest
+    assert settings_digest(spec, plan, Sampling(), True) != digest
+    other_runtime = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, max_streams=4))
+    assert settings_digest(other_runtime, plan, Sampling(), False) != digest
 
 
 def test_the_coordinators_port_taken_is_a_clear_error(spec, plan):

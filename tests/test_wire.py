@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from cascadia.exec import wire
 from cascadia.exec.wire import (Decoder, Encoder, Error, Frame, Hello, Progress, Ready, Release, Shutdown, Stats,
-                                StatsRequest, Tokens, WireError, decode, encode)
+                                StatsRequest, Tokens, VERSION, WireError, decode, encode)
 
 # No per-example deadline: the suite runs on shared, busy machines.
 PROPERTY = settings(max_examples=60, deadline=None)
@@ -40,7 +40,7 @@ def tokens(draw, min_rows=0):
 
 
 CONTROLS = st.one_of(
-    st.builds(Hello, NAMES, st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1)),
+    st.builds(Hello, NAMES, st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1), st.text(max_size=20)),
     st.builds(Ready, NAMES, st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1)),
     st.builds(Progress, NAMES, st.integers(0, 2**40), st.integers(0, 2**40)),
     st.builds(Release, st.lists(IDS, max_size=5)),
@@ -158,7 +158,7 @@ def test_any_corrupted_byte_gives_wire_error_or_a_valid_message(message, data):
 def test_unknown_version_names_both_versions():
     parts = as_bytes(encode(Shutdown(), 0, 1))
     parts[0] = corrupt(parts[0], _VERSION, "<H", 9)
-    with pytest.raises(WireError, match="version 9, this build speaks version 1"):
+    with pytest.raises(WireError, match=f"version 9, this build speaks version {VERSION}"):
         decode(parts)
 
 

@@ -59,10 +59,12 @@ class Outputs:
 
 class Coordinator:
     def __init__(self, nodes: Sequence[str], control: str, tokens: str, curve_keys=None, stall_s: float = 60.0,
-                 watch: Callable[[], None] | None = None):
+                 watch: Callable[[], None] | None = None, digest: str | None = None):
         """`nodes`: the plan's node names in stage order. `control`, `tokens`: the addresses to bind.
-        `watch`: called while waiting; raises PipelineError when it sees a node gone (e.g. a local process)."""
+        `watch`: called while waiting; raises PipelineError when it sees a node gone (e.g. a local process).
+        `digest`: the settings digest every node's HELLO must carry (`cascadia.exec.stage.settings_digest`)."""
         self.nodes = list(nodes)
+        self.digest = digest
         self.stall_s = stall_s
         self.watch = watch or (lambda: None)
         self.transport = Transport(COORDINATOR, curve_keys)
@@ -209,6 +211,10 @@ class Coordinator:
             case Stats():
                 self._stats[node] = message
                 self._stats_owed[node] = max(0, self._stats_owed[node] - 1)
+            case Hello() if self.digest is not None and message.settings != self.digest:
+                raise PipelineError(f"{node}: started with other settings than this run (digest {message.settings}, "
+                                    f"expected {self.digest}): start it with the same spec, plan and sampling "
+                                    "options as `cascadia run`")
             case Hello() | Progress() | Ready():
                 self._last_heard[node] = time.monotonic()
                 if isinstance(message, Ready):

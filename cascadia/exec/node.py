@@ -62,6 +62,7 @@ class NodeSettings:
     send_timeout_s: float = 10.0  # a successor that accepts nothing for this long is unreachable
     parent_pid: int | None = None  # stop when this process is no longer our parent
     poll_s: float = 0.1  # how often an idle node checks on its parent
+    digest: str = ""  # of the settings it was started with, said in HELLO (`cascadia.exec.stage.settings_digest`)
 
 
 class NodeStopped(Exception):
@@ -76,7 +77,7 @@ def run_node(settings: NodeSettings, load_stage: Callable[[ProgressFn], Stage]) 
         node = _Node(settings, transport)
         try:
             node.open()
-            node.tell(Hello(settings.name, settings.first_layer, settings.last_layer))
+            node.tell(Hello(settings.name, settings.first_layer, settings.last_layer, settings.digest))
             stage = load_stage(node.progress)
             node.tell(Ready(settings.name, settings.first_layer, settings.last_layer))
             log.info("%s: ready on %s, layers %d..%d", settings.name, settings.listen, settings.first_layer,

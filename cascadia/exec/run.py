@@ -20,6 +20,7 @@ from cascadia import metrics
 from cascadia.exec.coordinator import Coordinator, Outputs, PipelineError
 from cascadia.exec.launch import LOCALHOST, LocalNodes, NodeCommand
 from cascadia.exec.sampling import Sampling
+from cascadia.exec.settings import settings_digest
 from cascadia.exec.transport import free_port, tcp_address
 from cascadia.exec.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.graph.plan import Plan
@@ -103,13 +104,14 @@ class Pipeline:
             raise ValueError("the nodes have tcp addresses: give the control and token addresses the coordinator "
                              "binds, reachable from them (e.g. --control tcp://0.0.0.0:5555 --tokens "
                              "tcp://0.0.0.0:5556)")
-        coordinator = Coordinator(names, addresses.control, addresses.tokens, spec.cluster.curve_keys, stall_s)
+        sampling = sampling or Sampling.of(spec.workload)
+        coordinator = Coordinator(names, addresses.control, addresses.tokens, spec.cluster.curve_keys, stall_s,
+                                  digest=settings_digest(spec, plan, sampling, with_logits))
         run_dir = tempfile.TemporaryDirectory(prefix="cascadia-run-")
         local_nodes = None
         try:
             if all(local):
-                command = _node_command(spec, plan, Path(run_dir.name), addresses, checkpoint,
-                                        sampling or Sampling.of(spec.workload), with_logits)
+                command = _node_command(spec, plan, Path(run_dir.name), addresses, checkpoint, sampling, with_logits)
                 local_nodes = LocalNodes.start(command, names, [nodes[name].threads for name in names],
                                                Path(run_dir.name))
                 coordinator.watch = local_nodes.check

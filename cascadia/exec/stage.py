@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import numpy as np
 
 from cascadia.exec.checkpoint import Checkpoint, CheckpointError
@@ -18,6 +19,7 @@ from cascadia.exec.engine import StageEngine
 from cascadia.exec.node import NodeSettings, Peer, ProgressFn, run_node
 from cascadia.exec.rows import BatchError
 from cascadia.exec.sampling import Sampling, extend_history
+from cascadia.exec.settings import settings_digest
 from cascadia.exec.transport import COORDINATOR
 from cascadia.exec.wire import Frame, Tokens
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
@@ -145,5 +147,7 @@ def serve_node(spec: Spec, plan: Plan, settings: NodeSettings, checkpoint: Path,
                sampling: Sampling, with_logits: bool) -> None:
     """Run node `settings.name` until the coordinator shuts it down (see `cascadia.exec.node.run_node`)."""
     _, stage = find_stage(plan, settings.name)
+    settings = attrs.evolve(settings, digest=settings_digest(spec, plan, sampling, with_logits))
     run_node(settings, lambda progress: load_stage(spec, stage, checkpoint, threads, sampling, with_logits,
                                                    progress))
+

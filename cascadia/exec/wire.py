@@ -8,7 +8,8 @@ arrays over the received bytes (no copy) and short UTF-8 strings.
 Kinds and their buffers (n = header rows, c = header cols):
   FRAME          slots i32[n], positions i32[n], token_ids i32[n], sample u8[n], residual dtype[n, c] (c = 0: absent)
   TOKENS         slots i32[n], token_ids i32[n], logits dtype[n, c] (c = 0: absent)
-  HELLO, READY   node utf-8, layers i32[2] (first, last)
+  HELLO          node utf-8, layers i32[2] (first, last), settings utf-8 (the digest of what it was started with)
+  READY          node utf-8, layers i32[2] (first, last)
   PROGRESS       node utf-8, i64[2] (done, total)
   RELEASE        slots i32[n]
   ERROR          node utf-8, text utf-8
@@ -30,7 +31,7 @@ import attrs
 import numpy as np
 
 MAGIC = b"CSCD"
-VERSION = 1
+VERSION = 2
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 
 # magic, version, kind, sender, sequence number, then _Fields: frame id, group, rows, cols, dtype code
@@ -115,11 +116,13 @@ class Tokens:
 
 @attrs.frozen
 class Hello:
-    """A node is up, its sockets open, and about to load `first_layer..last_layer`."""
+    """A node is up, its sockets open, and about to load `first_layer..last_layer`; `settings` is the digest of the
+    spec, plan and sampling it was started with (`cascadia.exec.stage.settings_digest`)."""
 
     node: str
     first_layer: int
     last_layer: int
+    settings: str = ""
 
 
 @attrs.frozen
@@ -216,7 +219,8 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
             fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
             return Kind.TOKENS, fields, [message.slots, message.token_ids, _payload(message.logits)]
         case Hello():
-            return Kind.HELLO, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer)]
+            return Kind.HELLO, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer),
+                                           _utf8(message.settings)]
         case Ready():
             return Kind.READY, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer)]
         case Progress():
@@ -255,7 +259,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 5, Kind.TOKENS: 3, Kind.HELLO: 2, Kind.READY: 2, Kind.PROGRESS: 2, Kind.RELEASE: 1,
+_BUFFER_COUNTS = {Kind.FRAME: 5, Kind.TOKENS: 3, Kind.HELLO: 3, Kind.READY: 2, Kind.PROGRESS: 2, Kind.RELEASE: 1,
                   Kind.SHUTDOWN: 0, Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 2}
 
 
@@ -309,7 +313,7 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
                           _payload_matrix(b[2], rows, cols, code, "logits"))
         case Kind.HELLO:
-            return Hello(_text(b[0], "node"), *_unpack(_LAYERS, b[1], "layers"))
+            return Hello(_text(b[0], "node"), *_unpack(_LAYERS, b[1], "layers"), _text(b[2], "settings"))
         case Kind.READY:
             return Ready(_text(b[0], "node"), *_unpack(_LAYERS, b[1], "layers"))
         case Kind.PROGRESS:
