@@ -287,6 +287,33 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
         raise click.ClickException(str(e)) from None
 
 
+def _sampling_options(command):
+    """--greedy | --temperature T --top-p P, and --seed: how tokens are picked (default: the spec's workload; for
+    `generate`, greedy). Read them with `_with_sampling`."""
+    for option in reversed((
+            click.option("--greedy", is_flag=True, default=None, help="take the most likely token"),
+            click.option("--temperature", type=click.FloatRange(min=0, min_open=True),
+                         help="sample at this temperature"),
+            click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
+                         help="sample from the most likely tokens holding this probability"),
+            click.option("--seed", type=int, help="seed of the random draws"))):
+        command = option(command)
+    return command
+
+
+def _with_sampling(workload, greedy: bool | None, temperature: float | None, top_p: float | None, seed: int | None):
+    import attrs
+
+    if greedy and (temperature is not None or top_p is not None):
+        raise click.UsageError("give --greedy or --temperature/--top-p, not both")
+    changes = {"greedy": True} if greedy else {}
+    if temperature is not None or top_p is not None:
+        changes["greedy"] = False
+    changes.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed))
+                    if v is not None})
+    return attrs.evolve(workload, **changes)
+
+
 def _engine_options(func):
     """Options shared by the commands that run the single-process engine."""
     for option in reversed([
@@ -333,28 +360,25 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--prompt", help="prompt text (needs CHECKPOINT/tokenizer.json)")
 @click.option("--ids", "ids_text", help="prompt token ids, e.g. 1,2,3")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--greedy", is_flag=True, help="always the most likely token (the default)")
-@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), help="sample at this temperature")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              help="sample from the smallest set of tokens whose probability reaches P")
-@click.option("--seed", type=int, default=0, show_default=True)
+@_sampling_options
 @click.option("--ignore-eos", is_flag=True, help="keep going past the end-of-sequence token")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write ids, text and timings as JSON")
 @_engine_options
-def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_tokens: int, greedy: bool,
-             temperature: float | None, top_p: float, seed: int, ignore_eos: bool, json_path: str | None,
-             precision: str, compressed: bool, device: str, threads: int | None) -> None:
-    """Generate text (or token ids) from a prompt with the single-process OpenVINO engine."""
+def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_tokens: int, greedy: bool | None,
+             temperature: float | None, top_p: float | None, seed: int | None, ignore_eos: bool,
+             json_path: str | None, precision: str, compressed: bool, device: str, threads: int | None) -> None:
+    """Generate text (or token ids) from a prompt with the single-process OpenVINO engine (greedy unless sampling
+    options say otherwise; a workload's defaults: temperature 1, top-p 1, seed 0)."""
     import json
     from pathlib import Path
 
     from cascadia.exec.generate import generate as run_generation
     from cascadia.exec.sampling import Sampling
+    from cascadia.spec.types import WorkloadSpec
 
     if (prompt is None) == (ids_text is None):
         raise click.UsageError("give --prompt or --ids (one of them)")
-    if greedy and temperature is not None:
-        raise click.UsageError("--greedy and --temperature exclude each other")
+    sampling = Sampling.of(_with_sampling(WorkloadSpec(), greedy, temperature, top_p, seed))
     tokenizer = None
     if (tokenizer_file := Path(checkpoint) / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
@@ -368,7 +392,6 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     engine = _open_engine(checkpoint, len(prompt_ids) + max_new_tokens, precision, compressed, device, threads)
     eos = engine.config.eos_token_id
     stop = () if ignore_eos or eos is None else (eos if isinstance(eos, list) else [eos])
-    sampling = Sampling(temperature or 0.0, top_p, seed)
     try:
         result = run_generation(engine, prompt_ids, max_new_tokens, sampling, stop)
     except ValueError as e:
@@ -458,32 +481,6 @@ def _workload(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tok
 
     workload = override(loaded.workload, concurrency, requests, max_new_tokens, prompt_tokens)
     return attrs.evolve(workload, prompts_file=prompts) if prompts else workload
-
-
-def _sampling_options(command):
-    """--greedy | --temperature T --top-p P, and --seed: how the last node picks tokens (default: the spec's)."""
-    for option in reversed((
-            click.option("--greedy", is_flag=True, default=None, help="take the most likely token"),
-            click.option("--temperature", type=click.FloatRange(min=0, min_open=True),
-                         help="sample at this temperature"),
-            click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
-                         help="sample from the most likely tokens holding this probability"),
-            click.option("--seed", type=int, help="seed of the random draws"))):
-        command = option(command)
-    return command
-
-
-def _with_sampling(workload, greedy: bool | None, temperature: float | None, top_p: float | None, seed: int | None):
-    import attrs
-
-    if greedy and (temperature is not None or top_p is not None):
-        raise click.UsageError("give --greedy or --temperature/--top-p, not both")
-    changes = {"greedy": True} if greedy else {}
-    if temperature is not None or top_p is not None:
-        changes["greedy"] = False
-    changes.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed))
-                    if v is not None})
-    return attrs.evolve(workload, **changes)
 
 
 @cli.command()

@@ -108,7 +108,7 @@ def test_cli_score_matches_the_engine(tmp_path, engine, reference):
     (["--prompt", "hi"], "needs"),
     (["--ids", "1,x"], "not a comma-separated list"),
     ([], "give --prompt or --ids"),
-    (["--ids", "1,2", "--greedy", "--temperature", "1"], "exclude each other"),
+    (["--ids", "1,2", "--greedy", "--temperature", "1"], "give --greedy or --temperature/--top-p, not both"),
     (["--ids", "99999"], "token ids must lie in"),
 ])
 def test_cli_generate_errors(args, message):
