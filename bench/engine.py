@@ -39,6 +39,8 @@ from datetime import date
 from pathlib import Path
 
 import attrs
+
+import cascadia  # noqa: F401  before numpy, as in every cascadia command: numpy's BLAS keeps to one thread
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops

@@ -99,11 +99,11 @@ class LocalNodes:
 
 
 def thread_env(threads: int | None) -> dict[str, str]:
-    """The environment of a node: with a thread count, numpy's BLAS keeps to it as OpenVINO does, so that nodes
-    sharing a machine do not each start a BLAS thread per core."""
+    """The environment of a node: with a thread count, OpenMP keeps to it as OpenVINO does, so that nodes sharing a
+    machine do not each start a thread per core (numpy's BLAS keeps to one thread: see `cascadia/__init__.py`)."""
     if threads is None:
         return dict(os.environ)
-    return os.environ | {"OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
+    return os.environ | {"OMP_NUM_THREADS": str(threads)}
 
 
 def _tail(log: Path) -> str:
