@@ -15,6 +15,8 @@ Reported:
               a step touches (`cascadia.graph.costs`; routed experts: the distinct experts the step's rows chose,
               counted from the engine's own routing) over the bandwidth of a streaming read (the sum of a 1 GiB
               array, best of 3 on one thread and on every core), measured in every round
+  blocks alone  the compiled blocks of the same decode steps replayed back to back with the inputs they had: the
+              speed with no host work between OpenVINO calls, the ceiling for any change on the host side
   MoE block   one MoE layer: the fused graph (GatherMatmul, selected experts only) against all experts dense
               (every expert on every row, one wide matmul over the same compressed weights)
   dense MLP   the dense layer's MLP as one SwiGLU against the same cut into DENSE_SLICES all-active experts
@@ -148,16 +150,40 @@ class EngineDecoder:
 
     def decode_seconds(self, streams: int) -> float:
         """Prefill `streams` fresh streams, then time DECODE_STEPS greedy steps of all of them together."""
-        slots = np.arange(streams)
-        for slot in slots:
+        tokens = self._prefill(streams)
+        return _seconds(lambda: self._decode(tokens))
+
+    def blocks_alone_seconds(self, streams: int) -> float:
+        """The compiled blocks of DECODE_STEPS decode steps of `streams` streams, replayed back to back with the
+        inputs they had: what the steps would cost with no host work between the calls (the most any change on
+        the host side could reach)."""
+        tokens = self._prefill(streams)
+        calls: list[tuple[CompiledBlock, tuple[np.ndarray, ...]]] = []
+        run = CompiledBlock.__call__
+
+        def record(block: CompiledBlock, *inputs: np.ndarray) -> list[np.ndarray]:
+            calls.append((block, tuple(x.copy() for x in inputs)))
+            return run(block, *inputs)
+
+        CompiledBlock.__call__ = record
+        try:
+            self._decode(tokens)
+        finally:
+            CompiledBlock.__call__ = run
+        return _seconds(lambda: [block(*inputs) for block, inputs in calls])
+
+    def _prefill(self, streams: int) -> np.ndarray:
+        """Fresh streams in slots 0.. with their prompts; their first tokens."""
+        for slot in range(streams):
             self.engine.release(slot)
-        tokens = np.array([self.engine.prefill(slot, self.prompts[slot]).argmax() for slot in slots])
+        return np.array([self.engine.prefill(slot, self.prompts[slot]).argmax() for slot in range(streams)])
+
+    def _decode(self, tokens: np.ndarray) -> None:
         for router in self.routers.values():
             router.distinct.clear()
-        start = time.perf_counter()
+        slots = np.arange(len(tokens))
         for _ in range(DECODE_STEPS):
             tokens = self.engine.decode(slots, tokens).argmax(axis=1)
-        return time.perf_counter() - start
 
     def distinct_experts(self) -> dict[int, float]:
         """Mean distinct routed experts per step of the last decode, by MoE layer."""
@@ -314,6 +340,7 @@ class Rounds:
     """Every round's figures, by stream (or row) count."""
 
     engine: dict[int, list[float]]  # tokens/s
+    alone: dict[int, list[float]]  # tokens/s of the compiled blocks alone (EngineDecoder.blocks_alone_seconds)
     reference: dict[int, list[float]]  # tokens/s; empty lists without a reference
     blocks: dict[int, list[dict[str, float]]]  # seconds per call, by block form
     bandwidth: list[float]  # bytes/s
@@ -328,13 +355,14 @@ def run_rounds(engine: EngineDecoder, reference: ReferenceDecoder | None, blocks
         if reference:
             reference.decode_seconds(n)
     stream = np.ones(2**27, np.int64)  # 1 GiB to read for the bandwidth
-    rounds = Rounds({n: [] for n in STREAMS}, {n: [] for n in STREAMS}, {n: [] for n in STREAMS}, [])
+    rounds = Rounds(*({n: [] for n in STREAMS} for _ in range(4)), [])
     for round_ in range(repeats):
         print(f"round {round_ + 1}/{repeats} ...", flush=True)
         rounds.bandwidth.append(memory_bandwidth(stream))
         for n in STREAMS:
             rounds.engine[n].append(n * DECODE_STEPS / engine.decode_seconds(n))
             rounds.distinct[n] = engine.distinct_experts()
+            rounds.alone[n].append(n * DECODE_STEPS / engine.blocks_alone_seconds(n))
             if reference:
                 rounds.reference[n].append(n * DECODE_STEPS / reference.decode_seconds(n))
             rounds.blocks[n].append(blocks.seconds(n))
@@ -350,13 +378,14 @@ def decode_table(model: ModelSpec, rounds: Rounds) -> dict[str, float | None]:
         roofline = n * bandwidth / step_bytes(model, n, rounds.distinct[n])
         pairs = list(zip(rounds.engine[n], rounds.reference[n]))
         ratio = statistics.median(e / r for e, r in pairs) if pairs else None
+        alone = statistics.median(rounds.alone[n])
         rows.append((str(n), f"{tok_s:.1f}", f"{statistics.median(rounds.reference[n]):.1f}" if pairs else "-",
                      f"{ratio:.1f}x" if pairs else "-", f"{roofline:.1f}", f"{tok_s / roofline:.0%}",
-                     f"{statistics.mean(rounds.distinct[n].values()):.1f}"))
+                     f"{alone:.1f}", f"{alone / roofline:.0%}", f"{statistics.mean(rounds.distinct[n].values()):.1f}"))
         if n == 1:
             at_one = {"roofline": tok_s / roofline, "reference": ratio}
     table(("streams", "engine tok/s", "reference tok/s", "vs reference", "roofline tok/s", "of roofline",
-           "distinct experts/layer"), rows)
+           "blocks alone tok/s", "of roofline", "distinct experts/layer"), rows)
     return at_one
 
 
