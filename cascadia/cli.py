@@ -497,15 +497,22 @@ def _workload(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tok
 @_sampling_options
 @click.option("--logits", is_flag=True, help="last node: send the logits of sampled rows back too (scoring)")
 @click.option("--parent-pid", type=int, help="stop when this process is no longer our parent")
+@click.option("--keep-serving", is_flag=True,
+              help="serve run after run: when a run ends, keep the compiled stage and wait for the next coordinator")
+@click.option("--wait-coordinator", type=click.FloatRange(min=0), default=120.0, show_default=True,
+              help="seconds to wait at start for the coordinator to accept this node (--keep-serving: for ever)")
 def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, successor: str | None,
          checkpoint: str | None, threads: int | None, greedy, temperature, top_p, seed, logits: bool,
-         parent_pid: int | None) -> None:
+         parent_pid: int | None, keep_serving: bool, wait_coordinator: float) -> None:
     """Serve one stage of a plan: load its layers, then compute frames until the coordinator says stop.
 
-    `cascadia run` starts these itself for `local` nodes; on other machines, start one per node after `cascadia run`
-    is up, with the same spec and plan files."""
+    `cascadia run` starts these itself for `local` nodes; on other machines, start one per node, before or after
+    `cascadia run`, with the same spec and plan files. With --keep-serving a node loads once and serves every
+    later run too, until stopped with Ctrl-C."""
     import logging
     from pathlib import Path
+
+    import attrs
 
     from cascadia.exec.sampling import Sampling
     from cascadia.exec.stage import node_settings, serve_node
@@ -516,7 +523,9 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
     sampling = Sampling.of(_with_sampling(loaded.workload, greedy, temperature, top_p, seed))
     try:
         chosen = Plan.load(plan_path)
-        settings = node_settings(loaded, chosen, name, listen, control, successor, parent_pid)
+        settings = attrs.evolve(node_settings(loaded, chosen, name, listen, control, successor, parent_pid),
+                                keep_serving=keep_serving,
+                                coordinator_wait_s=None if keep_serving else wait_coordinator)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     folder = Path(checkpoint) if checkpoint else loaded.model.checkpoint

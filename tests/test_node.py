@@ -73,10 +73,10 @@ def node_via_middleman(settings: NodeSettings, log_path: str, pids) -> None:
 class Coordinator:
     """The test's side of a pipeline: control ROUTER, token PULL, and a PUSH into the first node."""
 
-    def __init__(self, transport: Transport):
+    def __init__(self, transport: Transport, control_address: str | None = None, token_address: str | None = None):
         self.transport = transport
-        self.control_address = tcp_address("127.0.0.1", free_port())
-        self.token_address = tcp_address("127.0.0.1", free_port())
+        self.control_address = control_address or tcp_address("127.0.0.1", free_port())
+        self.token_address = token_address or tcp_address("127.0.0.1", free_port())
         self.control = transport.bind(zmq.ROUTER, self.control_address)
         self.tokens = transport.bind(zmq.PULL, self.token_address)
         self.encoder = Encoder(COORDINATOR_SENDER)
@@ -275,11 +275,75 @@ def test_node_stops_when_its_parent_dies(coordinator, tmp_path):
     assert f"orphan: stopping: parent process {middleman.pid} is gone" in (tmp_path / "orphan.log").read_text()
 
 
+def test_a_node_that_loses_its_coordinator_stops_with_a_clear_error(tmp_path):
+    transport = Transport(COORDINATOR)
+    coordinator = Coordinator(transport)
+    settings = coordinator.settings(["stray"])
+    processes = start_nodes(settings, tmp_path)
+    try:
+        coordinator.wait_ready(settings)
+        transport.close()  # the coordinator dies without a word
+        processes[0].join(TIMEOUT_S)
+        assert processes[0].exitcode == 1
+    finally:
+        stop(processes)
+    assert (f"ERROR stray: lost the coordinator at {settings[0].control.address}: its connection closed"
+            in (tmp_path / "stray.log").read_text())
+
+
+def shut_down(coordinator: Coordinator, node: str) -> Stats:
+    """SHUTDOWN, then a probe, as `Coordinator.shutdown` does: a node that answers it has read the SHUTDOWN."""
+    coordinator.tell(node, Shutdown())
+    coordinator.tell(node, StatsRequest())
+    sender, reply = coordinator.next_control()
+    assert sender == node and isinstance(reply, Stats)
+    coordinator.transport.close()
+    return reply
+
+
+def test_a_keep_serving_node_serves_the_next_coordinator(tmp_path):
+    """After SHUTDOWN, and after losing its coordinator, the node says HELLO and READY to the next one at the same
+    address, without loading again, and serves it with fresh sequence numbers."""
+    first = Coordinator(Transport(COORDINATOR))
+    settings = first.settings(["keeper"], keep_serving=True)
+    processes = start_nodes(settings, tmp_path)
+    hello, ready = Hello("keeper", 0, 1), Ready("keeper", 0, 1)
+    try:
+        first.wait_ready(settings)
+        first.connect_first(settings[0])
+        first.push(frame(1, [4]))
+        assert first.next_tokens().token_ids.tolist() == [5]
+        assert shut_down(first, "keeper").frames == 1
+        for ending in ("shutdown", "lost"):
+            later = Coordinator(Transport(COORDINATOR), first.control_address, first.token_address)
+            assert [later.next_control()[1] for _ in range(2)] == [hello, ready]
+            later.connect_first(settings[0])
+            later.push(frame(1, [7]))
+            assert later.next_tokens().token_ids.tolist() == [8]
+            if ending == "shutdown":
+                shut_down(later, "keeper")
+            else:
+                later.transport.close()  # without a word
+        last = Coordinator(Transport(COORDINATOR), first.control_address, first.token_address)
+        assert [last.next_control()[1] for _ in range(2)] == [hello, ready]
+        shut_down(last, "keeper")
+        assert processes[0].is_alive()
+    finally:
+        for process in processes:
+            process.terminate()  # a keep-serving node stops when told by a signal (or when its parent goes)
+        stop(processes)
+    log = (tmp_path / "keeper.log").read_text()
+    assert log.count("run ended (shutdown requested)") == 3
+    assert log.count("run ended (its connection closed") == 1
+    assert log.count("ready on") == 4
+
+
 def test_port_in_use_is_a_clear_error_and_reported(coordinator):
     (settings,) = coordinator.settings(["late"])
     squatter = coordinator.transport.bind(zmq.PULL, settings.listen)
     with pytest.raises(TransportError, match=f"cannot listen on {settings.listen}: address already in use"):
         run_node(settings, lambda progress: pytest.fail("must not load a stage"))
+    assert coordinator.next_control() == ("late", Hello("late", 0, 1))  # said once the coordinator took it
     node, error = coordinator.next_control()
     assert node == "late" and f"cannot listen on {settings.listen}" in error.text
     squatter.close()

@@ -274,6 +274,29 @@ def test_nodes_started_by_hand_serve_a_run_over_curve(spec, plan, checkpoint, en
     assert_outputs_match_engine(done.outputs, engine, Sampling())
 
 
+def test_keep_serving_nodes_serve_one_run_after_another(spec, plan, checkpoint, engine, tmp_path):
+    """Nodes started by hand, before the coordinator, load once and serve two `cascadia run`s in turn."""
+    remote = remote_spec(spec)
+    spec_path, plan_path = write_spec_and_plan(remote, plan, tmp_path)
+    addresses = Addresses.local()
+    processes = [start_node(spec_path, plan_path, n.name, n.address, addresses, checkpoint, i == 2,
+                            tmp_path / f"{n.name}.log", "--keep-serving") for i, n in enumerate(remote.cluster.nodes)]
+    try:
+        for concurrency in (1, 3):
+            workload = attrs.evolve(spec.workload, concurrency=(concurrency,), output_tokens=4)
+            with Pipeline.start(remote, plan, addresses=addresses, node_timeout_s=TIMEOUT_S) as pipeline:
+                done = pipeline.run(workload)
+            assert_outputs_match_engine(done.outputs, engine, Sampling())
+        assert all(p.poll() is None for p in processes)
+    finally:
+        for process in processes:
+            process.terminate()
+        stop_all(processes)
+    for n in remote.cluster.nodes:
+        log = (tmp_path / f"{n.name}.log").read_text()
+        assert log.count("ready on") == 2 and log.count("run ended (shutdown requested)") == 2, log
+
+
 @contextlib.contextmanager
 def listening(address: str):
     """Another socket listening on `address` meanwhile."""

@@ -225,9 +225,12 @@ class Coordinator:
 
     # ---- the end ----------------------------------------------------------------------------------------------
     def shutdown(self, timeout_s: float) -> None:
-        """Ask every node to stop, and wait up to `timeout_s` for their control connections to close: closing our
-        sockets at once was seen to drop a queued SHUTDOWN despite the linger, leaving a remote node running."""
+        """Ask every node to stop, and wait up to `timeout_s` until each has either closed its control connection
+        or answered a probe sent after SHUTDOWN (a keep-serving node stays for the next run; replies come in order,
+        so it has read the SHUTDOWN): closing our sockets at once was seen to drop a queued SHUTDOWN despite the
+        linger, leaving a remote node running."""
         remaining = list(self.nodes)
+        old_replies = dict(self._stats_owed)  # replies to probes sent before SHUTDOWN
         deadline = time.monotonic() + timeout_s
         message: Message = Shutdown()
         while remaining and time.monotonic() < deadline:
@@ -237,8 +240,19 @@ class Coordinator:
                 except PipelineError:  # gone
                     remaining.remove(node)
             message = StatsRequest()  # from now on only a probe: a node still there drops it as it stops
-            if self.control.poll(50):
-                receive(self.control)  # late replies; nothing to act on any more
+            while self.control.poll(50):
+                identity, *frames = receive(self.control)
+                node = identity.bytes.decode(errors="replace")
+                try:
+                    reply = self.control_decoder.decode(frames).message
+                except WireError:
+                    continue
+                if not isinstance(reply, Stats) or node not in remaining:
+                    continue
+                if old_replies.get(node, 0) > 0:
+                    old_replies[node] -= 1
+                else:
+                    remaining.remove(node)
 
     def close(self) -> None:
         self.transport.close()

@@ -1,10 +1,17 @@
 """A node process: the server loop around one pipeline stage.
 
 The node binds its input (PULL), connects to its successor (PUSH) and to the coordinator's control socket (DEALER
-named after the node), says HELLO, loads its stage while reporting PROGRESS, says READY, then serves: every FRAME
-goes through `stage.process` and the result (a FRAME for the next node, or TOKENS from the last) goes to the
-successor. A message that fails to decode is logged with its reason, counted, and dropped; the node keeps serving.
-It stops on SHUTDOWN, or when the process that started it is gone, so no node outlives its run.
+named after the node), waits until the coordinator accepts that connection, says HELLO, loads its stage while
+reporting PROGRESS, says READY, then serves: every FRAME goes through `stage.process` and the result (a FRAME for
+the next node, or TOKENS from the last) goes to the successor. A message that fails to decode is logged with its
+reason, counted, and dropped; the node keeps serving.
+
+It stops on SHUTDOWN, when the process that started it is gone, or when it loses the coordinator (the control
+connection closes, or ZeroMQ's heartbeats go unanswered: `cascadia.exec.transport`), so no node outlives its run.
+With `keep_serving` it serves run after run instead: when a run ends (SHUTDOWN, a lost coordinator, an unreachable
+successor) it keeps its compiled stage, waits for the last coordinator's connection to close and the next one's to
+open, and says HELLO and READY to that. A new run's streams start at position 0, which frees their slots
+(`EngineStage.process`); message sequence numbers start afresh with each coordinator.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from typing import Protocol
 import attrs
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from cascadia.exec.transport import Transport, receive, send
+from cascadia.exec.transport import Transport, TransportError, receive, send
 from cascadia.exec.wire import (DEFAULT_MAX_MESSAGE_BYTES, Decoder, Encoder, Error, Frame, Hello, Message, Progress,
                                 Ready, Release, Shutdown, Stats, StatsRequest, Tokens, WireError)
 
@@ -63,28 +71,50 @@ class NodeSettings:
     parent_pid: int | None = None  # stop when this process is no longer our parent
     poll_s: float = 0.1  # how often an idle node checks on its parent
     digest: str = ""  # of the settings it was started with, said in HELLO (`cascadia.exec.stage.settings_digest`)
+    keep_serving: bool = False  # serve run after run, each with its own coordinator (see the module's text)
+    coordinator_wait_s: float | None = 120.0  # how long a starting node waits for a coordinator (None: no limit)
 
 
 class NodeStopped(Exception):
     """Raised inside the node to end it cleanly: shutdown requested, or its parent gone."""
 
 
+class CoordinatorLost(RuntimeError):
+    """The control connection closed during a run without a SHUTDOWN: the coordinator stopped, or its machine
+    became unreachable."""
+
+
+# What the monitor of the control connection reports: accepted, closed, refused during the handshake.
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_CONTROL_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+
+
 def run_node(settings: NodeSettings, load_stage: Callable[[ProgressFn], Stage]) -> None:
-    """Serve one stage until told to shut down or orphaned. Raises TransportError (naming the address) when the
-    input address is taken or the successor is unreachable; any failure is first reported to the coordinator."""
+    """Serve one stage until told to shut down or orphaned, or (without `keep_serving`) until the coordinator is
+    lost. Raises TransportError (naming the address) when the input address is taken, the successor is unreachable
+    or no coordinator accepts the node in time, and CoordinatorLost; a failure while the coordinator is there is
+    first reported to it."""
     with Transport(settings.name, settings.curve_keys, settings.max_message_bytes,
                    settings.send_timeout_s) as transport:
         node = _Node(settings, transport)
         try:
+            node.join(settings.coordinator_wait_s)  # first, so that a failure to open is reported to it
             node.open()
-            node.tell(Hello(settings.name, settings.first_layer, settings.last_layer, settings.digest))
             stage = load_stage(node.progress)
-            node.tell(Ready(settings.name, settings.first_layer, settings.last_layer))
-            log.info("%s: ready on %s, layers %d..%d", settings.name, settings.listen, settings.first_layer,
-                     settings.last_layer)
-            node.serve(stage)
+            while True:
+                if node.in_run:  # the run did not end while the stage loaded
+                    node.tell(Ready(settings.name, settings.first_layer, settings.last_layer))
+                    log.info("%s: ready on %s, layers %d..%d", settings.name, settings.listen,
+                             settings.first_layer, settings.last_layer)
+                    node.serve(stage)
+                log.info("%s: run ended (%s); waiting for the next coordinator", settings.name, node.end_reason)
+                node.join(None)
         except NodeStopped as e:
             log.info("%s: stopping: %s", settings.name, e)
+        except CoordinatorLost as e:
+            log.error("%s: %s", settings.name, e)  # nobody to report it to
+            raise
         except Exception as e:
             node.report_failure(f"{type(e).__name__}: {e}")
             raise
@@ -96,6 +126,11 @@ class _Node:
         self.transport = transport
         # The control channel comes first, so that a failure to open the others can be reported on it.
         self.control = transport.connect(zmq.DEALER, settings.control.address, settings.control.name)
+        self.control_events = self.control.get_monitor_socket(_CONTROL_EVENTS)
+        self.connected = False  # a coordinator holds the control connection
+        self.in_run = False  # from HELLO to the end of the run
+        self.stale_connection = False  # keep-serving, after SHUTDOWN: the connection is still the last run's
+        self.end_reason = ""
         self.data: zmq.Socket | None = None
         self.successor: zmq.Socket | None = None
         self.encoder = Encoder(settings.sender)
@@ -115,29 +150,89 @@ class _Node:
 
     def report_failure(self, text: str) -> None:
         log.error("%s: %s", self.settings.name, text)
+        if not self.connected:
+            return  # a send would only wait out its timeout
         try:
             self.tell(Error(self.settings.name, text))
         except Exception as e:  # the coordinator may be what failed; the raised error still tells the story
             log.error("%s: could not report the failure to the coordinator: %s", self.settings.name, e)
 
-    def progress(self, done: int, total: int) -> None:
-        """Report loading progress, and stop loading if told to or orphaned."""
-        self.tell(Progress(self.settings.name, done, total))
-        self._check_parent()
-        while self.control.poll(0):
-            self._on_control(stage=None)
-
-    def serve(self, stage: Stage) -> None:
+    def join(self, wait_s: float | None) -> None:
+        """Wait (up to `wait_s` seconds, or for as long as it takes) until a coordinator accepts the control
+        connection (after a run, a new connection: the last coordinator's must close first), then start a run
+        with it: fresh sequence numbers, stale frames dropped, HELLO."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
-        poller.register(self.data, zmq.POLLIN)
-        while True:
+        poller.register(self.control_events, zmq.POLLIN)
+        while self.stale_connection or not self.connected:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransportError(f"no coordinator accepted this node at {self.settings.control.address} "
+                                     f"within {wait_s:g} s")
+            poller.poll(self.settings.poll_s * 1000)
+            self._check_parent()
+            self._take_control(stage=None)
+        self.control_decoder = Decoder(self.settings.max_message_bytes)
+        self.data_decoder = Decoder(self.settings.max_message_bytes)
+        while self.data is not None and self.data.poll(0):
+            receive(self.data)
+        self.in_run = True
+        s = self.settings
+        self.tell(Hello(s.name, s.first_layer, s.last_layer, s.digest))
+
+    def progress(self, done: int, total: int) -> None:
+        """Report loading progress, and stop loading if told to or orphaned."""
+        self._take_control(stage=None)
+        if self.in_run:
+            self.tell(Progress(self.settings.name, done, total))
+        self._check_parent()
+
+    def serve(self, stage: Stage) -> None:
+        """Serve frames until the run ends (`keep_serving`; otherwise the end of the run raises)."""
+        poller = zmq.Poller()
+        for sock in (self.control, self.data, self.control_events):
+            poller.register(sock, zmq.POLLIN)
+        while self.in_run:
             ready = dict(poller.poll(self.settings.poll_s * 1000))
             self._check_parent()
-            if self.control in ready:
-                self._on_control(stage)
-            if self.data in ready:
-                self._on_data(stage)
+            self._take_control(stage)
+            if self.data in ready and self.in_run:
+                try:
+                    self._on_data(stage)
+                except TransportError as e:  # the successor is gone: the coordinator will end the run
+                    if not self.settings.keep_serving:
+                        raise
+                    self._end_run(str(e))
+
+    def _end_run(self, reason: str, lost: bool = False) -> None:
+        """The run is over: stop the node, or (`keep_serving`) go back to waiting for a coordinator."""
+        if not self.settings.keep_serving:
+            if lost:
+                raise CoordinatorLost(f"lost the coordinator at {self.settings.control.address}: {reason}")
+            raise NodeStopped(reason)
+        self.in_run = False
+        self.stale_connection = self.connected
+        self.end_reason = reason
+
+    def _take_control(self, stage: Stage | None) -> None:
+        """Every waiting control message, then every event of the control connection: a connection's messages
+        arrive before its end, so a SHUTDOWN is always read before the close that follows it."""
+        while self.control.poll(0):
+            self._on_control(stage)
+        while self.control_events.poll(0):
+            self._on_control_event()
+
+    def _on_control_event(self) -> None:
+        event = recv_monitor_message(self.control_events)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = self.stale_connection = False
+            if self.in_run:
+                self._end_run("its connection closed, or it stopped answering heartbeats", lost=True)
+        else:
+            raise TransportError(f"the coordinator at {self.settings.control.address} refused the connection "
+                                 "during its handshake (do the Curve keys match?)")
 
     def _check_parent(self) -> None:
         parent = self.settings.parent_pid
@@ -161,8 +256,8 @@ class _Node:
         accepted = (Shutdown, StatsRequest) if stage is None else (Shutdown, StatsRequest, Release)
         message = self._receive(self.control, self.control_decoder, accepted)
         match message:
-            case Shutdown():
-                raise NodeStopped("shutdown requested")
+            case Shutdown() if self.in_run or not self.settings.keep_serving:  # else: the last run's, late
+                self._end_run("shutdown requested")
             case StatsRequest():
                 self.tell(Stats(self.settings.name, self.busy_s, self.frames, self.rejected))
             case Release():

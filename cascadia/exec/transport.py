@@ -29,6 +29,11 @@ from cascadia.exec.wire import DEFAULT_MAX_MESSAGE_BYTES
 COORDINATOR = "coordinator"  # the name under which the coordinator holds Curve keys
 _KEY_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _LINGER_MS = 1000  # on close, how long queued messages may still go out before they are dropped
+# A connecting socket pings its peer this often, and drops the connection after this long without an answer (the
+# peer's ZeroMQ answers by itself, however busy its process): a machine that vanished without closing its
+# connections is noticed too.
+HEARTBEAT_S = 1.0
+HEARTBEAT_TIMEOUT_S = 10.0
 
 
 class TransportError(RuntimeError):
@@ -137,6 +142,8 @@ class Transport:
         sock = self._socket(socket_type)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDTIMEO, round(self.send_timeout_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, round(HEARTBEAT_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(HEARTBEAT_TIMEOUT_S * 1000))
         if socket_type == zmq.DEALER:
             sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
         if self._keypair is not None:
