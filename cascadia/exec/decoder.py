@@ -31,14 +31,15 @@ Chunk = tuple[np.ndarray, np.ndarray, np.ndarray]  # gate, up, down of a few exp
 
 class SlotState:
     """A layer's state for every slot: K/V rings [slots, kv_heads, ring, head_dim] and the last K-1 inputs of
-    its four short convolutions [slots, K-1, width]. Zero-filled, so pages are only committed as slots fill."""
+    its short convolutions [slots, K-1, width] (those of k and v side by side: they run as one). Zero-filled, so
+    pages are only committed as slots fill."""
 
     def __init__(self, shape: AttentionShape, ring: int, hidden: int, kernel: int, slots: int):
         kv = (slots, shape.kv_heads, ring, shape.head_dim)
         self.k, self.v = np.zeros(kv, np.float32), np.zeros(kv, np.float32)
         kv_width = shape.kv_heads * shape.head_dim
         self.conv = {name: np.zeros((slots, kernel - 1, width), np.float32)
-                     for name, width in (("k", kv_width), ("v", kv_width), ("attn", hidden), ("mlp", hidden))}
+                     for name, width in (("kv", 2 * kv_width), ("attn", hidden), ("mlp", hidden))}
 
     def release(self, slot: int) -> None:
         """Ready a slot for a new stream. Stale K/V need no clearing: a stream only reads entries it wrote."""
@@ -63,12 +64,14 @@ class DecoderLayer:
         self.input_norm, self.post_norm = t["input_layernorm.weight"], t["post_attention_layernorm.weight"]
         self.q_norm, self.k_norm = t["self_attn.q_norm.weight"], t["self_attn.k_norm.weight"]
         self.rel_bank = t["self_attn.rel_logits_proj.proj"]  # [d_rel, extent]
-        self.conv = {name: t[key][:, 0, :] for name, key in (
-            ("k", "self_attn.k_sconv.conv1d.weight"), ("v", "self_attn.v_sconv.conv1d.weight"),
-            ("attn", "attn_sconv.conv1d.weight"), ("mlp", "mlp_sconv.conv1d.weight"))}
+        # Convolution weights [C, 1, K] as taps [K, C]; k's and v's side by side, as their columns in q|k|v|r.
+        self.conv = {name: np.ascontiguousarray(np.concatenate([t[key][:, 0, :] for key in keys]).T) for name, keys in (
+            ("kv", ("self_attn.k_sconv.conv1d.weight", "self_attn.v_sconv.conv1d.weight")),
+            ("attn", ("attn_sconv.conv1d.weight",)), ("mlp", ("mlp_sconv.conv1d.weight",)))}
 
         qkvr = [t[f"self_attn.{p}_proj.weight"] for p in "qkvr"]
-        self.qkvr_split = np.cumsum([w.shape[0] for w in qkvr])[:-1]
+        q_width, kv_width = qkvr[0].shape[0], qkvr[1].shape[0]
+        self.kv_columns = slice(q_width, q_width + 2 * kv_width)  # k then v in the q|k|v|r projection
         self.qkvr = compile(graphs.projection(qkvr, formats.attention))
         self.o_proj = compile(graphs.projection([t["self_attn.o_proj.weight"]], formats.attention))
 
@@ -111,9 +114,9 @@ class DecoderLayer:
         return x + short_conv(self.feed_forward(h), self.conv["mlp"], state.conv["mlp"], rows)
 
     def attention(self, h: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
-        q, k, v, r = np.split(self.qkvr(h)[0], self.qkvr_split, axis=1)
-        k = short_conv(k, self.conv["k"], state.conv["k"], rows)
-        v = short_conv(v, self.conv["v"], state.conv["v"], rows)
+        qkvr, kv = self.qkvr(h)[0], self.kv_columns
+        k, v = np.split(short_conv(qkvr[:, kv], self.conv["kv"], state.conv["kv"], rows), 2, axis=1)
+        q, r = qkvr[:, :kv.start], qkvr[:, kv.stop:]
         q, k = head_rms_norm(q, self.q_norm, self.eps), head_rms_norm(k, self.k_norm, self.eps)
         v = v.reshape(k.shape)
         rel = r.reshape(len(r), self.shape.heads, -1) @ self.rel_bank  # [T, heads, extent]: bias per distance

@@ -8,8 +8,9 @@ from cascadia.exec.rows import Rows
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """weight * x / sqrt(mean(x^2) + eps) over the last axis."""
-    variance = np.mean(np.square(x), axis=-1, keepdims=True)
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis (the mean as np.mean takes it, sum / n, without its
+    per-call overhead: a decode step makes dozens of these calls on single rows)."""
+    variance = np.square(x).sum(axis=-1, keepdims=True) / np.float32(x.shape[-1])
     return weight * (x / np.sqrt(variance + np.float32(eps)))
 
 
@@ -18,15 +19,13 @@ def head_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return rms_norm(x.reshape(x.shape[0], -1, weight.shape[0]), weight, eps)
 
 
-def short_conv(y: np.ndarray, weight: np.ndarray, states: np.ndarray, rows: Rows) -> np.ndarray:
+def short_conv(y: np.ndarray, taps: np.ndarray, states: np.ndarray, rows: Rows) -> np.ndarray:
     """Depthwise causal convolution over each slot's history plus the residual: y + conv(y), y [T, C].
-    `weight` [C, K] (tap K-1 meets the current row); `states` [slots, K-1, C], the slots' last K-1 inputs, is
-    updated in place."""
+    `taps` [K, C], the convolution's weight transposed (tap K-1 meets the current row); `states` [slots, K-1, C],
+    the slots' last K-1 inputs, is updated in place."""
     group_slots = rows.group_slots
     history = np.concatenate([states[group_slots].reshape(-1, y.shape[1]), y])
-    conv = history[rows.conv_taps[:, 0]] * weight[:, 0]
-    for tap in range(1, weight.shape[1]):
-        conv += history[rows.conv_taps[:, tap]] * weight[:, tap]
+    conv = (history[rows.conv_taps] * taps).sum(axis=1)
     states[group_slots] = history[rows.conv_keep]
     return conv + y
 
