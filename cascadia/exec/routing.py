@@ -31,9 +31,8 @@ class Router:
         routed = logits[:, :n_routed]
         choice = 1 / (1 + np.exp(-routed)) + self.correction
         index = np.argpartition(-choice, self.top_k - 1, axis=1)[:, : self.top_k]
-        chosen = np.concatenate([np.take_along_axis(routed, index, axis=1), logits[:, n_routed:]], axis=1)
+        chosen = np.concatenate([routed[np.arange(len(h))[:, None], index], logits[:, n_routed:]], axis=1)
         log_probs = log_sigmoid(chosen)
-        top = log_probs.max(axis=1, keepdims=True)
-        log_norm = top + np.log(np.exp(log_probs - top).sum(axis=1, keepdims=True))
-        weights = np.exp(log_probs - log_norm) * np.float32(self.route_scale) * self.global_scale
+        probs = np.exp(log_probs - log_probs.max(axis=1, keepdims=True))  # softmax, its largest term exp(0)
+        weights = probs / probs.sum(axis=1, keepdims=True) * (np.float32(self.route_scale) * self.global_scale)
         return Routing(index.astype(np.int32), weights[:, : self.top_k], weights[:, self.top_k:])
