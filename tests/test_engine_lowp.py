@@ -30,6 +30,10 @@ COMPRESSED = WeightFormats(routed_experts=WeightFormat("int4", 32), shared_exper
 # prefill and decode rows. Measured on the three fixtures: bf16 top-1 >= 0.95, KL <= 6.2e-4 (the base fixture has
 # one expert choice that flips); compressed top-1 >= 0.62, KL <= 3.1e-3 (tiny widths quantise badly: groups of 16).
 FLOORS = {("bf16", "f32 weights"): (0.85, 3e-3), ("bf16", "compressed"): (0.5, 1e-2)}
+# kv_precision -> (lowest top-1 agreement, largest logit error relative to the largest f32 logit) for 16-bit K/V and
+# convolution states with f32 compute and weights. Measured on the three fixtures: top-1 1.0; error at most 3.3e-4
+# (f16) and 3.0e-3 (bf16).
+STATE_FLOORS = {"f16": (0.95, 1e-3), "bf16": (0.95, 1e-2)}
 
 
 def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
@@ -44,6 +48,20 @@ def fixture(request):
     ref = np.load(FIXTURES / request.param / "reference.npz")
     exact = Engine(checkpoint, precision="f32").score(ref["ids"], prefill=int(ref["prefill_len"]))
     return checkpoint, ref, exact
+
+
+@pytest.mark.parametrize("kv_precision", ["f16", "bf16"])
+def test_half_precision_state_agrees_with_f32(fixture, kv_precision):
+    """K/V rings and convolution histories stored in 16 bits (computed with in f32), the rest exact."""
+    checkpoint, ref, exact = fixture
+    engine = Engine(checkpoint, precision="f32", kv_precision=kv_precision)
+    state = engine.stage.states[0]
+    assert state.k.itemsize == state.conv["kv"].itemsize == 2
+    half = engine.score(ref["ids"], prefill=int(ref["prefill_len"]))
+    top1 = np.mean(half.argmax(-1) == exact.argmax(-1))
+    error = np.abs(half - exact).max() / np.abs(exact).max()
+    min_top1, max_error = STATE_FLOORS[kv_precision]
+    assert top1 >= min_top1 and 0 < error <= max_error, f"top-1 {top1:.3f}, error {error:.2e}"
 
 
 @pytest.mark.parametrize("formats", ["f32 weights", "compressed"])

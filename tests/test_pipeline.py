@@ -136,6 +136,24 @@ def test_sampled_tokens_depend_on_the_stream_only(spec, plan, checkpoint, engine
     assert outputs != {tuple(reference_tokens(engine, prompt, 6, Sampling()))}  # not greedy after all
 
 
+def test_nodes_keep_state_in_the_spec_kv_precision(spec, plan, checkpoint, engine):
+    """`runtime.kv_precision: bf16` reaches every node: its logits are those of one process with bf16 state, not
+    those of f32 state."""
+    spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, kv_precision="bf16"))
+    rt = spec.runtime
+    bf16_state = Engine(Checkpoint.open(checkpoint), formats=spec.model.formats, precision=rt.precision,
+                        max_streams=rt.max_streams, context_budget=rt.context_budget, row_buckets=rt.row_buckets,
+                        kv_precision="bf16", threads=1)
+    ids = [int(i) for i in np.random.default_rng(4).integers(0, 512, 30)]
+    with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(), with_logits=True,
+                        node_timeout_s=TIMEOUT_S) as started:
+        distributed = started.score(ids, prefill=11)
+    single = bf16_state.score(ids, prefill=11)
+    scale = np.abs(single).max()
+    np.testing.assert_allclose(distributed, single, rtol=0, atol=1e-6 * scale)
+    assert np.abs(distributed - engine.score(ids, prefill=11)).max() > 1e-4 * scale
+
+
 def test_generate_draws_what_the_pipeline_draws(engine):
     """`cascadia generate` samples as the last node does: the same seed and prompt give the same tokens."""
     sampling = Sampling(temperature=1.0, top_p=0.9, seed=11)

@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 
 from cascadia.exec.host_ops import softmax
+from cascadia.exec.state_format import StateFormat
 
 
 @attrs.frozen
@@ -37,13 +38,14 @@ def log_scale(positions: np.ndarray, n_floor: int, alpha: float) -> np.ndarray:
 
 
 def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, rel: np.ndarray,
-           ring_k: np.ndarray, ring_v: np.ndarray, first: int) -> np.ndarray:
+           ring_k: np.ndarray, ring_v: np.ndarray, first: int, fmt: StateFormat = StateFormat()) -> np.ndarray:
     """Rows of one slot at positions first.. (n rows): q [n, H, d], k/v [n, KV, d], rel [n, H, extent] (bias per
-    distance) -> attention output [n, H * d]. Writes the new keys and values into the slot's ring first."""
+    distance) -> attention output [n, H * d]. Writes the new keys and values into the slot's ring (stored in `fmt`)
+    first."""
     n, ring = q.shape[0], ring_k.shape[1]
     positions = first + np.arange(n)
-    ring_k[:, positions % ring] = k.transpose(1, 0, 2)
-    ring_v[:, positions % ring] = v.transpose(1, 0, 2)
+    ring_k[:, positions % ring] = fmt.encode(k.transpose(1, 0, 2))
+    ring_v[:, positions % ring] = fmt.encode(v.transpose(1, 0, 2))
     last = first + n - 1
     filled = min(ring, last + 1)
     key_positions = last - (last - np.arange(filled)) % ring
@@ -60,11 +62,11 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
 
     # Query head h reads kv head h // (H / KV): group the queries of one kv head as rows of one matmul.
     grouped_q = q.transpose(1, 0, 2).reshape(kv_heads, -1, head_dim)  # [KV, rep * n, d]
-    scores = (grouped_q @ ring_k[:, :filled].transpose(0, 2, 1)).reshape(heads, n, filled)
+    scores = (grouped_q @ fmt.decode(ring_k[:, :filled]).transpose(0, 2, 1)).reshape(heads, n, filled)
     scores = scores * np.float32(1 / head_dim) + bias  # q and k are RMS-normalised: 1/d, not 1/sqrt(d)
     allowed = distance >= 0
     if shape.window is not None:
         allowed &= distance < shape.window
     probs = softmax(np.where(allowed, scores, -np.inf)).reshape(kv_heads, -1, filled)
-    out = (probs @ ring_v[:, :filled]).reshape(heads, n, head_dim)
+    out = (probs @ fmt.decode(ring_v[:, :filled])).reshape(heads, n, head_dim)
     return out.transpose(1, 0, 2).reshape(n, heads * head_dim)

@@ -22,6 +22,7 @@ from cascadia.exec.quantize import quantize_stacks
 from cascadia.exec.restoration import row_factor, up_divisor
 from cascadia.exec.routing import Router
 from cascadia.exec.rows import Rows
+from cascadia.exec.state_format import StateFormat
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import WeightFormat, WeightFormats
 
@@ -31,14 +32,16 @@ Chunk = tuple[np.ndarray, np.ndarray, np.ndarray]  # gate, up, down of a few exp
 
 class SlotState:
     """A layer's state for every slot: K/V rings [slots, kv_heads, ring, head_dim] and the last K-1 inputs of
-    its short convolutions [slots, K-1, width] (those of k and v side by side: they run as one). Zero-filled, so
-    pages are only committed as slots fill."""
+    its short convolutions [slots, K-1, width] (those of k and v side by side: they run as one), all stored in
+    `fmt`. Zero-filled, so pages are only committed as slots fill."""
 
-    def __init__(self, shape: AttentionShape, ring: int, hidden: int, kernel: int, slots: int):
+    def __init__(self, shape: AttentionShape, ring: int, hidden: int, kernel: int, slots: int,
+                 fmt: StateFormat = StateFormat()):
+        self.fmt = fmt
         kv = (slots, shape.kv_heads, ring, shape.head_dim)
-        self.k, self.v = np.zeros(kv, np.float32), np.zeros(kv, np.float32)
+        self.k, self.v = fmt.zeros(kv), fmt.zeros(kv)
         kv_width = shape.kv_heads * shape.head_dim
-        self.conv = {name: np.zeros((slots, kernel - 1, width), np.float32)
+        self.conv = {name: fmt.zeros((slots, kernel - 1, width))
                      for name, width in (("kv", 2 * kv_width), ("attn", hidden), ("mlp", hidden))}
 
     def release(self, slot: int) -> None:
@@ -109,13 +112,13 @@ class DecoderLayer:
         """x [T, H] residual stream of the rows -> after this layer. Updates the rows' slots in `state`."""
         h = rms_norm(x, self.input_norm, self.eps)
         x = x + short_conv(self.o_proj(self.attention(h, rows, state))[0], self.conv["attn"], state.conv["attn"],
-                           rows)
+                           rows, state.fmt)
         h = rms_norm(x, self.post_norm, self.eps)
-        return x + short_conv(self.feed_forward(h), self.conv["mlp"], state.conv["mlp"], rows)
+        return x + short_conv(self.feed_forward(h), self.conv["mlp"], state.conv["mlp"], rows, state.fmt)
 
     def attention(self, h: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
         qkvr, kv = self.qkvr(h)[0], self.kv_columns
-        k, v = np.split(short_conv(qkvr[:, kv], self.conv["kv"], state.conv["kv"], rows), 2, axis=1)
+        k, v = np.split(short_conv(qkvr[:, kv], self.conv["kv"], state.conv["kv"], rows, state.fmt), 2, axis=1)
         q, r = qkvr[:, :kv.start], qkvr[:, kv.stop:]
         q, k = head_rms_norm(q, self.q_norm, self.eps), head_rms_norm(k, self.k_norm, self.eps)
         v = v.reshape(k.shape)
@@ -123,7 +126,8 @@ class DecoderLayer:
         out = np.empty((len(h), self.shape.heads * self.shape.head_dim), np.float32)
         for slot, start, count, first in rows.groups():
             part = slice(start, start + count)
-            out[part] = attend(self.shape, q[part], k[part], v[part], rel[part], state.k[slot], state.v[slot], first)
+            out[part] = attend(self.shape, q[part], k[part], v[part], rel[part], state.k[slot], state.v[slot],
+                               first, state.fmt)
         return out
 
     def feed_forward(self, h: np.ndarray) -> np.ndarray:

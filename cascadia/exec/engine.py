@@ -20,6 +20,7 @@ from cascadia.exec.device import CompiledBlock, compile_options, device_precisio
 from cascadia.exec.host_ops import rms_norm
 from cascadia.exec.quantize import Quantized, quantize_stacks
 from cascadia.exec.rows import BatchError, Rows
+from cascadia.exec.state_format import StateFormat
 from cascadia.spec.types import WeightFormat, WeightFormats
 from cascadia.tensors import EMBED, EMBED_NORM, FINAL_NORM, HEAD
 
@@ -29,12 +30,14 @@ ProgressFn = Callable[[int, int], None]  # (parts built, parts to build): embedd
 class StageEngine:
     def __init__(self, checkpoint: Checkpoint, layers: range, *, embed: bool, head: bool,
                  formats: WeightFormats = WeightFormats(), precision: str = "f32", max_streams: int = 16,
-                 context_budget: int = 1024, row_buckets: Sequence[int] = (1, 2, 8, 16, 24, 32),
+                 context_budget: int = 1024, kv_precision: str = "f32",
+                 row_buckets: Sequence[int] = (1, 2, 8, 16, 24, 32),
                  device: str = "auto", threads: int | None = None, dense_slices: int | None = None,
                  warm_up: bool = True, progress: ProgressFn | None = None):
         """Compile the stage's graphs (one per weight block, dynamic rows) and allocate its slots.
         `row_buckets`: row counts the graphs are called with (rows are zero-padded up to one); the largest is
-        also the most rows of one call. `dense_slices`: run dense MLPs as that many all-active expert slices.
+        also the most rows of one call. `kv_precision`: how K/V and convolution states are stored (f32, f16,
+        bf16; computed with in f32). `dense_slices`: run dense MLPs as that many all-active expert slices.
         `warm_up`: run every graph at every bucket once now, so that first requests are not slow."""
         cfg = self.config = checkpoint.config
         if len(layers) and not (0 <= layers[0] and layers[-1] < cfg.num_hidden_layers and layers.step == 1):
@@ -68,7 +71,7 @@ class StageEngine:
             ring = min(context_budget, cfg.sliding_window_size - 1 + self.max_rows) if cfg.is_sliding(i) \
                 else context_budget
             self.states.append(SlotState(self.layers[-1].shape, ring, cfg.hidden_size, cfg.conv_kernel_size,
-                                         max_streams))
+                                         max_streams, StateFormat(kv_precision)))
             advance()
         if head:
             self.final_norm = checkpoint.tensor(FINAL_NORM)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cascadia.exec.rows import Rows
+from cascadia.exec.state_format import StateFormat
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -19,14 +20,15 @@ def head_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return rms_norm(x.reshape(x.shape[0], -1, weight.shape[0]), weight, eps)
 
 
-def short_conv(y: np.ndarray, taps: np.ndarray, states: np.ndarray, rows: Rows) -> np.ndarray:
+def short_conv(y: np.ndarray, taps: np.ndarray, states: np.ndarray, rows: Rows,
+               fmt: StateFormat = StateFormat()) -> np.ndarray:
     """Depthwise causal convolution over each slot's history plus the residual: y + conv(y), y [T, C].
     `taps` [K, C], the convolution's weight transposed (tap K-1 meets the current row); `states` [slots, K-1, C],
-    the slots' last K-1 inputs, is updated in place."""
+    the slots' last K-1 inputs stored in `fmt`, is updated in place."""
     group_slots = rows.group_slots
-    history = np.concatenate([states[group_slots].reshape(-1, y.shape[1]), y])
+    history = np.concatenate([fmt.decode(states[group_slots]).reshape(-1, y.shape[1]), y])
     conv = (history[rows.conv_taps] * taps).sum(axis=1)
-    states[group_slots] = history[rows.conv_keep]
+    states[group_slots] = fmt.encode(history[rows.conv_keep])
     return conv + y
 
 

@@ -137,7 +137,8 @@ def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, 
     node = next(n for n in spec.cluster.nodes if n.name == stage.node)
     engine = StageEngine(opened, stage.layers, embed=EMBED in stage.roles, head=HEAD in stage.roles,
                          formats=spec.model.formats, precision=runtime.precision, max_streams=runtime.max_streams,
-                         context_budget=runtime.context_budget, row_buckets=runtime.row_buckets, device=node.device,
+                         context_budget=runtime.context_budget, kv_precision=runtime.kv_precision,
+                         row_buckets=runtime.row_buckets, device=node.device,
                          threads=threads if threads is not None else node.threads, progress=progress)
     sampler = RowSampler(sampling, runtime.max_streams) if HEAD in stage.roles else None
     return EngineStage(engine, sampler, with_logits)

@@ -392,13 +392,6 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     return parse
 
 
-def _kv_precision(value: Any) -> str:
-    """The engine keeps K/V and convolution states in f32 only; planning for less would overcommit memory."""
-    if _choice(PRECISIONS)(value) != "f32":
-        raise _Invalid(f"only f32 is implemented by the engine, got {_shown(value)}")
-    return "f32"
-
-
 def _positive(parse: Callable[[Any], float]) -> Callable[[Any], float]:
     def positive(value: Any) -> float:
         quantity = parse(value)
@@ -749,7 +742,7 @@ def _runtime(ctx: _Context, node: _Node | None) -> RuntimeSpec:
         "context_budget": fields.take("context_budget", _positive_int),
         "max_streams": fields.take("max_streams", _positive_int),
         "precision": fields.take("precision", _choice(PRECISIONS)),
-        "kv_precision": fields.take("kv_precision", _kv_precision),
+        "kv_precision": fields.take("kv_precision", _choice(PRECISIONS)),
         "row_buckets": fields.take("row_buckets", _buckets),
         "prefill_window": fields.take("prefill_window", _positive_int),
     }
