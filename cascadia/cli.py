@@ -499,7 +499,7 @@ def _workload(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tok
 @click.option("--parent-pid", type=int, help="stop when this process is no longer our parent")
 @click.option("--keep-serving", is_flag=True,
               help="serve run after run: when a run ends, keep the compiled stage and wait for the next coordinator")
-@click.option("--wait-coordinator", type=click.FloatRange(min=0), default=120.0, show_default=True,
+@click.option("--wait-coordinator", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="seconds to wait at start for the coordinator to accept this node (--keep-serving: for ever)")
 def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, successor: str | None,
          checkpoint: str | None, threads: int | None, greedy, temperature, top_p, seed, logits: bool,
