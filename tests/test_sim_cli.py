@@ -86,6 +86,15 @@ def test_bad_arguments(spec_path, tmp_path, args, code, message):
     assert result.exit_code == code and message in result.output
 
 
+def test_plot_draws_a_png(spec_path, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "p.png"
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--analytic", "--concurrency", "1,2,4",
+                                      "--plot", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
 def test_plot_without_matplotlib_says_so(spec_path, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--plot", str(tmp_path / "p.png")])
