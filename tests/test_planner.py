@@ -287,7 +287,7 @@ def test_plan_json_round_trips_with_unbounded_positions(tmp_path):
 @pytest.fixture
 def given_spec(monkeypatch):
     def use(spec: Spec) -> None:
-        monkeypatch.setattr(cascadia.cli, "_load_spec_or_exit", lambda path: spec)
+        monkeypatch.setattr(cascadia.cli.specs, "load_spec_or_exit", lambda path: spec)
     return use
 
 

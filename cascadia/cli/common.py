@@ -1,0 +1,118 @@
+"""What the commands share: loading a spec, quantity and list parameters, sampling and workload options, the plan
+to use."""
+
+from __future__ import annotations
+
+import click
+
+
+def load_spec_or_exit(path: str):
+    """The validated spec, or its problems printed and exit status 2."""
+    from cascadia.spec.load import SpecError, load_spec
+
+    try:
+        return load_spec(path)
+    except SpecError as e:
+        click.echo(f"Error: {e}", err=True)
+        raise SystemExit(2) from None
+
+
+class Quantity(click.ParamType):
+    """A quantity with units on the command line: a "size" ("64GB"), "rate" ("1gbit") or "duration" ("100us")."""
+
+    def __init__(self, kind: str):
+        self.name = kind
+
+    def convert(self, value, param, ctx):
+        from cascadia import units
+
+        parse = {"size": units.parse_bytes, "rate": units.parse_rate, "duration": units.parse_duration}[self.name]
+        try:
+            return parse(value)
+        except units.UnitError as e:
+            self.fail(str(e), param, ctx)
+
+
+class IntList(click.ParamType):
+    """Comma-separated positive integers, e.g. "1,2,4"."""
+
+    name = "list"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            numbers = tuple(int(part) for part in value.split(","))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
+        if any(n < 1 for n in numbers):
+            self.fail(f"{value!r}: every value must be at least 1", param, ctx)
+        return numbers
+
+
+def sampling_options(command):
+    """--greedy | --temperature T --top-p P, and --seed: how tokens are picked (default: the spec's workload; for
+    `generate`, greedy). Read them with `with_sampling`."""
+    for option in reversed((
+            click.option("--greedy", is_flag=True, default=None, help="take the most likely token"),
+            click.option("--temperature", type=click.FloatRange(min=0, min_open=True),
+                         help="sample at this temperature"),
+            click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
+                         help="sample from the most likely tokens holding this probability"),
+            click.option("--seed", type=int, help="seed of the random draws"))):
+        command = option(command)
+    return command
+
+
+def with_sampling(workload, greedy: bool | None, temperature: float | None, top_p: float | None, seed: int | None):
+    import attrs
+
+    if greedy and (temperature is not None or top_p is not None):
+        raise click.UsageError("give --greedy or --temperature/--top-p, not both")
+    changes = {"greedy": True} if greedy else {}
+    if temperature is not None or top_p is not None:
+        changes["greedy"] = False
+    changes.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed))
+                    if v is not None})
+    return attrs.evolve(workload, **changes)
+
+
+def workload_options(command):
+    """The plan, checkpoint, workload and group options that `run` and `validate` share."""
+    for option in reversed((
+            click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
+                         help="a plan saved by `cascadia plan -o` (default: plan now)"),
+            click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's"),
+            click.option("--concurrency", type=IntList(), help="concurrency levels, e.g. 1,2,4 (default: the spec's)"),
+            click.option("--requests", type=click.IntRange(min=1),
+                         help="requests per phase (default: the level's concurrency)"),
+            click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
+                         help='JSONL prompts, one {"ids": [...]} per line (default: the spec\'s, or random ids)'),
+            click.option("--prompt-tokens", type=click.IntRange(min=1), help="random prompts of this many tokens"),
+            click.option("--max-new-tokens", type=click.IntRange(min=1), help="output tokens per request"),
+            click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)"),
+    )):
+        command = option(command)
+    return command
+
+
+def workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens):
+    """The spec's workload with the command line's overrides."""
+    import attrs
+
+    from cascadia.workload import override
+
+    workload = override(loaded.workload, concurrency, requests, max_new_tokens, prompt_tokens)
+    return attrs.evolve(workload, prompts_file=prompts) if prompts else workload
+
+
+def chosen_plan(loaded, plan_path: str | None):
+    """The saved plan, or the planner's."""
+    from cascadia.graph.plan import Plan
+    from cascadia.graph.planner import InfeasiblePlan
+    from cascadia.graph.planner import plan as make_plan
+
+    try:
+        return Plan.load(plan_path) if plan_path else make_plan(loaded)
+    except (InfeasiblePlan, ValueError) as e:
+        raise click.ClickException(str(e)) from None

@@ -1,0 +1,169 @@
+"""The single-process engine: `generate` and `score` (which can also score on a spec's pipeline)."""
+
+from __future__ import annotations
+
+import click
+
+from cascadia.cli.common import load_spec_or_exit, sampling_options, with_sampling
+
+
+def _engine_options(func):
+    """Options shared by the commands that run the single-process engine."""
+    for option in reversed([
+        click.option("--precision", type=click.Choice(["f32", "bf16", "f16"]), default="bf16", show_default=True,
+                     help="compute precision (f32: exact; f16 runs as bf16 on a CPU)"),
+        click.option("--compressed", is_flag=True,
+                     help="the paper's weight formats: experts int4 in groups of 32, attention and head int8"),
+        click.option("--device", type=click.Choice(["auto", "GPU", "CPU"]), default="auto", show_default=True),
+        click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: OpenVINO's choice)"),
+    ]):
+        func = option(func)
+    return func
+
+
+def _open_engine(checkpoint: str, context: int, precision: str, compressed: bool, device: str, threads: int | None):
+    from cascadia.exec.checkpoint import Checkpoint, CheckpointError
+    from cascadia.exec.device import DeviceError
+    from cascadia.exec.engine import Engine
+    from cascadia.spec.types import WeightFormat, WeightFormats
+
+    formats = WeightFormats()
+    if compressed:
+        formats = WeightFormats(routed_experts=WeightFormat("int4", 32), shared_experts=WeightFormat("int4", 32),
+                                attention=WeightFormat("int8"), head=WeightFormat("int8"))
+    try:
+        return Engine(Checkpoint.open(checkpoint), formats=formats, precision=precision, max_streams=1,
+                      context_budget=context, device=device, threads=threads)
+    except (CheckpointError, DeviceError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of token ids", param_hint="--ids") from None
+    if not ids or min(ids) < 0:
+        raise click.BadParameter(f"{text!r}: token ids are integers >= 0", param_hint="--ids")
+    return ids
+
+
+@click.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", help="prompt text (needs CHECKPOINT/tokenizer.json)")
+@click.option("--ids", "ids_text", help="prompt token ids, e.g. 1,2,3")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@sampling_options
+@click.option("--ignore-eos", is_flag=True, help="keep going past the end-of-sequence token")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write ids, text and timings as JSON")
+@_engine_options
+def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_tokens: int, greedy: bool | None,
+             temperature: float | None, top_p: float | None, seed: int | None, ignore_eos: bool,
+             json_path: str | None, precision: str, compressed: bool, device: str, threads: int | None) -> None:
+    """Generate text (or token ids) from a prompt with the single-process OpenVINO engine (greedy unless sampling
+    options say otherwise; a workload's defaults: temperature 1, top-p 1, seed 0)."""
+    import json
+    from pathlib import Path
+
+    from cascadia.exec.generate import generate as run_generation
+    from cascadia.exec.sampling import Sampling
+    from cascadia.spec.types import WorkloadSpec
+
+    if (prompt is None) == (ids_text is None):
+        raise click.UsageError("give --prompt or --ids (one of them)")
+    sampling = Sampling.of(with_sampling(WorkloadSpec(), greedy, temperature, top_p, seed))
+    tokenizer = None
+    if (tokenizer_file := Path(checkpoint) / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    if prompt is not None and tokenizer is None:
+        raise click.UsageError(f"--prompt needs {tokenizer_file}; give --ids instead")
+    prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else _token_ids(ids_text)
+    if not prompt_ids:
+        raise click.UsageError("the prompt has no tokens")
+    engine = _open_engine(checkpoint, len(prompt_ids) + max_new_tokens, precision, compressed, device, threads)
+    eos = engine.config.eos_token_id
+    stop = () if ignore_eos or eos is None else (eos if isinstance(eos, list) else [eos])
+    try:
+        result = run_generation(engine, prompt_ids, max_new_tokens, sampling, stop)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    text = tokenizer.decode(list(result.ids)) if tokenizer else None
+    if text is not None:
+        click.echo(text)
+    click.echo(f"ids: {','.join(map(str, result.ids))}")
+    click.echo(f"{len(result.ids)} tokens ({'stop token' if result.stopped else 'token limit'}); prefill "
+               f"{len(prompt_ids)} tokens in {result.prefill_s * 1e3:.1f} ms; decode {result.decode_tokens_per_s:.1f} "
+               f"tokens/s; {engine.stage.precision} on {engine.stage.device}")
+    if json_path:
+        body = result.to_json() | {"text": text, "precision": engine.stage.precision, "device": engine.stage.device}
+        with open(json_path, "w") as f:
+            json.dump(body, f, indent=1)
+
+
+@click.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--ids", "ids_path", type=click.Path(exists=True, dir_okay=False), required=True,
+              help='JSON file: a list of token ids, or {"ids": [...]}')
+@click.option("--prefill", type=click.IntRange(min=1), help="tokens fed by prefill; the rest go one decode step at a "
+                                                            "time (default: all by prefill)")
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="write the logits [N, vocab] (.npy)")
+@_engine_options
+@click.option("--spec", "spec_path", type=click.Path(exists=True, dir_okay=False),
+              help="score on this spec's pipeline (its nodes and runtime; local nodes are started here) instead of "
+                   "in one process; the engine options above are then the spec's")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
+              help="with --spec: a plan saved by `cascadia plan -o` (default: plan now)")
+def score(checkpoint: str, ids_path: str, prefill: int | None, out: str, precision: str, compressed: bool,
+          device: str, threads: int | None, spec_path: str | None, plan_path: str | None) -> None:
+    """Teacher-forced logits for every position of a token sequence, with its mean log-prob and perplexity."""
+    import json
+
+    import numpy as np
+
+    from cascadia.exec.generate import score_logits
+
+    try:
+        body = json.loads(open(ids_path).read())
+        ids = body["ids"] if isinstance(body, dict) else body
+        ids = [int(i) for i in ids]
+    except (ValueError, KeyError, TypeError) as e:
+        raise click.ClickException(f"{ids_path}: expected a JSON list of token ids or {{\"ids\": [...]}} ({e})") \
+            from None
+    if len(ids) < 2:
+        raise click.ClickException(f"{ids_path}: scoring needs at least two tokens, got {len(ids)}")
+    try:
+        if spec_path:
+            logits = _score_on_pipeline(spec_path, plan_path, checkpoint, ids, prefill)
+        else:
+            engine = _open_engine(checkpoint, len(ids), precision, compressed, device, threads)
+            logits = engine.score(ids, prefill=prefill)
+        result = score_logits(logits, ids)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    np.save(out, logits)
+    click.echo(f"scored {result.tokens} tokens ({prefill or len(ids)} by prefill): mean log-prob "
+               f"{result.mean_log_prob:.4f} nats, perplexity {result.perplexity:.2f}; logits {logits.shape} -> {out}")
+
+
+def _score_on_pipeline(spec_path: str, plan_path: str | None, checkpoint: str, ids: list[int],
+                       prefill: int | None):
+    """`cascadia score --spec`: the logits as the plan's nodes compute them, with their start-up on stderr."""
+    from pathlib import Path
+
+    from cascadia.exec.checkpoint import CheckpointError
+    from cascadia.exec.coordinator import PipelineError
+    from cascadia.exec.run import describe, score_on_pipeline
+    from cascadia.exec.transport import TransportError
+    from cascadia.graph.plan import Plan
+    from cascadia.graph.planner import InfeasiblePlan
+    from cascadia.graph.planner import plan as make_plan
+
+    loaded = load_spec_or_exit(spec_path)
+    try:
+        chosen = Plan.load(plan_path) if plan_path else make_plan(loaded)
+        return score_on_pipeline(loaded, chosen, ids, prefill, checkpoint=Path(checkpoint),
+                                 on_message=lambda node, message: click.echo(describe(node, message), err=True))
+    except (PipelineError, TransportError, CheckpointError, InfeasiblePlan) as e:
+        raise click.ClickException(str(e)) from None

@@ -1,0 +1,134 @@
+"""The real pipeline: `run` (the coordinator) and `node` (one stage, on its machine)."""
+
+from __future__ import annotations
+
+import click
+
+from cascadia.cli.common import load_spec_or_exit, sampling_options, with_sampling, workload_options, workload_overrides
+
+
+@click.command()
+@click.option("--spec", "spec_path", type=click.Path(exists=True, dir_okay=False), required=True)
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="the plan the coordinator runs (`cascadia plan -o`)")
+@click.option("--name", required=True, help="this node's name in the plan")
+@click.option("--listen", required=True, help="address to bind this node's input, e.g. tcp://0.0.0.0:5601")
+@click.option("--control", required=True, help="the coordinator's control address, e.g. tcp://10.0.0.1:5555")
+@click.option("--successor", help="where this node sends its results (default: the next node's address in the "
+                                  "spec; the last node: the coordinator's token address)")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
+@click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: the node's, in the spec)")
+@sampling_options
+@click.option("--logits", is_flag=True, help="last node: send the logits of sampled rows back too (scoring)")
+@click.option("--parent-pid", type=int, help="stop when this process is no longer our parent")
+@click.option("--keep-serving", is_flag=True,
+              help="serve run after run: when a run ends, keep the compiled stage and wait for the next coordinator")
+@click.option("--wait-coordinator", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="seconds to wait at start for the coordinator to accept this node (--keep-serving: for ever)")
+def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, successor: str | None,
+         checkpoint: str | None, threads: int | None, greedy, temperature, top_p, seed, logits: bool,
+         parent_pid: int | None, keep_serving: bool, wait_coordinator: float) -> None:
+    """Serve one stage of a plan: load its layers, then compute frames until the coordinator says stop.
+
+    `cascadia run` starts these itself for `local` nodes; on other machines, start one per node, before or after
+    `cascadia run`, with the same spec and plan files. With --keep-serving a node loads once and serves every
+    later run too, until stopped with Ctrl-C."""
+    import logging
+    from pathlib import Path
+
+    import attrs
+
+    from cascadia.exec.sampling import Sampling
+    from cascadia.exec.stage import node_settings, serve_node
+    from cascadia.graph.plan import Plan
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    loaded = load_spec_or_exit(spec_path)
+    sampling = Sampling.of(with_sampling(loaded.workload, greedy, temperature, top_p, seed))
+    try:
+        chosen = Plan.load(plan_path)
+        settings = attrs.evolve(node_settings(loaded, chosen, name, listen, control, successor, parent_pid),
+                                keep_serving=keep_serving,
+                                coordinator_wait_s=None if keep_serving else wait_coordinator)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    folder = Path(checkpoint) if checkpoint else loaded.model.checkpoint
+    if folder is None:
+        raise click.UsageError(f"{spec_path}: the model names no checkpoint; give --checkpoint")
+    try:
+        serve_node(loaded, chosen, settings, folder, threads, sampling, logits)
+    except Exception as e:  # already reported to the coordinator by the node loop; say it here too, briefly
+        raise click.ClickException(f"{name}: {type(e).__name__}: {e}") from None
+
+
+@click.command("run")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@workload_options
+@sampling_options
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the metrics JSON here")
+@click.option("--outputs", "outputs_path", type=click.Path(dir_okay=False),
+              help="write each request's prompt and output token ids here (JSONL)")
+@click.option("--control", help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
+@click.option("--tokens", help="tcp nodes: the token address to bind (the last node's --successor)")
+@click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True),
+              help="seconds a starting node may stay silent [default: 120]")
+def run_command(spec: str, plan_path: str | None, checkpoint: str | None, concurrency, requests, prompts,
+                prompt_tokens, max_new_tokens, greedy, temperature, top_p, seed, groups, json_path, outputs_path,
+                control, tokens, node_timeout) -> None:
+    """Run the spec's workload through the real pipeline and print throughput and latency per concurrency level.
+
+    Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
+    `cascadia node ... --control ADDRESS` (the last one also with --successor set to the --tokens address)."""
+    loaded = load_spec_or_exit(spec)
+    workload = with_sampling(workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens),
+                              greedy, temperature, top_p, seed)
+    _run_and_report(loaded, plan_path, workload, checkpoint, groups, json_path, outputs_path, control, tokens,
+                    node_timeout)
+
+
+def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | None = None, groups: int | None = None,
+                    json_path: str | None = None, outputs_path: str | None = None, control: str | None = None,
+                    tokens: str | None = None, node_timeout: float | None = None) -> None:
+    """Run the workload through the pipeline, with progress on stderr; print the table, write the files."""
+    import json
+    from pathlib import Path
+
+    from cascadia.exec.checkpoint import CheckpointError
+    from cascadia.exec.coordinator import PipelineError
+    from cascadia.exec.run import NODE_TIMEOUT_S, Addresses, RunFailed, describe, run
+    from cascadia.exec.transport import TransportError
+    from cascadia.graph.plan import Plan
+    from cascadia.graph.planner import InfeasiblePlan
+    from cascadia.graph.planner import plan as make_plan
+    from cascadia.metrics import format_table
+
+    def write(result: dict, outputs: list[dict]) -> None:
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=1)
+        if outputs_path:
+            with open(outputs_path, "w") as f:
+                f.writelines(json.dumps(line) + "\n" for line in outputs)
+
+    def phase_done(level: int, phase: str, records: list) -> None:
+        tokens_out = sum(r.output_tokens for r in records)
+        click.echo(f"concurrency {level}, {phase}: {len(records)} requests, {tokens_out} tokens", err=True)
+
+    if (control is None) != (tokens is None):
+        raise click.UsageError("give both --control and --tokens, or neither")
+    try:
+        chosen = Plan.load(plan_path) if plan_path else make_plan(loaded)
+        done = run(loaded, chosen, workload, groups=groups, checkpoint=Path(checkpoint) if checkpoint else None,
+                   addresses=Addresses(control, tokens) if control else None,
+                   node_timeout_s=node_timeout or NODE_TIMEOUT_S,
+                   on_message=lambda node, message: click.echo(describe(node, message), err=True),
+                   on_phase=phase_done)
+    except RunFailed as e:
+        write(e.result, e.outputs)
+        raise click.ClickException(f"run failed: {e}") from None
+    except (PipelineError, TransportError, CheckpointError, InfeasiblePlan, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(format_table(done.result))
+    for warning in done.result["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
+    write(done.result, done.outputs)

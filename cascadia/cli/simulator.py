@@ -1,0 +1,218 @@
+"""Predicting and checking: `simulate`, `calibrate`, `validate`, and `demo`, the whole loop on the tiny model."""
+
+from __future__ import annotations
+
+import click
+
+from cascadia.cli.common import chosen_plan, IntList, load_spec_or_exit, workload_options, workload_overrides
+
+
+@click.command()
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--calibration", "calibration_path", type=click.Path(exists=True, dir_okay=False),
+              help="calibration JSON (measured with `cascadia calibrate`, or saved)")
+@click.option("--analytic", is_flag=True, help="estimate from the spec's hardware figures (the default without "
+                                               "--calibration)")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
+              help="a plan saved by `cascadia plan -o` (default: plan now)")
+@click.option("--concurrency", type=IntList(), help="concurrency levels, e.g. 1,2,4 (default: the spec's)")
+@click.option("--requests", type=click.IntRange(min=1), help="requests per phase (default: the level's concurrency)")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), help="output tokens per request")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), help="prompt tokens per request")
+@click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the metrics JSON here")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="write a throughput/latency plot (PNG)")
+def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None,
+             concurrency: tuple[int, ...] | None, requests: int | None, max_new_tokens: int | None,
+             prompt_tokens: int | None, groups: int | None, json_path: str | None, plot_path: str | None) -> None:
+    """Predict throughput and latency of the plan at each concurrency level with the calibrated simulator."""
+    import json
+
+    import attrs
+
+    from cascadia.graph.plan import Plan
+    from cascadia.graph.planner import InfeasiblePlan
+    from cascadia.metrics import format_table
+    from cascadia.sim.analytic import analytic_calibration
+    from cascadia.sim.calibration import Calibration, CalibrationError
+    from cascadia.sim.simulate import plot, simulate as run_simulation
+    from cascadia.workload import override
+
+    if analytic and calibration_path:
+        raise click.UsageError("give --calibration or --analytic, not both")
+    loaded = load_spec_or_exit(spec)
+    loaded = attrs.evolve(loaded, workload=override(loaded.workload, concurrency, requests, max_new_tokens,
+                                                    prompt_tokens))
+    try:
+        calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
+        chosen_plan = Plan.load(plan_path) if plan_path else None
+        result = run_simulation(loaded, calibration, chosen_plan, groups=groups)
+    except (CalibrationError, InfeasiblePlan, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(format_table(result))
+    if calibration.is_analytic:
+        click.echo("(analytic estimate)")
+    for warning in result["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
+    try:
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=1)
+        if plot_path:
+            plot(result, plot_path)
+    except OSError as e:
+        raise click.ClickException(f"{e.filename}: cannot write ({e.strerror})") from None
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@click.command("calibrate")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
+              help="a plan saved by `cascadia plan -o` (default: plan now)")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
+@click.option("--rounds", type=click.IntRange(min=1),
+              help="sweeps of each node's layer grid; each point is their median [default: 10]")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), required=True,
+              help="the calibration JSON to write (for `cascadia simulate --calibration`)")
+def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, rounds: int | None,
+                      output: str) -> None:
+    """Measure what the simulator needs with the real engine and transport on the plan's local nodes: per node and
+    layer kind, time over rows, attended positions and distinct experts; the links; the host overheads; the cores
+    of a shared host."""
+    from cascadia.exec.calibrate import format_calibration
+
+    loaded = load_spec_or_exit(spec)
+    measured = _calibrate(loaded, chosen_plan(loaded, plan_path), checkpoint, rounds)
+    try:
+        measured.save(output)
+    except OSError as e:
+        raise click.ClickException(f"{output}: cannot write ({e.strerror})") from None
+    click.echo(format_calibration(measured))
+    click.echo(f"wrote {output}")
+
+
+def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None = None):
+    """The measured calibration, with progress on stderr."""
+    from pathlib import Path
+
+    from cascadia.exec.calibrate import ROUNDS, CalibrationFailed, calibrate
+    from cascadia.exec.checkpoint import CheckpointError
+    from cascadia.exec.coordinator import PipelineError
+    from cascadia.exec.transport import TransportError
+
+    try:
+        return calibrate(loaded, chosen, Path(checkpoint) if checkpoint else None, rounds or ROUNDS,
+                         progress=lambda text: click.echo(text, err=True))
+    except (CalibrationFailed, PipelineError, TransportError, CheckpointError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@click.command("validate")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--calibration", "calibration_path", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="the calibration the simulator uses (`cascadia calibrate -o`)")
+@workload_options
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="serve the workload this many times; the median is the measurement")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="write both results and the errors here")
+def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, concurrency,
+                     requests, prompts, prompt_tokens, max_new_tokens, groups, repeats, json_path) -> None:
+    """Simulate and run the same workload on the same plan, and print per level and metric the measured and
+    predicted values and the error, then each metric's median absolute error."""
+    import attrs
+
+    from cascadia.sim.calibration import Calibration, CalibrationError
+
+    loaded = load_spec_or_exit(spec)
+    workload = workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens)
+    try:
+        calibration = Calibration.load(calibration_path)
+    except CalibrationError as e:
+        raise click.ClickException(str(e)) from None
+    _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
+                         checkpoint, groups, repeats, json_path)
+
+
+def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = None, groups: int | None = None,
+                         repeats: int = 1, json_path: str | None = None) -> None:
+    """Simulate and run with progress on stderr; print the comparison, write the JSON."""
+    import json
+    from pathlib import Path
+
+    from cascadia.exec.checkpoint import CheckpointError
+    from cascadia.exec.coordinator import PipelineError
+    from cascadia.exec.run import RunFailed, describe
+    from cascadia.exec.transport import TransportError
+    from cascadia.sim.calibration import CalibrationError
+    from cascadia.validate import format_comparison, validate
+
+    def phase_done(level: int, phase: str, records: list) -> None:
+        click.echo(f"run: concurrency {level}, {phase}: {len(records)} requests", err=True)
+
+    try:
+        result = validate(loaded, chosen, calibration, repeats=repeats, groups=groups,
+                          checkpoint=Path(checkpoint) if checkpoint else None,
+                          on_message=lambda node, message: click.echo(describe(node, message), err=True),
+                          on_phase=phase_done)
+    except RunFailed as e:
+        raise click.ClickException(f"run failed: {e}") from None
+    except (CalibrationError, PipelineError, TransportError, CheckpointError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(format_comparison(result))
+    warnings = [f"warning (predicted): {w}" for w in result["predicted"]["warnings"]]
+    warnings += dict.fromkeys(f"warning (measured): {w}" for run in result["measured"] for w in run["warnings"])
+    for warning in warnings:
+        click.echo(warning, err=True)
+    if json_path:
+        try:
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=1)
+        except OSError as e:
+            raise click.ClickException(f"{json_path}: cannot write ({e.strerror})") from None
+
+
+@click.command()
+@click.option("--concurrency", type=IntList(), help="concurrency levels (default: the spec's, 1,2,4,8)")
+def demo(concurrency) -> None:
+    """The whole loop on the tiny model (specs/tiny-local.yaml) and 3 local node processes: plan, calibrate with the
+    real engine, simulate and run the same workload, and compare the prediction with the measurement. Its random
+    weights are written to specs/tiny-checkpoint on first use."""
+    from pathlib import Path
+
+    import attrs
+
+    from cascadia.exec.calibrate import format_calibration
+    from cascadia.exec.run import ensure_random_checkpoint
+    from cascadia.workload import override
+
+    specs = Path(__file__).resolve().parents[2] / "specs"
+    if not (specs / "tiny-local.yaml").is_file():
+        raise click.ClickException(f"{specs}: not found (the demo runs from a source checkout)")
+    _describe_paper_deployment(specs / "inkling-975b-11pc.yaml")
+    loaded = load_spec_or_exit(str(specs / "tiny-local.yaml"))
+    if ensure_random_checkpoint(loaded):
+        click.echo(f"wrote random weights to {loaded.model.checkpoint}", err=True)
+    chosen = chosen_plan(loaded, None)
+    click.echo(f"The tiny model on 3 local node processes (specs/tiny-local.yaml)\n\nplan\n{chosen.table()}\n")
+    calibration = _calibrate(loaded, chosen)
+    click.echo(f"calibration, measured now (ms)\n{format_calibration(calibration)}\n")
+    click.echo("simulated and measured")
+    _validate_and_report(attrs.evolve(loaded, workload=override(loaded.workload, concurrency)), chosen, calibration)
+
+
+def _describe_paper_deployment(path) -> None:
+    """The paper's 11-PC Inkling deployment: its plan, and a simulation from the spec's hardware figures."""
+    import attrs
+
+    from cascadia.metrics import format_table
+    from cascadia.sim.analytic import analytic_calibration
+    from cascadia.sim.simulate import simulate
+    from cascadia.workload import override
+
+    paper = load_spec_or_exit(str(path))
+    paper = attrs.evolve(paper, workload=override(paper.workload, (1, 11, 44, 176)))
+    chosen = chosen_plan(paper, None)
+    click.echo(f"The Cascadia paper's deployment (specs/{path.name}): Inkling 975B on 11 PCs\n\n{chosen.table()}\n")
+    click.echo(f"{format_table(simulate(paper, analytic_calibration(paper), chosen))}\n(analytic estimate)\n")
