@@ -4,7 +4,9 @@ Both backends serve the same requests (the workload's seeded prompts, or its pro
 and plan, and write the same metrics schema. The real pipeline may serve the workload several times (`repeats`):
 on a machine shared with other work its speed wanders by tens of percent from minute to minute, and the median of
 a few runs is what it typically does. Per concurrency level and metric, error = (predicted - measured) / measured,
-with the median over the runs as measured; per metric, the median of the absolute errors over the levels.
+with the median over the runs as measured, and the runs' spread = (largest - smallest) / median: an error smaller
+than the spread says little about the model. Per metric, the median of the absolute errors and of the spreads over
+the levels.
 """
 
 from __future__ import annotations
@@ -41,27 +43,40 @@ def _median(values: Sequence[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
+def _spread(values: Sequence[float | None]) -> float | None:
+    """(largest - smallest) / median of the known values; None for fewer than two, or a zero median."""
+    known = [v for v in values if v is not None]
+    middle = _median(known)
+    return (max(known) - min(known)) / middle if len(known) > 1 and middle else None
+
+
 def compare(runs: Sequence[dict], predicted: dict) -> dict:
-    """Per level and metric the measured value (the median over the runs that have one), the predicted one and the
-    relative error (None when either is missing or the measured one is zero); per metric the median absolute error
-    over the levels that have one."""
+    """Per level and metric the measured value (the median over the runs that have one), the runs' spread, the
+    predicted value and the relative error (None when either is missing or the measured one is zero); per metric
+    the median absolute error and the median spread over the levels that have one."""
     predicted_levels = {level["concurrency"]: level for level in predicted["levels"]}
     run_levels = [{level["concurrency"]: level for level in run["levels"]} for run in runs]
-    levels, errors = [], {name: [] for name in METRICS}
+    levels = []
+    errors: dict[str, list[float]] = {name: [] for name in METRICS}
+    spreads: dict[str, list[float]] = {name: [] for name in METRICS}
     for concurrency in run_levels[0]:
         if concurrency not in predicted_levels:
             raise ValueError(f"the prediction has no level of concurrency {concurrency}")
         metrics = {}
         for name, (keys, _, _) in METRICS.items():
-            real = _median([_value(by_level[concurrency], keys) for by_level in run_levels])
+            values = [_value(by_level[concurrency], keys) for by_level in run_levels]
+            real, spread = _median(values), _spread(values)
             model = _value(predicted_levels[concurrency], keys)
             error = (model - real) / real if real and model is not None else None
             if error is not None:
                 errors[name].append(abs(error))
-            metrics[name] = {"measured": real, "predicted": model, "error": error}
+            if spread is not None:
+                spreads[name].append(spread)
+            metrics[name] = {"measured": real, "spread": spread, "predicted": model, "error": error}
         levels.append({"concurrency": concurrency, "metrics": metrics})
     return {"levels": levels,
-            "median_abs_error": {name: statistics.median(e) if e else None for name, e in errors.items()}}
+            "median_abs_error": {name: statistics.median(e) if e else None for name, e in errors.items()},
+            "median_spread": {name: statistics.median(s) if s else None for name, s in spreads.items()}}
 
 
 def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1, groups: int | None = None,
@@ -80,20 +95,27 @@ def _shown(value: float | None, scale: float) -> str:
     return "-" if value is None else f"{value * scale:.2f}"
 
 
+def _percent(value: float | None, sign: str = "") -> str:
+    return "-" if value is None else f"{value:{sign}.1%}"
+
+
 def format_comparison(comparison: dict) -> str:
-    """Per level and metric: measured, predicted, error; then the median absolute error of each metric."""
-    rows = [("streams", "metric", "measured", "predicted", "error")]
+    """Per level and metric: measured, the runs' spread, predicted, error; then each metric's median spread (with
+    several runs) and median absolute error."""
+    rows = [("streams", "metric", "measured", "spread", "predicted", "error")]
     for level in comparison["levels"]:
         for i, (name, (_, unit, scale)) in enumerate(METRICS.items()):
             m = level["metrics"][name]
-            error = "-" if m["error"] is None else f"{m['error']:+.1%}"
             rows.append((str(level["concurrency"]) if i == 0 else "", f"{name} ({unit})" if unit == "ms" else name,
-                         _shown(m["measured"], scale), _shown(m["predicted"], scale), error))
+                         _shown(m["measured"], scale), _percent(m["spread"]), _shown(m["predicted"], scale),
+                         _percent(m["error"], "+")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
-    medians = comparison["median_abs_error"]
-    lines.append("median |error|: " + ", ".join(f"{name} {'-' if e is None else f'{e:.1%}'}"
-                                                for name, e in medians.items()))
+    if any(s is not None for s in comparison["median_spread"].values()):
+        lines.append("median spread of the runs: " + ", ".join(f"{name} {_percent(s)}"
+                                                               for name, s in comparison["median_spread"].items()))
+    lines.append("median |error|: " + ", ".join(f"{name} {_percent(e)}"
+                                                for name, e in comparison["median_abs_error"].items()))
     return "\n".join(lines)
 

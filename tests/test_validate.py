@@ -35,7 +35,8 @@ def test_errors_are_relative_to_the_measurement_and_medians_skip_what_is_missing
     assert errors[1]["decode tok/s"] == pytest.approx(-0.25) and errors[1]["TPOT p50"] is None  # nothing measured
     assert errors[2]["phase tok/s"] is None and errors[2]["TPOT p50"] is None  # zero measured; nothing predicted
     assert errors[2]["TTFT p50"] == pytest.approx(0.5)
-    assert result["levels"][1]["metrics"]["TPOT p50"] == {"measured": None, "predicted": 0.030, "error": None}
+    assert result["levels"][1]["metrics"]["TPOT p50"] == {"measured": None, "spread": None, "predicted": 0.030,
+                                                          "error": None}
     assert result["median_abs_error"] == pytest.approx({"decode tok/s": 0.1, "phase tok/s": 0.025, "TTFT p50": 0.1,
                                                         "TTFT p95": 0.1, "TPOT p50": 0.1})
 
@@ -45,11 +46,18 @@ def test_several_runs_are_measured_by_their_median():
                        level(8, 240.0, 0.0, 0.250, 0.350, None)]}
     fast = {"levels": [level(1, 130.0, 90.0, 0.040, 0.050, None), level(4, 230.0, 170.0, 0.090, 0.180, None),
                        level(8, 300.0, 0.0, 0.150, 0.250, None)]}
-    first = compare([slow, MEASURED, fast], PREDICTED)["levels"][0]["metrics"]
-    assert first["decode tok/s"] == {"measured": 100.0, "predicted": 110.0, "error": pytest.approx(0.1)}
+    three = compare([slow, MEASURED, fast], PREDICTED)
+    first = three["levels"][0]["metrics"]
+    assert first["decode tok/s"] == {"measured": 100.0, "spread": pytest.approx(0.5), "predicted": 110.0,
+                                     "error": pytest.approx(0.1)}  # spread: (130 - 80) / 100
     assert first["TTFT p95"]["measured"] == pytest.approx(0.055)  # the median of the runs that have one
     assert first["TPOT p50"]["measured"] == pytest.approx(0.011)
-    assert compare([MEASURED] * 3, PREDICTED) == compare([MEASURED], PREDICTED)
+    assert first["TPOT p50"]["spread"] == pytest.approx(0.002 / 0.011)
+    assert three["median_spread"]["decode tok/s"] == pytest.approx(0.25)  # of the levels' 0.5, 0.25 and 0.24
+    alike = compare([MEASURED] * 3, PREDICTED)
+    assert alike["median_abs_error"] == compare([MEASURED], PREDICTED)["median_abs_error"]
+    assert alike["median_spread"]["decode tok/s"] == 0.0
+    assert compare([MEASURED], PREDICTED)["median_spread"] == dict.fromkeys(METRICS)  # one run: no spread
 
 
 def test_a_level_the_prediction_lacks_is_an_error():
@@ -59,13 +67,16 @@ def test_a_level_the_prediction_lacks_is_an_error():
 
 def test_the_comparison_table():
     lines = format_comparison(compare([MEASURED], PREDICTED)).splitlines()
-    assert lines[0].split() == ["streams", "metric", "measured", "predicted", "error"]
+    assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error"]
     assert len(lines) == 1 + 3 * len(METRICS) + 1
-    assert lines[1].split() == ["1", "decode", "tok/s", "100.00", "110.00", "+10.0%"]
-    assert lines[3].split() == ["TTFT", "p50", "(ms)", "50.00", "45.00", "-10.0%"]
-    assert lines[10].split() == ["TPOT", "p50", "(ms)", "-", "30.00", "-"]
+    assert lines[1].split() == ["1", "decode", "tok/s", "100.00", "-", "110.00", "+10.0%"]
+    assert lines[3].split() == ["TTFT", "p50", "(ms)", "50.00", "-", "45.00", "-10.0%"]
+    assert lines[10].split() == ["TPOT", "p50", "(ms)", "-", "-", "30.00", "-"]
     assert lines[-1] == ("median |error|: decode tok/s 10.0%, phase tok/s 2.5%, TTFT p50 10.0%, TTFT p95 10.0%, "
                          "TPOT p50 10.0%")
+    two = format_comparison(compare([MEASURED, MEASURED], PREDICTED)).splitlines()
+    assert two[1].split() == ["1", "decode", "tok/s", "100.00", "0.0%", "110.00", "+10.0%"]
+    assert two[-2].startswith("median spread of the runs: decode tok/s 0.0%")
 
 
 # ---- against the real pipeline -----------------------------------------------------------------------------------
@@ -78,8 +89,9 @@ def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_pat
                            catch_exceptions=False)
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["streams", "metric", "measured", "predicted", "error"]
+    assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error"]
     assert [line.split()[0] for line in lines[1::len(METRICS)][:2]] == ["1", "3"]
+    assert lines[-2].startswith("median spread of the runs: decode tok/s ")
     assert lines[-1].startswith("median |error|: decode tok/s ")
     saved = json.loads(out.read_text())
     assert saved["schema"] == SCHEMA
