@@ -338,6 +338,19 @@ def test_a_keep_serving_node_serves_the_next_coordinator(tmp_path):
     assert log.count("ready on") == 4
 
 
+def test_a_node_whose_curve_keys_the_coordinator_refuses_gives_up_naming_it(tmp_path):
+    generate_keys(tmp_path / "theirs", ["x", COORDINATOR])
+    generate_keys(tmp_path / "ours", ["x", COORDINATOR])  # other key pairs under the same names
+    coordinator = Coordinator(Transport(COORDINATOR, tmp_path / "theirs"))
+    (settings,) = coordinator.settings(["x"], curve_keys=tmp_path / "ours", coordinator_wait_s=1.0)
+    try:
+        with pytest.raises(TransportError, match="no coordinator accepted this node .* within 1 s .*refused the "
+                                                 "handshake: do the Curve keys match"):
+            run_node(settings, lambda progress: pytest.fail("must not load a stage"))
+    finally:
+        coordinator.transport.close()
+
+
 def test_port_in_use_is_a_clear_error_and_reported(coordinator):
     (settings,) = coordinator.settings(["late"])
     squatter = coordinator.transport.bind(zmq.PULL, settings.listen)

@@ -130,6 +130,7 @@ class _Node:
         self.connected = False  # a coordinator holds the control connection
         self.in_run = False  # from HELLO to the end of the run
         self.stale_connection = False  # keep-serving, after SHUTDOWN: the connection is still the last run's
+        self.refused = False  # a handshake with the coordinator failed (ZeroMQ tries again)
         self.end_reason = ""
         self.data: zmq.Socket | None = None
         self.successor: zmq.Socket | None = None
@@ -167,8 +168,9 @@ class _Node:
         poller.register(self.control_events, zmq.POLLIN)
         while self.stale_connection or not self.connected:
             if deadline is not None and time.monotonic() > deadline:
+                why = " (it refused the handshake: do the Curve keys match?)" if self.refused else ""
                 raise TransportError(f"no coordinator accepted this node at {self.settings.control.address} "
-                                     f"within {wait_s:g} s")
+                                     f"within {wait_s:g} s{why}")
             poller.poll(self.settings.poll_s * 1000)
             self._check_parent()
             self._take_control(stage=None)
@@ -230,9 +232,10 @@ class _Node:
             self.connected = self.stale_connection = False
             if self.in_run:
                 self._end_run("its connection closed, or it stopped answering heartbeats", lost=True)
-        else:
-            raise TransportError(f"the coordinator at {self.settings.control.address} refused the connection "
-                                 "during its handshake (do the Curve keys match?)")
+        else:  # also seen while a starting coordinator's authenticator is not yet configured
+            self.refused = True
+            log.warning("%s: the handshake with the coordinator at %s failed; trying again", self.settings.name,
+                        self.settings.control.address)
 
     def _check_parent(self) -> None:
         parent = self.settings.parent_pid
