@@ -75,6 +75,9 @@ class NodeSettings:
     coordinator_wait_s: float | None = 120.0  # how long a starting node waits for a coordinator (None: no limit)
 
 
+CONTROL_SEND_TIMEOUT_S = 10.0
+
+
 class NodeStopped(Exception):
     """Raised inside the node to end it cleanly: shutdown requested, or its parent gone."""
 
@@ -124,9 +127,12 @@ class _Node:
     def __init__(self, settings: NodeSettings, transport: Transport):
         self.settings = settings
         self.transport = transport
-        # The control channel comes first, so that a failure to open the others can be reported on it.
-        self.control = transport.connect(zmq.DEALER, settings.control.address, settings.control.name)
-        self.control_events = self.control.get_monitor_socket(_CONTROL_EVENTS)
+        # The control channel comes first, so that a failure to open the others can be reported on it. A node only
+        # speaks on it once the coordinator has accepted it (`join`): a send that waits there waits for a busy
+        # machine, not for an absent peer, so it gets longer than the successor's timeout.
+        self.control, self.control_events = transport.connect_watched(
+            zmq.DEALER, settings.control.address, settings.control.name, _CONTROL_EVENTS,
+            max(settings.send_timeout_s, CONTROL_SEND_TIMEOUT_S))
         self.connected = False  # a coordinator holds the control connection
         self.in_run = False  # from HELLO to the end of the run
         self.stale_connection = False  # keep-serving, after SHUTDOWN: the connection is still the last run's

@@ -136,12 +136,19 @@ class Transport:
             raise TransportError(f"cannot listen on {address}: {reason}") from None
         return sock
 
-    def connect(self, socket_type: int, address: str, peer: str) -> zmq.Socket:
+    def connect(self, socket_type: int, address: str, peer: str, send_timeout_s: float | None = None) -> zmq.Socket:
         """A socket connected to `address`, where `peer` (a name in the key folder) listens. Messages are queued
-        only for a completed connection, so a send to an absent or refusing peer times out (see `send`)."""
+        only for a completed connection, so a send to an absent or refusing peer times out (see `send`) after
+        `send_timeout_s` (default: the transport's)."""
+        return self.connect_watched(socket_type, address, peer, 0, send_timeout_s)[0]
+
+    def connect_watched(self, socket_type: int, address: str, peer: str, events: int,
+                        send_timeout_s: float | None = None) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """`connect`, and a monitor socket reporting the connection's `events` (none: no monitor), attached before
+        the connection is made: a monitor attached afterwards can miss a handshake that was quick."""
         sock = self._socket(socket_type)
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDTIMEO, round(self.send_timeout_s * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, round((send_timeout_s or self.send_timeout_s) * 1000))
         sock.setsockopt(zmq.HEARTBEAT_IVL, round(HEARTBEAT_S * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(HEARTBEAT_TIMEOUT_S * 1000))
         if socket_type == zmq.DEALER:
@@ -149,12 +156,13 @@ class Transport:
         if self._keypair is not None:
             sock.curve_publickey, sock.curve_secretkey = self._keypair
             sock.curve_serverkey = self.curve.public_key(peer)
+        monitor = sock.get_monitor_socket(events) if events else None
         try:
             sock.connect(address)
         except zmq.ZMQError as e:
             sock.close(linger=0)
             raise TransportError(f"cannot connect to {peer} at {address}: {e.strerror}") from None
-        return sock
+        return sock, monitor
 
     def _socket(self, socket_type: int) -> zmq.Socket:
         sock = self.context.socket(socket_type)
