@@ -136,16 +136,16 @@ class Transport:
             raise TransportError(f"cannot listen on {address}: {reason}") from None
         return sock
 
-    def connect(self, socket_type: int, address: str, peer: str, send_timeout_s: float | None = None) -> zmq.Socket:
+    def connect(self, socket_type: int, address: str, peer: str) -> zmq.Socket:
         """A socket connected to `address`, where `peer` (a name in the key folder) listens. Messages are queued
-        only for a completed connection, so a send to an absent or refusing peer times out (see `send`) after
-        `send_timeout_s` (default: the transport's)."""
-        return self.connect_watched(socket_type, address, peer, 0, send_timeout_s)[0]
+        only for a completed connection, so a send to an absent or refusing peer times out (see `send`)."""
+        return self.connect_watched(socket_type, address, peer, 0)[0]
 
     def connect_watched(self, socket_type: int, address: str, peer: str, events: int,
                         send_timeout_s: float | None = None) -> tuple[zmq.Socket, zmq.Socket | None]:
-        """`connect`, and a monitor socket reporting the connection's `events` (none: no monitor), attached before
-        the connection is made: a monitor attached afterwards can miss a handshake that was quick."""
+        """`connect`, with its own send timeout (default: the transport's), and a monitor socket reporting the
+        connection's `events` (none: no monitor), attached before the connection is made: a monitor attached
+        afterwards can miss a handshake that was quick."""
         sock = self._socket(socket_type)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDTIMEO, round((send_timeout_s or self.send_timeout_s) * 1000))
