@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import chosen_plan, IntList, load_spec_or_exit, workload_options, workload_overrides
+from cascadia.cli.common import IntList, chosen_plan, load_spec_or_exit, workload_options, workload_overrides
 
 
 @click.command()

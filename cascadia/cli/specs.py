@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import load_spec_or_exit, Quantity
+from cascadia.cli.common import Quantity, load_spec_or_exit
 
 
 @click.command()
