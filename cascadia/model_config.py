@@ -147,7 +147,8 @@ class InklingConfig:
         if out:
             return out
         if len(self.layer_types) != self.num_hidden_layers:
-            out.append(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+            out.append(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
+                       f"{self.num_hidden_layers}")
         if len(self.mlp_layer_types) != self.num_hidden_layers:
             out.append(f"mlp_layer_types has {len(self.mlp_layer_types)} entries, "
                        f"num_hidden_layers is {self.num_hidden_layers}")

@@ -45,7 +45,8 @@ class RowSampler:
         """One token per row of logits [n, V]; row i belongs to `slots[i]`."""
         if self.sampling.greedy:
             return np.argmax(logits, axis=1)
-        return np.array([self.sampling.draw(row, int(self._history[slot])) for row, slot in zip(logits, slots.tolist())])
+        draws = (self.sampling.draw(row, int(self._history[slot])) for row, slot in zip(logits, slots.tolist()))
+        return np.array(list(draws))
 
 
 class EngineStage:
