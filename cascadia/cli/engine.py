@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import load_spec_or_exit, sampling_options, with_sampling
+from cascadia.cli.common import chosen_plan, load_spec_or_exit, sampling_options, with_sampling
 
 
 def _engine_options(func):
@@ -156,14 +156,11 @@ def _score_on_pipeline(spec_path: str, plan_path: str | None, checkpoint: str, i
     from cascadia.exec.coordinator import PipelineError
     from cascadia.exec.run import describe, score_on_pipeline
     from cascadia.exec.transport import TransportError
-    from cascadia.graph.plan import Plan
-    from cascadia.graph.planner import InfeasiblePlan
-    from cascadia.graph.planner import plan as make_plan
 
     loaded = load_spec_or_exit(spec_path)
+    chosen = chosen_plan(loaded, plan_path)
     try:
-        chosen = Plan.load(plan_path) if plan_path else make_plan(loaded)
         return score_on_pipeline(loaded, chosen, ids, prefill, checkpoint=Path(checkpoint),
                                  on_message=lambda node, message: click.echo(describe(node, message), err=True))
-    except (PipelineError, TransportError, CheckpointError, InfeasiblePlan) as e:
+    except (PipelineError, TransportError, CheckpointError) as e:
         raise click.ClickException(str(e)) from None

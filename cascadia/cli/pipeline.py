@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import load_spec_or_exit, sampling_options, with_sampling, workload_options, workload_overrides
+from cascadia.cli.common import (chosen_plan, load_spec_or_exit, sampling_options, with_sampling, workload_options,
+                                 workload_overrides)
 
 
 @click.command()
@@ -97,9 +98,6 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
     from cascadia.exec.coordinator import PipelineError
     from cascadia.exec.run import NODE_TIMEOUT_S, Addresses, RunFailed, describe, run
     from cascadia.exec.transport import TransportError
-    from cascadia.graph.plan import Plan
-    from cascadia.graph.planner import InfeasiblePlan
-    from cascadia.graph.planner import plan as make_plan
     from cascadia.metrics import format_table
 
     def write(result: dict, outputs: list[dict]) -> None:
@@ -116,8 +114,8 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
 
     if (control is None) != (tokens is None):
         raise click.UsageError("give both --control and --tokens, or neither")
+    chosen = chosen_plan(loaded, plan_path)
     try:
-        chosen = Plan.load(plan_path) if plan_path else make_plan(loaded)
         done = run(loaded, chosen, workload, groups=groups, checkpoint=Path(checkpoint) if checkpoint else None,
                    addresses=Addresses(control, tokens) if control else None,
                    node_timeout_s=node_timeout or NODE_TIMEOUT_S,
@@ -126,7 +124,7 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
     except RunFailed as e:
         write(e.result, e.outputs)
         raise click.ClickException(f"run failed: {e}") from None
-    except (PipelineError, TransportError, CheckpointError, InfeasiblePlan, ValueError) as e:
+    except (PipelineError, TransportError, CheckpointError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_table(done.result))
     for warning in done.result["warnings"]:
