@@ -230,7 +230,6 @@ class Coordinator:
         so it has read the SHUTDOWN): closing our sockets at once was seen to drop a queued SHUTDOWN despite the
         linger, leaving a remote node running."""
         remaining = list(self.nodes)
-        old_replies = dict(self._stats_owed)  # replies to probes sent before SHUTDOWN
         deadline = time.monotonic() + timeout_s
         message: Message = Shutdown()
         while remaining and time.monotonic() < deadline:
@@ -249,8 +248,8 @@ class Coordinator:
                     continue
                 if not isinstance(reply, Stats) or node not in remaining:
                     continue
-                if old_replies.get(node, 0) > 0:
-                    old_replies[node] -= 1
+                if self._stats_owed[node]:  # a reply to a request sent before SHUTDOWN (the probes are not counted)
+                    self._stats_owed[node] -= 1
                 else:
                     remaining.remove(node)
 
