@@ -111,7 +111,6 @@ def run_node(settings: NodeSettings, load_stage: Callable[[ProgressFn], Stage]) 
                     log.info("%s: ready on %s, layers %d..%d", settings.name, settings.listen,
                              settings.first_layer, settings.last_layer)
                     node.serve(stage)
-                log.info("%s: run ended (%s); waiting for the next coordinator", settings.name, node.end_reason)
                 node.join(None)
         except NodeStopped as e:
             log.info("%s: stopping: %s", settings.name, e)
@@ -137,7 +136,6 @@ class _Node:
         self.in_run = False  # from HELLO to the end of the run
         self.stale_connection = False  # keep-serving, after SHUTDOWN: the connection is still the last run's
         self.refused = False  # a handshake with the coordinator failed (ZeroMQ tries again)
-        self.end_reason = ""
         self.data: zmq.Socket | None = None
         self.successor: zmq.Socket | None = None
         self.encoder = Encoder(settings.sender)
@@ -220,7 +218,8 @@ class _Node:
             raise NodeStopped(reason)
         self.in_run = False
         self.stale_connection = self.connected
-        self.end_reason = reason
+        # Logged here, before any later control message is answered: a coordinator that hears back has its log line.
+        log.info("%s: run ended (%s); waiting for the next coordinator", self.settings.name, reason)
 
     def _take_control(self, stage: Stage | None) -> None:
         """Every waiting control message, then every event of the control connection: a connection's messages
