@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from cascadia.cli import cli
 from cascadia.model_config import InklingConfig
 from cascadia.spec.load import SpecError, dump_spec, load_spec, spec_from_hf
-from cascadia.spec.types import LengthSpec, LinkSpec, WeightFormat
+from cascadia.spec.types import PAPER_FORMATS, LengthSpec, LinkSpec, WeightFormat
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 TINY_CONFIG = SPECS / "tiny" / "config.json"
@@ -59,6 +59,7 @@ def test_paper_deployment():
     assert formats.attention == formats.head == WeightFormat("int8", symmetric=False)
     assert {n.layers for n in spec.cluster.nodes} == {6}
     assert formats.embedding == WeightFormat("bf16")
+    assert formats == PAPER_FORMATS  # what `spec from-hf` and `generate --compressed` use
     assert spec.workload.concurrency[0] == 1 and max(spec.workload.concurrency) == spec.runtime.max_streams == 176
     assert len(spec.workload.concurrency) == 15 and spec.workload.output_tokens == 128
 
@@ -364,7 +365,7 @@ def test_cli_from_hf_writes_a_spec_that_validates(tmp_path):
     spec = load_spec(out)
     assert len(spec.cluster.nodes) == 3 and spec.cluster.nodes[0].memory_bytes == 16 * 2**30
     assert spec.cluster.default_link.bandwidth == 1.25e9
-    assert spec.model.formats.routed_experts == WeightFormat("int4", 32)
+    assert spec.model.formats == PAPER_FORMATS
 
 
 def test_spec_from_hf_names_nearby_configs_relatively(tmp_path):

@@ -13,7 +13,8 @@ def _engine_options(func):
         click.option("--precision", type=click.Choice(["f32", "bf16", "f16"]), default="bf16", show_default=True,
                      help="compute precision (f32: exact; f16 runs as bf16 on a CPU)"),
         click.option("--compressed", is_flag=True,
-                     help="the paper's weight formats: experts int4 in groups of 32, attention and head int8"),
+                     help="the paper's weight formats: experts and dense MLP int4 in groups of 32, attention and head "
+                     "int8, embedding bf16"),
         click.option("--device", type=click.Choice(["auto", "GPU", "CPU"]), default="auto", show_default=True),
         click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: OpenVINO's choice)"),
     ]):
@@ -25,14 +26,10 @@ def _open_engine(checkpoint: str, context: int, precision: str, compressed: bool
     from cascadia.exec.checkpoint import Checkpoint, CheckpointError
     from cascadia.exec.device import DeviceError
     from cascadia.exec.engine import Engine
-    from cascadia.spec.types import WeightFormat, WeightFormats
+    from cascadia.spec.types import PAPER_FORMATS, WeightFormats
 
-    formats = WeightFormats()
-    if compressed:
-        formats = WeightFormats(routed_experts=WeightFormat("int4", 32), shared_experts=WeightFormat("int4", 32),
-                                attention=WeightFormat("int8"), head=WeightFormat("int8"))
     try:
-        return Engine(Checkpoint.open(checkpoint), formats=formats, precision=precision, max_streams=1,
+        return Engine(Checkpoint.open(checkpoint), formats=PAPER_FORMATS if compressed else WeightFormats(), precision=precision, max_streams=1,
                       context_budget=context, device=device, threads=threads)
     except (CheckpointError, DeviceError, ValueError) as e:
         raise click.ClickException(str(e)) from None

@@ -34,6 +34,7 @@ import yaml
 from cascadia.model_config import _ALIASES, ConfigError, InklingConfig
 from cascadia.spec.types import (
     DEVICES,
+    PAPER_FORMATS,
     PRECISIONS,
     TENSOR_GROUPS,
     WEIGHT_DTYPES,
@@ -834,6 +835,10 @@ def _dump_format(fmt: WeightFormat) -> str | dict[str, Any]:
     return {"dtype": fmt.dtype, "group_size": fmt.group_size, **({} if fmt.symmetric else {"symmetric": False})}
 
 
+def _dump_formats(formats: WeightFormats) -> dict[str, Any]:
+    return {group: _dump_format(getattr(formats, group)) for group in TENSOR_GROUPS}
+
+
 def _dump_node(node: NodeSpec) -> dict[str, Any]:
     values = {
         "name": node.name, "address": node.address, "device": node.device, "memory": format_bytes(node.memory_bytes),
@@ -876,7 +881,7 @@ def dump_spec(spec: Spec) -> dict[str, Any]:
         "model": {
             "name": model.name,
             **({"checkpoint": str(model.checkpoint)} if model.checkpoint else {}),
-            "formats": {group: _dump_format(getattr(model.formats, group)) for group in TENSOR_GROUPS},
+            "formats": _dump_formats(model.formats),
             "config": model.config.to_hf_dict(),
         },
         "cluster": {
@@ -902,11 +907,6 @@ def summarize(spec: Spec) -> str:
             f"context {spec.runtime.context_budget} x {spec.runtime.max_streams} streams; concurrency {concurrency}")
 
 
-# The weight formats of the paper's deployment: a sensible start for any large Inkling.
-_PAPER_FORMATS = {"default": "int8", "routed_experts": {"dtype": "int4", "group_size": 32},
-                 "shared_experts": {"dtype": "int4", "group_size": 32}}
-
-
 def spec_from_hf(config_path: str | Path, out_dir: str | Path, nodes: int, memory_bytes: int,
                  link: LinkSpec = LinkSpec()) -> dict[str, Any]:
     """A starting spec for a transformers config (or checkpoint folder) on `nodes` alike machines.
@@ -928,7 +928,7 @@ def spec_from_hf(config_path: str | Path, out_dir: str | Path, nodes: int, memor
             "name": re.sub(r"[^A-Za-z0-9_.-]+", "-", folder.resolve().name).lstrip("_.-") or "inkling",
             "hf_config": written(config_path),
             **({"checkpoint": written(folder)} if has_weights else {}),
-            "formats": _PAPER_FORMATS,
+            "formats": _dump_formats(PAPER_FORMATS),  # a sensible start for any large Inkling
         },
         "cluster": {
             "nodes": [{"name": "pc", "count": nodes, "memory": format_bytes(memory_bytes), "device": "auto"}],

@@ -62,6 +62,13 @@ class WeightFormats:
     head: WeightFormat = WeightFormat()
 
 
+_INT4_G32_ASYM = WeightFormat("int4", 32, symmetric=False)
+_INT8_PER_ROW_ASYM = WeightFormat("int8", symmetric=False)
+# The weight formats of the Cascadia paper's deployment (specs/models/inkling-975b.yaml says why each).
+PAPER_FORMATS = WeightFormats(routed_experts=_INT4_G32_ASYM, shared_experts=_INT4_G32_ASYM, dense_mlp=_INT4_G32_ASYM,
+                              attention=_INT8_PER_ROW_ASYM, head=_INT8_PER_ROW_ASYM, embedding=WeightFormat("bf16"))
+
+
 @attrs.frozen
 class ModelSpec:
     config: InklingConfig
