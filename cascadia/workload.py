@@ -63,7 +63,12 @@ def load_prompts(path: str | Path, tokenize: Callable[[str], Sequence[int]] | No
         elif isinstance(item, dict) and isinstance(item.get("text"), str):
             if tokenize is None:
                 raise ValueError(f"{where}: a 'text' prompt needs a tokenizer; give token ids as {{\"ids\": [...]}}")
-            ids = list(tokenize(item["text"]))
+            try:
+                ids = list(tokenize(item["text"]))
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            if not ids:
+                raise ValueError(f"{where}: the text has no tokens")
         else:
             raise ValueError(f"{where}: expected an object with 'ids' (a list of token ids) or 'text'")
         prompts.append(tuple(ids))

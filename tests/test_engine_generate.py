@@ -115,3 +115,12 @@ def test_cli_generate_errors(args, message):
     result = CliRunner().invoke(cli, ["generate", str(FIXTURES / "sharded"), *args])
     assert result.exit_code != 0 and message in result.output
     assert "Traceback" not in result.output
+
+
+def test_cli_generate_names_a_malformed_tokenizer(tmp_path):
+    checkpoint = tmp_path / "model"
+    shutil.copytree(FIXTURES / "sharded", checkpoint)
+    (checkpoint / "tokenizer.json").write_text("{")
+    result = CliRunner().invoke(cli, ["generate", str(checkpoint), "--ids", "1,2", "--max-new-tokens", "1"])
+    assert result.exit_code == 1
+    assert f"{checkpoint / 'tokenizer.json'}: cannot read a tokenizer" in result.output

@@ -5,6 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from cascadia.cli import cli
+from cascadia.exec.tokenizer import TOKENIZER_FILE, build_tokenizer
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.spec.load import load_spec
 from sim_specs import TINY_CONFIG
@@ -104,3 +105,32 @@ def test_plot_without_matplotlib_says_so(spec_path, tmp_path, monkeypatch):
 def test_unwritable_json_path_is_a_clear_error(spec_path, tmp_path):
     result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--json", str(tmp_path / "no" / "r.json")])
     assert result.exit_code == 1 and "r.json: cannot write (No such file or directory)" in result.output
+
+
+def test_text_prompts_are_encoded_with_the_checkpoints_tokenizer(spec_path, tmp_path):
+    """{"text": ...} prompts take the checkpoint's tokenizer.json (simulate reads no weights: only that file)."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    tokenizer = build_tokenizer(load_spec(spec_path).model.config)
+    tokenizer.save(str(checkpoint / TOKENIZER_FILE))
+    texts = ["A fleet of ordinary computers", "Measure first, then predict."]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    spec_path.write_text(SPEC.replace("  formats: f32\n", f"  formats: f32\n  checkpoint: {checkpoint}\n"))
+    out = tmp_path / "result.json"
+    assert invoke(spec_path, "--prompts", prompts, "--concurrency", "1", "--requests", "2", "--json", out).exit_code == 0
+    lengths = [len(tokenizer.encode(text).ids) for text in texts]
+    assert lengths[0] != lengths[1]
+    assert [r["prompt_tokens"] for r in json.loads(out.read_text())["requests"]] == lengths * 2  # warm-up, measured
+
+
+def test_text_prompts_without_a_tokenizer_name_the_line(spec_path, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [5, 6]}\n{"text": "hello"}\n')
+    result = invoke(spec_path, "--prompts", prompts)
+    assert result.exit_code == 1
+    assert f"{prompts}:2: a 'text' prompt needs the checkpoint's tokenizer.json, and the model names no" in result.output
+    spec_path.write_text(SPEC.replace("  formats: f32\n", f"  formats: f32\n  checkpoint: {tmp_path}\n"))
+    result = invoke(spec_path, "--prompts", prompts)
+    assert result.exit_code == 1
+    assert f"{prompts}:2: {tmp_path / TOKENIZER_FILE}: cannot read a tokenizer" in result.output

@@ -78,7 +78,7 @@ def with_sampling(workload, greedy: bool | None, temperature: float | None, top_
 
 
 def workload_options(command):
-    """The plan, checkpoint, workload and group options that `run` and `validate` share."""
+    """The plan, checkpoint, workload and group options that `run`, `simulate` and `validate` share."""
     for option in reversed((
             click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
                          help="a plan saved by `cascadia plan -o` (default: plan now)"),
@@ -87,7 +87,8 @@ def workload_options(command):
             click.option("--requests", type=click.IntRange(min=1),
                          help="requests per phase (default: the level's concurrency)"),
             click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
-                         help='JSONL prompts, one {"ids": [...]} per line (default: the spec\'s, or random ids)'),
+                         help='JSONL prompts, one {"ids": [...]} or {"text": "..."} per line; text needs the '
+                              "checkpoint's tokenizer.json (default: the spec's prompts, or random ids)"),
             click.option("--prompt-tokens", type=click.IntRange(min=1), help="random prompts of this many tokens"),
             click.option("--max-new-tokens", type=click.IntRange(min=1), help="output tokens per request"),
             click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)"),

@@ -64,16 +64,18 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
 
     from cascadia.exec.generate import generate as run_generation
     from cascadia.exec.sampling import Sampling
+    from cascadia.exec.tokenizer import TOKENIZER_FILE, TokenizerError, load_tokenizer
     from cascadia.spec.types import WorkloadSpec
 
     if (prompt is None) == (ids_text is None):
         raise click.UsageError("give --prompt or --ids (one of them)")
     sampling = Sampling.of(with_sampling(WorkloadSpec(), greedy, temperature, top_p, seed))
     tokenizer = None
-    if (tokenizer_file := Path(checkpoint) / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    if (tokenizer_file := Path(checkpoint) / TOKENIZER_FILE).is_file():
+        try:
+            tokenizer = load_tokenizer(tokenizer_file)
+        except TokenizerError as e:
+            raise click.ClickException(str(e)) from None
     if prompt is not None and tokenizer is None:
         raise click.UsageError(f"--prompt needs {tokenizer_file}; give --ids instead")
     prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else _token_ids(ids_text)

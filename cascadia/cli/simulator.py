@@ -13,41 +13,35 @@ from cascadia.cli.common import IntList, chosen_plan, load_spec_or_exit, workloa
               help="calibration JSON (measured with `cascadia calibrate`, or saved)")
 @click.option("--analytic", is_flag=True, help="estimate from the spec's hardware figures (the default without "
                                                "--calibration)")
-@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
-              help="a plan saved by `cascadia plan -o` (default: plan now)")
-@click.option("--concurrency", type=IntList(), help="concurrency levels, e.g. 1,2,4 (default: the spec's)")
-@click.option("--requests", type=click.IntRange(min=1), help="requests per phase (default: the level's concurrency)")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), help="output tokens per request")
-@click.option("--prompt-tokens", type=click.IntRange(min=1), help="prompt tokens per request")
-@click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)")
+@workload_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the metrics JSON here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="write a throughput/latency plot (PNG)")
-def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None,
-             concurrency: tuple[int, ...] | None, requests: int | None, max_new_tokens: int | None,
-             prompt_tokens: int | None, groups: int | None, json_path: str | None, plot_path: str | None) -> None:
-    """Predict throughput and latency of the plan at each concurrency level with the calibrated simulator."""
+def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None, checkpoint: str | None,
+             concurrency: tuple[int, ...] | None, requests: int | None, prompts: str | None,
+             prompt_tokens: int | None, max_new_tokens: int | None, groups: int | None, json_path: str | None,
+             plot_path: str | None) -> None:
+    """Predict throughput and latency of the plan at each concurrency level with the calibrated simulator. It reads
+    no weights: a checkpoint matters only for the tokenizer of text prompts."""
     import json
+    from pathlib import Path
 
     import attrs
 
-    from cascadia.graph.plan import Plan
-    from cascadia.graph.planner import InfeasiblePlan
     from cascadia.metrics import format_table
     from cascadia.sim.analytic import analytic_calibration
     from cascadia.sim.calibration import Calibration, CalibrationError
     from cascadia.sim.simulate import plot, simulate as run_simulation
-    from cascadia.workload import override
 
     if analytic and calibration_path:
         raise click.UsageError("give --calibration or --analytic, not both")
     loaded = load_spec_or_exit(spec)
-    loaded = attrs.evolve(loaded, workload=override(loaded.workload, concurrency, requests, max_new_tokens,
-                                                    prompt_tokens))
+    model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
+    workload = workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens)
+    loaded = attrs.evolve(loaded, model=model, workload=workload)
     try:
         calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
-        chosen_plan = Plan.load(plan_path) if plan_path else None
-        result = run_simulation(loaded, calibration, chosen_plan, groups=groups)
-    except (CalibrationError, InfeasiblePlan, ValueError) as e:
+        result = run_simulation(loaded, calibration, chosen_plan(loaded, plan_path), groups=groups)
+    except (CalibrationError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_table(result))
     if calibration.is_analytic:

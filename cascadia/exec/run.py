@@ -21,13 +21,14 @@ from cascadia.exec.coordinator import Coordinator, Outputs, PipelineError
 from cascadia.exec.launch import LOCALHOST, LocalNodes, NodeCommand
 from cascadia.exec.sampling import Sampling
 from cascadia.exec.settings import settings_digest
+from cascadia.exec.tokenizer import workload_prompts
 from cascadia.exec.transport import free_port, tcp_address
 from cascadia.exec.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.graph.plan import Plan
 from cascadia.policy import Policy
 from cascadia.spec.load import dump_spec
 from cascadia.spec.types import Spec, WorkloadSpec
-from cascadia.workload import MEASURED, build_levels, load_prompts
+from cascadia.workload import MEASURED, build_levels
 
 NODE_TIMEOUT_S = 120.0  # a starting node silent for this long is an error
 STALL_S = 60.0  # a running pipeline that returns no tokens for this long is an error
@@ -75,8 +76,9 @@ def describe(node: str, message: Message) -> str:
 
 
 class Pipeline:
-    def __init__(self, spec: Spec, plan: Plan, coordinator: Coordinator, local: LocalNodes | None, run_dir):
-        self.spec, self.plan = spec, plan
+    def __init__(self, spec: Spec, plan: Plan, coordinator: Coordinator, local: LocalNodes | None, run_dir,
+                 checkpoint: Path | None):
+        self.spec, self.plan, self.checkpoint = spec, plan, checkpoint
         self.coordinator, self.local, self._run_dir = coordinator, local, run_dir
         self._score_frames = 0
 
@@ -118,7 +120,7 @@ class Pipeline:
                 first = local_nodes.listens[0]
             else:
                 first = nodes[names[0]].address
-            pipeline = cls(spec, plan, coordinator, local_nodes, run_dir)
+            pipeline = cls(spec, plan, coordinator, local_nodes, run_dir, checkpoint or spec.model.checkpoint)
         except BaseException:
             _close(coordinator, local_nodes, run_dir, AFTER_FAILURE_S)
             raise
@@ -133,11 +135,12 @@ class Pipeline:
             groups: int | None = None, on_phase: Callable[[int, str, list], None] = lambda level, phase, records: None,
             ) -> RunResult:
         """Every concurrency level of `workload` (warm-up and measured phase); `prompts` default to the workload's
-        prompts file, or seeded random prompts without one; `groups` (pipeline groups) to one per stage.
+        prompts file (text encoded by the checkpoint's tokenizer), or seeded random prompts without one; `groups`
+        (pipeline groups) to one per stage.
         Raises RunFailed, holding what finished, when the pipeline fails."""
         spec = self.spec
-        if prompts is None and workload.prompts_file is not None:
-            prompts = load_prompts(workload.prompts_file)
+        if prompts is None:
+            prompts = workload_prompts(workload, self.checkpoint)
         policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages))
         summaries, records, outputs = [], [], Outputs()
 

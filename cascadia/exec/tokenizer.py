@@ -7,11 +7,15 @@ up to the model's output vocabulary.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cascadia.model_config import InklingConfig
+from cascadia.spec.types import WorkloadSpec
+from cascadia.workload import load_prompts
 
 TOKENIZER_FILE = "tokenizer.json"
 BYTES = 256
@@ -77,3 +81,22 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises a bare Exception for missing and malformed files
         raise TokenizerError(f"{path}: cannot read a tokenizer ({e})") from None
+
+
+def workload_prompts(workload: WorkloadSpec, checkpoint: Path | None) -> list[tuple[int, ...]] | None:
+    """The prompts of the workload's file (None without one); {"text": ...} lines are encoded with the checkpoint's
+    tokenizer.json, read at the first such line."""
+    if workload.prompts_file is None:
+        return None
+
+    @functools.cache
+    def tokenizer() -> Tokenizer:
+        if checkpoint is None:
+            raise TokenizerError("a 'text' prompt needs the checkpoint's tokenizer.json, and the model names no "
+                                 "checkpoint")
+        return load_tokenizer(checkpoint)
+
+    def encode(text: str) -> Sequence[int]:
+        return tokenizer().encode(text).ids
+
+    return load_prompts(workload.prompts_file, encode)

@@ -2,32 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from cascadia import metrics
+from cascadia.exec.tokenizer import workload_prompts
 from cascadia.graph.plan import Plan
 from cascadia.policy import Policy
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.model import PipelineModel
 from cascadia.spec.types import Spec
-from cascadia.workload import MEASURED, build_levels, load_prompts
+from cascadia.workload import MEASURED, build_levels
 
 
-def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None,
-             prompts: Sequence[tuple[int, ...]] | None = None) -> dict:
+def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None) -> dict:
     """Simulate every concurrency level of `spec.workload` (warm-up and measured phase) on `plan`.
 
-    `plan` defaults to the planner's; `groups` (pipeline groups) to one per stage; `prompts` to the workload's prompts
-    file, or seeded random prompts without one.
+    `plan` defaults to the planner's; `groups` (pipeline groups) to one per stage. Prompts come from the workload's
+    prompts file (text encoded by the checkpoint's tokenizer), or are seeded random ones without one.
     """
     if plan is None:
         from cascadia.graph.planner import plan as make_plan
 
         plan = make_plan(spec)
     notes = calibration.check_model(spec)
-    if prompts is None and spec.workload.prompts_file is not None:
-        prompts = load_prompts(spec.workload.prompts_file)
+    prompts = workload_prompts(spec.workload, spec.model.checkpoint)
     model = PipelineModel(spec, plan, calibration)
     policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
     summaries, records = [], []
