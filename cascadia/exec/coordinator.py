@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 import zmq
 
 from cascadia.driver import PhaseDriver
-from cascadia.exec.transport import COORDINATOR, Transport, TransportError, receive, send
+from cascadia.exec.transport import COORDINATOR, Transport, TransportError, receive_waiting, send
 from cascadia.exec.wire import (Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready, Shutdown, Stats,
                                 StatsRequest, Tokens, WireError)
 from cascadia.metrics import Recorder
@@ -151,24 +151,28 @@ class Coordinator:
         since = time.monotonic()
         while True:
             ready = self._poll()
-            if self.tokens in ready:
+            if self.tokens in ready and (frames := receive_waiting(self.tokens)) is not None:
                 try:
-                    message = self.token_decoder.decode(receive(self.tokens)).message
+                    message = self.token_decoder.decode(frames).message
                 except WireError as e:
                     raise PipelineError(f"{self.nodes[-1]}: sent an unreadable message: {e}") from None
                 if not isinstance(message, Tokens):
                     raise PipelineError(f"{self.nodes[-1]}: sent a {type(message).__name__} to the token socket")
                 return message
+            if time.monotonic() - since > self.stall_s:
+                raise PipelineError(f"no tokens came back for {self.stall_s:g} s; frames handled per node: "
+                                    + ", ".join(f"{n} {s.frames}" for n, s in self._stats.items()))
             if not ready:
-                if time.monotonic() - since > self.stall_s:
-                    raise PipelineError(f"no tokens came back for {self.stall_s:g} s; frames handled per node: "
-                                        + ", ".join(f"{n} {s.frames}" for n, s in self._stats.items()))
                 self._ping()
 
     def stats(self) -> dict[str, Stats]:
-        """Every node's current counters."""
+        """Every node's current counters. A node that leaves a request unanswered for `stall_s` is an error: a node
+        answers requests in order, so waiting on for a lost one would wait for ever."""
         self._ping()
-        while any(self._stats_owed.values()):
+        since = time.monotonic()
+        while owing := [node for node, owed in self._stats_owed.items() if owed]:
+            if time.monotonic() - since > self.stall_s:
+                raise PipelineError(f"{', '.join(owing)}: no answer to a stats request within {self.stall_s:g} s")
             if not self._poll():
                 self._ping()
         return {node: self._stats[node] for node in self.nodes}
@@ -196,8 +200,10 @@ class Coordinator:
         return ready
 
     def _next_control(self) -> None:
-        """Take in one control message; an ERROR stops the run."""
-        identity, *frames = receive(self.control)
+        """Take in one control message, if one is waiting; an ERROR stops the run."""
+        if (message_frames := receive_waiting(self.control)) is None:
+            return
+        identity, *frames = message_frames
         node = identity.bytes.decode(errors="replace")
         if node not in self._stats_owed:
             raise PipelineError(f"a control message from {node!r}, which is not a node of the plan")
@@ -239,8 +245,8 @@ class Coordinator:
                 except PipelineError:  # gone
                     remaining.remove(node)
             message = StatsRequest()  # from now on only a probe: a node still there drops it as it stops
-            while self.control.poll(50):
-                identity, *frames = receive(self.control)
+            while self.control.poll(50) and (message_frames := receive_waiting(self.control)) is not None:
+                identity, *frames = message_frames
                 node = identity.bytes.decode(errors="replace")
                 try:
                     reply = self.control_decoder.decode(frames).message

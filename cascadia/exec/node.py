@@ -28,7 +28,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from cascadia.exec.transport import Transport, TransportError, receive, send
+from cascadia.exec.transport import Transport, TransportError, receive_waiting, send
 from cascadia.exec.wire import (DEFAULT_MAX_MESSAGE_BYTES, Decoder, Encoder, Error, Frame, Hello, Message, Progress,
                                 Ready, Release, Shutdown, Stats, StatsRequest, Tokens, WireError)
 
@@ -180,8 +180,8 @@ class _Node:
             self._take_control(stage=None)
         self.control_decoder = Decoder(self.settings.max_message_bytes)
         self.data_decoder = Decoder(self.settings.max_message_bytes)
-        while self.data is not None and self.data.poll(0):
-            receive(self.data)
+        while self.data is not None and receive_waiting(self.data) is not None:
+            pass  # a frame of the last run
         self.in_run = True
         s = self.settings
         self.tell(Hello(s.name, s.first_layer, s.last_layer, s.digest))
@@ -202,9 +202,9 @@ class _Node:
             ready = dict(poller.poll(self.settings.poll_s * 1000))
             self._check_parent()
             self._take_control(stage)
-            if self.data in ready and self.in_run:
+            if self.data in ready and self.in_run and (frames := receive_waiting(self.data)) is not None:
                 try:
-                    self._on_data(stage)
+                    self._on_data(frames, stage)
                 except TransportError as e:  # the successor is gone: the coordinator will end the run
                     if not self.settings.keep_serving:
                         raise
@@ -224,8 +224,8 @@ class _Node:
     def _take_control(self, stage: Stage | None) -> None:
         """Every waiting control message, then every event of the control connection: a connection's messages
         arrive before its end, so a SHUTDOWN is always read before the close that follows it."""
-        while self.control.poll(0):
-            self._on_control(stage)
+        while (frames := receive_waiting(self.control)) is not None:
+            self._on_control(frames, stage)
         while self.control_events.poll(0):
             self._on_control_event()
 
@@ -247,11 +247,10 @@ class _Node:
         if parent is not None and os.getppid() != parent:
             raise NodeStopped(f"parent process {parent} is gone")
 
-    def _receive(self, sock: zmq.Socket, decoder: Decoder, expected: tuple[type, ...]) -> Message | None:
-        """The next message on `sock`, or None after logging why it was rejected."""
-        where = "input" if sock is self.data else "control"
+    def _decode(self, frames: list, where: str, decoder: Decoder, expected: tuple[type, ...]) -> Message | None:
+        """The message in `frames` (received on the `where` socket), or None after logging why it was rejected."""
         try:
-            message = decoder.decode(receive(sock)).message
+            message = decoder.decode(frames).message
             if not isinstance(message, expected):
                 raise WireError(f"unexpected {type(message).__name__} message")
             return message
@@ -260,9 +259,9 @@ class _Node:
             log.warning("%s: rejected a message on its %s socket: %s", self.settings.name, where, e)
             return None
 
-    def _on_control(self, stage: Stage | None) -> None:
+    def _on_control(self, frames: list, stage: Stage | None) -> None:
         accepted = (Shutdown, StatsRequest) if stage is None else (Shutdown, StatsRequest, Release)
-        message = self._receive(self.control, self.control_decoder, accepted)
+        message = self._decode(frames, "control", self.control_decoder, accepted)
         match message:
             case Shutdown() if self.in_run or not self.settings.keep_serving:  # else: the last run's, late
                 self._end_run("shutdown requested")
@@ -271,8 +270,8 @@ class _Node:
             case Release():
                 self._call_stage(f"release of slots {message.slots.tolist()}", stage.release, message.slots)
 
-    def _on_data(self, stage: Stage) -> None:
-        frame = self._receive(self.data, self.data_decoder, (Frame,))
+    def _on_data(self, frames: list, stage: Stage) -> None:
+        frame = self._decode(frames, "input", self.data_decoder, (Frame,))
         if frame is None:
             return
         start = time.perf_counter()

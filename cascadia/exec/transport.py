@@ -202,5 +202,14 @@ def send(sock: zmq.Socket, frames: Sequence) -> None:
 
 
 def receive(sock: zmq.Socket) -> list[zmq.Frame]:
-    """One message's frames, without copying them."""
+    """One message's frames, without copying them; waits for one."""
     return sock.recv_multipart(copy=False)
+
+
+def receive_waiting(sock: zmq.Socket) -> list[zmq.Frame] | None:
+    """The frames of a message already waiting, or None: what to call after a poll, which can report a socket
+    readable with nothing to take (seen with CurveZMQ; a receive that waits would then wait for ever)."""
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return None
