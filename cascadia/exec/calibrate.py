@@ -62,7 +62,7 @@ from cascadia.exec.transport import Transport, free_port, receive, send, tcp_add
 from cascadia.exec.wire import Encoder, Frame
 from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.plan import Plan
-from cascadia.graph.planner import TOKEN_ID_BYTES
+from cascadia.graph.planner import TOKEN_ID_BYTES, load_plan
 from cascadia.policy import DECODE, Row, padded_size
 from cascadia.policy import Frame as PolicyFrame
 from cascadia.sim.analytic import kind_costs, row_grid
@@ -204,7 +204,8 @@ def tables_worker(argv: Sequence[str]) -> None:
     """The measuring process of one node: SPEC PLAN NODE CHECKPOINT ROUNDS; prints JSON lines."""
     spec_path, plan_path, name, checkpoint, rounds = argv
     try:
-        spec, plan = load_spec(spec_path), Plan.load(plan_path)
+        spec = load_spec(spec_path)
+        plan = load_plan(plan_path, spec)
         _, stage = find_stage(plan, name)
         loaded = load_stage(spec, stage, Path(checkpoint), None, Sampling(), False,
                             lambda done, total: _say(progress=f"compiled {done}/{total} blocks"))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -63,20 +64,18 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "plan") -> Plan:
+    def from_dict(cls, d: object, where: str = "plan") -> Plan:
+        """The plan `to_dict` wrote; a ValueError names the key that is missing or of the wrong type."""
+        _typed(d, dict, where)
         if d.get("version") != PLAN_VERSION:
-            raise ValueError(f"{where}: plan version {d.get('version')!r} is not {PLAN_VERSION}")
-        try:
-            stages = tuple(
-                Stage(node=s["node"], first_layer=s["layers"][0], last_layer=s["layers"][1], roles=tuple(s["roles"]),
-                      weight_bytes=s["weight_bytes"], state_bytes=s["state_bytes"], free_bytes=s["free_bytes"],
-                      max_positions_per_stream=s["max_positions_per_stream"], est_time_s=s["est_time_s"])
-                for s in d["stages"]
-            )
-            return cls(stages=stages, total_params=d["total_params"], active_params=d["active_params"],
-                       bottleneck_s=d["bottleneck_s"], cost_source=d["cost_source"])
-        except (KeyError, IndexError, TypeError) as e:
-            raise ValueError(f"{where}: malformed plan ({type(e).__name__}: {e})") from None
+            raise ValueError(f"{where}: plan version {json.dumps(d.get('version'))} is not {PLAN_VERSION}")
+        field = partial(_field, d, prefix=f"{where}: ")
+        stages = field("stages", list)
+        if not stages:
+            raise ValueError(f"{where}: stages is empty")
+        return cls(stages=tuple(_stage_from_dict(s, f"{where}: stages[{i}]") for i, s in enumerate(stages)),
+                   total_params=field("total_params", int), active_params=field("active_params", int),
+                   bottleneck_s=float(field("bottleneck_s", _NUMBER)), cost_source=field("cost_source", str))
 
     def table(self) -> str:
         """The plan for people: one line per stage, then totals and what the stage times bound."""
@@ -108,8 +107,46 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
+        """The plan saved at `path` (`cascadia.graph.planner.load_plan` also checks it against a spec)."""
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: cannot read plan ({e})") from None
         return cls.from_dict(d, where=str(path))
+
+
+# ---- reading a plan's JSON: shapes and types -----------------------------------------------------------------------
+
+_NUMBER = (int, float)
+_INT_OR_NULL = (int, type(None))
+_KIND_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", _NUMBER: "a number",
+               _INT_OR_NULL: "an integer or null"}
+
+
+def _typed(value: object, kind: type | tuple[type, ...], label: str):
+    """`value` if it is of `kind` (JSON's true and false count as no number), else a ValueError naming `label`."""
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"{label} must be {_KIND_NAMES[kind]}, not {json.dumps(value)}")
+    return value
+
+
+def _field(d: dict, key: str, kind: type | tuple[type, ...], prefix: str):
+    """d[key] of `kind`; `prefix` names d ("plan.json: stages[1].")."""
+    if key not in d:
+        raise ValueError(f"{prefix}{key} is missing")
+    return _typed(d[key], kind, prefix + key)
+
+
+def _stage_from_dict(d: object, label: str) -> Stage:
+    _typed(d, dict, label)
+    field = partial(_field, d, prefix=f"{label}.")
+    layers = field("layers", list)
+    if len(layers) != 2:
+        raise ValueError(f"{label}.layers must be [first, last], two layer numbers, not {json.dumps(layers)}")
+    first, last = (_typed(n, int, f"{label}.layers[{i}]") for i, n in enumerate(layers))
+    roles = tuple(_typed(role, str, f"{label}.roles[{i}]") for i, role in enumerate(field("roles", list)))
+    return Stage(node=field("node", str), first_layer=first, last_layer=last, roles=roles,
+                 weight_bytes=field("weight_bytes", int), state_bytes=field("state_bytes", int),
+                 free_bytes=field("free_bytes", int),
+                 max_positions_per_stream=field("max_positions_per_stream", _INT_OR_NULL),
+                 est_time_s=float(field("est_time_s", _NUMBER)))

@@ -10,8 +10,10 @@ those the one whose fullest node is least full. Both are exact dynamic programs 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.costs import LayerCost, embedding_cost, head_cost, layer_costs, state_bytes
@@ -302,3 +304,74 @@ def plan(spec: Spec, stage_time: StageTime | None = None, cost_source: str = "cu
     return Plan(stages=tuple(stages), total_params=sum(c.params for c in memory.costs) + ends,
                 active_params=sum(c.active_params for c in memory.costs) + ends,
                 bottleneck_s=max(s.est_time_s for s in stages), cost_source=cost_source)
+
+
+def load_plan(path: str | Path, spec: Spec) -> Plan:
+    """A plan saved by `cascadia plan -o`, checked against the spec it is to run: every layer of its model once, in
+    order; the embedding on the first stage and the head on the last; each stage on its own node of the cluster, with
+    the memory the planner asks for it. A ValueError names the file and the stage at fault."""
+    saved = Plan.load(path)
+    where = str(path)
+    _check_layers(saved.stages, spec.model.config.num_hidden_layers, where)
+    _check_roles(saved.stages, where)
+    _check_nodes(saved.stages, spec, where)
+    _check_memory(saved.stages, spec, where)
+    return saved
+
+
+# ---- a plan against its spec: what a run relies on -----------------------------------------------------------------
+
+def _check_layers(stages: tuple[Stage, ...], n_layers: int, where: str) -> None:
+    """Layers 0..n_layers-1, each on one stage, the stages in order."""
+    start = 0  # the layer the next stage must start at
+    for i, stage in enumerate(stages):
+        at = f"{where}: stages[{i}].layers"
+        if stage.first_layer != start:
+            raise ValueError(f"{at}: the first stage must start at layer 0, not {stage.first_layer}" if i == 0 else
+                             f"{at}: starts at layer {stage.first_layer}, but stages[{i - 1}] ends at layer "
+                             f"{start - 1}: each stage must start right after the one before")
+        if stage.last_layer < stage.first_layer:
+            raise ValueError(f"{at}: ends at layer {stage.last_layer}, before it starts")
+        if stage.last_layer >= n_layers:
+            raise ValueError(f"{at}: ends at layer {stage.last_layer}, but the model's last layer is {n_layers - 1}")
+        start = stage.last_layer + 1
+    if start != n_layers:
+        raise ValueError(f"{where}: the last stage ends at layer {start - 1}, but the model's last layer is "
+                         f"{n_layers - 1}: layers {start}-{n_layers - 1} are on no stage")
+
+
+def _check_roles(stages: tuple[Stage, ...], where: str) -> None:
+    for i, stage in enumerate(stages):
+        if stage.roles != (expected := stage_roles(i, len(stages))):
+            raise ValueError(f"{where}: stages[{i}].roles must be {json.dumps(expected)}, not "
+                             f"{json.dumps(stage.roles)} (the first stage holds the embedding, the last the head)")
+
+
+def _check_nodes(stages: tuple[Stage, ...], spec: Spec, where: str) -> None:
+    names = [node.name for node in spec.cluster.nodes]
+    holder: dict[str, int] = {}  # node -> its stage
+    for i, stage in enumerate(stages):
+        if stage.node not in names:
+            raise ValueError(f"{where}: stages[{i}].node: {stage.node!r} is not a node of the spec's cluster "
+                             f"({', '.join(names)})")
+        if stage.node in holder:
+            raise ValueError(f"{where}: stages[{i}].node: {stage.node!r} already holds stages[{holder[stage.node]}]; "
+                             "a node holds one stage")
+        holder[stage.node] = i
+
+
+def _check_memory(stages: tuple[Stage, ...], spec: Spec, where: str) -> None:
+    """Each stage's weights, state for the spec's streams and context, and its node's reserve, counted as the
+    planner counts them, fit in the node's memory."""
+    by_name = {node.name: node for node in spec.cluster.nodes}
+    nodes = tuple(by_name[stage.node] for stage in stages)
+    memory, streams, context = _Memory(spec, nodes), spec.runtime.max_streams, spec.runtime.context_budget
+    for i, (stage, node) in enumerate(zip(stages, nodes)):
+        first, last = stage.first_layer, stage.last_layer
+        need = memory.need(i, first, last, streams, context)
+        if need > node.memory_bytes:
+            raise ValueError(
+                f"{where}: stages[{i}] needs {_gib(need)} on node {node.name} (weights "
+                f"{_gib(memory.weights(i, first, last))}, state {_gib(streams * memory.state(first, last, context))} "
+                f"for {streams} streams x {context} positions, reserve {_gib(memory.reserve(i))}) but it has "
+                f"{_gib(node.memory_bytes)}: plan again for this spec (`cascadia plan SPEC -o FILE`)")
