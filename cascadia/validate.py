@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cascadia.exec.run import run
+from cascadia.exec.run import RunFailed, run
 from cascadia.graph.plan import Plan
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
@@ -79,6 +79,14 @@ def compare(runs: Sequence[dict], predicted: dict) -> dict:
             "median_spread": {name: statistics.median(s) if s else None for name, s in spreads.items()}}
 
 
+class ValidationFailed(RuntimeError):
+    """A run failed; `result` holds the prediction and the runs so far, the failed one's partial result last."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
 def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1, groups: int | None = None,
              checkpoint: Path | None = None, on_message: Callable = lambda node, message: None,
              on_phase: Callable = lambda level, phase, records: None) -> dict:
@@ -86,8 +94,14 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
 
     The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts."""
     predicted = simulate(spec, calibration, plan, groups=groups)
-    runs = [run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
-                on_phase=on_phase).result for _ in range(repeats)]
+    runs = []
+    for _ in range(repeats):
+        try:
+            runs.append(run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
+                            on_phase=on_phase).result)
+        except RunFailed as e:
+            raise ValidationFailed(str(e), {"schema": SCHEMA, "failed": str(e), "measured": [*runs, e.result],
+                                            "predicted": predicted}) from None
     return {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
 
 

@@ -23,7 +23,7 @@ import attrs
 import numpy as np
 
 from cascadia.policy import Request
-from cascadia.spec.types import LengthSpec, WorkloadSpec
+from cascadia.spec.types import LengthSpec, RuntimeSpec, WorkloadSpec
 
 WARMUP, MEASURED = "warmup", "measured"
 PHASES = (WARMUP, MEASURED)
@@ -123,6 +123,20 @@ class ClosedLoop:
             return None
         self._sent += 1
         return self._requests[self._sent - 1]
+
+
+def misfits(workload: WorkloadSpec, runtime: RuntimeSpec) -> list[tuple[str, str]]:
+    """(workload key, message) for what does not fit the stream slots and context budget the runtime sizes its state
+    for. Prompts from a file are checked one by one when admitted (too long: rejected)."""
+    problems = []
+    if max(workload.concurrency) > runtime.max_streams:
+        problems.append(("concurrency", f"{max(workload.concurrency)} streams exceed runtime.max_streams "
+                                        f"({runtime.max_streams})"))
+    longest = workload.prompt_tokens.high + workload.output_tokens
+    if workload.prompts_file is None and longest > runtime.context_budget:
+        problems.append(("output_tokens", f"prompt ({workload.prompt_tokens.high}) + output ({workload.output_tokens}) "
+                                          f"tokens exceed runtime.context_budget ({runtime.context_budget})"))
+    return problems
 
 
 def override(workload: WorkloadSpec, concurrency: tuple[int, ...] | None = None, requests: int | None = None,

@@ -20,6 +20,7 @@ from cascadia.exec.checkpoint import Checkpoint
 from cascadia.exec.coordinator import PipelineError
 from cascadia.exec.engine import Engine
 from cascadia.exec.generate import generate
+from cascadia.exec.launch import LocalNodes
 from cascadia.exec.run import Addresses, Pipeline, RunFailed, ensure_random_checkpoint, run
 from cascadia.exec.sampling import Sampling
 from cascadia.exec.settings import settings_digest
@@ -378,6 +379,20 @@ def test_nodes_that_never_come_up_are_named_after_the_timeout(spec, plan):
 
 
 # ---- failures of local nodes ---------------------------------------------------------------------------------------
+def test_bad_prompts_and_a_missing_checkpoint_fail_before_any_node_starts(spec, plan, checkpoint, tmp_path,
+                                                                         monkeypatch):
+    def no_nodes(*args, **kwargs):
+        raise AssertionError("nodes started")
+
+    monkeypatch.setattr(LocalNodes, "start", no_nodes)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [1]}\n{"ids": [2\n')
+    with pytest.raises(ValueError, match="prompts.jsonl:2: not valid JSON"):
+        run(spec, plan, attrs.evolve(spec.workload, prompts_file=prompts), checkpoint=checkpoint)
+    with pytest.raises(ValueError, match="nowhere: no such checkpoint folder"):
+        run(spec, plan, checkpoint=tmp_path / "nowhere")
+
+
 def test_a_checkpoint_a_node_cannot_read_is_a_clear_error(spec, plan, checkpoint, tmp_path):
     before = child_processes()
     broken = tmp_path / "broken"
@@ -419,12 +434,17 @@ def test_a_node_killed_mid_run_stops_the_run_and_keeps_what_finished(spec, plan,
     assert result["levels"] == [] and "the run stopped early: node1: " in result["warnings"][0]
 
 
-def test_ctrl_c_shuts_every_node_down(spec, plan, checkpoint):
+def test_ctrl_c_shuts_every_node_down_and_keeps_what_finished(spec, plan, checkpoint):
+    """What finished before the Ctrl-C (here the warm-up phase) comes back in RunFailed, for the command to write."""
     before = child_processes()
-    def interrupt(level, phase, records):
+
+    def interrupt_after_warmup(level, phase, records):
         raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
-        run(spec, plan, attrs.evolve(spec.workload, concurrency=(1,), output_tokens=2), checkpoint=checkpoint,
-            node_timeout_s=TIMEOUT_S, on_phase=interrupt)
+    with pytest.raises(RunFailed, match="^interrupted$") as failed:
+        run(spec, plan, attrs.evolve(spec.workload, concurrency=(2,), output_tokens=3), checkpoint=checkpoint,
+            node_timeout_s=TIMEOUT_S, on_phase=interrupt_after_warmup)
     assert child_processes() == before
+    assert [(r["phase"], r["output_tokens"]) for r in failed.value.result["requests"]] == [(WARMUP, 3)] * 2
+    assert [o["finish_reason"] for o in failed.value.outputs] == ["length"] * 2
+    assert failed.value.result["warnings"] == ["the run was interrupted"]

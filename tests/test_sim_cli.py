@@ -1,10 +1,13 @@
+import errno
 import json
 import sys
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from cascadia.cli import cli
+from cascadia.cli.common import saving
 from cascadia.exec.tokenizer import TOKENIZER_FILE, build_tokenizer
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.spec.load import load_spec
@@ -79,6 +82,8 @@ def test_a_saved_plan_and_groups(spec_path, tmp_path):
     (["--calibration", "{bad}", "--analytic"], 2, "give --calibration or --analytic, not both"),
     (["--concurrency", "1,x"], 2, "'1,x' is not a comma-separated list of integers"),
     (["--concurrency", "0"], 2, "every value must be at least 1"),
+    (["--concurrency", "1,9"], 2, "9 streams exceed runtime.max_streams (8)"),
+    (["--max-new-tokens", "100"], 2, "prompt (8) + output (100) tokens exceed runtime.context_budget (64)"),
 ])
 def test_bad_arguments(spec_path, tmp_path, args, code, message):
     bad = tmp_path / "bad.json"
@@ -102,9 +107,16 @@ def test_plot_without_matplotlib_says_so(spec_path, tmp_path, monkeypatch):
     assert result.exit_code == 1 and "plotting needs matplotlib" in result.output
 
 
-def test_unwritable_json_path_is_a_clear_error(spec_path, tmp_path):
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(spec_path, tmp_path):
     result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--json", str(tmp_path / "no" / "r.json")])
-    assert result.exit_code == 1 and "r.json: cannot write (No such file or directory)" in result.output
+    assert result.exit_code == 2
+    assert f"Invalid value for '--json': {tmp_path / 'no' / 'r.json'}: no such folder {tmp_path / 'no'}" in result.output
+
+
+def test_a_failed_write_is_one_error_naming_the_file():
+    with pytest.raises(click.ClickException, match=r"^r.json: cannot write \(No space left on device\)$"):
+        with saving("r.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", "r.json")
 
 
 def test_text_prompts_are_encoded_with_the_checkpoints_tokenizer(spec_path, tmp_path):

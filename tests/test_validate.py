@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from cascadia.cli import cli
+from cascadia.exec.run import RunFailed, RunResult
 from cascadia.validate import METRICS, SCHEMA, compare, format_comparison
 from sim_specs import calibration
 
@@ -116,3 +117,26 @@ def test_a_calibration_for_another_model_fails_before_the_pipeline_starts(spec, 
     result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(path)])
     assert result.exit_code == 1
     assert "made for another model: hidden_size 32" in result.output
+
+
+def test_a_failed_run_keeps_the_prediction_and_the_runs_before_it(spec, tmp_path, monkeypatch):
+    """The run itself is replaced here (the pipeline's own failures are tested in test_pipeline.py): the second of
+    three repeats fails, and the JSON keeps the prediction, the first run and the failed one's partial result."""
+    finished, partial = {"source": "run", "levels": []}, {"source": "run", "levels": [], "warnings": ["early"]}
+    runs = iter([RunResult(finished, []), RunFailed("node1: gone", partial, [])])
+
+    def run_or_fail(*args, **kwargs):
+        outcome = next(runs)
+        if isinstance(outcome, RunFailed):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr("cascadia.validate.run", run_or_fail)
+    cal_path, out = tmp_path / "cal.json", tmp_path / "validation.json"
+    calibration(spec, lambda kind, r, x: 1e-4 * r).save(cal_path)
+    result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(cal_path), "--concurrency", "1",
+                                      "--repeats", "3", "--json", str(out)])
+    assert result.exit_code == 1 and "run failed: node1: gone" in result.output
+    saved = json.loads(out.read_text())
+    assert saved["failed"] == "node1: gone" and saved["measured"] == [finished, partial]
+    assert saved["predicted"]["source"] == "simulate"

@@ -1,7 +1,10 @@
-"""What the commands share: loading a spec, quantity and list parameters, sampling and workload options, the plan
-to use."""
+"""What the commands share: loading a spec, quantity, list and output-file parameters, sampling and workload
+options, the plan to use."""
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import click
 
@@ -48,6 +51,34 @@ class IntList(click.ParamType):
         if any(n < 1 for n in numbers):
             self.fail(f"{value!r}: every value must be at least 1", param, ctx)
         return numbers
+
+
+class OutputPath(click.Path):
+    """A file the command writes when its work is done: checked before the work starts (its folder exists and may be
+    written), so that a long run does not end unable to keep its results."""
+
+    def __init__(self, allow_dash: bool = False):
+        super().__init__(dir_okay=False, writable=True, allow_dash=allow_dash)
+
+    def convert(self, value, param, ctx):
+        path = super().convert(value, param, ctx)
+        if path == "-":
+            return path
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            self.fail(f"{path}: no such folder {folder}", param, ctx)
+        if not os.path.exists(path) and not os.access(folder, os.W_OK):
+            self.fail(f"{path}: cannot create files in {folder}", param, ctx)
+        return path
+
+
+@contextlib.contextmanager
+def saving(path: str):
+    """Turn a failure to write `path` into one error naming it."""
+    try:
+        yield
+    except OSError as e:
+        raise click.ClickException(f"{e.filename or path}: cannot write ({e.strerror})") from None
 
 
 def sampling_options(command):
@@ -98,22 +129,25 @@ def workload_options(command):
 
 
 def workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens):
-    """The spec's workload with the command line's overrides."""
+    """The spec's workload with the command line's overrides, which must fit the spec's runtime as the spec's own
+    workload must."""
     import attrs
 
-    from cascadia.workload import override
+    from cascadia.workload import misfits, override
 
     workload = override(loaded.workload, concurrency, requests, max_new_tokens, prompt_tokens)
-    return attrs.evolve(workload, prompts_file=prompts) if prompts else workload
+    workload = attrs.evolve(workload, prompts_file=prompts) if prompts else workload
+    if problems := misfits(workload, loaded.runtime):
+        raise click.UsageError("; ".join(message for _, message in problems))
+    return workload
 
 
 def chosen_plan(loaded, plan_path: str | None):
     """The saved plan, or the planner's."""
-    from cascadia.graph.plan import Plan
-    from cascadia.graph.planner import InfeasiblePlan
+    from cascadia.graph.planner import InfeasiblePlan, load_plan
     from cascadia.graph.planner import plan as make_plan
 
     try:
-        return Plan.load(plan_path) if plan_path else make_plan(loaded)
+        return load_plan(plan_path, loaded) if plan_path else make_plan(loaded)
     except (InfeasiblePlan, ValueError) as e:
         raise click.ClickException(str(e)) from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import chosen_plan, load_spec_or_exit, sampling_options, with_sampling
+from cascadia.cli.common import OutputPath, chosen_plan, load_spec_or_exit, sampling_options, saving, with_sampling
 
 
 def _engine_options(func):
@@ -52,7 +52,7 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @sampling_options
 @click.option("--ignore-eos", is_flag=True, help="keep going past the end-of-sequence token")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write ids, text and timings as JSON")
+@click.option("--json", "json_path", type=OutputPath(), help="write ids, text and timings as JSON")
 @_engine_options
 def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_tokens: int, greedy: bool | None,
              temperature: float | None, top_p: float | None, seed: int | None, ignore_eos: bool,
@@ -97,7 +97,7 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
                f"tokens/s; {engine.stage.precision} on {engine.stage.device}")
     if json_path:
         body = result.to_json() | {"text": text, "precision": engine.stage.precision, "device": engine.stage.device}
-        with open(json_path, "w") as f:
+        with saving(json_path), open(json_path, "w") as f:
             json.dump(body, f, indent=1)
 
 
@@ -107,7 +107,7 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
               help='JSON file: a list of token ids, or {"ids": [...]}')
 @click.option("--prefill", type=click.IntRange(min=1), help="tokens fed by prefill; the rest go one decode step at a "
                                                             "time (default: all by prefill)")
-@click.option("--out", type=click.Path(dir_okay=False), required=True, help="write the logits [N, vocab] (.npy)")
+@click.option("--out", type=OutputPath(), required=True, help="write the logits [N, vocab] (.npy)")
 @_engine_options
 @click.option("--spec", "spec_path", type=click.Path(exists=True, dir_okay=False),
               help="score on this spec's pipeline (its nodes and runtime; local nodes are started here) instead of "
@@ -141,7 +141,8 @@ def score(checkpoint: str, ids_path: str, prefill: int | None, out: str, precisi
         result = score_logits(logits, ids)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    np.save(out, logits)
+    with saving(out):
+        np.save(out, logits)
     click.echo(f"scored {result.tokens} tokens ({prefill or len(ids)} by prefill): mean log-prob "
                f"{result.mean_log_prob:.4f} nats, perplexity {result.perplexity:.2f}; logits {logits.shape} -> {out}")
 

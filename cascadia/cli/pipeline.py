@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (chosen_plan, load_spec_or_exit, sampling_options, with_sampling, workload_options,
-                                 workload_overrides)
+from cascadia.cli.common import (OutputPath, chosen_plan, load_spec_or_exit, sampling_options, saving, with_sampling,
+                                 workload_options, workload_overrides)
 
 
 @click.command()
@@ -41,13 +41,13 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 
     from cascadia.exec.sampling import Sampling
     from cascadia.exec.stage import node_settings, serve_node
-    from cascadia.graph.plan import Plan
+    from cascadia.graph.planner import load_plan
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     loaded = load_spec_or_exit(spec_path)
     sampling = Sampling.of(with_sampling(loaded.workload, greedy, temperature, top_p, seed))
     try:
-        chosen = Plan.load(plan_path)
+        chosen = load_plan(plan_path, loaded)
         settings = attrs.evolve(node_settings(loaded, chosen, name, listen, control, successor, parent_pid),
                                 keep_serving=keep_serving,
                                 coordinator_wait_s=None if keep_serving else wait_coordinator)
@@ -66,8 +66,8 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @workload_options
 @sampling_options
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the metrics JSON here")
-@click.option("--outputs", "outputs_path", type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", type=OutputPath(), help="write the metrics JSON here")
+@click.option("--outputs", "outputs_path", type=OutputPath(),
               help="write each request's prompt and output token ids here (JSONL)")
 @click.option("--control", help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
 @click.option("--tokens", help="tcp nodes: the token address to bind (the last node's --successor)")
@@ -101,12 +101,12 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
     from cascadia.metrics import format_table
 
     def write(result: dict, outputs: list[dict]) -> None:
-        if json_path:
-            with open(json_path, "w") as f:
-                json.dump(result, f, indent=1)
-        if outputs_path:
-            with open(outputs_path, "w") as f:
+        if outputs_path:  # first: the generated tokens are what a failure to write the other would lose
+            with saving(outputs_path), open(outputs_path, "w") as f:
                 f.writelines(json.dumps(line) + "\n" for line in outputs)
+        if json_path:
+            with saving(json_path), open(json_path, "w") as f:
+                json.dump(result, f, indent=1)
 
     def phase_done(level: int, phase: str, records: list) -> None:
         tokens_out = sum(r.output_tokens for r in records)

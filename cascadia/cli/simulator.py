@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import IntList, chosen_plan, load_spec_or_exit, workload_options, workload_overrides
+from cascadia.cli.common import (IntList, OutputPath, chosen_plan, load_spec_or_exit, saving, workload_options,
+                                 workload_overrides)
 
 
 @click.command()
@@ -14,8 +15,8 @@ from cascadia.cli.common import IntList, chosen_plan, load_spec_or_exit, workloa
 @click.option("--analytic", is_flag=True, help="estimate from the spec's hardware figures (the default without "
                                                "--calibration)")
 @workload_options
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write the metrics JSON here")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="write a throughput/latency plot (PNG)")
+@click.option("--json", "json_path", type=OutputPath(), help="write the metrics JSON here")
+@click.option("--plot", "plot_path", type=OutputPath(), help="write a throughput/latency plot (PNG)")
 def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None, checkpoint: str | None,
              concurrency: tuple[int, ...] | None, requests: int | None, prompts: str | None,
              prompt_tokens: int | None, max_new_tokens: int | None, groups: int | None, json_path: str | None,
@@ -48,16 +49,15 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
         click.echo("(analytic estimate)")
     for warning in result["warnings"]:
         click.echo(f"warning: {warning}", err=True)
-    try:
-        if json_path:
-            with open(json_path, "w") as f:
-                json.dump(result, f, indent=1)
-        if plot_path:
-            plot(result, plot_path)
-    except OSError as e:
-        raise click.ClickException(f"{e.filename}: cannot write ({e.strerror})") from None
-    except RuntimeError as e:
-        raise click.ClickException(str(e)) from None
+    if json_path:
+        with saving(json_path), open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if plot_path:
+        try:
+            with saving(plot_path):
+                plot(result, plot_path)
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
 
 
 @click.command("calibrate")
@@ -67,7 +67,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
 @click.option("--rounds", type=click.IntRange(min=1),
               help="sweeps of each node's layer grid; each point is their median [default: 10]")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), required=True,
+@click.option("-o", "--output", type=OutputPath(), required=True,
               help="the calibration JSON to write (for `cascadia simulate --calibration`)")
 def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, rounds: int | None,
                       output: str) -> None:
@@ -78,10 +78,8 @@ def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, 
 
     loaded = load_spec_or_exit(spec)
     measured = _calibrate(loaded, chosen_plan(loaded, plan_path), checkpoint, rounds)
-    try:
+    with saving(output):
         measured.save(output)
-    except OSError as e:
-        raise click.ClickException(f"{output}: cannot write ({e.strerror})") from None
     click.echo(format_calibration(measured))
     click.echo(f"wrote {output}")
 
@@ -109,8 +107,8 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
 @workload_options
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="serve the workload this many times; the median is the measurement")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False),
-              help="write both results and the errors here")
+@click.option("--json", "json_path", type=OutputPath(),
+              help="write both results and the errors here (after a failed run: the prediction and the runs so far)")
 def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, concurrency,
                      requests, prompts, prompt_tokens, max_new_tokens, groups, repeats, json_path) -> None:
     """Simulate and run the same workload on the same plan, and print per level and metric the measured and
@@ -137,10 +135,15 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
 
     from cascadia.exec.checkpoint import CheckpointError
     from cascadia.exec.coordinator import PipelineError
-    from cascadia.exec.run import RunFailed, describe
+    from cascadia.exec.run import describe
     from cascadia.exec.transport import TransportError
     from cascadia.sim.calibration import CalibrationError
-    from cascadia.validate import format_comparison, validate
+    from cascadia.validate import ValidationFailed, format_comparison, validate
+
+    def write(result: dict) -> None:
+        if json_path:
+            with saving(json_path), open(json_path, "w") as f:
+                json.dump(result, f, indent=1)
 
     def phase_done(level: int, phase: str, records: list) -> None:
         click.echo(f"run: concurrency {level}, {phase}: {len(records)} requests", err=True)
@@ -150,7 +153,8 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
                           checkpoint=Path(checkpoint) if checkpoint else None,
                           on_message=lambda node, message: click.echo(describe(node, message), err=True),
                           on_phase=phase_done)
-    except RunFailed as e:
+    except ValidationFailed as e:
+        write(e.result)
         raise click.ClickException(f"run failed: {e}") from None
     except (CalibrationError, PipelineError, TransportError, CheckpointError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -159,12 +163,7 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
     warnings += dict.fromkeys(f"warning (measured): {w}" for run in result["measured"] for w in run["warnings"])
     for warning in warnings:
         click.echo(warning, err=True)
-    if json_path:
-        try:
-            with open(json_path, "w") as f:
-                json.dump(result, f, indent=1)
-        except OSError as e:
-            raise click.ClickException(f"{json_path}: cannot write ({e.strerror})") from None
+    write(result)
 
 
 @click.command()
@@ -179,13 +178,13 @@ def demo(concurrency) -> None:
 
     from cascadia.exec.calibrate import format_calibration
     from cascadia.exec.run import ensure_random_checkpoint
-    from cascadia.workload import override
 
     specs = Path(__file__).resolve().parents[2] / "specs"
     if not (specs / "tiny-local.yaml").is_file():
         raise click.ClickException(f"{specs}: not found (the demo runs from a source checkout)")
     _describe_paper_deployment(specs / "inkling-975b-11pc.yaml")
     loaded = load_spec_or_exit(str(specs / "tiny-local.yaml"))
+    workload = workload_overrides(loaded, concurrency, None, None, None, None)
     if ensure_random_checkpoint(loaded):
         click.echo(f"wrote random weights to {loaded.model.checkpoint}", err=True)
     chosen = chosen_plan(loaded, None)
@@ -193,7 +192,7 @@ def demo(concurrency) -> None:
     calibration = _calibrate(loaded, chosen)
     click.echo(f"calibration, measured now (ms)\n{format_calibration(calibration)}\n")
     click.echo("simulated and measured")
-    _validate_and_report(attrs.evolve(loaded, workload=override(loaded.workload, concurrency)), chosen, calibration)
+    _validate_and_report(attrs.evolve(loaded, workload=workload), chosen, calibration)
 
 
 def _describe_paper_deployment(path) -> None:

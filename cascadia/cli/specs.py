@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import Quantity, load_spec_or_exit
+from cascadia.cli.common import OutputPath, Quantity, load_spec_or_exit, saving
 
 
 @click.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["json", "dot"]), default="json", show_default=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), help="file to write (default: stdout)")
+@click.option("-o", "--output", type=OutputPath(), help="file to write (default: stdout)")
 def graph(spec: str, fmt: str, output: str | None) -> None:
     """Write the model's dataflow graph (ops with parameters, bytes, FLOPs and state) as JSON or DOT."""
     from cascadia.graph.build import build_graph, graph_totals, render
@@ -21,7 +21,7 @@ def graph(spec: str, fmt: str, output: str | None) -> None:
     if output is None:
         click.echo(render(g, fmt), nl=False)
         return
-    with open(output, "w") as f:
+    with saving(output), open(output, "w") as f:
         f.write(render(g, fmt))
     totals = graph_totals(g)
     click.echo(f"wrote {output}: {g.number_of_nodes()} ops, {g.number_of_edges()} edges; {totals.params:,} params "
@@ -31,9 +31,9 @@ def graph(spec: str, fmt: str, output: str | None) -> None:
 
 @click.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
+@click.option("--json", "json_path", type=OutputPath(allow_dash=True),
               help="write the plan as JSON to this file ('-' = stdout, instead of the table)")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
+@click.option("-o", "--output", type=OutputPath(),
               help="save the plan for `cascadia run` and `cascadia simulate`")
 def plan(spec: str, json_path: str | None, output: str | None) -> None:
     """Place consecutive layers on the spec's nodes: the fastest split that fits in memory."""
@@ -49,7 +49,8 @@ def plan(spec: str, json_path: str | None, output: str | None) -> None:
         raise click.ClickException(f"{spec}: no plan fits. {e}") from None
     for path in (output, json_path):
         if path and path != "-":
-            result.save(path)
+            with saving(path):
+                result.save(path)
     if json_path == "-":
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
@@ -96,13 +97,13 @@ def spec_show(path: str) -> None:
               help="network link between machines")
 @click.option("--latency", type=Quantity("duration"), default="100us", show_default=True,
               help="one-way network latency")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), required=True,
-              help="the spec file to write")
+@click.option("-o", "--output", type=OutputPath(), required=True, help="the spec file to write")
 def spec_from_hf(config: str, nodes: int, memory: int, bandwidth: float, latency: float, output: str) -> None:
     """Write a starting spec for a transformers model.
 
     CONFIG is a config.json or a checkpoint folder holding one; the spec puts the model on --nodes alike machines
-    in the paper's weight formats (experts int4, the rest int8).
+    in the paper's weight formats (experts and dense MLP int4 in groups of 32, attention and head int8, embedding
+    bf16).
     """
     import os
 
@@ -119,11 +120,8 @@ def spec_from_hf(config: str, nodes: int, memory: int, bandwidth: float, latency
         raise click.ClickException(str(e)) from None
     header = (f"# Written by `cascadia spec from-hf {config}`: a start. Check the weight formats, add\n"
               "# memory_bandwidth and compute per node for analytic estimates, and shape the workload.\n")
-    try:
-        with open(output, "w") as f:
-            f.write(header + yaml.safe_dump(body, sort_keys=False, width=120, default_flow_style=None))
-    except OSError as e:
-        raise click.ClickException(f"cannot write {output}: {e.strerror}") from None
+    with saving(output), open(output, "w") as f:
+        f.write(header + yaml.safe_dump(body, sort_keys=False, width=120, default_flow_style=None))
     click.echo(f"wrote {output}: {summarize(load_spec_or_exit(output))}")
 
 

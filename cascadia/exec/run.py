@@ -137,7 +137,7 @@ class Pipeline:
         """Every concurrency level of `workload` (warm-up and measured phase); `prompts` default to the workload's
         prompts file (text encoded by the checkpoint's tokenizer), or seeded random prompts without one; `groups`
         (pipeline groups) to one per stage.
-        Raises RunFailed, holding what finished, when the pipeline fails."""
+        Raises RunFailed, holding what finished, when the pipeline fails or the run is interrupted (Ctrl-C)."""
         spec = self.spec
         if prompts is None:
             prompts = workload_prompts(workload, self.checkpoint)
@@ -163,6 +163,8 @@ class Pipeline:
                     on_phase(level.concurrency, phase.name, recorder.records)
         except PipelineError as e:
             raise RunFailed(str(e), result([f"the run stopped early: {e}"]), outputs.lines) from None
+        except KeyboardInterrupt:
+            raise RunFailed("interrupted", result(["the run was interrupted"]), outputs.lines) from None
         return RunResult(result(), outputs.lines)
 
     def score(self, ids: Sequence[int], prefill: int | None = None) -> np.ndarray:
@@ -206,6 +208,8 @@ def _node_command(spec: Spec, plan: Plan, run_dir: Path, addresses: Addresses, c
     checkpoint = checkpoint or spec.model.checkpoint
     if checkpoint is None:
         raise ValueError("no checkpoint: the spec's model names none; give one (--checkpoint DIR)")
+    if not Path(checkpoint).is_dir():
+        raise ValueError(f"{checkpoint}: no such checkpoint folder")
     spec_path, plan_path = run_dir / "spec.yaml", run_dir / "plan.json"
     spec_path.write_text(yaml.safe_dump(dump_spec(spec), sort_keys=False))
     plan.save(plan_path)
@@ -230,6 +234,8 @@ def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts
     """Start the pipeline, run `workload` (default: the spec's, whose sampling the nodes use) through it, shut it
     down."""
     workload = workload or spec.workload
+    if prompts is None:  # before the nodes start: a bad prompts file fails at once
+        prompts = workload_prompts(workload, checkpoint or spec.model.checkpoint)
     with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling.of(workload),
                         addresses=addresses, node_timeout_s=node_timeout_s, on_message=on_message) as pipeline:
         return pipeline.run(workload, prompts, groups, on_phase)
