@@ -24,7 +24,7 @@ import zmq
 
 from cascadia.exec.node import NodeSettings, Peer, run_node
 from cascadia.exec.transport import COORDINATOR, Transport, free_port, generate_keys, receive, send, tcp_address
-from cascadia.exec.wire import Decoder, Encoder, Frame, Ready, Shutdown
+from cascadia.exec.wire import COORDINATOR_SENDER, Decoder, Encoder, Frame, Ready, Shutdown, decode, node_sender
 
 ROWS = (1, 8, 32, 128)
 HIDDEN = (1024, 6144)
@@ -54,17 +54,16 @@ class Bench:
         control, results, listen = (tcp_address("127.0.0.1", free_port()) for _ in range(3))
         self.control = self.transport.bind(zmq.ROUTER, control)
         self.results = self.transport.bind(zmq.PULL, results)
-        settings = NodeSettings("echo", sender=0, first_layer=0, last_layer=0, listen=listen,
+        settings = NodeSettings("echo", sender=node_sender(0), first_layer=0, last_layer=0, listen=listen,
                                 successor=Peer(COORDINATOR, results), control=Peer(COORDINATOR, control),
                                 curve_keys=keys, max_message_bytes=64 * 2**20, parent_pid=os.getpid())
         self.node = SPAWN.Process(target=node_main, args=(settings,))
         self.node.start()
-        decoder = Decoder()
-        while not isinstance(decoder.decode(receive(self.control)[1:]).message, Ready):
+        while not isinstance(decode(receive(self.control)[1:]).message, Ready):
             pass
         self.input = self.transport.connect(zmq.PUSH, listen, "echo")
-        self.encoder = Encoder(sender=1)
-        self.decoder = Decoder(max_message_bytes=64 * 2**20)
+        self.encoder = Encoder(COORDINATOR_SENDER)
+        self.decoder = Decoder(settings.sender, (Frame,), max_message_bytes=64 * 2**20)
 
     def _send(self, frame: Frame) -> None:
         send(self.input, self.encoder.encode(frame))

@@ -14,14 +14,14 @@ import zmq
 from cascadia.exec.node import NodeSettings, Peer, run_node
 from cascadia.exec.transport import (COORDINATOR, Transport, TransportError, free_port, generate_keys, receive, send,
                                      tcp_address)
-from cascadia.exec.wire import (VERSION, Decoder, Encoder, Error, Frame, Hello, Progress, Ready, Release, Shutdown,
-                                Stats, StatsRequest, Tokens, encode)
+from cascadia.exec.wire import (COORDINATOR_SENDER, VERSION, Encoder, Error, Frame, Hello, Progress, Ready, Release,
+                                Shutdown, Stats, StatsRequest, Tokens, decode, encode, node_sender)
 
 HIDDEN = 8
 MAX_MESSAGE_BYTES = 256 * 1024
-COORDINATOR_SENDER = 100
 POISON = 666  # a token id the test stage refuses
 TIMEOUT_S = 10  # generous bound on any single wait; the tests never measure time
+FAR_AHEAD = 2**62  # a sequence number that would shut out every later message, were it recorded
 SPAWN = multiprocessing.get_context("spawn")
 
 
@@ -80,17 +80,15 @@ class Coordinator:
         self.control = transport.bind(zmq.ROUTER, self.control_address)
         self.tokens = transport.bind(zmq.PULL, self.token_address)
         self.encoder = Encoder(COORDINATOR_SENDER)
-        self.control_decoder = Decoder()
-        self.token_decoder = Decoder()
         self.first: zmq.Socket | None = None
 
     def settings(self, names: list[str], **extra) -> list[NodeSettings]:
         listens = [tcp_address("127.0.0.1", free_port()) for _ in names]
         successors = [Peer(name, listen) for name, listen in zip(names[1:], listens[1:])]
         successors.append(Peer(COORDINATOR, self.token_address))
-        return [NodeSettings(name, sender=i, first_layer=2 * i, last_layer=2 * i + 1, listen=listen, successor=succ,
-                             control=Peer(COORDINATOR, self.control_address), max_message_bytes=MAX_MESSAGE_BYTES,
-                             poll_s=0.05, **extra)
+        return [NodeSettings(name, sender=node_sender(i), first_layer=2 * i, last_layer=2 * i + 1, listen=listen,
+                             successor=succ, control=Peer(COORDINATOR, self.control_address),
+                             max_message_bytes=MAX_MESSAGE_BYTES, poll_s=0.05, **extra)
                 for i, (name, listen, succ) in enumerate(zip(names, listens, successors))]
 
     def connect_first(self, settings: NodeSettings) -> None:
@@ -99,7 +97,7 @@ class Coordinator:
     def next_control(self) -> tuple[str, object]:
         assert self.control.poll(TIMEOUT_S * 1000), "no control message"
         node, *frames = receive(self.control)
-        return node.bytes.decode(), self.control_decoder.decode(frames).message
+        return node.bytes.decode(), decode(frames).message
 
     def tell(self, node: str, message) -> None:
         send(self.control, [node.encode(), *self.encoder.encode(message)])
@@ -109,7 +107,7 @@ class Coordinator:
 
     def next_tokens(self) -> Tokens:
         assert self.tokens.poll(TIMEOUT_S * 1000), "no tokens came back"
-        return self.token_decoder.decode(receive(self.tokens)).message
+        return decode(receive(self.tokens)).message
 
     def wait_ready(self, settings: list[NodeSettings]) -> None:
         """Each node says HELLO, reports its loading, then READY, with its name and layers."""
@@ -189,26 +187,51 @@ def test_frames_flow_through_three_nodes_and_tokens_come_back(pipeline):
         assert new.frames == old.frames + 10 and new.busy_s > old.busy_s
 
 
-def test_bad_messages_are_rejected_logged_and_the_node_keeps_serving(pipeline):
+def rejected_by(coordinator: Coordinator, node: str, count: int) -> int:
+    """The node's count of rejected messages, once it reaches `count` (or after TIMEOUT_S)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while (rejected := coordinator.stats(node).rejected) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rejected
+
+
+def test_bad_and_stray_messages_are_rejected_logged_and_the_node_keeps_serving(pipeline):
+    """Nothing a stranger sends to b's input reaches b's stage or shuts out a, b's predecessor: not even a
+    STATS_REQUEST that claims a's sender id with a sequence number far ahead of a's."""
     coordinator, settings, tmp_path = pipeline
     b = settings[1]
+    coordinator.push(frame(50, [1]))
+    assert coordinator.next_tokens().frame_id == 50  # b has accepted a frame from a, numbered after 1
     rejected_before = coordinator.stats("b").rejected
     intruder = coordinator.transport.connect(zmq.PUSH, b.listen, "b")
-    good = encode(frame(50, [1]), 7, 5)
-    wrong_version = [good[0][:4] + (VERSION + 1).to_bytes(2, "little") + good[0][6:], *good[1:]]
-    oversized = [*good, *[np.zeros(MAX_MESSAGE_BYTES // 4, np.uint8)] * 5]
+    replayed = encode(frame(51, [1]), b.predecessor, 1)
+    wrong_version = [replayed[0][:4] + (VERSION + 1).to_bytes(2, "little") + replayed[0][6:], *replayed[1:]]
+    oversized = [*replayed, *[np.zeros(MAX_MESSAGE_BYTES // 4, np.uint8)] * 5]
     oversized_bytes = sum(memoryview(f).nbytes for f in oversized)
-    for message in (wrong_version, [b"not a message"], oversized, good, encode(frame(51, [1]), 7, 3)):
+    stray = [wrong_version, [b"not a message"], oversized, replayed, encode(frame(52, [1]), 77, FAR_AHEAD),
+             encode(StatsRequest(), b.predecessor, FAR_AHEAD)]
+    for message in stray:
         send(intruder, message)
-    assert coordinator.next_tokens().frame_id == 50  # the one good message went on
-    coordinator.push(frame(52, [5]))
-    assert coordinator.next_tokens().token_ids.tolist() == [8]
-    assert coordinator.stats("b").rejected == rejected_before + 4
+    assert rejected_by(coordinator, "b", rejected_before + len(stray)) == rejected_before + len(stray)
+    coordinator.push(frame(53, [5]))
+    tokens = coordinator.next_tokens()
+    assert (tokens.frame_id, tokens.token_ids.tolist()) == (53, [8])
     log = (tmp_path / "b.log").read_text()
     for reason in (f"protocol version {VERSION + 1}, this build speaks version {VERSION}", "header of 13 bytes",
                    f"message of {oversized_bytes} bytes exceeds the limit of {MAX_MESSAGE_BYTES}",
-                   "sequence number 3 from sender 7 is out of order"):
+                   f"sequence number 1 from sender {b.predecessor} is out of order",
+                   f"Frame from sender 77; only sender {b.predecessor} sends here",
+                   f"unexpected StatsRequest from sender {b.predecessor}"):
         assert f"b: rejected a message on its input socket: {reason}" in log
+
+
+def test_a_control_message_from_another_sender_is_rejected(pipeline):
+    coordinator, _, tmp_path = pipeline
+    rejected_before = coordinator.stats("b").rejected
+    send(coordinator.control, [b"b", *encode(Shutdown(), 5, FAR_AHEAD)])
+    assert coordinator.stats("b").rejected == rejected_before + 1  # b is still serving, and still hears us
+    assert (f"b: rejected a message on its control socket: Shutdown from sender 5; only sender {COORDINATOR_SENDER} "
+            "sends here") in (tmp_path / "b.log").read_text()
 
 
 def test_a_frame_over_the_socket_limit_is_dropped_and_the_node_keeps_serving(pipeline):

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from cascadia.cli import cli
 from cascadia.exec.transport import (Transport, TransportError, free_port, generate_keys, receive, send,
                                      tcp_address)
-from cascadia.exec.wire import Decoder, Encoder, Frame, Release
+from cascadia.exec.wire import Encoder, Frame, Release, decode
 
 NO_DELIVERY_WAIT_MS = 500  # how long a refused client is given to (wrongly) get a message through
 
@@ -46,7 +46,7 @@ def test_frame_crosses_a_push_pull_hop(transports, address):
     residual = np.arange(3 * 1024, dtype=np.float32).reshape(3, 1024)  # above ZeroMQ's copy threshold
     send(push, Encoder(sender=7).encode(Frame(9, 2, [0, 1, 2], [5, 6, 7], [1, 2, 3], [False, False, True], residual)))
     assert pull.poll(5000)
-    received = Decoder().decode(receive(pull))
+    received = decode(receive(pull))
     assert (received.sender, received.seq, received.message.frame_id) == (7, 1, 9)
     np.testing.assert_array_equal(received.message.residual, residual)
 

@@ -193,18 +193,30 @@ def test_header_fields_a_kind_does_not_use_must_be_zero(message, offset):
         decode(parts)
 
 
-def test_decoder_rejects_duplicates_and_reordering_per_sender():
-    decoder = Decoder()
-    first, second = Encoder(sender=1), Encoder(sender=2)
-    m1, m2, m3 = (first.encode(StatsRequest()) for _ in range(3))
+def test_decoder_rejects_duplicates_and_reordering():
+    decoder = Decoder(sender=1, kinds=(StatsRequest, Shutdown))
+    encoder = Encoder(sender=1)
+    m1, m2, m3 = (encoder.encode(StatsRequest()) for _ in range(3))
     decoder.decode(m1)
     decoder.decode(m3)
     with pytest.raises(WireError, match="sequence number 3 from sender 1 is duplicate"):
         decoder.decode(m3)
     with pytest.raises(WireError, match="sequence number 2 from sender 1 is out of order .last accepted 3"):
         decoder.decode(m2)
-    assert decoder.decode(second.encode(StatsRequest())).seq == 1  # another sender has its own numbering
-    assert decoder.decode(first.encode(Shutdown())).seq == 4  # a rejection does not break the sender's stream
+    assert decoder.decode(encoder.encode(Shutdown())).seq == 4  # a rejection does not break the sender's stream
+
+
+FAR_AHEAD = 2**62  # a sequence number that would shut out every later message, were it recorded
+
+
+def test_decoder_rejects_other_senders_and_kinds_without_moving_the_sequence_on():
+    decoder = Decoder(sender=1, kinds=(Frame,))
+    frame = Frame(1, 0, [0], [0], [5], [True])
+    with pytest.raises(WireError, match="^Frame from sender 77; only sender 1 sends here$"):
+        decoder.decode(encode(frame, 77, FAR_AHEAD))
+    with pytest.raises(WireError, match="^unexpected StatsRequest from sender 1$"):
+        decoder.decode(encode(StatsRequest(), 1, FAR_AHEAD))
+    assert decoder.decode(encode(frame, 1, 1)).seq == 1
 
 
 def test_messages_check_their_row_counts():

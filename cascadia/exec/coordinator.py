@@ -8,11 +8,13 @@ recorded with the same `Recorder` as the simulator's.
 
 A failure stops the phase within about a second, naming the node: an ERROR from it, a local node process that
 exited (`watch`), a node whose control connection dropped (found by pinging silent pipelines), or no frame back
-within `stall_s`.
+within `stall_s`. A stray message is no failure: the control socket takes only the messages a node of the plan sends
+as itself, the token socket only the last node's TOKENS; anything else is logged, counted in `dropped`, and dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -20,13 +22,14 @@ import zmq
 
 from cascadia.driver import PhaseDriver
 from cascadia.exec.transport import COORDINATOR, Transport, TransportError, receive_waiting, send
-from cascadia.exec.wire import (Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready, Shutdown, Stats,
-                                StatsRequest, Tokens, WireError)
+from cascadia.exec.wire import (COORDINATOR_SENDER, Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready,
+                                Shutdown, Stats, StatsRequest, Tokens, WireError, node_sender)
 from cascadia.metrics import Recorder
 from cascadia.policy import Event, Finished, Policy, Rejected, Request, Token
 from cascadia.policy import Frame as PolicyFrame
 
-SENDER = 0  # the coordinator's sender id on the wire; nodes are 1, 2, ... in stage order
+log = logging.getLogger(__name__)
+
 HEARTBEAT_S = 1.0  # how often a waiting coordinator checks that every node is still there
 
 
@@ -76,9 +79,12 @@ class Coordinator:
             raise
         self.control_address, self.tokens_address = control, tokens
         self.first: zmq.Socket | None = None
-        self.encoder = Encoder(SENDER)
-        self.control_decoder = Decoder()
-        self.token_decoder = Decoder()
+        self.encoder = Encoder(COORDINATOR_SENDER)
+        # A decoder per node: a control message is a node's only when it comes under the node's name and sender id.
+        self.control_decoders = {node: Decoder(node_sender(i), (Hello, Progress, Ready, Stats, Error))
+                                 for i, node in enumerate(self.nodes)}
+        self.token_decoder = Decoder(node_sender(len(self.nodes) - 1), (Tokens,))
+        self.dropped = 0  # stray or unreadable messages
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.tokens, zmq.POLLIN)
@@ -86,6 +92,7 @@ class Coordinator:
         self._stats_owed = dict.fromkeys(self.nodes, 0)  # stats requests not yet answered, by node
         self._ready: set[str] = set()
         self._last_heard: dict[str, float] = {}  # monotonic time of each starting node's last message
+        self._last_dropped: dict[str, str] = {}  # why each node's last dropped control message was dropped
         self._on_message: Callable[[str, Message], None] = lambda node, message: None
         self._clock0 = time.perf_counter()
 
@@ -104,8 +111,10 @@ class Coordinator:
             silent = [n for n in self.nodes
                       if n not in self._ready and time.monotonic() - self._last_heard.get(n, start) > timeout_s]
             if silent:
+                dropped = "".join(f"; {node}'s last message was dropped: {self._last_dropped[node]}"
+                                  for node in silent if node in self._last_dropped)
                 raise PipelineError(f"{', '.join(silent)}: no word within {timeout_s:g} s while starting (not "
-                                    f"started, or started without --control {self.control_address}?)")
+                                    f"started, or started without --control {self.control_address}?){dropped}")
         self.first = self.transport.connect(zmq.PUSH, first_address, self.nodes[0])
 
     # ---- serving --------------------------------------------------------------------------------------------
@@ -153,17 +162,20 @@ class Coordinator:
             ready = self._poll()
             if self.tokens in ready and (frames := receive_waiting(self.tokens)) is not None:
                 try:
-                    message = self.token_decoder.decode(frames).message
+                    return self.token_decoder.decode(frames).message
                 except WireError as e:
-                    raise PipelineError(f"{self.nodes[-1]}: sent an unreadable message: {e}") from None
-                if not isinstance(message, Tokens):
-                    raise PipelineError(f"{self.nodes[-1]}: sent a {type(message).__name__} to the token socket")
-                return message
+                    self._drop("token socket", str(e))
             if time.monotonic() - since > self.stall_s:
-                raise PipelineError(f"no tokens came back for {self.stall_s:g} s; frames handled per node: "
-                                    + ", ".join(f"{n} {s.frames}" for n, s in self._stats.items()))
+                raise PipelineError(self._stall_report())
             if not ready:
                 self._ping()
+
+    def _stall_report(self) -> str:
+        """Why a stall is an error, with each node's last counters, so that a silent or poisoned node stands out."""
+        frames = ", ".join(f"{node} {stats.frames}" for node, stats in self._stats.items())
+        rejected = ", ".join(f"{node} {stats.rejected}" for node, stats in self._stats.items())
+        return (f"no tokens came back for {self.stall_s:g} s; frames handled per node: {frames}; messages rejected "
+                f"per node: {rejected}; messages dropped by the coordinator: {self.dropped}")
 
     def stats(self) -> dict[str, Stats]:
         """Every node's current counters. A node that leaves a request unanswered for `stall_s` is an error: a node
@@ -199,21 +211,34 @@ class Coordinator:
         self.watch()
         return ready
 
+    def _drop(self, where: str, reason: str) -> None:
+        self.dropped += 1
+        log.warning("coordinator: dropped a message on its %s: %s", where, reason)
+
+    def _control_message(self, message_frames: list) -> tuple[str, Message] | None:
+        """The node that sent a control message, and the message; None after dropping it."""
+        identity, *frames = message_frames
+        node = identity.bytes.decode(errors="replace")
+        if node not in self.control_decoders:
+            self._drop("control socket", f"from {node!r}, which is not a node of the plan")
+            return None
+        try:
+            return node, self.control_decoders[node].decode(frames).message
+        except WireError as e:
+            self._drop(f"control socket from {node}", str(e))
+            self._last_dropped[node] = str(e)  # for the error, should the node seem silent
+            return None
+
     def _next_control(self) -> None:
         """Take in one control message, if one is waiting; an ERROR stops the run."""
         if (message_frames := receive_waiting(self.control)) is None:
             return
-        identity, *frames = message_frames
-        node = identity.bytes.decode(errors="replace")
-        if node not in self._stats_owed:
-            raise PipelineError(f"a control message from {node!r}, which is not a node of the plan")
-        try:
-            message = self.control_decoder.decode(frames).message
-        except WireError as e:
-            raise PipelineError(f"{node}: sent an unreadable control message: {e}") from None
+        if (received := self._control_message(message_frames)) is None:
+            return
+        node, message = received
         match message:
             case Error():
-                raise PipelineError(f"{message.node}: {message.text}")
+                raise PipelineError(f"{node}: {message.text}")
             case Stats():
                 self._stats[node] = message
                 self._stats_owed[node] = max(0, self._stats_owed[node] - 1)
@@ -226,8 +251,6 @@ class Coordinator:
                 if isinstance(message, Ready):
                     self._ready.add(node)
                 self._on_message(node, message)
-            case _:
-                raise PipelineError(f"{node}: sent an unexpected {type(message).__name__} on the control socket")
 
     # ---- the end ----------------------------------------------------------------------------------------------
     def shutdown(self, timeout_s: float) -> None:
@@ -246,12 +269,9 @@ class Coordinator:
                     remaining.remove(node)
             message = StatsRequest()  # from now on only a probe: a node still there drops it as it stops
             while self.control.poll(50) and (message_frames := receive_waiting(self.control)) is not None:
-                identity, *frames = message_frames
-                node = identity.bytes.decode(errors="replace")
-                try:
-                    reply = self.control_decoder.decode(frames).message
-                except WireError:
+                if (received := self._control_message(message_frames)) is None:
                     continue
+                node, reply = received
                 if not isinstance(reply, Stats) or node not in remaining:
                     continue
                 if self._stats_owed[node]:  # a reply to a request sent before SHUTDOWN (the probes are not counted)

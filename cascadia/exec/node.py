@@ -3,8 +3,9 @@
 The node binds its input (PULL), connects to its successor (PUSH) and to the coordinator's control socket (DEALER
 named after the node), waits until the coordinator accepts that connection, says HELLO, loads its stage while
 reporting PROGRESS, says READY, then serves: every FRAME goes through `stage.process` and the result (a FRAME for
-the next node, or TOKENS from the last) goes to the successor. A message that fails to decode is logged with its
-reason, counted, and dropped; the node keeps serving.
+the next node, or TOKENS from the last) goes to the successor. Its input takes only FRAMEs from the previous
+stage's node (the coordinator, for the first), its control socket only the coordinator's messages. Any other
+message, or one that fails to decode, is logged with its reason, counted, and dropped; the node keeps serving.
 
 It stops on SHUTDOWN, when the process that started it is gone, or when it loses the coordinator (the control
 connection closes, or ZeroMQ's heartbeats go unanswered: `cascadia.exec.transport`), so no node outlives its run.
@@ -29,8 +30,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from cascadia.exec.transport import Transport, TransportError, receive_waiting, send
-from cascadia.exec.wire import (DEFAULT_MAX_MESSAGE_BYTES, Decoder, Encoder, Error, Frame, Hello, Message, Progress,
-                                Ready, Release, Shutdown, Stats, StatsRequest, Tokens, WireError)
+from cascadia.exec.wire import (COORDINATOR_SENDER, DEFAULT_MAX_MESSAGE_BYTES, Decoder, Encoder, Error, Frame, Hello,
+                                Message, Progress, Ready, Release, Shutdown, Stats, StatsRequest, Tokens, WireError)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class Peer:
 @attrs.frozen
 class NodeSettings:
     name: str
-    sender: int  # this node's sender id on the wire, unique in the pipeline
+    sender: int = attrs.field(validator=attrs.validators.gt(COORDINATOR_SENDER))  # on the wire: `wire.node_sender`
     first_layer: int
     last_layer: int  # inclusive
     listen: str  # tcp://HOST:PORT of this node's input
@@ -73,6 +74,11 @@ class NodeSettings:
     digest: str = ""  # of the settings it was started with, said in HELLO (`cascadia.exec.stage.settings_digest`)
     keep_serving: bool = False  # serve run after run, each with its own coordinator (see the module's text)
     coordinator_wait_s: float | None = 120.0  # how long a starting node waits for a coordinator (None: no limit)
+
+    @property
+    def predecessor(self) -> int:
+        """The sender id of whoever sends this node its frames: the previous stage's node, or the coordinator."""
+        return self.sender - 1
 
 
 CONTROL_SEND_TIMEOUT_S = 10.0
@@ -139,8 +145,7 @@ class _Node:
         self.data: zmq.Socket | None = None
         self.successor: zmq.Socket | None = None
         self.encoder = Encoder(settings.sender)
-        self.data_decoder = Decoder(settings.max_message_bytes)
-        self.control_decoder = Decoder(settings.max_message_bytes)
+        self._new_decoders()
         self.busy_s = 0.0
         self.frames = 0
         self.rejected = 0
@@ -178,13 +183,18 @@ class _Node:
             poller.poll(self.settings.poll_s * 1000)
             self._check_parent()
             self._take_control(stage=None)
-        self.control_decoder = Decoder(self.settings.max_message_bytes)
-        self.data_decoder = Decoder(self.settings.max_message_bytes)
+        self._new_decoders()
         while self.data is not None and receive_waiting(self.data) is not None:
             pass  # a frame of the last run
         self.in_run = True
         s = self.settings
         self.tell(Hello(s.name, s.first_layer, s.last_layer, s.digest))
+
+    def _new_decoders(self) -> None:
+        """Decoders for a new coordinator's run, whose messages are numbered afresh."""
+        s = self.settings
+        self.control_decoder = Decoder(COORDINATOR_SENDER, (Shutdown, StatsRequest, Release), s.max_message_bytes)
+        self.data_decoder = Decoder(s.predecessor, (Frame,), s.max_message_bytes)
 
     def progress(self, done: int, total: int) -> None:
         """Report loading progress, and stop loading if told to or orphaned."""
@@ -247,31 +257,27 @@ class _Node:
         if parent is not None and os.getppid() != parent:
             raise NodeStopped(f"parent process {parent} is gone")
 
-    def _decode(self, frames: list, where: str, decoder: Decoder, expected: tuple[type, ...]) -> Message | None:
+    def _decode(self, frames: list, where: str, decoder: Decoder) -> Message | None:
         """The message in `frames` (received on the `where` socket), or None after logging why it was rejected."""
         try:
-            message = decoder.decode(frames).message
-            if not isinstance(message, expected):
-                raise WireError(f"unexpected {type(message).__name__} message")
-            return message
+            return decoder.decode(frames).message
         except WireError as e:
             self.rejected += 1
             log.warning("%s: rejected a message on its %s socket: %s", self.settings.name, where, e)
             return None
 
     def _on_control(self, frames: list, stage: Stage | None) -> None:
-        accepted = (Shutdown, StatsRequest) if stage is None else (Shutdown, StatsRequest, Release)
-        message = self._decode(frames, "control", self.control_decoder, accepted)
+        message = self._decode(frames, "control", self.control_decoder)
         match message:
             case Shutdown() if self.in_run or not self.settings.keep_serving:  # else: the last run's, late
                 self._end_run("shutdown requested")
             case StatsRequest():
                 self.tell(Stats(self.settings.name, self.busy_s, self.frames, self.rejected))
-            case Release():
+            case Release() if stage is not None:  # else: not serving; a run's streams start afresh
                 self._call_stage(f"release of slots {message.slots.tolist()}", stage.release, message.slots)
 
     def _on_data(self, frames: list, stage: Stage) -> None:
-        frame = self._decode(frames, "input", self.data_decoder, (Frame,))
+        frame = self._decode(frames, "input", self.data_decoder)
         if frame is None:
             return
         start = time.perf_counter()

@@ -21,7 +21,7 @@ from cascadia.exec.rows import BatchError
 from cascadia.exec.sampling import Sampling, extend_history
 from cascadia.exec.settings import settings_digest
 from cascadia.exec.transport import COORDINATOR
-from cascadia.exec.wire import Frame, Tokens
+from cascadia.exec.wire import Frame, Tokens, node_sender
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
 from cascadia.spec.types import Spec
 
@@ -122,7 +122,7 @@ def node_settings(spec: Spec, plan: Plan, name: str, listen: str, control: str, 
                              "as the successor")
         successor = address
     peer = COORDINATOR if index == len(plan.stages) - 1 else plan.stages[index + 1].node
-    return NodeSettings(name, sender=index + 1, first_layer=stage.first_layer, last_layer=stage.last_layer,
+    return NodeSettings(name, sender=node_sender(index), first_layer=stage.first_layer, last_layer=stage.last_layer,
                         listen=listen, successor=Peer(peer, successor), control=Peer(COORDINATOR, control),
                         curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid)
 

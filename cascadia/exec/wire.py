@@ -16,8 +16,10 @@ Kinds and their buffers (n = header rows, c = header cols):
   STATS          node utf-8, f64 busy seconds + u64 frames + u64 rejected
   SHUTDOWN, STATS_REQUEST: none
 
-Every sender numbers its messages; a `Decoder` rejects a number that does not exceed the last one it accepted from
-that sender (a duplicate or a reordering), so a replayed or misrouted message never reaches a stage.
+Every sender numbers its messages. Sender ids follow the pipeline: the coordinator is 0, the node of stage i is
+i + 1, so a node's frames come from the sender just before its own. A socket's `Decoder` accepts only its one sender
+and the kinds that sender sends there, and rejects a number that does not exceed the last one it accepted (a
+duplicate or a reordering), so a replayed or misrouted message, or one from a stranger, never reaches a stage.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 MAGIC = b"CSCD"
 VERSION = 2
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
+COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
 # magic, version, kind, sender, sequence number, then _Fields: frame id, group, rows, cols, dtype code
 _HEADER = struct.Struct("<4sHBIQQIIIB")
@@ -180,6 +183,11 @@ class Received:
     sender: int
     seq: int
     message: Message
+
+
+def node_sender(stage_index: int) -> int:
+    """The sender id of the node that holds stage `stage_index` (0-based)."""
+    return COORDINATOR_SENDER + 1 + stage_index
 
 
 # --- encoding ---------------------------------------------------------------------------------------------------
@@ -361,19 +369,27 @@ def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
 
 
 class Decoder:
-    """Decodes the messages arriving on one socket, and rejects any whose sequence number does not exceed the last
-    one accepted from the same sender."""
+    """Decodes what one sender sends on one socket: a message from another sender, of a kind not in `kinds`, or whose
+    sequence number does not exceed the last one accepted (a duplicate or a reordering) is rejected. Only an accepted
+    message moves the sequence on, so a stray or forged message cannot shut the real sender out."""
 
-    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    def __init__(self, sender: int, kinds: tuple[type, ...], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.sender = sender
+        self.kinds = kinds
         self.max_message_bytes = max_message_bytes
-        self._last_seq: dict[int, int] = {}
+        self._last_seq: int | None = None
 
     def decode(self, frames: Sequence) -> Received:
         received = decode(frames, self.max_message_bytes)
-        last = self._last_seq.get(received.sender)
+        what = f"{type(received.message).__name__} from sender {received.sender}"
+        if received.sender != self.sender:
+            raise WireError(f"{what}; only sender {self.sender} sends here")
+        if not isinstance(received.message, self.kinds):
+            raise WireError(f"unexpected {what}")
+        last = self._last_seq
         if last is not None and received.seq <= last:
-            what = "duplicate" if received.seq == last else "out of order"
-            raise WireError(f"sequence number {received.seq} from sender {received.sender} is {what} "
+            order = "duplicate" if received.seq == last else "out of order"
+            raise WireError(f"sequence number {received.seq} from sender {received.sender} is {order} "
                             f"(last accepted {last})")
-        self._last_seq[received.sender] = received.seq
+        self._last_seq = received.seq
         return received
