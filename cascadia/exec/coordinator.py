@@ -172,8 +172,9 @@ class Coordinator:
 
     def _stall_report(self) -> str:
         """Why a stall is an error, with each node's last counters, so that a silent or poisoned node stands out."""
-        frames = ", ".join(f"{node} {stats.frames}" for node, stats in self._stats.items())
-        rejected = ", ".join(f"{node} {stats.rejected}" for node, stats in self._stats.items())
+        known = [(node, self._stats[node]) for node in self.nodes if node in self._stats]  # in stage order
+        frames = ", ".join(f"{node} {stats.frames}" for node, stats in known)
+        rejected = ", ".join(f"{node} {stats.rejected}" for node, stats in known)
         return (f"no tokens came back for {self.stall_s:g} s; frames handled per node: {frames}; messages rejected "
                 f"per node: {rejected}; messages dropped by the coordinator: {self.dropped}")
 
