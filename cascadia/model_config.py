@@ -8,6 +8,7 @@ ignored. Everything else in Cascadia (graph, planner, engine, simulator) reads t
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,47 @@ _ALIASES = {
     "model_max_length": "max_position_embeddings",
     "embedding_multiplier": "logits_mup_width_multiplier",
 }
+# Most num_hidden_layers: per-layer lists are built from it, and a typo like 1e12 layers must fail, not hang.
+MAX_LAYERS = 10_000
 
 
 class ConfigError(ValueError):
     """A model configuration that cannot describe a valid Inkling text model."""
+
+
+def text_fields(raw: Any) -> dict[str, Any]:
+    """The text model's keys of a transformers config: its `text_config` (a multimodal config) or its top level,
+    with `mtp_config`'s layer count as `num_mtp_layers` unless the text config sets that (as transformers does)."""
+    if not isinstance(raw, dict):
+        raise ConfigError("expected a JSON object")
+    for key in ("text_config", "mtp_config"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ConfigError(f"{key}: expected a JSON object")
+    fields, mtp = dict(raw.get("text_config") or raw), raw.get("mtp_config") or {}
+    if "num_mtp_layers" not in fields and mtp.get("num_nextn_predict_layers") is not None:
+        fields["num_mtp_layers"] = mtp["num_nextn_predict_layers"]
+    return fields
+
+
+def read_text_fields(path: str | Path) -> tuple[dict[str, Any], Path]:
+    """`text_fields` of a `config.json` (or of the one in folder `path`), and the file read. Raises `ConfigError`
+    naming the file for one that cannot be read."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return text_fields(json.loads(path.read_text(encoding="utf-8"))), path
+    except ConfigError as e:
+        problem = str(e)
+    except FileNotFoundError:
+        problem = "no such file"
+    except IsADirectoryError:
+        problem = "is a folder, not a file"
+    except OSError as e:  # permissions, a name too long
+        problem = f"cannot read: {e.strerror or e}"
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deeply
+        problem = f"not valid JSON ({e})"
+    raise ConfigError(f"{path}: {problem}")
 
 
 @attrs.frozen(kw_only=True)
@@ -79,49 +117,41 @@ class InklingConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> InklingConfig:
         """Build from a transformers config dict: the text config, or the multimodal top level."""
-        d = dict(raw.get("text_config") or raw)
-        mtp = raw.get("mtp_config") or {}
-        if "num_mtp_layers" not in d and mtp.get("num_nextn_predict_layers") is not None:
-            d["num_mtp_layers"] = mtp["num_nextn_predict_layers"]
+        d = text_fields(raw)
         for alias, name in _ALIASES.items():
             if alias in d:
                 d.setdefault(name, d.pop(alias))
         if d.get("dense_intermediate_size") is not None:
             # In such checkpoints `intermediate_size` is the experts' width (transformers #49416).
-            d["moe_intermediate_size"] = d.get("intermediate_size", cls.moe_intermediate_size)
+            d["moe_intermediate_size"] = d.get("intermediate_size", attrs.fields(cls).moe_intermediate_size.default)
             d["intermediate_size"] = d.pop("dense_intermediate_size")
-        n_layers = int(d.get("num_hidden_layers", 66))
-        if not d.get("layer_types"):
-            local = d.get("local_layer_ids")
-            local = set(local) if local is not None else {i for i in range(n_layers) if (i + 1) % 6}
-            d["layer_types"] = [SLIDING if i in local else GLOBAL for i in range(n_layers)]
-        if not d.get("mlp_layer_types"):
-            dense_idx = int(d.get("dense_mlp_idx") or 0)
-            d["mlp_layer_types"] = [DENSE if i < dense_idx else SPARSE for i in range(n_layers)]
-        known = {f.name for f in attrs.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in known}
-        kwargs["layer_types"] = tuple(kwargs["layer_types"])
-        kwargs["mlp_layer_types"] = tuple(kwargs["mlp_layer_types"])
+        n_layers = d.get("num_hidden_layers", 66)
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 0 < n_layers <= MAX_LAYERS:
+            raise ConfigError(f"num_hidden_layers must be an integer in 1..{MAX_LAYERS}, got {n_layers!r}")
         try:
+            if not d.get("layer_types"):
+                local = d.get("local_layer_ids")
+                local = set(local) if local is not None else {i for i in range(n_layers) if (i + 1) % 6}
+                d["layer_types"] = [SLIDING if i in local else GLOBAL for i in range(n_layers)]
+            if not d.get("mlp_layer_types"):
+                dense_idx = int(d.get("dense_mlp_idx") or 0)
+                d["mlp_layer_types"] = [DENSE if i < dense_idx else SPARSE for i in range(n_layers)]
+            known = {f.name for f in attrs.fields(cls)}
+            kwargs = {k: v for k, v in d.items() if k in known}
+            kwargs["layer_types"] = tuple(kwargs["layer_types"])
+            kwargs["mlp_layer_types"] = tuple(kwargs["mlp_layer_types"])
             return cls(**kwargs)
-        except TypeError as e:  # a wrongly typed value that attrs could not even take
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:  # a wrongly typed value (a config.json not checked as a spec's is)
             raise ConfigError(str(e)) from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> InklingConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
+        """Build from a `config.json`, or from the one in folder `path`."""
+        fields, path = read_text_fields(path)
         try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such file") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        try:
-            return cls.from_hf_dict(raw)
+            return cls.from_hf_dict(fields)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
 
@@ -169,7 +199,22 @@ class InklingConfig:
             out.append(f"unpadded_vocab_size must lie in 1..vocab_size ({self.vocab_size})")
         if self.hidden_act != "silu":
             out.append(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if not (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < math.inf):
+            out.append(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        # A stop token the head cannot produce would never stop a generation.
+        if bad := [t for t in eos if t is not None and not (isinstance(t, int) and 0 <= t < self.output_vocab_size)]:
+            out.append(f"eos_token_id {bad[0]!r} lies outside the vocabulary (0..{self.output_vocab_size - 1})")
         return out
+
+    def differences(self, other: InklingConfig) -> list[str]:
+        """`FIELD MINE vs OTHERS` for each field that differs, in field order (long values shortened)."""
+        def shown(value: Any) -> str:
+            text = repr(value)
+            return text if len(text) <= 40 else text[:37] + "..."
+
+        pairs = ((f.name, getattr(self, f.name), getattr(other, f.name)) for f in attrs.fields(InklingConfig))
+        return [f"{name} {shown(mine)} vs {shown(theirs)}" for name, mine, theirs in pairs if mine != theirs]
 
     # ---- per-layer geometry -------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:

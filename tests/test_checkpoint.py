@@ -1,16 +1,20 @@
 import json
 import shutil
+import struct
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
 from cascadia.exec.checkpoint import Checkpoint, CheckpointError, canonical_name
 from cascadia.exec.init_model import random_tensor
+from cascadia.exec.stage import Sampling, load_stage
 from cascadia.exec.quantize import round_to_bf16
 from cascadia.model_config import InklingConfig
 from cascadia.tensors import EMBED, HEAD, all_tensors, embedding_tensors, head_tensors, layer_prefix, layer_tensors
+from sim_specs import even_plan, tiny_spec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded")
@@ -212,3 +216,71 @@ def test_unknown_names_and_layers_are_refused():
         ckpt.tensor("model.layers.9.mlp.gate.weight")
     with pytest.raises(CheckpointError, match="layer 4 out of range"):
         ckpt.layer(4)
+
+
+def _header_file(path: Path, header: bytes) -> Path:
+    """A checkpoint folder whose model.safetensors holds `header` and four bytes of data."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(small_config()))
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    return path
+
+
+@pytest.mark.parametrize("header, needle", [
+    (b"[]", r"not a readable safetensors file \(its header is a JSON list, not an object\)"),
+    (b'{"lm_head.weight": [1]}', r"expected a JSON object, got \[1\]"),
+    (b'{"lm_head.weight": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}', r"dtype must be text"),
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": ["a"], "data_offsets": [0, 4]}}', r"shape must be a list"),
+    (b'{"lm_head.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0.5, 4]}}', r"data_offsets must be"),
+])
+def test_malformed_headers_name_the_file_and_tensor(tmp_path, header, needle):
+    entry = r"the header entry of tensor 'lm_head\.weight' is malformed: " if header != b"[]" else ""
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: {entry}{needle}"):
+        Checkpoint.open(_header_file(tmp_path, header))
+
+
+def test_an_index_naming_a_folder(tmp_path):
+    path = tmp_path / "ckpt"
+    (path / "shards").mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(small_config()))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {HEAD: "shards"}}))
+    with pytest.raises(CheckpointError, match=r"shards: tensor 'lm_head\.weight' \(expected shape \(64, 16\)\): "
+                                              r"is a folder, not a file"):
+        Checkpoint.open(path).tensor(HEAD)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_non_finite_weights_are_named_with_file_and_position(tmp_path, dtype):
+    raw = small_config()
+    tensors = full_tensors(raw)
+    tensors[HEAD][3, 5] = np.nan
+    stack = layer_prefix(1) + "mlp.experts.down_proj"
+    tensors[stack][2, 1, 0] = -np.inf
+    ckpt = Checkpoint.open(write_checkpoint(tmp_path, raw, {k: v.astype(dtype) for k, v in tensors.items()}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'lm_head\.weight': holds NaN or infinite "
+                                              r"values \(the first, at \[3, 5\], is nan\)"):
+        ckpt.tensor(HEAD)
+    assert len(next(ckpt.slices(stack, per=2))) == 2  # experts 0 and 1 are finite
+    with pytest.raises(CheckpointError, match=r"\(the first, at \[2, 1, 0\], is -inf\)"):
+        list(ckpt.slices(stack, per=2))
+
+
+def test_huge_finite_weights_are_accepted(tmp_path):
+    raw = small_config()
+    tensors = full_tensors(raw)
+    tensors[HEAD][:] = 3e38  # their squares overflow: the exact test must clear them
+    ckpt = Checkpoint.open(write_checkpoint(tmp_path, raw, tensors))
+    assert (ckpt.tensor(HEAD) == np.float32(3e38)).all()
+
+
+def test_a_stage_names_the_fields_its_checkpoint_differs_in(tmp_path):
+    config = Checkpoint.open(FIXTURES / "base").config
+    spec = tiny_spec()
+    other = attrs.evolve(config, hidden_size=2 * config.hidden_size, rms_norm_eps=1e-5)
+    spec = attrs.evolve(spec, model=attrs.evolve(spec.model, config=other), source=tmp_path / "spec.yaml")
+    with pytest.raises(CheckpointError) as caught:
+        load_stage(spec, even_plan(spec).stages[0], FIXTURES / "base", None, Sampling(), False,
+                   lambda done, total: None)
+    assert str(caught.value) == (f"{FIXTURES / 'base'}: its config.json describes another model than the spec's: "
+                                 f"hidden_size {config.hidden_size} vs {2 * config.hidden_size}, "
+                                 "rms_norm_eps 1e-06 vs 1e-05 (checkpoint vs spec)")

@@ -22,6 +22,8 @@ def test_multimodal_top_level_and_aliases():
 def test_dense_intermediate_size_means_intermediate_is_expert_width():
     cfg = InklingConfig.from_hf_dict({"intermediate_size": 3072, "dense_intermediate_size": 24576})
     assert (cfg.moe_intermediate_size, cfg.intermediate_size) == (3072, 24576)
+    cfg = InklingConfig.from_hf_dict({"dense_intermediate_size": 20000})  # experts keep their default width
+    assert (cfg.moe_intermediate_size, cfg.intermediate_size) == (3072, 20000)
 
 
 def test_round_trip_through_hf_dict():
@@ -34,7 +36,29 @@ def test_round_trip_through_hf_dict():
     ({"hidden_size": 0}, "hidden_size must be a positive integer"),
     ({"num_hidden_layers": 2, "layer_types": ["hybrid"]}, "layer_types has 1 entries"),
     ({"mlp_layer_types": ["moe"] * 66}, "mlp_layer_types may hold only"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be a positive number, got -1"),
+    ({"eos_token_id": [2, 201024]}, r"eos_token_id 201024 lies outside the vocabulary \(0..201023\)"),
+    ({"unpadded_vocab_size": 100, "eos_token_id": 100}, r"eos_token_id 100 lies outside the vocabulary \(0..99\)"),
+    ({"num_hidden_layers": "six"}, "num_hidden_layers must be an integer in 1..10000, got 'six'"),
+    ({"num_hidden_layers": 10**12}, "num_hidden_layers must be an integer in 1..10000"),
+    ({"text_config": [1]}, "text_config: expected a JSON object"),
 ])
 def test_invalid_configs_name_the_field(raw, needle):
     with pytest.raises(ConfigError, match=needle):
         InklingConfig.from_hf_dict(raw)
+
+
+@pytest.mark.parametrize("content, problem", [
+    (None, "is a folder, not a file"),
+    (b"\xff{}", "not valid JSON"),
+    (b"[" * 100_000, "not valid JSON"),
+    (b'{"mtp_config": 1}', "mtp_config: expected a JSON object"),
+], ids=["folder", "not utf-8", "nested too deeply", "mtp_config not an object"])
+def test_unreadable_config_files_name_the_file(tmp_path, content, problem):
+    path = tmp_path / "config.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError, match=f"^{tmp_path}/config.json: {problem}"):
+        InklingConfig.from_file(tmp_path)

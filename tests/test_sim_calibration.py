@@ -91,6 +91,9 @@ def test_check_model():
     with pytest.raises(CalibrationError, match=r"meta.model: made for another model: hidden_size 64 \(the spec's model "
                                                r"has 128\)"):
         cal.check_model(bigger)
+    stray = attrs.evolve(cal, links={("n0", "n1"): spec.cluster.default_link, ("n1", "n9"): spec.cluster.default_link})
+    assert stray.check_model(spec) == ["calibration: links name nodes the spec's cluster does not have, so they are "
+                                       "not used: links[1] (n1->n9)"]
 
 
 DELETE = object()
@@ -132,6 +135,9 @@ TABLES = "nodes.n0.tables"
     ("nodes.n1.stream_s", "1ms", "nodes.n1.stream_s: expected a finite number"),
     ("links.0.bandwidth_Bps", 0, r"links\[0\].bandwidth_Bps: must be positive"),
     ("links.1.to", DELETE, r"links\[1\]: missing 'to'"),
+    ("links", 5, "links: expected a list"),
+    ("links.0.from", ["n0"], r"links\[0\].from: expected a node name, got \['n0'\]"),
+    ("links.1", {"from": "n0", "to": "n1", "latency_s": 0, "bandwidth_Bps": 1}, r"links\[1\]: link n0->n1 given twice"),
     ("routing", {"rows": [1, 2], "distinct_experts": [1.0]}, "routing.distinct_experts: has 1 values for 2 rows"),
     ("hosts", {"box": {"speedup": [1, 0]}}, r"hosts.box.speedup\[1\]: must be positive"),
     ("hosts", {"box": {"speedup": []}}, "hosts.box.speedup: expected a non-empty list"),

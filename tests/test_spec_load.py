@@ -157,7 +157,8 @@ BAD = [
     (CLUSTER, "s.yaml:1: model: missing (required)"),
     ("model: {config: {hidden_size: 0}}\n" + CLUSTER,
      "s.yaml:1: model.config.hidden_size: hidden_size must be a positive integer, got 0"),
-    ("model: {config: {num_hidden_layers: 1000000000000}}\n" + CLUSTER, "expected at most 10000 layers"),
+    ("model: {config: {num_hidden_layers: 1000000000000}}\n" + CLUSTER,
+     "s.yaml:1: model.config.num_hidden_layers: num_hidden_layers must be an integer in 1..10000, got 1000000000000"),
     ("model: {config: {hidden_sise: 8}}\n" + CLUSTER, "model.config.hidden_sise: unknown model config key; "
                                                        "did you mean 'hidden_size'?"),
     ("model: {config: {eos_token_id: [1, x]}}\n" + CLUSTER,
@@ -189,6 +190,9 @@ BAD = [
     ("model: {config: {}}\n" + CLUSTER + "worklaod: {}\n", "s.yaml:3: worklaod: unknown key; did you mean 'workload'?"),
     ("model: {config: {}}\n" + CLUSTER + "runtime:\n  max_streams: 2\n  max_streams: 3\n",
      "s.yaml:5: runtime.max_streams: duplicate key (first on line 4)"),
+    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB}], links: [1]}\n",
+     "s.yaml:2: cluster.links: expected a mapping of keys, got [1]"),
+    ("model: {config: [1]}\n" + CLUSTER, "s.yaml:1: model.config: expected a mapping of config fields, got [1]"),
     ("model: [1\n", "s.yaml:2: not valid YAML"),
     ("- 1\n", "s.yaml:1: a spec is a mapping of sections"),
     ("", "s.yaml: the file is empty"),
@@ -244,6 +248,37 @@ def test_override_by_alias_beats_the_base_field(tmp_path):
     spec = load_spec(write(tmp_path, "s.yaml", f"model: {{hf_config: {TINY_CONFIG}, overrides: {{sliding_window: 8}}}}\n"
                                                + CLUSTER))
     assert spec.model.config.sliding_window_size == 8
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", "64", "hidden_size: expected an integer, got '64'"),
+    ("head_dim", None, "head_dim: expected an integer, got None"),
+    ("head_dim", 64.5, "head_dim: expected an integer, got 64.5"),
+    ("route_scale", float("nan"), "route_scale: expected a number, got nan"),
+    ("layer_types", "hybrid", "layer_types: expected a list of text values, got 'hybrid'"),
+    ("rms_norm_eps", -1, "rms_norm_eps must be a positive number, got -1.0"),
+    ("eos_token_id", 512, "eos_token_id 512 lies outside the vocabulary (0..511)"),
+])
+def test_hf_config_problems_name_the_config_file_and_key(tmp_path, field, value, message):
+    write(tmp_path, "ckpt/config.json", json.dumps(json.loads(TINY_CONFIG.read_text()) | {field: value}))
+    found = problems(write(tmp_path, "s.yaml", CLUSTER + "model:\n  hf_config: ckpt\n"))
+    assert found == [f"{tmp_path}/s.yaml:3: model.hf_config: {tmp_path}/ckpt/config.json: {message}"]
+
+
+def test_hf_config_that_is_a_folder_or_not_an_object(tmp_path):
+    (tmp_path / "ckpt" / "config.json").mkdir(parents=True)
+    write(tmp_path, "list.json", json.dumps({"text_config": [1]}))
+    found = problems(write(tmp_path, "s.yaml", CLUSTER + "model: {hf_config: ckpt}\n"))
+    assert found == [f"{tmp_path}/s.yaml:2: model.hf_config: {tmp_path}/ckpt/config.json: is a folder, not a file"]
+    found = problems(write(tmp_path, "s.yaml", CLUSTER + "model: {hf_config: list.json}\n"))
+    assert found == [f"{tmp_path}/s.yaml:2: model.hf_config: {tmp_path}/list.json: text_config: expected a JSON object"]
+
+
+def test_an_invalid_reserve_is_the_only_problem(tmp_path):
+    found = problems(write(tmp_path, "s.yaml", "model: {config: {}}\ncluster:\n  reserve: -64MiB\n  nodes: "
+                                               "[{name: a, memory: 1GiB}, {name: b, memory: 1GiB, reserve: x}]\n"))
+    assert found == [f"{tmp_path}/s.yaml:3: cluster.reserve: a size must not be negative, got '-64MiB'",
+                     f"{tmp_path}/s.yaml:4: cluster.nodes[1].reserve: expected a size like '64GB', got 'x'"]
 
 
 def test_a_wrong_config_field_does_not_set_off_others(tmp_path):

@@ -131,9 +131,11 @@ def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, 
                with_logits: bool, progress: ProgressFn) -> EngineStage:
     """Read only this stage's layers (and the embedding or head it holds) and compile them."""
     opened = Checkpoint.open(checkpoint)
-    if opened.config != spec.model.config:
-        raise CheckpointError(f"{checkpoint}: its config.json describes another model than the spec "
-                              f"{spec.source or ''}".rstrip())
+    if differences := opened.config.differences(spec.model.config):
+        more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
+        # The spec is not named: `run` hands its nodes a temporary copy of it.
+        raise CheckpointError(f"{checkpoint}: its config.json describes another model than the spec's: "
+                              f"{', '.join(differences[:3])}{more} (checkpoint vs spec)")
     runtime = spec.runtime
     node = next(n for n in spec.cluster.nodes if n.name == stage.node)
     engine = StageEngine(opened, stage.layers, embed=EMBED in stage.roles, head=HEAD in stage.roles,

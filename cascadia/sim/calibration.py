@@ -146,7 +146,9 @@ class Calibration:
         return bounds
 
     def check_model(self, spec: Spec) -> list[str]:
-        """Raise if made for another model; return warnings for other formats or precision."""
+        """Raise if made for another model; return warnings for other formats or precision, and for links to nodes
+        the spec lacks (harmless for a calibration of a larger cluster, a typo otherwise: the link the spec's nodes
+        use then comes from the spec, as the simulation notes)."""
         where = self.source or "calibration"
         dims = model_dims(spec.model.config)
         wrong = [f"{key} {self.meta.model.get(key)} (the spec's model has {value})"
@@ -160,6 +162,10 @@ class Calibration:
         if self.meta.precision != spec.runtime.precision:
             notes.append(f"{where}: measured at precision {self.meta.precision}, "
                          f"the spec runs {spec.runtime.precision}")
+        names = {node.name for node in spec.cluster.nodes}
+        if stray := [f"links[{i}] ({a}->{b})" for i, (a, b) in enumerate(self.links) if not {a, b} <= names]:
+            notes.append(f"{where}: links name nodes the spec's cluster does not have, so they are not used: "
+                         + ", ".join(stray))
         return notes
 
     # ---- JSON ---------------------------------------------------------------------------------------------------
@@ -224,10 +230,12 @@ class Calibration:
         if not nodes:
             r.fail("nodes", "no nodes")
         links = {}
-        for i, link in enumerate(raw.get("links", [])):
+        for i, link in enumerate(r.list(raw.get("links", []), "links", empty=True)):
             at = f"links[{i}]"
             r.mapping(link, at)
-            pair = (r.get(link, "from", at), r.get(link, "to", at))
+            pair = tuple(r.name(r.get(link, end, at), f"{at}.{end}") for end in ("from", "to"))
+            if pair in links:
+                r.fail(at, f"link {pair[0]}->{pair[1]} given twice")
             bandwidth = r.positive(r.get(link, "bandwidth_Bps", at), f"{at}.bandwidth_Bps")
             links[pair] = LinkSpec(bandwidth=bandwidth, latency=r.seconds(r.get(link, "latency_s", at),
                                                                            f"{at}.latency_s"))
@@ -301,9 +309,14 @@ class _Reader:
             self.fail(at, f"expected an object, got {type(value).__name__}")
         return value
 
-    def list(self, value: Any, at: str) -> list:
-        if not isinstance(value, list) or not value:
-            self.fail(at, "expected a non-empty list")
+    def list(self, value: Any, at: str, empty: bool = False) -> list:
+        if not isinstance(value, list) or not (value or empty):
+            self.fail(at, "expected a list" if empty else "expected a non-empty list")
+        return value
+
+    def name(self, value: Any, at: str) -> str:
+        if not isinstance(value, str) or not value:
+            self.fail(at, f"expected a node name, got {value!r}")
         return value
 
     def number(self, value: Any, at: str) -> float:

@@ -18,7 +18,6 @@ value keeps its line and no input, however malformed, escapes as anything but `S
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import os
 import re
@@ -31,7 +30,7 @@ from typing import Any
 import attrs
 import yaml
 
-from cascadia.model_config import _ALIASES, ConfigError, InklingConfig
+from cascadia.model_config import _ALIASES, ConfigError, InklingConfig, read_text_fields
 from cascadia.spec.types import (
     DEVICES,
     PAPER_FORMATS,
@@ -60,6 +59,7 @@ from cascadia.units import (
     parse_flops,
     parse_rate,
 )
+from cascadia.workload import misfits
 
 # Guards against inputs that are valid YAML but would take forever: alias bombs, self-referencing anchors,
 # include chains, a billion stamped nodes or layers.
@@ -282,7 +282,7 @@ class _Fields:
         self.items: dict[str, _Node] = node.value if isinstance(node.value, dict) else {}
         self.asked: list[str] = []
         if not isinstance(node.value, dict):
-            ctx.report(node, path, f"expected a mapping of keys, got {_shown(node.value)}")
+            ctx.report(node, path, f"expected a mapping of keys, got {_shown(node.plain())}")
 
     def key(self, name: str) -> str:
         return f"{self.path}.{name}" if self.path else name
@@ -296,6 +296,11 @@ class _Fields:
         if required and isinstance(self.node.value, dict):
             self.ctx.report(node or self.node, self.key(name), "missing (required)")
         return None
+
+    def given(self, name: str) -> bool:
+        """Whether `name` holds a value (absent and null count as not given)."""
+        node = self.items.get(name)
+        return node is not None and node.value is not None
 
     def take(self, name: str, parse: Callable[[Any], Any], required: bool = False) -> Any:
         """The parsed value under `name`, or None when absent or invalid (a problem is recorded)."""
@@ -448,7 +453,6 @@ _CONFIG_TYPES: dict[str, Any] = typing.get_type_hints(InklingConfig)
 _CONFIG_TYPES.update({alias: _CONFIG_TYPES[name] for alias, name in _ALIASES.items()})
 _CONFIG_TYPES.update({"local_layer_ids": list[int], "dense_mlp_idx": int, "dense_intermediate_size": int})
 _CONFIG_METADATA = {"model_type", "architectures"}  # in every config.json; harmless inline
-_MAX_LAYERS = 10_000  # InklingConfig builds per-layer lists; a typo like 1e12 layers must fail, not hang
 
 
 def _describe(hint: Any) -> str:
@@ -478,67 +482,56 @@ def _conform(value: Any, hint: Any) -> Any:
     raise _Invalid(f"expected {_describe(hint)}, got {_shown(value)}")
 
 
-def _config_values(ctx: _Context, fields: dict[str, Any], where: Callable[[str], tuple[_Node, str]],
+def _config_values(fields: dict[str, Any], report: Callable[[str, str], None],
                    check_unknown: bool) -> dict[str, Any] | None:
-    """Config fields conformed to their types, or None; problems reported at `where(key)` -> (node, key path).
+    """Config fields conformed to their types, or None; each problem goes to `report(key, message)`.
 
     None when a field is wrong, rather than the others alone: a dropped field would come back as its default
     and set off problems of its own (a default 66 layers against a 6-entry layer_types).
     """
-    before = len(ctx.problems)
-    out = {}
+    out, valid = {}, True
     for key, value in fields.items():
-        node, path = where(key)
         if key not in _CONFIG_TYPES:
             if check_unknown and key not in _CONFIG_METADATA:
                 hint = difflib.get_close_matches(key, list(_CONFIG_TYPES), n=1)
-                ctx.report(node, path, "unknown model config key" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+                report(key, "unknown model config key" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+                valid = False
             out[key] = value
             continue
         try:
             out[key] = _conform(value, _CONFIG_TYPES[key])
         except _Invalid as e:
-            ctx.report(node, path, str(e))
-            continue
-        if key == "num_hidden_layers" and out[key] > _MAX_LAYERS:
-            ctx.report(node, path, f"expected at most {_MAX_LAYERS} layers, got {value}")
-    return out if len(ctx.problems) == before else None
+            report(key, str(e))
+            valid = False
+    return out if valid else None
 
 
 def _read_hf_config(ctx: _Context, node: _Node) -> tuple[dict[str, Any], Path] | None:
-    """The text-config dict of a config.json (the text_config of a multimodal one), with `mtp_config` folded in."""
+    """The text-model fields of the config.json that `node` names (see `model_config.read_text_fields`), and that
+    file; problems name the file and the key, reported at `node`."""
     if ctx.parse(node, "model.hf_config", _text) is None:
         return None
-    path = Path(os.path.normpath(node.file.parent / node.value))
-    if os.path.isdir(path):
-        path = path / "config.json"
     try:
-        raw = json.loads(_read_text(path))
-    except _Unreadable as e:
-        ctx.report(node, "model.hf_config", f"{path}: {e}")
+        fields, path = read_text_fields(os.path.normpath(node.file.parent / node.value))
+    except ConfigError as e:
+        ctx.report(node, "model.hf_config", str(e))
         return None
-    except (ValueError, RecursionError) as e:
-        ctx.report(node, "model.hf_config", f"{path}: not valid JSON ({e})")
-        return None
-    if not isinstance(raw, dict):
-        raw = {"text_config": raw}  # reported just below
-    text, mtp = raw.get("text_config") or raw, raw.get("mtp_config") or {}
-    if not isinstance(text, dict) or not isinstance(mtp, dict):
-        ctx.report(node, "model.hf_config", f"{path}: expected a JSON object (with text_config, mtp_config objects)")
-        return None
-    if "num_mtp_layers" not in text and mtp.get("num_nextn_predict_layers") is not None:
-        text = {**text, "num_mtp_layers": mtp["num_nextn_predict_layers"]}  # as InklingConfig.from_hf_dict does
-    values = _config_values(ctx, text, lambda key: (node, "model.hf_config"), check_unknown=False)
+
+    def report(key: str, message: str) -> None:
+        ctx.report(node, "model.hf_config", f"{path}: {key}: {message}")
+
+    values = _config_values(fields, report, check_unknown=False)
     return None if values is None else (values, path)
 
 
 def _mapping_values(ctx: _Context, node: _Node, path: str) -> dict[str, Any] | None:
     """Inline config fields (`model.config`, `model.overrides`), each checked at its own line."""
     if not isinstance(node.value, dict):
-        ctx.report(node, path, f"expected a mapping of config fields, got {_shown(node.value)}")
+        ctx.report(node, path, f"expected a mapping of config fields, got {_shown(node.plain())}")
         return None
-    return _config_values(ctx, {k: v.plain() for k, v in node.value.items()},
-                          lambda key: (node.value[key], f"{path}.{key}"), check_unknown=True)
+    return _config_values({k: v.plain() for k, v in node.value.items()},
+                          lambda key, message: ctx.report(node.value[key], f"{path}.{key}", message),
+                          check_unknown=True)
 
 
 def _inkling_config(ctx: _Context, model: _Node, fields: _Fields) -> InklingConfig | None:
@@ -625,8 +618,9 @@ def _model(ctx: _Context, node: _Node) -> ModelSpec | None:
 
 
 # ---- cluster -------------------------------------------------------------------------------------------------------
-def _nodes(ctx: _Context, entry: _Node, path: str, cluster_reserve: int) -> list[NodeSpec]:
-    """The node(s) of one `nodes:` entry: `count: N` stamps out N alike, named NAME0..NAME{N-1}."""
+def _nodes(ctx: _Context, entry: _Node, path: str, cluster_reserve: int | None) -> list[NodeSpec]:
+    """The node(s) of one `nodes:` entry: `count: N` stamps out N alike, named NAME0..NAME{N-1}.
+    `cluster_reserve`: None when the cluster's is invalid (already reported)."""
     fields = _Fields(ctx, entry, path)
     name = fields.take("name", _node_name, required=True)
     count = fields.take("count", _integer(1))
@@ -642,8 +636,8 @@ def _nodes(ctx: _Context, entry: _Node, path: str, cluster_reserve: int) -> list
         "layers": fields.take("layers", _positive_int),
     }
     fields.finish()
-    memory, reserve = values["memory_bytes"], values["reserve_bytes"]
-    reserve = cluster_reserve if reserve is None else reserve
+    memory = values["memory_bytes"]
+    reserve = values["reserve_bytes"] if fields.given("reserve") else cluster_reserve  # None: invalid, reported
     if memory is not None and reserve is not None and memory <= reserve:
         ctx.report(fields.items["memory"], fields.key("memory"),
                    f"{format_bytes(memory)} leaves nothing beyond the reserve of {format_bytes(reserve)}")
@@ -709,8 +703,9 @@ def _links(ctx: _Context, node: _Node | None, names: set[str]) -> tuple[LinkSpec
 
 def _cluster(ctx: _Context, node: _Node) -> ClusterSpec | None:
     fields = _Fields(ctx, node, "cluster")
-    reserve = fields.take("reserve", parse_bytes)
-    reserve = attrs.fields(ClusterSpec).reserve_bytes.default if reserve is None else reserve
+    reserve = fields.take("reserve", parse_bytes)  # None: invalid, reported
+    if not fields.given("reserve"):
+        reserve = attrs.fields(ClusterSpec).reserve_bytes.default
     curve_keys = fields.path_value("curve_keys")
     nodes_node = fields.get("nodes", required=True)
     links_node = fields.get("links")
@@ -731,7 +726,7 @@ def _cluster(ctx: _Context, node: _Node) -> ClusterSpec | None:
                     seen[value] = f"cluster.nodes[{i}]"
             nodes.append(spec)
     default, pairs = _links(ctx, links_node, {n.name for n in nodes})
-    return ClusterSpec(tuple(nodes), default, pairs, reserve, curve_keys)
+    return None if reserve is None else ClusterSpec(tuple(nodes), default, pairs, reserve, curve_keys)
 
 
 # ---- runtime and workload ------------------------------------------------------------------------------------------
@@ -796,14 +791,10 @@ def _check_workload_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, wor
     """The workload must fit the stream slots and the context budget the runtime sizes its state for."""
     node = root.items["workload"]
     at = node.value if isinstance(node.value, dict) else {}
-    if max(workload.concurrency) > runtime.max_streams:
-        ctx.report(at.get("concurrency", node), "workload.concurrency",
-                   f"{max(workload.concurrency)} streams exceed runtime.max_streams ({runtime.max_streams})")
-    longest = workload.prompt_tokens.high + workload.output_tokens
-    if workload.prompts_file is None and longest > runtime.context_budget:
-        ctx.report(at.get("output_tokens", at.get("prompt_tokens", node)), "workload.output_tokens",
-                   f"prompt ({workload.prompt_tokens.high}) + output ({workload.output_tokens}) tokens exceed "
-                   f"runtime.context_budget ({runtime.context_budget})")
+    for key, message in misfits(workload, runtime):
+        # a default output length is reported at the prompt length it adds to
+        where = at.get(key) or (at.get("prompt_tokens") if key == "output_tokens" else None) or node
+        ctx.report(where, f"workload.{key}", message)
 
 
 # ---- entry points --------------------------------------------------------------------------------------------------
