@@ -55,7 +55,7 @@ class RooflineStageTime:
         self._next = {node.name: nodes[(i + 1) % len(nodes)] for i, node in enumerate(nodes)}
         self.uniform = any(node.memory_bandwidth is None for node in nodes)
         self.source = (f"uniform: bytes read at an assumed {NOMINAL_BANDWIDTH / 1e9:g} GB/s on every node, plus links"
-                       if self.uniform else "spec figures: roofline of node memory_bandwidth and compute_flops, "
+                       if self.uniform else "spec figures: roofline of node memory_bandwidth and compute, "
                                             "plus links")
         self._prefix: dict[str, list[float]] = {}  # node name -> running sum of its per-layer times
 
