@@ -146,3 +146,9 @@ def test_text_prompts_without_a_tokenizer_name_the_line(spec_path, tmp_path):
     result = invoke(spec_path, "--prompts", prompts)
     assert result.exit_code == 1
     assert f"{prompts}:2: {tmp_path / TOKENIZER_FILE}: cannot read a tokenizer" in result.output
+
+
+def test_a_spec_no_plan_fits_is_named(spec_path):
+    spec_path.write_text(SPEC.replace("memory: 1GiB", "memory: 64.1MiB"))
+    result = invoke(spec_path)
+    assert result.exit_code == 1 and f"Error: {spec_path}: no plan fits. node node" in result.output

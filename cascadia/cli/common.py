@@ -149,5 +149,7 @@ def chosen_plan(loaded, plan_path: str | None):
 
     try:
         return load_plan(plan_path, loaded) if plan_path else make_plan(loaded)
-    except (InfeasiblePlan, ValueError) as e:
+    except InfeasiblePlan as e:
+        raise click.ClickException(f"{loaded.source}: no plan fits. {e}") from None
+    except ValueError as e:
         raise click.ClickException(str(e)) from None
