@@ -52,25 +52,18 @@ from cascadia.exec.checkpoint import Checkpoint
 from cascadia.exec.decoder import DecoderLayer
 from cascadia.exec.device import CompiledBlock, compile_options, device_precision
 from cascadia.exec.engine import Engine
-from cascadia.exec.init_model import init_model
 from cascadia.exec.ov_ops import linear, swish, weight
 from cascadia.exec.routing import Router
 from cascadia.graph import costs
 from cascadia.model_config import InklingConfig
-from cascadia.spec.types import ModelSpec, WeightFormat, WeightFormats
+from cascadia.spec.types import ModelSpec, WeightFormat
+from cascadia.table import format_rows
+from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
-MODEL = {"hidden_size": 1024, "num_hidden_layers": 8, "n_routed_experts": 64, "num_experts_per_tok": 6,
-         "n_shared_experts": 2, "moe_intermediate_size": 512, "intermediate_size": 4096, "vocab_size": 32000,
-         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "swa_num_attention_heads": 16,
-         "swa_num_key_value_heads": 4, "swa_head_dim": 64, "sliding_window_size": 128, "d_rel": 16,
-         "rel_extent": 256, "log_scaling_n_floor": 64,
-         "layer_types": ["hybrid_sliding"] * 5 + ["hybrid", "hybrid_sliding", "hybrid"],
-         "mlp_layer_types": ["dense"] + ["sparse"] * 7}
-QUICK_MODEL = MODEL | {"hidden_size": 256, "n_routed_experts": 16, "moe_intermediate_size": 128,
-                       "intermediate_size": 1024, "vocab_size": 4096}
-FORMATS = WeightFormats(routed_experts=WeightFormat("int4", 32), shared_experts=WeightFormat("int4", 32),
-                        attention=WeightFormat("int8"), dense_mlp=WeightFormat("int8"),
-                        embedding=WeightFormat("int8"), head=WeightFormat("int8"))
+# Five sliding layers to one global, as in the real model; a dense MLP of width 4096.
+MODEL = MID_SIZES | {"intermediate_size": 4096,
+                     "layer_types": ["hybrid_sliding"] * 5 + ["hybrid", "hybrid_sliding", "hybrid"]}
+QUICK_MODEL = MODEL | QUICK_SIZES | {"intermediate_size": 1024}
 PRECISION = "bf16"
 STREAMS = (1, 8, 32)  # also the engine's row buckets: no call is padded
 PROMPT_TOKENS = 16
@@ -82,20 +75,6 @@ CHECKPOINT = Path(tempfile.gettempdir()) / "cascadia-bench-engine"
 SEED = 0
 # The issue's targets.
 ROOFLINE_TARGET, REFERENCE_TARGET, MEMORY_TARGET = 0.5, 5.0, 1.3
-
-
-def model_config(quick: bool) -> InklingConfig:
-    base = InklingConfig.from_file(Path(__file__).parent.parent / "specs" / "tiny" / "config.json").to_hf_dict()
-    return InklingConfig.from_hf_dict(base | (QUICK_MODEL if quick else MODEL))
-
-
-def checkpoint_path(config: InklingConfig, quick: bool) -> Path:
-    """The bench's random checkpoint, written on first use (and again when MODEL changes)."""
-    path = CHECKPOINT.with_name(CHECKPOINT.name + ("-quick" if quick else ""))
-    if not (path / "config.json").is_file() or InklingConfig.from_file(path / "config.json") != config:
-        print(f"writing a random checkpoint to {path} ...", flush=True)
-        init_model(config, path, seed=SEED, dtype="bf16")
-    return path
 
 
 def prompts(config: InklingConfig) -> np.ndarray:
@@ -183,7 +162,7 @@ class EngineDecoder:
             router.distinct.clear()
         slots = np.arange(len(tokens))
         for _ in range(DECODE_STEPS):
-            tokens = self.engine.decode(slots, tokens).argmax(axis=1)
+            tokens = self.engine.step(slots, tokens).argmax(axis=1)
 
     def distinct_experts(self) -> dict[int, float]:
         """Mean distinct routed experts per step of the last decode, by MoE layer."""
@@ -325,9 +304,7 @@ def measure_memory(path: Path) -> dict[str, int]:
 
 
 def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+    print(format_rows([header, *rows]))
     print()
 
 
@@ -419,8 +396,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller model, to check the bench itself")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="rounds; every figure is their median")
     args = parser.parse_args()
-    config = model_config(args.quick)
-    path = checkpoint_path(config, args.quick)
+    config = model_config(QUICK_MODEL if args.quick else MODEL)
+    path = random_checkpoint(config, CHECKPOINT, args.quick, SEED)
     load_before = os.getloadavg()
     print("measuring memory in a fresh process ...", flush=True)
     memory = measure_memory(path)

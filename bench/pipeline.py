@@ -23,38 +23,22 @@ from pathlib import Path
 
 import attrs
 
-from cascadia.exec.init_model import init_model
 from cascadia.exec.run import run
 from cascadia.graph.planner import plan as make_plan
 from cascadia.model_config import InklingConfig
-from cascadia.spec.types import (ClusterSpec, LengthSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat,
-                                 WeightFormats, WorkloadSpec)
+from cascadia.spec.types import ClusterSpec, LengthSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WorkloadSpec
+from cascadia.table import format_rows
+from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
-MODEL = {"hidden_size": 1024, "num_hidden_layers": 8, "n_routed_experts": 64, "num_experts_per_tok": 6,
-         "n_shared_experts": 2, "moe_intermediate_size": 512, "intermediate_size": 2048, "vocab_size": 32000,
-         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "swa_num_attention_heads": 16,
-         "swa_num_key_value_heads": 4, "swa_head_dim": 64, "sliding_window_size": 128, "d_rel": 16,
-         "rel_extent": 256, "log_scaling_n_floor": 64}
-QUICK_MODEL = MODEL | {"hidden_size": 256, "n_routed_experts": 16, "moe_intermediate_size": 128,
-                       "intermediate_size": 512, "vocab_size": 4096}
-LAYER_TYPES = ("hybrid_sliding", "hybrid_sliding", "hybrid_sliding", "hybrid") * 2
-MLP_TYPES = ("dense",) + ("sparse",) * 7
+# Three sliding layers to one global, twice; a dense MLP of width 2048.
+MODEL = MID_SIZES | {"intermediate_size": 2048, "layer_types": (["hybrid_sliding"] * 3 + ["hybrid"]) * 2}
+QUICK_MODEL = MODEL | QUICK_SIZES | {"intermediate_size": 512}
 CHECKPOINT = Path("/tmp/cascadia-bench-pipeline")
-FORMATS = WeightFormats(routed_experts=WeightFormat("int4", 32), shared_experts=WeightFormat("int4", 32),
-                        attention=WeightFormat("int8"), dense_mlp=WeightFormat("int8"),
-                        embedding=WeightFormat("int8"), head=WeightFormat("int8"))
 CORES = 2  # this machine's
 THREADS_PER_NODE = 1  # 3 nodes x 1 thread on CORES cores; the single node gets all CORES
 PROMPT_TOKENS = 16
 OUTPUT_TOKENS = 32
 SEED = 0
-
-
-def model_config(quick: bool) -> InklingConfig:
-    base = InklingConfig.from_file(Path(__file__).parent.parent / "specs" / "tiny" / "config.json").to_hf_dict()
-    sizes = QUICK_MODEL if quick else MODEL
-    return InklingConfig.from_hf_dict(base | sizes | {"layer_types": list(LAYER_TYPES),
-                                                      "mlp_layer_types": list(MLP_TYPES)})
 
 
 def spec(config: InklingConfig, checkpoint: Path, nodes: int, threads: int, max_streams: int) -> Spec:
@@ -86,11 +70,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,3,9,18", help="levels, e.g. 1,3,9,18")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(","))
-    config = model_config(args.quick)
-    checkpoint = CHECKPOINT.with_name(CHECKPOINT.name + ("-quick" if args.quick else ""))
-    if not (checkpoint / "config.json").is_file() or InklingConfig.from_file(checkpoint / "config.json") != config:
-        print(f"writing a random checkpoint to {checkpoint} ...", flush=True)
-        init_model(config, checkpoint, seed=SEED, dtype="bf16")
+    config = model_config(QUICK_MODEL if args.quick else MODEL)
+    checkpoint = random_checkpoint(config, CHECKPOINT, args.quick, SEED)
     print(f"model: hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.n_routed_experts} experts "
           f"top-{config.num_experts_per_tok} + {config.n_shared_experts} shared of width "
           f"{config.moe_intermediate_size}, vocab {config.vocab_size}; experts int4, the rest int8, bf16 compute; "
@@ -105,9 +86,7 @@ def main() -> None:
         rows.append((str(a["concurrency"]), f"{a['decode_tokens_per_s']:.1f}", f"{b['decode_tokens_per_s']:.1f}",
                      f"{b['decode_tokens_per_s'] / a['decode_tokens_per_s']:.2f}", f"{ideal(b):.1f}",
                      f"{b['phase_tokens_per_s'] / ideal(b):.0%}", f"{node} {busy:.0%}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+    print(format_rows(rows))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ import attrs
 import numpy as np
 
 from cascadia.policy import Event, Finished, Rejected, Request, Token
-from cascadia.spec.load import dump_spec
+from cascadia.spec.dump import dump_spec
 from cascadia.spec.types import Spec
+from cascadia.table import format_rows
 
 SCHEMA = "cascadia.metrics/1"
 PERCENTILE_METHOD = "linear"
@@ -158,7 +159,4 @@ def format_table(result_: dict) -> str:
                      _ms(level["ttft_s"]["p50"]), _ms(level["ttft_s"]["p95"]),
                      _ms(level["tpot_s"]["p50"]), _ms(level["tpot_s"]["p95"]),
                      f"{busiest[0]} {busiest[1]:.0%}" if busiest else "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(width) if i < len(header) - 1 else cell for i, (cell, width)
-                       in enumerate(zip(row, widths))) for row in rows]
-    return "\n".join(line.rstrip() for line in lines)
+    return format_rows(rows, left={len(header) - 1})

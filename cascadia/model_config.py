@@ -233,10 +233,6 @@ class InklingConfig:
         """Backward distance covered by a layer's relative-position bias bank (the window on sliding layers)."""
         return self.sliding_window_size if self.is_sliding(layer) else self.rel_extent
 
-    def kv_positions(self, layer: int, context: int) -> int:
-        """Positions of K/V a layer keeps for a stream of `context` positions (a sliding layer keeps its window)."""
-        return min(context, self.sliding_window_size) if self.is_sliding(layer) else context
-
     @property
     def output_vocab_size(self) -> int:
         """Logits actually produced: the head's unpadded rows when the checkpoint says so."""

@@ -106,6 +106,8 @@ def _format(value: float, families: list[list[tuple[str, int | Decimal]]], parse
     With `digits` None the text is the shortest that `parse` reads back as exactly `value`; else it is rounded to
     `digits` significant digits (for tables), in the unit the exact text would use.
     """
+    if not math.isfinite(value):  # a link too fast to measure has an infinite bandwidth: no unit fits
+        return repr(value)
     best = None
     exact = Decimal(value)
     for family in families:
@@ -129,6 +131,14 @@ _BIT_RATE = [[("bit/s", Decimal(1) / 8)] + [(p + "bit/s", Decimal(f) / 8) for p,
 _TIME = [[("ns", Decimal("1e-9")), ("us", Decimal("1e-6")), ("ms", Decimal("1e-3")), ("s", 1)]]
 _FLOPS = [[(p + "FLOP/s", f) for p, f in (("", 1), ("k", 10**3), ("M", 10**6), ("G", 10**9), ("T", 10**12),
                                            ("P", 10**15))]]
+_BINARY_UP_TO_GIB = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def binary_unit(n: float) -> tuple[str, int]:
+    """The largest of B, KiB, MiB and GiB that `n` bytes reach (by magnitude), and its size in bytes: for sizes shown
+    in one unit with fixed decimals (a plan's columns, the planner's messages). GiB at most, the unit nodes' memories
+    are compared in: 1.5 TiB is "1536.00 GiB"."""
+    return next(((name, size) for name, size in _BINARY_UP_TO_GIB if abs(n) >= size), ("B", 1))
 
 
 def format_bytes(n: int, digits: int | None = None) -> str:

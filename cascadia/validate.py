@@ -20,6 +20,7 @@ from cascadia.graph.plan import Plan
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
+from cascadia.table import format_rows
 
 SCHEMA = "cascadia.validation/2"
 # name -> (keys into a level summary, unit shown, scale to that unit)
@@ -123,9 +124,7 @@ def format_comparison(comparison: dict) -> str:
             rows.append((str(level["concurrency"]) if i == 0 else "", f"{name} ({unit})" if unit == "ms" else name,
                          _shown(m["measured"], scale), _percent(m["spread"]), _shown(m["predicted"], scale),
                          _percent(m["error"], "+")))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
+    lines = [format_rows(rows, left={1})]
     if any(s is not None for s in comparison["median_spread"].values()):
         lines.append("median spread of the runs: " + ", ".join(f"{name} {_percent(s)}"
                                                                for name, s in comparison["median_spread"].items()))

@@ -157,7 +157,7 @@ def test_format_calibration():
     assert lines[0].split() == ["node", "sliding", "global", "moe", "dense", "embedding", "head", "per", "stream",
                                 "per", "frame", "per", "row"]
     assert lines[1].split() == ["n0", *["1.000-4.000"] * 6, "0.200", "1.000", "0.000"]
-    assert lines[4] == "link n0 -> n1: latency 100 us, bandwidth 0.10 GB/s"
+    assert lines[4] == "link n0 -> n1: latency 100 us, bandwidth 800 Mbit/s"
     assert lines[-1] == "host box: speedup 1.00, 1.50 with 1, 2, ... nodes computing at once"
 
 

@@ -116,4 +116,4 @@ def test_rows_must_continue_their_streams(case):
     with pytest.raises(BatchError, match="slot 6 would reach 65 positions, beyond the context budget"):
         engine.score(np.zeros(65, np.int64), slot=6)
     assert stage.lengths[5] == 4  # refused rows change nothing
-    np.testing.assert_allclose(engine.decode([5], ref["ids"][4:5])[0], ref["prefill_logits"][4], atol=1e-5)
+    np.testing.assert_allclose(engine.step([5], ref["ids"][4:5])[0], ref["prefill_logits"][4], atol=1e-5)

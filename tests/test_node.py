@@ -14,8 +14,8 @@ import zmq
 from cascadia.exec.node import NodeSettings, Peer, run_node
 from cascadia.exec.transport import (COORDINATOR, Transport, TransportError, free_port, generate_keys, receive, send,
                                      tcp_address)
-from cascadia.exec.wire import (COORDINATOR_SENDER, VERSION, Encoder, Error, Frame, Hello, Progress, Ready, Release,
-                                Shutdown, Stats, StatsRequest, Tokens, decode, encode, node_sender)
+from cascadia.exec.wire import (COORDINATOR_SENDER, VERSION, Encoder, Error, Frame, Hello, Progress, Ready, Shutdown,
+                                Stats, StatsRequest, Tokens, decode, encode, node_sender)
 
 HIDDEN = 8
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -28,9 +28,8 @@ SPAWN = multiprocessing.get_context("spawn")
 class AddOne:
     """Test stage: embeds token t as a row of t's, adds 1 per stage, and when last samples round(row[0])."""
 
-    def __init__(self, last: bool, slots: int = 4):
+    def __init__(self, last: bool):
         self.last = last
-        self.slots = slots
 
     def process(self, frame: Frame) -> Frame | Tokens:
         if POISON in frame.token_ids:
@@ -45,10 +44,6 @@ class AddOne:
                          residual)
         rows = frame.sample
         return Tokens(frame.frame_id, frame.group, frame.slots[rows], np.rint(residual[rows, 0]))
-
-    def release(self, slots: np.ndarray) -> None:
-        if slots.max(initial=0) >= self.slots:
-            raise ValueError(f"slot {slots.max()} out of range")
 
 
 def load_stage(progress, last: bool) -> AddOne:
@@ -246,8 +241,6 @@ def test_stage_failures_are_reported_and_the_node_keeps_serving(pipeline):
     coordinator, _, _ = pipeline
     coordinator.push(frame(70, [POISON]))
     assert coordinator.next_control() == ("a", Error("a", "frame 70: ValueError: poisoned token"))
-    coordinator.tell("b", Release([99]))
-    assert coordinator.next_control() == ("b", Error("b", "release of slots [99]: ValueError: slot 99 out of range"))
     coordinator.push(frame(71, [2]))
     assert coordinator.next_tokens().token_ids.tolist() == [5]
 

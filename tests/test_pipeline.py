@@ -63,7 +63,7 @@ def reference_tokens(engine: Engine, prompt, n: int, sampling: Sampling) -> list
     sampler.observe(np.zeros(len(prompt), int), np.arange(len(prompt)), np.array(prompt))
     tokens = [int(sampler.sample(logits, np.zeros(1, int))[0])]
     while len(tokens) < n:
-        logits = engine.decode([0], tokens[-1:])
+        logits = engine.step([0], tokens[-1:])
         sampler.observe(np.zeros(1, int), np.array([len(prompt) + len(tokens) - 1]), np.array(tokens[-1:]))
         tokens.append(int(sampler.sample(logits, np.zeros(1, int))[0]))
     return tokens
@@ -259,7 +259,7 @@ def start_node(spec_path: Path, plan_path: Path, name: str, listen: str, address
 def write_spec_and_plan(spec, plan, folder: Path) -> tuple[Path, Path]:
     import yaml
 
-    from cascadia.spec.load import dump_spec
+    from cascadia.spec.dump import dump_spec
 
     spec_path, plan_path = folder / "spec.yaml", folder / "plan.json"
     spec_path.write_text(yaml.safe_dump(dump_spec(spec)))

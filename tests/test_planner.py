@@ -282,6 +282,13 @@ def test_plan_json_round_trips_with_unbounded_positions(tmp_path):
     assert Plan.load(tmp_path / "plan.json") == p
 
 
+def test_hops_join_each_stage_to_the_next_and_the_last_to_the_first():
+    three = plan(small_spec(random.Random(0), n_layers=6, n_nodes=3))
+    assert three.hops() == [("n0", "n1"), ("n1", "n2"), ("n2", "n0")]
+    one = attrs.evolve(three, stages=three.stages[:1])
+    assert one.hops() == [("n0", "n0")]
+
+
 # ---- command line: the spec loader is another module; these tests hand the commands a built Spec -----------------
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from cascadia.metrics import Recorder
 from cascadia.policy import Policy, Request
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import CalibrationError
-from cascadia.sim.model import PipelineModel, SharedHost
+from cascadia.sim.model import PipelineModel, SharedHost, shared_hosts, stage_hosts
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import LengthSpec, LinkSpec, RuntimeSpec, WorkloadSpec
 from sim_specs import calibration, even_plan, tiny_spec
@@ -89,6 +89,14 @@ def test_nodes_sharing_a_host_share_its_speed():
                                                 pytest.approx([5 * s, 9 * s, 12 * s])]
     # Twice the work with both computing: as if on hosts of their own.
     assert _two_groups_on_two_nodes("box", speedup=(1.0, 2.0)) == own_hosts
+
+
+def test_a_node_without_a_host_is_a_host_of_its_own():
+    spec = tiny_spec(host="box")
+    spec = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=(
+        *spec.cluster.nodes[:2], attrs.evolve(spec.cluster.nodes[2], host=None))))
+    assert stage_hosts(spec, even_plan(spec)) == ["box", "box", "n2"]
+    assert shared_hosts(spec, even_plan(spec)) == {"box": 2}
 
 
 def test_shared_host_processor_sharing():

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from cascadia.cli import cli
 from cascadia.model_config import InklingConfig
-from cascadia.spec.load import SpecError, dump_spec, load_spec, spec_from_hf
+from cascadia.spec.dump import dump_spec, spec_from_hf
+from cascadia.spec.load import SpecError, load_spec
 from cascadia.spec.types import PAPER_FORMATS, LengthSpec, LinkSpec, WeightFormat
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -155,6 +156,9 @@ BAD = [
     ("model: {hf_config: " + str(TINY_CONFIG) + ", config: {}}\n" + CLUSTER, "s.yaml:1: model.config: give"),
     ("model: {name: x}\n" + CLUSTER, "s.yaml:1: model: missing hf_config"),
     (CLUSTER, "s.yaml:1: model: missing (required)"),
+    ("model: {config: {}}\n" + CLUSTER + "? [1]\n: 2\n", "s.yaml:3: keys must be text, got [1]"),
+    ("model: {config: {}}\n" + CLUSTER + "workload: {temperature: 0}\n",
+     "s.yaml:3: workload.temperature: must be more than zero, got 0"),
     ("model: {config: {hidden_size: 0}}\n" + CLUSTER,
      "s.yaml:1: model.config.hidden_size: hidden_size must be a positive integer, got 0"),
     ("model: {config: {num_hidden_layers: 1000000000000}}\n" + CLUSTER,

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from cascadia.cli import cli
 from cascadia.exec.transport import (Transport, TransportError, free_port, generate_keys, receive, send,
                                      tcp_address)
-from cascadia.exec.wire import Encoder, Frame, Release, decode
+from cascadia.exec.wire import Encoder, Frame, Shutdown, decode
 
 NO_DELIVERY_WAIT_MS = 500  # how long a refused client is given to (wrongly) get a message through
 
@@ -60,13 +60,13 @@ def test_address_in_use_is_named(transports, address):
 def test_unreachable_peer_is_named(transports, address):
     push = transports("client", send_timeout_s=0.2).connect(zmq.PUSH, address, "nobody")
     with pytest.raises(TransportError, match=f"{address} unreachable"):
-        send(push, Encoder(0).encode(Release([1])))
+        send(push, Encoder(0).encode(Shutdown()))
 
 
 def test_router_names_a_peer_that_is_not_connected(transports, address):
     router = transports("coordinator").bind(zmq.ROUTER, address)
     with pytest.raises(TransportError, match="ghost is not connected"):
-        send(router, [b"ghost", *Encoder(0).encode(Release([1]))])
+        send(router, [b"ghost", *Encoder(0).encode(Shutdown())])
 
 
 def test_curve_client_with_a_known_key_talks(transports, address, keys):

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from cascadia.units import (
     UnitError,
+    binary_unit,
     format_bytes,
     format_duration,
     format_flops,
@@ -76,6 +77,18 @@ def test_parse_rejects_with_a_reason(parse, value, needle):
 ])
 def test_format_picks_the_natural_unit(text, expected):
     assert text == expected
+
+
+def test_an_infinite_quantity_is_printed_bare():
+    assert format_rate(math.inf, bits=True, digits=3) == "inf"
+
+
+@pytest.mark.parametrize("n, unit", [
+    (0, ("B", 1)), (1023, ("B", 1)), (1024, ("KiB", 2**10)), (-5 * 2**20, ("MiB", 2**20)),
+    (61.2 * 2**30, ("GiB", 2**30)), (3 * 2**40, ("GiB", 2**30)),
+])
+def test_binary_unit_is_the_largest_reached_up_to_gib(n, unit):
+    assert binary_unit(n) == unit
 
 
 @given(st.integers(0, 2**60))

@@ -13,7 +13,7 @@ from cascadia.cli.common import OutputPath, Quantity, load_spec_or_exit, saving
 @click.option("-o", "--output", type=OutputPath(), help="file to write (default: stdout)")
 def graph(spec: str, fmt: str, output: str | None) -> None:
     """Write the model's dataflow graph (ops with parameters, bytes, FLOPs and state) as JSON or DOT."""
-    from cascadia.graph.build import build_graph, graph_totals, render
+    from cascadia.graph.build import build_graph, export, graph_totals, render
     from cascadia.units import format_bytes
 
     loaded = load_spec_or_exit(spec)
@@ -21,8 +21,8 @@ def graph(spec: str, fmt: str, output: str | None) -> None:
     if output is None:
         click.echo(render(g, fmt), nl=False)
         return
-    with saving(output), open(output, "w") as f:
-        f.write(render(g, fmt))
+    with saving(output):
+        export(g, fmt, output)
     totals = graph_totals(g)
     click.echo(f"wrote {output}: {g.number_of_nodes()} ops, {g.number_of_edges()} edges; {totals.params:,} params "
                f"({totals.active_params:,} active), {format_bytes(totals.weight_bytes, digits=4)} of weights, "
@@ -69,7 +69,7 @@ def spec_validate(path: str) -> None:
 
     Problems print one per line as FILE:LINE: key: message, and the exit status is 2.
     """
-    from cascadia.spec.load import summarize
+    from cascadia.spec.dump import summarize
 
     click.echo(f"OK: {path}: {summarize(load_spec_or_exit(path))}")
 
@@ -83,7 +83,7 @@ def spec_show(path: str) -> None:
     """
     import yaml
 
-    from cascadia.spec.load import dump_spec
+    from cascadia.spec.dump import dump_spec
 
     resolved = dump_spec(load_spec_or_exit(path))
     click.echo(yaml.safe_dump(resolved, sort_keys=False, width=120, default_flow_style=None), nl=False)
@@ -110,8 +110,8 @@ def spec_from_hf(config: str, nodes: int, memory: int, bandwidth: float, latency
     import yaml
 
     from cascadia.model_config import ConfigError
-    from cascadia.spec.load import spec_from_hf as make_spec
-    from cascadia.spec.load import summarize
+    from cascadia.spec.dump import spec_from_hf as make_spec
+    from cascadia.spec.dump import summarize
     from cascadia.spec.types import LinkSpec
 
     try:

@@ -70,9 +70,12 @@ from cascadia.sim.calibration import (
     DENSE, EMBEDDING, GLOBAL, HEAD, KIND_AXES, MEASURED, MOE, SLIDING, Calibration, Extrapolations, NodeCalibration,
     Table, make_meta,
 )
-from cascadia.sim.model import FrameShape, PipelineModel, StageCost, stage_kinds
-from cascadia.spec.load import dump_spec, load_spec
+from cascadia.sim.model import FrameShape, PipelineModel, StageCost, shared_hosts, stage_kinds
+from cascadia.spec.dump import dump_spec
+from cascadia.spec.load import load_spec
 from cascadia.spec.types import LinkSpec, Spec
+from cascadia.table import format_rows
+from cascadia.units import format_duration, format_rate
 
 ROUNDS = 10  # sweeps of the layer grid; each point is their median
 STEPS = 8  # frames of one shape alone through the pipeline, one after the other (at most)
@@ -116,8 +119,7 @@ def calibrate(spec: Spec, plan: Plan, checkpoint: Path | None = None, rounds: in
         tables[stage.node], device = measure_tables(spec, plan, stage.node, Path(checkpoint), grid, progress)
         devices.append(f"{stage.node} {device} ({nodes[stage.node].threads or 'all'} threads)")
     loopback = measure_link(spec.model.config.hidden_size, progress)
-    links = {(a.node, b.node): loopback for a, b in zip(plan.stages, plan.stages[1:] + plan.stages[:1])
-             if a.node != b.node}
+    links = {(a, b): loopback for a, b in plan.hops() if a != b}
     meta = make_meta(spec, MEASURED, device="; ".join(devices), openvino=ov.get_version())
     layers = Calibration(meta, {name: NodeCalibration(t) for name, t in tables.items()}, links)
     return measure_pipeline(spec, plan, Path(checkpoint), layers, progress)
@@ -133,14 +135,18 @@ def format_calibration(calibration: Calibration) -> str:
             times = [t for line in node.tables[kind].time_s for t in line] if kind in node.tables else []
             ranges.append(f"{min(times) * 1e3:.3f}-{max(times) * 1e3:.3f}" if times else "-")
         rows.append((name, *ranges, *(f"{t * 1e3:.3f}" for t in (node.stream_s, node.frame_s, node.row_s))))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
-    lines += [f"link {a} -> {b}: latency {link.latency * 1e6:.0f} us, bandwidth {link.bandwidth / 1e9:.2f} GB/s"
-              for (a, b), link in calibration.links.items()]
-    lines += [f"host {host}: speedup {', '.join(f'{s:.2f}' for s in speedup)} with 1, 2, ... nodes computing at once"
-              for host, speedup in calibration.hosts.items()]
-    return "\n".join(lines)
+    return "\n".join([
+        format_rows(rows, left={0}),
+        *(f"link {a} -> {b}: {_describe_link(link)}" for (a, b), link in calibration.links.items()),
+        *(f"host {host}: speedup {', '.join(f'{s:.2f}' for s in speedup)} with 1, 2, ... nodes computing at once"
+          for host, speedup in calibration.hosts.items()),
+    ])
+
+
+def _describe_link(link: LinkSpec) -> str:
+    """"latency 85.3 us, bandwidth 21.3 Gbit/s": the bandwidth in bits, as specs give links."""
+    return (f"latency {format_duration(link.latency, digits=3)}, "
+            f"bandwidth {format_rate(link.bandwidth, bits=True, digits=3)}")
 
 
 # ---- 1. layer tables, in a process of the node's own --------------------------------------------------------------
@@ -368,7 +374,7 @@ def measure_link(hidden_size: int, progress: Progress) -> LinkSpec:
             pass
     intercept, slope = fit_non_negative([[1.0] * len(sizes), sizes], round_trips)
     link = LinkSpec(bandwidth=2 / slope if slope > 0 else float("inf"), latency=intercept / 2)
-    progress(f"loopback link: latency {link.latency * 1e6:.0f} us, bandwidth {link.bandwidth / 1e9:.2f} GB/s")
+    progress(f"loopback link: {_describe_link(link)}")
     return link
 
 
@@ -497,7 +503,7 @@ def _fitted(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[_Alone
     """Each node's tables scaled and its stream_s, frame_s and row_s, fitted to the frames that went alone."""
     config = spec.model.config
     names = [stage.node for stage in plan.stages]
-    hops = [layers.links.get((a, b)) for a, b in zip(names, names[1:] + names[:1])]
+    hops = [layers.links.get(hop) for hop in plan.hops()]
 
     def wires(shape: FrameShape) -> float:
         sizes = [shape.rows * config.hidden_size * ACTIVATION_BYTES] * (len(names) - 1) + [shape.rows * TOKEN_ID_BYTES]
@@ -519,19 +525,12 @@ def _fitted(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[_Alone
     return attrs.evolve(layers, nodes=nodes)
 
 
-def _shared_hosts(spec: Spec, plan: Plan) -> dict[str, int]:
-    """Hosts that several of the plan's stages share, and how many."""
-    nodes = {node.name: node for node in spec.cluster.nodes}
-    host_of = [nodes[s.node].host or s.node for s in plan.stages]
-    return {h: host_of.count(h) for h in sorted(set(host_of)) if host_of.count(h) > 1}
-
-
 def burst_streams(spec: Spec, plan: Plan) -> list[int]:
     """One-row streams in flight in each burst: k for k = 2 ... up to the most nodes a host shares, to find how fast
     k of them compute at once; with every node of a host busy, twice as many streams as stages (a full pipeline).
     None without a shared host, or when one stream at a time is all the runtime allows (nodes never compute at
     once)."""
-    most = max(_shared_hosts(spec, plan).values(), default=1)
+    most = max(shared_hosts(spec, plan).values(), default=1)
     limit = spec.runtime.max_streams
     if most < 2 or limit < 2:
         return []
@@ -545,7 +544,7 @@ def shared_speedup(spec: Spec, plan: Plan, calibration: Calibration, bursts: Seq
     the one with which the simulator takes as long as the pipeline took (the median over the passes), counted from
     every stream's first frame back to the start of the last round (a full pipeline). Each S_k lies in
     [SPEEDUP_LOW, k]."""
-    shared = _shared_hosts(spec, plan)
+    shared = shared_hosts(spec, plan)
     speedup = [1.0]
     for k, (streams, passes) in enumerate(zip(burst_streams(spec, plan), bursts, strict=True), start=2):
         measured = statistics.median(done[-streams] - done[streams - 1] for done in passes)

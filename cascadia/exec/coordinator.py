@@ -62,14 +62,15 @@ class Outputs:
 
 class Coordinator:
     def __init__(self, nodes: Sequence[str], control: str, tokens: str, curve_keys=None, stall_s: float = 60.0,
-                 watch: Callable[[], None] | None = None, digest: str | None = None):
+                 digest: str | None = None):
         """`nodes`: the plan's node names in stage order. `control`, `tokens`: the addresses to bind.
-        `watch`: called while waiting; raises PipelineError when it sees a node gone (e.g. a local process).
-        `digest`: the settings digest every node's HELLO must carry (`cascadia.exec.stage.settings_digest`)."""
+        `digest`: the settings digest every node's HELLO must carry (`cascadia.exec.settings.settings_digest`)."""
         self.nodes = list(nodes)
         self.digest = digest
         self.stall_s = stall_s
-        self.watch = watch or (lambda: None)
+        # Called while waiting; raises PipelineError when it sees a node gone. Set once the node processes it
+        # watches are started, which is after this binds the addresses they connect to.
+        self.watch: Callable[[], None] = lambda: None
         self.transport = Transport(COORDINATOR, curve_keys)
         try:
             self.control = self.transport.bind(zmq.ROUTER, control)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import openvino as ov
 
+from cascadia.policy import padded_size
 from cascadia.spec.types import DEVICES, PRECISIONS
 
 
@@ -59,14 +60,6 @@ def compile_options(precision: str, threads: int | None = None) -> dict[str, obj
     return options
 
 
-def bucket(rows: int, buckets: Sequence[int]) -> int:
-    """Smallest bucket holding `rows` rows."""
-    for size in sorted(buckets):
-        if size >= rows:
-            return size
-    raise ValueError(f"{rows} rows exceed the largest row bucket ({max(buckets)})")
-
-
 class CompiledBlock:
     """One compiled graph with one inference request. Every input's first axis is rows; calls pad rows up to a
     bucket (so the plugin sees a few shapes only) and return the real rows of each output.
@@ -81,7 +74,7 @@ class CompiledBlock:
         self.compiled, self._weights_file = _compile_from_file(model, device, options)
         _drop_mapped_pages(self._weights_file)
         self.request = self.compiled.create_infer_request()
-        self.buckets = tuple(buckets)
+        self.buckets = tuple(sorted(buckets))
         self._inputs: dict[int, list[np.ndarray]] = {}  # each bucket's input arrays, allocated on first use
         self._bound: int | None = None  # the bucket whose arrays the request reads
 
@@ -96,7 +89,7 @@ class CompiledBlock:
 
     def __call__(self, *inputs: np.ndarray) -> list[np.ndarray]:
         rows = inputs[0].shape[0]
-        arrays = self._arrays(bucket(rows, self.buckets))
+        arrays = self._arrays(padded_size(rows, self.buckets))
         for array, x in zip(arrays, inputs, strict=True):
             _fill_rows(array, x)
         self.request.infer()

@@ -170,10 +170,6 @@ class Engine:
             hidden = self._hidden(np.full(len(chunk), slot), chunk)
         return self.stage.logits(hidden[-1:])[0]
 
-    def decode(self, slots, ids) -> np.ndarray:
-        """One token for each of several slots: logits [len(slots), V]."""
-        return self.step(slots, ids)
-
     def score(self, ids, prefill: int | None = None, slot: int = 0) -> np.ndarray:
         """Teacher-forced logits of every position [N, V] of a fresh stream: the first `prefill` tokens (default:
         all) in prefill chunks, the rest one decode step at a time."""

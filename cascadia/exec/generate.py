@@ -45,7 +45,7 @@ def generate(engine: Engine, prompt_ids, max_new_tokens: int, sampling: Sampling
     prefilled = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         history = extend_history(history, tokens[-1:])
-        tokens.append(sampling.draw(engine.decode([slot], tokens[-1:])[0], history))
+        tokens.append(sampling.draw(engine.step([slot], tokens[-1:])[0], history))
     return Generation(prompt, tuple(tokens), prefilled - start, time.perf_counter() - prefilled, tokens[-1] in stop)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from cascadia.exec.checkpoint import INDEX_FILE, SINGLE_FILE
 from cascadia.exec.quantize import round_to_bf16
 from cascadia.exec.tokenizer import TOKENIZER_FILE, TokenizerError, build_tokenizer
 from cascadia.model_config import InklingConfig
@@ -138,7 +139,7 @@ def init_model(config: InklingConfig, out_dir: str | Path, seed: int = 0, dtype:
 
     shards = _shards({name: shape for name, (shape, _) in all_tensors(config).items()}, dtype, max_shard_bytes)
     if len(shards) == 1:
-        files = ["model.safetensors"]
+        files = [SINGLE_FILE]
     else:
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     total = 0
@@ -149,7 +150,7 @@ def init_model(config: InklingConfig, out_dir: str | Path, seed: int = 0, dtype:
     if len(shards) > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {name: file for file, tensors in zip(files, shards) for name in tensors}}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
     tokenizer_size, notes = _write_tokenizer(config, out_dir)
     return InitReport(out_dir, tuple(files), total, tokenizer_size, notes)

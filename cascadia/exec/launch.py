@@ -1,6 +1,6 @@
 """Node processes on this machine for the plan's `local` nodes: `python -m cascadia node ...`, one per stage.
 
-Each gets a free port on 127.0.0.1, its thread count (for OpenVINO and numpy's BLAS), and this process's pid, so it
+Each gets a free port on 127.0.0.1, its thread count (for OpenVINO and OpenMP), and this process's pid, so it
 stops by itself if we die. Its own session keeps a Ctrl-C in the terminal for us alone: we then shut the nodes down
 in order. Its output goes to a log file whose last lines come with any error about it. `stop` asks nothing: the
 coordinator sends SHUTDOWN first; `stop` waits for the processes to end and kills any left, so no node outlives the

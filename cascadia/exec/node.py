@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import Protocol
 
 import attrs
-import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from cascadia.exec.transport import Transport, TransportError, receive_waiting, send
 from cascadia.exec.wire import (COORDINATOR_SENDER, DEFAULT_MAX_MESSAGE_BYTES, Decoder, Encoder, Error, Frame, Hello,
-                                Message, Progress, Ready, Release, Shutdown, Stats, StatsRequest, Tokens, WireError)
+                                Message, Progress, Ready, Shutdown, Stats, StatsRequest, Tokens, WireError)
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +42,6 @@ class Stage(Protocol):
     def process(self, frame: Frame) -> Frame | Tokens:
         """The frame's rows after this stage. The input arrays are read-only views of the received message; the
         returned arrays are handed to ZeroMQ without a copy, so the stage must not write into them afterwards."""
-
-    def release(self, slots: np.ndarray) -> None:
-        """Forget the state of streams in these slots."""
 
 
 ProgressFn = Callable[[int, int], None]  # (done, total), called by a stage loader as it goes
@@ -71,7 +67,7 @@ class NodeSettings:
     send_timeout_s: float = 10.0  # a successor that accepts nothing for this long is unreachable
     parent_pid: int | None = None  # stop when this process is no longer our parent
     poll_s: float = 0.1  # how often an idle node checks on its parent
-    digest: str = ""  # of the settings it was started with, said in HELLO (`cascadia.exec.stage.settings_digest`)
+    digest: str = ""  # of the settings it was started with, said in HELLO (`cascadia.exec.settings.settings_digest`)
     keep_serving: bool = False  # serve run after run, each with its own coordinator (see the module's text)
     coordinator_wait_s: float | None = 120.0  # how long a starting node waits for a coordinator (None: no limit)
 
@@ -182,7 +178,7 @@ class _Node:
                                      f"within {wait_s:g} s{why}")
             poller.poll(self.settings.poll_s * 1000)
             self._check_parent()
-            self._take_control(stage=None)
+            self._take_control()
         self._new_decoders()
         while self.data is not None and receive_waiting(self.data) is not None:
             pass  # a frame of the last run
@@ -193,12 +189,12 @@ class _Node:
     def _new_decoders(self) -> None:
         """Decoders for a new coordinator's run, whose messages are numbered afresh."""
         s = self.settings
-        self.control_decoder = Decoder(COORDINATOR_SENDER, (Shutdown, StatsRequest, Release), s.max_message_bytes)
+        self.control_decoder = Decoder(COORDINATOR_SENDER, (Shutdown, StatsRequest), s.max_message_bytes)
         self.data_decoder = Decoder(s.predecessor, (Frame,), s.max_message_bytes)
 
     def progress(self, done: int, total: int) -> None:
         """Report loading progress, and stop loading if told to or orphaned."""
-        self._take_control(stage=None)
+        self._take_control()
         if self.in_run:
             self.tell(Progress(self.settings.name, done, total))
         self._check_parent()
@@ -211,7 +207,7 @@ class _Node:
         while self.in_run:
             ready = dict(poller.poll(self.settings.poll_s * 1000))
             self._check_parent()
-            self._take_control(stage)
+            self._take_control()
             if self.data in ready and self.in_run and (frames := receive_waiting(self.data)) is not None:
                 try:
                     self._on_data(frames, stage)
@@ -231,11 +227,11 @@ class _Node:
         # Logged here, before any later control message is answered: a coordinator that hears back has its log line.
         log.info("%s: run ended (%s); waiting for the next coordinator", self.settings.name, reason)
 
-    def _take_control(self, stage: Stage | None) -> None:
+    def _take_control(self) -> None:
         """Every waiting control message, then every event of the control connection: a connection's messages
         arrive before its end, so a SHUTDOWN is always read before the close that follows it."""
         while (frames := receive_waiting(self.control)) is not None:
-            self._on_control(frames, stage)
+            self._on_control(frames)
         while self.control_events.poll(0):
             self._on_control_event()
 
@@ -266,33 +262,31 @@ class _Node:
             log.warning("%s: rejected a message on its %s socket: %s", self.settings.name, where, e)
             return None
 
-    def _on_control(self, frames: list, stage: Stage | None) -> None:
+    def _on_control(self, frames: list) -> None:
         message = self._decode(frames, "control", self.control_decoder)
         match message:
             case Shutdown() if self.in_run or not self.settings.keep_serving:  # else: the last run's, late
                 self._end_run("shutdown requested")
             case StatsRequest():
                 self.tell(Stats(self.settings.name, self.busy_s, self.frames, self.rejected))
-            case Release() if stage is not None:  # else: not serving; a run's streams start afresh
-                self._call_stage(f"release of slots {message.slots.tolist()}", stage.release, message.slots)
 
     def _on_data(self, frames: list, stage: Stage) -> None:
         frame = self._decode(frames, "input", self.data_decoder)
         if frame is None:
             return
         start = time.perf_counter()
-        result = self._call_stage(f"frame {frame.frame_id}", stage.process, frame)
+        result = self._process(stage, frame)
         self.busy_s += time.perf_counter() - start
         if result is not None:
             self.frames += 1
             send(self.successor, self.encoder.encode(result))
 
-    def _call_stage(self, what: str, call, *args):
-        """Run a stage call. A failure is the stage's (a bad slot, an engine error), not the node's: report it to
-        the coordinator, which decides whether the run goes on, and keep serving."""
+    def _process(self, stage: Stage, frame: Frame) -> Frame | Tokens | None:
+        """The stage's result, or None after a failure. A failure is the stage's (a bad slot, an engine error), not
+        the node's: report it to the coordinator, which decides whether the run goes on, and keep serving."""
         try:
-            return call(*args)
+            return stage.process(frame)
         except Exception as e:
-            log.exception("%s: %s failed", self.settings.name, what)
-            self.tell(Error(self.settings.name, f"{what}: {type(e).__name__}: {e}"))
+            log.exception("%s: frame %d failed", self.settings.name, frame.frame_id)
+            self.tell(Error(self.settings.name, f"frame {frame.frame_id}: {type(e).__name__}: {e}"))
             return None

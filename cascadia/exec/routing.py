@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from cascadia.exec.host_ops import log_sigmoid
+from cascadia.exec.host_ops import log_sigmoid, softmax
 
 
 @attrs.frozen
@@ -32,7 +32,5 @@ class Router:
         choice = 1 / (1 + np.exp(-routed)) + self.correction
         index = np.argpartition(-choice, self.top_k - 1, axis=1)[:, : self.top_k]
         chosen = np.concatenate([routed[np.arange(len(h))[:, None], index], logits[:, n_routed:]], axis=1)
-        log_probs = log_sigmoid(chosen)
-        probs = np.exp(log_probs - log_probs.max(axis=1, keepdims=True))  # softmax, its largest term exp(0)
-        weights = probs / probs.sum(axis=1, keepdims=True) * (np.float32(self.route_scale) * self.global_scale)
+        weights = softmax(log_sigmoid(chosen), axis=1) * (np.float32(self.route_scale) * self.global_scale)
         return Routing(index.astype(np.int32), weights[:, : self.top_k], weights[:, self.top_k:])

@@ -26,7 +26,7 @@ from cascadia.exec.transport import free_port, tcp_address
 from cascadia.exec.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.graph.plan import Plan
 from cascadia.policy import Policy
-from cascadia.spec.load import dump_spec
+from cascadia.spec.dump import dump_spec
 from cascadia.spec.types import Spec, WorkloadSpec
 from cascadia.workload import MEASURED, build_levels
 

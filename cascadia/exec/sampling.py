@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import attrs
 import numpy as np
 
+from cascadia.exec.host_ops import softmax
 from cascadia.spec.types import WorkloadSpec
 
 
@@ -58,9 +59,7 @@ def greedy(logits: np.ndarray) -> int:
 
 
 def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_p: float = 1.0) -> int:
-    scaled = logits.astype(np.float64) / temperature
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
+    probs = softmax(logits.astype(np.float64) / temperature)
     order = np.argsort(-probs, kind="stable")
     cumulative = np.cumsum(probs[order])
     keep = order[: int(np.searchsorted(cumulative, top_p)) + 1]  # up to and including the token that reaches p

@@ -3,7 +3,7 @@
 A frame's rows go through the engine in calls of at most its largest row bucket. The first stage embeds the rows'
 token ids; the last applies the head to the rows it samples and returns their tokens (and logits, when scoring).
 A row at position 0 starts a new stream, so the stage resets that slot before computing: the data channel itself
-says when a slot is reused, and no Release on the control channel can race with the new stream's first frame.
+says when a slot is reused, and no message on the control channel can race with the new stream's first frame.
 """
 
 from __future__ import annotations
@@ -85,10 +85,6 @@ class EngineStage:
         self.sampler.observe(frame.slots, frame.positions, frame.token_ids)
         return Tokens(frame.frame_id, frame.group, slots, self.sampler.sample(logits, slots),
                       logits if self.with_logits else None)
-
-    def release(self, slots: np.ndarray) -> None:
-        for slot in slots.tolist():
-            self.engine.release(slot)
 
     def _calls(self, n: int) -> Iterator[slice]:
         """Consecutive row ranges of at most the engine's largest bucket (a stream's rows may span two calls: the

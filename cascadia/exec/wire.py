@@ -11,7 +11,6 @@ Kinds and their buffers (n = header rows, c = header cols):
   HELLO          node utf-8, layers i32[2] (first, last), settings utf-8 (the digest of what it was started with)
   READY          node utf-8, layers i32[2] (first, last)
   PROGRESS       node utf-8, i64[2] (done, total)
-  RELEASE        slots i32[n]
   ERROR          node utf-8, text utf-8
   STATS          node utf-8, f64 busy seconds + u64 frames + u64 rejected
   SHUTDOWN, STATS_REQUEST: none
@@ -33,7 +32,7 @@ import attrs
 import numpy as np
 
 MAGIC = b"CSCD"
-VERSION = 2
+VERSION = 3
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -57,11 +56,10 @@ class Kind(enum.IntEnum):
     HELLO = 3
     PROGRESS = 4
     READY = 5
-    RELEASE = 6
-    SHUTDOWN = 7
-    ERROR = 8
-    STATS_REQUEST = 9
-    STATS = 10
+    SHUTDOWN = 6
+    ERROR = 7
+    STATS_REQUEST = 8
+    STATS = 9
 
 
 def _vector(values, dtype: np.dtype) -> np.ndarray:
@@ -120,7 +118,7 @@ class Tokens:
 @attrs.frozen
 class Hello:
     """A node is up, its sockets open, and about to load `first_layer..last_layer`; `settings` is the digest of the
-    spec, plan and sampling it was started with (`cascadia.exec.stage.settings_digest`)."""
+    spec, plan and sampling it was started with (`cascadia.exec.settings.settings_digest`)."""
 
     node: str
     first_layer: int
@@ -142,13 +140,6 @@ class Ready:
     node: str
     first_layer: int
     last_layer: int
-
-
-@attrs.frozen(eq=False)
-class Release:
-    """The streams in these slots have ended: their state may be reused."""
-
-    slots: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))
 
 
 @attrs.frozen
@@ -175,7 +166,7 @@ class Stats:
     rejected: int  # messages that failed to decode
 
 
-Message = Frame | Tokens | Hello | Progress | Ready | Release | Shutdown | Error | StatsRequest | Stats
+Message = Frame | Tokens | Hello | Progress | Ready | Shutdown | Error | StatsRequest | Stats
 
 
 @attrs.frozen
@@ -233,8 +224,6 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
             return Kind.READY, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer)]
         case Progress():
             return Kind.PROGRESS, _Fields(), [_utf8(message.node), _PROGRESS.pack(message.done, message.total)]
-        case Release():
-            return Kind.RELEASE, _Fields(rows=len(message.slots)), [message.slots]
         case Shutdown():
             return Kind.SHUTDOWN, _Fields(), []
         case Error():
@@ -267,8 +256,8 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 5, Kind.TOKENS: 3, Kind.HELLO: 3, Kind.READY: 2, Kind.PROGRESS: 2, Kind.RELEASE: 1,
-                  Kind.SHUTDOWN: 0, Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 2}
+_BUFFER_COUNTS = {Kind.FRAME: 5, Kind.TOKENS: 3, Kind.HELLO: 3, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+                  Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 2}
 
 
 def _array(buffer: memoryview, dtype: np.dtype, count: int, name: str) -> np.ndarray:
@@ -326,8 +315,6 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             return Ready(_text(b[0], "node"), *_unpack(_LAYERS, b[1], "layers"))
         case Kind.PROGRESS:
             return Progress(_text(b[0], "node"), *_unpack(_PROGRESS, b[1], "progress"))
-        case Kind.RELEASE:
-            return Release(_indices(b[0], rows, "slots"))
         case Kind.SHUTDOWN:
             return Shutdown()
         case Kind.ERROR:

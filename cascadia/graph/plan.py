@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
+
+from cascadia.table import format_rows
+from cascadia.units import binary_unit
 
 PLAN_VERSION = 1
 # Roles a stage holds: its decoder layers, and the embedding or head at the ends of the pipeline.
@@ -17,7 +22,7 @@ HEAD = "head"  # final norm, LM head and sampling (last stage)
 
 
 def _count(n: int) -> str:
-    """947.03B, 1.23M, 512."""
+    """947.03B, 1.23M, 512: a parameter count (units.py formats quantities with units, none of them counts)."""
     return next((f"{n / size:.2f}{suffix}" for suffix, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)) if n >= size),
                 str(n))
 
@@ -77,11 +82,14 @@ class Plan:
                    total_params=field("total_params", int), active_params=field("active_params", int),
                    bottleneck_s=float(field("bottleneck_s", _NUMBER)), cost_source=field("cost_source", str))
 
+    def hops(self) -> list[tuple[str, str]]:
+        """(node, the next stage's node) for every stage, the last with the first's: where each stage sends its rows
+        (the last sends the sampled tokens back to the first). A one-stage plan's hop is (node, node)."""
+        return ring_pairs([s.node for s in self.stages])
+
     def table(self) -> str:
         """The plan for people: one line per stage, then totals and what the stage times bound."""
-        largest = max(max(s.weight_bytes, s.state_bytes, s.free_bytes) for s in self.stages)
-        unit, size = next((u, n) for u, n in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-                          if largest >= n or n == 1)
+        unit, size = binary_unit(max(max(s.weight_bytes, s.state_bytes, s.free_bytes) for s in self.stages))
         rows = [("node", "layers", "roles", f"weight {unit}", f"state {unit}", f"free {unit}", "positions/stream",
                  "est. ms")]
         for s in self.stages:
@@ -89,18 +97,15 @@ class Plan:
             rows.append((s.node, f"{s.first_layer}-{s.last_layer}", "+".join(s.roles), f"{s.weight_bytes / size:.2f}",
                          f"{s.state_bytes / size:.2f}", f"{s.free_bytes / size:.2f}", positions,
                          f"{s.est_time_s * 1e3:.3f}"))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-                 for row in rows]
         slowest = max(self.stages, key=lambda s: s.est_time_s)
         one_row = sum(s.est_time_s for s in self.stages)
-        lines += [
+        return "\n".join([
+            format_rows(rows, left=range(3)),
             f"params: {_count(self.total_params)} total, {_count(self.active_params)} active per token",
             f"bottleneck: {slowest.node}, {self.bottleneck_s * 1e3:.3f} ms per row ({self.cost_source})",
             f"bounds before batching: one stream {1 / one_row:.2f} tokens/s (a row crosses every stage in turn); "
             f"{1 / self.bottleneck_s:.2f} tokens/s with a row in flight on every stage",
-        ]
-        return "\n".join(lines)
+        ])
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -113,6 +118,14 @@ class Plan:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: cannot read plan ({e})") from None
         return cls.from_dict(d, where=str(path))
+
+
+T = TypeVar("T")
+
+
+def ring_pairs(items: Sequence[T]) -> list[tuple[T, T]]:
+    """Each item and the next, the last with the first: the hops of a pipeline whose last stage feeds its first."""
+    return list(zip(items, [*items[1:], *items[:1]]))
 
 
 # ---- reading a plan's JSON: shapes and types -----------------------------------------------------------------------

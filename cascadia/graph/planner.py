@@ -17,10 +17,10 @@ from pathlib import Path
 
 from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.costs import LayerCost, embedding_cost, head_cost, layer_costs, state_bytes
-from cascadia.graph.plan import EMBED, HEAD, LAYERS, Plan, Stage
+from cascadia.graph.plan import EMBED, HEAD, LAYERS, Plan, Stage, ring_pairs
 from cascadia.spec.types import NodeSpec, Spec
+from cascadia.units import binary_unit
 
-GIB = 2**30
 TOKEN_ID_BYTES = 4  # what the last stage sends back to the first for each row
 NOMINAL_BANDWIDTH = 100e9  # bytes/s assumed on every node when some node gives no memory_bandwidth
 
@@ -52,7 +52,7 @@ class RooflineStageTime:
         self._layers = layer_costs(spec.model, spec.runtime.kv_precision)
         self._ends = {EMBED: embedding_cost(spec.model), HEAD: head_cost(spec.model)}
         nodes = spec.cluster.nodes
-        self._next = {node.name: nodes[(i + 1) % len(nodes)] for i, node in enumerate(nodes)}
+        self._next = {node.name: target for node, target in ring_pairs(nodes)}  # every node holds a stage, in order
         self.uniform = any(node.memory_bandwidth is None for node in nodes)
         self.source = (f"uniform: bytes read at an assumed {NOMINAL_BANDWIDTH / 1e9:g} GB/s on every node, plus links"
                        if self.uniform else "spec figures: roofline of node memory_bandwidth and compute, "
@@ -186,11 +186,11 @@ def _max_positions(costs: list[LayerCost], streams: int, budget: int) -> int | N
 
 
 def _gib(n: float) -> str:
-    """Binary units, GiB for the sizes that matter, smaller ones for toy models: "61.20 GiB", "3.50 KiB"."""
-    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+    """Binary units with 2 decimals, GiB for the sizes that matter, smaller ones for toy models: "61.20 GiB",
+    "3.50 KiB". Not units.format_bytes: its shortest exact text ("65.712999631 GB") or rounding to significant digits
+    in whichever of decimal and binary units is shorter would not let a message's sizes be compared at a glance."""
+    unit, size = binary_unit(n)
+    return f"{n / size:.2f} {unit}" if size > 1 else f"{n:.0f} B"
 
 
 def _largest_fitting(limit: int, fits: Callable[[int], bool]) -> int | None:

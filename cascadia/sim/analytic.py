@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops
 from cascadia.graph.build import ACTIVATION_BYTES
+from cascadia.graph.plan import ring_pairs
 from cascadia.policy import padded_size
 from cascadia.sim.calibration import (
     ANALYTIC, DENSE, EMBEDDING, GLOBAL, HEAD, MOE, SLIDING, Calibration, CalibrationError, NodeCalibration, Table,
@@ -112,7 +113,6 @@ def analytic_calibration(spec: Spec) -> Calibration:
         roofline = _Roofline(node)
         per_node[node.name] = NodeCalibration({kind: _table(rows, points, lambda r, p, cost=cost: roofline(*cost(r, p)))
                                                for kind, (points, cost) in kinds.items()})
-    ring = [(a.name, b.name) for a, b in zip(nodes, nodes[1:] + nodes[:1]) if a.name != b.name]
-    links = {(a, b): spec.cluster.link(a, b) for a, b in ring}
+    links = {(a, b): spec.cluster.link(a, b) for a, b in ring_pairs([node.name for node in nodes]) if a != b}
     meta = make_meta(spec, ANALYTIC, device="roofline of the spec's memory_bandwidth and compute_flops", openvino=None)
     return Calibration(meta, per_node, links)

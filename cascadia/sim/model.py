@@ -145,6 +145,17 @@ class Server:
         return self.free_at
 
 
+def stage_hosts(spec: Spec, plan: Plan) -> list[str]:
+    """The host of each stage's node."""
+    nodes = {node.name: node for node in spec.cluster.nodes}
+    return [nodes[s.node].host_key for s in plan.stages]
+
+
+def shared_hosts(spec: Spec, plan: Plan) -> dict[str, int]:
+    """The hosts that several of the plan's stages share, by name, and how many stages each."""
+    return {host: n for host, n in sorted(Counter(stage_hosts(spec, plan)).items()) if n > 1}
+
+
 class SharedHost:
     """A host shared by several nodes (processor sharing): with k nodes computing, each progresses at
     speedup[k - 1] / k seconds of work per second (the last speedup beyond the list)."""
@@ -222,15 +233,13 @@ class PipelineModel:
                                    f"{', '.join(missing)} (has {', '.join(calibration.nodes)})")
         self._names = [s.node for s in plan.stages]
         self.costs, self._cost_index = self._stage_costs(plan, calibration, config)
-        host_names = [nodes[s.node].host or s.node for s in plan.stages]
-        shared = {name: SharedHost(self.env, calibration.hosts.get(name, (1.0,)))
-                  for name in host_names if host_names.count(name) > 1}
+        host_names = stage_hosts(spec, plan)
+        shared = {name: SharedHost(self.env, calibration.hosts.get(name, (1.0,))) for name in shared_hosts(spec, plan)}
         # a stage on a shared host: the host's speed and its node's turn; on a host of its own: a plain server
         self._hosts = [shared.get(name) or Server() for name in host_names]
         self._turns = [simpy.Resource(self.env) if name in shared else None for name in host_names]
         self.notes: list[str] = []
-        self._links = [self._link(calibration, spec, a.node, b.node)
-                       for a, b in zip(plan.stages, plan.stages[1:] + plan.stages[:1])]
+        self._links = [self._link(calibration, spec, a, b) for a, b in plan.hops()]
         self.busy = dict.fromkeys(self._names, 0.0)
 
     def _stage_costs(self, plan: Plan, calibration: Calibration,

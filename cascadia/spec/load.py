@@ -1,4 +1,5 @@
-"""Load a spec from YAML, validate it, and report every problem with its file, line and key path.
+"""Load a spec: validate the node tree `yaml_tree` reads into a `Spec`, reporting every problem with its file, line
+and key path.
 
     model:     hf_config: inkling-975b/config.json      # or config: {...}; overrides: {...} on top
                checkpoint: DIR                           # optional
@@ -11,8 +12,7 @@
     include:   [models/inkling.yaml, clusters/lab.yaml]  # merged first, in order; this file's keys win
 
 Paths are relative to the file that names them. A key set to null counts as absent, so a file can drop a key it
-included. The YAML is read as a node tree (`yaml.SafeLoader`, no object construction beyond plain scalars), so every
-value keeps its line and no input, however malformed, escapes as anything but `SpecError`.
+included. Every value keeps its line, and no input, however malformed, escapes as anything but `SpecError`.
 """
 
 from __future__ import annotations
@@ -22,18 +22,16 @@ import math
 import os
 import re
 import typing
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
-import yaml
 
 from cascadia.model_config import _ALIASES, ConfigError, InklingConfig, read_text_fields
+from cascadia.spec.problems import Problem, SpecError, shown
 from cascadia.spec.types import (
     DEVICES,
-    PAPER_FORMATS,
     PRECISIONS,
     TENSOR_GROUPS,
     WEIGHT_DTYPES,
@@ -48,209 +46,11 @@ from cascadia.spec.types import (
     WeightFormats,
     WorkloadSpec,
 )
-from cascadia.units import (
-    UnitError,
-    format_bytes,
-    format_duration,
-    format_flops,
-    format_rate,
-    parse_bytes,
-    parse_duration,
-    parse_flops,
-    parse_rate,
-)
+from cascadia.spec.yaml_tree import Node, read_document
+from cascadia.units import UnitError, format_bytes, parse_bytes, parse_duration, parse_flops, parse_rate
 from cascadia.workload import misfits
 
-# Guards against inputs that are valid YAML but would take forever: alias bombs, self-referencing anchors,
-# include chains, a billion stamped nodes or layers.
-_MAX_VALUES = 100_000
-_MAX_DEPTH = 64
-_MAX_INCLUDE_DEPTH = 32
-_MAX_COUNT = 10_000
-
-
-# ---- problems ------------------------------------------------------------------------------------------------------
-@attrs.frozen
-class Problem:
-    file: Path | None
-    line: int | None  # 1-based
-    key: str  # dotted path, e.g. "cluster.nodes[3].memory"; "" for the whole file
-    message: str
-
-    def __str__(self) -> str:
-        where = ":".join(str(part) for part in (self.file, self.line) if part is not None)
-        return ": ".join(part for part in (where, self.key, self.message) if part)
-
-
-class SpecError(Exception):
-    """A spec with problems; `str()` gives one `FILE:LINE: key: message` line per problem."""
-
-    def __init__(self, problems: list[Problem]):
-        super().__init__(problems)
-        self.problems = problems
-
-    def __str__(self) -> str:
-        return "\n".join(str(p) for p in self.problems)
-
-
-# ---- YAML with positions -------------------------------------------------------------------------------------------
-@attrs.frozen
-class _Node:
-    """A YAML value and where it was written. Mappings hold `dict[str, _Node]`, sequences `list[_Node]`."""
-
-    value: Any
-    file: Path
-    line: int  # of the key, for mapping values: the line a reader looks for
-
-    def plain(self) -> Any:
-        if isinstance(self.value, dict):
-            return {k: v.plain() for k, v in self.value.items()}
-        if isinstance(self.value, list):
-            return [v.plain() for v in self.value]
-        return self.value
-
-
-class _Unreadable(Exception):
-    """A YAML file that cannot be turned into a node tree; the message says why."""
-
-    def __init__(self, message: str, line: int | None = None):
-        super().__init__(message)
-        self.line = line
-
-
-class _Composer:
-    """Turns PyYAML's node graph into `_Node`s, constructing scalars only, within the size and depth guards."""
-
-    def __init__(self, loader: yaml.SafeLoader, file: Path, problems: list[Problem]):
-        self.loader, self.file, self.problems = loader, file, problems
-        self.budget = _MAX_VALUES
-
-    def convert(self, node: yaml.Node, line: int, path: str = "", depth: int = 0) -> _Node:
-        self.budget -= 1
-        if self.budget < 0:
-            raise _Unreadable(f"more than {_MAX_VALUES} values (aliases expanding without end?)")
-        if depth > _MAX_DEPTH:
-            raise _Unreadable(f"nested deeper than {_MAX_DEPTH} levels (a self-referencing alias?)", line)
-        if isinstance(node, yaml.MappingNode):
-            self._expect_tag(node, "map")
-            return _Node(self._mapping(node, path, depth), self.file, line)
-        if isinstance(node, yaml.SequenceNode):
-            self._expect_tag(node, "seq")
-            items = [self.convert(item, item.start_mark.line + 1, f"{path}[{i}]", depth + 1)
-                     for i, item in enumerate(node.value)]
-            return _Node(items, self.file, line)
-        try:
-            return _Node(self.loader.construct_object(node), self.file, line)
-        except (yaml.YAMLError, ValueError, TypeError, OverflowError) as e:  # e.g. `!!int x`, `!!python/name:os`
-            raise _Unreadable(f"cannot read value {node.value!r} tagged {node.tag}: {e}", line) from None
-
-    def _expect_tag(self, node: yaml.Node, kind: str) -> None:
-        if node.tag != f"tag:yaml.org,2002:{kind}":
-            raise _Unreadable(f"unsupported YAML tag {node.tag}", node.start_mark.line + 1)
-
-    def _mapping(self, node: yaml.MappingNode, path: str, depth: int) -> dict[str, _Node]:
-        out: dict[str, _Node] = {}
-        for key_node, value_node in node.value:
-            line = key_node.start_mark.line + 1
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                raise _Unreadable("YAML merge keys (<<) are not supported: use include: or a node's count:", line)
-            key = self.convert(key_node, line, path, depth + 1).value
-            if not isinstance(key, str):
-                self.problems.append(Problem(self.file, line, path, f"keys must be text, got {_shown(key)}"))
-                continue
-            key_path = f"{path}.{key}" if path else key
-            if key in out:
-                first = f"duplicate key (first on line {out[key].line})"
-                self.problems.append(Problem(self.file, line, key_path, first))
-            out[key] = self.convert(value_node, line, key_path, depth + 1)
-        return out
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _Unreadable("no such file") from None
-    except IsADirectoryError:
-        raise _Unreadable("is a folder, not a file") from None
-    except (OSError, ValueError) as e:  # permissions, name too long or with a NUL byte, not UTF-8
-        raise _Unreadable(f"cannot read: {e}") from None
-
-
-def _compose(path: Path, problems: list[Problem]) -> _Node:
-    text = _read_text(path)
-    loader = None
-    try:
-        loader = yaml.SafeLoader(text)
-        root = loader.get_single_node()
-        if root is None:
-            raise _Unreadable("the file is empty")
-        return _Composer(loader, path, problems).convert(root, root.start_mark.line + 1)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        raise _Unreadable(f"not valid YAML: {e.problem or e.context}", mark.line + 1 if mark else None) from None
-    except yaml.YAMLError as e:  # e.g. a control character: its message has no line, and a second line we drop
-        raise _Unreadable(f"not valid YAML: {str(e).splitlines()[0]}") from None
-    except RecursionError:
-        raise _Unreadable("not readable: nested too deeply") from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-
-
-def _merge(base: _Node, over: _Node) -> _Node:
-    """Deep merge of mappings; anything else (lists included) is replaced by `over`."""
-    if not (isinstance(base.value, dict) and isinstance(over.value, dict)):
-        return over
-    merged = dict(base.value)
-    for key, value in over.value.items():
-        merged[key] = _merge(merged[key], value) if key in merged else value
-    return _Node(merged, over.file, over.line)
-
-
-def _read_document(path: Path, problems: list[Problem], chain: tuple[str, ...] = (),
-                   cited_at: _Node | None = None) -> _Node | None:
-    """The file's mapping with its includes merged in; None (with a problem recorded) when it cannot be read."""
-    try:
-        root = _compose(path, problems)
-    except _Unreadable as e:
-        if cited_at is None:
-            problems.append(Problem(path, e.line, "", str(e)))
-        else:
-            problems.append(Problem(cited_at.file, cited_at.line, "include", f"{path}: {e}"))
-        return None
-    if not isinstance(root.value, dict):
-        problems.append(Problem(path, root.line, "", "a spec is a mapping of sections (model, cluster, ...)"))
-        return None
-    chain = (*chain, os.path.realpath(path))
-    merged = None
-    for entry in _include_entries(root.value.get("include"), problems):
-        target = Path(os.path.normpath(path.parent / entry.value))
-        if os.path.realpath(target) in chain:
-            cycle = " -> ".join(os.path.relpath(p) for p in (*chain, os.path.realpath(target)))
-            problems.append(Problem(entry.file, entry.line, "include", f"include cycle: {cycle}"))
-            continue
-        if len(chain) >= _MAX_INCLUDE_DEPTH:
-            problems.append(Problem(entry.file, entry.line, "include", f"includes nest deeper than {len(chain)} files"))
-            continue
-        included = _read_document(target, problems, chain, cited_at=entry)
-        if included is not None:
-            merged = included if merged is None else _merge(merged, included)
-    own = _Node({k: v for k, v in root.value.items() if k != "include"}, root.file, root.line)
-    return own if merged is None else _merge(merged, own)
-
-
-def _include_entries(node: _Node | None, problems: list[Problem]) -> list[_Node]:
-    if node is None or node.value is None:
-        return []
-    good = []
-    for entry in node.value if isinstance(node.value, list) else [node]:
-        if isinstance(entry.value, str) and entry.value.strip() and "\0" not in entry.value:
-            good.append(entry)
-        else:
-            message = f"expected a file path, got {_shown(entry.plain())}"
-            problems.append(Problem(entry.file, entry.line, "include", message))
-    return good
+_MAX_COUNT = 10_000  # nodes one `count:` may stamp out: a guard against a billion
 
 
 # ---- reading values ------------------------------------------------------------------------------------------------
@@ -262,10 +62,10 @@ class _Context:
     def __init__(self) -> None:
         self.problems: list[Problem] = []
 
-    def report(self, node: _Node, key: str, message: str) -> None:
+    def report(self, node: Node, key: str, message: str) -> None:
         self.problems.append(Problem(node.file, node.line, key, message))
 
-    def parse(self, node: _Node, key: str, parse: Callable[[Any], Any]) -> Any:
+    def parse(self, node: Node, key: str, parse: Callable[[Any], Any]) -> Any:
         """`parse` of the node's plain value, or None with the problem recorded at the node."""
         try:
             return parse(node.plain())
@@ -277,17 +77,17 @@ class _Context:
 class _Fields:
     """The keys of one mapping, read one at a time; keys never asked for are reported as unknown by `finish`."""
 
-    def __init__(self, ctx: _Context, node: _Node, path: str):
+    def __init__(self, ctx: _Context, node: Node, path: str):
         self.ctx, self.node, self.path = ctx, node, path
-        self.items: dict[str, _Node] = node.value if isinstance(node.value, dict) else {}
+        self.items: dict[str, Node] = node.value if isinstance(node.value, dict) else {}
         self.asked: list[str] = []
         if not isinstance(node.value, dict):
-            ctx.report(node, path, f"expected a mapping of keys, got {_shown(node.plain())}")
+            ctx.report(node, path, f"expected a mapping of keys, got {shown(node.plain())}")
 
     def key(self, name: str) -> str:
         return f"{self.path}.{name}" if self.path else name
 
-    def get(self, name: str, required: bool = False) -> _Node | None:
+    def get(self, name: str, required: bool = False) -> Node | None:
         """The node under `name`, or None when absent or null (reported when required)."""
         self.asked.append(name)
         node = self.items.get(name)
@@ -333,15 +133,10 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _integer(low: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise _Invalid(f"expected an integer >= {low}, got {_shown(value)}")
+            raise _Invalid(f"expected an integer >= {low}, got {shown(value)}")
         return value
     return parse
 
@@ -358,33 +153,26 @@ def _number(value: Any) -> float:
         except ValueError:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _Invalid(f"expected a number, got {_shown(value)}")
+        raise _Invalid(f"expected a number, got {shown(value)}")
     return float(value)
-
-
-def _positive_number(value: Any) -> float:
-    number = _number(value)
-    if number <= 0:
-        raise _Invalid(f"expected a number > 0, got {_shown(value)}")
-    return number
 
 
 def _fraction(value: Any) -> float:
     number = _number(value)
     if not 0 < number <= 1:
-        raise _Invalid(f"expected a number in (0, 1], got {_shown(value)}")
+        raise _Invalid(f"expected a number in (0, 1], got {shown(value)}")
     return number
 
 
 def _boolean(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise _Invalid(f"expected true or false, got {_shown(value)}")
+        raise _Invalid(f"expected true or false, got {shown(value)}")
     return value
 
 
 def _text(value: Any) -> str:
     if not isinstance(value, str) or not value.strip() or "\0" in value:
-        raise _Invalid(f"expected text, got {_shown(value)}")
+        raise _Invalid(f"expected text, got {shown(value)}")
     return value
 
 
@@ -394,7 +182,7 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
         for option in options:
             if isinstance(value, str) and value.lower() == option.lower():
                 return option
-        raise _Invalid(f"expected one of {', '.join(options)}, got {_shown(value)}")
+        raise _Invalid(f"expected one of {', '.join(options)}, got {shown(value)}")
     return parse
 
 
@@ -402,7 +190,7 @@ def _positive(parse: Callable[[Any], float]) -> Callable[[Any], float]:
     def positive(value: Any) -> float:
         quantity = parse(value)
         if quantity <= 0:
-            raise _Invalid(f"must be more than zero, got {_shown(value)}")
+            raise _Invalid(f"must be more than zero, got {shown(value)}")
         return quantity
     return positive
 
@@ -413,19 +201,19 @@ def _int_list(value: Any) -> tuple[int, ...]:
         try:
             value = [int(part) for part in value.split(",")]
         except ValueError:
-            raise _Invalid(f"expected integers like '1,2,4', got {_shown(value)}") from None
+            raise _Invalid(f"expected integers like '1,2,4', got {shown(value)}") from None
     items = value if isinstance(value, list) else [value]
     if not items or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in items):
-        raise _Invalid(f"expected positive integers like [1, 2, 4], got {_shown(value)}")
+        raise _Invalid(f"expected positive integers like [1, 2, 4], got {shown(value)}")
     if len(set(items)) != len(items):
-        raise _Invalid(f"values repeat: {_shown(value)}")
+        raise _Invalid(f"values repeat: {shown(value)}")
     return tuple(items)
 
 
 def _buckets(value: Any) -> tuple[int, ...]:
     buckets = _int_list(value)
     if list(buckets) != sorted(buckets):
-        raise _Invalid(f"must be increasing, got {_shown(value)}")
+        raise _Invalid(f"must be increasing, got {shown(value)}")
     return buckets
 
 
@@ -435,14 +223,14 @@ _TCP = re.compile(r"tcp://(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
 
 def _node_name(value: Any) -> str:
     if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise _Invalid(f"expected a name of letters, digits, '_', '.', '-', got {_shown(value)}")
+        raise _Invalid(f"expected a name of letters, digits, '_', '.', '-', got {shown(value)}")
     return value
 
 
 def _address(value: Any) -> str:
     match = _TCP.fullmatch(value) if isinstance(value, str) else None
     if value != "local" and not (match and 0 < int(match.group(1)) < 65536):
-        raise _Invalid(f"expected 'local' or 'tcp://HOST:PORT', got {_shown(value)}")
+        raise _Invalid(f"expected 'local' or 'tcp://HOST:PORT', got {shown(value)}")
     return value
 
 
@@ -479,7 +267,7 @@ def _conform(value: Any, hint: Any) -> Any:
         return _number(value)
     elif isinstance(hint, type) and isinstance(value, hint) and (hint is bool or not isinstance(value, bool)):
         return value
-    raise _Invalid(f"expected {_describe(hint)}, got {_shown(value)}")
+    raise _Invalid(f"expected {_describe(hint)}, got {shown(value)}")
 
 
 def _config_values(fields: dict[str, Any], report: Callable[[str, str], None],
@@ -506,7 +294,7 @@ def _config_values(fields: dict[str, Any], report: Callable[[str, str], None],
     return out if valid else None
 
 
-def _read_hf_config(ctx: _Context, node: _Node) -> tuple[dict[str, Any], Path] | None:
+def _read_hf_config(ctx: _Context, node: Node) -> tuple[dict[str, Any], Path] | None:
     """The text-model fields of the config.json that `node` names (see `model_config.read_text_fields`), and that
     file; problems name the file and the key, reported at `node`."""
     if ctx.parse(node, "model.hf_config", _text) is None:
@@ -524,17 +312,17 @@ def _read_hf_config(ctx: _Context, node: _Node) -> tuple[dict[str, Any], Path] |
     return None if values is None else (values, path)
 
 
-def _mapping_values(ctx: _Context, node: _Node, path: str) -> dict[str, Any] | None:
+def _mapping_values(ctx: _Context, node: Node, path: str) -> dict[str, Any] | None:
     """Inline config fields (`model.config`, `model.overrides`), each checked at its own line."""
     if not isinstance(node.value, dict):
-        ctx.report(node, path, f"expected a mapping of config fields, got {_shown(node.plain())}")
+        ctx.report(node, path, f"expected a mapping of config fields, got {shown(node.plain())}")
         return None
     return _config_values({k: v.plain() for k, v in node.value.items()},
                           lambda key, message: ctx.report(node.value[key], f"{path}.{key}", message),
                           check_unknown=True)
 
 
-def _inkling_config(ctx: _Context, model: _Node, fields: _Fields) -> InklingConfig | None:
+def _inkling_config(ctx: _Context, model: Node, fields: _Fields) -> InklingConfig | None:
     hf_node, inline_node, overrides_node = fields.get("hf_config"), fields.get("config"), fields.get("overrides")
     if hf_node is not None and inline_node is not None:
         ctx.report(inline_node, "model.config", "give model.hf_config or model.config, not both")
@@ -566,7 +354,7 @@ def _inkling_config(ctx: _Context, model: _Node, fields: _Fields) -> InklingConf
         return None
 
 
-def _weight_format(ctx: _Context, node: _Node, path: str) -> WeightFormat | None:
+def _weight_format(ctx: _Context, node: Node, path: str) -> WeightFormat | None:
     """`int4`, `bf16`, or `{dtype: int4, group_size: 32, symmetric: true}`."""
     dtype = _choice(WEIGHT_DTYPES)
     if not isinstance(node.value, dict):
@@ -585,7 +373,7 @@ def _weight_format(ctx: _Context, node: _Node, path: str) -> WeightFormat | None
     return WeightFormat(kind, group_size, True if symmetric is None else symmetric)
 
 
-def _weight_formats(ctx: _Context, node: _Node | None) -> WeightFormats:
+def _weight_formats(ctx: _Context, node: Node | None) -> WeightFormats:
     """One format for every tensor group (`formats: int8`), or per group over an optional `default`."""
     if node is None:
         return WeightFormats()
@@ -605,7 +393,7 @@ def _weight_formats(ctx: _Context, node: _Node | None) -> WeightFormats:
     return WeightFormats(**groups)
 
 
-def _model(ctx: _Context, node: _Node) -> ModelSpec | None:
+def _model(ctx: _Context, node: Node) -> ModelSpec | None:
     fields = _Fields(ctx, node, "model")
     name = fields.take("name", _node_name)
     checkpoint = fields.path_value("checkpoint")
@@ -618,7 +406,7 @@ def _model(ctx: _Context, node: _Node) -> ModelSpec | None:
 
 
 # ---- cluster -------------------------------------------------------------------------------------------------------
-def _nodes(ctx: _Context, entry: _Node, path: str, cluster_reserve: int | None) -> list[NodeSpec]:
+def _nodes(ctx: _Context, entry: Node, path: str, cluster_reserve: int | None) -> list[NodeSpec]:
     """The node(s) of one `nodes:` entry: `count: N` stamps out N alike, named NAME0..NAME{N-1}.
     `cluster_reserve`: None when the cluster's is invalid (already reported)."""
     fields = _Fields(ctx, entry, path)
@@ -661,7 +449,7 @@ def _link(fields: _Fields, base: LinkSpec) -> LinkSpec:
     return LinkSpec(base.bandwidth if bandwidth is None else bandwidth, base.latency if latency is None else latency)
 
 
-def _links(ctx: _Context, node: _Node | None, names: set[str]) -> tuple[LinkSpec, dict[tuple[str, str], LinkSpec]]:
+def _links(ctx: _Context, node: Node | None, names: set[str]) -> tuple[LinkSpec, dict[tuple[str, str], LinkSpec]]:
     """The default link, and per node pair what differs from it (`pairs: [{between: [a, b], bandwidth: ...}]`)."""
     if node is None:
         return LinkSpec(), {}
@@ -689,7 +477,7 @@ def _links(ctx: _Context, node: _Node | None, names: set[str]) -> tuple[LinkSpec
         ends = between.plain()
         if not (isinstance(ends, list) and len(ends) == 2 and all(isinstance(e, str) for e in ends)
                 and ends[0] != ends[1]):
-            ctx.report(between, pair_fields.key("between"), f"expected two node names, got {_shown(ends)}")
+            ctx.report(between, pair_fields.key("between"), f"expected two node names, got {shown(ends)}")
         elif unknown := [e for e in ends if e not in names]:
             hint = difflib.get_close_matches(unknown[0], names, n=1)
             ctx.report(between, pair_fields.key("between"),
@@ -701,7 +489,7 @@ def _links(ctx: _Context, node: _Node | None, names: set[str]) -> tuple[LinkSpec
     return default, pairs
 
 
-def _cluster(ctx: _Context, node: _Node) -> ClusterSpec | None:
+def _cluster(ctx: _Context, node: Node) -> ClusterSpec | None:
     fields = _Fields(ctx, node, "cluster")
     reserve = fields.take("reserve", parse_bytes)  # None: invalid, reported
     if not fields.given("reserve"):
@@ -730,7 +518,7 @@ def _cluster(ctx: _Context, node: _Node) -> ClusterSpec | None:
 
 
 # ---- runtime and workload ------------------------------------------------------------------------------------------
-def _runtime(ctx: _Context, node: _Node | None) -> RuntimeSpec:
+def _runtime(ctx: _Context, node: Node | None) -> RuntimeSpec:
     if node is None:
         return RuntimeSpec()
     fields = _Fields(ctx, node, "runtime")
@@ -746,7 +534,7 @@ def _runtime(ctx: _Context, node: _Node | None) -> RuntimeSpec:
     return RuntimeSpec(**{k: v for k, v in values.items() if v is not None})
 
 
-def _length(ctx: _Context, node: _Node, path: str) -> LengthSpec | None:
+def _length(ctx: _Context, node: Node, path: str) -> LengthSpec | None:
     """`16` or `{uniform: [8, 24]}`."""
     if not isinstance(node.value, dict):
         n = ctx.parse(node, path, _positive_int)
@@ -760,12 +548,12 @@ def _length(ctx: _Context, node: _Node, path: str) -> LengthSpec | None:
     if not (isinstance(low_high, list) and len(low_high) == 2
             and all(isinstance(v, int) and not isinstance(v, bool) for v in low_high)
             and 1 <= low_high[0] <= low_high[1]):
-        ctx.report(bounds, fields.key("uniform"), f"expected [low, high] with 1 <= low <= high, got {_shown(low_high)}")
+        ctx.report(bounds, fields.key("uniform"), f"expected [low, high] with 1 <= low <= high, got {shown(low_high)}")
         return None
     return LengthSpec(*low_high)
 
 
-def _workload(ctx: _Context, node: _Node | None) -> WorkloadSpec:
+def _workload(ctx: _Context, node: Node | None) -> WorkloadSpec:
     if node is None:
         return WorkloadSpec()
     fields = _Fields(ctx, node, "workload")
@@ -777,7 +565,7 @@ def _workload(ctx: _Context, node: _Node | None) -> WorkloadSpec:
         "prompts_file": fields.path_value("prompts_file", must_exist=True),
         "output_tokens": fields.take("output_tokens", _positive_int),
         "greedy": fields.take("greedy", _boolean),
-        "temperature": fields.take("temperature", _positive_number),
+        "temperature": fields.take("temperature", _positive(_number)),
         "top_p": fields.take("top_p", _fraction),
         "seed": fields.take("seed", _count_int),
     }
@@ -802,7 +590,7 @@ def load_spec(path: str | Path) -> Spec:
     """Read, merge includes, validate. Raises `SpecError` listing every problem; never anything else."""
     path = Path(path)
     ctx = _Context()
-    root = _read_document(path, ctx.problems)
+    root = read_document(path, ctx.problems)
     if root is None:
         raise SpecError(ctx.problems)
     fields = _Fields(ctx, root, "")
@@ -818,113 +606,3 @@ def load_spec(path: str | Path) -> Spec:
     if ctx.problems or model is None or cluster is None:
         raise SpecError(sorted(ctx.problems, key=lambda p: (str(p.file), p.line or 0)))
     return Spec(model, cluster, runtime, workload, source=path)
-
-
-def _dump_format(fmt: WeightFormat) -> str | dict[str, Any]:
-    if fmt.group_size is None and fmt.symmetric:
-        return fmt.dtype
-    return {"dtype": fmt.dtype, "group_size": fmt.group_size, **({} if fmt.symmetric else {"symmetric": False})}
-
-
-def _dump_formats(formats: WeightFormats) -> dict[str, Any]:
-    return {group: _dump_format(getattr(formats, group)) for group in TENSOR_GROUPS}
-
-
-def _dump_node(node: NodeSpec) -> dict[str, Any]:
-    values = {
-        "name": node.name, "address": node.address, "device": node.device, "memory": format_bytes(node.memory_bytes),
-        "memory_bandwidth": node.memory_bandwidth and format_rate(node.memory_bandwidth),
-        "compute": node.compute_flops and format_flops(node.compute_flops), "host": node.host,
-        "threads": node.threads, "reserve": None if node.reserve_bytes is None else format_bytes(node.reserve_bytes),
-        "layers": node.layers,
-    }
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def _dump_link(link: LinkSpec) -> dict[str, str]:
-    return {"bandwidth": format_rate(link.bandwidth, bits=True), "latency": format_duration(link.latency)}
-
-
-def _dump_runtime(runtime: RuntimeSpec) -> dict[str, Any]:
-    return attrs.asdict(runtime, value_serializer=lambda _, __, v: list(v) if isinstance(v, tuple) else v)
-
-
-def _dump_workload(workload: WorkloadSpec) -> dict[str, Any]:
-    prompt = workload.prompt_tokens
-    values = {
-        **attrs.asdict(workload, recurse=False), "concurrency": list(workload.concurrency),
-        "prompt_tokens": prompt.low if prompt.low == prompt.high else {"uniform": [prompt.low, prompt.high]},
-        "prompts_file": workload.prompts_file and str(workload.prompts_file),
-    }
-    if workload.prompts_file is not None:
-        del values["prompt_tokens"]
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def dump_spec(spec: Spec) -> dict[str, Any]:
-    """The resolved spec as plain data (for `spec show`); written as YAML it loads back to an equal spec."""
-    model = spec.model
-    cluster = spec.cluster
-    links: dict[str, Any] = {"default": _dump_link(cluster.default_link)}
-    if cluster.links:
-        links["pairs"] = [{"between": list(pair), **_dump_link(link)} for pair, link in cluster.links.items()]
-    return {
-        "model": {
-            "name": model.name,
-            **({"checkpoint": str(model.checkpoint)} if model.checkpoint else {}),
-            "formats": _dump_formats(model.formats),
-            "config": model.config.to_hf_dict(),
-        },
-        "cluster": {
-            "reserve": format_bytes(cluster.reserve_bytes),
-            **({"curve_keys": str(cluster.curve_keys)} if cluster.curve_keys else {}),
-            "nodes": [_dump_node(node) for node in cluster.nodes],
-            "links": links,
-        },
-        "runtime": _dump_runtime(spec.runtime),
-        "workload": _dump_workload(spec.workload),
-    }
-
-
-def summarize(spec: Spec) -> str:
-    """One line for `spec validate`: the model, the fleet, the serving envelope."""
-    cfg, nodes = spec.model.config, spec.cluster.nodes
-    sizes = Counter(format_bytes(n.memory_bytes) for n in nodes)  # in order of first appearance
-    memory = " + ".join(f"{count} x {size}" for size, count in sizes.items())
-    levels = spec.workload.concurrency
-    concurrency = f"{min(levels)}-{max(levels)} in {len(levels)} levels" if len(levels) > 1 else str(levels[0])
-    return (f"{spec.model.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-            f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}; {len(nodes)} nodes ({memory}); "
-            f"context {spec.runtime.context_budget} x {spec.runtime.max_streams} streams; concurrency {concurrency}")
-
-
-def spec_from_hf(config_path: str | Path, out_dir: str | Path, nodes: int, memory_bytes: int,
-                 link: LinkSpec = LinkSpec()) -> dict[str, Any]:
-    """A starting spec for a transformers config (or checkpoint folder) on `nodes` alike machines.
-
-    `out_dir` is where the spec will be saved: a config inside it is named by a relative path (the folder can move
-    as a whole), any other by its absolute path. Raises `ConfigError` for a config that is not a valid Inkling.
-    """
-    config_path = Path(config_path)
-    folder = config_path if config_path.is_dir() else config_path.parent
-    InklingConfig.from_file(config_path)
-    has_weights = any(folder.glob("*.safetensors"))
-
-    def written(path: Path) -> str:
-        relative = os.path.relpath(path, out_dir)
-        return os.path.abspath(path) if relative.startswith("..") else relative
-
-    return {
-        "model": {
-            "name": re.sub(r"[^A-Za-z0-9_.-]+", "-", folder.resolve().name).lstrip("_.-") or "inkling",
-            "hf_config": written(config_path),
-            **({"checkpoint": written(folder)} if has_weights else {}),
-            "formats": _dump_formats(PAPER_FORMATS),  # a sensible start for any large Inkling
-        },
-        "cluster": {
-            "nodes": [{"name": "pc", "count": nodes, "memory": format_bytes(memory_bytes), "device": "auto"}],
-            "links": {"default": _dump_link(link)},
-        },
-        "runtime": _dump_runtime(RuntimeSpec()),
-        "workload": _dump_workload(WorkloadSpec()),
-    }

@@ -94,6 +94,11 @@ class NodeSpec:
     def is_local(self) -> bool:
         return self.address == "local"
 
+    @property
+    def host_key(self) -> str:
+        """The host whose cores the node computes on: its `host`, else a host of its own, named as the node."""
+        return self.host or self.name
+
 
 @attrs.frozen
 class LinkSpec:

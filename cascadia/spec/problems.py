@@ -1,0 +1,37 @@
+"""What is wrong with a spec, and where: `Problem` records one, `SpecError` carries them all to the caller."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class Problem:
+    file: Path | None
+    line: int | None  # 1-based
+    key: str  # dotted path, e.g. "cluster.nodes[3].memory"; "" for the whole file
+    message: str
+
+    def __str__(self) -> str:
+        where = ":".join(str(part) for part in (self.file, self.line) if part is not None)
+        return ": ".join(part for part in (where, self.key, self.message) if part)
+
+
+class SpecError(Exception):
+    """A spec with problems; `str()` gives one `FILE:LINE: key: message` line per problem."""
+
+    def __init__(self, problems: list[Problem]):
+        super().__init__(problems)
+        self.problems = problems
+
+    def __str__(self) -> str:
+        return "\n".join(str(p) for p in self.problems)
+
+
+def shown(value: Any) -> str:
+    """`value` as a problem message quotes it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
