@@ -448,3 +448,16 @@ def test_ctrl_c_shuts_every_node_down_and_keeps_what_finished(spec, plan, checkp
     assert [(r["phase"], r["output_tokens"]) for r in failed.value.result["requests"]] == [(WARMUP, 3)] * 2
     assert [o["finish_reason"] for o in failed.value.outputs] == ["length"] * 2
     assert failed.value.result["warnings"] == ["the run was interrupted"]
+
+
+@pytest.mark.parametrize("command", [
+    ["node", "--spec", str(SPEC), "--plan", "{plan}", "--name", "node0", "--listen", "http://x", "--control",
+     "tcp://127.0.0.1:5555"],
+    ["node", "--spec", str(SPEC), "--plan", "{plan}", "--name", "node0", "--listen", "tcp://*:5601", "--control",
+     "tcp://*:5555"],
+    ["run", str(SPEC), "--control", "tcp://0.0.0.0:0", "--tokens", "tcp://0.0.0.0:5556"],
+])
+def test_a_malformed_address_is_refused_before_anything_starts(plan, tmp_path, command):
+    plan.save(tmp_path / "plan.json")
+    result = CliRunner().invoke(cli, [arg.format(plan=tmp_path / "plan.json") for arg in command])
+    assert result.exit_code == 2 and "is not an address like tcp://10.0.0.1:5555 (port 1-65535)" in result.output

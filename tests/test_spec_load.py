@@ -156,6 +156,8 @@ BAD = [
     ("model: {hf_config: " + str(TINY_CONFIG) + ", config: {}}\n" + CLUSTER, "s.yaml:1: model.config: give"),
     ("model: {name: x}\n" + CLUSTER, "s.yaml:1: model: missing hf_config"),
     (CLUSTER, "s.yaml:1: model: missing (required)"),
+    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB, address: 'tcp://*:5601'}]}\n",
+     "s.yaml:2: cluster.nodes[0].address: expected 'local' or 'tcp://HOST:PORT', got 'tcp://*:5601'"),
     ("model: {config: {}}\n" + CLUSTER + "? [1]\n: 2\n", "s.yaml:3: keys must be text, got [1]"),
     ("model: {config: {}}\n" + CLUSTER + "workload: {temperature: 0}\n",
      "s.yaml:3: workload.temperature: must be more than zero, got 0"),

@@ -53,6 +53,23 @@ class IntList(click.ParamType):
         return numbers
 
 
+class TcpAddress(click.ParamType):
+    """A ZeroMQ address, tcp://HOST:PORT (HOST may be * in an address `to_bind`): checked at once, not when the
+    socket is first used."""
+
+    name = "tcp://HOST:PORT"
+
+    def __init__(self, to_bind: bool = False):
+        self.to_bind = to_bind
+
+    def convert(self, value, param, ctx):
+        from cascadia.spec.types import is_tcp_address
+
+        if not is_tcp_address(value, self.to_bind):
+            self.fail(f"{value!r} is not an address like tcp://10.0.0.1:5555 (port 1-65535)", param, ctx)
+        return value
+
+
 class OutputPath(click.Path):
     """A file the command writes when its work is done: checked before the work starts (its folder exists and may be
     written), so that a long run does not end unable to keep its results."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (OutputPath, chosen_plan, load_spec_or_exit, sampling_options, saving, with_sampling,
-                                 workload_options, workload_overrides)
+from cascadia.cli.common import (OutputPath, TcpAddress, chosen_plan, load_spec_or_exit, sampling_options, saving,
+                                 with_sampling, workload_options, workload_overrides)
 
 
 @click.command()
@@ -13,9 +13,9 @@ from cascadia.cli.common import (OutputPath, chosen_plan, load_spec_or_exit, sam
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), required=True,
               help="the plan the coordinator runs (`cascadia plan -o`)")
 @click.option("--name", required=True, help="this node's name in the plan")
-@click.option("--listen", required=True, help="address to bind this node's input, e.g. tcp://0.0.0.0:5601")
-@click.option("--control", required=True, help="the coordinator's control address, e.g. tcp://10.0.0.1:5555")
-@click.option("--successor", help="where this node sends its results (default: the next node's address in the "
+@click.option("--listen", type=TcpAddress(to_bind=True), required=True, help="address to bind this node's input, e.g. tcp://0.0.0.0:5601")
+@click.option("--control", type=TcpAddress(), required=True, help="the coordinator's control address, e.g. tcp://10.0.0.1:5555")
+@click.option("--successor", type=TcpAddress(), help="where this node sends its results (default: the next node's address in the "
                                   "spec; the last node: the coordinator's token address)")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
 @click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: the node's, in the spec)")
@@ -69,8 +69,8 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 @click.option("--json", "json_path", type=OutputPath(), help="write the metrics JSON here")
 @click.option("--outputs", "outputs_path", type=OutputPath(),
               help="write each request's prompt and output token ids here (JSONL)")
-@click.option("--control", help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
-@click.option("--tokens", help="tcp nodes: the token address to bind (the last node's --successor)")
+@click.option("--control", type=TcpAddress(to_bind=True), help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
+@click.option("--tokens", type=TcpAddress(to_bind=True), help="tcp nodes: the token address to bind (the last node's --successor)")
 @click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True),
               help="seconds a starting node may stay silent [default: 120]")
 def run_command(spec: str, plan_path: str | None, checkpoint: str | None, concurrency, requests, prompts,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import OutputPath, Quantity, load_spec_or_exit, saving
+from cascadia.cli.common import OutputPath, Quantity, chosen_plan, load_spec_or_exit, saving
 
 
 @click.command()
@@ -39,14 +39,7 @@ def plan(spec: str, json_path: str | None, output: str | None) -> None:
     """Place consecutive layers on the spec's nodes: the fastest split that fits in memory."""
     import json
 
-    from cascadia.graph.planner import InfeasiblePlan
-    from cascadia.graph.planner import plan as make_plan
-
-    loaded = load_spec_or_exit(spec)
-    try:
-        result = make_plan(loaded)
-    except InfeasiblePlan as e:
-        raise click.ClickException(f"{spec}: no plan fits. {e}") from None
+    result = chosen_plan(load_spec_or_exit(spec), None)
     for path in (output, json_path):
         if path and path != "-":
             with saving(path):

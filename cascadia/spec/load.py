@@ -45,6 +45,7 @@ from cascadia.spec.types import (
     WeightFormat,
     WeightFormats,
     WorkloadSpec,
+    is_tcp_address,
 )
 from cascadia.spec.yaml_tree import Node, read_document
 from cascadia.units import UnitError, format_bytes, parse_bytes, parse_duration, parse_flops, parse_rate
@@ -218,7 +219,6 @@ def _buckets(value: Any) -> tuple[int, ...]:
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_TCP = re.compile(r"tcp://(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
 
 
 def _node_name(value: Any) -> str:
@@ -228,8 +228,7 @@ def _node_name(value: Any) -> str:
 
 
 def _address(value: Any) -> str:
-    match = _TCP.fullmatch(value) if isinstance(value, str) else None
-    if value != "local" and not (match and 0 < int(match.group(1)) < 65536):
+    if value != "local" and not is_tcp_address(value):
         raise _Invalid(f"expected 'local' or 'tcp://HOST:PORT', got {shown(value)}")
     return value
 

@@ -7,6 +7,7 @@ every problem with its file, key path and line; these classes only hold values t
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import attrs
@@ -75,6 +76,16 @@ class ModelSpec:
     formats: WeightFormats = WeightFormats()
     checkpoint: Path | None = None  # resolved against the spec file's folder
     name: str = "inkling"
+
+
+_TCP_ADDRESS = re.compile(r"tcp://([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]|\*):(\d{1,5})")
+
+
+def is_tcp_address(text: object, to_bind: bool = False) -> bool:
+    """Whether `text` is a ZeroMQ tcp address, tcp://HOST:PORT: HOST a name, an IPv4 or [IPv6] address, or (an
+    address `to_bind`) * for every interface."""
+    match = _TCP_ADDRESS.fullmatch(text) if isinstance(text, str) else None
+    return bool(match) and (to_bind or match.group(1) != "*") and 0 < int(match.group(2)) < 65536
 
 
 @attrs.frozen
