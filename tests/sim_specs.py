@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from cascadia.graph.plan import Plan, Stage
+from cascadia.graph.plan import Plan, Stage, ring_pairs
 from cascadia.graph.planner import stage_roles
 from cascadia.model_config import InklingConfig
 from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration, NodeCalibration, Table, make_meta
@@ -45,5 +45,5 @@ def calibration(spec: Spec, time: Callable[[str, float, float], float], rows=(1,
     nodes = {node.name: NodeCalibration(tables, frame_s, row_s, stream_s) for node in spec.cluster.nodes}
     if links is None:
         names = [node.name for node in spec.cluster.nodes]
-        links = {(a, b): spec.cluster.default_link for a, b in zip(names, names[1:] + names[:1]) if a != b}
+        links = {(a, b): spec.cluster.default_link for a, b in ring_pairs(names) if a != b}
     return Calibration(make_meta(spec, MEASURED, device="test", openvino=None), nodes, links)
