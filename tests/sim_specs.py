@@ -15,6 +15,30 @@ TINY_CONFIG = Path(__file__).parent.parent / "specs" / "tiny" / "config.json"  #
 GIB = 2**30
 
 
+def tiny_spec_yaml(memory: str = "1GiB", concurrency: str = "[1, 2]", prompt_tokens: int = 8,
+                   output_tokens: int = 4) -> str:
+    """The tiny model on 3 nodes with hardware figures, as a spec file's text (for the command-line tests)."""
+    return f"""
+model:
+  name: tiny
+  hf_config: {TINY_CONFIG}
+  formats: f32
+cluster:
+  reserve: 64MiB
+  nodes:
+    - {{name: node, count: 3, memory: {memory}, memory_bandwidth: 1GB/s, compute: 1TFLOPS}}
+runtime:
+  context_budget: 64
+  max_streams: 8
+  row_buckets: [2, 4, 8]
+  prefill_window: 4
+workload:
+  concurrency: {concurrency}
+  prompt_tokens: {prompt_tokens}
+  output_tokens: {output_tokens}
+"""
+
+
 def tiny_spec(n_nodes: int = 3, host: str | None = None, runtime: RuntimeSpec | None = None,
               workload: WorkloadSpec | None = None, bandwidth: float | None = 1e9) -> Spec:
     nodes = tuple(NodeSpec(f"n{i}", memory_bytes=GIB, memory_bandwidth=bandwidth, compute_flops=1e12, host=host)

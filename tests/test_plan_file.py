@@ -9,28 +9,10 @@ from click.testing import CliRunner
 from cascadia.cli import cli
 from cascadia.graph.planner import load_plan, plan
 from cascadia.spec.load import load_spec
-from sim_specs import TINY_CONFIG
+from sim_specs import tiny_spec_yaml
 
 # 6 layers on 3 nodes with 1 MiB each beyond the reserve: the planner puts 2 layers on each
-SPEC = f"""
-model:
-  name: tiny
-  hf_config: {TINY_CONFIG}
-  formats: f32
-cluster:
-  reserve: 64MiB
-  nodes:
-    - {{name: node, count: 3, memory: 65MiB, memory_bandwidth: 1GB/s, compute: 1TFLOPS}}
-runtime:
-  context_budget: 64
-  max_streams: 8
-  row_buckets: [2, 4, 8]
-  prefill_window: 4
-workload:
-  concurrency: [1]
-  prompt_tokens: 4
-  output_tokens: 2
-"""
+SPEC = tiny_spec_yaml(memory="65MiB", concurrency="[1]", prompt_tokens=4, output_tokens=2)
 
 
 @pytest.fixture

@@ -11,27 +11,9 @@ from cascadia.cli.common import saving
 from cascadia.exec.tokenizer import TOKENIZER_FILE, build_tokenizer
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.spec.load import load_spec
-from sim_specs import TINY_CONFIG
+from sim_specs import tiny_spec_yaml
 
-SPEC = f"""
-model:
-  name: tiny
-  hf_config: {TINY_CONFIG}
-  formats: f32
-cluster:
-  reserve: 64MiB
-  nodes:
-    - {{name: node, count: 3, memory: 1GiB, memory_bandwidth: 1GB/s, compute: 1TFLOPS}}
-runtime:
-  context_budget: 64
-  max_streams: 8
-  row_buckets: [2, 4, 8]
-  prefill_window: 4
-workload:
-  concurrency: [1, 2]
-  prompt_tokens: 8
-  output_tokens: 4
-"""
+SPEC = tiny_spec_yaml()
 
 
 @pytest.fixture
