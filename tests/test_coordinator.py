@@ -137,10 +137,19 @@ def test_an_error_from_a_node_still_ends_the_run_naming_it(pipeline):
 
 def test_a_starting_node_whose_messages_are_dropped_is_named_with_the_reason(pipeline):
     coordinator, (a, _) = pipeline
-    hello = a.encoder.encode(Hello("a", 0, 1))
-    send(a.sock, [hello[0][:4] + (VERSION + 1).to_bytes(2, "little") + hello[0][6:], *hello[1:]])
+    a.encoder = Encoder(7)  # a's name, another node's sender id
+    a.say(Hello("a", 0, 1))
     assert coordinator.control.poll(TIMEOUT_S * 1000)
     with pytest.raises(PipelineError, match=f"^a, b: no word within {STALL_S:g} s while starting .*; a's last message "
-                                            f"was dropped: protocol version {VERSION + 1}, this build speaks version "
-                                            f"{VERSION}$"):
+                                            "was dropped: .*sender 7"):
         coordinator.wait_ready(local_address(), timeout_s=STALL_S)
+
+
+def test_a_node_of_another_version_stops_the_start_at_once(pipeline):
+    coordinator, (a, _) = pipeline
+    hello = a.encoder.encode(Hello("a", 0, 1))
+    send(a.sock, [hello[0][:4] + (VERSION + 1).to_bytes(2, "little") + hello[0][6:], *hello[1:]])
+    with pytest.raises(PipelineError, match=f"^a: runs another version of Cascadia \\(protocol version {VERSION + 1}, "
+                                            f"this build speaks version {VERSION}\\); run the same version on every "
+                                            "machine$"):
+        coordinator.wait_ready(local_address(), timeout_s=TIMEOUT_S)

@@ -23,7 +23,7 @@ import zmq
 from cascadia.driver import PhaseDriver
 from cascadia.exec.transport import COORDINATOR, Transport, TransportError, receive_waiting, send
 from cascadia.exec.wire import (COORDINATOR_SENDER, Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready,
-                                Shutdown, Stats, StatsRequest, Tokens, WireError, node_sender)
+                                Shutdown, Stats, StatsRequest, Tokens, VersionMismatch, WireError, node_sender)
 from cascadia.metrics import Recorder
 from cascadia.policy import Event, Finished, Policy, Rejected, Request, Token
 from cascadia.policy import Frame as PolicyFrame
@@ -218,7 +218,8 @@ class Coordinator:
         log.warning("coordinator: dropped a message on its %s: %s", where, reason)
 
     def _control_message(self, message_frames: list) -> tuple[str, Message] | None:
-        """The node that sent a control message, and the message; None after dropping it."""
+        """The node that sent a control message, and the message; None after dropping it. A plan node's message in
+        another protocol version is no stray message: VersionMismatch is raised."""
         identity, *frames = message_frames
         node = identity.bytes.decode(errors="replace")
         if node not in self.control_decoders:
@@ -226,6 +227,8 @@ class Coordinator:
             return None
         try:
             return node, self.control_decoders[node].decode(frames).message
+        except VersionMismatch:
+            raise
         except WireError as e:
             self._drop(f"control socket from {node}", str(e))
             self._last_dropped[node] = str(e)  # for the error, should the node seem silent
@@ -235,7 +238,13 @@ class Coordinator:
         """Take in one control message, if one is waiting; an ERROR stops the run."""
         if (message_frames := receive_waiting(self.control)) is None:
             return
-        if (received := self._control_message(message_frames)) is None:
+        try:
+            received = self._control_message(message_frames)
+        except VersionMismatch as e:
+            node = message_frames[0].bytes.decode(errors="replace")
+            raise PipelineError(f"{node}: runs another version of Cascadia ({e}); run the same version on every "
+                                "machine") from None
+        if received is None:
             return
         node, message = received
         match message:
@@ -271,7 +280,11 @@ class Coordinator:
                     remaining.remove(node)
             message = StatsRequest()  # from now on only a probe: a node still there drops it as it stops
             while self.control.poll(50) and (message_frames := receive_waiting(self.control)) is not None:
-                if (received := self._control_message(message_frames)) is None:
+                try:
+                    received = self._control_message(message_frames)
+                except VersionMismatch:
+                    continue  # a node of another version never joined this run
+                if received is None:
                     continue
                 node, reply = received
                 if not isinstance(reply, Stats) or node not in remaining:

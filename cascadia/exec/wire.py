@@ -50,6 +50,10 @@ class WireError(ValueError):
     """A message that does not decode; the text says which check failed."""
 
 
+class VersionMismatch(WireError):
+    """A message in another protocol version: its sender runs another version of Cascadia."""
+
+
 class Kind(enum.IntEnum):
     FRAME = 1
     TOKENS = 2
@@ -341,7 +345,7 @@ def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
-        raise WireError(f"protocol version {version}, this build speaks version {VERSION}")
+        raise VersionMismatch(f"protocol version {version}, this build speaks version {VERSION}")
     if kind not in _BUFFER_COUNTS:
         raise WireError(f"unknown message kind {kind}")
     kind = Kind(kind)
