@@ -15,6 +15,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import attrs
+
 from cascadia.exec.run import RunFailed, run
 from cascadia.graph.plan import Plan
 from cascadia.sim.calibration import Calibration
@@ -90,20 +92,32 @@ class ValidationFailed(RuntimeError):
 
 def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1, groups: int | None = None,
              checkpoint: Path | None = None, on_message: Callable = lambda node, message: None,
-             on_phase: Callable = lambda level, phase, records: None) -> dict:
-    """Simulate, then run `repeats` times, the spec's workload on `plan`; the results and their comparison.
+             on_phase: Callable = lambda level, phase, records: None, emulate_links: bool = False) -> dict:
+    """Simulate, then run `repeats` times, the spec's workload on `plan`; the results and their comparison. With
+    `emulate_links` the runs go over links shaped to the spec's bandwidths, and so does the simulation.
 
     The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts."""
+    if emulate_links:
+        calibration = _with_emulated_links(calibration, spec, plan)
     predicted = simulate(spec, calibration, plan, groups=groups)
     runs = []
     for _ in range(repeats):
         try:
             runs.append(run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
-                            on_phase=on_phase).result)
+                            on_phase=on_phase, emulate_links=emulate_links).result)
         except RunFailed as e:
             raise ValidationFailed(str(e), {"schema": SCHEMA, "failed": str(e), "measured": [*runs, e.result],
                                             "predicted": predicted}) from None
     return {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
+
+
+def _with_emulated_links(calibration: Calibration, spec: Spec, plan: Plan) -> Calibration:
+    """The calibration with each stage's link to the next at the spec's bandwidth, as emulated links are shaped;
+    their latency stays the measured one (emulation adds none), and so does the unshaped return to the first."""
+    shaped = {(a.node, b.node) for a, b in zip(plan.stages, plan.stages[1:])}
+    links = {pair: attrs.evolve(link, bandwidth=spec.cluster.link(*pair).bandwidth) if pair in shaped else link
+             for pair, link in calibration.links.items()}
+    return attrs.evolve(calibration, links=links)
 
 
 def _shown(value: float | None, scale: float) -> str:

@@ -133,7 +133,8 @@ def test_graph_is_one_dataflow_from_embedding_to_sampler():
     assert g.edges["L3.router", "L3.routed_experts"]["bytes_per_row"] == 8 * model.config.num_experts_per_tok
     assert g.edges["head", "sampler"]["bytes_per_row"] == 4 * model.config.vocab_size
     assert g.nodes["L3.attention"]["state_bytes_per_position"] == layer_costs(model)[3].kv_bytes_per_position
-    assert sum(g.nodes[n]["state_bytes_per_stream"] for n in g if g.nodes[n]["layer"] == 3) ==         layer_costs(model)[3].conv_state_bytes
+    assert sum(g.nodes[n]["state_bytes_per_stream"] for n in g if g.nodes[n]["layer"] == 3) == \
+        layer_costs(model)[3].conv_state_bytes
 
 
 def test_graph_totals_equal_the_layer_and_end_costs():

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from cascadia.cli import cli
 from cascadia.exec.checkpoint import Checkpoint
 from cascadia.exec.coordinator import PipelineError
+from cascadia.exec.emulated_links import EmulatedLinks, LinkEmulationError
 from cascadia.exec.engine import Engine
 from cascadia.exec.generate import generate
 from cascadia.exec.launch import LocalNodes
@@ -27,6 +28,7 @@ from cascadia.exec.settings import settings_digest
 from cascadia.exec.stage import RowSampler
 from cascadia.exec.transport import COORDINATOR, Transport, TransportError, free_port, generate_keys, tcp_address
 from cascadia.graph.planner import plan as make_plan
+from cascadia.spec.types import LinkSpec
 from cascadia.workload import MEASURED, WARMUP
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
@@ -461,3 +463,45 @@ def test_a_malformed_address_is_refused_before_anything_starts(plan, tmp_path, c
     plan.save(tmp_path / "plan.json")
     result = CliRunner().invoke(cli, [arg.format(plan=tmp_path / "plan.json") for arg in command])
     assert result.exit_code == 2 and "is not an address like tcp://10.0.0.1:5555 (port 1-65535)" in result.output
+
+
+# ---- emulated links (root and iproute2: skipped where namespaces cannot be made) -----------------------------------
+def namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def _can_emulate_links() -> bool:
+    try:
+        EmulatedLinks([1e6], free_port(), free_port()).close()
+    except (LinkEmulationError, OSError):
+        return False
+    return True
+
+
+needs_link_emulation = pytest.mark.skipif(not _can_emulate_links(), reason="needs root and network namespaces")
+
+
+@needs_link_emulation
+def test_emulated_links_shape_each_stage_to_the_next_and_leave_nothing_behind():
+    before = namespaces()
+    with EmulatedLinks([1e6, 2.5e5], 5555, 5556) as links:
+        made = [place.prefix[-1] for place in links.places]
+        assert len(made) == 3 and set(made) == namespaces() - before
+        shaping = [subprocess.run(["tc", "-n", ns, "qdisc", "show"], capture_output=True, text=True).stdout
+                   for ns in made]
+        assert "tbf" in shaping[0] and "rate 8Mbit" in shaping[0] and "rate 2Mbit" in shaping[1]
+        assert "tbf" not in shaping[2]  # the last node sends only tokens, to the coordinator
+        assert [place.control.rsplit(":", 1)[1] for place in links.places] == ["5555"] * 3
+    assert namespaces() == before
+
+
+@needs_link_emulation
+def test_a_run_over_emulated_links_gives_the_engines_tokens(spec, plan, checkpoint, engine):
+    """At 20 kB/s a stage's rows wait for the link; the tokens are the single-process engine's all the same."""
+    before, processes = namespaces(), child_processes()
+    slow = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, default_link=LinkSpec(2e4, 1e-4)))
+    done = run(slow, plan, attrs.evolve(spec.workload, concurrency=(2,), output_tokens=4), checkpoint=checkpoint,
+               node_timeout_s=TIMEOUT_S, emulate_links=True)
+    assert_outputs_match_engine(done.outputs, engine, Sampling())
+    assert namespaces() == before and child_processes() == processes

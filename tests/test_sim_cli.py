@@ -92,7 +92,8 @@ def test_plot_without_matplotlib_says_so(spec_path, tmp_path, monkeypatch):
 def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(spec_path, tmp_path):
     result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--json", str(tmp_path / "no" / "r.json")])
     assert result.exit_code == 2
-    assert f"Invalid value for '--json': {tmp_path / 'no' / 'r.json'}: no such folder {tmp_path / 'no'}" in result.output
+    missing = tmp_path / "no"
+    assert f"Invalid value for '--json': {missing / 'r.json'}: no such folder {missing}" in result.output
 
 
 def test_a_failed_write_is_one_error_naming_the_file():
@@ -112,7 +113,8 @@ def test_text_prompts_are_encoded_with_the_checkpoints_tokenizer(spec_path, tmp_
     prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     spec_path.write_text(SPEC.replace("  formats: f32\n", f"  formats: f32\n  checkpoint: {checkpoint}\n"))
     out = tmp_path / "result.json"
-    assert invoke(spec_path, "--prompts", prompts, "--concurrency", "1", "--requests", "2", "--json", out).exit_code == 0
+    result = invoke(spec_path, "--prompts", prompts, "--concurrency", "1", "--requests", "2", "--json", out)
+    assert result.exit_code == 0, result.output
     lengths = [len(tokenizer.encode(text).ids) for text in texts]
     assert lengths[0] != lengths[1]
     assert [r["prompt_tokens"] for r in json.loads(out.read_text())["requests"]] == lengths * 2  # warm-up, measured
@@ -123,7 +125,8 @@ def test_text_prompts_without_a_tokenizer_name_the_line(spec_path, tmp_path):
     prompts.write_text('{"ids": [5, 6]}\n{"text": "hello"}\n')
     result = invoke(spec_path, "--prompts", prompts)
     assert result.exit_code == 1
-    assert f"{prompts}:2: a 'text' prompt needs the checkpoint's tokenizer.json, and the model names no" in result.output
+    needs = f"{prompts}:2: a 'text' prompt needs the checkpoint's tokenizer.json, and the model names no"
+    assert needs in result.output
     spec_path.write_text(SPEC.replace("  formats: f32\n", f"  formats: f32\n  checkpoint: {tmp_path}\n"))
     result = invoke(spec_path, "--prompts", prompts)
     assert result.exit_code == 1

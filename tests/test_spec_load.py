@@ -251,8 +251,8 @@ def test_override_problem_points_at_the_override_line(tmp_path):
 
 
 def test_override_by_alias_beats_the_base_field(tmp_path):
-    spec = load_spec(write(tmp_path, "s.yaml", f"model: {{hf_config: {TINY_CONFIG}, overrides: {{sliding_window: 8}}}}\n"
-                                               + CLUSTER))
+    text = f"model: {{hf_config: {TINY_CONFIG}, overrides: {{sliding_window: 8}}}}\n" + CLUSTER
+    spec = load_spec(write(tmp_path, "s.yaml", text))
     assert spec.model.config.sliding_window_size == 8
 
 

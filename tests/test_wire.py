@@ -126,7 +126,8 @@ def test_corrupted_fields_are_rejected(message, data):
     *_, rows, cols, code = wire._HEADER.unpack(parts[0])
     field = data.draw(st.sampled_from(["magic", "version", "kind", "rows", "cols", "dtype"]), label="field")
     if field == "magic":
-        parts[0] = corrupt(parts[0], _MAGIC, "4s", data.draw(st.binary(min_size=4, max_size=4).filter(lambda b: b != wire.MAGIC)))
+        magic = data.draw(st.binary(min_size=4, max_size=4).filter(lambda b: b != wire.MAGIC))
+        parts[0] = corrupt(parts[0], _MAGIC, "4s", magic)
     elif field == "version":
         version = data.draw(st.integers(0, 2**16 - 1).filter(lambda v: v != VERSION))
         parts[0] = corrupt(parts[0], _VERSION, "<H", version)

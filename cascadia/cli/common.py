@@ -145,6 +145,13 @@ def workload_options(command):
     return command
 
 
+def emulate_links_option(command):
+    """--emulate-links, for the commands that run local nodes."""
+    return click.option("--emulate-links", is_flag=True,
+                        help="local nodes: each in a network namespace of its own, its link to the next shaped to "
+                             "the spec's bandwidth (Linux, root; latency is not emulated)")(command)
+
+
 def workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens):
     """The spec's workload with the command line's overrides, which must fit the spec's runtime as the spec's own
     workload must."""

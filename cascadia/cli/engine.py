@@ -29,7 +29,8 @@ def _open_engine(checkpoint: str, context: int, precision: str, compressed: bool
     from cascadia.spec.types import PAPER_FORMATS, WeightFormats
 
     try:
-        return Engine(Checkpoint.open(checkpoint), formats=PAPER_FORMATS if compressed else WeightFormats(), precision=precision, max_streams=1,
+        return Engine(Checkpoint.open(checkpoint), formats=PAPER_FORMATS if compressed else WeightFormats(),
+                      precision=precision, max_streams=1,
                       context_budget=context, device=device, threads=threads)
     except (CheckpointError, DeviceError, ValueError) as e:
         raise click.ClickException(str(e)) from None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (OutputPath, TcpAddress, chosen_plan, load_spec_or_exit, sampling_options, saving,
-                                 with_sampling, workload_options, workload_overrides)
+from cascadia.cli.common import (OutputPath, TcpAddress, chosen_plan, emulate_links_option, load_spec_or_exit,
+                                 sampling_options, saving, with_sampling, workload_options, workload_overrides)
 
 
 @click.command()
@@ -13,9 +13,12 @@ from cascadia.cli.common import (OutputPath, TcpAddress, chosen_plan, load_spec_
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), required=True,
               help="the plan the coordinator runs (`cascadia plan -o`)")
 @click.option("--name", required=True, help="this node's name in the plan")
-@click.option("--listen", type=TcpAddress(to_bind=True), required=True, help="address to bind this node's input, e.g. tcp://0.0.0.0:5601")
-@click.option("--control", type=TcpAddress(), required=True, help="the coordinator's control address, e.g. tcp://10.0.0.1:5555")
-@click.option("--successor", type=TcpAddress(), help="where this node sends its results (default: the next node's address in the "
+@click.option("--listen", type=TcpAddress(to_bind=True), required=True,
+              help="address to bind this node's input, e.g. tcp://0.0.0.0:5601")
+@click.option("--control", type=TcpAddress(), required=True,
+              help="the coordinator's control address, e.g. tcp://10.0.0.1:5555")
+@click.option("--successor", type=TcpAddress(),
+              help="where this node sends its results (default: the next node's address in the "
                                   "spec; the last node: the coordinator's token address)")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
 @click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: the node's, in the spec)")
@@ -69,13 +72,16 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 @click.option("--json", "json_path", type=OutputPath(), help="write the metrics JSON here")
 @click.option("--outputs", "outputs_path", type=OutputPath(),
               help="write each request's prompt and output token ids here (JSONL)")
-@click.option("--control", type=TcpAddress(to_bind=True), help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
-@click.option("--tokens", type=TcpAddress(to_bind=True), help="tcp nodes: the token address to bind (the last node's --successor)")
+@click.option("--control", type=TcpAddress(to_bind=True),
+              help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
+@click.option("--tokens", type=TcpAddress(to_bind=True),
+              help="tcp nodes: the token address to bind (the last node's --successor)")
 @click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True),
               help="seconds a starting node may stay silent [default: 120]")
+@emulate_links_option
 def run_command(spec: str, plan_path: str | None, checkpoint: str | None, concurrency, requests, prompts,
                 prompt_tokens, max_new_tokens, greedy, temperature, top_p, seed, groups, json_path, outputs_path,
-                control, tokens, node_timeout) -> None:
+                control, tokens, node_timeout, emulate_links) -> None:
     """Run the spec's workload through the real pipeline and print throughput and latency per concurrency level.
 
     Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
@@ -84,12 +90,12 @@ def run_command(spec: str, plan_path: str | None, checkpoint: str | None, concur
     workload = with_sampling(workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens),
                               greedy, temperature, top_p, seed)
     _run_and_report(loaded, plan_path, workload, checkpoint, groups, json_path, outputs_path, control, tokens,
-                    node_timeout)
+                    node_timeout, emulate_links)
 
 
 def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | None = None, groups: int | None = None,
                     json_path: str | None = None, outputs_path: str | None = None, control: str | None = None,
-                    tokens: str | None = None, node_timeout: float | None = None) -> None:
+                    tokens: str | None = None, node_timeout: float | None = None, emulate_links: bool = False) -> None:
     """Run the workload through the pipeline, with progress on stderr; print the table, write the files."""
     import json
     from pathlib import Path
@@ -120,7 +126,7 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
                    addresses=Addresses(control, tokens) if control else None,
                    node_timeout_s=node_timeout or NODE_TIMEOUT_S,
                    on_message=lambda node, message: click.echo(describe(node, message), err=True),
-                   on_phase=phase_done)
+                   on_phase=phase_done, emulate_links=emulate_links)
     except RunFailed as e:
         write(e.result, e.outputs)
         raise click.ClickException(f"run failed: {e}") from None

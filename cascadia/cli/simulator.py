@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (IntList, OutputPath, chosen_plan, load_spec_or_exit, saving, workload_options,
-                                 workload_overrides)
+from cascadia.cli.common import (IntList, OutputPath, chosen_plan, emulate_links_option, load_spec_or_exit, saving,
+                                 workload_options, workload_overrides)
 
 
 @click.command()
@@ -109,8 +109,10 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
               help="serve the workload this many times; the median is the measurement")
 @click.option("--json", "json_path", type=OutputPath(),
               help="write both results and the errors here (after a failed run: the prediction and the runs so far)")
+@emulate_links_option
 def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, concurrency,
-                     requests, prompts, prompt_tokens, max_new_tokens, groups, repeats, json_path) -> None:
+                     requests, prompts, prompt_tokens, max_new_tokens, groups, repeats, json_path,
+                     emulate_links) -> None:
     """Simulate and run the same workload on the same plan, and print per level and metric the measured and
     predicted values and the error, then each metric's median absolute error."""
     import attrs
@@ -124,11 +126,11 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
     except CalibrationError as e:
         raise click.ClickException(str(e)) from None
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
-                         checkpoint, groups, repeats, json_path)
+                         checkpoint, groups, repeats, json_path, emulate_links)
 
 
 def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = None, groups: int | None = None,
-                         repeats: int = 1, json_path: str | None = None) -> None:
+                         repeats: int = 1, json_path: str | None = None, emulate_links: bool = False) -> None:
     """Simulate and run with progress on stderr; print the comparison, write the JSON."""
     import json
     from pathlib import Path
@@ -152,7 +154,7 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
         result = validate(loaded, chosen, calibration, repeats=repeats, groups=groups,
                           checkpoint=Path(checkpoint) if checkpoint else None,
                           on_message=lambda node, message: click.echo(describe(node, message), err=True),
-                          on_phase=phase_done)
+                          on_phase=phase_done, emulate_links=emulate_links)
     except ValidationFailed as e:
         write(e.result)
         raise click.ClickException(f"run failed: {e}") from None

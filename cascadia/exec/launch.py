@@ -1,10 +1,10 @@
 """Node processes on this machine for the plan's `local` nodes: `python -m cascadia node ...`, one per stage.
 
-Each gets a free port on 127.0.0.1, its thread count (for OpenVINO and OpenMP), and this process's pid, so it
-stops by itself if we die. Its own session keeps a Ctrl-C in the terminal for us alone: we then shut the nodes down
-in order. Its output goes to a log file whose last lines come with any error about it. `stop` asks nothing: the
-coordinator sends SHUTDOWN first; `stop` waits for the processes to end and kills any left, so no node outlives the
-run.
+Each gets a free port on 127.0.0.1 (or, with emulated links, a network namespace of its own), its thread count
+(for OpenVINO and OpenMP), and this process's pid, so it stops by itself if we die. Its own session keeps a Ctrl-C
+in the terminal for us alone: we then shut the nodes down in order. Its output goes to a log file whose last lines
+come with any error about it. `stop` asks nothing: the coordinator sends SHUTDOWN first; `stop` waits for the
+processes to end and kills any left, so no node outlives the run (and removes the emulated links).
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from cascadia.exec.coordinator import PipelineError
 from cascadia.exec.sampling import Sampling
 from cascadia.exec.transport import free_port, tcp_address
+
+if TYPE_CHECKING:
+    from cascadia.exec.emulated_links import EmulatedLinks
 
 LOCALHOST = "127.0.0.1"
 LOG_TAIL_LINES = 12
@@ -32,19 +36,35 @@ class NodeCommand:
 
     spec_path: Path
     plan_path: Path
-    control: str
-    tokens: str  # the coordinator's token socket: the last node's successor
     checkpoint: Path
     sampling: Sampling
     with_logits: bool = False
 
 
-def node_arguments(command: NodeCommand, name: str, listen: str, successor: str, threads: int | None) -> list[str]:
-    """The `cascadia node` command line of one node."""
+@attrs.frozen
+class NodePlace:
+    """Where a local node runs: what it binds, where it is reached, how it reaches the coordinator."""
+
+    listen: str
+    address: str  # where its predecessor (the coordinator, for the first node) reaches it
+    control: str  # the coordinator's control socket, as this node reaches it
+    tokens: str  # the coordinator's token socket, as this node reaches it (the last node's successor)
+    prefix: tuple[str, ...] = ()  # the start of its command line, e.g. to run it in a network namespace
+
+
+def loopback_places(count: int, control: str, tokens: str) -> list[NodePlace]:
+    """Nodes on 127.0.0.1, each on a free port."""
+    addresses = [tcp_address(LOCALHOST, free_port()) for _ in range(count)]
+    return [NodePlace(address, address, control, tokens) for address in addresses]
+
+
+def node_arguments(command: NodeCommand, name: str, place: NodePlace, successor: str, threads: int | None
+                   ) -> list[str]:
+    """The command line that starts one node (its place's prefix, then `cascadia node ...`)."""
     s = command.sampling
-    args = [sys.executable, "-m", "cascadia", "node", "--spec", str(command.spec_path), "--plan",
-            str(command.plan_path), "--name", name, "--listen", listen, "--successor", successor, "--control",
-            command.control, "--checkpoint", str(command.checkpoint), "--parent-pid", str(os.getpid())]
+    args = [*place.prefix, sys.executable, "-m", "cascadia", "node", "--spec", str(command.spec_path), "--plan",
+            str(command.plan_path), "--name", name, "--listen", place.listen, "--successor", successor, "--control",
+            place.control, "--checkpoint", str(command.checkpoint), "--parent-pid", str(os.getpid())]
     args += ["--greedy"] if s.greedy else ["--temperature", repr(s.temperature), "--top-p", repr(s.top_p)]
     args += ["--seed", str(s.seed)]
     if threads is not None:
@@ -55,25 +75,32 @@ def node_arguments(command: NodeCommand, name: str, listen: str, successor: str,
 
 
 class LocalNodes:
-    """The node processes of one run, in stage order."""
+    """The node processes of one run, in stage order, and the emulated links they run on, if any."""
 
-    def __init__(self, names: Sequence[str], listens: Sequence[str], processes: Sequence[subprocess.Popen],
-                 logs: Sequence[Path]):
-        self.names, self.listens = list(names), list(listens)
-        self.processes, self.logs = list(processes), list(logs)
+    def __init__(self, names: Sequence[str], places: Sequence[NodePlace], logs: Sequence[Path],
+                 links: EmulatedLinks | None):
+        self.names, self.places, self.logs, self.links = list(names), list(places), list(logs), links
+        self.processes: list[subprocess.Popen] = []
 
     @classmethod
-    def start(cls, command: NodeCommand, names: Sequence[str], threads: Sequence[int | None],
-              log_dir: Path) -> LocalNodes:
-        """Start one node per name (stage order), each on a free local port."""
-        listens = [tcp_address(LOCALHOST, free_port()) for _ in names]
-        successors = listens[1:] + [command.tokens]
-        nodes = cls(names, listens, [], [log_dir / f"{name}.log" for name in names])
+    def start(cls, command: NodeCommand, names: Sequence[str], threads: Sequence[int | None], log_dir: Path,
+              control: str, tokens: str, link_rates: Sequence[float] | None = None) -> LocalNodes:
+        """Start one node per name (stage order) reaching the coordinator at `control` and `tokens`: on 127.0.0.1,
+        or with `link_rates` (bytes/s from each stage to the next) in network namespaces joined by links shaped to
+        them (`cascadia.exec.emulated_links`; the coordinator must then bind every interface)."""
+        links = None
+        if link_rates is not None:
+            from cascadia.exec.emulated_links import EmulatedLinks  # here: it builds on this module's NodePlace
+
+            links = EmulatedLinks(link_rates, _port(control), _port(tokens))
+        places = links.places if links else loopback_places(len(names), control, tokens)
+        successors = [place.address for place in places[1:]] + [places[-1].tokens]
+        nodes = cls(names, places, [log_dir / f"{name}.log" for name in names], links)
         try:
-            for name, listen, successor, count, log in zip(names, listens, successors, threads, nodes.logs):
+            for name, place, successor, count, log in zip(names, places, successors, threads, nodes.logs):
                 with log.open("w") as out:
                     nodes.processes.append(subprocess.Popen(
-                        node_arguments(command, name, listen, successor, count), env=thread_env(count),
+                        node_arguments(command, name, place, successor, count), env=thread_env(count),
                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         except BaseException:
             nodes.stop(timeout_s=0)
@@ -88,14 +115,19 @@ class LocalNodes:
                 raise PipelineError(f"{name}: the node process {how}{_tail(log)}")
 
     def stop(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for every process to end (after SHUTDOWN), then kill the rest."""
+        """Wait up to `timeout_s` for every process to end (after SHUTDOWN), then kill the rest; remove the
+        emulated links."""
         deadline = time.monotonic() + timeout_s
-        for process in self.processes:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        try:
+            for process in self.processes:
+                try:
+                    process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        finally:
+            if self.links is not None:
+                self.links.close()
 
 
 def thread_env(threads: int | None) -> dict[str, str]:
@@ -104,6 +136,10 @@ def thread_env(threads: int | None) -> dict[str, str]:
     if threads is None:
         return dict(os.environ)
     return os.environ | {"OMP_NUM_THREADS": str(threads)}
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
 def _tail(log: Path) -> str:

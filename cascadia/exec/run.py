@@ -59,8 +59,9 @@ class Addresses:
     tokens: str
 
     @classmethod
-    def local(cls) -> Addresses:
-        return cls(tcp_address(LOCALHOST, free_port()), tcp_address(LOCALHOST, free_port()))
+    def local(cls, host: str = LOCALHOST) -> Addresses:
+        """Free ports on `host` (0.0.0.0: every interface, for nodes in network namespaces)."""
+        return cls(tcp_address(host, free_port(host)), tcp_address(host, free_port(host)))
 
 
 def describe(node: str, message: Message) -> str:
@@ -86,12 +87,13 @@ class Pipeline:
     def start(cls, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, sampling: Sampling | None = None,
               with_logits: bool = False, addresses: Addresses | None = None, node_timeout_s: float = NODE_TIMEOUT_S,
               stall_s: float = STALL_S, on_message: Callable[[str, Message], None] = lambda node, message: None,
-              ) -> Pipeline:
+              emulate_links: bool = False) -> Pipeline:
         """Start (local) or wait for (tcp) the plan's nodes, until every one is READY.
 
         Local nodes sample with `sampling` (default: the spec workload's) from `checkpoint` (default: the spec's),
-        and send the sampled rows' logits back when `with_logits` (for `score`). Remote nodes were started with
-        their own options; `addresses` must then be ones they reach."""
+        and send the sampled rows' logits back when `with_logits` (for `score`); with `emulate_links` each runs in
+        a network namespace of its own, its link to the next shaped to the spec's bandwidth. Remote nodes were
+        started with their own options; `addresses` must then be ones they reach."""
         nodes = {node.name: node for node in spec.cluster.nodes}
         names = [stage.node for stage in plan.stages]
         if unknown := [name for name in names if name not in nodes]:
@@ -100,8 +102,10 @@ class Pipeline:
         if any(local) and not all(local):
             raise ValueError("the plan mixes local nodes with tcp ones: a local node listens on 127.0.0.1, which "
                              "the others cannot reach; give every node a tcp address, or none")
+        if emulate_links and not (all(local) and addresses is None):
+            raise ValueError("links are emulated between local nodes only, on addresses chosen here")
         if all(local):
-            addresses = addresses or Addresses.local()
+            addresses = addresses or Addresses.local("0.0.0.0" if emulate_links else LOCALHOST)
         elif addresses is None:
             raise ValueError("the nodes have tcp addresses: give the control and token addresses the coordinator "
                              "binds, reachable from them (e.g. --control tcp://0.0.0.0:5555 --tokens "
@@ -113,11 +117,13 @@ class Pipeline:
         local_nodes = None
         try:
             if all(local):
-                command = _node_command(spec, plan, Path(run_dir.name), addresses, checkpoint, sampling, with_logits)
+                command = _node_command(spec, plan, Path(run_dir.name), checkpoint, sampling, with_logits)
+                rates = [spec.cluster.link(a, b).bandwidth for a, b in zip(names, names[1:])]
                 local_nodes = LocalNodes.start(command, names, [nodes[name].threads for name in names],
-                                               Path(run_dir.name))
+                                               Path(run_dir.name), addresses.control, addresses.tokens,
+                                               rates if emulate_links else None)
                 coordinator.watch = local_nodes.check
-                first = local_nodes.listens[0]
+                first = local_nodes.places[0].address
             else:
                 first = nodes[names[0]].address
             pipeline = cls(spec, plan, coordinator, local_nodes, run_dir, checkpoint or spec.model.checkpoint)
@@ -202,8 +208,8 @@ class Pipeline:
         self.close(SHUTDOWN_S if exc_type is None else AFTER_FAILURE_S)
 
 
-def _node_command(spec: Spec, plan: Plan, run_dir: Path, addresses: Addresses, checkpoint: Path | None,
-                  sampling: Sampling, with_logits: bool) -> NodeCommand:
+def _node_command(spec: Spec, plan: Plan, run_dir: Path, checkpoint: Path | None, sampling: Sampling,
+                  with_logits: bool) -> NodeCommand:
     """Local nodes read the spec and plan as this process holds them, written to the run's folder."""
     checkpoint = checkpoint or spec.model.checkpoint
     if checkpoint is None:
@@ -213,8 +219,7 @@ def _node_command(spec: Spec, plan: Plan, run_dir: Path, addresses: Addresses, c
     spec_path, plan_path = run_dir / "spec.yaml", run_dir / "plan.json"
     spec_path.write_text(yaml.safe_dump(dump_spec(spec), sort_keys=False))
     plan.save(plan_path)
-    return NodeCommand(spec_path, plan_path, addresses.control, addresses.tokens, Path(checkpoint).resolve(),
-                       sampling, with_logits)
+    return NodeCommand(spec_path, plan_path, Path(checkpoint).resolve(), sampling, with_logits)
 
 
 def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, timeout_s: float) -> None:
@@ -230,14 +235,15 @@ def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, timeout_
 def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts=None, groups: int | None = None,
         checkpoint: Path | None = None, addresses: Addresses | None = None,
         node_timeout_s: float = NODE_TIMEOUT_S, on_message=lambda node, message: None,
-        on_phase=lambda level, phase, records: None) -> RunResult:
+        on_phase=lambda level, phase, records: None, emulate_links: bool = False) -> RunResult:
     """Start the pipeline, run `workload` (default: the spec's, whose sampling the nodes use) through it, shut it
-    down."""
+    down. `emulate_links`: see `Pipeline.start`."""
     workload = workload or spec.workload
     if prompts is None:  # before the nodes start: a bad prompts file fails at once
         prompts = workload_prompts(workload, checkpoint or spec.model.checkpoint)
     with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling.of(workload),
-                        addresses=addresses, node_timeout_s=node_timeout_s, on_message=on_message) as pipeline:
+                        addresses=addresses, node_timeout_s=node_timeout_s, on_message=on_message,
+                        emulate_links=emulate_links) as pipeline:
         return pipeline.run(workload, prompts, groups, on_phase)
 
 
