@@ -505,3 +505,13 @@ def test_a_run_over_emulated_links_gives_the_engines_tokens(spec, plan, checkpoi
                node_timeout_s=TIMEOUT_S, emulate_links=True)
     assert_outputs_match_engine(done.outputs, engine, Sampling())
     assert namespaces() == before and child_processes() == processes
+
+
+@needs_link_emulation
+def test_namespaces_of_a_run_that_was_killed_are_removed_by_the_next():
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    stale = f"cascadia-{ended.pid}-0-0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    with EmulatedLinks([1e6], 5555, 5556):
+        assert stale not in namespaces()

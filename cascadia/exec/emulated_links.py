@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from cascadia.exec.transport import tcp_address
 NODE_PORT = 5601  # every node listens on it, each in its own namespace
 _SECOND_OCTETS = range(200, 255)  # 10.X.0.0/16 for the emulated links: the first X this machine does not use
 _made = itertools.count()  # tells apart the interfaces of several EmulatedLinks of one process
+_NAMESPACE = re.compile(r"cascadia-(\d+)-\d+-\d+")  # cascadia-PID-MADE-NODE
 
 
 class LinkEmulationError(PipelineError):
@@ -42,8 +44,10 @@ class EmulatedLinks:
     def __init__(self, rates: Sequence[float], control_port: int, tokens_port: int):
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
             raise LinkEmulationError("emulating links needs root and iproute2 (ip, tc) on Linux")
-        self.tag = f"{os.getpid() % 10000}{next(_made) % 100}"  # interface names: 15 characters at most
-        self.namespaces = [f"cascadia-{self.tag}-{i}" for i in range(len(rates) + 1)]
+        _remove_stale_namespaces()
+        made = next(_made)
+        self.tag = f"{os.getpid() % 10000}{made % 100}"  # interface names: 15 characters at most
+        self.namespaces = [f"cascadia-{os.getpid()}-{made}-{i}" for i in range(len(rates) + 1)]
         net = _free_network()
         self.places: list[NodePlace] = []
         try:
@@ -87,6 +91,24 @@ class EmulatedLinks:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _remove_stale_namespaces() -> None:
+    """Remove the namespaces of runs whose process is gone (killed before it could remove them)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        if (match := _NAMESPACE.fullmatch(name)) and not _alive(int(match.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _shape(namespace: str, device: str, rate: float) -> None:
