@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from cascadia.cli import cli
 from cascadia.exec.checkpoint import Checkpoint
 from cascadia.exec.coordinator import PipelineError
-from cascadia.exec.emulated_links import EmulatedLinks, LinkEmulationError
+from cascadia.exec.emulated_links import EmulatedLinks, LinkEmulationError, namespaces
 from cascadia.exec.engine import Engine
 from cascadia.exec.generate import generate
 from cascadia.exec.launch import LocalNodes
@@ -466,11 +466,6 @@ def test_a_malformed_address_is_refused_before_anything_starts(plan, tmp_path, c
 
 
 # ---- emulated links (root and iproute2: skipped where namespaces cannot be made) -----------------------------------
-def namespaces() -> set[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.strip()}
-
-
 def _can_emulate_links() -> bool:
     try:
         EmulatedLinks([1e6], free_port(), free_port()).close()

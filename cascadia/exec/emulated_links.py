@@ -93,10 +93,15 @@ class EmulatedLinks:
         self.close()
 
 
+def namespaces() -> set[str]:
+    """The names of this machine's network namespaces."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
 def _remove_stale_namespaces() -> None:
     """Remove the namespaces of runs whose process is gone (killed before it could remove them)."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+    for name in namespaces():
         if (match := _NAMESPACE.fullmatch(name)) and not _alive(int(match.group(1))):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
