@@ -1,4 +1,4 @@
-"""Decode speed and memory of the resident engine (`cascadia.exec.engine.Engine`) on a mid-size random Inkling.
+"""Decode speed and memory of the resident engine (`cascadia.engine.engine.Engine`) on a mid-size random Inkling.
 
 Scenario: a random Inkling of MODEL's sizes (hidden 1024; 8 layers, five sliding to one global as in the real model,
 the first dense, the others 64 experts top-6 plus 2 shared of width 512; vocabulary 32k) is written once by
@@ -41,24 +41,23 @@ from datetime import date
 from pathlib import Path
 
 import attrs
-
-import cascadia  # noqa: F401  before numpy, as in every cascadia command: numpy's BLAS keeps to one thread
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
+from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
-from cascadia.exec import graphs
-from cascadia.exec.checkpoint import Checkpoint
-from cascadia.exec.decoder import DecoderLayer
-from cascadia.exec.device import CompiledBlock, compile_options, device_precision
-from cascadia.exec.engine import Engine
-from cascadia.exec.ov_ops import linear, swish, weight
-from cascadia.exec.routing import Router
+import cascadia  # noqa: F401  before numpy, as in every cascadia command: numpy's BLAS keeps to one thread
+from cascadia.engine import graphs
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.decoder import DecoderLayer
+from cascadia.engine.device import CompiledBlock, compile_options, device_precision
+from cascadia.engine.engine import Engine
+from cascadia.engine.ov_ops import linear, swish, weight
+from cascadia.engine.routing import Router
 from cascadia.graph import costs
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import ModelSpec, WeightFormat
 from cascadia.table import format_rows
-from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
 # Five sliding layers to one global, as in the real model; a dense MLP of width 4096.
 MODEL = MID_SIZES | {"intermediate_size": 4096,

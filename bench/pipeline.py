@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 import attrs
+from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
-from cascadia.exec.run import run
 from cascadia.graph.planner import plan as make_plan
 from cascadia.model_config import InklingConfig
+from cascadia.pipeline.run import run
 from cascadia.spec.types import ClusterSpec, LengthSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WorkloadSpec
 from cascadia.table import format_rows
-from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
 # Three sliding layers to one global, twice; a dense MLP of width 2048.
 MODEL = MID_SIZES | {"intermediate_size": 2048, "layer_types": (["hybrid_sliding"] * 3 + ["hybrid"]) * 2}

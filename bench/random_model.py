@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cascadia.exec.init_model import init_model
+from cascadia.engine.init_model import init_model
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import WeightFormat, WeightFormats
 

@@ -22,9 +22,9 @@ import time
 import numpy as np
 import zmq
 
-from cascadia.exec.node import NodeSettings, Peer, run_node
-from cascadia.exec.transport import COORDINATOR, Transport, free_port, generate_keys, receive, send, tcp_address
-from cascadia.exec.wire import COORDINATOR_SENDER, Decoder, Encoder, Frame, Ready, Shutdown, decode, node_sender
+from cascadia.pipeline.node import NodeSettings, Peer, run_node
+from cascadia.pipeline.transport import COORDINATOR, Transport, free_port, generate_keys, receive, send, tcp_address
+from cascadia.pipeline.wire import COORDINATOR_SENDER, Decoder, Encoder, Frame, Ready, Shutdown, decode, node_sender
 
 ROWS = (1, 8, 32, 128)
 HIDDEN = (1024, 6144)

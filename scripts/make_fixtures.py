@@ -1,6 +1,6 @@
 """Write the tiny reference checkpoints and logits under tests/fixtures/ (needs torch and transformers; tests don't).
 
-For each case: seeded random weights (cascadia.exec.init_model.random_weights, so every parameter, including norm
+For each case: seeded random weights (cascadia.engine.init_model.random_weights, so every parameter, including norm
 weights, global scales and routing corrections, is away from its trivial init) are loaded into transformers'
 InklingForCausalLM, saved with save_pretrained, read back in float32 with eager attention, and run to record
 reference logits. Run from the repository root:
@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache, InklingForCausalLM
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
-from cascadia.exec.init_model import random_weights
+from cascadia.engine.init_model import random_weights
 from cascadia.model_config import InklingConfig
 
 S, G = "hybrid_sliding", "hybrid"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cascadia.exec.init_model import init_model
+from cascadia.engine.init_model import init_model
 from cascadia.spec.load import load_spec
 
 TINY_SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"

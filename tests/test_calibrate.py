@@ -10,14 +10,20 @@ import pytest
 from click.testing import CliRunner
 
 from cascadia.cli import cli
-from cascadia.exec import calibrate as calibrate_module
-from cascadia.exec.calibrate import (
-    Grid, StageProbe, SteeredRouter, burst_streams, fit_non_negative, format_calibration, shared_speedup,
+from cascadia.engine.routing import Routing
+from cascadia.graph.planner import plan as make_plan
+from cascadia.measure import calibrate as calibrate_module
+from cascadia.measure.calibrate import (
+    Grid,
+    StageProbe,
+    SteeredRouter,
+    burst_streams,
+    fit_non_negative,
+    format_calibration,
+    shared_speedup,
     simulate_burst,
 )
-from cascadia.exec.routing import Routing
-from cascadia.exec.stage import Sampling, load_stage
-from cascadia.graph.planner import plan as make_plan
+from cascadia.pipeline.stage import Sampling, load_stage
 from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration
 from cascadia.sim.model import stage_kinds
 from cascadia.spec.types import RuntimeSpec

@@ -5,10 +5,21 @@ import logging
 import pytest
 import zmq
 
-from cascadia.exec.coordinator import Coordinator, PipelineError
-from cascadia.exec.transport import COORDINATOR, Transport, free_port, send, tcp_address
-from cascadia.exec.wire import (VERSION, Encoder, Error, Frame, Hello, Progress, Ready, Stats, Tokens, encode,
-                                node_sender)
+from cascadia.pipeline.coordinator import Coordinator, PipelineError
+from cascadia.pipeline.transport import COORDINATOR, Transport, free_port, send, tcp_address
+from cascadia.pipeline.wire import (
+    VERSION,
+    Encoder,
+    Error,
+    Frame,
+    Hello,
+    Progress,
+    Ready,
+    Stats,
+    Tokens,
+    encode,
+    node_sender,
+)
 
 STALL_S = 0.5
 TIMEOUT_S = 10  # generous bound on any single wait; the tests never measure time
@@ -88,7 +99,7 @@ def test_control_messages_from_strangers_are_dropped_and_the_start_goes_on(pipel
             a.say(Ready("a", 0, 1))
 
     a.say(Progress("a", 1, 1))
-    with caplog.at_level(logging.WARNING, "cascadia.exec.coordinator"):
+    with caplog.at_level(logging.WARNING, "cascadia.pipeline.coordinator"):
         coordinator.wait_ready(local_address(), timeout_s=TIMEOUT_S, on_message=on_message)
     assert coordinator.dropped == 2
     assert caplog.messages == [
@@ -104,7 +115,7 @@ def test_stray_messages_on_the_token_socket_are_dropped_and_the_tokens_go_throug
                     encode(Frame(1, 0, [0], [0], [7], [True]), last, FAR_AHEAD),
                     encode(Tokens(1, 0, [0], [7]), last, 1)):
         send(tokens, message)
-    with caplog.at_level(logging.WARNING, "cascadia.exec.coordinator"):
+    with caplog.at_level(logging.WARNING, "cascadia.pipeline.coordinator"):
         received = coordinator.next_tokens()
     assert (received.frame_id, received.token_ids.tolist()) == (1, [7])
     assert coordinator.dropped == 3

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cascadia.exec.checkpoint import Checkpoint
-from cascadia.exec.engine import Engine
-from cascadia.exec.rows import BatchError
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.engine import Engine
+from cascadia.engine.rows import BatchError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded")

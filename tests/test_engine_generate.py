@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from cascadia.cli import cli
-from cascadia.exec.checkpoint import Checkpoint
-from cascadia.exec.engine import Engine
-from cascadia.exec.generate import generate, score_logits
-from cascadia.exec.sampling import Sampling, extend_history, sample
-from cascadia.exec.tokenizer import build_tokenizer
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.engine import Engine
+from cascadia.engine.generate import generate, score_logits
+from cascadia.sampling import Sampling, extend_history, sample
+from cascadia.tokenizer import build_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

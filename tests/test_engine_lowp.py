@@ -8,15 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cascadia.exec import graphs
-from cascadia.exec.checkpoint import Checkpoint
-from cascadia.exec.decoder import DecoderLayer
-from cascadia.exec.device import CompiledBlock, compile_options
-from cascadia.exec.engine import Engine
-from cascadia.exec.host_ops import rms_norm
-from cascadia.exec.init_model import random_tensor
-from cascadia.exec.quantize import group_size, quantize
-from cascadia.exec.restoration import row_factor
+from cascadia.engine import graphs
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.decoder import DecoderLayer
+from cascadia.engine.device import CompiledBlock, compile_options
+from cascadia.engine.engine import Engine
+from cascadia.engine.host_ops import rms_norm
+from cascadia.engine.init_model import random_tensor
+from cascadia.engine.quantize import group_size, quantize
+from cascadia.engine.restoration import row_factor
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import WeightFormat, WeightFormats
 from cascadia.tensors import layer_prefix, layer_tensors

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from graph_constants import constants
 
-from cascadia.exec import engine, graphs
-from cascadia.exec.checkpoint import Checkpoint
-from cascadia.exec.device import CompiledBlock, compile_options
+from cascadia.engine import engine, graphs
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.device import CompiledBlock, compile_options
 from cascadia.spec.types import WeightFormat, WeightFormats
 from cascadia.tensors import EMBED, HEAD
 

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import cascadia.exec.init_model as init_module
+import cascadia.engine.init_model as init_module
 from cascadia.cli import cli
-from cascadia.exec.checkpoint import Checkpoint
-from cascadia.exec.init_model import init_model, random_tensor
-from cascadia.exec.tokenizer import TokenizerError, build_tokenizer, load_tokenizer
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.init_model import init_model, random_tensor
 from cascadia.model_config import InklingConfig
 from cascadia.tensors import all_tensors
+from cascadia.tokenizer import TokenizerError, build_tokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"

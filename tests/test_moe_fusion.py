@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 from graph_constants import constants
 
-from cascadia.exec import graphs
-from cascadia.exec.checkpoint import Checkpoint
-from cascadia.exec.decoder import DecoderLayer
-from cascadia.exec.device import CompiledBlock, _pad_rows, compile_options
-from cascadia.exec.engine import Engine
-from cascadia.exec.quantize import quantize
-from cascadia.exec.restoration import up_divisor
+from cascadia.engine import graphs
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.decoder import DecoderLayer
+from cascadia.engine.device import CompiledBlock, _pad_rows, compile_options
+from cascadia.engine.engine import Engine
+from cascadia.engine.quantize import quantize
+from cascadia.engine.restoration import up_divisor
 from cascadia.spec.types import WeightFormat, WeightFormats
 
 FIXTURES = Path(__file__).parent / "fixtures"
-E, H, I, S, K = 8, 64, 32, 2, 2  # routed experts, hidden, expert width, shared experts, experts per row
+E, H, I, S, K = 8, 64, 32, 2, 2  # routed experts, hidden, expert width, shared experts, experts per row  # noqa: E741
 BUCKETS = (2, 8, 16)
 INT4 = WeightFormat("int4", 32)
 

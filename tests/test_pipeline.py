@@ -16,18 +16,18 @@ import zmq
 from click.testing import CliRunner
 
 from cascadia.cli import cli
-from cascadia.exec.checkpoint import Checkpoint
-from cascadia.exec.coordinator import PipelineError
-from cascadia.exec.emulated_links import EmulatedLinks, LinkEmulationError, namespaces
-from cascadia.exec.engine import Engine
-from cascadia.exec.generate import generate
-from cascadia.exec.launch import LocalNodes
-from cascadia.exec.run import Addresses, Pipeline, RunFailed, ensure_random_checkpoint, run
-from cascadia.exec.sampling import Sampling
-from cascadia.exec.settings import settings_digest
-from cascadia.exec.stage import RowSampler
-from cascadia.exec.transport import COORDINATOR, Transport, TransportError, free_port, generate_keys, tcp_address
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.engine import Engine
+from cascadia.engine.generate import generate
 from cascadia.graph.planner import plan as make_plan
+from cascadia.pipeline.coordinator import PipelineError
+from cascadia.pipeline.emulated_links import EmulatedLinks, LinkEmulationError, namespaces
+from cascadia.pipeline.launch import LocalNodes
+from cascadia.pipeline.run import Addresses, Pipeline, RunFailed, ensure_random_checkpoint, run
+from cascadia.pipeline.settings import settings_digest
+from cascadia.pipeline.stage import RowSampler
+from cascadia.pipeline.transport import COORDINATOR, Transport, TransportError, free_port, generate_keys, tcp_address
+from cascadia.sampling import Sampling
 from cascadia.spec.types import LinkSpec
 from cascadia.workload import MEASURED, WARMUP
 
@@ -194,7 +194,7 @@ def test_score_command_on_the_pipeline_gives_the_single_process_logits(checkpoin
 
 def test_a_failed_run_still_writes_what_finished_and_exits_non_zero(monkeypatch, tmp_path):
     """The command's side of a failure (the failure itself is tested below, with real processes)."""
-    import cascadia.exec.run
+    import cascadia.pipeline.run
 
     line = {"concurrency": 1, "phase": WARMUP, "request_id": 0, "prompt_ids": [1], "output_ids": [2],
             "finish_reason": "length"}
@@ -202,7 +202,7 @@ def test_a_failed_run_still_writes_what_finished_and_exits_non_zero(monkeypatch,
     def fail(*args, **kwargs):
         raise RunFailed("node1: the node process was killed by signal 9", {"levels": []}, [line])
 
-    monkeypatch.setattr(cascadia.exec.run, "run", fail)
+    monkeypatch.setattr(cascadia.pipeline.run, "run", fail)
     metrics_path, outputs_path = tmp_path / "run.json", tmp_path / "outputs.jsonl"
     result = CliRunner().invoke(cli, ["run", str(SPEC), "--json", str(metrics_path), "--outputs", str(outputs_path)])
     assert result.exit_code == 1

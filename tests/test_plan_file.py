@@ -5,11 +5,11 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from sim_specs import tiny_spec_yaml
 
 from cascadia.cli import cli
 from cascadia.graph.planner import load_plan, plan
 from cascadia.spec.load import load_spec
-from sim_specs import tiny_spec_yaml
 
 # 6 layers on 3 nodes with 1 MiB each beyond the reserve: the planner puts 2 layers on each
 SPEC = tiny_spec_yaml(memory="65MiB", concurrency="[1]", prompt_tokens=4, output_tokens=2)

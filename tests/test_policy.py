@@ -3,7 +3,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cascadia.policy import (
-    DECODE, LENGTH, PREFILL, STOP, Admitted, Finished, Policy, Rejected, Request, Row, Token, padded_size,
+    DECODE,
+    LENGTH,
+    PREFILL,
+    STOP,
+    Admitted,
+    Finished,
+    Policy,
+    Rejected,
+    Request,
+    Row,
+    Token,
+    padded_size,
 )
 
 

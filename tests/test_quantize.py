@@ -8,8 +8,8 @@ import openvino as ov
 import openvino.opset16 as ops
 import pytest
 
-from cascadia.exec.ov_ops import weight
-from cascadia.exec.quantize import Nibbles, quantize, quantize_stacks
+from cascadia.engine.ov_ops import weight
+from cascadia.engine.quantize import Nibbles, quantize, quantize_stacks
 from cascadia.spec.types import WeightFormat
 
 # Odd entry sizes (3 x 5 values) make chunks start and end in the middle of a byte.

@@ -1,11 +1,11 @@
 import attrs
 import pytest
+from sim_specs import tiny_spec
 
 from cascadia.graph.costs import head_cost, layer_costs, layer_ops
 from cascadia.policy import padded_size
 from cascadia.sim.analytic import analytic_calibration, row_grid
 from cascadia.sim.calibration import ANALYTIC, CalibrationError
-from sim_specs import tiny_spec
 
 BANDWIDTH = 1e9
 

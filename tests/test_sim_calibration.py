@@ -4,12 +4,17 @@ import json
 
 import attrs
 import pytest
+from sim_specs import calibration, tiny_spec
 
 from cascadia.sim.calibration import (
-    Calibration, CalibrationError, Extrapolations, Table, interpolate, uniform_distinct_experts,
+    Calibration,
+    CalibrationError,
+    Extrapolations,
+    Table,
+    interpolate,
+    uniform_distinct_experts,
 )
 from cascadia.spec.types import WeightFormat, WeightFormats
-from sim_specs import calibration, tiny_spec
 
 
 def test_interpolate_inside_on_the_edges_and_outside():

@@ -5,13 +5,13 @@ import sys
 import click
 import pytest
 from click.testing import CliRunner
+from sim_specs import tiny_spec_yaml
 
 from cascadia.cli import cli
 from cascadia.cli.common import saving
-from cascadia.exec.tokenizer import TOKENIZER_FILE, build_tokenizer
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.spec.load import load_spec
-from sim_specs import tiny_spec_yaml
+from cascadia.tokenizer import TOKENIZER_FILE, build_tokenizer
 
 SPEC = tiny_spec_yaml()
 

@@ -5,6 +5,7 @@ import attrs
 import numpy as np
 import pytest
 import simpy
+from sim_specs import calibration, even_plan, tiny_spec
 
 from cascadia.metrics import Recorder
 from cascadia.policy import Policy, Request
@@ -13,7 +14,6 @@ from cascadia.sim.calibration import CalibrationError
 from cascadia.sim.model import PipelineModel, SharedHost, shared_hosts, stage_hosts
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import LengthSpec, LinkSpec, RuntimeSpec, WorkloadSpec
-from sim_specs import calibration, even_plan, tiny_spec
 
 # Seconds per layer of each kind, chosen distinct so that a wrong count shows.
 KIND_TIMES = {"sliding": 1e-3, "global": 2e-3, "moe": 3e-3, "dense": 4e-3, "embedding": 5e-4, "head": 5e-3}

@@ -6,9 +6,8 @@ import zmq
 from click.testing import CliRunner
 
 from cascadia.cli import cli
-from cascadia.exec.transport import (Transport, TransportError, free_port, generate_keys, receive, send,
-                                     tcp_address)
-from cascadia.exec.wire import Encoder, Frame, Shutdown, decode
+from cascadia.pipeline.transport import Transport, TransportError, free_port, generate_keys, receive, send, tcp_address
+from cascadia.pipeline.wire import Encoder, Frame, Shutdown, decode
 
 NO_DELIVERY_WAIT_MS = 500  # how long a refused client is given to (wrongly) get a message through
 
@@ -52,7 +51,7 @@ def test_frame_crosses_a_push_pull_hop(transports, address):
 
 
 def test_address_in_use_is_named(transports, address):
-    taken = transports("first").bind(zmq.PULL, address)  # kept: a collected socket would free the port
+    taken = transports("first").bind(zmq.PULL, address)  # noqa: F841 (kept: a collected socket would free the port)
     with pytest.raises(TransportError, match=f"cannot listen on {address}: address already in use"):
         transports("second").bind(zmq.PULL, address)
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import attrs
 import pytest
 from click.testing import CliRunner
+from sim_specs import calibration
 
 from cascadia.cli import cli
-from cascadia.exec.run import RunFailed, RunResult
-from cascadia.validate import METRICS, SCHEMA, compare, format_comparison
-from sim_specs import calibration
+from cascadia.measure.validate import METRICS, SCHEMA, compare, format_comparison
+from cascadia.pipeline.run import RunFailed, RunResult
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
 
@@ -131,7 +131,7 @@ def test_a_failed_run_keeps_the_prediction_and_the_runs_before_it(spec, tmp_path
             raise outcome
         return outcome
 
-    monkeypatch.setattr("cascadia.validate.run", run_or_fail)
+    monkeypatch.setattr("cascadia.measure.validate.run", run_or_fail)
     cal_path, out = tmp_path / "cal.json", tmp_path / "validation.json"
     calibration(spec, lambda kind, r, x: 1e-4 * r).save(cal_path)
     result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(cal_path), "--concurrency", "1",

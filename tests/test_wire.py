@@ -5,9 +5,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cascadia.exec import wire
-from cascadia.exec.wire import (Decoder, Encoder, Error, Frame, Hello, Progress, Ready, Shutdown, Stats,
-                                StatsRequest, Tokens, VERSION, WireError, decode, encode)
+from cascadia.pipeline import wire
+from cascadia.pipeline.wire import (
+    VERSION,
+    Decoder,
+    Encoder,
+    Error,
+    Frame,
+    Hello,
+    Progress,
+    Ready,
+    Shutdown,
+    Stats,
+    StatsRequest,
+    Tokens,
+    WireError,
+    decode,
+    encode,
+)
 
 # No per-example deadline: the suite runs on shared, busy machines.
 PROPERTY = settings(max_examples=60, deadline=None)

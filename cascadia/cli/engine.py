@@ -23,9 +23,9 @@ def _engine_options(func):
 
 
 def _open_engine(checkpoint: str, context: int, precision: str, compressed: bool, device: str, threads: int | None):
-    from cascadia.exec.checkpoint import Checkpoint, CheckpointError
-    from cascadia.exec.device import DeviceError
-    from cascadia.exec.engine import Engine
+    from cascadia.engine.checkpoint import Checkpoint, CheckpointError
+    from cascadia.engine.device import DeviceError
+    from cascadia.engine.engine import Engine
     from cascadia.spec.types import PAPER_FORMATS, WeightFormats
 
     try:
@@ -63,10 +63,10 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     import json
     from pathlib import Path
 
-    from cascadia.exec.generate import generate as run_generation
-    from cascadia.exec.sampling import Sampling
-    from cascadia.exec.tokenizer import TOKENIZER_FILE, TokenizerError, load_tokenizer
+    from cascadia.engine.generate import generate as run_generation
+    from cascadia.sampling import Sampling
     from cascadia.spec.types import WorkloadSpec
+    from cascadia.tokenizer import TOKENIZER_FILE, TokenizerError, load_tokenizer
 
     if (prompt is None) == (ids_text is None):
         raise click.UsageError("give --prompt or --ids (one of them)")
@@ -122,7 +122,7 @@ def score(checkpoint: str, ids_path: str, prefill: int | None, out: str, precisi
 
     import numpy as np
 
-    from cascadia.exec.generate import score_logits
+    from cascadia.engine.generate import score_logits
 
     try:
         body = json.loads(open(ids_path).read())
@@ -153,10 +153,10 @@ def _score_on_pipeline(spec_path: str, plan_path: str | None, checkpoint: str, i
     """`cascadia score --spec`: the logits as the plan's nodes compute them, with their start-up on stderr."""
     from pathlib import Path
 
-    from cascadia.exec.checkpoint import CheckpointError
-    from cascadia.exec.coordinator import PipelineError
-    from cascadia.exec.run import describe, score_on_pipeline
-    from cascadia.exec.transport import TransportError
+    from cascadia.engine.checkpoint import CheckpointError
+    from cascadia.pipeline.coordinator import PipelineError
+    from cascadia.pipeline.run import describe, score_on_pipeline
+    from cascadia.pipeline.transport import TransportError
 
     loaded = load_spec_or_exit(spec_path)
     chosen = chosen_plan(loaded, plan_path)

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (OutputPath, TcpAddress, chosen_plan, emulate_links_option, load_spec_or_exit,
-                                 sampling_options, saving, with_sampling, workload_options, workload_overrides)
+from cascadia.cli.common import (
+    OutputPath,
+    TcpAddress,
+    chosen_plan,
+    emulate_links_option,
+    load_spec_or_exit,
+    sampling_options,
+    saving,
+    with_sampling,
+    workload_options,
+    workload_overrides,
+)
 
 
 @click.command()
@@ -42,9 +52,9 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 
     import attrs
 
-    from cascadia.exec.sampling import Sampling
-    from cascadia.exec.stage import node_settings, serve_node
     from cascadia.graph.planner import load_plan
+    from cascadia.pipeline.stage import node_settings, serve_node
+    from cascadia.sampling import Sampling
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     loaded = load_spec_or_exit(spec_path)
@@ -100,11 +110,11 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
     import json
     from pathlib import Path
 
-    from cascadia.exec.checkpoint import CheckpointError
-    from cascadia.exec.coordinator import PipelineError
-    from cascadia.exec.run import NODE_TIMEOUT_S, Addresses, RunFailed, describe, run
-    from cascadia.exec.transport import TransportError
+    from cascadia.engine.checkpoint import CheckpointError
     from cascadia.metrics import format_table
+    from cascadia.pipeline.coordinator import PipelineError
+    from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, RunFailed, describe, run
+    from cascadia.pipeline.transport import TransportError
 
     def write(result: dict, outputs: list[dict]) -> None:
         if outputs_path:  # first: the generated tokens are what a failure to write the other would lose

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (IntList, OutputPath, chosen_plan, emulate_links_option, load_spec_or_exit, saving,
-                                 workload_options, workload_overrides)
+from cascadia.cli.common import (
+    IntList,
+    OutputPath,
+    chosen_plan,
+    emulate_links_option,
+    load_spec_or_exit,
+    saving,
+    workload_options,
+    workload_overrides,
+)
 
 
 @click.command()
@@ -31,7 +39,8 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     from cascadia.metrics import format_table
     from cascadia.sim.analytic import analytic_calibration
     from cascadia.sim.calibration import Calibration, CalibrationError
-    from cascadia.sim.simulate import plot, simulate as run_simulation
+    from cascadia.sim.simulate import plot
+    from cascadia.sim.simulate import simulate as run_simulation
 
     if analytic and calibration_path:
         raise click.UsageError("give --calibration or --analytic, not both")
@@ -74,7 +83,7 @@ def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, 
     """Measure what the simulator needs with the real engine and transport on the plan's local nodes: per node and
     layer kind, time over rows, attended positions and distinct experts; the links; the host overheads; the cores
     of a shared host."""
-    from cascadia.exec.calibrate import format_calibration
+    from cascadia.measure.calibrate import format_calibration
 
     loaded = load_spec_or_exit(spec)
     measured = _calibrate(loaded, chosen_plan(loaded, plan_path), checkpoint, rounds)
@@ -88,10 +97,10 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
     """The measured calibration, with progress on stderr."""
     from pathlib import Path
 
-    from cascadia.exec.calibrate import ROUNDS, CalibrationFailed, calibrate
-    from cascadia.exec.checkpoint import CheckpointError
-    from cascadia.exec.coordinator import PipelineError
-    from cascadia.exec.transport import TransportError
+    from cascadia.engine.checkpoint import CheckpointError
+    from cascadia.measure.calibrate import ROUNDS, CalibrationFailed, calibrate
+    from cascadia.pipeline.coordinator import PipelineError
+    from cascadia.pipeline.transport import TransportError
 
     try:
         return calibrate(loaded, chosen, Path(checkpoint) if checkpoint else None, rounds or ROUNDS,
@@ -135,12 +144,12 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
     import json
     from pathlib import Path
 
-    from cascadia.exec.checkpoint import CheckpointError
-    from cascadia.exec.coordinator import PipelineError
-    from cascadia.exec.run import describe
-    from cascadia.exec.transport import TransportError
+    from cascadia.engine.checkpoint import CheckpointError
+    from cascadia.measure.validate import ValidationFailed, format_comparison, validate
+    from cascadia.pipeline.coordinator import PipelineError
+    from cascadia.pipeline.run import describe
+    from cascadia.pipeline.transport import TransportError
     from cascadia.sim.calibration import CalibrationError
-    from cascadia.validate import ValidationFailed, format_comparison, validate
 
     def write(result: dict) -> None:
         if json_path:
@@ -178,8 +187,8 @@ def demo(concurrency) -> None:
 
     import attrs
 
-    from cascadia.exec.calibrate import format_calibration
-    from cascadia.exec.run import ensure_random_checkpoint
+    from cascadia.measure.calibrate import format_calibration
+    from cascadia.pipeline.run import ensure_random_checkpoint
 
     specs = Path(__file__).resolve().parents[2] / "specs"
     if not (specs / "tiny-local.yaml").is_file():

@@ -130,7 +130,7 @@ def keys_generate(folder: str, nodes: str) -> None:
     """Make a key pair per node and for the coordinator in FOLDER (public/*.key, secret/*.key_secret).
 
     Point the cluster's curve_keys at FOLDER; each machine needs public/ and its own secret key."""
-    from cascadia.exec.transport import COORDINATOR, TransportError, generate_keys
+    from cascadia.pipeline.transport import COORDINATOR, TransportError, generate_keys
 
     names = [n.strip() for n in nodes.split(",")]
     if not all(names):
@@ -151,7 +151,7 @@ def keys_generate(folder: str, nodes: str) -> None:
 def init_model_command(source: str, out_dir: str, seed: int, dtype: str) -> None:
     """Write a random checkpoint (config.json, safetensors, tokenizer.json) for SOURCE: a config.json, a checkpoint
     directory or a YAML spec."""
-    from cascadia.exec.init_model import init_model
+    from cascadia.engine.init_model import init_model
     from cascadia.model_config import ConfigError, InklingConfig
 
     if source.endswith((".yaml", ".yml")):

@@ -16,12 +16,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops
 from cascadia.graph.build import ACTIVATION_BYTES
+from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops
 from cascadia.graph.plan import ring_pairs
 from cascadia.policy import padded_size
 from cascadia.sim.calibration import (
-    ANALYTIC, DENSE, EMBEDDING, GLOBAL, HEAD, MOE, SLIDING, Calibration, CalibrationError, NodeCalibration, Table,
+    ANALYTIC,
+    DENSE,
+    EMBEDDING,
+    GLOBAL,
+    HEAD,
+    MOE,
+    SLIDING,
+    Calibration,
+    CalibrationError,
+    NodeCalibration,
+    Table,
     make_meta,
 )
 from cascadia.spec.types import NodeSpec, Spec

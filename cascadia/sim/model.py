@@ -32,7 +32,16 @@ from cascadia.metrics import Recorder
 from cascadia.model_config import InklingConfig
 from cascadia.policy import Frame, Policy, Request
 from cascadia.sim.calibration import (
-    DENSE, EMBEDDING, GLOBAL, KIND_AXES, MOE, SLIDING, Calibration, CalibrationError, Extrapolations, NodeCalibration,
+    DENSE,
+    EMBEDDING,
+    GLOBAL,
+    KIND_AXES,
+    MOE,
+    SLIDING,
+    Calibration,
+    CalibrationError,
+    Extrapolations,
+    NodeCalibration,
     interpolate,
 )
 from cascadia.sim.calibration import HEAD as HEAD_KIND  # the layer kind; HEAD is the plan's role

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from cascadia import metrics
-from cascadia.exec.tokenizer import workload_prompts
 from cascadia.graph.plan import Plan
 from cascadia.policy import Policy
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.model import PipelineModel
 from cascadia.spec.types import Spec
+from cascadia.tokenizer import workload_prompts
 from cascadia.workload import MEASURED, build_levels
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import attrs
 
-from cascadia.exec.run import RunFailed, run
 from cascadia.graph.plan import Plan
+from cascadia.pipeline.run import RunFailed, run
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec

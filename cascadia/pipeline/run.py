@@ -1,7 +1,7 @@
 """`cascadia run`: a spec's workload through the real pipeline, in the metrics schema `cascadia simulate` writes.
 
 A `Pipeline` is the coordinator plus the plan's nodes: for `local` nodes it starts the node processes itself (see
-`cascadia.exec.launch`); for nodes with tcp addresses it waits for processes started on those machines, which need
+`cascadia.pipeline.launch`); for nodes with tcp addresses it waits for processes started on those machines, which need
 the coordinator's control address (and the last one its token address). It serves workloads (`run`) and scores
 token sequences (`score`) until closed; closing shuts every node down.
 """
@@ -17,17 +17,18 @@ import numpy as np
 import yaml
 
 from cascadia import metrics
-from cascadia.exec.coordinator import Coordinator, Outputs, PipelineError
-from cascadia.exec.launch import LOCALHOST, LocalNodes, NodeCommand
-from cascadia.exec.sampling import Sampling
-from cascadia.exec.settings import settings_digest
-from cascadia.exec.tokenizer import workload_prompts
-from cascadia.exec.transport import free_port, tcp_address
-from cascadia.exec.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.graph.plan import Plan
+from cascadia.pipeline.coordinator import Coordinator, Outputs, PipelineError
+from cascadia.pipeline.launch import LocalNodes, NodeCommand
+from cascadia.pipeline.places import LOCALHOST
+from cascadia.pipeline.settings import settings_digest
+from cascadia.pipeline.transport import free_port, tcp_address
+from cascadia.pipeline.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.policy import Policy
+from cascadia.sampling import Sampling
 from cascadia.spec.dump import dump_spec
 from cascadia.spec.types import Spec, WorkloadSpec
+from cascadia.tokenizer import workload_prompts
 from cascadia.workload import MEASURED, build_levels
 
 NODE_TIMEOUT_S = 120.0  # a starting node silent for this long is an error
@@ -259,7 +260,7 @@ def score_on_pipeline(spec: Spec, plan: Plan, ids: Sequence[int], prefill: int |
 
 def ensure_random_checkpoint(spec: Spec, seed: int = 0) -> bool:
     """Write random weights to the spec's checkpoint folder when it holds none; True if it did."""
-    from cascadia.exec.init_model import init_model
+    from cascadia.engine.init_model import init_model
 
     folder = spec.model.checkpoint
     if folder is None:

@@ -7,8 +7,8 @@ import json
 
 import attrs
 
-from cascadia.exec.sampling import Sampling
 from cascadia.graph.plan import Plan
+from cascadia.sampling import Sampling
 from cascadia.spec.types import Spec
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from cascadia.exec.quantize import bf16_to_f32, round_to_bf16
+from cascadia.engine.quantize import bf16_to_f32, round_to_bf16
 
 _STORED = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 

@@ -53,22 +53,34 @@ import openvino as ov
 import yaml
 import zmq
 
-from cascadia.exec.device import core
-from cascadia.exec.launch import LOCALHOST, thread_env
-from cascadia.exec.run import Pipeline, describe
-from cascadia.exec.sampling import Sampling
-from cascadia.exec.stage import EngineStage, find_stage, load_stage
-from cascadia.exec.transport import Transport, free_port, receive, send, tcp_address
-from cascadia.exec.wire import Encoder, Frame
+from cascadia.engine.device import core
 from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import TOKEN_ID_BYTES, load_plan
+from cascadia.pipeline.launch import thread_env
+from cascadia.pipeline.places import LOCALHOST
+from cascadia.pipeline.run import Pipeline, describe
+from cascadia.pipeline.stage import EngineStage, find_stage, load_stage
+from cascadia.pipeline.transport import Transport, free_port, receive, send, tcp_address
+from cascadia.pipeline.wire import Encoder, Frame
 from cascadia.policy import DECODE, Row, padded_size
 from cascadia.policy import Frame as PolicyFrame
+from cascadia.sampling import Sampling
 from cascadia.sim.analytic import kind_costs, row_grid
 from cascadia.sim.calibration import (
-    DENSE, EMBEDDING, GLOBAL, HEAD, KIND_AXES, MEASURED, MOE, SLIDING, Calibration, Extrapolations, NodeCalibration,
-    Table, make_meta,
+    DENSE,
+    EMBEDDING,
+    GLOBAL,
+    HEAD,
+    KIND_AXES,
+    MEASURED,
+    MOE,
+    SLIDING,
+    Calibration,
+    Extrapolations,
+    NodeCalibration,
+    Table,
+    make_meta,
 )
 from cascadia.sim.model import FrameShape, PipelineModel, StageCost, shared_hosts, stage_kinds
 from cascadia.spec.dump import dump_spec
@@ -176,7 +188,7 @@ class _Worker:
     """A Python process running `function(args)` of this module, which prints JSON lines."""
 
     def __init__(self, function: str, args: Sequence[str], env: dict[str, str], log: Path) -> None:
-        code = f"import sys; from cascadia.exec.calibrate import {function}; {function}(sys.argv[1:])"
+        code = f"import sys; from cascadia.measure.calibrate import {function}; {function}(sys.argv[1:])"
         self.log = log
         with log.open("w") as errors:
             self.process = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.DEVNULL,

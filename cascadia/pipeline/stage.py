@@ -14,20 +14,20 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from cascadia.exec.checkpoint import Checkpoint, CheckpointError
-from cascadia.exec.engine import StageEngine
-from cascadia.exec.node import NodeSettings, Peer, ProgressFn, run_node
-from cascadia.exec.rows import BatchError
-from cascadia.exec.sampling import Sampling, extend_history
-from cascadia.exec.settings import settings_digest
-from cascadia.exec.transport import COORDINATOR
-from cascadia.exec.wire import Frame, Tokens, node_sender
+from cascadia.engine.checkpoint import Checkpoint, CheckpointError
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.rows import BatchError
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
+from cascadia.pipeline.node import NodeSettings, Peer, ProgressFn, run_node
+from cascadia.pipeline.settings import settings_digest
+from cascadia.pipeline.transport import COORDINATOR
+from cascadia.pipeline.wire import Frame, Tokens, node_sender
+from cascadia.sampling import Sampling, extend_history
 from cascadia.spec.types import Spec
 
 
 class RowSampler:
-    """Draws the token of each sampled row (see `cascadia.exec.sampling`), keeping each slot's token history."""
+    """Draws the token of each sampled row (see `cascadia.sampling`), keeping each slot's token history."""
 
     def __init__(self, sampling: Sampling, slots: int):
         self.sampling = sampling
@@ -145,7 +145,7 @@ def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, 
 
 def serve_node(spec: Spec, plan: Plan, settings: NodeSettings, checkpoint: Path, threads: int | None,
                sampling: Sampling, with_logits: bool) -> None:
-    """Run node `settings.name` until the coordinator shuts it down (see `cascadia.exec.node.run_node`)."""
+    """Run node `settings.name` until the coordinator shuts it down (see `cascadia.pipeline.node.run_node`)."""
     _, stage = find_stage(plan, settings.name)
     settings = attrs.evolve(settings, digest=settings_digest(spec, plan, sampling, with_logits))
     run_node(settings, lambda progress: load_stage(spec, stage, checkpoint, threads, sampling, with_logits,

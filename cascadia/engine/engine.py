@@ -13,14 +13,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cascadia.exec import graphs
-from cascadia.exec.checkpoint import Checkpoint
-from cascadia.exec.decoder import DecoderLayer, SlotState
-from cascadia.exec.device import CompiledBlock, compile_options, device_precision, pick_device
-from cascadia.exec.host_ops import rms_norm
-from cascadia.exec.quantize import Quantized, quantize_stacks
-from cascadia.exec.rows import BatchError, Rows
-from cascadia.exec.state_format import StateFormat
+from cascadia.engine import graphs
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.decoder import DecoderLayer, SlotState
+from cascadia.engine.device import CompiledBlock, compile_options, device_precision, pick_device
+from cascadia.engine.host_ops import rms_norm
+from cascadia.engine.quantize import Quantized, quantize_stacks
+from cascadia.engine.rows import BatchError, Rows
+from cascadia.engine.state_format import StateFormat
 from cascadia.spec.types import WeightFormat, WeightFormats
 from cascadia.tensors import EMBED, EMBED_NORM, FINAL_NORM, HEAD
 
@@ -67,7 +67,7 @@ class StageEngine:
         self.layers, self.states = [], []
         for i in layers:
             self.layers.append(DecoderLayer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices))
-            # A sliding ring keeps window - 1 old keys plus one call's rows (see cascadia.exec.attention).
+            # A sliding ring keeps window - 1 old keys plus one call's rows (see cascadia.engine.attention).
             ring = min(context_budget, cfg.sliding_window_size - 1 + self.max_rows) if cfg.is_sliding(i) \
                 else context_budget
             self.states.append(SlotState(self.layers[-1].shape, ring, cfg.hidden_size, cfg.conv_kernel_size,

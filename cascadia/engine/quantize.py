@@ -2,7 +2,7 @@
 
 A matrix `[..., out, in]` is cut along its input dimension into groups; each group keeps one f16 scale (and, when
 asymmetric, one zero point). The plugins recognise the NNCF decompression pattern built from these arrays
-(`cascadia.exec.ov_ops.weight`) and keep the weights compressed in memory. 4-bit integers are packed two per byte,
+(`cascadia.engine.ov_ops.weight`) and keep the weights compressed in memory. 4-bit integers are packed two per byte,
 as OpenVINO stores them (`Nibbles`), as soon as they are rounded.
 
 A group size that does not divide the input width is replaced by their greatest common divisor (finer groups, never

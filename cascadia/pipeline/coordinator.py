@@ -21,10 +21,26 @@ from collections.abc import Callable, Iterable, Sequence
 import zmq
 
 from cascadia.driver import PhaseDriver
-from cascadia.exec.transport import COORDINATOR, Transport, TransportError, receive_waiting, send
-from cascadia.exec.wire import (COORDINATOR_SENDER, Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready,
-                                Shutdown, Stats, StatsRequest, Tokens, VersionMismatch, WireError, node_sender)
 from cascadia.metrics import Recorder
+from cascadia.pipeline.transport import COORDINATOR, Transport, TransportError, receive_waiting, send
+from cascadia.pipeline.wire import (
+    COORDINATOR_SENDER,
+    Decoder,
+    Encoder,
+    Error,
+    Frame,
+    Hello,
+    Message,
+    Progress,
+    Ready,
+    Shutdown,
+    Stats,
+    StatsRequest,
+    Tokens,
+    VersionMismatch,
+    WireError,
+    node_sender,
+)
 from cascadia.policy import Event, Finished, Policy, Rejected, Request, Token
 from cascadia.policy import Frame as PolicyFrame
 
@@ -64,7 +80,7 @@ class Coordinator:
     def __init__(self, nodes: Sequence[str], control: str, tokens: str, curve_keys=None, stall_s: float = 60.0,
                  digest: str | None = None):
         """`nodes`: the plan's node names in stage order. `control`, `tokens`: the addresses to bind.
-        `digest`: the settings digest every node's HELLO must carry (`cascadia.exec.settings.settings_digest`)."""
+        `digest`: the settings digest every node's HELLO must carry (`cascadia.pipeline.settings.settings_digest`)."""
         self.nodes = list(nodes)
         self.digest = digest
         self.stall_s = stall_s

@@ -8,7 +8,7 @@ stage's node (the coordinator, for the first), its control socket only the coord
 message, or one that fails to decode, is logged with its reason, counted, and dropped; the node keeps serving.
 
 It stops on SHUTDOWN, when the process that started it is gone, or when it loses the coordinator (the control
-connection closes, or ZeroMQ's heartbeats go unanswered: `cascadia.exec.transport`), so no node outlives its run.
+connection closes, or ZeroMQ's heartbeats go unanswered: `cascadia.pipeline.transport`), so no node outlives its run.
 With `keep_serving` it serves run after run instead: when a run ends (SHUTDOWN, a lost coordinator, an unreachable
 successor) it keeps its compiled stage, waits for the last coordinator's connection to close and the next one's to
 open, and says HELLO and READY to that. A new run's streams start at position 0, which frees their slots
@@ -28,9 +28,24 @@ import attrs
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from cascadia.exec.transport import Transport, TransportError, receive_waiting, send
-from cascadia.exec.wire import (COORDINATOR_SENDER, DEFAULT_MAX_MESSAGE_BYTES, Decoder, Encoder, Error, Frame, Hello,
-                                Message, Progress, Ready, Shutdown, Stats, StatsRequest, Tokens, WireError)
+from cascadia.pipeline.transport import Transport, TransportError, receive_waiting, send
+from cascadia.pipeline.wire import (
+    COORDINATOR_SENDER,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Decoder,
+    Encoder,
+    Error,
+    Frame,
+    Hello,
+    Message,
+    Progress,
+    Ready,
+    Shutdown,
+    Stats,
+    StatsRequest,
+    Tokens,
+    WireError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +82,7 @@ class NodeSettings:
     send_timeout_s: float = 10.0  # a successor that accepts nothing for this long is unreachable
     parent_pid: int | None = None  # stop when this process is no longer our parent
     poll_s: float = 0.1  # how often an idle node checks on its parent
-    digest: str = ""  # of the settings it was started with, said in HELLO (`cascadia.exec.settings.settings_digest`)
+    digest: str = ""  # of the settings it was started with, said in HELLO (`pipeline.settings.settings_digest`)
     keep_serving: bool = False  # serve run after run, each with its own coordinator (see the module's text)
     coordinator_wait_s: float | None = 120.0  # how long a starting node waits for a coordinator (None: no limit)
 

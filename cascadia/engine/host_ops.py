@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cascadia.exec.rows import Rows
-from cascadia.exec.state_format import StateFormat
+from cascadia.engine.rows import Rows
+from cascadia.engine.state_format import StateFormat
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -15,18 +15,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import attrs
 
-from cascadia.exec.coordinator import PipelineError
-from cascadia.exec.sampling import Sampling
-from cascadia.exec.transport import free_port, tcp_address
+from cascadia.pipeline.coordinator import PipelineError
+from cascadia.pipeline.emulated_links import EmulatedLinks
+from cascadia.pipeline.places import NodePlace, loopback_places
+from cascadia.sampling import Sampling
 
-if TYPE_CHECKING:
-    from cascadia.exec.emulated_links import EmulatedLinks
-
-LOCALHOST = "127.0.0.1"
 LOG_TAIL_LINES = 12
 
 
@@ -39,23 +35,6 @@ class NodeCommand:
     checkpoint: Path
     sampling: Sampling
     with_logits: bool = False
-
-
-@attrs.frozen
-class NodePlace:
-    """Where a local node runs: what it binds, where it is reached, how it reaches the coordinator."""
-
-    listen: str
-    address: str  # where its predecessor (the coordinator, for the first node) reaches it
-    control: str  # the coordinator's control socket, as this node reaches it
-    tokens: str  # the coordinator's token socket, as this node reaches it (the last node's successor)
-    prefix: tuple[str, ...] = ()  # the start of its command line, e.g. to run it in a network namespace
-
-
-def loopback_places(count: int, control: str, tokens: str) -> list[NodePlace]:
-    """Nodes on 127.0.0.1, each on a free port."""
-    addresses = [tcp_address(LOCALHOST, free_port()) for _ in range(count)]
-    return [NodePlace(address, address, control, tokens) for address in addresses]
 
 
 def node_arguments(command: NodeCommand, name: str, place: NodePlace, successor: str, threads: int | None
@@ -87,12 +66,8 @@ class LocalNodes:
               control: str, tokens: str, link_rates: Sequence[float] | None = None) -> LocalNodes:
         """Start one node per name (stage order) reaching the coordinator at `control` and `tokens`: on 127.0.0.1,
         or with `link_rates` (bytes/s from each stage to the next) in network namespaces joined by links shaped to
-        them (`cascadia.exec.emulated_links`; the coordinator must then bind every interface)."""
-        links = None
-        if link_rates is not None:
-            from cascadia.exec.emulated_links import EmulatedLinks  # here: it builds on this module's NodePlace
-
-            links = EmulatedLinks(link_rates, _port(control), _port(tokens))
+        them (`cascadia.pipeline.emulated_links`; the coordinator must then bind every interface)."""
+        links = None if link_rates is None else EmulatedLinks(link_rates, _port(control), _port(tokens))
         places = links.places if links else loopback_places(len(names), control, tokens)
         successors = [place.address for place in places[1:]] + [places[-1].tokens]
         nodes = cls(names, places, [log_dir / f"{name}.log" for name in names], links)

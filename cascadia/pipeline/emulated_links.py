@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from cascadia.exec.coordinator import PipelineError
-from cascadia.exec.launch import NodePlace
-from cascadia.exec.transport import tcp_address
+from cascadia.pipeline.coordinator import PipelineError
+from cascadia.pipeline.places import NodePlace
+from cascadia.pipeline.transport import tcp_address
 
 NODE_PORT = 5601  # every node listens on it, each in its own namespace
 _SECOND_OCTETS = range(200, 255)  # 10.X.0.0/16 for the emulated links: the first X this machine does not use

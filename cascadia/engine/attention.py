@@ -17,8 +17,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from cascadia.exec.host_ops import softmax
-from cascadia.exec.state_format import StateFormat
+from cascadia.engine.host_ops import softmax
+from cascadia.engine.state_format import StateFormat
 
 
 @attrs.frozen

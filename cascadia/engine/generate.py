@@ -9,8 +9,8 @@ from collections.abc import Iterable
 import attrs
 import numpy as np
 
-from cascadia.exec.engine import Engine
-from cascadia.exec.sampling import Sampling, extend_history
+from cascadia.engine.engine import Engine
+from cascadia.sampling import Sampling, extend_history
 
 
 @attrs.frozen

@@ -122,7 +122,7 @@ class Tokens:
 @attrs.frozen
 class Hello:
     """A node is up, its sockets open, and about to load `first_layer..last_layer`; `settings` is the digest of the
-    spec, plan and sampling it was started with (`cascadia.exec.settings.settings_digest`)."""
+    spec, plan and sampling it was started with (`cascadia.pipeline.settings.settings_digest`)."""
 
     node: str
     first_layer: int

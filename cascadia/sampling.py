@@ -14,7 +14,6 @@ from collections.abc import Iterable
 import attrs
 import numpy as np
 
-from cascadia.exec.host_ops import softmax
 from cascadia.spec.types import WorkloadSpec
 
 
@@ -59,7 +58,9 @@ def greedy(logits: np.ndarray) -> int:
 
 
 def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_p: float = 1.0) -> int:
-    probs = softmax(logits.astype(np.float64) / temperature)
+    scaled = logits.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
     cumulative = np.cumsum(probs[order])
     keep = order[: int(np.searchsorted(cumulative, top_p)) + 1]  # up to and including the token that reaches p

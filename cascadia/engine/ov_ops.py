@@ -10,7 +10,7 @@ import openvino as ov
 import openvino.opset16 as ops
 from openvino.utils.node_factory import NodeFactory
 
-from cascadia.exec.quantize import Ints, Nibbles, Quantized, quantize, round_to_bf16
+from cascadia.engine.quantize import Ints, Nibbles, Quantized, quantize, round_to_bf16
 from cascadia.spec.types import WeightFormat
 
 _NIBBLE_TYPES = {True: ov.Type.i4, False: ov.Type.u4}  # by `Nibbles.signed`
@@ -29,7 +29,7 @@ def weight(w: np.ndarray | Quantized, fmt: WeightFormat) -> ov.Output:
     """A float32 `[..., out, in]` weight stored in `fmt`, as the decompression subgraph the plugins recognise:
     `Constant(int) -> Convert(f16) -> [Subtract(zero point)] -> Multiply(scale) -> [Reshape] -> Convert(f32)`, or
     `Constant(f16|bf16) -> Convert(f32)`, or a plain f32 constant. An integer `fmt` also takes `w` already
-    quantised in it (`cascadia.exec.quantize.quantize_stacks`)."""
+    quantised in it (`cascadia.engine.quantize.quantize_stacks`)."""
     if isinstance(w, Quantized) and not fmt.is_integer:
         raise ValueError(f"weight: a quantised matrix cannot be stored as {fmt}")
     if fmt.dtype == "f32":

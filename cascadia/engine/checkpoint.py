@@ -19,7 +19,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from cascadia.exec.quantize import bf16_to_f32
+from cascadia.engine.quantize import bf16_to_f32
 from cascadia.model_config import ConfigError, InklingConfig
 from cascadia.tensors import all_tensors, embedding_tensors, head_tensors, layer_prefix, layer_tensors
 

@@ -24,7 +24,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from cascadia.exec.wire import DEFAULT_MAX_MESSAGE_BYTES
+from cascadia.pipeline.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 COORDINATOR = "coordinator"  # the name under which the coordinator holds Curve keys
 _KEY_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")

@@ -21,11 +21,11 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from cascadia.exec.checkpoint import INDEX_FILE, SINGLE_FILE
-from cascadia.exec.quantize import round_to_bf16
-from cascadia.exec.tokenizer import TOKENIZER_FILE, TokenizerError, build_tokenizer
+from cascadia.engine.checkpoint import INDEX_FILE, SINGLE_FILE
+from cascadia.engine.quantize import round_to_bf16
 from cascadia.model_config import InklingConfig
 from cascadia.tensors import all_tensors
+from cascadia.tokenizer import TOKENIZER_FILE, TokenizerError, build_tokenizer
 
 DTYPES = ("f32", "bf16")
 DEFAULT_SHARD_BYTES = 2 * 1024**3

@@ -3,7 +3,7 @@
 Split of the work: OpenVINO runs the weight-heavy blocks (q/k/v/r projection, o projection, the dense SwiGLU or the
 MoE experts) at the engine's precision, on compressed weights; the host runs in FP32 everything between them, as
 the reference keeps it: norms, the four short convolutions with their states, the router, attention with its
-relative-position bias, residuals and the FP32 output restoration of the MLP (see `cascadia.exec.restoration`).
+relative-position bias, residuals and the FP32 output restoration of the MLP (see `cascadia.engine.restoration`).
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 import openvino as ov
 
-from cascadia.exec import graphs
-from cascadia.exec.attention import AttentionShape, attend
-from cascadia.exec.checkpoint import LayerTensors
-from cascadia.exec.device import CompiledBlock
-from cascadia.exec.host_ops import head_rms_norm, rms_norm, short_conv
-from cascadia.exec.quantize import quantize_stacks
-from cascadia.exec.restoration import row_factor, up_divisor
-from cascadia.exec.routing import Router
-from cascadia.exec.rows import Rows
-from cascadia.exec.state_format import StateFormat
+from cascadia.engine import graphs
+from cascadia.engine.attention import AttentionShape, attend
+from cascadia.engine.checkpoint import LayerTensors
+from cascadia.engine.device import CompiledBlock
+from cascadia.engine.host_ops import head_rms_norm, rms_norm, short_conv
+from cascadia.engine.quantize import quantize_stacks
+from cascadia.engine.restoration import row_factor, up_divisor
+from cascadia.engine.routing import Router
+from cascadia.engine.rows import Rows
+from cascadia.engine.state_format import StateFormat
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import WeightFormat, WeightFormats
 

@@ -1,5 +1,5 @@
 """OpenVINO graph builders, one per kind of weight-heavy block of an Inkling layer (everything between them runs in
-FP32 on the host: see `cascadia.exec.decoder`). Each returns an `ov.Model` whose inputs all have a dynamic row axis.
+FP32 on the host: see `cascadia.engine.decoder`). Each returns an `ov.Model` whose inputs all have a dynamic row axis.
 
 Weights arrive as float32 arrays in checkpoint layout ([out, in], experts [E, out, in]) and are stored in the graph
 in their `WeightFormat`; expert stacks in an integer format may also arrive already quantised (`Quantized`).
@@ -13,8 +13,8 @@ import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
 
-from cascadia.exec.ov_ops import all_experts_index, const, linear, swiglu, tiled_experts, weight
-from cascadia.exec.quantize import Quantized
+from cascadia.engine.ov_ops import all_experts_index, const, linear, swiglu, tiled_experts, weight
+from cascadia.engine.quantize import Quantized
 from cascadia.spec.types import WeightFormat
 
 

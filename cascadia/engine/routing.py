@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from cascadia.exec.host_ops import log_sigmoid, softmax
+from cascadia.engine.host_ops import log_sigmoid, softmax
 
 
 @attrs.frozen
