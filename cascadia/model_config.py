@@ -14,6 +14,8 @@ from typing import Any
 
 import attrs
 
+from cascadia.errors import CascadiaError
+
 SLIDING = "hybrid_sliding"
 GLOBAL = "hybrid"
 DENSE = "dense"
@@ -31,7 +33,7 @@ _ALIASES = {
 MAX_LAYERS = 10_000
 
 
-class ConfigError(ValueError):
+class ConfigError(CascadiaError):
     """A model configuration that cannot describe a valid Inkling text model."""
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from cascadia.errors import CheckpointError
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import WorkloadSpec
 from cascadia.workload import load_prompts
@@ -42,7 +43,7 @@ bought or wired, how many words per second a fleet will produce and how long a p
 """
 
 
-class TokenizerError(ValueError):
+class TokenizerError(CheckpointError):
     """A tokenizer that cannot be built for a model, or a tokenizer file that cannot be read."""
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from cascadia.errors import CascadiaError, RequestError
 from cascadia.policy import Request
 from cascadia.spec.types import LengthSpec, RuntimeSpec, WorkloadSpec
 
@@ -47,7 +48,7 @@ def load_prompts(path: str | Path, tokenize: Callable[[str], Sequence[int]] | No
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise ValueError(f"{path}: cannot read prompts ({e.strerror})") from None
+        raise RequestError(f"{path}: cannot read prompts ({e.strerror})") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -55,25 +56,25 @@ def load_prompts(path: str | Path, tokenize: Callable[[str], Sequence[int]] | No
         try:
             item = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            raise RequestError(f"{where}: not valid JSON ({e.msg})") from None
         if isinstance(item, dict) and "ids" in item:
             ids = item["ids"]
             if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 0 for i in ids):
-                raise ValueError(f"{where}: 'ids' must be a non-empty list of non-negative integers")
+                raise RequestError(f"{where}: 'ids' must be a non-empty list of non-negative integers")
         elif isinstance(item, dict) and isinstance(item.get("text"), str):
             if tokenize is None:
-                raise ValueError(f"{where}: a 'text' prompt needs a tokenizer; give token ids as {{\"ids\": [...]}}")
+                raise RequestError(f"{where}: a 'text' prompt needs a tokenizer; give token ids as {{\"ids\": [...]}}")
             try:
                 ids = list(tokenize(item["text"]))
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}") from None
+            except CascadiaError as e:
+                raise RequestError(f"{where}: {e}") from None
             if not ids:
-                raise ValueError(f"{where}: the text has no tokens")
+                raise RequestError(f"{where}: the text has no tokens")
         else:
-            raise ValueError(f"{where}: expected an object with 'ids' (a list of token ids) or 'text'")
+            raise RequestError(f"{where}: expected an object with 'ids' (a list of token ids) or 'text'")
         prompts.append(tuple(ids))
     if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        raise RequestError(f"{path}: no prompts")
     return prompts
 
 

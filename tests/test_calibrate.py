@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from cascadia.cli import cli
 from cascadia.engine.routing import Routing
+from cascadia.errors import SpecError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.measure import calibrate as calibrate_module
 from cascadia.measure.calibrate import (
@@ -170,5 +171,5 @@ def test_format_calibration():
 def test_calibrate_refuses_tcp_nodes(spec, checkpoint):
     remote = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=tuple(
         attrs.evolve(node, address=f"tcp://10.0.0.{i}:5601") for i, node in enumerate(spec.cluster.nodes))))
-    with pytest.raises(ValueError, match="calibrate measures local nodes only; node0, node1, node2 have tcp"):
+    with pytest.raises(SpecError, match="calibrate measures local nodes only; node0, node1, node2 have tcp"):
         calibrate_module.calibrate(remote, make_plan(spec), checkpoint)

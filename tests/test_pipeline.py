@@ -19,6 +19,7 @@ from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate
+from cascadia.errors import CheckpointError, RequestError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import PipelineError
 from cascadia.pipeline.emulated_links import EmulatedLinks, LinkEmulationError, namespaces
@@ -389,9 +390,9 @@ def test_bad_prompts_and_a_missing_checkpoint_fail_before_any_node_starts(spec, 
     monkeypatch.setattr(LocalNodes, "start", no_nodes)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"ids": [1]}\n{"ids": [2\n')
-    with pytest.raises(ValueError, match="prompts.jsonl:2: not valid JSON"):
+    with pytest.raises(RequestError, match="prompts.jsonl:2: not valid JSON"):
         run(spec, plan, attrs.evolve(spec.workload, prompts_file=prompts), checkpoint=checkpoint)
-    with pytest.raises(ValueError, match="nowhere: no such checkpoint folder"):
+    with pytest.raises(CheckpointError, match="nowhere: no such checkpoint folder"):
         run(spec, plan, checkpoint=tmp_path / "nowhere")
 
 

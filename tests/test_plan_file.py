@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from sim_specs import tiny_spec_yaml
 
 from cascadia.cli import cli
+from cascadia.errors import PlanError
 from cascadia.graph.planner import load_plan, plan
 from cascadia.spec.load import load_spec
 
@@ -82,7 +83,7 @@ def everything_on_node0(d):
 ])
 def test_a_bad_plan_names_the_file_and_the_stage_at_fault(spec_path, saved, change, message):
     bad = edited(saved, change)
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(PlanError) as info:
         load_plan(bad, load_spec(spec_path))
     assert str(info.value).startswith(f"{bad}: ") and message in str(info.value)
 
@@ -90,13 +91,13 @@ def test_a_bad_plan_names_the_file_and_the_stage_at_fault(spec_path, saved, chan
 def test_a_plan_that_is_not_an_object(spec_path, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
-    with pytest.raises(ValueError, match=r"bad.json must be an object, not \[\]"):
+    with pytest.raises(PlanError, match=r"bad.json must be an object, not \[\]"):
         load_plan(bad, load_spec(spec_path))
 
 
 def test_a_plan_saved_for_fewer_streams_does_not_fit_once_max_streams_grows(spec_path, saved):
     spec_path.write_text(SPEC.replace("max_streams: 8", "max_streams: 64"))
-    with pytest.raises(ValueError,
+    with pytest.raises(PlanError,
                        match=r"stages\[0\] needs 65.35 MiB .* state 800.00 KiB for 64 streams x 64 positions"):
         load_plan(saved, load_spec(spec_path))
 

@@ -302,7 +302,7 @@ def test_hops_join_each_stage_to_the_next_and_the_last_to_the_first():
 @pytest.fixture
 def given_spec(monkeypatch):
     def use(spec: Spec) -> None:
-        monkeypatch.setattr(cascadia.cli.specs, "load_spec_or_exit", lambda path: spec)
+        monkeypatch.setattr(cascadia.cli.specs, "load_spec", lambda path: spec)
     return use
 
 

@@ -3,6 +3,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from cascadia.errors import RequestError
 from cascadia.policy import Request
 from cascadia.spec.types import LengthSpec, WorkloadSpec
 from cascadia.workload import PHASES, ClosedLoop, build_levels, load_prompts, override
@@ -46,7 +47,7 @@ def test_text_prompts_need_a_tokenizer(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"text": "ab"}\n')
     assert load_prompts(path, tokenize=lambda text: [ord(c) for c in text]) == [(97, 98)]
-    with pytest.raises(ValueError, match="prompts.jsonl:1: a 'text' prompt needs a tokenizer"):
+    with pytest.raises(RequestError, match="prompts.jsonl:1: a 'text' prompt needs a tokenizer"):
         load_prompts(path)
 
 
@@ -60,12 +61,12 @@ def test_text_prompts_need_a_tokenizer(tmp_path):
 def test_bad_prompt_files(tmp_path, content, message):
     path = tmp_path / "p.jsonl"
     path.write_text(content)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(RequestError, match=message):
         load_prompts(path)
 
 
 def test_missing_prompt_file(tmp_path):
-    with pytest.raises(ValueError, match="cannot read prompts"):
+    with pytest.raises(RequestError, match="cannot read prompts"):
         load_prompts(tmp_path / "nope.jsonl")
 
 

@@ -1,18 +1,49 @@
 """The `cascadia` command line: thin click commands over the Python API (argument handling and printing only), one
-module per family of commands."""
+module per family of commands.
+
+Errors: a `CascadiaError` (something the user can fix) is printed as one line, `Error: MESSAGE`, with its exit status
+(2 for a bad spec, 1 otherwise); click's own usage errors exit 2. Anything else is a bug: one line naming it and how to
+see the traceback (`cascadia --debug COMMAND ...` or CASCADIA_DEBUG=1), exit status 1.
+"""
 
 from __future__ import annotations
+
+import os
 
 import click
 
 from cascadia import __version__
 from cascadia.cli import engine, pipeline, simulator, specs
+from cascadia.errors import CascadiaError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class _Cli(click.Group):
+    """The root group: every command's errors are handled here, once."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except CascadiaError as e:
+            click.echo(f"Error: {e}", err=True)
+            ctx.exit(e.exit_status)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as e:
+            if ctx.obj or os.environ.get("CASCADIA_DEBUG") == "1":
+                raise
+            command = " ".join(filter(None, ["cascadia", ctx.invoked_subcommand]))
+            click.echo(f"Error: unexpected {type(e).__name__} in `{command}`: {e} (this is a bug; for its traceback "
+                       "run again with `cascadia --debug ...` or CASCADIA_DEBUG=1)", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="cascadia")
-def cli() -> None:
+@click.option("--debug", is_flag=True, help="show the traceback of an unexpected error")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
     """Plan, simulate and run huge mixture-of-experts models on fleets of ordinary PCs."""
+    ctx.obj = debug
 
 
 for command in (specs.spec, specs.graph, specs.plan, specs.init_model_command, specs.keys,

@@ -1,4 +1,4 @@
-"""What the commands share: loading a spec, quantity, list and output-file parameters, sampling and workload
+"""What the commands share: quantity, list and output-file parameters, sampling and workload
 options, the plan to use."""
 
 from __future__ import annotations
@@ -7,17 +7,6 @@ import contextlib
 import os
 
 import click
-
-
-def load_spec_or_exit(path: str):
-    """The validated spec, or its problems printed and exit status 2."""
-    from cascadia.spec.load import SpecError, load_spec
-
-    try:
-        return load_spec(path)
-    except SpecError as e:
-        click.echo(f"Error: {e}", err=True)
-        raise SystemExit(2) from None
 
 
 class Quantity(click.ParamType):
@@ -174,6 +163,4 @@ def chosen_plan(loaded, plan_path: str | None):
     try:
         return load_plan(plan_path, loaded) if plan_path else make_plan(loaded)
     except InfeasiblePlan as e:
-        raise click.ClickException(f"{loaded.source}: no plan fits. {e}") from None
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+        raise InfeasiblePlan(f"{loaded.source}: no plan fits. {e}") from None

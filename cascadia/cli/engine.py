@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import OutputPath, chosen_plan, load_spec_or_exit, sampling_options, saving, with_sampling
+from cascadia.cli.common import OutputPath, chosen_plan, sampling_options, saving, with_sampling
+from cascadia.spec.load import load_spec
 
 
 def _engine_options(func):
@@ -23,17 +24,12 @@ def _engine_options(func):
 
 
 def _open_engine(checkpoint: str, context: int, precision: str, compressed: bool, device: str, threads: int | None):
-    from cascadia.engine.checkpoint import Checkpoint, CheckpointError
-    from cascadia.engine.device import DeviceError
+    from cascadia.engine.checkpoint import Checkpoint
     from cascadia.engine.engine import Engine
     from cascadia.spec.types import PAPER_FORMATS, WeightFormats
 
-    try:
-        return Engine(Checkpoint.open(checkpoint), formats=PAPER_FORMATS if compressed else WeightFormats(),
-                      precision=precision, max_streams=1,
-                      context_budget=context, device=device, threads=threads)
-    except (CheckpointError, DeviceError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    return Engine(Checkpoint.open(checkpoint), formats=PAPER_FORMATS if compressed else WeightFormats(),
+                  precision=precision, max_streams=1, context_budget=context, device=device, threads=threads)
 
 
 def _token_ids(text: str) -> list[int]:
@@ -66,17 +62,13 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     from cascadia.engine.generate import generate as run_generation
     from cascadia.sampling import Sampling
     from cascadia.spec.types import WorkloadSpec
-    from cascadia.tokenizer import TOKENIZER_FILE, TokenizerError, load_tokenizer
+    from cascadia.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     if (prompt is None) == (ids_text is None):
         raise click.UsageError("give --prompt or --ids (one of them)")
     sampling = Sampling.of(with_sampling(WorkloadSpec(), greedy, temperature, top_p, seed))
-    tokenizer = None
-    if (tokenizer_file := Path(checkpoint) / TOKENIZER_FILE).is_file():
-        try:
-            tokenizer = load_tokenizer(tokenizer_file)
-        except TokenizerError as e:
-            raise click.ClickException(str(e)) from None
+    tokenizer_file = Path(checkpoint) / TOKENIZER_FILE
+    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
     if prompt is not None and tokenizer is None:
         raise click.UsageError(f"--prompt needs {tokenizer_file}; give --ids instead")
     prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else _token_ids(ids_text)
@@ -85,10 +77,7 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     engine = _open_engine(checkpoint, len(prompt_ids) + max_new_tokens, precision, compressed, device, threads)
     eos = engine.config.eos_token_id
     stop = () if ignore_eos or eos is None else (eos if isinstance(eos, list) else [eos])
-    try:
-        result = run_generation(engine, prompt_ids, max_new_tokens, sampling, stop)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    result = run_generation(engine, prompt_ids, max_new_tokens, sampling, stop)
     text = tokenizer.decode(list(result.ids)) if tokenizer else None
     if text is not None:
         click.echo(text)
@@ -133,15 +122,12 @@ def score(checkpoint: str, ids_path: str, prefill: int | None, out: str, precisi
             from None
     if len(ids) < 2:
         raise click.ClickException(f"{ids_path}: scoring needs at least two tokens, got {len(ids)}")
-    try:
-        if spec_path:
-            logits = _score_on_pipeline(spec_path, plan_path, checkpoint, ids, prefill)
-        else:
-            engine = _open_engine(checkpoint, len(ids), precision, compressed, device, threads)
-            logits = engine.score(ids, prefill=prefill)
-        result = score_logits(logits, ids)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    if spec_path:
+        logits = _score_on_pipeline(spec_path, plan_path, checkpoint, ids, prefill)
+    else:
+        engine = _open_engine(checkpoint, len(ids), precision, compressed, device, threads)
+        logits = engine.score(ids, prefill=prefill)
+    result = score_logits(logits, ids)
     with saving(out):
         np.save(out, logits)
     click.echo(f"scored {result.tokens} tokens ({prefill or len(ids)} by prefill): mean log-prob "
@@ -153,15 +139,8 @@ def _score_on_pipeline(spec_path: str, plan_path: str | None, checkpoint: str, i
     """`cascadia score --spec`: the logits as the plan's nodes compute them, with their start-up on stderr."""
     from pathlib import Path
 
-    from cascadia.engine.checkpoint import CheckpointError
-    from cascadia.pipeline.coordinator import PipelineError
     from cascadia.pipeline.run import describe, score_on_pipeline
-    from cascadia.pipeline.transport import TransportError
 
-    loaded = load_spec_or_exit(spec_path)
-    chosen = chosen_plan(loaded, plan_path)
-    try:
-        return score_on_pipeline(loaded, chosen, ids, prefill, checkpoint=Path(checkpoint),
-                                 on_message=lambda node, message: click.echo(describe(node, message), err=True))
-    except (PipelineError, TransportError, CheckpointError) as e:
-        raise click.ClickException(str(e)) from None
+    loaded = load_spec(spec_path)
+    return score_on_pipeline(loaded, chosen_plan(loaded, plan_path), ids, prefill, checkpoint=Path(checkpoint),
+                             on_message=lambda node, message: click.echo(describe(node, message), err=True))

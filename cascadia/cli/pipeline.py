@@ -9,13 +9,13 @@ from cascadia.cli.common import (
     TcpAddress,
     chosen_plan,
     emulate_links_option,
-    load_spec_or_exit,
     sampling_options,
     saving,
     with_sampling,
     workload_options,
     workload_overrides,
 )
+from cascadia.spec.load import load_spec
 
 
 @click.command()
@@ -57,15 +57,11 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
     from cascadia.sampling import Sampling
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    loaded = load_spec_or_exit(spec_path)
+    loaded = load_spec(spec_path)
     sampling = Sampling.of(with_sampling(loaded.workload, greedy, temperature, top_p, seed))
-    try:
-        chosen = load_plan(plan_path, loaded)
-        settings = attrs.evolve(node_settings(loaded, chosen, name, listen, control, successor, parent_pid),
-                                keep_serving=keep_serving,
-                                coordinator_wait_s=None if keep_serving else wait_coordinator)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+    chosen = load_plan(plan_path, loaded)
+    settings = attrs.evolve(node_settings(loaded, chosen, name, listen, control, successor, parent_pid),
+                            keep_serving=keep_serving, coordinator_wait_s=None if keep_serving else wait_coordinator)
     folder = Path(checkpoint) if checkpoint else loaded.model.checkpoint
     if folder is None:
         raise click.UsageError(f"{spec_path}: the model names no checkpoint; give --checkpoint")
@@ -96,7 +92,7 @@ def run_command(spec: str, plan_path: str | None, checkpoint: str | None, concur
 
     Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
     `cascadia node ... --control ADDRESS` (the last one also with --successor set to the --tokens address)."""
-    loaded = load_spec_or_exit(spec)
+    loaded = load_spec(spec)
     workload = with_sampling(workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens),
                               greedy, temperature, top_p, seed)
     _run_and_report(loaded, plan_path, workload, checkpoint, groups, json_path, outputs_path, control, tokens,
@@ -110,11 +106,8 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
     import json
     from pathlib import Path
 
-    from cascadia.engine.checkpoint import CheckpointError
     from cascadia.metrics import format_table
-    from cascadia.pipeline.coordinator import PipelineError
     from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, RunFailed, describe, run
-    from cascadia.pipeline.transport import TransportError
 
     def write(result: dict, outputs: list[dict]) -> None:
         if outputs_path:  # first: the generated tokens are what a failure to write the other would lose
@@ -140,8 +133,6 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
     except RunFailed as e:
         write(e.result, e.outputs)
         raise click.ClickException(f"run failed: {e}") from None
-    except (PipelineError, TransportError, CheckpointError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
     click.echo(format_table(done.result))
     for warning in done.result["warnings"]:
         click.echo(f"warning: {warning}", err=True)

@@ -9,11 +9,11 @@ from cascadia.cli.common import (
     OutputPath,
     chosen_plan,
     emulate_links_option,
-    load_spec_or_exit,
     saving,
     workload_options,
     workload_overrides,
 )
+from cascadia.spec.load import load_spec
 
 
 @click.command()
@@ -38,21 +38,18 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
 
     from cascadia.metrics import format_table
     from cascadia.sim.analytic import analytic_calibration
-    from cascadia.sim.calibration import Calibration, CalibrationError
+    from cascadia.sim.calibration import Calibration
     from cascadia.sim.simulate import plot
     from cascadia.sim.simulate import simulate as run_simulation
 
     if analytic and calibration_path:
         raise click.UsageError("give --calibration or --analytic, not both")
-    loaded = load_spec_or_exit(spec)
+    loaded = load_spec(spec)
     model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
     workload = workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens)
     loaded = attrs.evolve(loaded, model=model, workload=workload)
-    try:
-        calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
-        result = run_simulation(loaded, calibration, chosen_plan(loaded, plan_path), groups=groups)
-    except (CalibrationError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
+    result = run_simulation(loaded, calibration, chosen_plan(loaded, plan_path), groups=groups)
     click.echo(format_table(result))
     if calibration.is_analytic:
         click.echo("(analytic estimate)")
@@ -62,11 +59,8 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
         with saving(json_path), open(json_path, "w") as f:
             json.dump(result, f, indent=1)
     if plot_path:
-        try:
-            with saving(plot_path):
-                plot(result, plot_path)
-        except RuntimeError as e:
-            raise click.ClickException(str(e)) from None
+        with saving(plot_path):
+            plot(result, plot_path)
 
 
 @click.command("calibrate")
@@ -85,7 +79,7 @@ def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, 
     of a shared host."""
     from cascadia.measure.calibrate import format_calibration
 
-    loaded = load_spec_or_exit(spec)
+    loaded = load_spec(spec)
     measured = _calibrate(loaded, chosen_plan(loaded, plan_path), checkpoint, rounds)
     with saving(output):
         measured.save(output)
@@ -97,16 +91,10 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
     """The measured calibration, with progress on stderr."""
     from pathlib import Path
 
-    from cascadia.engine.checkpoint import CheckpointError
-    from cascadia.measure.calibrate import ROUNDS, CalibrationFailed, calibrate
-    from cascadia.pipeline.coordinator import PipelineError
-    from cascadia.pipeline.transport import TransportError
+    from cascadia.measure.calibrate import ROUNDS, calibrate
 
-    try:
-        return calibrate(loaded, chosen, Path(checkpoint) if checkpoint else None, rounds or ROUNDS,
-                         progress=lambda text: click.echo(text, err=True))
-    except (CalibrationFailed, PipelineError, TransportError, CheckpointError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    return calibrate(loaded, chosen, Path(checkpoint) if checkpoint else None, rounds or ROUNDS,
+                     progress=lambda text: click.echo(text, err=True))
 
 
 @click.command("validate")
@@ -126,14 +114,11 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
     predicted values and the error, then each metric's median absolute error."""
     import attrs
 
-    from cascadia.sim.calibration import Calibration, CalibrationError
+    from cascadia.sim.calibration import Calibration
 
-    loaded = load_spec_or_exit(spec)
+    loaded = load_spec(spec)
     workload = workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens)
-    try:
-        calibration = Calibration.load(calibration_path)
-    except CalibrationError as e:
-        raise click.ClickException(str(e)) from None
+    calibration = Calibration.load(calibration_path)
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
                          checkpoint, groups, repeats, json_path, emulate_links)
 
@@ -144,12 +129,8 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
     import json
     from pathlib import Path
 
-    from cascadia.engine.checkpoint import CheckpointError
     from cascadia.measure.validate import ValidationFailed, format_comparison, validate
-    from cascadia.pipeline.coordinator import PipelineError
     from cascadia.pipeline.run import describe
-    from cascadia.pipeline.transport import TransportError
-    from cascadia.sim.calibration import CalibrationError
 
     def write(result: dict) -> None:
         if json_path:
@@ -167,8 +148,6 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
     except ValidationFailed as e:
         write(e.result)
         raise click.ClickException(f"run failed: {e}") from None
-    except (CalibrationError, PipelineError, TransportError, CheckpointError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
     click.echo(format_comparison(result))
     warnings = [f"warning (predicted): {w}" for w in result["predicted"]["warnings"]]
     warnings += dict.fromkeys(f"warning (measured): {w}" for run in result["measured"] for w in run["warnings"])
@@ -194,7 +173,7 @@ def demo(concurrency) -> None:
     if not (specs / "tiny-local.yaml").is_file():
         raise click.ClickException(f"{specs}: not found (the demo runs from a source checkout)")
     _describe_paper_deployment(specs / "inkling-975b-11pc.yaml")
-    loaded = load_spec_or_exit(str(specs / "tiny-local.yaml"))
+    loaded = load_spec(str(specs / "tiny-local.yaml"))
     workload = workload_overrides(loaded, concurrency, None, None, None, None)
     if ensure_random_checkpoint(loaded):
         click.echo(f"wrote random weights to {loaded.model.checkpoint}", err=True)
@@ -215,7 +194,7 @@ def _describe_paper_deployment(path) -> None:
     from cascadia.sim.simulate import simulate
     from cascadia.workload import override
 
-    paper = load_spec_or_exit(str(path))
+    paper = load_spec(str(path))
     paper = attrs.evolve(paper, workload=override(paper.workload, (1, 11, 44, 176)))
     chosen = chosen_plan(paper, None)
     click.echo(f"The Cascadia paper's deployment (specs/{path.name}): Inkling 975B on 11 PCs\n\n{chosen.table()}\n")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import OutputPath, Quantity, chosen_plan, load_spec_or_exit, saving
+from cascadia.cli.common import OutputPath, Quantity, chosen_plan, saving
+from cascadia.spec.load import load_spec
 
 
 @click.command()
@@ -16,7 +17,7 @@ def graph(spec: str, fmt: str, output: str | None) -> None:
     from cascadia.graph.build import build_graph, export, graph_totals, render
     from cascadia.units import format_bytes
 
-    loaded = load_spec_or_exit(spec)
+    loaded = load_spec(spec)
     g = build_graph(loaded.model, loaded.runtime)
     if output is None:
         click.echo(render(g, fmt), nl=False)
@@ -39,7 +40,7 @@ def plan(spec: str, json_path: str | None, output: str | None) -> None:
     """Place consecutive layers on the spec's nodes: the fastest split that fits in memory."""
     import json
 
-    result = chosen_plan(load_spec_or_exit(spec), None)
+    result = chosen_plan(load_spec(spec), None)
     for path in (output, json_path):
         if path and path != "-":
             with saving(path):
@@ -64,7 +65,7 @@ def spec_validate(path: str) -> None:
     """
     from cascadia.spec.dump import summarize
 
-    click.echo(f"OK: {path}: {summarize(load_spec_or_exit(path))}")
+    click.echo(f"OK: {path}: {summarize(load_spec(path))}")
 
 
 @spec.command("show")
@@ -78,7 +79,7 @@ def spec_show(path: str) -> None:
 
     from cascadia.spec.dump import dump_spec
 
-    resolved = dump_spec(load_spec_or_exit(path))
+    resolved = dump_spec(load_spec(path))
     click.echo(yaml.safe_dump(resolved, sort_keys=False, width=120, default_flow_style=None), nl=False)
 
 
@@ -102,20 +103,16 @@ def spec_from_hf(config: str, nodes: int, memory: int, bandwidth: float, latency
 
     import yaml
 
-    from cascadia.model_config import ConfigError
     from cascadia.spec.dump import spec_from_hf as make_spec
     from cascadia.spec.dump import summarize
     from cascadia.spec.types import LinkSpec
 
-    try:
-        body = make_spec(config, os.path.dirname(os.path.abspath(output)), nodes, memory, LinkSpec(bandwidth, latency))
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    body = make_spec(config, os.path.dirname(os.path.abspath(output)), nodes, memory, LinkSpec(bandwidth, latency))
     header = (f"# Written by `cascadia spec from-hf {config}`: a start. Check the weight formats, add\n"
               "# memory_bandwidth and compute per node for analytic estimates, and shape the workload.\n")
     with saving(output), open(output, "w") as f:
         f.write(header + yaml.safe_dump(body, sort_keys=False, width=120, default_flow_style=None))
-    click.echo(f"wrote {output}: {summarize(load_spec_or_exit(output))}")
+    click.echo(f"wrote {output}: {summarize(load_spec(output))}")
 
 
 @click.group()
@@ -130,16 +127,12 @@ def keys_generate(folder: str, nodes: str) -> None:
     """Make a key pair per node and for the coordinator in FOLDER (public/*.key, secret/*.key_secret).
 
     Point the cluster's curve_keys at FOLDER; each machine needs public/ and its own secret key."""
-    from cascadia.pipeline.transport import COORDINATOR, TransportError, generate_keys
+    from cascadia.pipeline.transport import COORDINATOR, generate_keys
 
     names = [n.strip() for n in nodes.split(",")]
     if not all(names):
         raise click.BadParameter(f"empty node name in {nodes!r}", param_hint="--nodes")
-    try:
-        written = generate_keys(folder, [*names, COORDINATOR])
-    except TransportError as e:
-        raise click.ClickException(str(e)) from None
-    for path in written:
+    for path in generate_keys(folder, [*names, COORDINATOR]):
         click.echo(path)
 
 
@@ -152,15 +145,9 @@ def init_model_command(source: str, out_dir: str, seed: int, dtype: str) -> None
     """Write a random checkpoint (config.json, safetensors, tokenizer.json) for SOURCE: a config.json, a checkpoint
     directory or a YAML spec."""
     from cascadia.engine.init_model import init_model
-    from cascadia.model_config import ConfigError, InklingConfig
+    from cascadia.model_config import InklingConfig
 
-    if source.endswith((".yaml", ".yml")):
-        config = load_spec_or_exit(source).model.config
-    else:
-        try:
-            config = InklingConfig.from_file(source)
-        except ConfigError as e:
-            raise click.ClickException(str(e)) from None
+    config = load_spec(source).model.config if source.endswith((".yaml", ".yml")) else InklingConfig.from_file(source)
     report = init_model(config, out_dir, seed=seed, dtype=dtype, progress=click.echo)
     tokenizer = f", tokenizer.json ({report.tokenizer_size} tokens)" if report.tokenizer_size else ""
     click.echo(f"wrote {out_dir}: config.json, {len(report.weight_files)} safetensors file(s) "

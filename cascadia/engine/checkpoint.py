@@ -20,6 +20,7 @@ import attrs
 import numpy as np
 
 from cascadia.engine.quantize import bf16_to_f32
+from cascadia.errors import CheckpointError
 from cascadia.model_config import ConfigError, InklingConfig
 from cascadia.tensors import all_tensors, embedding_tensors, head_tensors, layer_prefix, layer_tensors
 
@@ -29,10 +30,6 @@ MTP_PREFIX = "model.mtp."
 _IGNORED_PREFIXES = ("model.vision_tower.", "model.audio_tower.")
 # Stored dtype -> numpy dtype of the raw little-endian values. BF16 is read as its 16 raw bits.
 _RAW_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot supply a tensor: the message names the tensor, the file and the expected shape."""
 
 
 def canonical_name(stored: str) -> str | None:

@@ -18,11 +18,12 @@ from collections.abc import Sequence
 import numpy as np
 import openvino as ov
 
+from cascadia.errors import NodeError
 from cascadia.policy import padded_size
 from cascadia.spec.types import DEVICES, PRECISIONS
 
 
-class DeviceError(RuntimeError):
+class DeviceError(NodeError):
     """A device or precision the engine cannot use."""
 
 

@@ -21,6 +21,7 @@ from cascadia.engine.host_ops import rms_norm
 from cascadia.engine.quantize import Quantized, quantize_stacks
 from cascadia.engine.rows import BatchError, Rows
 from cascadia.engine.state_format import StateFormat
+from cascadia.errors import RequestError
 from cascadia.spec.types import WeightFormat, WeightFormats
 from cascadia.tensors import EMBED, EMBED_NORM, FINAL_NORM, HEAD
 
@@ -98,7 +99,7 @@ class StageEngine:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         vocab = self.config.vocab_size
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            raise ValueError(f"token ids must lie in 0..{vocab - 1}, got {ids.min()}..{ids.max()}")
+            raise RequestError(f"token ids must lie in 0..{vocab - 1}, got {ids.min()}..{ids.max()}")
         return rms_norm(self.embedding(ids)[0], self.embed_norm, self.config.rms_norm_eps)
 
     def forward(self, hidden: np.ndarray, slots, positions) -> np.ndarray:

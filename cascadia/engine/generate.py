@@ -10,6 +10,7 @@ import attrs
 import numpy as np
 
 from cascadia.engine.engine import Engine
+from cascadia.errors import RequestError
 from cascadia.sampling import Sampling, extend_history
 
 
@@ -64,9 +65,9 @@ def score_logits(logits: np.ndarray, ids) -> Score:
     ids = np.asarray(ids, dtype=np.int64)
     targets = ids[1:]
     if not len(targets):
-        raise ValueError("scoring needs at least two tokens")
+        raise RequestError("scoring needs at least two tokens")
     if targets.max() >= logits.shape[1]:
-        raise ValueError(f"token id {targets.max()} is beyond the model's output vocabulary ({logits.shape[1]})")
+        raise RequestError(f"token id {targets.max()} is beyond the model's output vocabulary ({logits.shape[1]})")
     rows = logits[:-1].astype(np.float64)
     log_probs = rows[np.arange(len(targets)), targets] - np.logaddexp.reduce(rows, axis=1)
     return Score(float(log_probs.mean()), len(targets))

@@ -10,8 +10,10 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from cascadia.errors import RequestError
 
-class BatchError(ValueError):
+
+class BatchError(RequestError):
     """Rows that do not continue their streams as the engine's state says they must."""
 
 

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import attrs
 
+from cascadia.errors import PlanError
 from cascadia.table import format_rows
 from cascadia.units import binary_unit
 
@@ -73,11 +74,11 @@ class Plan:
         """The plan `to_dict` wrote; a ValueError names the key that is missing or of the wrong type."""
         _typed(d, dict, where)
         if d.get("version") != PLAN_VERSION:
-            raise ValueError(f"{where}: plan version {json.dumps(d.get('version'))} is not {PLAN_VERSION}")
+            raise PlanError(f"{where}: plan version {json.dumps(d.get('version'))} is not {PLAN_VERSION}")
         field = partial(_field, d, prefix=f"{where}: ")
         stages = field("stages", list)
         if not stages:
-            raise ValueError(f"{where}: stages is empty")
+            raise PlanError(f"{where}: stages is empty")
         return cls(stages=tuple(_stage_from_dict(s, f"{where}: stages[{i}]") for i, s in enumerate(stages)),
                    total_params=field("total_params", int), active_params=field("active_params", int),
                    bottleneck_s=float(field("bottleneck_s", _NUMBER)), cost_source=field("cost_source", str))
@@ -116,7 +117,7 @@ class Plan:
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read plan ({e})") from None
+            raise PlanError(f"{path}: cannot read plan ({e})") from None
         return cls.from_dict(d, where=str(path))
 
 
@@ -139,14 +140,14 @@ _KIND_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an inte
 def _typed(value: object, kind: type | tuple[type, ...], label: str):
     """`value` if it is of `kind` (JSON's true and false count as no number), else a ValueError naming `label`."""
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"{label} must be {_KIND_NAMES[kind]}, not {json.dumps(value)}")
+        raise PlanError(f"{label} must be {_KIND_NAMES[kind]}, not {json.dumps(value)}")
     return value
 
 
 def _field(d: dict, key: str, kind: type | tuple[type, ...], prefix: str):
     """d[key] of `kind`; `prefix` names d ("plan.json: stages[1].")."""
     if key not in d:
-        raise ValueError(f"{prefix}{key} is missing")
+        raise PlanError(f"{prefix}{key} is missing")
     return _typed(d[key], kind, prefix + key)
 
 
@@ -155,7 +156,7 @@ def _stage_from_dict(d: object, label: str) -> Stage:
     field = partial(_field, d, prefix=f"{label}.")
     layers = field("layers", list)
     if len(layers) != 2:
-        raise ValueError(f"{label}.layers must be [first, last], two layer numbers, not {json.dumps(layers)}")
+        raise PlanError(f"{label}.layers must be [first, last], two layer numbers, not {json.dumps(layers)}")
     first, last = (_typed(n, int, f"{label}.layers[{i}]") for i, n in enumerate(layers))
     roles = tuple(_typed(role, str, f"{label}.roles[{i}]") for i, role in enumerate(field("roles", list)))
     return Stage(node=field("node", str), first_layer=first, last_layer=last, roles=roles,

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from cascadia.errors import PlanError
 from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.costs import LayerCost, embedding_cost, head_cost, layer_costs, state_bytes
 from cascadia.graph.plan import EMBED, HEAD, LAYERS, Plan, Stage, ring_pairs
@@ -28,7 +29,7 @@ NOMINAL_BANDWIDTH = 100e9  # bytes/s assumed on every node when some node gives 
 StageTime = Callable[[NodeSpec, range, tuple[str, ...]], float]
 
 
-class InfeasiblePlan(Exception):
+class InfeasiblePlan(PlanError):
     """No partition fits in memory; the message names the node short of memory, by how much, and what would fit."""
 
 
@@ -327,23 +328,23 @@ def _check_layers(stages: tuple[Stage, ...], n_layers: int, where: str) -> None:
     for i, stage in enumerate(stages):
         at = f"{where}: stages[{i}].layers"
         if stage.first_layer != start:
-            raise ValueError(f"{at}: the first stage must start at layer 0, not {stage.first_layer}" if i == 0 else
+            raise PlanError(f"{at}: the first stage must start at layer 0, not {stage.first_layer}" if i == 0 else
                              f"{at}: starts at layer {stage.first_layer}, but stages[{i - 1}] ends at layer "
                              f"{start - 1}: each stage must start right after the one before")
         if stage.last_layer < stage.first_layer:
-            raise ValueError(f"{at}: ends at layer {stage.last_layer}, before it starts")
+            raise PlanError(f"{at}: ends at layer {stage.last_layer}, before it starts")
         if stage.last_layer >= n_layers:
-            raise ValueError(f"{at}: ends at layer {stage.last_layer}, but the model's last layer is {n_layers - 1}")
+            raise PlanError(f"{at}: ends at layer {stage.last_layer}, but the model's last layer is {n_layers - 1}")
         start = stage.last_layer + 1
     if start != n_layers:
-        raise ValueError(f"{where}: the last stage ends at layer {start - 1}, but the model's last layer is "
+        raise PlanError(f"{where}: the last stage ends at layer {start - 1}, but the model's last layer is "
                          f"{n_layers - 1}: layers {start}-{n_layers - 1} are on no stage")
 
 
 def _check_roles(stages: tuple[Stage, ...], where: str) -> None:
     for i, stage in enumerate(stages):
         if stage.roles != (expected := stage_roles(i, len(stages))):
-            raise ValueError(f"{where}: stages[{i}].roles must be {json.dumps(expected)}, not "
+            raise PlanError(f"{where}: stages[{i}].roles must be {json.dumps(expected)}, not "
                              f"{json.dumps(stage.roles)} (the first stage holds the embedding, the last the head)")
 
 
@@ -352,10 +353,10 @@ def _check_nodes(stages: tuple[Stage, ...], spec: Spec, where: str) -> None:
     holder: dict[str, int] = {}  # node -> its stage
     for i, stage in enumerate(stages):
         if stage.node not in names:
-            raise ValueError(f"{where}: stages[{i}].node: {stage.node!r} is not a node of the spec's cluster "
+            raise PlanError(f"{where}: stages[{i}].node: {stage.node!r} is not a node of the spec's cluster "
                              f"({', '.join(names)})")
         if stage.node in holder:
-            raise ValueError(f"{where}: stages[{i}].node: {stage.node!r} already holds stages[{holder[stage.node]}]; "
+            raise PlanError(f"{where}: stages[{i}].node: {stage.node!r} already holds stages[{holder[stage.node]}]; "
                              "a node holds one stage")
         holder[stage.node] = i
 
@@ -370,7 +371,7 @@ def _check_memory(stages: tuple[Stage, ...], spec: Spec, where: str) -> None:
         first, last = stage.first_layer, stage.last_layer
         need = memory.need(i, first, last, streams, context)
         if need > node.memory_bytes:
-            raise ValueError(
+            raise PlanError(
                 f"{where}: stages[{i}] needs {_gib(need)} on node {node.name} (weights "
                 f"{_gib(memory.weights(i, first, last))}, state {_gib(streams * memory.state(first, last, context))} "
                 f"for {streams} streams x {context} positions, reserve {_gib(memory.reserve(i))}) but it has "

@@ -54,6 +54,7 @@ import yaml
 import zmq
 
 from cascadia.engine.device import core
+from cascadia.errors import CalibrationError, CheckpointError, SpecError
 from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import TOKEN_ID_BYTES, load_plan
@@ -100,7 +101,7 @@ LARGEST_MESSAGE_BYTES = 4 * 2**20
 Progress = Callable[[str], None]
 
 
-class CalibrationFailed(RuntimeError):
+class CalibrationFailed(CalibrationError):
     """A measurement could not be made; the text says which and why."""
 
 
@@ -121,10 +122,10 @@ def calibrate(spec: Spec, plan: Plan, checkpoint: Path | None = None, rounds: in
     """Measure every node of `plan` (all local), their links and overheads; see the module's description."""
     checkpoint = checkpoint or spec.model.checkpoint
     if checkpoint is None:
-        raise ValueError("no checkpoint: the spec's model names none; give one (--checkpoint DIR)")
+        raise CheckpointError("no checkpoint: the spec's model names none; give one (--checkpoint DIR)")
     nodes = {node.name: node for node in spec.cluster.nodes}
     if remote := [s.node for s in plan.stages if not nodes[s.node].is_local]:
-        raise ValueError(f"calibrate measures local nodes only; {', '.join(remote)} have tcp addresses")
+        raise SpecError(f"calibrate measures local nodes only; {', '.join(remote)} have tcp addresses")
     grid = Grid.of(spec, rounds)
     tables, devices = {}, []
     for stage in plan.stages:

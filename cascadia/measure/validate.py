@@ -17,6 +17,7 @@ from pathlib import Path
 
 import attrs
 
+from cascadia.errors import NodeError
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.run import RunFailed, run
 from cascadia.sim.calibration import Calibration
@@ -82,7 +83,7 @@ def compare(runs: Sequence[dict], predicted: dict) -> dict:
             "median_spread": {name: statistics.median(s) if s else None for name, s in spreads.items()}}
 
 
-class ValidationFailed(RuntimeError):
+class ValidationFailed(NodeError):
     """A run failed; `result` holds the prediction and the runs so far, the failed one's partial result last."""
 
     def __init__(self, message: str, result: dict):

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 import zmq
 
 from cascadia.driver import PhaseDriver
+from cascadia.errors import NodeError
 from cascadia.metrics import Recorder
 from cascadia.pipeline.transport import COORDINATOR, Transport, TransportError, receive_waiting, send
 from cascadia.pipeline.wire import (
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0  # how often a waiting coordinator checks that every node is still there
 
 
-class PipelineError(RuntimeError):
+class PipelineError(NodeError):
     """The pipeline cannot go on; the text names the node at fault when one is known."""
 
 

@@ -28,6 +28,7 @@ import attrs
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from cascadia.errors import NodeError
 from cascadia.pipeline.transport import Transport, TransportError, receive_waiting, send
 from cascadia.pipeline.wire import (
     COORDINATOR_SENDER,
@@ -99,7 +100,7 @@ class NodeStopped(Exception):
     """Raised inside the node to end it cleanly: shutdown requested, or its parent gone."""
 
 
-class CoordinatorLost(RuntimeError):
+class CoordinatorLost(NodeError):
     """The control connection closed during a run without a SHUTDOWN: the coordinator stopped, or its machine
     became unreachable."""
 

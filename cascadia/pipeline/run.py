@@ -17,6 +17,7 @@ import numpy as np
 import yaml
 
 from cascadia import metrics
+from cascadia.errors import CheckpointError, NodeError, PlanError, SpecError
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.coordinator import Coordinator, Outputs, PipelineError
 from cascadia.pipeline.launch import LocalNodes, NodeCommand
@@ -38,7 +39,7 @@ SHUTDOWN_S = 10.0  # how long nodes may take to stop after SHUTDOWN before local
 AFTER_FAILURE_S = 2.0
 
 
-class RunFailed(RuntimeError):
+class RunFailed(NodeError):
     """The pipeline failed mid-run; `result` and `outputs` hold what finished before."""
 
     def __init__(self, message: str, result: dict, outputs: list[dict]):
@@ -98,17 +99,17 @@ class Pipeline:
         nodes = {node.name: node for node in spec.cluster.nodes}
         names = [stage.node for stage in plan.stages]
         if unknown := [name for name in names if name not in nodes]:
-            raise ValueError(f"the plan places stages on {', '.join(unknown)}, which the spec's cluster does not have")
+            raise PlanError(f"the plan places stages on {', '.join(unknown)}, which the spec's cluster does not have")
         local = [nodes[name].is_local for name in names]
         if any(local) and not all(local):
-            raise ValueError("the plan mixes local nodes with tcp ones: a local node listens on 127.0.0.1, which "
+            raise SpecError("the plan mixes local nodes with tcp ones: a local node listens on 127.0.0.1, which "
                              "the others cannot reach; give every node a tcp address, or none")
         if emulate_links and not (all(local) and addresses is None):
-            raise ValueError("links are emulated between local nodes only, on addresses chosen here")
+            raise SpecError("links are emulated between local nodes only, on addresses chosen here")
         if all(local):
             addresses = addresses or Addresses.local("0.0.0.0" if emulate_links else LOCALHOST)
         elif addresses is None:
-            raise ValueError("the nodes have tcp addresses: give the control and token addresses the coordinator "
+            raise SpecError("the nodes have tcp addresses: give the control and token addresses the coordinator "
                              "binds, reachable from them (e.g. --control tcp://0.0.0.0:5555 --tokens "
                              "tcp://0.0.0.0:5556)")
         sampling = sampling or Sampling.of(spec.workload)
@@ -214,9 +215,9 @@ def _node_command(spec: Spec, plan: Plan, run_dir: Path, checkpoint: Path | None
     """Local nodes read the spec and plan as this process holds them, written to the run's folder."""
     checkpoint = checkpoint or spec.model.checkpoint
     if checkpoint is None:
-        raise ValueError("no checkpoint: the spec's model names none; give one (--checkpoint DIR)")
+        raise CheckpointError("no checkpoint: the spec's model names none; give one (--checkpoint DIR)")
     if not Path(checkpoint).is_dir():
-        raise ValueError(f"{checkpoint}: no such checkpoint folder")
+        raise CheckpointError(f"{checkpoint}: no such checkpoint folder")
     spec_path, plan_path = run_dir / "spec.yaml", run_dir / "plan.json"
     spec_path.write_text(yaml.safe_dump(dump_spec(spec), sort_keys=False))
     plan.save(plan_path)
@@ -264,7 +265,7 @@ def ensure_random_checkpoint(spec: Spec, seed: int = 0) -> bool:
 
     folder = spec.model.checkpoint
     if folder is None:
-        raise ValueError(f"{spec.source}: the model names no checkpoint folder")
+        raise CheckpointError(f"{spec.source}: the model names no checkpoint folder")
     if (Path(folder) / "config.json").is_file():
         return False
     init_model(spec.model.config, folder, seed=seed)

@@ -17,6 +17,7 @@ import numpy as np
 from cascadia.engine.checkpoint import Checkpoint, CheckpointError
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.rows import BatchError
+from cascadia.errors import PlanError, SpecError
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
 from cascadia.pipeline.node import NodeSettings, Peer, ProgressFn, run_node
 from cascadia.pipeline.settings import settings_digest
@@ -98,7 +99,7 @@ def find_stage(plan: Plan, name: str) -> tuple[int, Stage]:
     for index, stage in enumerate(plan.stages):
         if stage.node == name:
             return index, stage
-    raise ValueError(f"node {name!r} holds no stage of the plan (its nodes: "
+    raise PlanError(f"node {name!r} holds no stage of the plan (its nodes: "
                      f"{', '.join(s.node for s in plan.stages)})")
 
 
@@ -109,12 +110,12 @@ def node_settings(spec: Spec, plan: Plan, name: str, listen: str, control: str, 
     index, stage = find_stage(plan, name)
     if successor is None:
         if index == len(plan.stages) - 1:
-            raise ValueError(f"node {name!r} holds the last stage: give the coordinator's token address as its "
+            raise SpecError(f"node {name!r} holds the last stage: give the coordinator's token address as its "
                              "successor")
         after = plan.stages[index + 1].node
         address = {node.name: node.address for node in spec.cluster.nodes}.get(after)
         if address is None or address == "local":
-            raise ValueError(f"the next stage's node {after!r} has no tcp address in the spec: give its address "
+            raise SpecError(f"the next stage's node {after!r} has no tcp address in the spec: give its address "
                              "as the successor")
         successor = address
     peer = COORDINATOR if index == len(plan.stages) - 1 else plan.stages[index + 1].node

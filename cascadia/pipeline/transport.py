@@ -24,6 +24,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from cascadia.errors import NodeError
 from cascadia.pipeline.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 COORDINATOR = "coordinator"  # the name under which the coordinator holds Curve keys
@@ -36,7 +37,7 @@ HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0
 
 
-class TransportError(RuntimeError):
+class TransportError(NodeError):
     """A socket could not be bound, connected, or could not deliver; the text names the address."""
 
 

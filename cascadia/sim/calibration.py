@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 
 from cascadia import __version__
+from cascadia.errors import CalibrationError
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import LinkSpec, Spec
 
@@ -45,10 +46,6 @@ MEASURED, ANALYTIC = "measured", "analytic"
 SLIDING, GLOBAL, MOE, DENSE, EMBEDDING, HEAD = "sliding", "global", "moe", "dense", "embedding", "head"
 # Each kind's second table axis; None: the time depends on rows alone.
 KIND_AXES = {SLIDING: "context", GLOBAL: "context", MOE: "experts", DENSE: None, EMBEDDING: None, HEAD: None}
-
-
-class CalibrationError(ValueError):
-    """A calibration that cannot be used; the message names the file, the key and what is wrong."""
 
 
 def interpolate(grid: Sequence[float], values: Sequence[float], x: float) -> tuple[float, bool]:

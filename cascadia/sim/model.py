@@ -25,6 +25,7 @@ import attrs
 import simpy
 
 from cascadia.driver import PhaseDriver
+from cascadia.errors import PlanError
 from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
 from cascadia.graph.planner import TOKEN_ID_BYTES
@@ -235,7 +236,7 @@ class PipelineModel:
         nodes = {node.name: node for node in spec.cluster.nodes}
         unknown = [s.node for s in plan.stages if s.node not in nodes]
         if unknown:
-            raise ValueError(f"the plan places stages on {', '.join(unknown)}, which the spec's cluster does not have")
+            raise PlanError(f"the plan places stages on {', '.join(unknown)}, which the spec's cluster does not have")
         missing = [s.node for s in plan.stages if s.node not in calibration.nodes]
         if missing:
             raise CalibrationError(f"{calibration.source or 'calibration'}: nodes: no entry for "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cascadia import metrics
+from cascadia.errors import CascadiaError
 from cascadia.graph.plan import Plan
 from cascadia.policy import Policy
 from cascadia.sim.calibration import Calibration
@@ -49,7 +50,8 @@ def plot(result: dict, path: str | Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("plotting needs matplotlib, which is not installed (pip install 'cascadia[plot]')") from None
+        raise CascadiaError("plotting needs matplotlib, which is not installed (pip install 'cascadia[plot]')") \
+            from None
     levels = result["levels"]
     streams = [level["concurrency"] for level in levels]
     fig, (rate, latency) = plt.subplots(1, 2, figsize=(11, 4))

@@ -7,6 +7,10 @@ from typing import Any
 
 import attrs
 
+from cascadia.errors import SpecError
+
+__all__ = ["Problem", "SpecError", "shown"]
+
 
 @attrs.frozen
 class Problem:
@@ -18,17 +22,6 @@ class Problem:
     def __str__(self) -> str:
         where = ":".join(str(part) for part in (self.file, self.line) if part is not None)
         return ": ".join(part for part in (where, self.key, self.message) if part)
-
-
-class SpecError(Exception):
-    """A spec with problems; `str()` gives one `FILE:LINE: key: message` line per problem."""
-
-    def __init__(self, problems: list[Problem]):
-        super().__init__(problems)
-        self.problems = problems
-
-    def __str__(self) -> str:
-        return "\n".join(str(p) for p in self.problems)
 
 
 def shown(value: Any) -> str:

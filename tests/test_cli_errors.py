@@ -1,0 +1,55 @@
+"""The command line's one error handler: a `CascadiaError` is one line with its exit status; anything else is named
+as a bug, with the way to see its traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import cascadia.cli.specs
+from cascadia.cli import cli
+from cascadia.errors import CheckpointError, SpecError
+from cascadia.spec.load import load_spec as real_load_spec
+
+TINY = str(Path(__file__).parent.parent / "specs" / "tiny-local.yaml")
+
+
+def fail_with(monkeypatch, error: Exception) -> None:
+    def load_spec(path):
+        raise error
+
+    monkeypatch.setattr(cascadia.cli.specs, "load_spec", load_spec)
+
+
+@pytest.mark.parametrize("error, status", [(SpecError(["a.yaml:3: model: wrong", "a.yaml:4: runtime: wrong"]), 2),
+                                           (CheckpointError("ckpt: no such folder"), 1)])
+def test_a_cascadia_error_is_its_message_and_status(monkeypatch, error, status):
+    fail_with(monkeypatch, error)
+    result = CliRunner().invoke(cli, ["plan", TINY])
+    assert result.exit_code == status
+    assert result.output == f"Error: {error}\n"
+
+
+def test_an_unexpected_error_is_one_line_naming_it_and_the_way_to_its_traceback(monkeypatch):
+    fail_with(monkeypatch, ZeroDivisionError("division by zero"))
+    result = CliRunner().invoke(cli, ["plan", TINY])
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert result.output.startswith("Error: unexpected ZeroDivisionError in `cascadia plan`: division by zero")
+    assert "cascadia --debug" in result.output and "CASCADIA_DEBUG=1" in result.output
+
+
+@pytest.mark.parametrize("how", ["--debug", "CASCADIA_DEBUG"])
+def test_debug_lets_the_traceback_through(monkeypatch, how):
+    fail_with(monkeypatch, ZeroDivisionError("division by zero"))
+    if how == "CASCADIA_DEBUG":
+        monkeypatch.setenv("CASCADIA_DEBUG", "1")
+    result = CliRunner().invoke(cli, ["--debug", "plan", TINY] if how == "--debug" else ["plan", TINY])
+    assert isinstance(result.exception, ZeroDivisionError)
+
+
+def test_a_real_spec_still_plans():
+    assert real_load_spec(TINY).model.name == "tiny"
+    assert CliRunner().invoke(cli, ["plan", TINY]).exit_code == 0
