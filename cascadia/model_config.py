@@ -231,6 +231,14 @@ class InklingConfig:
             return self.swa_num_attention_heads, self.swa_num_key_value_heads, self.swa_head_dim
         return self.num_attention_heads, self.num_key_value_heads, self.head_dim
 
+    def kv_entries(self, layer: int, context_budget: int, largest_bucket: int) -> int:
+        """K/V entries a stream keeps for a layer: the whole context on a global layer; on a sliding layer the
+        window's last window - 1 keys plus one call's rows (`largest_bucket`), so that writing a call's rows never
+        overwrites a key an earlier row of the call still sees, or the whole context when it is shorter."""
+        if not self.is_sliding(layer):
+            return context_budget
+        return min(context_budget, self.sliding_window_size - 1 + largest_bucket)
+
     def layer_rel_extent(self, layer: int) -> int:
         """Backward distance covered by a layer's relative-position bias bank (the window on sliding layers)."""
         return self.sliding_window_size if self.is_sliding(layer) else self.rel_extent

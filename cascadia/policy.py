@@ -106,6 +106,17 @@ def padded_size(rows: int, buckets: tuple[int, ...]) -> int:
     return -(-rows // buckets[-1]) * buckets[-1]
 
 
+def score_schedule(n: int, prefill: int | None, chunk: int) -> list[tuple[int, int]]:
+    """The calls that teacher-force a stream of `n` tokens, as (start, end) positions: the first `prefill` tokens
+    (None: all) in chunks of at most `chunk` rows, then one row at a time, as decoding feeds them. One schedule
+    for the single-process engine and the pipeline, so that both score alike, bit for bit."""
+    prefill = n if prefill is None else prefill
+    if not 0 < prefill <= n:
+        raise ValueError(f"prefill must lie in 1..{n}, got {prefill}")
+    starts = [*range(0, prefill, chunk), *range(prefill, n)]
+    return list(zip(starts, [*starts[1:], n]))
+
+
 @attrs.define
 class _Stream:
     request: Request

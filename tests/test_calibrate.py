@@ -10,22 +10,16 @@ import pytest
 from click.testing import CliRunner
 
 from cascadia.cli import cli
-from cascadia.engine.routing import Routing
+from cascadia.engine.inkling import Routing
 from cascadia.errors import SpecError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.measure import calibrate as calibrate_module
-from cascadia.measure.calibrate import (
-    Grid,
-    StageProbe,
-    SteeredRouter,
-    burst_streams,
-    fit_non_negative,
-    format_calibration,
-    shared_speedup,
-    simulate_burst,
-)
+from cascadia.measure import pipeline_probe
+from cascadia.measure.calibrate import format_calibration
+from cascadia.measure.tables import Grid, StageProbe, SteeredRouter
 from cascadia.pipeline.stage import Sampling, load_stage
 from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration
+from cascadia.sim.fit import burst_streams, fit_non_negative, shared_speedup, simulate_burst
 from cascadia.sim.model import stage_kinds
 from cascadia.spec.types import RuntimeSpec
 from tests.sim_specs import calibration as hand_calibration
@@ -113,7 +107,7 @@ def test_stage_probe_measures_every_kind_of_the_stage_on_the_grid(spec, checkpoi
 def calibration_file(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("calibration") / "cal.json"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(calibrate_module, "PASSES", 1)
+        patch.setattr(pipeline_probe, "PASSES", 1)
         result = CliRunner().invoke(cli, ["calibrate", str(SPEC), "--checkpoint", str(checkpoint), "--rounds", "1",
                                           "-o", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -9,12 +9,21 @@ import pytest
 from safetensors.numpy import save_file
 from sim_specs import even_plan, tiny_spec
 
-from cascadia.engine.checkpoint import Checkpoint, CheckpointError, canonical_name
+from cascadia.engine.checkpoint import Checkpoint, CheckpointError
 from cascadia.engine.init_model import random_tensor
 from cascadia.engine.quantize import round_to_bf16
 from cascadia.model_config import InklingConfig
 from cascadia.pipeline.stage import Sampling, load_stage
-from cascadia.tensors import EMBED, HEAD, all_tensors, embedding_tensors, head_tensors, layer_prefix, layer_tensors
+from cascadia.tensors import (
+    EMBED,
+    HEAD,
+    all_tensors,
+    canonical_name,
+    embedding_tensors,
+    head_tensors,
+    layer_prefix,
+    layer_tensors,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded")

@@ -120,7 +120,7 @@ def test_stray_messages_on_the_token_socket_are_dropped_and_the_tokens_go_throug
     assert (received.frame_id, received.token_ids.tolist()) == (1, [7])
     assert coordinator.dropped == 3
     assert [m.removeprefix("coordinator: dropped a message on its token socket: ") for m in caplog.messages] == [
-        "header of 7 bytes, expected 40", "Tokens from sender 77; only sender 2 sends here",
+        "header of 7 bytes, expected 44", "Tokens from sender 77; only sender 2 sends here",
         "unexpected Frame from sender 2"]
 
 

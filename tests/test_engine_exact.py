@@ -11,6 +11,7 @@ import pytest
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.rows import BatchError
+from cascadia.spec.types import RuntimeSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded")
@@ -27,7 +28,7 @@ def assert_close(logits: np.ndarray, reference: np.ndarray) -> None:
 @pytest.fixture(scope="module", params=CASES)
 def case(request):
     path = FIXTURES / request.param
-    return Engine(Checkpoint.open(path), precision="f32", max_streams=12, context_budget=64), \
+    return Engine(Checkpoint.open(path), RuntimeSpec(precision="f32", max_streams=12, context_budget=64)), \
         dict(np.load(path / "reference.npz"))
 
 
@@ -90,8 +91,8 @@ def test_sliding_rings_wrap_exactly():
     several times; an engine allowed 160 rows per call sees the whole sequence in one unwrapped call. Same logits."""
     checkpoint = Checkpoint.open(FIXTURES / "base")
     ids = np.random.default_rng(2).integers(0, 256, 150)
-    wrapped = Engine(checkpoint, max_streams=1, context_budget=150)
-    whole = Engine(checkpoint, max_streams=1, context_budget=150, row_buckets=(8, 160))
+    wrapped = Engine(checkpoint, RuntimeSpec(precision="f32", max_streams=1, context_budget=150))
+    whole = Engine(checkpoint, RuntimeSpec(precision="f32", max_streams=1, context_budget=150, row_buckets=(8, 160)))
     assert wrapped.stage.states[0].k.shape[2] == 39 and whole.stage.states[0].k.shape[2] == 150
     expected = whole.score(ids)
     np.testing.assert_allclose(wrapped.score(ids, prefill=50), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
@@ -111,8 +112,10 @@ def test_rows_must_continue_their_streams(case):
         stage.forward(stage.embed(ref["ids"][:3]), [5, 6, 5], [4, 0, 5])
     with pytest.raises(BatchError, match=r"hidden rows must be \[2, "):
         stage.forward(hidden[:1], [5, 5], [4, 5])
-    with pytest.raises(BatchError, match="at most 32 rows"):
+    with pytest.raises(BatchError, match="33 rows cannot run padded to 64: one call runs at one of the row buckets"):
         stage.forward(np.zeros((33, engine.config.hidden_size), np.float32), [5] + [6] * 32, [4] + list(range(32)))
+    with pytest.raises(BatchError, match="2 rows cannot run padded to 1"):
+        stage.forward(hidden, [5, 5], [4, 5], bucket=1)
     with pytest.raises(BatchError, match="slot 6 would reach 65 positions, beyond the context budget"):
         engine.score(np.zeros(65, np.int64), slot=6)
     assert stage.lengths[5] == 4  # refused rows change nothing

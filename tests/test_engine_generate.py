@@ -15,6 +15,7 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate, score_logits
 from cascadia.sampling import Sampling, extend_history, sample
+from cascadia.spec.types import RuntimeSpec
 from cascadia.tokenizer import build_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -27,7 +28,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(Checkpoint.open(FIXTURES / "sharded"), precision="f32", max_streams=2, context_budget=64)
+    return Engine(Checkpoint.open(FIXTURES / "sharded"), RuntimeSpec(precision="f32", max_streams=2, context_budget=64))
 
 
 def test_greedy_generation_follows_the_reference(engine, reference):

@@ -10,15 +10,14 @@ import pytest
 
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
-from cascadia.engine.decoder import DecoderLayer
 from cascadia.engine.device import CompiledBlock, compile_options
 from cascadia.engine.engine import Engine
-from cascadia.engine.host_ops import rms_norm
 from cascadia.engine.init_model import random_tensor
+from cascadia.engine.inkling import rms_norm, row_factor
+from cascadia.engine.layer_build import build_layer
 from cascadia.engine.quantize import group_size, quantize
-from cascadia.engine.restoration import row_factor
 from cascadia.model_config import InklingConfig
-from cascadia.spec.types import WeightFormat, WeightFormats
+from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats
 from cascadia.tensors import layer_prefix, layer_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -46,7 +45,7 @@ def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
 def fixture(request):
     checkpoint = Checkpoint.open(FIXTURES / request.param)
     ref = np.load(FIXTURES / request.param / "reference.npz")
-    exact = Engine(checkpoint, precision="f32").score(ref["ids"], prefill=int(ref["prefill_len"]))
+    exact = Engine(checkpoint, RuntimeSpec(precision="f32")).score(ref["ids"], prefill=int(ref["prefill_len"]))
     return checkpoint, ref, exact
 
 
@@ -54,9 +53,9 @@ def fixture(request):
 def test_half_precision_state_agrees_with_f32(fixture, kv_precision):
     """K/V rings and convolution histories stored in 16 bits (computed with in f32), the rest exact."""
     checkpoint, ref, exact = fixture
-    engine = Engine(checkpoint, precision="f32", kv_precision=kv_precision)
+    engine = Engine(checkpoint, RuntimeSpec(precision="f32", kv_precision=kv_precision))
     state = engine.stage.states[0]
-    assert state.k.itemsize == state.conv["kv"].itemsize == 2
+    assert state.k.itemsize == state.conv_kv.itemsize == 2
     half = engine.score(ref["ids"], prefill=int(ref["prefill_len"]))
     top1 = np.mean(half.argmax(-1) == exact.argmax(-1))
     error = np.abs(half - exact).max() / np.abs(exact).max()
@@ -67,7 +66,8 @@ def test_half_precision_state_agrees_with_f32(fixture, kv_precision):
 @pytest.mark.parametrize("formats", ["f32 weights", "compressed"])
 def test_low_precision_agrees_with_f32(fixture, formats):
     checkpoint, ref, exact = fixture
-    engine = Engine(checkpoint, precision="bf16", formats=COMPRESSED if formats == "compressed" else WeightFormats())
+    engine = Engine(checkpoint, RuntimeSpec(precision="bf16"),
+                    formats=COMPRESSED if formats == "compressed" else WeightFormats())
     assert engine.stage.precision == "bf16"
     low = engine.score(ref["ids"], prefill=int(ref["prefill_len"]))
     top1 = np.mean(low.argmax(-1) == exact.argmax(-1))
@@ -78,7 +78,7 @@ def test_low_precision_agrees_with_f32(fixture, formats):
 
 
 def test_f16_runs_as_bf16_on_cpu():
-    engine = Engine(Checkpoint.open(FIXTURES / "bf16_unpadded"), precision="f16", device="CPU")
+    engine = Engine(Checkpoint.open(FIXTURES / "bf16_unpadded"), RuntimeSpec(precision="f16"), device="CPU")
     assert engine.stage.precision == "bf16"
 
 
@@ -130,11 +130,11 @@ def test_fp16_restoration_keeps_an_overflowing_mlp_finite():
     def compiler(precision):
         return lambda model: CompiledBlock(model, "CPU", compile_options(precision), BUCKETS)
 
-    half = DecoderLayer(cfg, 0, tensors, WeightFormats(), compiler("f16"))
+    half = build_layer(cfg, 0, tensors, WeightFormats(), compiler("f16"))
     if half.mlp.precision != "f16":
         pytest.skip("this CPU has no f16 arithmetic (AVX512-FP16); the f16 hint fell back to "
                     f"{half.mlp.precision}, which cannot overflow")
-    exact = DecoderLayer(cfg, 0, tensors, WeightFormats(), compiler("f32"))
+    exact = build_layer(cfg, 0, tensors, WeightFormats(), compiler("f32"))
     x = np.random.default_rng(0).standard_normal((8, cfg.hidden_size), dtype=np.float32)
     h = rms_norm(x, tensors["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     expected = exact.feed_forward(h)

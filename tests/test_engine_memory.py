@@ -14,7 +14,7 @@ from graph_constants import constants
 from cascadia.engine import engine, graphs
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options
-from cascadia.spec.types import WeightFormat, WeightFormats
+from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats
 from cascadia.tensors import EMBED, HEAD
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -68,7 +68,8 @@ def test_vocabulary_tables_are_quantised_a_block_of_rows_at_a_time(monkeypatch):
     checkpoint = Checkpoint.open(FIXTURES / "base")
     formats = WeightFormats(embedding=WeightFormat("int8"), head=WeightFormat("int4", 16, symmetric=False))
     monkeypatch.setattr(np, "fromfile", spy)
-    stage = engine.StageEngine(checkpoint, range(0), embed=True, head=True, formats=formats, warm_up=False)
+    stage = engine.StageEngine(checkpoint, range(0), embed=True, head=True, runtime=RuntimeSpec(), formats=formats,
+                               warm_up=False)
     assert max(reads) == rows * checkpoint.config.hidden_size
     monkeypatch.undo()
     assert constants(stage.embedding) == constants(graphs.embedding(checkpoint.tensor(EMBED), formats.embedding))

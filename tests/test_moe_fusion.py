@@ -11,17 +11,17 @@ from graph_constants import constants
 
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
-from cascadia.engine.decoder import DecoderLayer
 from cascadia.engine.device import CompiledBlock, _pad_rows, compile_options
 from cascadia.engine.engine import Engine
+from cascadia.engine.layer_build import build_layer, up_divisor
 from cascadia.engine.quantize import quantize
-from cascadia.engine.restoration import up_divisor
-from cascadia.spec.types import WeightFormat, WeightFormats
+from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats
 
 FIXTURES = Path(__file__).parent / "fixtures"
 E, H, I, S, K = 8, 64, 32, 2, 2  # routed experts, hidden, expert width, shared experts, experts per row  # noqa: E741
 BUCKETS = (2, 8, 16)
 INT4 = WeightFormat("int4", 32)
+F32 = RuntimeSpec(precision="f32")
 
 
 def weights(rng, *shape):
@@ -125,7 +125,7 @@ def test_warm_up_rows_name_distinct_experts(moe_block, monkeypatch):
 @pytest.fixture(scope="module")
 def dense_engines():
     checkpoint = Checkpoint.open(FIXTURES / "base")  # layers 0 and 3 are dense, width 64
-    return Engine(checkpoint, precision="f32"), Engine(checkpoint, precision="f32", dense_slices=4)
+    return Engine(checkpoint, F32), Engine(checkpoint, F32, dense_slices=4)
 
 
 def test_dense_mlp_as_expert_slices_equals_dense(dense_engines):
@@ -145,7 +145,7 @@ def test_dense_mlp_as_expert_slices_equals_dense(dense_engines):
 
 def test_dense_slices_must_divide_the_width():
     with pytest.raises(ValueError, match="dense_slices=5 does not divide the dense MLP width 64"):
-        Engine(Checkpoint.open(FIXTURES / "base"), dense_slices=5)
+        Engine(Checkpoint.open(FIXTURES / "base"), F32, dense_slices=5)
 
 
 @pytest.mark.parametrize("fmt", [INT4, WeightFormat("int4", 4, symmetric=False), WeightFormat("int8")],
@@ -156,8 +156,8 @@ def test_expert_by_expert_build_packs_the_same_bytes_as_whole_stacks(fmt):
     ckpt = Checkpoint.open(FIXTURES / "bf16_unpadded")
     cfg = ckpt.config
     layer = next(i for i in range(cfg.num_hidden_layers) if not cfg.is_dense(i))
-    built = DecoderLayer(cfg, layer, ckpt.layer(layer), WeightFormats(routed_experts=fmt, shared_experts=fmt),
-                         lambda model: model)
+    built = build_layer(cfg, layer, ckpt.layer(layer), WeightFormats(routed_experts=fmt, shared_experts=fmt),
+                        lambda model: model)
 
     t = ckpt.layer(layer)
     gate_up, width = t["mlp.experts.gate_up_proj"], cfg.moe_intermediate_size

@@ -19,12 +19,13 @@ from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate
+from cascadia.engine.init_model import ensure_random_checkpoint
 from cascadia.errors import CheckpointError, RequestError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import PipelineError
 from cascadia.pipeline.emulated_links import EmulatedLinks, LinkEmulationError, namespaces
 from cascadia.pipeline.launch import LocalNodes
-from cascadia.pipeline.run import Addresses, Pipeline, RunFailed, ensure_random_checkpoint, run
+from cascadia.pipeline.run import Addresses, Pipeline, RunFailed, run
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.stage import RowSampler
 from cascadia.pipeline.transport import COORDINATOR, Transport, TransportError, free_port, generate_keys, tcp_address
@@ -45,8 +46,7 @@ def plan(spec):
 def engine(spec, checkpoint):
     """The whole model in this process: the reference for every distributed result."""
     rt = spec.runtime
-    return Engine(Checkpoint.open(checkpoint), formats=spec.model.formats, precision=rt.precision,
-                  max_streams=rt.max_streams, context_budget=rt.context_budget, row_buckets=rt.row_buckets, threads=1)
+    return Engine(Checkpoint.open(checkpoint), rt, formats=spec.model.formats, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +144,7 @@ def test_nodes_keep_state_in_the_spec_kv_precision(spec, plan, checkpoint, engin
     """`runtime.kv_precision: bf16` reaches every node: its logits are those of one process with bf16 state, not
     those of f32 state."""
     spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, kv_precision="bf16"))
-    rt = spec.runtime
-    bf16_state = Engine(Checkpoint.open(checkpoint), formats=spec.model.formats, precision=rt.precision,
-                        max_streams=rt.max_streams, context_budget=rt.context_budget, row_buckets=rt.row_buckets,
-                        kv_precision="bf16", threads=1)
+    bf16_state = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     ids = [int(i) for i in np.random.default_rng(4).integers(0, 512, 30)]
     with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(), with_logits=True,
                         node_timeout_s=TIMEOUT_S) as started:

@@ -23,6 +23,7 @@ from cascadia.pipeline.wire import (
     decode,
     encode,
 )
+from cascadia.wire_format import frame_bytes, tokens_bytes
 
 # No per-example deadline: the suite runs on shared, busy machines.
 PROPERTY = settings(max_examples=60, deadline=None)
@@ -41,7 +42,7 @@ def frames(draw, min_rows=0):
         values = draw(st.lists(st.floats(-1e4, 1e4, width=16), min_size=n * hidden, max_size=n * hidden))
         residual = np.array(values, dtype=draw(FLOAT_DTYPES)).reshape(n, hidden)
     return Frame(draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)), draw(ints), draw(ints), draw(ints),
-                 draw(st.lists(st.booleans(), min_size=n, max_size=n)), residual)
+                 draw(st.lists(st.booleans(), min_size=n, max_size=n)), residual, draw(st.integers(0, 2**32 - 1)))
 
 
 @st.composite
@@ -127,7 +128,7 @@ def test_missing_or_extra_buffers_are_rejected(message, data):
 
 
 # Byte offsets of header fields in wire._HEADER.
-_MAGIC, _VERSION, _KIND, _ROWS, _COLS, _DTYPE = 0, 4, 6, 31, 35, 39
+_MAGIC, _VERSION, _KIND, _ROWS, _BUCKET, _COLS, _DTYPE = 0, 4, 6, 31, 35, 39, 43
 
 
 def corrupt(header: bytes, offset: int, fmt: str, value) -> bytes:
@@ -138,7 +139,7 @@ def corrupt(header: bytes, offset: int, fmt: str, value) -> bytes:
 @given(st.one_of(frames(min_rows=1), tokens(min_rows=1)), st.data())
 def test_corrupted_fields_are_rejected(message, data):
     parts = as_bytes(encode(message, 1, 1))
-    *_, rows, cols, code = wire._HEADER.unpack(parts[0])
+    *_, rows, _, cols, code = wire._HEADER.unpack(parts[0])
     field = data.draw(st.sampled_from(["magic", "version", "kind", "rows", "cols", "dtype"]), label="field")
     if field == "magic":
         magic = data.draw(st.binary(min_size=4, max_size=4).filter(lambda b: b != wire.MAGIC))
@@ -201,6 +202,7 @@ def test_value_checks():
 
 
 @pytest.mark.parametrize("message, offset", [(Shutdown(), _ROWS), (Hello("n", 0, 1), _COLS),
+                                             (Tokens(1, 0, [0], [5]), _BUCKET),
                                              (Frame(1, 0, [0], [0], [5], [True]), _DTYPE)])
 def test_header_fields_a_kind_does_not_use_must_be_zero(message, offset):
     parts = as_bytes(encode(message, 0, 1))
@@ -250,3 +252,13 @@ def test_decoded_arrays_view_the_received_buffers():
     frame = decode(parts).message
     assert np.shares_memory(frame.residual, np.frombuffer(parts[5], np.uint8))
     assert not frame.residual.flags.writeable
+
+
+@pytest.mark.parametrize("rows, hidden", [(1, 0), (3, 8), (32, 64)])
+def test_the_costed_message_sizes_are_the_encoded_ones(rows, hidden):
+    """What the planner and the simulator charge a link for is what the codec sends."""
+    residual = np.zeros((rows, hidden), np.float32) if hidden else None
+    frame = Frame(1, 0, [0] * rows, [0] * rows, [0] * rows, [True] * rows, residual, bucket=32)
+    assert sum(map(len, as_bytes(encode(frame, 0, 1)))) == frame_bytes(rows, hidden)
+    tokens = Tokens(1, 0, [0] * rows, [0] * rows)
+    assert sum(map(len, as_bytes(encode(tokens, 0, 1)))) == tokens_bytes(rows)

@@ -26,10 +26,10 @@ def _engine_options(func):
 def _open_engine(checkpoint: str, context: int, precision: str, compressed: bool, device: str, threads: int | None):
     from cascadia.engine.checkpoint import Checkpoint
     from cascadia.engine.engine import Engine
-    from cascadia.spec.types import PAPER_FORMATS, WeightFormats
+    from cascadia.spec.types import PAPER_FORMATS, RuntimeSpec, WeightFormats
 
-    return Engine(Checkpoint.open(checkpoint), formats=PAPER_FORMATS if compressed else WeightFormats(),
-                  precision=precision, max_streams=1, context_budget=context, device=device, threads=threads)
+    return Engine(Checkpoint.open(checkpoint), RuntimeSpec(precision=precision, max_streams=1, context_budget=context),
+                  formats=PAPER_FORMATS if compressed else WeightFormats(), device=device, threads=threads)
 
 
 def _token_ids(text: str) -> list[int]:

@@ -166,8 +166,8 @@ def demo(concurrency) -> None:
 
     import attrs
 
+    from cascadia.engine.init_model import ensure_random_checkpoint
     from cascadia.measure.calibrate import format_calibration
-    from cascadia.pipeline.run import ensure_random_checkpoint
 
     specs = Path(__file__).resolve().parents[2] / "specs"
     if not (specs / "tiny-local.yaml").is_file():

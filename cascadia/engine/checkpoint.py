@@ -22,24 +22,20 @@ import numpy as np
 from cascadia.engine.quantize import bf16_to_f32
 from cascadia.errors import CheckpointError
 from cascadia.model_config import ConfigError, InklingConfig
-from cascadia.tensors import all_tensors, embedding_tensors, head_tensors, layer_prefix, layer_tensors
+from cascadia.tensors import (
+    MTP_PREFIX,
+    all_tensors,
+    canonical_name,
+    embedding_tensors,
+    head_tensors,
+    layer_prefix,
+    layer_tensors,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MTP_PREFIX = "model.mtp."
-_IGNORED_PREFIXES = ("model.vision_tower.", "model.audio_tower.")
 # Stored dtype -> numpy dtype of the raw little-endian values. BF16 is read as its 16 raw bits.
 _RAW_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
-
-
-def canonical_name(stored: str) -> str | None:
-    """The text-model name of a stored tensor (as `cascadia.tensors` spells it), or None for tensors we ignore.
-    Multimodal checkpoints keep the text model under `model.language_model.`."""
-    if stored.startswith(_IGNORED_PREFIXES):
-        return None
-    if stored.startswith("model.language_model."):
-        return "model." + stored.removeprefix("model.language_model.")
-    return stored
 
 
 @attrs.frozen

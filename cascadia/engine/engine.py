@@ -9,49 +9,51 @@ call are consecutive and at consecutive positions (one decode row, or a prefill 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
-from cascadia.engine.decoder import DecoderLayer, SlotState
 from cascadia.engine.device import CompiledBlock, compile_options, device_precision, pick_device
-from cascadia.engine.host_ops import rms_norm
+from cascadia.engine.inkling import SlotState, rms_norm
+from cascadia.engine.layer_build import build_layer
 from cascadia.engine.quantize import Quantized, quantize_stacks
 from cascadia.engine.rows import BatchError, Rows
 from cascadia.engine.state_format import StateFormat
 from cascadia.errors import RequestError
-from cascadia.spec.types import WeightFormat, WeightFormats
+from cascadia.graph.plan import EMBED as EMBED_ROLE
+from cascadia.graph.plan import HEAD as HEAD_ROLE
+from cascadia.graph.plan import Stage
+from cascadia.policy import padded_size, score_schedule
+from cascadia.spec.types import RuntimeSpec, Spec, WeightFormat, WeightFormats
 from cascadia.tensors import EMBED, EMBED_NORM, FINAL_NORM, HEAD
 
 ProgressFn = Callable[[int, int], None]  # (parts built, parts to build): embedding, each layer, head
 
 
 class StageEngine:
-    def __init__(self, checkpoint: Checkpoint, layers: range, *, embed: bool, head: bool,
-                 formats: WeightFormats = WeightFormats(), precision: str = "f32", max_streams: int = 16,
-                 context_budget: int = 1024, kv_precision: str = "f32",
-                 row_buckets: Sequence[int] = (1, 2, 8, 16, 24, 32),
-                 device: str = "auto", threads: int | None = None, dense_slices: int | None = None,
-                 warm_up: bool = True, progress: ProgressFn | None = None):
-        """Compile the stage's graphs (one per weight block, dynamic rows) and allocate its slots.
-        `row_buckets`: row counts the graphs are called with (rows are zero-padded up to one); the largest is
-        also the most rows of one call. `kv_precision`: how K/V and convolution states are stored (f32, f16,
-        bf16; computed with in f32). `dense_slices`: run dense MLPs as that many all-active expert slices.
-        `warm_up`: run every graph at every bucket once now, so that first requests are not slow."""
+    def __init__(self, checkpoint: Checkpoint, layers: range, *, embed: bool, head: bool, runtime: RuntimeSpec,
+                 formats: WeightFormats = WeightFormats(), device: str = "auto", threads: int | None = None,
+                 dense_slices: int | None = None, warm_up: bool = True, progress: ProgressFn | None = None):
+        """Compile the stage's graphs (one per weight block, dynamic rows) and allocate its slots, as `runtime`
+        says: compute `precision`, `max_streams` slots of `context_budget` positions, states stored in
+        `kv_precision` (computed with in f32), calls padded to `row_buckets`. `formats`: how weights are stored.
+        `dense_slices`: run dense MLPs as that many all-active expert slices. `warm_up`: run every graph at every
+        bucket once now, so that first requests are not slow."""
         cfg = self.config = checkpoint.config
         if len(layers) and not (0 <= layers[0] and layers[-1] < cfg.num_hidden_layers and layers.step == 1):
             raise ValueError(f"layers must be consecutive within 0..{cfg.num_hidden_layers - 1}, got {layers}")
         self.layer_ids = layers
         self.device = pick_device(device)
-        self.max_rows = max(row_buckets)
-        self.context_budget = context_budget
-        options = compile_options(device_precision(precision, self.device), threads)
+        self.row_buckets = runtime.row_buckets
+        self.max_rows = runtime.largest_bucket
+        self.context_budget = context_budget = runtime.context_budget
+        options = compile_options(device_precision(runtime.precision, self.device), threads)
         total, done = len(layers) + embed + head, 0
 
         def compile_block(model) -> CompiledBlock:
-            return CompiledBlock(model, self.device, options, row_buckets)
+            return CompiledBlock(model, self.device, options, runtime.row_buckets)
 
         def advance() -> None:
             nonlocal done
@@ -67,21 +69,29 @@ class StageEngine:
             advance()
         self.layers, self.states = [], []
         for i in layers:
-            self.layers.append(DecoderLayer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices))
-            # A sliding ring keeps window - 1 old keys plus one call's rows (see cascadia.engine.attention).
-            ring = min(context_budget, cfg.sliding_window_size - 1 + self.max_rows) if cfg.is_sliding(i) \
-                else context_budget
+            self.layers.append(build_layer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices))
+            ring = cfg.kv_entries(i, context_budget, self.max_rows)
             self.states.append(SlotState(self.layers[-1].shape, ring, cfg.hidden_size, cfg.conv_kernel_size,
-                                         max_streams, StateFormat(kv_precision)))
+                                         runtime.max_streams, StateFormat(runtime.kv_precision)))
             advance()
         if head:
             self.final_norm = checkpoint.tensor(FINAL_NORM)
             self.head = compile_block(graphs.projection([_matrix(checkpoint, HEAD, formats.head)], formats.head))
             advance()
-        self.lengths = np.zeros(max_streams, np.int64)  # next position of each slot
+        self.lengths = np.zeros(runtime.max_streams, np.int64)  # next position of each slot
         if warm_up:
             for block in self.blocks:
                 block.warm_up()
+
+    @classmethod
+    def for_stage(cls, spec: Spec, stage: Stage, checkpoint: Checkpoint, *, threads: int | None = None,
+                  progress: ProgressFn | None = None) -> StageEngine:
+        """The engine of one stage of a plan, as the spec's runtime and weight formats and the stage's node say
+        (`threads`, when given, in place of the node's)."""
+        node = spec.cluster.node(stage.node)
+        return cls(checkpoint, stage.layers, embed=EMBED_ROLE in stage.roles, head=HEAD_ROLE in stage.roles,
+                   runtime=spec.runtime, formats=spec.model.formats, device=node.device,
+                   threads=node.threads if threads is None else threads, progress=progress)
 
     @property
     def blocks(self) -> list[CompiledBlock]:
@@ -102,9 +112,12 @@ class StageEngine:
             raise RequestError(f"token ids must lie in 0..{vocab - 1}, got {ids.min()}..{ids.max()}")
         return rms_norm(self.embedding(ids)[0], self.embed_norm, self.config.rms_norm_eps)
 
-    def forward(self, hidden: np.ndarray, slots, positions) -> np.ndarray:
-        """Rows [T, H] of several streams, each at its own position, through this stage's layers."""
-        rows = Rows.build(slots, positions, self.lengths, self.config.conv_kernel_size, self.max_rows)
+    def forward(self, hidden: np.ndarray, slots, positions, bucket: int | None = None) -> np.ndarray:
+        """Rows [T, H] of several streams, each at its own position, through this stage's layers, every block
+        called at `bucket` rows (None: the smallest row bucket that holds them)."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        bucket = padded_size(len(slots), self.row_buckets) if bucket is None else bucket
+        rows = Rows.build(slots, positions, self.lengths, self.config.conv_kernel_size, self.row_buckets, bucket)
         ends = rows.positions[rows.starts] + rows.counts
         if ends.max() > self.context_budget:
             slot = int(rows.group_slots[np.argmax(ends)])
@@ -150,10 +163,11 @@ _QUANTIZED_ROWS = 1024
 class Engine:
     """The whole model in one process: embedding, every layer, head."""
 
-    def __init__(self, checkpoint: Checkpoint, **options):
-        """`options`: those of `StageEngine` (formats, precision, max_streams, context_budget, ...)."""
+    def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSpec = RuntimeSpec(), **options):
+        """`options`: those of `StageEngine` (formats, device, threads, ...)."""
         self.config = checkpoint.config
-        self.stage = StageEngine(checkpoint, range(self.config.num_hidden_layers), embed=True, head=True, **options)
+        self.stage = StageEngine(checkpoint, range(self.config.num_hidden_layers), embed=True, head=True,
+                                 runtime=runtime, **options)
 
     def step(self, slots, ids) -> np.ndarray:
         """One call: rows of token `ids` for `slots` (a slot's rows consecutive), each continuing its stream.
@@ -175,14 +189,9 @@ class Engine:
         """Teacher-forced logits of every position [N, V] of a fresh stream: the first `prefill` tokens (default:
         all) in prefill chunks, the rest one decode step at a time."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        n = len(ids) if prefill is None else prefill
-        if not 0 < n <= len(ids):
-            raise ValueError(f"prefill must lie in 1..{len(ids)}, got {n}")
         self.release(slot)
-        out = [self.step(np.full(len(chunk), slot), chunk)
-               for chunk in np.split(ids[:n], range(self.stage.max_rows, n, self.stage.max_rows))]
-        out += [self.step([slot], ids[t: t + 1]) for t in range(n, len(ids))]
-        return np.concatenate(out)
+        return np.concatenate([self.step(np.full(end - start, slot), ids[start:end])
+                               for start, end in score_schedule(len(ids), prefill, self.stage.max_rows)])
 
     def release(self, slot: int) -> None:
         self.stage.release(slot)

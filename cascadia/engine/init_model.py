@@ -23,29 +23,26 @@ import numpy as np
 
 from cascadia.engine.checkpoint import INDEX_FILE, SINGLE_FILE
 from cascadia.engine.quantize import round_to_bf16
+from cascadia.errors import CheckpointError
 from cascadia.model_config import InklingConfig
-from cascadia.tensors import all_tensors
+from cascadia.spec.types import Spec
+from cascadia.tensors import all_tensors, fan_in, is_gain, is_routing_correction, is_short_conv, kept_f32
 from cascadia.tokenizer import TOKENIZER_FILE, TokenizerError, build_tokenizer
 
 DTYPES = ("f32", "bf16")
 DEFAULT_SHARD_BYTES = 2 * 1024**3
-# transformers' `_keep_in_fp32_modules_strict` for Inkling: these stay float32 in a bf16 checkpoint.
-_KEPT_F32 = ("sconv.conv1d.weight", "e_score_correction_bias", "gate.global_scale")
 _CHUNK_VALUES = 1 << 22  # values drawn and written at once (16 MiB of float32)
 
 
 def _scaled(name: str, shape: tuple[int, ...], noise: np.ndarray) -> np.ndarray:
     """Standard normal noise turned into values of the named tensor, by the tensor's role."""
-    if name.endswith(("norm.weight", "global_scale")):
+    if is_gain(name):
         return 1 + np.float32(0.1) * noise
-    if name.endswith("conv1d.weight"):  # the short convolutions add to a residual: keep them a perturbation
+    if is_short_conv(name):  # the short convolutions add to a residual: keep them a perturbation
         return np.float32(0.1) * noise
-    if name.endswith("e_score_correction_bias"):  # shifts which experts win, small next to sigmoid scores
+    if is_routing_correction(name):  # shifts which experts win, small next to sigmoid scores
         return np.float32(0.05) * noise
-    # The relative-bias bank is applied as `relative_states @ proj`, so its fan-in is its first axis; every other
-    # matrix is stored [..., out, in].
-    fan_in = shape[0] if name.endswith("rel_logits_proj.proj") else shape[-1]
-    return noise / np.float32(np.sqrt(fan_in))
+    return noise / np.float32(np.sqrt(fan_in(name, shape)))
 
 
 def random_chunks(seed: int, name: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
@@ -70,7 +67,7 @@ def random_weights(cfg: InklingConfig, seed: int) -> Iterator[tuple[str, np.ndar
 
 
 def _stored_dtype(name: str, dtype: str) -> str:
-    return "BF16" if dtype == "bf16" and not name.endswith(_KEPT_F32) else "F32"
+    return "BF16" if dtype == "bf16" and not kept_f32(name) else "F32"
 
 
 def _stored_bytes(name: str, shape: tuple[int, ...], dtype: str) -> int:
@@ -169,3 +166,14 @@ def _write_tokenizer(config: InklingConfig, out_dir: Path) -> tuple[int | None, 
         return size, (f"{TOKENIZER_FILE} has {size} entries, fewer than the model's {config.output_vocab_size}: "
                       f"the embedded training text allows no more merges",)
     return size, ()
+
+
+def ensure_random_checkpoint(spec: Spec, seed: int = 0) -> bool:
+    """Write random weights to the spec's checkpoint folder when it holds none; True if it did."""
+    folder = spec.model.checkpoint
+    if folder is None:
+        raise CheckpointError(f"{spec.source}: the model names no checkpoint folder")
+    if (Path(folder) / "config.json").is_file():
+        return False
+    init_model(spec.model.config, folder, seed=seed)
+    return True

@@ -25,6 +25,7 @@ class Rows:
     counts: np.ndarray  # [G] rows in each group
     conv_taps: np.ndarray  # [T, K] index of each row's K convolution inputs in concat(group states, rows)
     conv_keep: np.ndarray  # [G, K-1] index of each group's new convolution state in the same concatenation
+    bucket: int  # the rows every block of the call is padded to
 
     @property
     def group_slots(self) -> np.ndarray:
@@ -36,15 +37,18 @@ class Rows:
             yield int(self.slots[start]), start, count, int(self.positions[start])
 
     @classmethod
-    def build(cls, slots, positions, lengths: np.ndarray, kernel: int, max_rows: int) -> Rows:
-        """Check rows against the slots' current `lengths` (the next position each slot expects)."""
+    def build(cls, slots, positions, lengths: np.ndarray, kernel: int, buckets: tuple[int, ...],
+              bucket: int) -> Rows:
+        """Check rows against the slots' current `lengths` (the next position each slot expects), and `bucket`
+        against the engine's `buckets`: one of them, holding the rows."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if slots.shape != positions.shape or not len(slots):
             raise BatchError(f"need one slot and one position per row, got {len(slots)} slots and "
                              f"{len(positions)} positions")
-        if len(slots) > max_rows:
-            raise BatchError(f"at most {max_rows} rows in one call, got {len(slots)}")
+        if bucket not in buckets or len(slots) > bucket:
+            raise BatchError(f"{len(slots)} rows cannot run padded to {bucket}: one call runs at one of the row "
+                             f"buckets {list(buckets)}, holding its rows")
         if slots.min() < 0 or slots.max() >= len(lengths):
             raise BatchError(f"slots must lie in 0..{len(lengths) - 1}, got {sorted(set(slots.tolist()))}")
         new_group = np.ones(len(slots), bool)
@@ -64,7 +68,7 @@ class Rows:
             raise BatchError(f"slot {group_slots[bad]} is at position {expected[bad]}, "
                              f"but its rows start at {positions[starts][bad]}")
         taps, keep = _conv_indices(starts, counts, kernel)
-        return cls(slots, positions, starts, counts, taps, keep)
+        return cls(slots, positions, starts, counts, taps, keep, bucket)
 
 
 def _conv_indices(starts: np.ndarray, counts: np.ndarray, kernel: int) -> tuple[np.ndarray, np.ndarray]:

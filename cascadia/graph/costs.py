@@ -21,35 +21,12 @@ from cascadia.spec.types import ModelSpec
 
 STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 VECTOR_BYTES = 4  # small tensors are f32
-ROUTER_WEIGHT = "mlp.gate.weight"  # the one f32 "vector" tensor that is a matmul weight
 
-# Op kinds of a decoder layer, in dataflow order; each checkpoint tensor belongs to one (see `layer_kind`).
+# Op kinds of a decoder layer, in dataflow order; each checkpoint tensor belongs to one (`tensors.op_kind`).
 LAYER_KINDS = ("input_norm", "attention", "attn_sconv", "post_norm", "router", "routed_experts", "shared_experts",
                "dense_mlp", "mlp_sconv")
 # Op kinds outside the decoder layers.
 EMBEDDING, FINAL_NORM, HEAD, SAMPLER = "embedding", "final_norm", "head", "sampler"
-
-# First matching prefix of a layer-relative tensor name gives its kind ("mlp.gate." before the dense "mlp.").
-_LAYER_PREFIXES = (
-    ("input_layernorm.", "input_norm"),
-    ("post_attention_layernorm.", "post_norm"),
-    ("self_attn.", "attention"),
-    ("attn_sconv.", "attn_sconv"),
-    ("mlp_sconv.", "mlp_sconv"),
-    ("mlp.gate.", "router"),
-    ("mlp.experts.", "routed_experts"),
-    ("mlp.shared_experts.", "shared_experts"),
-    ("mlp.", "dense_mlp"),
-)
-
-
-def layer_kind(name: str) -> str:
-    """The op kind of a tensor, from its name relative to the layer prefix (e.g. "self_attn.q_proj.weight")."""
-    for prefix, kind in _LAYER_PREFIXES:
-        if name.startswith(prefix):
-            return kind
-    raise KeyError(f"no op kind for layer tensor {name!r}")
-
 
 @attrs.frozen
 class OpCost:
@@ -117,7 +94,7 @@ def layer_ops(model: ModelSpec, layer: int) -> dict[str, OpCost]:
     cfg = model.config
     by_kind: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
     for name, (shape, group) in tensors.layer_tensors(cfg, layer).items():
-        by_kind.setdefault(layer_kind(name), []).append((name, shape, group))
+        by_kind.setdefault(tensors.op_kind(name), []).append((name, shape, group))
     n_heads = cfg.heads(layer)[0]
     ops = {}
     for kind in (k for k in LAYER_KINDS if k in by_kind):
@@ -125,7 +102,7 @@ def layer_ops(model: ModelSpec, layer: int) -> dict[str, OpCost]:
         params = sum(math.prod(shape) for _, shape, _ in entries)
         weight_bytes = sum(_tensor_bytes(model, shape, group) for _, shape, group in entries)
         flops = sum(_matmul_flops(shape) for name, shape, group in entries
-                    if group != tensors.VECTOR or name == ROUTER_WEIGHT)
+                    if group != tensors.VECTOR or name == tensors.ROUTER)  # the router: a matmul in f32
         if kind == "attention":
             # every row mixes its relative states with the whole bias bank: [heads, d_rel] @ [d_rel, rel_extent]
             flops += 2.0 * n_heads * cfg.d_rel * cfg.layer_rel_extent(layer)

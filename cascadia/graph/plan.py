@@ -108,8 +108,10 @@ class Plan:
             f"{1 / self.bottleneck_s:.2f} tokens/s with a row in flight on every stage",
         ])
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON; returns `path`."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

@@ -16,13 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cascadia.errors import PlanError
-from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.costs import LayerCost, embedding_cost, head_cost, layer_costs, state_bytes
 from cascadia.graph.plan import EMBED, HEAD, LAYERS, Plan, Stage, ring_pairs
 from cascadia.spec.types import NodeSpec, Spec
 from cascadia.units import binary_unit
+from cascadia.wire_format import frame_bytes, tokens_bytes
 
-TOKEN_ID_BYTES = 4  # what the last stage sends back to the first for each row
 NOMINAL_BANDWIDTH = 100e9  # bytes/s assumed on every node when some node gives no memory_bandwidth
 
 # (node, layers, roles) -> seconds for one decode row through that stage; a calibration can supply its own.
@@ -43,9 +42,10 @@ class RooflineStageTime:
     Each layer, the embedding and the head take max(bytes read / memory_bandwidth, FLOPs / compute_flops): the bytes
     are the weights the row reads plus the K/V of its context, the FLOPs its matmuls plus attention over that
     context (no compute term on a node without compute_flops). Then the row is sent on: the FP32 residual to the next
-    node, or from the last node the sampled token id back to the first (link latency + bytes / bandwidth). When some
-    node gives no memory_bandwidth, every node is taken to read at NOMINAL_BANDWIDTH and FLOPs are ignored: the
-    times then only rank partitions by bytes read ("uniform").
+    node, or from the last node the sampled token id back to the first (link latency + bytes / bandwidth, the bytes
+    of the wire's own messages, `cascadia.wire_format`). When some node gives no memory_bandwidth, every node is
+    taken to read at NOMINAL_BANDWIDTH and FLOPs are ignored: the times then only rank partitions by bytes read
+    ("uniform").
     """
 
     def __init__(self, spec: Spec) -> None:
@@ -80,7 +80,7 @@ class RooflineStageTime:
         if target.name == node.name:
             return 0.0
         link = self._spec.cluster.link(node.name, target.name)
-        sent = TOKEN_ID_BYTES if HEAD in roles else self._spec.model.config.hidden_size * ACTIVATION_BYTES
+        sent = tokens_bytes(1) if HEAD in roles else frame_bytes(1, self._spec.model.config.hidden_size)
         return link.latency + sent / link.bandwidth
 
     def __call__(self, node: NodeSpec, layers: range, roles: tuple[str, ...]) -> float:

@@ -149,7 +149,7 @@ class Coordinator:
         def launch(frames: list[PolicyFrame]) -> None:
             for frame in frames:
                 in_flight[frame.group] = frame
-                self.send_frame(_wire_frame(frame))
+                self.send_frame(wire_frame(frame))
 
         launch(driver.start(self.now()))
         while not driver.done:
@@ -315,7 +315,8 @@ class Coordinator:
         self.transport.close()
 
 
-def _wire_frame(frame: PolicyFrame) -> Frame:
+def wire_frame(frame: PolicyFrame) -> Frame:
+    """The policy's frame as the pipeline carries it."""
     rows = frame.rows
     return Frame(frame.seq, frame.group, [r.slot for r in rows], [r.position for r in rows],
-                 [r.token for r in rows], [r.sampled for r in rows])
+                 [r.token for r in rows], [r.sampled for r in rows], bucket=frame.padded_rows)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import attrs
 import numpy as np
-import yaml
 
 from cascadia import metrics
 from cascadia.errors import CheckpointError, NodeError, PlanError, SpecError
@@ -25,9 +24,9 @@ from cascadia.pipeline.places import LOCALHOST
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import free_port, tcp_address
 from cascadia.pipeline.wire import Frame, Hello, Message, Progress, Ready
-from cascadia.policy import Policy
+from cascadia.policy import Policy, padded_size, score_schedule
 from cascadia.sampling import Sampling
-from cascadia.spec.dump import dump_spec
+from cascadia.spec.dump import write_spec
 from cascadia.spec.types import Spec, WorkloadSpec
 from cascadia.tokenizer import workload_prompts
 from cascadia.workload import MEASURED, build_levels
@@ -180,17 +179,13 @@ class Pipeline:
         them in one process: the first `prefill` tokens (default: all) in chunks of the largest row bucket, the
         rest one row at a time. The nodes must have been started `with_logits`."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
-        n = len(ids) if prefill is None else prefill
-        if not 0 < n <= len(ids):
-            raise ValueError(f"prefill must lie in 1..{len(ids)}, got {n}")
-        chunk = max(self.spec.runtime.row_buckets)
-        starts = [*range(0, n, chunk), *range(n, len(ids))]
+        runtime = self.spec.runtime
         logits = []
-        for start, end in zip(starts, [*starts[1:], len(ids)]):
+        for start, end in score_schedule(len(ids), prefill, runtime.largest_bucket):
             rows = end - start
             self._score_frames += 1
             self.coordinator.send_frame(Frame(self._score_frames, 0, [0] * rows, range(start, end), ids[start:end],
-                                              [True] * rows))
+                                              [True] * rows, bucket=padded_size(rows, runtime.row_buckets)))
             tokens = self.coordinator.next_tokens()
             if tokens.frame_id != self._score_frames or tokens.logits is None:
                 raise PipelineError(f"frame {self._score_frames}: the last node sent back frame {tokens.frame_id} "
@@ -218,10 +213,8 @@ def _node_command(spec: Spec, plan: Plan, run_dir: Path, checkpoint: Path | None
         raise CheckpointError("no checkpoint: the spec's model names none; give one (--checkpoint DIR)")
     if not Path(checkpoint).is_dir():
         raise CheckpointError(f"{checkpoint}: no such checkpoint folder")
-    spec_path, plan_path = run_dir / "spec.yaml", run_dir / "plan.json"
-    spec_path.write_text(yaml.safe_dump(dump_spec(spec), sort_keys=False))
-    plan.save(plan_path)
-    return NodeCommand(spec_path, plan_path, Path(checkpoint).resolve(), sampling, with_logits)
+    return NodeCommand(write_spec(spec, run_dir / "spec.yaml"), plan.save(run_dir / "plan.json"),
+                       Path(checkpoint).resolve(), sampling, with_logits)
 
 
 def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, timeout_s: float) -> None:
@@ -257,16 +250,3 @@ def score_on_pipeline(spec: Spec, plan: Plan, ids: Sequence[int], prefill: int |
     with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(), with_logits=True, addresses=addresses,
                         node_timeout_s=node_timeout_s, on_message=on_message) as pipeline:
         return pipeline.score(ids, prefill)
-
-
-def ensure_random_checkpoint(spec: Spec, seed: int = 0) -> bool:
-    """Write random weights to the spec's checkpoint folder when it holds none; True if it did."""
-    from cascadia.engine.init_model import init_model
-
-    folder = spec.model.checkpoint
-    if folder is None:
-        raise CheckpointError(f"{spec.source}: the model names no checkpoint folder")
-    if (Path(folder) / "config.json").is_file():
-        return False
-    init_model(spec.model.config, folder, seed=seed)
-    return True

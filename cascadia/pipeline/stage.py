@@ -18,7 +18,7 @@ from cascadia.engine.checkpoint import Checkpoint, CheckpointError
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.rows import BatchError
 from cascadia.errors import PlanError, SpecError
-from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
+from cascadia.graph.plan import Plan, Stage
 from cascadia.pipeline.node import NodeSettings, Peer, ProgressFn, run_node
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import COORDINATOR
@@ -70,14 +70,16 @@ class EngineStage:
             raise BatchError(f"slots must lie in 0..{len(engine.lengths) - 1}, got {frame.slots.max()}")
         for slot in np.unique(frame.slots[frame.positions == 0]).tolist():
             engine.release(slot)
+        # Beyond the largest bucket a frame runs as calls of the largest (the policy pads to a multiple of it).
+        bucket = min(frame.bucket, engine.max_rows) or None
         parts = []
         for rows in self._calls(frame.rows):
             x = engine.embed(frame.token_ids[rows]) if engine.embedding is not None else frame.residual[rows]
-            parts.append(engine.forward(x, frame.slots[rows], frame.positions[rows]))
+            parts.append(engine.forward(x, frame.slots[rows], frame.positions[rows], bucket))
         hidden = np.concatenate(parts)
         if engine.head is None:
             return Frame(frame.frame_id, frame.group, frame.slots, frame.positions, frame.token_ids, frame.sample,
-                         hidden)
+                         hidden, frame.bucket)
         sampled = hidden[frame.sample]  # none in a frame that only carries the middle of prompts
         logits = np.zeros((0, engine.config.output_vocab_size), np.float32)
         if len(sampled):
@@ -133,14 +135,8 @@ def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, 
         # The spec is not named: `run` hands its nodes a temporary copy of it.
         raise CheckpointError(f"{checkpoint}: its config.json describes another model than the spec's: "
                               f"{', '.join(differences[:3])}{more} (checkpoint vs spec)")
-    runtime = spec.runtime
-    node = next(n for n in spec.cluster.nodes if n.name == stage.node)
-    engine = StageEngine(opened, stage.layers, embed=EMBED in stage.roles, head=HEAD in stage.roles,
-                         formats=spec.model.formats, precision=runtime.precision, max_streams=runtime.max_streams,
-                         context_budget=runtime.context_budget, kv_precision=runtime.kv_precision,
-                         row_buckets=runtime.row_buckets, device=node.device,
-                         threads=threads if threads is not None else node.threads, progress=progress)
-    sampler = RowSampler(sampling, runtime.max_streams) if HEAD in stage.roles else None
+    engine = StageEngine.for_stage(spec, stage, opened, threads=threads, progress=progress)
+    sampler = RowSampler(sampling, spec.runtime.max_streams) if engine.head is not None else None
     return EngineStage(engine, sampler, with_logits)
 
 

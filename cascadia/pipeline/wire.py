@@ -1,12 +1,13 @@
 """The pipeline's message codec: a fixed versioned header plus raw little-endian buffers, one ZeroMQ frame each.
 
-A message is a list of frames: the 40-byte header first, then the buffers its kind expects, always the same number
-(an absent optional array is an empty buffer). The header says how many rows and columns the arrays hold, so every
-buffer's byte length is checked before a single value is read. Nothing is pickled; decoding only ever builds numpy
-arrays over the received bytes (no copy) and short UTF-8 strings.
+A message is a list of frames: the 44-byte header first (laid out in `cascadia.wire_format`), then the buffers its
+kind expects, always the same number (an absent optional array is an empty buffer). The header says how many rows
+and columns the arrays hold, so every buffer's byte length is checked before a single value is read. Nothing is
+pickled; decoding only ever builds numpy arrays over the received bytes (no copy) and short UTF-8 strings.
 
 Kinds and their buffers (n = header rows, c = header cols):
-  FRAME          slots i32[n], positions i32[n], token_ids i32[n], sample u8[n], residual dtype[n, c] (c = 0: absent)
+  FRAME          slots i32[n], positions i32[n], token_ids i32[n], sample u8[n], residual dtype[n, c] (c = 0: absent);
+                 the header's bucket is the row count every call of the frame's rows is padded to
   TOKENS         slots i32[n], token_ids i32[n], logits dtype[n, c] (c = 0: absent)
   HELLO          node utf-8, layers i32[2] (first, last), settings utf-8 (the digest of what it was started with)
   READY          node utf-8, layers i32[2] (first, last)
@@ -31,13 +32,15 @@ from typing import NamedTuple
 import attrs
 import numpy as np
 
+from cascadia.wire_format import HEADER_LAYOUT
+
 MAGIC = b"CSCD"
-VERSION = 3
+VERSION = 4
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
-# magic, version, kind, sender, sequence number, then _Fields: frame id, group, rows, cols, dtype code
-_HEADER = struct.Struct("<4sHBIQQIIIB")
+# magic, version, kind, sender, sequence number, then _Fields: frame id, group, rows, bucket, cols, dtype code
+_HEADER = struct.Struct(HEADER_LAYOUT)
 _DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2")}  # payload dtype codes; 0 = no payload
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 _I32 = np.dtype("<i4")
@@ -96,6 +99,7 @@ class Frame:
     token_ids: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))  # [n] the row's input token
     sample: np.ndarray = attrs.field(converter=lambda v: _vector(v, np.bool_))  # [n] sample a token from this row
     residual: np.ndarray | None = attrs.field(default=None, converter=_matrix)  # [n, hidden]; None into the first role
+    bucket: int = 0  # rows each engine call of the frame is padded to (the policy's); 0: the smallest that holds them
 
     def __attrs_post_init__(self) -> None:
         _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual"))
@@ -193,6 +197,7 @@ class _Fields(NamedTuple):
     frame_id: int = 0
     group: int = 0
     rows: int = 0
+    bucket: int = 0
     cols: int = 0
     dtype: int = 0  # code of the payload's dtype, 0 when there is no payload
 
@@ -201,10 +206,10 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8")
 
 
-def _payload_fields(frame_id: int, group: int, rows: int, payload: np.ndarray | None) -> _Fields:
+def _payload_fields(frame_id: int, group: int, rows: int, payload: np.ndarray | None, bucket: int = 0) -> _Fields:
     if payload is None:
-        return _Fields(frame_id, group, rows)
-    return _Fields(frame_id, group, rows, payload.shape[1], _DTYPE_CODES[payload.dtype])
+        return _Fields(frame_id, group, rows, bucket)
+    return _Fields(frame_id, group, rows, bucket, payload.shape[1], _DTYPE_CODES[payload.dtype])
 
 
 def _payload(matrix: np.ndarray | None):
@@ -215,7 +220,7 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
     """The kind, header fields and buffers of a message."""
     match message:
         case Frame():
-            fields = _payload_fields(message.frame_id, message.group, message.rows, message.residual)
+            fields = _payload_fields(message.frame_id, message.group, message.rows, message.residual, message.bucket)
             return Kind.FRAME, fields, [message.slots, message.positions, message.token_ids,
                                         message.sample.view(np.uint8), _payload(message.residual)]
         case Tokens():
@@ -301,7 +306,7 @@ def _unpack(layout: struct.Struct, buffer: memoryview, name: str) -> tuple:
 
 
 def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
-    frame_id, group, rows, cols, code = fields
+    frame_id, group, rows, bucket, cols, code = fields
     match kind:
         case Kind.FRAME:
             sample = _array(b[3], np.dtype(np.uint8), rows, "sample")
@@ -309,7 +314,7 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
                 raise WireError(f"sample: value {sample.max()} is not 0 or 1")
             return Frame(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "positions"),
                          _indices(b[2], rows, "token_ids"), sample.view(np.bool_),
-                         _payload_matrix(b[4], rows, cols, code, "residual"))
+                         _payload_matrix(b[4], rows, cols, code, "residual"), bucket)
         case Kind.TOKENS:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
                           _payload_matrix(b[2], rows, cols, code, "logits"))

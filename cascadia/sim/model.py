@@ -26,9 +26,7 @@ import simpy
 
 from cascadia.driver import PhaseDriver
 from cascadia.errors import PlanError
-from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
-from cascadia.graph.planner import TOKEN_ID_BYTES
 from cascadia.metrics import Recorder
 from cascadia.model_config import InklingConfig
 from cascadia.policy import Frame, Policy, Request
@@ -47,6 +45,7 @@ from cascadia.sim.calibration import (
 )
 from cascadia.sim.calibration import HEAD as HEAD_KIND  # the layer kind; HEAD is the plan's role
 from cascadia.spec.types import LinkSpec, Spec
+from cascadia.wire_format import frame_bytes, tokens_bytes
 
 PLACEHOLDER_TOKEN = 0
 
@@ -60,13 +59,20 @@ class FrameShape:
     sliding_context: float  # mean attended positions of its rows on a sliding layer
     global_context: float  # ... on a global layer
     streams: int  # distinct streams among its rows: decode rows are one each, a prompt window's rows share one
+    sampled: int  # rows the last stage samples a token from (their tokens go back)
 
     @classmethod
     def of(cls, frame: Frame, window: int) -> FrameShape:
         positions = [row.position + 1 for row in frame.rows]
         n = len(positions)
         return cls(frame.padded_rows, n, sum(min(p, window) for p in positions) / n, sum(positions) / n,
-                   len({row.request_id for row in frame.rows}))
+                   len({row.request_id for row in frame.rows}), len(frame.sampled_ids))
+
+
+def message_sizes(shape: FrameShape, hidden: int, stages: int) -> list[int]:
+    """The bytes each stage sends on for a frame: its residual rows to the next stage; from the last, the sampled
+    tokens back to the first (the wire's own sizes, `cascadia.wire_format`)."""
+    return [frame_bytes(shape.rows, hidden)] * (stages - 1) + [tokens_bytes(shape.sampled)]
 
 
 def stage_kinds(stage: Stage, config: InklingConfig) -> Counter[str]:
@@ -231,8 +237,7 @@ class PipelineModel:
         self.env = simpy.Environment()
         self.extrapolations = Extrapolations()
         config = spec.model.config
-        self._window = config.sliding_window_size
-        self._row_bytes = config.hidden_size * ACTIVATION_BYTES
+        self._window, self._hidden = config.sliding_window_size, config.hidden_size
         nodes = {node.name: node for node in spec.cluster.nodes}
         unknown = [s.node for s in plan.stages if s.node not in nodes]
         if unknown:
@@ -294,7 +299,7 @@ class PipelineModel:
         """
         shape = FrameShape.of(frame, self._window)
         times = [cost(shape) for cost in self.costs]
-        sizes = [shape.rows * self._row_bytes] * (len(self._names) - 1) + [len(frame.sampled_ids) * TOKEN_ID_BYTES]
+        sizes = message_sizes(shape, self._hidden, len(self._names))
         env, t = self.env, self.env.now
         for name, cost, host, turn, link, size in zip(self._names, self._cost_index, self._hosts, self._turns,
                                                       self._links, sizes):

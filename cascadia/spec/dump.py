@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import yaml
 
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import (
@@ -90,6 +91,12 @@ def dump_spec(spec: Spec) -> dict[str, Any]:
         "runtime": _dump_runtime(spec.runtime),
         "workload": _dump_workload(spec.workload),
     }
+
+
+def write_spec(spec: Spec, path: Path) -> Path:
+    """The resolved spec as a YAML file that loads back to an equal spec (for processes started with it); `path`."""
+    path.write_text(yaml.safe_dump(dump_spec(spec), sort_keys=False))
+    return path
 
 
 def summarize(spec: Spec) -> str:

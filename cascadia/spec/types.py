@@ -125,6 +125,13 @@ class ClusterSpec:
     reserve_bytes: int = 2 * 2**30  # OS, runtime, buffers: kept free on every node
     curve_keys: Path | None = None  # folder of CurveZMQ key files; None = no encryption
 
+    def node(self, name: str) -> NodeSpec:
+        """The node of that name (a KeyError naming it and the cluster's nodes, for one it lacks)."""
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no node named {name!r} (the cluster has {', '.join(n.name for n in self.nodes)})")
+
     def link(self, a: str, b: str) -> LinkSpec:
         return self.links.get(tuple(sorted((a, b))), self.default_link)
 
@@ -138,8 +145,13 @@ class RuntimeSpec:
     max_streams: int = 16  # concurrent streams the KV budget is sized for
     precision: str = "bf16"  # compute precision of the engine
     kv_precision: str = "f32"  # dtype of the K/V cache and convolution states
-    row_buckets: tuple[int, ...] = (1, 2, 8, 16, 24, 32)
+    row_buckets: tuple[int, ...] = (1, 2, 8, 16, 24, 32)  # increasing: rows of a call are padded up to one
     prefill_window: int = 8  # most prompt rows admitted per step
+
+    @property
+    def largest_bucket(self) -> int:
+        """The most rows of one engine call (a larger frame runs as several calls of this many)."""
+        return self.row_buckets[-1]
 
 
 @attrs.frozen

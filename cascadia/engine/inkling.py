@@ -1,0 +1,257 @@
+"""One Inkling decoder layer on the host, in the order transformers' `modeling_inkling.py` computes it.
+
+OpenVINO runs the weight-heavy blocks (`CompiledBlock`s: the q|k|v|r and o projections, the dense SwiGLU or the
+experts) at the engine's precision on compressed weights; everything between them runs here in FP32, as the
+reference keeps it: norms, the four short convolutions with their per-stream states, the router, attention with
+its relative-position bias, residuals, and the FP32 restoration of the MLP's output.
+
+    DecoderLayer.forward(x [T, H])
+      h = input_layernorm(x)
+      q|k|v|r = qkvr(h)                                   compiled
+      k, v = k_sconv(k), v_sconv(v)                       causal, over each stream's last K-1 inputs
+      q, k = q_norm(q), k_norm(k)                         per head
+      a = attention(q, k, v) + relative bias(r)           over each stream's K/V ring; log-scaled on global layers
+      x = x + attn_sconv(o_proj(a))                       compiled o_proj
+      h = post_attention_layernorm(x)
+      m = SwiGLU(h) * global_scale                        dense layers, compiled
+        | routed(h, router(h)) + shared(h)                MoE layers, compiled; FP32 restoration around them
+      x = x + mlp_sconv(m)
+
+Shapes: T rows of one call (several streams, each at its own positions), n one stream's rows in it, H hidden,
+h query heads, kv key/value heads, d head dim, r d_rel, X a layer's bias extent (distances 0..X-1), R a stream's
+K/V ring entries, m keys attended, K convolution kernel, C a convolution's channels, k routed experts per row,
+S shared experts.
+
+FP32 restoration (the paper's scheme for FP16 expert arithmetic; FP16 overflows above 65504): the build divides the
+up projections by A = 2^n (`layer_build.up_divisor`), which divides silu(gate) * up, the down projection and the
+MLP's output by A; per row, the routing weights are divided by F = 2^ceil(log2 max(1, sum |w|)) (`row_factor`), so
+the weighted sum of expert outputs is no larger than the largest expert output. The host multiplies by A * F in
+FP32: exact in every precision, short of underflow.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from cascadia.engine.device import CompiledBlock
+from cascadia.engine.rows import Rows
+from cascadia.engine.state_format import StateFormat
+
+
+# ---- norms, softmax, short convolutions ----------------------------------------------------------------------------
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis (the mean as np.mean takes it, sum / n, without its
+    per-call overhead: a decode step makes dozens of these calls on single rows)."""
+    variance = np.square(x).sum(axis=-1, keepdims=True) / np.float32(x.shape[-1])
+    return weight * (x / np.sqrt(variance + np.float32(eps)))
+
+
+def head_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Per-head RMSNorm of rows [T, heads * d] -> [T, heads, d]."""
+    return rms_norm(x.reshape(x.shape[0], -1, weight.shape[0]), weight, eps)
+
+
+def log_sigmoid(x: np.ndarray) -> np.ndarray:
+    return np.minimum(x, 0) - np.log1p(np.exp(-np.abs(x)))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def short_conv(y: np.ndarray, taps: np.ndarray, states: np.ndarray, rows: Rows,
+               fmt: StateFormat = StateFormat()) -> np.ndarray:
+    """Depthwise causal convolution over each stream's history, plus the residual: y + conv(y), y [T, C].
+    `taps` [K, C], the convolution's weight transposed (tap K-1 meets the current row); `states` [slots, K-1, C],
+    the streams' last K-1 inputs stored in `fmt`, is updated in place."""
+    group_slots = rows.group_slots
+    history = np.concatenate([fmt.decode(states[group_slots]).reshape(-1, y.shape[1]), y])
+    conv = (history[rows.conv_taps] * taps).sum(axis=1)
+    states[group_slots] = fmt.encode(history[rows.conv_keep])
+    return conv + y
+
+
+def conv_taps(*weights: np.ndarray) -> np.ndarray:
+    """Convolution weights [C, 1, K] (several side by side, as their channels in one projection) as taps [K, C]."""
+    return np.ascontiguousarray(np.concatenate([w[:, 0, :] for w in weights]).T)
+
+
+# ---- the router --------------------------------------------------------------------------------------------------
+@attrs.frozen
+class Routing:
+    index: np.ndarray  # [T, k] int32 routed experts of each row
+    weights: np.ndarray  # [T, k] their weights
+    shared_weights: np.ndarray  # [T, S] weights of the shared experts
+
+
+@attrs.frozen(eq=False)
+class Router:
+    """Logits in FP32 over routed then shared experts (so close scores do not tie before top-k); selection by top-k
+    of sigmoid(logit) + correction; weights a softmax over the log-sigmoid of the selected and shared logits (the
+    shared experts are the sink), times route_scale * global_scale."""
+
+    weight: np.ndarray  # [E + S, H]
+    correction: np.ndarray  # [E] e_score_correction_bias: shifts selection, not weights
+    route_scale: float
+    global_scale: np.ndarray  # [1]
+    top_k: int
+
+    def __call__(self, h: np.ndarray) -> Routing:
+        n_routed = self.correction.shape[0]
+        logits = h @ self.weight.T
+        routed = logits[:, :n_routed]
+        choice = 1 / (1 + np.exp(-routed)) + self.correction
+        index = np.argpartition(-choice, self.top_k - 1, axis=1)[:, : self.top_k]
+        chosen = np.concatenate([routed[np.arange(len(h))[:, None], index], logits[:, n_routed:]], axis=1)
+        weights = softmax(log_sigmoid(chosen), axis=1) * (np.float32(self.route_scale) * self.global_scale)
+        return Routing(index.astype(np.int32), weights[:, : self.top_k], weights[:, self.top_k:])
+
+
+def row_factor(*weights: np.ndarray) -> np.ndarray:
+    """F [T, 1] = 2^ceil(log2 max(1, sum |w|)) over all of a row's routing weights (see the module's text)."""
+    total = sum(np.abs(w).sum(axis=1, keepdims=True) for w in weights)
+    return np.exp2(np.ceil(np.log2(np.maximum(total, 1)))).astype(np.float32)
+
+
+# ---- attention over a stream's K/V ring --------------------------------------------------------------------------
+@attrs.frozen
+class AttentionShape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None  # keys at distance >= window are masked (sliding layers); None = causal only
+    bias_extent: int  # the relative-bias bank covers distances 0 .. bias_extent-1; zero beyond
+    log_scaling: tuple[int, float] | None  # (n_floor, alpha) on global layers that scale queries and bias
+
+
+def log_scale(positions: np.ndarray, n_floor: int, alpha: float) -> np.ndarray:
+    """tau(p) = 1 + alpha * log(max((p + 1) / n_floor, 1)), in FP32 as the reference."""
+    ratio = (positions + 1).astype(np.float32) / np.float32(n_floor)
+    return np.float32(1) + np.float32(alpha) * np.log(np.maximum(ratio, np.float32(1)))
+
+
+def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, rel: np.ndarray,
+           ring_k: np.ndarray, ring_v: np.ndarray, first: int, fmt: StateFormat = StateFormat()) -> np.ndarray:
+    """One stream's n rows at positions first..: q [n, h, d], k/v [n, kv, d], rel [n, h, X] (bias per distance)
+    -> attention output [n, h * d]. Writes the new keys and values into the stream's ring [kv, R, d] first.
+
+    Position p lives at ring entry p % R. A global layer's ring is the whole context budget (it never wraps); a
+    sliding layer's keeps window - 1 + (most rows per call) entries, so that writing a chunk never overwrites a key
+    an earlier row of the same chunk still sees. Keys are attended in ring order (softmax does not care); each
+    key's position, for the mask and the bias, follows from its entry."""
+    n, ring = q.shape[0], ring_k.shape[1]
+    positions = first + np.arange(n)
+    ring_k[:, positions % ring] = fmt.encode(k.transpose(1, 0, 2))
+    ring_v[:, positions % ring] = fmt.encode(v.transpose(1, 0, 2))
+    last = first + n - 1
+    filled = min(ring, last + 1)
+    key_positions = last - (last - np.arange(filled)) % ring
+    distance = positions[:, None] - key_positions[None, :]  # [n, m]
+
+    heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
+    in_bank = (distance >= 0) & (distance < shape.bias_extent)
+    bias = rel.transpose(1, 0, 2)[:, np.arange(n)[:, None], np.clip(distance, 0, shape.bias_extent - 1)]
+    bias = np.where(in_bank, bias, np.float32(0))  # [h, n, m]
+    if shape.log_scaling is not None:
+        tau = log_scale(positions, *shape.log_scaling)
+        q = q * tau[:, None, None]
+        bias = bias * tau[None, :, None]
+
+    # Query head i reads kv head i // (h / kv): group the queries of one kv head as rows of one matmul.
+    grouped_q = q.transpose(1, 0, 2).reshape(kv_heads, -1, head_dim)  # [kv, (h / kv) n, d]
+    scores = (grouped_q @ fmt.decode(ring_k[:, :filled]).transpose(0, 2, 1)).reshape(heads, n, filled)
+    scores = scores * np.float32(1 / head_dim) + bias  # q and k are RMS-normalised: 1/d, not 1/sqrt(d)
+    allowed = distance >= 0
+    if shape.window is not None:
+        allowed &= distance < shape.window
+    probs = softmax(np.where(allowed, scores, -np.inf)).reshape(kv_heads, -1, filled)
+    out = (probs @ fmt.decode(ring_v[:, :filled])).reshape(heads, n, head_dim)
+    return out.transpose(1, 0, 2).reshape(n, heads * head_dim)
+
+
+class SlotState:
+    """A layer's state for every slot: K/V rings [slots, kv, R, d] and the last K-1 inputs of its short
+    convolutions [slots, K-1, C] (those of k and v side by side: they run as one), all stored in `fmt`.
+    Zero-filled, so pages are only committed as slots fill."""
+
+    def __init__(self, shape: AttentionShape, ring: int, hidden: int, kernel: int, slots: int,
+                 fmt: StateFormat = StateFormat()):
+        self.fmt = fmt
+        kv = (slots, shape.kv_heads, ring, shape.head_dim)
+        self.k, self.v = fmt.zeros(kv), fmt.zeros(kv)
+        kv_width = shape.kv_heads * shape.head_dim
+        self.conv_kv = fmt.zeros((slots, kernel - 1, 2 * kv_width))
+        self.conv_attn = fmt.zeros((slots, kernel - 1, hidden))
+        self.conv_mlp = fmt.zeros((slots, kernel - 1, hidden))
+
+    def release(self, slot: int) -> None:
+        """Ready a slot for a new stream. Stale K/V need no clearing: a stream only reads entries it wrote."""
+        for states in (self.conv_kv, self.conv_attn, self.conv_mlp):
+            states[slot] = 0
+
+
+# ---- the layer ---------------------------------------------------------------------------------------------------
+@attrs.define(eq=False, slots=False)  # no slots: calibration times a layer's methods by wrapping them
+class DecoderLayer:
+    """A layer's FP32 host weights and compiled blocks (made by `cascadia.engine.layer_build.build_layer`)."""
+
+    shape: AttentionShape
+    eps: float
+    input_norm: np.ndarray  # [H]
+    post_norm: np.ndarray  # [H]
+    q_norm: np.ndarray  # [d]
+    k_norm: np.ndarray  # [d]
+    rel_bank: np.ndarray  # [r, X]
+    conv_kv: np.ndarray  # taps [K, 2 kv d]: k's then v's
+    conv_attn: np.ndarray  # taps [K, H]
+    conv_mlp: np.ndarray  # taps [K, H]
+    kv_columns: slice  # k then v among the q|k|v|r columns
+    qkvr: CompiledBlock  # [T, H] -> [T, h d + 2 kv d + h r]
+    o_proj: CompiledBlock  # [T, h d] -> [T, H]
+    mlp: CompiledBlock  # dense: [T, H] -> [T, H]; MoE: (x, index, weights, shared weights) -> [T, H]
+    up_divisor: float  # A of the FP32 restoration
+    router: Router | None = None  # MoE layers
+    output_scale: np.ndarray | None = None  # dense layers: the MLP's global_scale [1]
+    dense_slices: int | None = None  # dense layers run as this many all-active expert slices
+
+    def blocks(self) -> list[CompiledBlock]:
+        return [self.qkvr, self.o_proj, self.mlp]
+
+    def forward(self, x: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
+        """x [T, H], the residual stream of the rows -> after this layer. Updates the rows' slots in `state`."""
+        h = rms_norm(x, self.input_norm, self.eps)
+        attn = self.o_proj(self.attention(h, rows, state), bucket=rows.bucket)[0]
+        x = x + short_conv(attn, self.conv_attn, state.conv_attn, rows, state.fmt)
+        h = rms_norm(x, self.post_norm, self.eps)
+        return x + short_conv(self.feed_forward(h, rows.bucket), self.conv_mlp, state.conv_mlp, rows, state.fmt)
+
+    def attention(self, h: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
+        """h [T, H] -> attention output [T, h d], before o_proj."""
+        qkvr, kv = self.qkvr(h, bucket=rows.bucket)[0], self.kv_columns
+        k, v = np.split(short_conv(qkvr[:, kv], self.conv_kv, state.conv_kv, rows, state.fmt), 2, axis=1)
+        q, r = qkvr[:, :kv.start], qkvr[:, kv.stop:]
+        q, k = head_rms_norm(q, self.q_norm, self.eps), head_rms_norm(k, self.k_norm, self.eps)
+        v = v.reshape(k.shape)
+        rel = r.reshape(len(r), self.shape.heads, -1) @ self.rel_bank  # [T, h, X]: bias per distance
+        out = np.empty((len(h), self.shape.heads * self.shape.head_dim), np.float32)
+        for slot, start, count, first in rows.groups():
+            part = slice(start, start + count)
+            out[part] = attend(self.shape, q[part], k[part], v[part], rel[part], state.k[slot], state.v[slot],
+                               first, state.fmt)
+        return out
+
+    def feed_forward(self, h: np.ndarray, bucket: int | None = None) -> np.ndarray:
+        """The MLP of the rows h [T, H], restored to full scale in FP32; the blocks run at `bucket` rows (None: the
+        smallest bucket that holds them)."""
+        if self.router is None:
+            if self.dense_slices:
+                out = self.mlp(h, np.ones((len(h), self.dense_slices), np.float32), bucket=bucket)[0]
+            else:
+                out = self.mlp(h, bucket=bucket)[0]
+            return out * np.float32(self.up_divisor) * self.output_scale
+        routing = self.router(h)
+        factor = row_factor(routing.weights, routing.shared_weights)
+        out = self.mlp(h, routing.index, routing.weights / factor, routing.shared_weights / factor, bucket=bucket)[0]
+        return out * (np.float32(self.up_divisor) * factor)

@@ -1,0 +1,121 @@
+"""The real pipeline, measured for the simulator: each node's level and what each stream costs, the message
+overheads, and how fast a shared host's nodes compute together (the fits: `cascadia.sim.fit`).
+
+The pipeline (`Pipeline.start`) serves passes that interleave two kinds of traffic (a figure is the median over the
+passes): frames alone in the pipeline, of decode rows (one stream each) and of prompt windows (one stream), of
+1 ... the largest bucket rows; and bursts of one-row streams all in flight (`burst_streams`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from cascadia.graph.plan import Plan
+from cascadia.pipeline.coordinator import wire_frame
+from cascadia.pipeline.run import Pipeline, describe
+from cascadia.policy import DECODE, Frame, Row, padded_size
+from cascadia.sampling import Sampling
+from cascadia.sim.calibration import Calibration
+from cascadia.sim.fit import AloneFrames, burst_streams, fit_overheads, shared_speedup
+from cascadia.sim.model import FrameShape
+from cascadia.spec.types import Spec
+
+STEPS = 8  # frames of one shape alone through the pipeline, one after the other (at most)
+PASSES = 5  # passes over the pipeline's traffic; each figure is their median
+BURST_STEPS = 16  # frames per stream in a burst of streams all in flight
+
+Progress = Callable[[str], None]
+Rows = tuple[list[int], list[int]]  # the slots and positions of a frame's rows
+
+
+def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibration, progress: Progress) -> Calibration:
+    """`layers` (tables and links) completed on the plan's real pipeline: tables at the nodes' level there, the
+    per-stream and overhead times, and the speedups of shared hosts."""
+    runtime = spec.runtime
+    largest = runtime.largest_bucket
+    rows = sorted(set(range(1, largest + 1, max(1, largest // 8))) | set(runtime.row_buckets))
+    alone = [(decode_rows, r) for r in rows if r <= runtime.max_streams] + [(prompt_window, r) for r in rows if r > 1]
+    streams = burst_streams(spec, plan)
+    frames: list[list[AloneFrames]] = []  # by pass, each shape's frames in order
+    bursts: list[list[list[float]]] = [[] for _ in streams]  # per burst size, each pass's
+    progress("starting the pipeline")
+    with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(),
+                        on_message=lambda node, message: progress(describe(node, message))) as pipeline:
+        probe = PipelineProbe(pipeline, spec)
+        probe.alone([decode_rows(1, step) for step in range(STEPS)])  # the first frames pay for first use
+        for sweep in range(PASSES):  # passes, so that load elsewhere touches both kinds of traffic alike
+            frames.append([probe.alone([make(n, step) for step in range(min(STEPS, runtime.context_budget // n))])
+                           for make, n in alone])
+            for n, passes in zip(streams, bursts):
+                passes.append(probe.saturate(n, min(BURST_STEPS, runtime.context_budget)))
+            progress(f"pipeline: pass {sweep + 1}/{PASSES}: {len(alone)} frame shapes alone, bursts of "
+                     f"{', '.join(map(str, streams))} streams at once")
+    calibration = fit_overheads(spec, plan, layers, [AloneFrames.median(passes) for passes in zip(*frames)],
+                                progress)
+    return attrs.evolve(calibration, hosts=shared_speedup(spec, plan, calibration, bursts, progress))
+
+
+class PipelineProbe:
+    """Frames sent straight to a started pipeline's coordinator, their tokens taken straight back."""
+
+    def __init__(self, pipeline: Pipeline, spec: Spec) -> None:
+        self.coordinator = pipeline.coordinator
+        self.spec = spec
+        self.rng = np.random.default_rng(0)
+        self.frame_id = 0
+
+    def send(self, group: int, slots: Sequence[int], positions: Sequence[int]) -> FrameShape:
+        """A frame of rows at these slots and positions (0 starts a stream afresh), every row sampled, of random
+        tokens; its shape for the simulator."""
+        self.frame_id += 1
+        tokens = self.rng.integers(0, self.spec.model.config.vocab_size, len(slots)).tolist()
+        rows = tuple(Row(slot, slot, position, DECODE, token, True)
+                     for slot, position, token in zip(slots, positions, tokens))
+        frame = Frame(self.frame_id, group, rows, padded_size(len(rows), self.spec.runtime.row_buckets))
+        self.coordinator.send_frame(wire_frame(frame))
+        return FrameShape.of(frame, self.spec.model.config.sliding_window_size)
+
+    def alone(self, frames: Sequence[Rows]) -> AloneFrames:
+        """Frames one after the other, each sent as soon as the one before is back, as a single stream's are: their
+        round trips and each node's busy seconds on them."""
+        before = self.coordinator.stats()
+        shapes, round_trips = [], 0.0
+        for slots, positions in frames:
+            start = time.perf_counter()
+            shapes.append(self.send(0, slots, positions))
+            self.coordinator.next_tokens()
+            round_trips += time.perf_counter() - start
+        after = self.coordinator.stats()
+        return AloneFrames(tuple(shapes), round_trips,
+                           tuple(after[name].busy_s - before[name].busy_s for name in after))
+
+    def saturate(self, groups: int, steps: int) -> list[float]:
+        """`groups` one-row streams (slot = group) of `steps` frames each, all in flight at once (the real
+        `cascadia.sim.fit.simulate_burst`): seconds since the start at which each frame's tokens came back."""
+        position = [0] * groups
+        for group in range(groups):
+            self.send(group, [group], [0])
+        done: list[float] = []
+        start = time.perf_counter()
+        while len(done) < groups * steps:
+            group = self.coordinator.next_tokens().group
+            done.append(time.perf_counter() - start)
+            position[group] += 1
+            if position[group] < steps:
+                self.send(group, [group], [position[group]])
+        return done
+
+
+def decode_rows(n: int, step: int) -> Rows:
+    """n streams' decode rows at step `step`."""
+    return list(range(n)), [step] * n
+
+
+def prompt_window(n: int, step: int) -> Rows:
+    """The `step`-th window of n prompt rows of one stream."""
+    return [0] * n, list(range(step * n, (step + 1) * n))
