@@ -7,6 +7,7 @@ ignored. Everything else in Cascadia (graph, planner, engine, simulator) reads t
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from pathlib import Path
@@ -16,10 +17,25 @@ import attrs
 
 from cascadia.errors import CascadiaError
 
-SLIDING = "hybrid_sliding"
-GLOBAL = "hybrid"
-DENSE = "dense"
-SPARSE = "sparse"
+# transformers' layer type names, in `layer_types` and `mlp_layer_types`
+HF_SLIDING, HF_GLOBAL, HF_DENSE, HF_SPARSE = "hybrid_sliding", "hybrid", "dense", "sparse"
+
+
+class LayerKind(str, enum.Enum):
+    """The kinds of work the parts of the model do, one name for the graph, the planner, the engine, calibration and
+    the simulator: a decoder layer's attention half (sliding or global) and its MLP half (MoE or dense), and the
+    two ends of the pipeline (the embedding; the head with the final norm and sampling)."""
+
+    SLIDING = "sliding"
+    GLOBAL = "global"
+    MOE = "moe"
+    DENSE = "dense"
+    EMBEDDING = "embedding"
+    HEAD = "head"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 # Keys a checkpoint may use for a field (transformers' `attribute_map`).
 _ALIASES = {
@@ -134,10 +150,10 @@ class InklingConfig:
             if not d.get("layer_types"):
                 local = d.get("local_layer_ids")
                 local = set(local) if local is not None else {i for i in range(n_layers) if (i + 1) % 6}
-                d["layer_types"] = [SLIDING if i in local else GLOBAL for i in range(n_layers)]
+                d["layer_types"] = [HF_SLIDING if i in local else HF_GLOBAL for i in range(n_layers)]
             if not d.get("mlp_layer_types"):
                 dense_idx = int(d.get("dense_mlp_idx") or 0)
-                d["mlp_layer_types"] = [DENSE if i < dense_idx else SPARSE for i in range(n_layers)]
+                d["mlp_layer_types"] = [HF_DENSE if i < dense_idx else HF_SPARSE for i in range(n_layers)]
             known = {f.name for f in attrs.fields(cls)}
             kwargs = {k: v for k, v in d.items() if k in known}
             kwargs["layer_types"] = tuple(kwargs["layer_types"])
@@ -184,10 +200,10 @@ class InklingConfig:
         if len(self.mlp_layer_types) != self.num_hidden_layers:
             out.append(f"mlp_layer_types has {len(self.mlp_layer_types)} entries, "
                        f"num_hidden_layers is {self.num_hidden_layers}")
-        if bad := sorted(set(self.layer_types) - {SLIDING, GLOBAL}):
-            out.append(f"layer_types may hold only {SLIDING!r} and {GLOBAL!r}, found {bad}")
-        if bad := sorted(set(self.mlp_layer_types) - {DENSE, SPARSE}):
-            out.append(f"mlp_layer_types may hold only {DENSE!r} and {SPARSE!r}, found {bad}")
+        if bad := sorted(set(self.layer_types) - {HF_SLIDING, HF_GLOBAL}):
+            out.append(f"layer_types may hold only {HF_SLIDING!r} and {HF_GLOBAL!r}, found {bad}")
+        if bad := sorted(set(self.mlp_layer_types) - {HF_DENSE, HF_SPARSE}):
+            out.append(f"mlp_layer_types may hold only {HF_DENSE!r} and {HF_SPARSE!r}, found {bad}")
         if self.num_experts_per_tok > self.n_routed_experts:
             out.append(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
                        f"({self.n_routed_experts})")
@@ -220,10 +236,16 @@ class InklingConfig:
 
     # ---- per-layer geometry -------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
-        return self.layer_types[layer] == SLIDING
+        return self.layer_types[layer] == HF_SLIDING
 
     def is_dense(self, layer: int) -> bool:
-        return self.mlp_layer_types[layer] == DENSE
+        return self.mlp_layer_types[layer] == HF_DENSE
+
+    def attention_kind(self, layer: int) -> LayerKind:
+        return LayerKind.SLIDING if self.is_sliding(layer) else LayerKind.GLOBAL
+
+    def mlp_kind(self, layer: int) -> LayerKind:
+        return LayerKind.DENSE if self.is_dense(layer) else LayerKind.MOE
 
     def heads(self, layer: int) -> tuple[int, int, int]:
         """(query heads, key/value heads, head dim) of a layer's attention."""

@@ -14,7 +14,8 @@ from graph_constants import constants
 from cascadia.engine import engine, graphs
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options
-from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats
+from cascadia.graph.planner import plan as make_plan
+from cascadia.spec.types import ClusterSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats
 from cascadia.tensors import EMBED, HEAD
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -74,3 +75,25 @@ def test_vocabulary_tables_are_quantised_a_block_of_rows_at_a_time(monkeypatch):
     monkeypatch.undo()
     assert constants(stage.embedding) == constants(graphs.embedding(checkpoint.tensor(EMBED), formats.embedding))
     assert constants(stage.head) == constants(graphs.projection([checkpoint.tensor(HEAD)], formats.head))
+
+
+@pytest.mark.parametrize("fixture, runtime", [
+    ("base", RuntimeSpec(precision="f32", max_streams=3, context_budget=64, row_buckets=(1, 2, 8))),
+    ("base", RuntimeSpec(precision="f32", max_streams=2, context_budget=150, row_buckets=(8, 160))),
+    ("bf16_unpadded", RuntimeSpec(precision="f32", max_streams=4, context_budget=40, row_buckets=(4,),
+                                  kv_precision="bf16")),
+    ("sharded", RuntimeSpec(precision="f32", max_streams=1, context_budget=9, row_buckets=(2, 4)))])
+def test_the_planner_counts_the_state_each_stage_allocates(fixture, runtime):
+    """Per stage, the state bytes the plan reserves are the bytes the engine allocates: a sliding layer keeps
+    window - 1 + (the largest bucket) entries, or the whole context when it is shorter."""
+    checkpoint = Checkpoint.open(FIXTURES / fixture)
+    cfg = checkpoint.config
+    nodes = tuple(NodeSpec(f"n{i}", memory_bytes=2**30, reserve_bytes=0) for i in range(2))
+    spec = Spec(ModelSpec(cfg), ClusterSpec(nodes), runtime)
+    for stage in make_plan(spec).stages:
+        built = engine.StageEngine.for_stage(spec, stage, checkpoint)
+        assert built.state_bytes == stage.state_bytes
+    # each case keeps more on a sliding layer than the window it sees (what the planner used to count)
+    budget, window = runtime.context_budget, cfg.sliding_window_size
+    assert any(cfg.kv_entries(i, budget, runtime.largest_bucket) > min(budget, window)
+               for i in range(cfg.num_hidden_layers) if cfg.is_sliding(i))

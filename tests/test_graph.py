@@ -89,15 +89,15 @@ def test_small_tensors_stay_f32_whatever_the_format():
 
 
 def test_state_bytes_of_a_six_layer_stage_grow_8_kib_per_position():
-    costs = layer_costs(ModelSpec(INKLING), kv_precision="f32")[:6]  # layers 0-4 slide, layer 5 is global
-    assert [c.kv_window for c in costs] == [512] * 5 + [None]
+    costs = layer_costs(ModelSpec(INKLING), RuntimeSpec(kv_precision="f32"))[:6]  # layers 0-4 slide, 5 is global
+    assert [c.kv_window for c in costs] == [511 + 32] * 5 + [None]  # the window's last 511 keys and 32 rows of a call
     # K+V f32: 16 kv heads x 128 x 2 x 4 B = 16 KiB per position on a sliding layer, 8 KiB on the global one
     assert state_bytes(costs, 1001) - state_bytes(costs, 1000) == 8 * 2**10
     assert state_bytes(costs, 101) - state_bytes(costs, 100) == (5 * 16 + 8) * 2**10
     # four short convolutions (kernel 4 keeps 3 inputs): k and v (kv width) and two of the hidden width
     convs = sum(3 * 4 * (2 * INKLING.heads(i)[1] * 128 + 2 * 6144) for i in range(6))
     assert state_bytes(costs, 0) == convs
-    half = layer_costs(ModelSpec(INKLING), kv_precision="bf16")[:6]
+    half = layer_costs(ModelSpec(INKLING), RuntimeSpec(kv_precision="bf16"))[:6]
     assert 2 * state_bytes(half, 4096) == state_bytes(costs, 4096)
 
 

@@ -62,7 +62,7 @@ def small_spec(rng: random.Random, n_layers: int, n_nodes: int) -> Spec:
 
 def memory_need(spec: Spec, stage: int, first: int, last: int) -> int:
     """Written out again from the costs, to check the planner's running sums."""
-    costs = layer_costs(spec.model, spec.runtime.kv_precision)[first:last + 1]
+    costs = layer_costs(spec.model, spec.runtime)[first:last + 1]
     roles = stage_roles(stage, len(spec.cluster.nodes))
     return (sum(c.weight_bytes for c in costs) + embedding_cost(spec.model).weight_bytes * ("embed" in roles)
             + head_cost(spec.model).weight_bytes * ("head" in roles)
@@ -199,8 +199,9 @@ def test_papers_deployment_context_grows_8_kib_per_position_per_node():
     costs = layer_costs(paper_spec().model)[middle.first_layer:middle.last_layer + 1]
     sliding = [c for c in costs if c.kv_window]
     assert len(costs) - len(sliding) == 1  # one global layer per six
-    # beyond the 512-position window only the global layer's K/V grows: 8 KiB per position (f32)
-    fixed = sum(c.conv_state_bytes for c in costs) + sum(c.kv_bytes_per_position * 512 for c in sliding)
+    # beyond the sliding layers' entries (the window's last 511 keys and a call's 32 rows) only the global layer's K/V
+    # grows: 8 KiB per position (f32)
+    fixed = sum(c.conv_state_bytes for c in costs) + sum(c.kv_bytes_per_position * c.kv_window for c in sliding)
     room = middle.free_bytes + middle.state_bytes
     assert middle.max_positions_per_stream == (room - fixed) // (8 * 2**10)
     assert middle.max_positions_per_stream > 512 * 2**10  # the paper: 512k positions per stream fit
@@ -216,7 +217,7 @@ def test_max_positions_per_stream_is_the_largest_that_fits():
             continue
         streams = spec.runtime.max_streams
         for s in p.stages:
-            costs = layer_costs(spec.model)[s.first_layer:s.last_layer + 1]
+            costs = layer_costs(spec.model, spec.runtime)[s.first_layer:s.last_layer + 1]
             room = s.free_bytes + s.state_bytes
             if s.max_positions_per_stream is None:
                 assert all(c.kv_window for c in costs)
@@ -247,14 +248,14 @@ def test_infeasible_plan_names_the_node_and_what_would_fit():
     with pytest.raises(InfeasiblePlan) as info:
         plan(spec)
     message = str(info.value)
-    assert "node pc1 is short of memory by 7.94 GiB" in message
-    assert "state 19.18 GiB for 400 streams x 1024 positions" in message
-    assert "max_streams 234, or context_budget 322, or 2 more nodes like pc0 (61.20 GiB each, 13 in all)" in message
+    assert "node pc1 is short of memory by 8.88 GiB" in message
+    assert "state 20.13 GiB for 400 streams x 1024 positions" in message
+    assert "max_streams 223, or context_budget 322, or 2 more nodes like pc0 (61.20 GiB each, 13 in all)" in message
     # each suggestion is the edge of what fits
     runtime = spec.runtime
-    plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, max_streams=234)))
+    plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, max_streams=223)))
     plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, context_budget=322)))
-    for too_much in (attrs.evolve(runtime, max_streams=235), attrs.evolve(runtime, context_budget=323)):
+    for too_much in (attrs.evolve(runtime, max_streams=224), attrs.evolve(runtime, context_budget=323)):
         with pytest.raises(InfeasiblePlan):
             plan(attrs.evolve(spec, runtime=too_much))
     for extra, fits in ((1, False), (2, True)):

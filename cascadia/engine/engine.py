@@ -98,6 +98,11 @@ class StageEngine:
         return [b for b in (self.embedding, self.head) if b] + [b for layer in self.layers for b in layer.blocks()]
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes of the per-stream state allocated for every slot: K/V rings and convolution histories."""
+        return sum(state.nbytes for state in self.states)
+
+    @property
     def precision(self) -> str:
         """The precision the plugin actually runs (an f16 request on a CPU without FP16 gives bf16)."""
         return self.blocks[0].precision

@@ -186,6 +186,10 @@ class SlotState:
         self.conv_attn = fmt.zeros((slots, kernel - 1, hidden))
         self.conv_mlp = fmt.zeros((slots, kernel - 1, hidden))
 
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.k, self.v, self.conv_kv, self.conv_attn, self.conv_mlp))
+
     def release(self, slot: int) -> None:
         """Ready a slot for a new stream. Stale K/V need no clearing: a stream only reads entries it wrote."""
         for states in (self.conv_kv, self.conv_attn, self.conv_mlp):

@@ -10,6 +10,7 @@ between ops travel in FP32. The sampled token's way back to the embedding is lef
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import attrs
@@ -52,7 +53,8 @@ def build_graph(model: ModelSpec, runtime: RuntimeSpec) -> nx.DiGraph:
                     state_per_position=costs.kv_bytes_per_position(model, layer, runtime.kv_precision)
                     if is_attention else 0,
                     state_per_stream=convs.get(kind, 0),
-                    kv_window=cfg.sliding_window_size if is_attention and cfg.is_sliding(layer) else None)
+                    kv_window=cfg.kv_entries(layer, math.inf, runtime.largest_bucket)
+                    if is_attention and cfg.is_sliding(layer) else None)
 
         def n(kind: str) -> str:
             return f"L{layer}.{kind}"

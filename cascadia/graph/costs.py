@@ -6,8 +6,9 @@ Shapes come from `cascadia.tensors` (the checkpoint layout); bytes from the spec
 - Small tensors (norms, convolution weights, the router, the relative-bias bank) are stored in f32 whatever the
   format; the router is f32 because routing is computed in FP32.
 - FLOPs are matmul FLOPs (2 per multiply-add); norms, convolutions and activations are left out.
-- K/V and convolution states use the runtime's `kv_precision`. A short convolution of kernel K keeps the previous
-  K - 1 inputs of its channels.
+- K/V and convolution states use the runtime's `kv_precision`, and are counted as the engine allocates them: a
+  sliding layer keeps window - 1 + (the largest row bucket) K/V entries. A short convolution of kernel K keeps the
+  previous K - 1 inputs of its channels.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import math
 import attrs
 
 from cascadia import tensors
-from cascadia.spec.types import ModelSpec
+from cascadia.model_config import LayerKind
+from cascadia.spec.types import ModelSpec, RuntimeSpec
 
 STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 VECTOR_BYTES = 4  # small tensors are f32
@@ -45,8 +47,8 @@ class LayerCost:
     """One decoder layer: what it stores, what one decode row reads and computes, what state a stream keeps."""
 
     layer: int
-    attention: str  # "sliding" | "global"
-    mlp: str  # "dense" | "moe"
+    attention: LayerKind  # SLIDING | GLOBAL
+    mlp: LayerKind  # DENSE | MOE
     params: int  # all parameters of the layer
     active_params: int  # parameters one token uses (top-k routed + shared experts, or the dense MLP)
     weight_bytes: int  # stored bytes under the spec's formats (scales and zero points included)
@@ -55,7 +57,7 @@ class LayerCost:
     flops_per_row: float  # matmul FLOPs of one row at context 0
     attn_flops_per_position: float  # extra FLOPs per row per attended position (QK and PV)
     kv_bytes_per_position: int  # K+V bytes per position per stream
-    kv_window: int | None  # sliding layers keep only this many positions; None = all
+    kv_window: int | None  # K/V entries a sliding layer keeps, whatever the context (`kv_entries`); None = all
     conv_state_bytes: int  # the four short-convolution states per stream
 
     def kv_positions(self, context: int) -> int:
@@ -129,8 +131,10 @@ def kv_bytes_per_position(model: ModelSpec, layer: int, kv_precision: str) -> in
     return 2 * n_kv * head_dim * STATE_DTYPE_BYTES[kv_precision]
 
 
-def layer_costs(model: ModelSpec, kv_precision: str = "f32") -> list[LayerCost]:
-    cfg = model.config
+def layer_costs(model: ModelSpec, runtime: RuntimeSpec = RuntimeSpec()) -> list[LayerCost]:
+    """Every decoder layer's costs, with its state as the engine keeps it under `runtime` (`kv_precision`; a
+    sliding layer's entries depend on the largest row bucket: `InklingConfig.kv_entries`)."""
+    cfg, kv_precision = model.config, runtime.kv_precision
     out = []
     for layer in range(cfg.num_hidden_layers):
         ops = layer_ops(model, layer).values()
@@ -138,8 +142,8 @@ def layer_costs(model: ModelSpec, kv_precision: str = "f32") -> list[LayerCost]:
         routed = [op for op in ops if op.kind == "routed_experts"]
         out.append(LayerCost(
             layer=layer,
-            attention="sliding" if cfg.is_sliding(layer) else "global",
-            mlp="dense" if cfg.is_dense(layer) else "moe",
+            attention=cfg.attention_kind(layer),
+            mlp=cfg.mlp_kind(layer),
             params=sum(op.params for op in ops),
             active_params=sum(op.active_params for op in ops),
             weight_bytes=sum(op.weight_bytes for op in ops),
@@ -148,7 +152,7 @@ def layer_costs(model: ModelSpec, kv_precision: str = "f32") -> list[LayerCost]:
             flops_per_row=sum(op.flops_per_row for op in ops),
             attn_flops_per_position=4.0 * n_heads * head_dim,  # q.k and p.v, 2 FLOPs per multiply-add each
             kv_bytes_per_position=kv_bytes_per_position(model, layer, kv_precision),
-            kv_window=cfg.sliding_window_size if cfg.is_sliding(layer) else None,
+            kv_window=cfg.kv_entries(layer, math.inf, runtime.largest_bucket) if cfg.is_sliding(layer) else None,
             conv_state_bytes=sum(conv_state_bytes(model, layer, kv_precision).values()),
         ))
     return out

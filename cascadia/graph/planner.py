@@ -50,7 +50,7 @@ class RooflineStageTime:
 
     def __init__(self, spec: Spec) -> None:
         self._spec = spec
-        self._layers = layer_costs(spec.model, spec.runtime.kv_precision)
+        self._layers = layer_costs(spec.model, spec.runtime)
         self._ends = {EMBED: embedding_cost(spec.model), HEAD: head_cost(spec.model)}
         nodes = spec.cluster.nodes
         self._next = {node.name: target for node, target in ring_pairs(nodes)}  # every node holds a stage, in order
@@ -96,7 +96,7 @@ class _Memory:
 
     def __init__(self, spec: Spec, nodes: tuple[NodeSpec, ...]) -> None:
         self.spec, self.nodes = spec, nodes
-        self.costs = layer_costs(spec.model, spec.runtime.kv_precision)
+        self.costs = layer_costs(spec.model, spec.runtime)
         self._weights = [0, *itertools.accumulate(c.weight_bytes for c in self.costs)]
         ends = {EMBED: embedding_cost(spec.model).weight_bytes, HEAD: head_cost(spec.model).weight_bytes}
         self._all_weights = self._weights[-1] + sum(ends.values())

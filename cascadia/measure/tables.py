@@ -30,13 +30,14 @@ from cascadia.engine.device import core
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import load_plan
 from cascadia.measure.workers import CalibrationFailed, Worker, say
+from cascadia.model_config import LayerKind
 from cascadia.pipeline.launch import thread_env
 from cascadia.pipeline.stage import EngineStage, find_stage, load_stage
 from cascadia.pipeline.wire import Frame
 from cascadia.policy import padded_size
 from cascadia.sampling import Sampling
 from cascadia.sim.analytic import kind_costs, row_grid
-from cascadia.sim.calibration import DENSE, EMBEDDING, GLOBAL, HEAD, KIND_AXES, MOE, SLIDING, Table
+from cascadia.sim.calibration import KIND_AXES, Table
 from cascadia.sim.model import stage_kinds
 from cascadia.spec.dump import write_spec
 from cascadia.spec.load import load_spec
@@ -149,16 +150,16 @@ class StageProbe:
         for index, layer in zip(self.engine.layer_ids, self.engine.layers):
             self.watch.wrap(layer, "forward", ("layer", index))
             self.watch.wrap(layer, "feed_forward", ("mlp", index))
-            self.attention_kinds.append(SLIDING if config.is_sliding(index) else GLOBAL)
-            self.mlp_kinds.append(DENSE if config.is_dense(index) else MOE)
+            self.attention_kinds.append(config.attention_kind(index))
+            self.mlp_kinds.append(config.mlp_kind(index))
             if layer.router is not None:
                 layer.router = SteeredRouter(layer.router)
                 self.routers.append(layer.router)
         if self.engine.embedding is not None:
-            self.watch.wrap(self.engine, "embed", EMBEDDING)
+            self.watch.wrap(self.engine, "embed", LayerKind.EMBEDDING)
         if self.engine.head is not None:
-            self.watch.wrap(self.engine, "logits", HEAD)
-            self.watch.wrap(stage.sampler, "sample", HEAD)
+            self.watch.wrap(self.engine, "logits", LayerKind.HEAD)
+            self.watch.wrap(stage.sampler, "sample", LayerKind.HEAD)
         self._rng = np.random.default_rng(0)
         self._frames = 0
 
@@ -187,7 +188,7 @@ class StageProbe:
         for index, attention, mlp in zip(self.engine.layer_ids, self.attention_kinds, self.mlp_kinds):
             out[attention].append(seconds[("layer", index)] - seconds[("mlp", index)])
             out[mlp].append(seconds[("mlp", index)])
-        for kind in (EMBEDDING, HEAD):
+        for kind in (LayerKind.EMBEDDING, LayerKind.HEAD):
             if kind in seconds:
                 out[kind].append(seconds[kind])
         return out
@@ -195,19 +196,21 @@ class StageProbe:
     def tables(self, grid: Grid, progress: Progress) -> dict[str, Table]:
         """This stage's kinds on the grid: medians over the rounds (and over the stage's layers of a kind)."""
         top_k = self.engine.config.num_experts_per_tok
-        contexts = sorted({c for kind in (SLIDING, GLOBAL) if kind in self.kinds for c in grid.points[kind]} or {1})
-        experts = grid.points[MOE] if MOE in self.kinds else ()
+        attention = (LayerKind.SLIDING, LayerKind.GLOBAL)
+        contexts = sorted({c for kind in attention if kind in self.kinds for c in grid.points[kind]} or {1})
+        moe = LayerKind.MOE
+        experts = grid.points[moe] if moe in self.kinds else ()
         samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)  # (kind, rows, point) -> seconds
         for done in range(grid.rounds):
             for rows in grid.rows:
                 for context in contexts:
                     for kind, seconds in self.run(rows, context, None).items():
-                        if kind in (SLIDING, GLOBAL):
+                        if kind in attention:
                             samples[kind, rows, context] += seconds
-                        elif kind != MOE:  # rows alone
+                        elif kind != moe:  # rows alone
                             samples[kind, rows, 0] += seconds
                 for distinct in experts:
-                    samples[MOE, rows, distinct] += self.run(rows, 1, min(distinct, rows * top_k))[MOE]
+                    samples[moe, rows, distinct] += self.run(rows, 1, min(distinct, rows * top_k))[moe]
             progress(f"measured round {done + 1}/{grid.rounds} of {len(grid.rows)} row counts")
         out = {}
         for kind in self.kinds:

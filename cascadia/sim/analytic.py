@@ -14,26 +14,15 @@ Links come from the spec; host overheads are not estimated (zero). Every output 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from cascadia.graph.build import ACTIVATION_BYTES
 from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops
 from cascadia.graph.plan import ring_pairs
+from cascadia.model_config import LayerKind
 from cascadia.policy import padded_size
-from cascadia.sim.calibration import (
-    ANALYTIC,
-    DENSE,
-    EMBEDDING,
-    GLOBAL,
-    HEAD,
-    MOE,
-    SLIDING,
-    Calibration,
-    CalibrationError,
-    NodeCalibration,
-    Table,
-    make_meta,
-)
+from cascadia.sim.calibration import ANALYTIC, Calibration, CalibrationError, NodeCalibration, Table, make_meta
 from cascadia.spec.types import NodeSpec, Spec
 
 ATTENTION_OPS = ("input_norm", "attention", "attn_sconv")  # the attention half of a decoder layer
@@ -75,37 +64,38 @@ Cost = Callable[[int, int], tuple[float, float]]
 def kind_costs(spec: Spec) -> dict[str, tuple[tuple[int, ...], Cost]]:
     """Each layer kind the model has: the grid of its second axis (() for none) and its bytes and FLOPs."""
     cfg, runtime = spec.model.config, spec.runtime
-    costs = layer_costs(spec.model, runtime.kv_precision)
+    costs = layer_costs(spec.model, runtime)
     out: dict[str, tuple[tuple[int, ...], Cost]] = {}
 
     def ops_of(layer: int, attention_half: bool) -> list:
         return [op for kind, op in layer_ops(spec.model, layer).items() if (kind in ATTENTION_OPS) == attention_half]
 
-    for attention in (SLIDING, GLOBAL):
+    for attention in (LayerKind.SLIDING, LayerKind.GLOBAL):
         if (layer := next((c for c in costs if c.attention == attention), None)) is None:
             continue
         ops = ops_of(layer.layer, attention_half=True)
         weights, flops = sum(op.weight_bytes for op in ops), sum(op.flops_per_row for op in ops)
-        out[attention] = (_doubling(1, layer.kv_positions(runtime.context_budget)),
+        attended = min(runtime.context_budget, cfg.sliding_window_size if attention == LayerKind.SLIDING else math.inf)
+        out[attention] = (_doubling(1, attended),
                           lambda r, c, layer=layer, weights=weights, flops=flops: (
                               weights + r * c * layer.kv_bytes_per_position,
                               r * (flops + c * layer.attn_flops_per_position)))
-    for mlp in (MOE, DENSE):
+    for mlp in (LayerKind.MOE, LayerKind.DENSE):
         if (layer := next((c for c in costs if c.mlp == mlp), None)) is None:
             continue
         ops = ops_of(layer.layer, attention_half=False)
         flops = sum(op.flops_per_row for op in ops)
         unrouted = sum(op.weight_bytes for op in ops if op.kind not in ROUTED_OPS)
-        if mlp == DENSE:
-            out[DENSE] = ((), lambda r, _, unrouted=unrouted, flops=flops: (unrouted, r * flops))
+        if mlp == LayerKind.DENSE:
+            out[LayerKind.DENSE] = ((), lambda r, _, unrouted=unrouted, flops=flops: (unrouted, r * flops))
         else:
-            out[MOE] = (_doubling(cfg.num_experts_per_tok, cfg.n_routed_experts),
-                        lambda r, d, unrouted=unrouted, flops=flops, expert=layer.expert_bytes: (
-                            unrouted + d * expert, r * flops))
+            out[LayerKind.MOE] = (_doubling(cfg.num_experts_per_tok, cfg.n_routed_experts),
+                                  lambda r, d, unrouted=unrouted, flops=flops, expert=layer.expert_bytes: (
+                                      unrouted + d * expert, r * flops))
     embed, head = embedding_cost(spec.model), head_cost(spec.model)
     logits_bytes = cfg.output_vocab_size * ACTIVATION_BYTES
-    out[EMBEDDING] = ((), lambda r, _: (r * embed.bytes_per_row, 0.0))
-    out[HEAD] = ((), lambda r, _: (head.weight_bytes + r * logits_bytes, r * head.flops_per_row))
+    out[LayerKind.EMBEDDING] = ((), lambda r, _: (r * embed.bytes_per_row, 0.0))
+    out[LayerKind.HEAD] = ((), lambda r, _: (head.weight_bytes + r * logits_bytes, r * head.flops_per_row))
     return out
 
 

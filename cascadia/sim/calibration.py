@@ -38,14 +38,14 @@ import attrs
 
 from cascadia import __version__
 from cascadia.errors import CalibrationError
-from cascadia.model_config import InklingConfig
+from cascadia.model_config import InklingConfig, LayerKind
 from cascadia.spec.types import LinkSpec, Spec
 
 FORMAT = "cascadia.calibration/2"
 MEASURED, ANALYTIC = "measured", "analytic"
-SLIDING, GLOBAL, MOE, DENSE, EMBEDDING, HEAD = "sliding", "global", "moe", "dense", "embedding", "head"
-# Each kind's second table axis; None: the time depends on rows alone.
-KIND_AXES = {SLIDING: "context", GLOBAL: "context", MOE: "experts", DENSE: None, EMBEDDING: None, HEAD: None}
+# Each layer kind's second table axis; None: the time depends on rows alone.
+KIND_AXES = {LayerKind.SLIDING: "context", LayerKind.GLOBAL: "context", LayerKind.MOE: "experts",
+             LayerKind.DENSE: None, LayerKind.EMBEDDING: None, LayerKind.HEAD: None}
 
 
 def interpolate(grid: Sequence[float], values: Sequence[float], x: float) -> tuple[float, bool]:
@@ -220,8 +220,9 @@ class Calibration:
         for name, node in r.mapping(r.get(raw, "nodes", ""), "nodes").items():
             at = f"nodes.{name}"
             r.mapping(node, at)
-            tables = {kind: r.table(kind, t, f"{at}.tables.{kind}")
-                      for kind, t in r.mapping(r.get(node, "tables", at), f"{at}.tables").items()}
+            tables = {}
+            for kind, t in r.mapping(r.get(node, "tables", at), f"{at}.tables").items():
+                tables[LayerKind(kind)] = r.table(kind, t, f"{at}.tables.{kind}")  # checks the kind first
             nodes[name] = NodeCalibration(tables, *(r.seconds(node.get(key, 0.0), f"{at}.{key}")
                                                     for key in ("frame_s", "row_s", "stream_s")))
         if not nodes:

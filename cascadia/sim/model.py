@@ -28,22 +28,16 @@ from cascadia.driver import PhaseDriver
 from cascadia.errors import PlanError
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
 from cascadia.metrics import Recorder
-from cascadia.model_config import InklingConfig
+from cascadia.model_config import InklingConfig, LayerKind
 from cascadia.policy import Frame, Policy, Request
 from cascadia.sim.calibration import (
-    DENSE,
-    EMBEDDING,
-    GLOBAL,
     KIND_AXES,
-    MOE,
-    SLIDING,
     Calibration,
     CalibrationError,
     Extrapolations,
     NodeCalibration,
     interpolate,
 )
-from cascadia.sim.calibration import HEAD as HEAD_KIND  # the layer kind; HEAD is the plan's role
 from cascadia.spec.types import LinkSpec, Spec
 from cascadia.wire_format import frame_bytes, tokens_bytes
 
@@ -77,9 +71,9 @@ def message_sizes(shape: FrameShape, hidden: int, stages: int) -> list[int]:
 
 def stage_kinds(stage: Stage, config: InklingConfig) -> Counter[str]:
     """How many layers of each kind a stage computes per frame (embedding and head count as one each)."""
-    kinds = Counter(SLIDING if config.is_sliding(i) else GLOBAL for i in stage.layers)
-    kinds.update(DENSE if config.is_dense(i) else MOE for i in stage.layers)
-    kinds.update(kind for role, kind in ((EMBED, EMBEDDING), (HEAD, HEAD_KIND)) if role in stage.roles)
+    kinds = Counter(config.attention_kind(i) for i in stage.layers)
+    kinds.update(config.mlp_kind(i) for i in stage.layers)
+    kinds.update(kind for role, kind in ((EMBED, LayerKind.EMBEDDING), (HEAD, LayerKind.HEAD)) if role in stage.roles)
     return kinds
 
 
@@ -109,18 +103,18 @@ class StageCost:
         """Everything but attention: MLPs, embedding, head, overheads."""
         total = self._node.frame_s + self._node.row_s * rows
         for kind, count in self._kinds.items():
-            if kind == MOE:
+            if kind == LayerKind.MOE:
                 experts, outside = self._calibration.distinct_experts(rows, self._top_k, self._experts)
                 if outside:
                     self._log.note(self._nodes, "routing", f"rows {rows}")
-                total += count * self._lookup(MOE, padded, experts)
+                total += count * self._lookup(LayerKind.MOE, padded, experts)
             elif KIND_AXES[kind] is None:
                 total += count * self._lookup(kind, padded)
         return total
 
     def _attention_columns(self, padded: int) -> list[tuple[int, str, tuple[float, ...], tuple[float, ...]]]:
         columns = []
-        for kind in (SLIDING, GLOBAL):
+        for kind in (LayerKind.SLIDING, LayerKind.GLOBAL):
             if count := self._kinds.get(kind):
                 table = self._node.tables[kind]
                 column, outside = table.column(padded)
@@ -137,7 +131,7 @@ class StageCost:
             self._attention[shape.padded_rows] = self._attention_columns(shape.padded_rows)
         total = self._fixed[key] + self._node.stream_s * shape.streams
         for count, kind, points, column in self._attention[shape.padded_rows]:
-            context = shape.sliding_context if kind == SLIDING else shape.global_context
+            context = shape.sliding_context if kind == LayerKind.SLIDING else shape.global_context
             value, outside = interpolate(points, column, context)
             if outside:
                 self._log.note(self._nodes, kind, f"context {context:g}")
