@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.device import runs_as
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate, score_logits
 from cascadia.sampling import Sampling, extend_history, sample
@@ -90,7 +91,7 @@ def test_cli_generate_text(tmp_path):
                                       "--max-new-tokens", "4", "--temperature", "0.7", "--top-p", "0.9",
                                       "--seed", "2", "--compressed"])
     assert result.exit_code == 0, result.output
-    assert result.output.splitlines()[1].startswith("ids: ") and "bf16 on CPU" in result.output
+    assert result.output.splitlines()[1].startswith("ids: ") and f"{runs_as('bf16', 'CPU')} on CPU" in result.output
 
 
 def test_cli_score_matches_the_engine(tmp_path, engine, reference):

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cascadia.engine import device as device_module
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
-from cascadia.engine.device import CompiledBlock, compile_options
+from cascadia.engine.device import CompiledBlock, compile_options, runs_as
 from cascadia.engine.engine import Engine
 from cascadia.engine.init_model import random_tensor
 from cascadia.engine.inkling import rms_norm, row_factor
@@ -65,11 +66,17 @@ def test_half_precision_state_agrees_with_f32(fixture, kv_precision):
 
 @pytest.mark.parametrize("formats", ["f32 weights", "compressed"])
 def test_low_precision_agrees_with_f32(fixture, formats):
+    """A bf16 request runs bf16 where the CPU has bf16 arithmetic, else f32 (OpenVINO's fallback): f32 weights are
+    then exact, and compressed ones must still meet their floors."""
     checkpoint, ref, exact = fixture
     engine = Engine(checkpoint, RuntimeSpec(precision="bf16"),
                     formats=COMPRESSED if formats == "compressed" else WeightFormats())
-    assert engine.stage.precision == "bf16"
+    runs = runs_as("bf16", engine.stage.device)
+    assert engine.stage.precision == runs
     low = engine.score(ref["ids"], prefill=int(ref["prefill_len"]))
+    if runs == "f32" and formats == "f32 weights":
+        np.testing.assert_allclose(low, exact, rtol=0, atol=1e-4 * np.abs(exact).max())  # the exact path's bound
+        return
     top1 = np.mean(low.argmax(-1) == exact.argmax(-1))
     kl = kl_divergence(exact, low).mean()
     min_top1, max_kl = FLOORS["bf16", formats]
@@ -77,9 +84,22 @@ def test_low_precision_agrees_with_f32(fixture, formats):
     assert kl > 1e-8  # the low-precision path really ran
 
 
-def test_f16_runs_as_bf16_on_cpu():
+def test_f16_runs_as_bf16_on_a_cpu_with_bf16_else_f32():
     engine = Engine(Checkpoint.open(FIXTURES / "bf16_unpadded"), RuntimeSpec(precision="f16"), device="CPU")
-    assert engine.stage.precision == "bf16"
+    assert engine.stage.precision == runs_as("f16", "CPU") in ("bf16", "f32")
+
+
+@pytest.mark.parametrize("capabilities, expected", [(["BF16", "FP32", "INT8"], "bf16"), (["FP32", "INT8"], "f32")])
+def test_runs_as_follows_what_the_cpu_can_do(monkeypatch, capabilities, expected):
+    """On an AVX2-only CPU (no BF16 capability) bf16 and f16 requests run f32."""
+    class Core:
+        def get_property(self, device, name):
+            assert (device, name) == ("CPU", "OPTIMIZATION_CAPABILITIES")
+            return capabilities
+
+    monkeypatch.setattr(device_module, "core", Core)
+    assert runs_as("bf16", "CPU") == runs_as("f16", "CPU") == expected
+    assert runs_as("f32", "CPU") == "f32"
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat("int8"), WeightFormat("int8", 32), WeightFormat("int4", 32),

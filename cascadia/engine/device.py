@@ -50,6 +50,16 @@ def device_precision(precision: str, device: str) -> str:
     return "bf16" if precision == "f16" and device == "CPU" else precision
 
 
+def runs_as(precision: str, device: str) -> str:
+    """The precision a device runs when asked for `precision` (what `CompiledBlock.precision` then reports): on a
+    CPU, bf16 only where it has bf16 arithmetic (AVX512_BF16 or AMX; OpenVINO lists BF16 among its optimization
+    capabilities), else f32; f16 as bf16 there too (`device_precision`)."""
+    asked = device_precision(precision, device)
+    if device == "CPU" and asked == "bf16" and "BF16" not in core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        return "f32"
+    return asked
+
+
 def compile_options(precision: str, threads: int | None = None) -> dict[str, object]:
     if precision not in PRECISIONS:
         raise DeviceError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
