@@ -81,6 +81,10 @@ def test_cli_generate_ids_json(tmp_path, reference):
     assert len(body["ids"]) == 5 and body["ids"][0] == int(reference["prefill_logits"][9].argmax())
     assert body["decode_tokens_per_s"] > 0 and body["precision"] == "f32"
     assert f"ids: {','.join(map(str, body['ids']))}" in result.output
+    to_stdout = CliRunner().invoke(cli, ["generate", str(FIXTURES / "sharded"), "--ids", ids, "--max-new-tokens", "5",
+                                         "--precision", "f32", "--ignore-eos", "--json", "-"])
+    assert json.loads(to_stdout.stdout)["ids"] == body["ids"]  # `--json -`: the JSON alone on stdout
+    assert f"ids: {','.join(map(str, body['ids']))}" in to_stdout.stderr
 
 
 def test_cli_generate_text(tmp_path):

@@ -6,7 +6,7 @@ import networkx as nx
 import pytest
 
 from cascadia import tensors
-from cascadia.graph.build import build_graph, export, graph_totals, render
+from cascadia.graph.build import build_graph, graph_totals, render
 from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, state_bytes
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import ModelSpec, RuntimeSpec, WeightFormat, WeightFormats
@@ -147,10 +147,9 @@ def test_graph_totals_equal_the_layer_and_end_costs():
     assert totals.weight_bytes_by_kind["head"] == 97 * model.config.hidden_size * 4
 
 
-def test_export_json_round_trips_and_dot_lists_every_node_and_edge(tmp_path):
+def test_json_round_trips_and_dot_lists_every_node_and_edge():
     g = build_graph(small_model(), RuntimeSpec())
-    export(g, "json", tmp_path / "g.json")
-    back = nx.node_link_graph(json.loads((tmp_path / "g.json").read_text()), edges="edges")
+    back = nx.node_link_graph(json.loads(render(g, "json")), edges="edges")
     assert dict(back.nodes(data=True)) == dict(g.nodes(data=True))
     assert {(a, b): d for a, b, d in back.edges(data=True)} == {(a, b): d for a, b, d in g.edges(data=True)}
     dot = render(g, "dot")

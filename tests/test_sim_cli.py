@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from sim_specs import tiny_spec_yaml
 
 from cascadia.cli import cli
-from cascadia.cli.common import saving
+from cascadia.cli.common import writing
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.spec.load import load_spec
 from cascadia.tokenizer import TOKENIZER_FILE, build_tokenizer
@@ -96,10 +96,11 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(spec_p
     assert f"Invalid value for '--json': {missing / 'r.json'}: no such folder {missing}" in result.output
 
 
-def test_a_failed_write_is_one_error_naming_the_file():
-    with pytest.raises(click.ClickException, match=r"^r.json: cannot write \(No space left on device\)$"):
-        with saving("r.json"):
-            raise OSError(errno.ENOSPC, "No space left on device", "r.json")
+def test_a_failed_write_is_one_error_naming_the_file(tmp_path):
+    path = tmp_path / "r.json"
+    with pytest.raises(click.ClickException, match=r"r.json: cannot write \(No space left on device\)$"):
+        with writing(str(path)):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
 
 def test_text_prompts_are_encoded_with_the_checkpoints_tokenizer(spec_path, tmp_path):
@@ -137,3 +138,13 @@ def test_a_spec_no_plan_fits_is_named(spec_path):
     spec_path.write_text(SPEC.replace("memory: 1GiB", "memory: 64.1MiB"))
     result = invoke(spec_path)
     assert result.exit_code == 1 and f"Error: {spec_path}: no plan fits. node node" in result.output
+
+
+def test_dash_is_standard_output_and_the_report_goes_to_standard_error(spec_path):
+    """Every output option takes '-': the file's content alone on stdout, the table for people on stderr."""
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--analytic", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["source"] == "simulate"
+    assert "decode tok/s" in result.stderr and "decode tok/s" not in result.stdout
+    both = CliRunner().invoke(cli, ["simulate", str(spec_path), "--analytic", "--json", "-", "--plot", "-"])
+    assert both.exit_code == 2 and "only one output may go to standard output" in both.output

@@ -4,7 +4,10 @@ options, the plan to use."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from collections.abc import Callable, Iterator
+from typing import IO
 
 import click
 
@@ -60,11 +63,11 @@ class TcpAddress(click.ParamType):
 
 
 class OutputPath(click.Path):
-    """A file the command writes when its work is done: checked before the work starts (its folder exists and may be
-    written), so that a long run does not end unable to keep its results."""
+    """A file the command writes when its work is done, or "-" for standard output: checked before the work starts
+    (its folder exists and may be written), so that a long run does not end unable to keep its results."""
 
-    def __init__(self, allow_dash: bool = False):
-        super().__init__(dir_okay=False, writable=True, allow_dash=allow_dash)
+    def __init__(self):
+        super().__init__(dir_okay=False, writable=True, allow_dash=True)
 
     def convert(self, value, param, ctx):
         path = super().convert(value, param, ctx)
@@ -79,12 +82,24 @@ class OutputPath(click.Path):
 
 
 @contextlib.contextmanager
-def saving(path: str):
-    """Turn a failure to write `path` into one error naming it."""
+def writing(path: str, binary: bool = False) -> Iterator[IO]:
+    """`path` open for writing, or standard output for "-"; a failure to write is one error naming the file."""
+    if path == "-":
+        yield click.get_binary_stream("stdout") if binary else click.get_text_stream("stdout")
+        return
     try:
-        yield
+        with open(path, "wb" if binary else "w") as f:
+            yield f
     except OSError as e:
         raise click.ClickException(f"{e.filename or path}: cannot write ({e.strerror})") from None
+
+
+def report_to(*paths: str | None) -> Callable[..., None]:
+    """How a command prints its report for people: on standard output, or on standard error when one of its output
+    files is standard output ("-"), which at most one may be."""
+    if paths.count("-") > 1:
+        raise click.UsageError("only one output may go to standard output ('-')")
+    return functools.partial(click.echo, err="-" in paths)
 
 
 def sampling_options(command):

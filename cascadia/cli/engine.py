@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import OutputPath, chosen_plan, sampling_options, saving, with_sampling
+from cascadia.cli.common import OutputPath, chosen_plan, report_to, sampling_options, with_sampling, writing
 from cascadia.spec.load import load_spec
 
 
@@ -64,6 +64,7 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     from cascadia.spec.types import WorkloadSpec
     from cascadia.tokenizer import TOKENIZER_FILE, load_tokenizer
 
+    report = report_to(json_path)
     if (prompt is None) == (ids_text is None):
         raise click.UsageError("give --prompt or --ids (one of them)")
     sampling = Sampling.of(with_sampling(WorkloadSpec(), greedy, temperature, top_p, seed))
@@ -80,14 +81,14 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     result = run_generation(engine, prompt_ids, max_new_tokens, sampling, stop)
     text = tokenizer.decode(list(result.ids)) if tokenizer else None
     if text is not None:
-        click.echo(text)
-    click.echo(f"ids: {','.join(map(str, result.ids))}")
-    click.echo(f"{len(result.ids)} tokens ({'stop token' if result.stopped else 'token limit'}); prefill "
+        report(text)
+    report(f"ids: {','.join(map(str, result.ids))}")
+    report(f"{len(result.ids)} tokens ({'stop token' if result.stopped else 'token limit'}); prefill "
                f"{len(prompt_ids)} tokens in {result.prefill_s * 1e3:.1f} ms; decode {result.decode_tokens_per_s:.1f} "
                f"tokens/s; {engine.stage.precision} on {engine.stage.device}")
     if json_path:
         body = result.to_json() | {"text": text, "precision": engine.stage.precision, "device": engine.stage.device}
-        with saving(json_path), open(json_path, "w") as f:
+        with writing(json_path) as f:
             json.dump(body, f, indent=1)
 
 
@@ -109,6 +110,7 @@ def score(checkpoint: str, ids_path: str, prefill: int | None, out: str, precisi
     """Teacher-forced logits for every position of a token sequence, with its mean log-prob and perplexity."""
     import json
 
+    report = report_to(out)
     import numpy as np
 
     from cascadia.engine.generate import score_logits
@@ -128,9 +130,9 @@ def score(checkpoint: str, ids_path: str, prefill: int | None, out: str, precisi
         engine = _open_engine(checkpoint, len(ids), precision, compressed, device, threads)
         logits = engine.score(ids, prefill=prefill)
     result = score_logits(logits, ids)
-    with saving(out):
-        np.save(out, logits)
-    click.echo(f"scored {result.tokens} tokens ({prefill or len(ids)} by prefill): mean log-prob "
+    with writing(out, binary=True) as f:
+        np.save(f, logits)
+    report(f"scored {result.tokens} tokens ({prefill or len(ids)} by prefill): mean log-prob "
                f"{result.mean_log_prob:.4f} nats, perplexity {result.perplexity:.2f}; logits {logits.shape} -> {out}")
 
 

@@ -9,11 +9,12 @@ from cascadia.cli.common import (
     TcpAddress,
     chosen_plan,
     emulate_links_option,
+    report_to,
     sampling_options,
-    saving,
     with_sampling,
     workload_options,
     workload_overrides,
+    writing,
 )
 from cascadia.spec.load import load_spec
 
@@ -109,12 +110,14 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
     from cascadia.metrics import format_table
     from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, RunFailed, describe, run
 
+    report = report_to(json_path, outputs_path)
+
     def write(result: dict, outputs: list[dict]) -> None:
         if outputs_path:  # first: the generated tokens are what a failure to write the other would lose
-            with saving(outputs_path), open(outputs_path, "w") as f:
+            with writing(outputs_path) as f:
                 f.writelines(json.dumps(line) + "\n" for line in outputs)
         if json_path:
-            with saving(json_path), open(json_path, "w") as f:
+            with writing(json_path) as f:
                 json.dump(result, f, indent=1)
 
     def phase_done(level: int, phase: str, records: list) -> None:
@@ -133,7 +136,7 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
     except RunFailed as e:
         write(e.result, e.outputs)
         raise click.ClickException(f"run failed: {e}") from None
-    click.echo(format_table(done.result))
+    report(format_table(done.result))
     for warning in done.result["warnings"]:
         click.echo(f"warning: {warning}", err=True)
     write(done.result, done.outputs)

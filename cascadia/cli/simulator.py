@@ -9,9 +9,10 @@ from cascadia.cli.common import (
     OutputPath,
     chosen_plan,
     emulate_links_option,
-    saving,
+    report_to,
     workload_options,
     workload_overrides,
+    writing,
 )
 from cascadia.spec.load import load_spec
 
@@ -44,23 +45,24 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
 
     if analytic and calibration_path:
         raise click.UsageError("give --calibration or --analytic, not both")
+    report = report_to(json_path, plot_path)
     loaded = load_spec(spec)
     model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
     workload = workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens)
     loaded = attrs.evolve(loaded, model=model, workload=workload)
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
     result = run_simulation(loaded, calibration, chosen_plan(loaded, plan_path), groups=groups)
-    click.echo(format_table(result))
+    report(format_table(result))
     if calibration.is_analytic:
-        click.echo("(analytic estimate)")
+        report("(analytic estimate)")
     for warning in result["warnings"]:
         click.echo(f"warning: {warning}", err=True)
     if json_path:
-        with saving(json_path), open(json_path, "w") as f:
+        with writing(json_path) as f:
             json.dump(result, f, indent=1)
     if plot_path:
-        with saving(plot_path):
-            plot(result, plot_path)
+        with writing(plot_path, binary=True) as f:
+            plot(result, f)
 
 
 @click.command("calibrate")
@@ -79,12 +81,14 @@ def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, 
     of a shared host."""
     from cascadia.measure.calibrate import format_calibration
 
+    report = report_to(output)
     loaded = load_spec(spec)
     measured = _calibrate(loaded, chosen_plan(loaded, plan_path), checkpoint, rounds)
-    with saving(output):
-        measured.save(output)
-    click.echo(format_calibration(measured))
-    click.echo(f"wrote {output}")
+    with writing(output) as f:
+        f.write(measured.to_json())
+    report(format_calibration(measured))
+    if output != "-":
+        report(f"wrote {output}")
 
 
 def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None = None):
@@ -132,9 +136,11 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
     from cascadia.measure.validate import ValidationFailed, format_comparison, validate
     from cascadia.pipeline.run import describe
 
+    report = report_to(json_path)
+
     def write(result: dict) -> None:
         if json_path:
-            with saving(json_path), open(json_path, "w") as f:
+            with writing(json_path) as f:
                 json.dump(result, f, indent=1)
 
     def phase_done(level: int, phase: str, records: list) -> None:
@@ -148,7 +154,7 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
     except ValidationFailed as e:
         write(e.result)
         raise click.ClickException(f"run failed: {e}") from None
-    click.echo(format_comparison(result))
+    report(format_comparison(result))
     warnings = [f"warning (predicted): {w}" for w in result["predicted"]["warnings"]]
     warnings += dict.fromkeys(f"warning (measured): {w}" for run in result["measured"] for w in run["warnings"])
     for warning in warnings:

@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import OutputPath, Quantity, chosen_plan, saving
+from cascadia.cli.common import OutputPath, Quantity, chosen_plan, report_to, writing
 from cascadia.spec.load import load_spec
 
 
 @click.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["json", "dot"]), default="json", show_default=True)
-@click.option("-o", "--output", type=OutputPath(), help="file to write (default: stdout)")
-def graph(spec: str, fmt: str, output: str | None) -> None:
+@click.option("-o", "--output", type=OutputPath(), default="-", help="file to write (default: stdout)")
+def graph(spec: str, fmt: str, output: str) -> None:
     """Write the model's dataflow graph (ops with parameters, bytes, FLOPs and state) as JSON or DOT."""
-    from cascadia.graph.build import build_graph, export, graph_totals, render
+    from cascadia.graph.build import build_graph, graph_totals, render
     from cascadia.units import format_bytes
 
     loaded = load_spec(spec)
     g = build_graph(loaded.model, loaded.runtime)
-    if output is None:
-        click.echo(render(g, fmt), nl=False)
+    with writing(output) as f:
+        f.write(render(g, fmt))
+    if output == "-":
         return
-    with saving(output):
-        export(g, fmt, output)
     totals = graph_totals(g)
     click.echo(f"wrote {output}: {g.number_of_nodes()} ops, {g.number_of_edges()} edges; {totals.params:,} params "
                f"({totals.active_params:,} active), {format_bytes(totals.weight_bytes, digits=4)} of weights, "
@@ -32,23 +31,17 @@ def graph(spec: str, fmt: str, output: str | None) -> None:
 
 @click.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
-@click.option("--json", "json_path", type=OutputPath(allow_dash=True),
-              help="write the plan as JSON to this file ('-' = stdout, instead of the table)")
+@click.option("--json", "json_path", type=OutputPath(), help="write the plan as JSON to this file ('-': stdout)")
 @click.option("-o", "--output", type=OutputPath(),
-              help="save the plan for `cascadia run` and `cascadia simulate`")
+              help="save the plan for `cascadia run` and `cascadia simulate` (the same JSON)")
 def plan(spec: str, json_path: str | None, output: str | None) -> None:
     """Place consecutive layers on the spec's nodes: the fastest split that fits in memory."""
-    import json
-
+    report = report_to(json_path, output)
     result = chosen_plan(load_spec(spec), None)
-    for path in (output, json_path):
-        if path and path != "-":
-            with saving(path):
-                result.save(path)
-    if json_path == "-":
-        click.echo(json.dumps(result.to_dict(), indent=2))
-        return
-    click.echo(result.table())
+    for path in filter(None, (output, json_path)):
+        with writing(path) as f:
+            f.write(result.to_json())
+    report(result.table())
 
 
 @click.group()
@@ -110,9 +103,10 @@ def spec_from_hf(config: str, nodes: int, memory: int, bandwidth: float, latency
     body = make_spec(config, os.path.dirname(os.path.abspath(output)), nodes, memory, LinkSpec(bandwidth, latency))
     header = (f"# Written by `cascadia spec from-hf {config}`: a start. Check the weight formats, add\n"
               "# memory_bandwidth and compute per node for analytic estimates, and shape the workload.\n")
-    with saving(output), open(output, "w") as f:
+    with writing(output) as f:
         f.write(header + yaml.safe_dump(body, sort_keys=False, width=120, default_flow_style=None))
-    click.echo(f"wrote {output}: {summarize(load_spec(output))}")
+    if output != "-":
+        click.echo(f"wrote {output}: {summarize(load_spec(output))}")
 
 
 @click.group()

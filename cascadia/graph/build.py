@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import attrs
 import networkx as nx
@@ -145,6 +144,3 @@ def render(g: nx.DiGraph, format: str) -> str:
         return to_dot(g)
     raise ValueError(f"unknown graph format {format!r}; choose one of {', '.join(FORMATS)}")
 
-
-def export(g: nx.DiGraph, format: str, path: str | Path) -> None:
-    Path(path).write_text(render(g, format))

@@ -108,9 +108,12 @@ class Plan:
             f"{1 / self.bottleneck_s:.2f} tokens/s with a row in flight on every stage",
         ])
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
     def save(self, path: str | Path) -> Path:
         """Write the plan as JSON; returns `path`."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        Path(path).write_text(self.to_json())
         return Path(path)
 
     @classmethod

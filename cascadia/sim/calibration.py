@@ -188,8 +188,11 @@ class Calibration:
         return {"source": self.source, **attrs.asdict(self.meta), "grid_bounds": self.grid_bounds(),
                 "routing": "measured" if self.routing else "uniform"}
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 from cascadia import metrics
 from cascadia.errors import CascadiaError
@@ -42,8 +43,8 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
                           plan=plan.to_dict(), warnings=notes + model.notes + model.extrapolations.notes)
 
 
-def plot(result: dict, path: str | Path) -> None:
-    """Throughput and first-token latency against concurrency, as an image."""
+def plot(result: dict, out: str | Path | BinaryIO) -> None:
+    """Throughput and first-token latency against concurrency, as a PNG image (a file's path, or a binary file)."""
     try:
         import matplotlib
 
@@ -67,5 +68,5 @@ def plot(result: dict, path: str | Path) -> None:
     kind = result["calibration"]["kind"] if result.get("calibration") else result["source"]
     fig.suptitle(f"{result['spec']['model']['name']}: {result['source']} ({kind})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(out, dpi=120, format="png")
     plt.close(fig)
