@@ -1,5 +1,6 @@
-"""One closed-loop phase's bookkeeping, shared by the coordinator and the simulator so that the run and the
-simulation are the same system: they differ only in how a frame is carried and in their clocks.
+"""A workload's levels and phases, and one closed-loop phase's bookkeeping, shared by the coordinator and the
+simulator so that the run and the simulation are the same system: they differ only in how a frame is carried and
+in their clocks.
 
 The driver sends the clients' requests to the policy, records arrivals and the policy's events with the phase's
 `Recorder`, lets a client send its next request as soon as its last one is done (finished or rejected), and hands
@@ -12,9 +13,45 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from cascadia.metrics import Recorder
+import attrs
+
+from cascadia.metrics import Recorder, RequestRecord, summarize_level
 from cascadia.policy import Event, Finished, Frame, Policy, Rejected, Request
-from cascadia.workload import ClosedLoop
+from cascadia.spec.types import Spec, WorkloadSpec
+from cascadia.workload import MEASURED, ClosedLoop, Level, Phase, build_levels, stop_ids
+
+# (level, phase, its recorder) -> each node's busy seconds in the phase; the backend serves the phase's requests
+RunPhase = Callable[[Level, Phase, Recorder], Mapping[str, float]]
+
+
+@attrs.define
+class Served:
+    """What a workload's phases produced so far: each level's summary (of its measured phase), every request's
+    record (both phases), in order."""
+
+    levels: list[dict] = attrs.Factory(list)
+    records: list[RequestRecord] = attrs.Factory(list)
+
+
+def serve_workload(spec: Spec, workload: WorkloadSpec, prompts: Sequence[tuple[int, ...]] | None,
+                   run_phase: RunPhase, served: Served,
+                   on_phase: Callable[[int, str, list], None] = lambda level, phase, records: None) -> Served:
+    """Every level's warm-up and measured phase of `workload` in turn, each served by `run_phase`, into `served`
+    (which keeps what finished if a phase raises). `prompts` replace random ones (`build_levels`); a request stops
+    early at EOS when the workload says `stop_at_eos`."""
+    config = spec.model.config
+    for level in build_levels(workload, config.output_vocab_size, prompts, stop_ids(workload, config)):
+        for phase in level.phases:
+            recorder = Recorder(level.concurrency, phase.name)
+            try:
+                busy = run_phase(level, phase, recorder)
+            finally:
+                served.records.extend(recorder.records)
+            if phase.name == MEASURED:
+                served.levels.append(summarize_level(level.concurrency, recorder.records, busy,
+                                                     rejected=len(recorder.rejected)))
+            on_phase(level.concurrency, phase.name, recorder.records)
+    return served
 
 
 class PhaseDriver:

@@ -266,6 +266,12 @@ class InklingConfig:
         return self.sliding_window_size if self.is_sliding(layer) else self.rel_extent
 
     @property
+    def eos_ids(self) -> frozenset[int]:
+        """The end-of-sequence tokens (none when the config names none)."""
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        return frozenset(t for t in eos if t is not None)
+
+    @property
     def output_vocab_size(self) -> int:
         """Logits actually produced: the head's unpadded rows when the checkpoint says so."""
         return self.unpadded_vocab_size or self.vocab_size

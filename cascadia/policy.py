@@ -16,7 +16,7 @@ whole prompt. A stream's first token is sampled from the row of its last prompt 
 
 Requests whose prompt plus `max_new_tokens` exceeds the context budget are rejected with a reason, never truncated:
 truncation would silently change what the client asked for. A stream finishes after `max_new_tokens` tokens, or
-earlier when it samples one of its request's `stop_ids` (EOS, when the workload asks for it).
+earlier when it samples one of its request's `stop_ids` (EOS, when the workload says `stop_at_eos`).
 """
 
 from __future__ import annotations

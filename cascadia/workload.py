@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 
 from cascadia.errors import CascadiaError, RequestError
+from cascadia.model_config import InklingConfig
 from cascadia.policy import Request
 from cascadia.spec.types import LengthSpec, RuntimeSpec, WorkloadSpec
 
@@ -124,6 +125,12 @@ class ClosedLoop:
             return None
         self._sent += 1
         return self._requests[self._sent - 1]
+
+
+def stop_ids(workload: WorkloadSpec, config: InklingConfig) -> frozenset[int]:
+    """The tokens that end a request early: the model's EOS ids when the workload says `stop_at_eos`, else none (a
+    benchmark's requests keep their lengths)."""
+    return config.eos_ids if workload.stop_at_eos else frozenset()
 
 
 def misfits(workload: WorkloadSpec, runtime: RuntimeSpec) -> list[tuple[str, str]]:

@@ -1,4 +1,7 @@
-from cascadia.driver import PhaseDriver
+import attrs
+from sim_specs import tiny_spec
+
+from cascadia.driver import PhaseDriver, Served, serve_workload
 from cascadia.metrics import Recorder
 from cascadia.policy import PREFILL, Finished, Policy, Request
 
@@ -60,3 +63,29 @@ def test_a_phase_of_only_rejected_requests_is_done_at_the_start():
     driver = PhaseDriver(policy(context_budget=8), requests, 2, Recorder(level=2, phase="warmup"))
     assert driver.start(now=0.0) == []
     assert driver.done
+
+
+def test_requests_stop_at_eos_only_when_the_workload_says_so():
+    """`workload.stop_at_eos`: a request also ends when it samples the model's EOS; by default it makes all its
+    output tokens (benchmarks keep their lengths)."""
+    spec = tiny_spec()
+    seen: dict[bool, set] = {}
+
+    def run_phase(level, phase, recorder):
+        seen[stop] = {request.stop_ids for request in phase.requests}
+        return {}
+
+    for stop in (False, True):
+        workload = attrs.evolve(spec.workload, stop_at_eos=stop)
+        served = serve_workload(spec, workload, None, run_phase, Served())
+        assert len(served.levels) == len(workload.concurrency)
+    assert seen == {False: {frozenset()}, True: {spec.model.config.eos_ids}} and spec.model.config.eos_ids
+
+
+def test_a_stop_token_finishes_a_stream_early():
+    driver = PhaseDriver(policy(), [Request(0, (1, 2), max_new_tokens=5, stop_ids={TOKEN})], 1,
+                         recorder := Recorder(level=1, phase="measured"))
+    [frame] = driver.start(now=0.0)
+    assert complete(driver, frame, 1.0) == [] and driver.done
+    [record] = recorder.records
+    assert record.output_tokens == 1

@@ -131,7 +131,7 @@ def test_model_formats_config_and_overrides(tmp_path):
                    num_experts_per_tok: 2, rms_norm_eps: 1e-5}
           overrides: {num_experts_per_tok: 3}
           formats: {default: int8, routed_experts: {dtype: int4, group_size: 32, symmetric: false}}
-        workload: {concurrency: "1, 2,4", prompt_tokens: 8}
+        workload: {concurrency: "1, 2,4", prompt_tokens: 8, stop_at_eos: true}
     """)))
     cfg = spec.model.config
     assert (cfg.hidden_size, cfg.num_experts_per_tok, cfg.mlp_layer_types, cfg.rms_norm_eps) == (
@@ -139,6 +139,8 @@ def test_model_formats_config_and_overrides(tmp_path):
     assert spec.model.formats.routed_experts == WeightFormat("int4", 32, symmetric=False)
     assert spec.model.formats.head == WeightFormat("int8")
     assert spec.workload.concurrency == (1, 2, 4) and spec.workload.prompt_tokens == LengthSpec.fixed(8)
+    assert spec.workload.stop_at_eos and not load_spec(write(tmp_path, "t.yaml", CLUSTER + "model: {config: {}}\n")
+                                                    ).workload.stop_at_eos
 
 
 def test_multimodal_hf_config_with_mtp(tmp_path):
@@ -161,6 +163,7 @@ BAD = [
     ("model: {config: {}}\n" + CLUSTER + "? [1]\n: 2\n", "s.yaml:3: keys must be text, got [1]"),
     ("model: {config: {}}\n" + CLUSTER + "workload: {temperature: 0}\n",
      "s.yaml:3: workload.temperature: must be more than zero, got 0"),
+    ("model: {config: {}}\n" + CLUSTER + "workload: {stop_at_eos: 3}\n", "s.yaml:3: workload.stop_at_eos: expected"),
     ("model: {config: {hidden_size: 0}}\n" + CLUSTER,
      "s.yaml:1: model.config.hidden_size: hidden_size must be a positive integer, got 0"),
     ("model: {config: {num_hidden_layers: 1000000000000}}\n" + CLUSTER,

@@ -76,8 +76,7 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     if not prompt_ids:
         raise click.UsageError("the prompt has no tokens")
     engine = _open_engine(checkpoint, len(prompt_ids) + max_new_tokens, precision, compressed, device, threads)
-    eos = engine.config.eos_token_id
-    stop = () if ignore_eos or eos is None else (eos if isinstance(eos, list) else [eos])
+    stop = () if ignore_eos else engine.config.eos_ids
     result = run_generation(engine, prompt_ids, max_new_tokens, sampling, stop)
     text = tokenizer.decode(list(result.ids)) if tokenizer else None
     if text is not None:

@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 
 from cascadia import metrics
+from cascadia.driver import Served, serve_workload
 from cascadia.errors import CheckpointError, NodeError, PlanError, SpecError
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.coordinator import Coordinator, Outputs, PipelineError
@@ -29,7 +30,7 @@ from cascadia.sampling import Sampling
 from cascadia.spec.dump import write_spec
 from cascadia.spec.types import Spec, WorkloadSpec
 from cascadia.tokenizer import workload_prompts
-from cascadia.workload import MEASURED, build_levels
+from cascadia.workload import Level, Phase
 
 NODE_TIMEOUT_S = 120.0  # a starting node silent for this long is an error
 STALL_S = 60.0  # a running pipeline that returns no tokens for this long is an error
@@ -149,25 +150,17 @@ class Pipeline:
         if prompts is None:
             prompts = workload_prompts(workload, self.checkpoint)
         policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages))
-        summaries, records, outputs = [], [], Outputs()
+        served, outputs = Served(), Outputs()
 
         def result(warnings: Sequence[str] = ()) -> dict:
-            return metrics.result("run", attrs.evolve(spec, workload=workload), summaries, records,
+            return metrics.result("run", attrs.evolve(spec, workload=workload), served.levels, served.records,
                                   plan=self.plan.to_dict(), warnings=warnings)
 
+        def run_phase(level: Level, phase: Phase, recorder: metrics.Recorder) -> dict[str, float]:
+            return self.coordinator.run_phase(policy, phase.requests, level.concurrency, recorder, outputs)
+
         try:
-            for level in build_levels(workload, spec.model.config.output_vocab_size, prompts):
-                for phase in level.phases:
-                    recorder = metrics.Recorder(level.concurrency, phase.name)
-                    try:
-                        busy = self.coordinator.run_phase(policy, phase.requests, level.concurrency, recorder,
-                                                          outputs)
-                    finally:
-                        records.extend(recorder.records)
-                    if phase.name == MEASURED:
-                        summaries.append(metrics.summarize_level(level.concurrency, recorder.records, busy,
-                                                                 rejected=len(recorder.rejected)))
-                    on_phase(level.concurrency, phase.name, recorder.records)
+            serve_workload(spec, workload, prompts, run_phase, served, on_phase)
         except PipelineError as e:
             raise RunFailed(str(e), result([f"the run stopped early: {e}"]), outputs.lines) from None
         except KeyboardInterrupt:

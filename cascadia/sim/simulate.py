@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from cascadia import metrics
+from cascadia.driver import Served, serve_workload
 from cascadia.errors import CascadiaError
 from cascadia.graph.plan import Plan
 from cascadia.policy import Policy
@@ -13,7 +14,6 @@ from cascadia.sim.calibration import Calibration
 from cascadia.sim.model import PipelineModel
 from cascadia.spec.types import Spec
 from cascadia.tokenizer import workload_prompts
-from cascadia.workload import MEASURED, build_levels
 
 
 def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None) -> dict:
@@ -30,16 +30,9 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     prompts = workload_prompts(spec.workload, spec.model.checkpoint)
     model = PipelineModel(spec, plan, calibration)
     policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
-    summaries, records = [], []
-    for level in build_levels(spec.workload, spec.model.config.output_vocab_size, prompts):
-        for phase in level.phases:
-            recorder = metrics.Recorder(level.concurrency, phase.name)
-            busy = model.run_phase(policy, phase.requests, level.concurrency, recorder)
-            records += recorder.records
-            if phase.name == MEASURED:
-                summaries.append(metrics.summarize_level(level.concurrency, recorder.records, busy,
-                                                         rejected=len(recorder.rejected)))
-    return metrics.result("simulate", spec, summaries, records, calibration=calibration.describe(),
+    served = serve_workload(spec, spec.workload, prompts, lambda level, phase, recorder: model.run_phase(
+        policy, phase.requests, level.concurrency, recorder), Served())
+    return metrics.result("simulate", spec, served.levels, served.records, calibration=calibration.describe(),
                           plan=plan.to_dict(), warnings=notes + model.notes + model.extrapolations.notes)
 
 

@@ -173,6 +173,7 @@ class WorkloadSpec:
     prompt_tokens: LengthSpec = LengthSpec.fixed(16)
     prompts_file: Path | None = None  # JSONL: {"ids": [...]} or {"text": "..."} per line
     output_tokens: int = 16
+    stop_at_eos: bool = False  # a request ends at EOS too (else it always makes output_tokens: benchmarks)
     greedy: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
