@@ -14,16 +14,8 @@ from cascadia.engine.init_model import random_tensor
 from cascadia.engine.quantize import round_to_bf16
 from cascadia.model_config import InklingConfig
 from cascadia.pipeline.stage import Sampling, load_stage
-from cascadia.tensors import (
-    EMBED,
-    HEAD,
-    all_tensors,
-    canonical_name,
-    embedding_tensors,
-    head_tensors,
-    layer_prefix,
-    layer_tensors,
-)
+from cascadia.tensors import (EMBED, HEAD, all_tensors, canonical_name, embedding_tensors, head_tensors, layer_prefix,
+                              layer_tensors)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded")

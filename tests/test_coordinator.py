@@ -7,19 +7,8 @@ import zmq
 
 from cascadia.pipeline.coordinator import Coordinator, PipelineError
 from cascadia.pipeline.transport import COORDINATOR, Transport, free_port, send, tcp_address
-from cascadia.pipeline.wire import (
-    VERSION,
-    Encoder,
-    Error,
-    Frame,
-    Hello,
-    Progress,
-    Ready,
-    Stats,
-    Tokens,
-    encode,
-    node_sender,
-)
+from cascadia.pipeline.wire import (VERSION, Encoder, Error, Frame, Hello, Progress, Ready, Stats, Tokens, encode,
+                                    node_sender)
 
 STALL_S = 0.5
 TIMEOUT_S = 10  # generous bound on any single wait; the tests never measure time

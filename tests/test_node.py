@@ -12,33 +12,10 @@ import pytest
 import zmq
 
 from cascadia.pipeline.node import NodeSettings, Peer, run_node
-from cascadia.pipeline.transport import (
-    COORDINATOR,
-    Transport,
-    TransportError,
-    free_port,
-    generate_keys,
-    receive,
-    send,
-    tcp_address,
-)
-from cascadia.pipeline.wire import (
-    COORDINATOR_SENDER,
-    VERSION,
-    Encoder,
-    Error,
-    Frame,
-    Hello,
-    Progress,
-    Ready,
-    Shutdown,
-    Stats,
-    StatsRequest,
-    Tokens,
-    decode,
-    encode,
-    node_sender,
-)
+from cascadia.pipeline.transport import (COORDINATOR, Transport, TransportError, free_port, generate_keys, receive,
+                                         send, tcp_address)
+from cascadia.pipeline.wire import (COORDINATOR_SENDER, VERSION, Encoder, Error, Frame, Hello, Progress, Ready,
+                                    Shutdown, Stats, StatsRequest, Tokens, decode, encode, node_sender)
 
 HIDDEN = 8
 MAX_MESSAGE_BYTES = 256 * 1024

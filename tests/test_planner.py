@@ -13,16 +13,8 @@ from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, state_b
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import InfeasiblePlan, RooflineStageTime, min_max_split, plan, stage_roles
 from cascadia.model_config import InklingConfig
-from cascadia.spec.types import (
-    ClusterSpec,
-    LinkSpec,
-    ModelSpec,
-    NodeSpec,
-    RuntimeSpec,
-    Spec,
-    WeightFormat,
-    WeightFormats,
-)
+from cascadia.spec.types import (ClusterSpec, LinkSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat,
+                                 WeightFormats)
 
 GIB = 2**30
 PAPER_CONFIG = Path(__file__).parent.parent / "specs" / "inkling-975b" / "config.json"

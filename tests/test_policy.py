@@ -2,20 +2,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cascadia.policy import (
-    DECODE,
-    LENGTH,
-    PREFILL,
-    STOP,
-    Admitted,
-    Finished,
-    Policy,
-    Rejected,
-    Request,
-    Row,
-    Token,
-    padded_size,
-)
+from cascadia.policy import (DECODE, LENGTH, PREFILL, STOP, Admitted, Finished, Policy, Rejected, Request, Row, Token,
+                             padded_size)
 
 
 def policy(n_groups=1, max_streams=4, prefill_window=8, row_buckets=(2, 8), context_budget=64):

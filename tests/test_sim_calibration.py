@@ -6,14 +6,8 @@ import attrs
 import pytest
 from sim_specs import calibration, tiny_spec
 
-from cascadia.sim.calibration import (
-    Calibration,
-    CalibrationError,
-    Extrapolations,
-    Table,
-    interpolate,
-    uniform_distinct_experts,
-)
+from cascadia.sim.calibration import (Calibration, CalibrationError, Extrapolations, Table, interpolate,
+                                      uniform_distinct_experts)
 from cascadia.spec.types import WeightFormat, WeightFormats
 
 

@@ -4,18 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cascadia.units import (
-    UnitError,
-    binary_unit,
-    format_bytes,
-    format_duration,
-    format_flops,
-    format_rate,
-    parse_bytes,
-    parse_duration,
-    parse_flops,
-    parse_rate,
-)
+from cascadia.units import (UnitError, binary_unit, format_bytes, format_duration, format_flops, format_rate,
+                            parse_bytes, parse_duration, parse_flops, parse_rate)
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -6,23 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cascadia.pipeline import wire
-from cascadia.pipeline.wire import (
-    VERSION,
-    Decoder,
-    Encoder,
-    Error,
-    Frame,
-    Hello,
-    Progress,
-    Ready,
-    Shutdown,
-    Stats,
-    StatsRequest,
-    Tokens,
-    WireError,
-    decode,
-    encode,
-)
+from cascadia.pipeline.wire import (VERSION, Decoder, Encoder, Error, Frame, Hello, Progress, Ready, Shutdown, Stats,
+                                    StatsRequest, Tokens, WireError, decode, encode)
 from cascadia.wire_format import frame_bytes, tokens_bytes
 
 # No per-example deadline: the suite runs on shared, busy machines.

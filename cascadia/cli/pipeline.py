@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (
-    OutputPath,
-    TcpAddress,
-    chosen_plan,
-    emulate_links_option,
-    report_to,
-    sampling_options,
-    with_sampling,
-    workload_options,
-    workload_overrides,
-    writing,
-)
+from cascadia.cli.common import (OutputPath, TcpAddress, chosen_plan, emulate_links_option, report_to, sampling_options,
+                                 with_sampling, workload_options, workload_overrides, writing)
 from cascadia.spec.load import load_spec
 
 

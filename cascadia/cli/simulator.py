@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (
-    IntList,
-    OutputPath,
-    chosen_plan,
-    emulate_links_option,
-    report_to,
-    workload_options,
-    workload_overrides,
-    writing,
-)
+from cascadia.cli.common import (IntList, OutputPath, chosen_plan, emulate_links_option, report_to, workload_options,
+                                 workload_overrides, writing)
 from cascadia.spec.load import load_spec
 
 

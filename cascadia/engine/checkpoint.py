@@ -22,15 +22,8 @@ import numpy as np
 from cascadia.engine.quantize import bf16_to_f32
 from cascadia.errors import CheckpointError
 from cascadia.model_config import ConfigError, InklingConfig
-from cascadia.tensors import (
-    MTP_PREFIX,
-    all_tensors,
-    canonical_name,
-    embedding_tensors,
-    head_tensors,
-    layer_prefix,
-    layer_tensors,
-)
+from cascadia.tensors import (MTP_PREFIX, all_tensors, canonical_name, embedding_tensors, head_tensors, layer_prefix,
+                              layer_tensors)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

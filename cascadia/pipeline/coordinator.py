@@ -24,26 +24,11 @@ from cascadia.driver import PhaseDriver
 from cascadia.errors import NodeError
 from cascadia.metrics import Recorder
 from cascadia.pipeline.transport import COORDINATOR, Transport, TransportError, receive_waiting, send
-from cascadia.pipeline.wire import (
-    COORDINATOR_SENDER,
-    Decoder,
-    Encoder,
-    Error,
-    Frame,
-    Hello,
-    Message,
-    Progress,
-    Ready,
-    Shutdown,
-    Stats,
-    StatsRequest,
-    Tokens,
-    VersionMismatch,
-    WireError,
-    node_sender,
-)
-from cascadia.policy import Event, Finished, Policy, Rejected, Request, Token
+from cascadia.pipeline.wire import (COORDINATOR_SENDER, Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready,
+                                    Shutdown, Stats, StatsRequest, Tokens, VersionMismatch, WireError, node_sender)
+from cascadia.policy import Event, Finished
 from cascadia.policy import Frame as PolicyFrame
+from cascadia.policy import Policy, Rejected, Request, Token
 
 log = logging.getLogger(__name__)
 

@@ -30,23 +30,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from cascadia.errors import NodeError
 from cascadia.pipeline.transport import Transport, TransportError, receive_waiting, send
-from cascadia.pipeline.wire import (
-    COORDINATOR_SENDER,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    Decoder,
-    Encoder,
-    Error,
-    Frame,
-    Hello,
-    Message,
-    Progress,
-    Ready,
-    Shutdown,
-    Stats,
-    StatsRequest,
-    Tokens,
-    WireError,
-)
+from cascadia.pipeline.wire import (COORDINATOR_SENDER, DEFAULT_MAX_MESSAGE_BYTES, Decoder, Encoder, Error, Frame,
+                                    Hello, Message, Progress, Ready, Shutdown, Stats, StatsRequest, Tokens, WireError)
 
 log = logging.getLogger(__name__)
 

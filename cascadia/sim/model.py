@@ -30,14 +30,8 @@ from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
 from cascadia.metrics import Recorder
 from cascadia.model_config import InklingConfig, LayerKind
 from cascadia.policy import Frame, Policy, Request
-from cascadia.sim.calibration import (
-    KIND_AXES,
-    Calibration,
-    CalibrationError,
-    Extrapolations,
-    NodeCalibration,
-    interpolate,
-)
+from cascadia.sim.calibration import (KIND_AXES, Calibration, CalibrationError, Extrapolations, NodeCalibration,
+                                      interpolate)
 from cascadia.spec.types import LinkSpec, Spec
 from cascadia.wire_format import frame_bytes, tokens_bytes
 

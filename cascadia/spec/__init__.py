@@ -2,18 +2,8 @@
 merged (`yaml_tree`); that tree validated into the classes (`load`), whose faults are `problems`; specs written back
 out as plain data (`dump`)."""
 
-from cascadia.spec.types import (
-    ClusterSpec,
-    LengthSpec,
-    LinkSpec,
-    ModelSpec,
-    NodeSpec,
-    RuntimeSpec,
-    Spec,
-    WeightFormat,
-    WeightFormats,
-    WorkloadSpec,
-)
+from cascadia.spec.types import (ClusterSpec, LengthSpec, LinkSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec,
+                                 WeightFormat, WeightFormats, WorkloadSpec)
 
 __all__ = [
     "ClusterSpec", "LengthSpec", "LinkSpec", "ModelSpec", "NodeSpec", "RuntimeSpec", "Spec", "WeightFormat",

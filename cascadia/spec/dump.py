@@ -13,17 +13,8 @@ import attrs
 import yaml
 
 from cascadia.model_config import InklingConfig
-from cascadia.spec.types import (
-    PAPER_FORMATS,
-    TENSOR_GROUPS,
-    LinkSpec,
-    NodeSpec,
-    RuntimeSpec,
-    Spec,
-    WeightFormat,
-    WeightFormats,
-    WorkloadSpec,
-)
+from cascadia.spec.types import (PAPER_FORMATS, TENSOR_GROUPS, LinkSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat,
+                                 WeightFormats, WorkloadSpec)
 from cascadia.units import format_bytes, format_duration, format_flops, format_rate
 
 

@@ -30,23 +30,9 @@ import attrs
 
 from cascadia.model_config import _ALIASES, ConfigError, InklingConfig, read_text_fields
 from cascadia.spec.problems import Problem, SpecError, shown
-from cascadia.spec.types import (
-    DEVICES,
-    PRECISIONS,
-    TENSOR_GROUPS,
-    WEIGHT_DTYPES,
-    ClusterSpec,
-    LengthSpec,
-    LinkSpec,
-    ModelSpec,
-    NodeSpec,
-    RuntimeSpec,
-    Spec,
-    WeightFormat,
-    WeightFormats,
-    WorkloadSpec,
-    is_tcp_address,
-)
+from cascadia.spec.types import (DEVICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYPES, ClusterSpec, LengthSpec, LinkSpec,
+                                 ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats, WorkloadSpec,
+                                 is_tcp_address)
 from cascadia.spec.yaml_tree import Node, read_document
 from cascadia.units import UnitError, format_bytes, parse_bytes, parse_duration, parse_flops, parse_rate
 from cascadia.workload import misfits
