@@ -47,16 +47,17 @@ import openvino.opset16 as ops
 from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
 import cascadia  # noqa: F401  before numpy, as in every cascadia command: numpy's BLAS keeps to one thread
+from cascadia import tensors as names
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
-from cascadia.engine.decoder import DecoderLayer
 from cascadia.engine.device import CompiledBlock, compile_options, device_precision
 from cascadia.engine.engine import Engine
+from cascadia.engine.inkling import DecoderLayer, Router
+from cascadia.engine.layer_build import build_layer
 from cascadia.engine.ov_ops import linear, swish, weight
-from cascadia.engine.routing import Router
 from cascadia.graph import costs
 from cascadia.model_config import InklingConfig
-from cascadia.spec.types import ModelSpec, WeightFormat
+from cascadia.spec.types import ModelSpec, RuntimeSpec, WeightFormat
 from cascadia.table import format_rows
 
 # Five sliding layers to one global, as in the real model; a dense MLP of width 4096.
@@ -118,8 +119,9 @@ class CountingRouter:
 
 class EngineDecoder:
     def __init__(self, checkpoint: Checkpoint, prompt_ids: np.ndarray):
-        self.engine = Engine(checkpoint, formats=FORMATS, precision=PRECISION, max_streams=max(STREAMS),
-                             context_budget=PROMPT_TOKENS + DECODE_STEPS, row_buckets=STREAMS)
+        runtime = RuntimeSpec(precision=PRECISION, max_streams=max(STREAMS),
+                              context_budget=PROMPT_TOKENS + DECODE_STEPS, row_buckets=STREAMS)
+        self.engine = Engine(checkpoint, runtime, formats=FORMATS)
         self.prompts = prompt_ids
         self.routers: dict[int, CountingRouter] = {}  # by MoE layer
         for i, layer in zip(self.engine.stage.layer_ids, self.engine.stage.layers):
@@ -136,19 +138,19 @@ class EngineDecoder:
         inputs they had: what the steps would cost with no host work between the calls (the most any change on
         the host side could reach)."""
         tokens = self._prefill(streams)
-        calls: list[tuple[CompiledBlock, tuple[np.ndarray, ...]]] = []
+        calls: list[tuple[CompiledBlock, tuple[np.ndarray, ...], int | None]] = []
         run = CompiledBlock.__call__
 
-        def record(block: CompiledBlock, *inputs: np.ndarray) -> list[np.ndarray]:
-            calls.append((block, tuple(x.copy() for x in inputs)))
-            return run(block, *inputs)
+        def record(block: CompiledBlock, *inputs: np.ndarray, bucket: int | None = None) -> list[np.ndarray]:
+            calls.append((block, tuple(x.copy() for x in inputs), bucket))
+            return run(block, *inputs, bucket=bucket)
 
         CompiledBlock.__call__ = record
         try:
             self._decode(tokens)
         finally:
             CompiledBlock.__call__ = run
-        return _seconds(lambda: [block(*inputs) for block, inputs in calls])
+        return _seconds(lambda: [block(*inputs, bucket=bucket) for block, inputs, bucket in calls])
 
     def _prefill(self, streams: int) -> np.ndarray:
         """Fresh streams in slots 0.. with their prompts; their first tokens."""
@@ -197,11 +199,11 @@ def all_experts_dense(layer: DecoderLayer, tensors: dict[str, np.ndarray], fmt: 
     """A MoE layer's routed and shared experts computed for every row, as one wide SwiGLU over the same
     compressed weights (scaled as the engine scales them): x [T, H], each expert's weight [T, E + S] (zero for
     experts a row did not choose) -> [T, H]."""
-    gate_up, down = tensors["mlp.experts.gate_up_proj"], tensors["mlp.experts.down_proj"]
+    gate_up, down = tensors[names.EXPERTS_GATE_UP], tensors[names.EXPERTS_DOWN]
     width = down.shape[2]
-    gate = np.concatenate([gate_up[:, :width], tensors["mlp.shared_experts.gate_proj"]])
-    up = np.concatenate([gate_up[:, width:], tensors["mlp.shared_experts.up_proj"]]) / np.float32(layer.up_divisor)
-    down = np.concatenate([down, tensors["mlp.shared_experts.down_proj"]])
+    gate = np.concatenate([gate_up[:, :width], tensors[names.SHARED_GATE]])
+    up = np.concatenate([gate_up[:, width:], tensors[names.SHARED_UP]]) / np.float32(layer.up_divisor)
+    down = np.concatenate([down, tensors[names.SHARED_DOWN]])
     n, hidden = gate.shape[0], gate.shape[2]
     x = ops.parameter([-1, hidden], ov.Type.f32, name="x")
     expert_weights = ops.parameter([-1, n], ov.Type.f32, name="expert_weights")
@@ -229,7 +231,7 @@ class BlockComparison:
         self.moe_layer, self.dense_layer = stage.layers[moe], stage.layers[dense]
         self.all_dense = compile_block(all_experts_dense(self.moe_layer, checkpoint.layer(moe),
                                                          FORMATS.routed_experts))
-        self.sliced = DecoderLayer(cfg, dense, checkpoint.layer(dense), FORMATS, compile_block, DENSE_SLICES)
+        self.sliced = build_layer(cfg, dense, checkpoint.layer(dense), FORMATS, compile_block, DENSE_SLICES)
         self.hidden, self.experts = cfg.hidden_size, cfg.n_routed_experts + cfg.n_shared_experts
 
     def inputs(self, rows: int):
@@ -288,7 +290,7 @@ def memory_child(path: str, results) -> None:
     checkpoint = Checkpoint.open(path)
     decoder = EngineDecoder(checkpoint, prompts(checkpoint.config))
     decoder.decode_seconds(max(STREAMS))
-    state = sum(a.nbytes for s in decoder.engine.stage.states for a in (s.k, s.v, *s.conv.values()))
+    state = decoder.engine.stage.state_bytes
     results.put(_process_memory() | {"baseline": baseline, "state": state})
 
 
