@@ -110,6 +110,18 @@ def test_greedy_tokens_equal_the_single_process_engine_at_every_concurrency(spec
     json.dumps(done.result)
 
 
+def test_open_loop_arrivals_on_the_pipeline_give_the_engines_tokens(spec, pipeline, engine):
+    """Requests arriving at Poisson times (some while others decode) are admitted as they come, exactly."""
+    workload = attrs.evolve(spec.workload, rate=(20.0,), requests=6, output_tokens=6)
+    done = pipeline.run(workload)
+    assert [line["rate"] for line in done.outputs] == [20.0] * 12 and len(done.outputs) == 12
+    assert_outputs_match_engine(done.outputs, engine, Sampling())
+    [level] = done.result["levels"]
+    assert level["rate"] == 20.0 and level["concurrency"] is None and level["requests"] == 6
+    arrivals = [r["t_arrival"] for r in done.result["requests"] if r["phase"] == MEASURED]
+    assert max(arrivals) - min(arrivals) > 0  # they did not all come at once
+
+
 def test_frames_wider_than_the_largest_row_bucket_are_split_exactly(spec, pipeline, engine):
     # One group holds all 8 streams: 8 decode rows plus a 4-row prefill window exceed the 8-row bucket.
     workload = attrs.evolve(spec.workload, concurrency=(8,), requests=10, output_tokens=5)

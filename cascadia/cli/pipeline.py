@@ -76,16 +76,14 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 @click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True),
               help="seconds a starting node may stay silent [default: 120]")
 @emulate_links_option
-def run_command(spec: str, plan_path: str | None, checkpoint: str | None, concurrency, requests, prompts,
-                prompt_tokens, max_new_tokens, greedy, temperature, top_p, seed, groups, json_path, outputs_path,
-                control, tokens, node_timeout, emulate_links) -> None:
-    """Run the spec's workload through the real pipeline and print throughput and latency per concurrency level.
+def run_command(spec: str, plan_path: str | None, checkpoint: str | None, choices: dict, greedy, temperature, top_p,
+                seed, groups, json_path, outputs_path, control, tokens, node_timeout, emulate_links) -> None:
+    """Run the spec's workload through the real pipeline and print throughput and latency per level.
 
     Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
     `cascadia node ... --control ADDRESS` (the last one also with --successor set to the --tokens address)."""
     loaded = load_spec(spec)
-    workload = with_sampling(workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens),
-                              greedy, temperature, top_p, seed)
+    workload = with_sampling(workload_overrides(loaded, choices), greedy, temperature, top_p, seed)
     _run_and_report(loaded, plan_path, workload, checkpoint, groups, json_path, outputs_path, control, tokens,
                     node_timeout, emulate_links)
 
@@ -110,9 +108,9 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
             with writing(json_path) as f:
                 json.dump(result, f, indent=1)
 
-    def phase_done(level: int, phase: str, records: list) -> None:
+    def phase_done(level: str, phase: str, records: list) -> None:
         tokens_out = sum(r.output_tokens for r in records)
-        click.echo(f"concurrency {level}, {phase}: {len(records)} requests, {tokens_out} tokens", err=True)
+        click.echo(f"{level}, {phase}: {len(records)} requests, {tokens_out} tokens", err=True)
 
     if (control is None) != (tokens is None):
         raise click.UsageError("give both --control and --tokens, or neither")

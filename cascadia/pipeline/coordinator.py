@@ -29,6 +29,7 @@ from cascadia.pipeline.wire import (COORDINATOR_SENDER, Decoder, Encoder, Error,
 from cascadia.policy import Event, Finished
 from cascadia.policy import Frame as PolicyFrame
 from cascadia.policy import Policy, Rejected, Request, Token
+from cascadia.workload import Arrivals
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,9 @@ class Outputs:
         self.lines: list[dict] = []
         self._open: dict[int, tuple[dict, list[int]]] = {}
 
-    def arrived(self, request: Request, level: int, phase: str) -> None:
-        line = {"concurrency": level, "phase": phase, "request_id": request.id, "prompt_ids": list(request.prompt_ids)}
+    def arrived(self, request: Request, recorder: Recorder) -> None:
+        line = {"concurrency": recorder.level, "rate": recorder.rate, "phase": recorder.phase, "request_id": request.id,
+                "prompt_ids": list(request.prompt_ids)}
         self._open[request.id] = (line, [])
 
     def observe(self, events: Iterable[Event]) -> None:
@@ -98,6 +100,7 @@ class Coordinator:
         self._last_dropped: dict[str, str] = {}  # why each node's last dropped control message was dropped
         self._on_message: Callable[[str, Message], None] = lambda node, message: None
         self._clock0 = time.perf_counter()
+        self._last_ping = 0.0
 
     def now(self) -> float:
         return time.perf_counter() - self._clock0
@@ -121,34 +124,22 @@ class Coordinator:
         self.first = self.transport.connect(zmq.PUSH, first_address, self.nodes[0])
 
     # ---- serving --------------------------------------------------------------------------------------------
-    def run_phase(self, policy: Policy, requests: Sequence[Request], clients: int, recorder: Recorder,
+    def run_phase(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder,
                   outputs: Outputs) -> dict[str, float]:
-        """Serve a phase's requests from `clients` closed-loop clients; returns each node's busy seconds in it.
+        """Serve a phase of `requests` requests sent as `arrivals` says; returns each node's busy seconds in it.
         The phase's bookkeeping is the simulator's `PhaseDriver`; here its frames go through the real pipeline."""
-        driver = PhaseDriver(policy, requests, clients, recorder,
-                             on_arrived=lambda request: outputs.arrived(request, recorder.level, recorder.phase),
+        driver = PhaseDriver(policy, arrivals, requests, recorder,
+                             on_arrived=lambda request: outputs.arrived(request, recorder),
                              on_events=outputs.observe)
         busy_before = {node: stats.busy_s for node, stats in self.stats().items()}
-        in_flight: dict[int, PolicyFrame] = {}
-
-        def launch(frames: list[PolicyFrame]) -> None:
-            for frame in frames:
-                in_flight[frame.group] = frame
-                self.send_frame(wire_frame(frame))
-
-        launch(driver.start(self.now()))
+        flight = Flight(self)
+        flight.launch(driver.start(self.now()))
         while not driver.done:
-            tokens = self.next_tokens()
-            frame = in_flight.pop(tokens.group, None)
-            if frame is None or frame.seq != tokens.frame_id:
-                raise PipelineError(f"tokens for frame {tokens.frame_id} of group {tokens.group}, which is not in "
-                                    "flight")
-            sampled_slots = [row.slot for row in frame.rows if row.sampled]
-            if tokens.slots.tolist() != sampled_slots:
-                raise PipelineError(f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected "
-                                    f"{sampled_slots}")
-            sampled = dict(zip(frame.sampled_ids, tokens.token_ids.tolist()))
-            launch(driver.complete(frame, sampled, self.now()))
+            completed = flight.wait(until=driver.next_arrival)
+            if completed is None:  # an open-loop request is due
+                flight.launch(driver.arrive(self.now()))
+            else:
+                flight.launch(driver.complete(*completed, self.now()))
         return {node: stats.busy_s - busy_before[node] for node, stats in self.stats().items()}
 
     def send_frame(self, frame: Frame) -> None:
@@ -159,19 +150,26 @@ class Coordinator:
             raise PipelineError(f"{self.nodes[0]}: {e}") from None
 
     def next_tokens(self) -> Tokens:
-        """The next TOKENS from the last node, watching the pipeline while waiting."""
+        """The next TOKENS from the last node, watching the pipeline while waiting (`stall_s` without them is an
+        error)."""
         since = time.monotonic()
-        while True:
-            ready = self._poll()
-            if self.tokens in ready and (frames := receive_waiting(self.tokens)) is not None:
-                try:
-                    return self.token_decoder.decode(frames).message
-                except WireError as e:
-                    self._drop("token socket", str(e))
+        while (tokens := self.poll_tokens(HEARTBEAT_S)) is None:
             if time.monotonic() - since > self.stall_s:
                 raise PipelineError(self._stall_report())
-            if not ready:
-                self._ping()
+        return tokens
+
+    def poll_tokens(self, timeout_s: float, wake: Sequence = ()) -> Tokens | None:
+        """TOKENS from the last node if some come within `timeout_s`, taking in control messages and checking on the
+        nodes meanwhile; None sooner when one of `wake` (sockets or file descriptors) becomes readable."""
+        ready = self._poll(timeout_s, wake)
+        if self.tokens in ready and (frames := receive_waiting(self.tokens)) is not None:
+            try:
+                return self.token_decoder.decode(frames).message
+            except WireError as e:
+                self._drop("token socket", str(e))
+        if not ready and time.monotonic() - self._last_ping >= HEARTBEAT_S:
+            self._ping()
+        return None
 
     def _stall_report(self) -> str:
         """Why a stall is an error, with each node's last counters, so that a silent or poisoned node stands out."""
@@ -203,13 +201,21 @@ class Coordinator:
 
     def _ping(self) -> None:
         """Ask every node for its stats: sending to a node whose control connection dropped fails at once."""
+        self._last_ping = time.monotonic()
         for node in self.nodes:
             self._tell(node, StatsRequest())
             self._stats_owed[node] += 1
 
-    def _poll(self) -> dict:
-        """Wait up to a heartbeat for input and take in one control message, then check on the nodes."""
-        ready = dict(self.poller.poll(HEARTBEAT_S * 1000))
+    def _poll(self, timeout_s: float = HEARTBEAT_S, wake: Sequence = ()) -> dict:
+        """Wait up to `timeout_s` for input (or one of `wake` to be readable) and take in one control message, then
+        check on the nodes."""
+        for waker in wake:
+            self.poller.register(waker, zmq.POLLIN)
+        try:
+            ready = dict(self.poller.poll(max(0, round(timeout_s * 1000))))
+        finally:
+            for waker in wake:
+                self.poller.unregister(waker)
         if self.control in ready:
             self._next_control()
         self.watch()
@@ -298,6 +304,55 @@ class Coordinator:
 
     def close(self) -> None:
         self.transport.close()
+
+
+class Flight:
+    """The policy's frames the pipeline is computing (at most one per group), each matched with its tokens as they
+    come back. Tokens that cannot be a frame's in flight mean the pipeline lost track: an error naming the frame."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.frames: dict[int, PolicyFrame] = {}  # by group
+        self._progress = time.monotonic()  # when the last tokens came back, or the pipeline went busy
+
+    def launch(self, frames: Iterable[PolicyFrame]) -> None:
+        for frame in frames:
+            if not self.frames:
+                self._progress = time.monotonic()
+            self.frames[frame.group] = frame
+            self.coordinator.send_frame(wire_frame(frame))
+
+    def wait(self, until: float | None = None, wake: Sequence = ()) -> tuple[PolicyFrame, dict[int, int]] | None:
+        """The next frame to come back and its sampled tokens ({request id: token}); None once the coordinator's
+        clock passes `until`, or sooner when one of `wake` becomes readable. No tokens for `stall_s` while frames
+        are in flight is an error."""
+        coordinator = self.coordinator
+        while True:
+            timeout = HEARTBEAT_S if until is None else min(HEARTBEAT_S, until - coordinator.now())
+            tokens = coordinator.poll_tokens(max(timeout, 0.0), wake)
+            if tokens is not None:
+                self._progress = time.monotonic()
+                return self._match(tokens)
+            if until is not None and coordinator.now() >= until:
+                return None
+            if wake and _readable(wake):
+                return None
+            if self.frames and time.monotonic() - self._progress > coordinator.stall_s:
+                raise PipelineError(coordinator._stall_report())
+
+    def _match(self, tokens: Tokens) -> tuple[PolicyFrame, dict[int, int]]:
+        frame = self.frames.pop(tokens.group, None)
+        if frame is None or frame.seq != tokens.frame_id:
+            raise PipelineError(f"tokens for frame {tokens.frame_id} of group {tokens.group}, which is not in flight")
+        sampled_slots = [row.slot for row in frame.rows if row.sampled]
+        if tokens.slots.tolist() != sampled_slots:
+            raise PipelineError(f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected "
+                                f"{sampled_slots}")
+        return frame, dict(zip(frame.sampled_ids, tokens.token_ids.tolist()))
+
+
+def _readable(wake: Sequence) -> bool:
+    return bool(zmq.select(list(wake), [], [], 0)[0])
 
 
 def wire_frame(frame: PolicyFrame) -> Frame:

@@ -140,7 +140,7 @@ class Pipeline:
         return pipeline
 
     def run(self, workload: WorkloadSpec, prompts: Sequence[tuple[int, ...]] | None = None,
-            groups: int | None = None, on_phase: Callable[[int, str, list], None] = lambda level, phase, records: None,
+            groups: int | None = None, on_phase: Callable[[str, str, list], None] = lambda level, phase, records: None,
             ) -> RunResult:
         """Every concurrency level of `workload` (warm-up and measured phase); `prompts` default to the workload's
         prompts file (text encoded by the checkpoint's tokenizer), or seeded random prompts without one; `groups`
@@ -157,7 +157,7 @@ class Pipeline:
                                   plan=self.plan.to_dict(), warnings=warnings)
 
         def run_phase(level: Level, phase: Phase, recorder: metrics.Recorder) -> dict[str, float]:
-            return self.coordinator.run_phase(policy, phase.requests, level.concurrency, recorder, outputs)
+            return self.coordinator.run_phase(policy, level.arrivals(phase), len(phase.requests), recorder, outputs)
 
         try:
             serve_workload(spec, workload, prompts, run_phase, served, on_phase)
