@@ -29,7 +29,10 @@ from collections.abc import Mapping
 
 import attrs
 
+from cascadia.sampling import Sampling
 from cascadia.spec.types import RuntimeSpec
+
+GREEDY = Sampling()
 
 PREFILL, DECODE = "prefill", "decode"
 LENGTH, STOP, CANCELLED = "length", "stop", "cancelled"  # why a stream finished
@@ -41,6 +44,7 @@ class Request:
     prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
     max_new_tokens: int
     stop_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    sampling: Sampling = GREEDY  # how its tokens are drawn (the last stage samples each row by its own)
 
 
 @attrs.frozen
@@ -53,6 +57,7 @@ class Row:
     kind: str  # PREFILL or DECODE
     token: int  # the prompt token, or the stream's last sampled token
     sampled: bool  # the last stage samples a token from this row's logits
+    sampling: Sampling = GREEDY  # its stream's
 
 
 @attrs.frozen
@@ -200,14 +205,14 @@ class Policy:
             raise ValueError(f"group {group} is not in 0..{self.n_groups - 1}")
         if group in self._in_flight:
             return None
-        rows = [Row(s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True)
-                for s in self._groups[group] if s.output]
+        rows = [Row(s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True,
+                    s.request.sampling) for s in self._groups[group] if s.output]
         window, prefilling = self.prefill_window, self._prefilling[group]
         while window and prefilling:
             s = prefilling[0]
             end = min(s.prompt_len, s.prefilled + window)
-            rows += [Row(s.slot, s.request.id, pos, PREFILL, s.request.prompt_ids[pos], pos == s.prompt_len - 1)
-                     for pos in range(s.prefilled, end)]
+            rows += [Row(s.slot, s.request.id, pos, PREFILL, s.request.prompt_ids[pos], pos == s.prompt_len - 1,
+                         s.request.sampling) for pos in range(s.prefilled, end)]
             window -= end - s.prefilled
             s.prefilled = end
             if end == s.prompt_len:

@@ -30,6 +30,7 @@ import numpy as np
 from cascadia.errors import CascadiaError, RequestError
 from cascadia.model_config import InklingConfig
 from cascadia.policy import Request
+from cascadia.sampling import Sampling
 from cascadia.spec.types import LengthSpec, RuntimeSpec, SloSpec, WorkloadSpec
 
 WARMUP, MEASURED = "warmup", "measured"
@@ -109,7 +110,7 @@ def build_levels(workload: WorkloadSpec, vocab_size: int, prompts: Sequence[tupl
     `prompts` (e.g. from `load_prompts(workload.prompts_file)`) replaces random prompts; `stop_ids` (EOS) makes
     requests stop early when sampled.
     """
-    levels, next_id = [], 0
+    levels, next_id, sampling = [], 0, Sampling.of(workload)
     loads = [(None, rate) for rate in workload.rate] or [(concurrency, None) for concurrency in workload.concurrency]
     for concurrency, rate in loads:
         if rate is None:
@@ -127,7 +128,7 @@ def build_levels(workload: WorkloadSpec, vocab_size: int, prompts: Sequence[tupl
                 else:
                     length = int(rng.integers(workload.prompt_tokens.low, workload.prompt_tokens.high + 1))
                     prompt = tuple(int(t) for t in rng.integers(0, vocab_size, length))
-                requests.append(Request(next_id, prompt, workload.output_tokens, stop_ids))
+                requests.append(Request(next_id, prompt, workload.output_tokens, stop_ids, sampling))
                 next_id += 1
             phases.append(Phase(name, tuple(requests), int(rng.integers(2**31))))
         levels.append(Level(concurrency, rate, tuple(phases)))

@@ -40,7 +40,7 @@ def test_single_stream_is_the_sum_of_stage_and_link_times():
     stages = [k["embedding"] + 2 * k["sliding"] + k["dense"] + k["moe"] + overhead,
               k["global"] + k["sliding"] + 2 * k["moe"] + overhead,
               k["sliding"] + k["global"] + 2 * k["moe"] + k["head"] + overhead]
-    frame, token = 44 + 13 + HIDDEN_BYTES, 44 + 8  # header, a row's slot, position, token and flag, its residual
+    frame, token = 44 + 37 + HIDDEN_BYTES, 44 + 8  # header, a row's indices, flag and sampling, its residual
     wires = [1e-4 + frame / 1e8, 2e-4 + frame / 2e8, 3e-4 + token / 5e7]  # the last sends one token back
     assert record.ttft == pytest.approx(sum(stages) + sum(wires), rel=1e-12)
     assert list(busy.values()) == pytest.approx(stages, rel=1e-12)

@@ -263,8 +263,8 @@ class Coordinator:
                 self._stats_owed[node] = max(0, self._stats_owed[node] - 1)
             case Hello() if self.digest is not None and message.settings != self.digest:
                 raise PipelineError(f"{node}: started with other settings than this run (digest {message.settings}, "
-                                    f"expected {self.digest}): start it with the same spec, plan and sampling "
-                                    "options as `cascadia run`")
+                                    f"expected {self.digest}): start it with the same spec and plan as "
+                                    "`cascadia run`, and --logits only for `cascadia score`")
             case Hello() | Progress() | Ready():
                 self._last_heard[node] = time.monotonic()
                 if isinstance(message, Ready):
@@ -359,4 +359,6 @@ def wire_frame(frame: PolicyFrame) -> Frame:
     """The policy's frame as the pipeline carries it."""
     rows = frame.rows
     return Frame(frame.seq, frame.group, [r.slot for r in rows], [r.position for r in rows],
-                 [r.token for r in rows], [r.sampled for r in rows], bucket=frame.padded_rows)
+                 [r.token for r in rows], [r.sampled for r in rows], bucket=frame.padded_rows,
+                 temperature=[r.sampling.temperature for r in rows], top_p=[r.sampling.top_p for r in rows],
+                 seed=[r.sampling.seed for r in rows])
