@@ -19,11 +19,11 @@ import attrs
 
 from cascadia.errors import NodeError
 from cascadia.graph.plan import Plan
+from cascadia.metrics import describe_level, level_label
 from cascadia.pipeline.run import RunFailed, run
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
-from cascadia.metrics import describe_level, level_label
 from cascadia.table import format_rows
 
 SCHEMA = "cascadia.validation/2"

@@ -15,6 +15,7 @@ as itself, the token socket only the last node's TOKENS; anything else is logged
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -107,13 +108,17 @@ class Coordinator:
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def wait_ready(self, first_address: str, timeout_s: float,
-                   on_message: Callable[[str, Message], None] = lambda node, message: None) -> None:
+                   on_message: Callable[[str, Message], None] = lambda node, message: None,
+                   stop: threading.Event | None = None) -> None:
         """Wait for every node's READY, passing each HELLO, PROGRESS and READY to `on_message`. A node silent for
-        `timeout_s` (from the start, or from its last message) is an error naming it. Then connect to the first."""
+        `timeout_s` (from the start, or from its last message) is an error naming it, and so is `stop` set by
+        another thread. Then connect to the first."""
         self._on_message = on_message
         start = time.monotonic()
         while len(self._ready) < len(self.nodes):
             self._poll()
+            if stop is not None and stop.is_set():
+                raise PipelineError("stopped before every node was ready")
             silent = [n for n in self.nodes
                       if n not in self._ready and time.monotonic() - self._last_heard.get(n, start) > timeout_s]
             if silent:

@@ -9,6 +9,7 @@ token sequences (`score`) until closed; closing shuts every node down.
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -88,13 +89,14 @@ class Pipeline:
     def start(cls, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, with_logits: bool = False,
               addresses: Addresses | None = None, node_timeout_s: float = NODE_TIMEOUT_S,
               stall_s: float = STALL_S, on_message: Callable[[str, Message], None] = lambda node, message: None,
-              emulate_links: bool = False) -> Pipeline:
+              emulate_links: bool = False, stop: threading.Event | None = None) -> Pipeline:
         """Start (local) or wait for (tcp) the plan's nodes, until every one is READY.
 
         Local nodes read `checkpoint` (default: the spec's), and send the sampled rows' logits back when
         `with_logits` (for `score`); with `emulate_links` each runs in
         a network namespace of its own, its link to the next shaped to the spec's bandwidth. Remote nodes were
-        started with their own options; `addresses` must then be ones they reach."""
+        started with their own options; `addresses` must then be ones they reach. `stop`, set by another thread,
+        ends the wait (a PipelineError) and shuts the nodes down."""
         nodes = {node.name: node for node in spec.cluster.nodes}
         names = [stage.node for stage in plan.stages]
         if unknown := [name for name in names if name not in nodes]:
@@ -131,7 +133,7 @@ class Pipeline:
             _close(coordinator, local_nodes, run_dir, AFTER_FAILURE_S)
             raise
         try:
-            coordinator.wait_ready(first, node_timeout_s, on_message)
+            coordinator.wait_ready(first, node_timeout_s, on_message, stop)
         except BaseException:
             pipeline.close(AFTER_FAILURE_S)
             raise
