@@ -15,8 +15,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate
@@ -282,6 +284,36 @@ def test_without_the_api_key_requests_get_401(server):
     response = httpx.get(f"{server.url}/v1/models", timeout=10)
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}  # health stays open
+
+
+# ---- `cascadia run --url`: the load generator ---------------------------------------------------------------------
+@pytest.mark.parametrize("levels", [["--concurrency", "1,3"], ["--rate", "20", "--slo", "ttft=10s,tpot=2s"]])
+def test_run_url_reports_the_workload_in_the_run_schema(server, tmp_path, levels):
+    (tmp_path / "key").write_text(KEY + "\n")
+    out = tmp_path / "load.json"
+    result = CliRunner().invoke(cli, ["run", str(SPEC), "--url", server.url, "--api-key-file", str(tmp_path / "key"),
+                                      *levels, "--requests", "6", "--max-new-tokens", "5", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["source"] == "run" and len(report["levels"]) == len(levels[1].split(","))
+    for level in report["levels"]:
+        assert (level["requests"], level["output_tokens"]) == (6, 30), level  # the workload ignores EOS
+        assert 0 < level["ttft_s"]["p50"] <= level["ttft_s"]["p99"] and level["decode_tokens_per_s"] > 0
+        assert set(level["busy"]) == {"node0", "node1", "node2"}  # from the server's /status
+    if "--slo" in levels:
+        assert 0 <= report["levels"][0]["goodput"]["fraction"] <= 1
+
+
+def test_run_url_names_a_server_it_cannot_reach(tmp_path):
+    result = CliRunner().invoke(cli, ["run", str(SPEC), "--url", f"http://127.0.0.1:{free_port()}",
+                                      "--concurrency", "1", "--requests", "1", "--max-new-tokens", "2"])
+    assert result.exit_code != 0 and "cannot list the server's models" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_run_url_refuses_the_options_of_a_local_pipeline(server):
+    result = CliRunner().invoke(cli, ["run", str(SPEC), "--url", server.url, "--groups", "2"])
+    assert result.exit_code == 2 and "--groups" in result.output
 
 
 # ---- metrics and status -----------------------------------------------------------------------------------------

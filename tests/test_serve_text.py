@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from cascadia.serve.text import TextStream
 from cascadia.tokenizer import load_tokenizer
 
+
 @pytest.fixture(scope="module")
 def tokenizer(checkpoint):
     return load_tokenizer(checkpoint)

@@ -73,16 +73,53 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 @click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True),
               help="seconds a starting node may stay silent [default: 120]")
 @emulate_links_option
+@click.option("--url", help="instead of starting the pipeline, send the workload to this live OpenAI-compatible "
+                            "server (e.g. http://127.0.0.1:8000), timed on the client side")
+@click.option("--api-key-file", type=click.File("r"), help="with --url: the server's key (the file's first line)")
+@click.option("--model", help="with --url: the model to ask for (default: the server's only one)")
 def run_command(spec: str, plan_path: str | None, checkpoint: str | None, choices: dict, greedy, temperature, top_p,
-                seed, groups, json_path, outputs_path, control, tokens, node_timeout, emulate_links) -> None:
+                seed, groups, json_path, outputs_path, control, tokens, node_timeout, emulate_links, url, api_key_file,
+                model) -> None:
     """Run the spec's workload through the real pipeline and print throughput and latency per level.
 
     Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
-    `cascadia node ... --control ADDRESS` (the last one also with --successor set to the --tokens address)."""
+    `cascadia node ... --control ADDRESS` (the last one also with --successor set to the --tokens address). With
+    --url the workload goes to a running server through its OpenAI API instead: the load generator for a
+    deployment."""
     loaded = load_spec(spec)
     workload = with_sampling(workload_overrides(loaded, choices), greedy, temperature, top_p, seed)
+    if url is not None:
+        pipeline_only = {"--plan": plan_path, "--groups": groups, "--outputs": outputs_path, "--control": control,
+                         "--tokens": tokens, "--node-timeout": node_timeout, "--emulate-links": emulate_links or None}
+        if given := [name for name, value in pipeline_only.items() if value is not None]:
+            raise click.UsageError(f"{', '.join(given)}: for the pipeline `run` starts, not with --url")
+        _load_and_report(loaded, workload, url, api_key_file, model, checkpoint, json_path)
+        return
+    if api_key_file is not None or model is not None:
+        raise click.UsageError("--api-key-file and --model go with --url")
     _run_and_report(loaded, plan_path, workload, checkpoint, groups, json_path, outputs_path, control, tokens,
                     node_timeout, emulate_links)
+
+
+def _load_and_report(loaded, workload, url: str, api_key_file, model: str | None, checkpoint: str | None,
+                     json_path: str | None) -> None:
+    """`run --url`: the workload against a live server, with progress on stderr; the table, the JSON."""
+    import json
+    from pathlib import Path
+
+    from cascadia.metrics import format_table
+    from cascadia.serve.load import Target, run_url
+    from cascadia.tokenizer import workload_prompts
+
+    report = report_to(json_path)
+    key = api_key_file.readline().strip() if api_key_file is not None else None
+    prompts = workload_prompts(workload, Path(checkpoint) if checkpoint else loaded.model.checkpoint)
+    result = run_url(loaded, workload, Target(url, key, model), prompts, on_phase=lambda level, phase, records:
+                     click.echo(f"{level}, {phase}: {len(records)} requests", err=True))
+    report(format_table(result))
+    if json_path:
+        with writing(json_path) as f:
+            json.dump(result, f, indent=1)
 
 
 def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | None = None, groups: int | None = None,

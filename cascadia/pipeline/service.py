@@ -3,7 +3,8 @@
 One thread owns the coordinator (a ZeroMQ socket belongs to one thread) and drives the shared policy, as `run_phase`
 does for a workload: every group with nothing in flight gets its next frame, each frame's tokens complete it. Other
 threads talk to it only through a queue and a wake-up socket: `submit` and `cancel` put a command on the queue and
-write a byte that wakes the thread's poll at once, so the pipeline never waits on HTTP, nor HTTP on the pipeline.
+write a byte that wakes the thread's poll at once, so the pipeline never waits on HTTP, nor HTTP on the pipeline
+(`busy_seconds` too, and waits for the thread's answer).
 Each request's events (`policy.Event`: admitted, tokens, finished or rejected) go to the callback it was submitted
 with, called on the service thread with the coordinator's clock; the callback must hand them on and return.
 
@@ -14,6 +15,7 @@ service stops (`status().error` says why).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import socket
@@ -89,6 +91,18 @@ class PipelineService:
         """Stop a request (nothing for one that has ended): it ends with Finished(reason "cancelled")."""
         self._command(("cancel", request_id))
 
+    def busy_seconds(self, timeout_s: float = 10.0) -> dict[str, float]:
+        """Each node's busy seconds since it started, read from the nodes now (so that a load generator can time a
+        phase's busy share exactly); empty while the pipeline is not serving, or gives no answer in `timeout_s`."""
+        if not self.status().ready:
+            return {}
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        self._command(("busy", answer))
+        try:
+            return answer.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            return {}
+
     def status(self) -> Status:
         with self._lock:
             return Status(self._ready, self._loading, self._error, *self._counts, dict(self._busy),
@@ -140,7 +154,7 @@ class PipelineService:
                 command = self._commands.get()
                 if command[0] == "stop":
                     return
-                self._apply(command, coordinator.now())
+                self._apply(command, coordinator)
             flight.launch(frame for group in range(policy.n_groups) if (frame := policy.next_frame(group)))
             with self._lock:
                 self._counts = (policy.active, policy.waiting)
@@ -150,13 +164,15 @@ class PipelineService:
                 self._dispatch(policy.complete_frame(*completed), coordinator.now())
             self._update_stats(coordinator)
 
-    def _apply(self, command: tuple, now: float) -> None:
+    def _apply(self, command: tuple, coordinator) -> None:
         if command[0] == "submit":
             _, request, on_event = command
             self._listeners[request.id] = on_event
-            self._dispatch(self._policy.add_request(request), now)
-        else:
-            self._dispatch(self._policy.cancel(command[1]), now)
+            self._dispatch(self._policy.add_request(request), coordinator.now())
+        elif command[0] == "cancel":
+            self._dispatch(self._policy.cancel(command[1]), coordinator.now())
+        else:  # "busy"
+            command[1].set_result({node: stats.busy_s for node, stats in coordinator.stats().items()})
 
     def _dispatch(self, events: list[Event], now: float) -> None:
         for event in events:
@@ -203,3 +219,5 @@ class PipelineService:
             command = self._commands.get()
             if command[0] == "submit":
                 command[2](Failed(command[1].id, reason), 0.0)
+            elif command[0] == "busy":
+                command[1].set_result({})

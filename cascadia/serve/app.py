@@ -280,7 +280,7 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/status")
     async def status():
-        return _status(server)
+        return _status(server, await asyncio.to_thread(server.service.busy_seconds))
 
     @app.get("/")
     async def page():
@@ -348,8 +348,9 @@ def _validation_error(e: RequestValidationError) -> ApiError:
     return ApiError(400, f"{param}: {message}" if param else message, "invalid_request", param=param)
 
 
-def _status(server: Server) -> dict:
-    """What the page shows: the plan's stages, each node's load, the requests, the recent tokens per second."""
+def _status(server: Server, busy_s: dict[str, float]) -> dict:
+    """What the page shows: the plan's stages, each node's load, the requests, the recent tokens per second; and
+    each node's busy seconds so far (`busy_s`), for a load generator's busy shares."""
     status = server.service.status()
     return {
         "model": server.settings.model_name, "ready": status.ready and not server.draining,
@@ -357,6 +358,7 @@ def _status(server: Server) -> dict:
         "running": len(server.open) - server.waiting, "waiting": server.waiting,
         "tokens_per_s": server.tokens_per_s(),
         "stages": [{"node": s.node, "layers": [s.first_layer, s.last_layer], "roles": list(s.roles),
-                    "busy": status.busy.get(s.node), "frames_per_s": status.frames_per_s.get(s.node)}
+                    "busy": status.busy.get(s.node), "frames_per_s": status.frames_per_s.get(s.node),
+                    "busy_s": busy_s.get(s.node)}
                    for s in server.service.plan.stages],
     }

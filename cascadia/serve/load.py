@@ -1,0 +1,151 @@
+"""`cascadia run --url`: a spec's workload against a live OpenAI-compatible server, timed on the client side.
+
+The same levels, phases, prompts (as token ids) and arrivals as `cascadia run` serves on its own pipeline, sent as
+streamed `/v1/completions` requests by the `openai` client: a request arrives when its client sends it, and each
+token when its stream chunk comes back (`cascadia serve` sends a chunk per token, so that tokens are timed one by
+one; the count is the usage the server reports). The same `Recorder` turns that into the same metrics schema, so a
+run against a deployment, a local run and a simulation read alike. Each node's busy seconds come from the server's
+`/status`, when it is a `cascadia serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+import httpx
+import openai
+
+from cascadia import metrics
+from cascadia.driver import Served, serve_workload
+from cascadia.errors import NodeError, RequestError
+from cascadia.metrics import Recorder
+from cascadia.policy import LENGTH, STOP, Finished, Request, Token
+from cascadia.spec.types import Spec, WorkloadSpec
+from cascadia.workload import Arrivals, Level, Phase
+
+TIMEOUT_S = 600.0  # one request's longest wait for the server
+_FINISH = {"length": LENGTH, "stop": STOP}
+
+
+@attrs.frozen
+class Target:
+    """A server: its base URL (http://HOST:PORT), the API key it wants, and the model name (None: its only one)."""
+
+    url: str
+    api_key: str | None = None
+    model: str | None = None
+
+    @property
+    def base(self) -> str:
+        return self.url.rstrip("/")
+
+
+def run_url(spec: Spec, workload: WorkloadSpec, target: Target, prompts: Sequence[tuple[int, ...]] | None,
+            on_phase: Callable[[str, str, list], None] = lambda level, phase, records: None) -> dict:
+    """Every level of `workload` against the server, in the metrics schema (source "run"). A server that cannot be
+    reached, or fails a request, is a NodeError naming it."""
+    model = target.model or asyncio.run(_only_model(target))
+    served = Served()
+
+    def run_phase(level: Level, phase: Phase, recorder: Recorder) -> dict[str, float]:
+        return asyncio.run(_phase(target, model, level.arrivals(phase), len(phase.requests), recorder))
+
+    serve_workload(spec, workload, prompts, run_phase, served, on_phase)
+    return metrics.result("run", attrs.evolve(spec, workload=workload), served.levels, served.records,
+                          warnings=[f"measured on the client side, against {target.url} (model {model})"])
+
+
+def _client(target: Target) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{target.base}/v1", api_key=target.api_key or "none", max_retries=0,
+                              timeout=TIMEOUT_S)
+
+
+async def _only_model(target: Target) -> str:
+    async with _client(target) as client:
+        try:
+            models = [model.id async for model in client.models.list()]
+        except openai.APIError as e:
+            raise NodeError(f"{target.url}: cannot list the server's models ({e})") from None
+    if len(models) != 1:
+        raise RequestError(f"{target.url} serves {len(models)} models ({', '.join(models)}): name one (--model)")
+    return models[0]
+
+
+async def _phase(target: Target, model: str, arrivals: Arrivals, requests: int, recorder: Recorder) -> dict:
+    """One phase's requests sent as `arrivals` says, each streamed and timed; each node's busy seconds in it."""
+    async with _client(target) as client, httpx.AsyncClient(timeout=30) as http:
+        busy_before = await _busy_seconds(http, target)
+        clock0 = time.perf_counter()
+        tasks: set[asyncio.Task] = set()
+
+        def now() -> float:
+            return time.perf_counter() - clock0
+
+        def send(batch: list[Request]) -> None:
+            for request in batch:
+                recorder.arrived(request, now())
+                task = asyncio.create_task(_request(client, model, request, recorder, now))
+                task.add_done_callback(lambda done: tasks.discard(done) or send(arrivals.done()))
+                tasks.add(task)
+
+        send(arrivals.start(now()))
+        left = requests
+        try:
+            while left:
+                due = arrivals.next_time
+                timeout = None if due is None else max(0.0, due - now())
+                if tasks:
+                    finished, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                else:  # open loop, between arrivals
+                    finished = set()
+                    await asyncio.sleep(timeout)
+                for task in finished:
+                    task.result()  # a failed request stops the run
+                    left -= 1
+                send(arrivals.due(now()))
+        finally:
+            for task in tasks:
+                task.cancel()
+        busy_after = await _busy_seconds(http, target)
+    return {node: seconds - busy_before.get(node, 0.0) for node, seconds in busy_after.items()}
+
+
+async def _request(client: openai.AsyncOpenAI, model: str, request: Request, recorder: Recorder, now) -> None:
+    """One request, streamed: its tokens' times into the recorder as they come, then its end."""
+    sampling = request.sampling
+    options = {"temperature": sampling.temperature}
+    if not sampling.greedy:
+        options |= {"top_p": sampling.top_p, "seed": sampling.seed}
+    times: list[float] = []
+    finish, tokens = None, None
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=list(request.prompt_ids), max_tokens=request.max_new_tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": not request.stop_ids}, **options)
+        async for chunk in stream:
+            if chunk.choices:
+                times.append(now())
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except openai.APIError as e:
+        raise NodeError(f"request {request.id}: the server answered {e}") from None
+    if tokens is None or finish is None or tokens > len(times):
+        raise NodeError(f"request {request.id}: the stream ended without its usage or finish reason")
+    token_times = times[:tokens]  # a last chunk may carry held-back text only
+    for index, t in enumerate(token_times):
+        recorder.observe([Token(request.id, -1, index)], t)
+    recorder.observe([Finished(request.id, None, _FINISH.get(finish, finish), tokens)], token_times[-1])
+
+
+async def _busy_seconds(http: httpx.AsyncClient, target: Target) -> dict[str, float]:
+    """Each node's busy seconds so far, as a `cascadia serve` reports them (none from another server)."""
+    try:
+        response = await http.get(f"{target.base}/status")
+        stages = response.json()["stages"] if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return {}
+    return {stage["node"]: stage["busy_s"] for stage in stages if stage.get("busy_s") is not None}
