@@ -9,7 +9,8 @@ recorded with the same `Recorder` as the simulator's.
 A failure stops the phase within about a second, naming the node: an ERROR from it, a local node process that
 exited (`watch`), a node whose control connection dropped (found by pinging silent pipelines), or no frame back
 within `stall_s`. A stray message is no failure: the control socket takes only the messages a node of the plan sends
-as itself, the token socket only the last node's TOKENS; anything else is logged, counted in `dropped`, and dropped.
+as itself, the token socket only the last node's TOKENS for a frame in flight; anything else is logged, counted in
+`dropped`, and dropped.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class Coordinator:
         self.watch: Callable[[], None] = lambda: None
         self.transport = Transport(COORDINATOR, curve_keys)
         try:
-            self.control = self.transport.bind(zmq.ROUTER, control)
-            self.tokens = self.transport.bind(zmq.PULL, tokens)
+            self.control = self.transport.bind(zmq.ROUTER, control, self.nodes)
+            self.tokens = self.transport.bind(zmq.PULL, tokens, self.nodes[-1:])
         except TransportError:
             self.transport.close()
             raise
@@ -139,14 +140,10 @@ class Coordinator:
         launch(driver.start(self.now()))
         while not driver.done:
             tokens = self.next_tokens()
-            frame = in_flight.pop(tokens.group, None)
-            if frame is None or frame.seq != tokens.frame_id:
-                raise PipelineError(f"tokens for frame {tokens.frame_id} of group {tokens.group}, which is not in "
-                                    "flight")
-            sampled_slots = [row.slot for row in frame.rows if row.sampled]
-            if tokens.slots.tolist() != sampled_slots:
-                raise PipelineError(f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected "
-                                    f"{sampled_slots}")
+            if (stray := _stray_tokens(tokens, in_flight.get(tokens.group))) is not None:
+                self._drop("token socket", stray)  # a stray or forged message: the frame's own may follow
+                continue
+            frame = in_flight.pop(tokens.group)
             sampled = dict(zip(frame.sampled_ids, tokens.token_ids.tolist()))
             launch(driver.complete(frame, sampled, self.now()))
         return {node: stats.busy_s - busy_before[node] for node, stats in self.stats().items()}
@@ -174,12 +171,17 @@ class Coordinator:
                 self._ping()
 
     def _stall_report(self) -> str:
-        """Why a stall is an error, with each node's last counters, so that a silent or poisoned node stands out."""
+        """Why a stall is an error: first the nodes that no longer answer (a stopped or frozen process; a node
+        answers a stats request however busy its stage), then each node's last counters, so that a silent or
+        poisoned node stands out."""
+        silent = [f"{node} has not answered its last {owed} stats requests" for node, owed in self._stats_owed.items()
+                  if owed > 1]  # one may be on its way
+        stopped = f"; {', '.join(silent)} (stopped or frozen?)" if silent else ""
         known = [(node, self._stats[node]) for node in self.nodes if node in self._stats]  # in stage order
         frames = ", ".join(f"{node} {stats.frames}" for node, stats in known)
         rejected = ", ".join(f"{node} {stats.rejected}" for node, stats in known)
-        return (f"no tokens came back for {self.stall_s:g} s; frames handled per node: {frames}; messages rejected "
-                f"per node: {rejected}; messages dropped by the coordinator: {self.dropped}")
+        return (f"no tokens came back for {self.stall_s:g} s{stopped}; frames handled per node: {frames}; messages "
+                f"rejected per node: {rejected}; messages dropped by the coordinator: {self.dropped}")
 
     def stats(self) -> dict[str, Stats]:
         """Every node's current counters. A node that leaves a request unanswered for `stall_s` is an error: a node
@@ -226,6 +228,9 @@ class Coordinator:
         node = identity.bytes.decode(errors="replace")
         if node not in self.control_decoders:
             self._drop("control socket", f"from {node!r}, which is not a node of the plan")
+            return None
+        if frames and not self.transport.sent_by(frames[0], node):
+            self._drop("control socket", f"from {node!r} over a connection made with another node's Curve key")
             return None
         try:
             return node, self.control_decoders[node].decode(frames).message
@@ -298,6 +303,16 @@ class Coordinator:
 
     def close(self) -> None:
         self.transport.close()
+
+
+def _stray_tokens(tokens: Tokens, frame: PolicyFrame | None) -> str | None:
+    """Why TOKENS cannot be those of the frame its group has in flight, or None when they can."""
+    if frame is None or frame.seq != tokens.frame_id:
+        return f"tokens for frame {tokens.frame_id} of group {tokens.group}, which is not in flight"
+    sampled_slots = [row.slot for row in frame.rows if row.sampled]
+    if tokens.slots.tolist() != sampled_slots:
+        return f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected {sampled_slots}"
+    return None
 
 
 def wire_frame(frame: PolicyFrame) -> Frame:
