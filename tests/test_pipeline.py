@@ -150,6 +150,16 @@ def test_frames_that_cannot_belong_to_the_run_are_dropped_and_it_goes_on(spec, p
                          f"{reason}", log), reason
 
 
+def test_prompts_longer_than_the_context_are_named_in_the_result(spec, pipeline, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [3, 4, 5]}\n{"ids": [%s]}\n' % ",".join(["3"] * 61))  # 61 + 4 > 64
+    done = pipeline.run(attrs.evolve(spec.workload, concurrency=(1,), requests=2, output_tokens=4,
+                                     prompts_file=prompts))
+    assert done.result["warnings"] == [f"{prompts}: 1 of its 2 prompts are rejected: prompt + output (4) tokens "
+                                       "exceed runtime.context_budget (64)"]
+    assert [line["finish_reason"] for line in done.outputs] == ["length", "rejected"] * 2
+
+
 def test_score_gives_the_single_process_logits(pipeline, engine):
     ids = [int(i) for i in np.random.default_rng(3).integers(0, 512, 30)]
     distributed = pipeline.score(ids, prefill=11)
@@ -420,6 +430,14 @@ def test_bad_prompts_and_a_missing_checkpoint_fail_before_any_node_starts(spec, 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"ids": [1]}\n{"ids": [2\n')
     with pytest.raises(RequestError, match="prompts.jsonl:2: not valid JSON"):
+        run(spec, plan, attrs.evolve(spec.workload, prompts_file=prompts), checkpoint=checkpoint)
+    prompts.write_text('{"ids": [1]}\n{"ids": [5, 12345678901234567890]}\n')
+    with pytest.raises(RequestError, match=r"prompts.jsonl:2: token id 12345678901234567890 lies outside the model's "
+                                           r"vocabulary \(0..511\)"):
+        run(spec, plan, attrs.evolve(spec.workload, prompts_file=prompts), checkpoint=checkpoint)
+    prompts.write_text('{"ids": [%s]}\n' % ",".join(["1"] * 60))  # 60 + 16 output tokens: beyond 64 positions
+    with pytest.raises(RequestError, match=r"prompts.jsonl: none of its 1 prompts fits: prompt \+ output \(16\) "
+                                           r"tokens exceed runtime.context_budget \(64\)"):
         run(spec, plan, attrs.evolve(spec.workload, prompts_file=prompts), checkpoint=checkpoint)
     with pytest.raises(CheckpointError, match="nowhere: no such checkpoint folder"):
         run(spec, plan, checkpoint=tmp_path / "nowhere")
