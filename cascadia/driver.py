@@ -1,11 +1,11 @@
-"""A workload's levels and phases, and one closed-loop phase's bookkeeping, shared by the coordinator and the
-simulator so that the run and the simulation are the same system: they differ only in how a frame is carried and
-in their clocks.
+"""A workload's levels and phases, and one phase's bookkeeping, shared by the coordinator and the simulator so that
+the run and the simulation are the same system: they differ only in how a frame is carried and in their clocks.
 
-The driver sends the clients' requests to the policy, records arrivals and the policy's events with the phase's
-`Recorder`, lets a client send its next request as soon as its last one is done (finished or rejected), and hands
-back the next frame of every group with none in flight. It keeps no clock and does no I/O: the backend passes the
-time in with each call, launches the frames it gets back, and completes each one once its sampled tokens are known.
+The driver sends the phase's requests to the policy as its `Arrivals` say (closed loop: a client's next request as
+soon as its last one is done; open loop: at each request's own time), records arrivals and the policy's events with
+the phase's `Recorder`, and hands back the next frame of every group with none in flight. It keeps no clock and does
+no I/O: the backend passes the time in with each call, calls `arrive` when `next_arrival` comes, launches the frames
+it gets back, and completes each one once its sampled tokens are known.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import attrs
 from cascadia.metrics import Recorder, RequestRecord, summarize_level
 from cascadia.policy import Event, Finished, Frame, Policy, Rejected, Request
 from cascadia.spec.types import Spec, WorkloadSpec
-from cascadia.workload import MEASURED, ClosedLoop, Level, Phase, build_levels, stop_ids
+from cascadia.workload import MEASURED, Arrivals, Level, Phase, build_levels, stop_ids
 
 # (level, phase, its recorder) -> each node's busy seconds in the phase; the backend serves the phase's requests
 RunPhase = Callable[[Level, Phase, Recorder], Mapping[str, float]]
@@ -35,34 +35,35 @@ class Served:
 
 def serve_workload(spec: Spec, workload: WorkloadSpec, prompts: Sequence[tuple[int, ...]] | None,
                    run_phase: RunPhase, served: Served,
-                   on_phase: Callable[[int, str, list], None] = lambda level, phase, records: None) -> Served:
+                   on_phase: Callable[[str, str, list], None] = lambda level, phase, records: None) -> Served:
     """Every level's warm-up and measured phase of `workload` in turn, each served by `run_phase`, into `served`
     (which keeps what finished if a phase raises). `prompts` replace random ones (`build_levels`); a request stops
     early at EOS when the workload says `stop_at_eos`."""
     config = spec.model.config
     for level in build_levels(workload, config.output_vocab_size, prompts, stop_ids(workload, config)):
         for phase in level.phases:
-            recorder = Recorder(level.concurrency, phase.name)
+            recorder = Recorder(level.concurrency, phase.name, level.rate)
             try:
                 busy = run_phase(level, phase, recorder)
             finally:
                 served.records.extend(recorder.records)
             if phase.name == MEASURED:
-                served.levels.append(summarize_level(level.concurrency, recorder.records, busy,
-                                                     rejected=len(recorder.rejected)))
-            on_phase(level.concurrency, phase.name, recorder.records)
+                served.levels.append(summarize_level(
+                    recorder.records, busy, concurrency=level.concurrency, rate=level.rate,
+                    rejected=len(recorder.rejected), cancelled=len(recorder.cancelled), slo=workload.slo))
+            on_phase(level.describe, phase.name, recorder.records)
     return served
 
 
 class PhaseDriver:
-    def __init__(self, policy: Policy, requests: Sequence[Request], clients: int, recorder: Recorder,
+    def __init__(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder,
                  on_arrived: Callable[[Request], None] = lambda request: None,
                  on_events: Callable[[list[Event]], None] = lambda events: None) -> None:
-        """`requests` are sent by `clients` closed-loop clients. `on_arrived` and `on_events` see each request as it
-        is sent and the policy's events after the recorder (e.g. to keep the generated tokens)."""
+        """A phase of `requests` requests, sent as `arrivals` says (`Level.arrivals`). `on_arrived` and `on_events`
+        see each request as it is sent and the policy's events after the recorder (e.g. to keep the tokens)."""
         self._policy, self._recorder = policy, recorder
-        self._loop = ClosedLoop(requests, clients)
-        self._left = len(requests)
+        self._arrivals = arrivals
+        self._left = requests
         self._on_arrived, self._on_events = on_arrived, on_events
 
     @property
@@ -70,24 +71,33 @@ class PhaseDriver:
         """Every request of the phase has finished or was rejected."""
         return self._left == 0
 
+    @property
+    def next_arrival(self) -> float | None:
+        """When the next request arrives by the clock (open loop; None: none waits for a time). The backend calls
+        `arrive` then."""
+        return self._arrivals.next_time
+
     def start(self, now: float) -> list[Frame]:
-        """The clients send their first requests at `now`; returns the frames to launch."""
-        return self._submit(self._loop.start(), now)
+        """The phase starts at `now`; returns the frames to launch."""
+        return self._submit(self._arrivals.start(now), now)
+
+    def arrive(self, now: float) -> list[Frame]:
+        """The requests due by `now` are sent; returns the frames to launch."""
+        return self._submit(self._arrivals.due(now), now)
 
     def complete(self, frame: Frame, sampled: Mapping[int, int], now: float) -> list[Frame]:
         """A frame's sampled tokens ({request id: token}) came back at `now`; returns the frames to launch."""
         return self._submit(self._observe(self._policy.complete_frame(frame, sampled), now), now)
 
     def _observe(self, events: list[Event], now: float) -> list[Request]:
-        """Record events; the requests the clients whose requests are done send next."""
+        """Record events; the requests sent because requests are done (closed loop)."""
         self._recorder.observe(events, now)
         self._on_events(events)
         follow_ups = []
         for event in events:
             if isinstance(event, (Finished, Rejected)):
                 self._left -= 1
-                if (request := self._loop.next()) is not None:
-                    follow_ups.append(request)
+                follow_ups += self._arrivals.done()
         return follow_ups
 
     def _submit(self, requests: Iterable[Request], now: float) -> list[Frame]:

@@ -5,9 +5,12 @@ and counts the seconds each node was busy. `summarize_level` turns a phase into 
 - decode_tokens_per_s: output tokens after each request's first, over the time during which at least one stream was
   decoding (between its first token and its last);
 - phase_tokens_per_s: all output tokens over the phase's wall time (first arrival to last token);
-- ttft_s, tpot_s: first-token latency and mean time per later token of each request, p50 and p95 by numpy's
+- ttft_s, tpot_s: first-token latency and mean time per later token of each request, p50, p95 and p99 by numpy's
   "linear" percentile method;
+- goodput (with a workload SLO): the fraction of requests whose TTFT and TPOT both meet it, and those requests per
+  second of the phase's wall time;
 - busy: the fraction of the phase's wall time each node spent computing.
+A level is `concurrency` closed-loop clients, or open-loop arrivals at `rate` requests per second (the other None).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from cascadia.policy import Event, Finished, Rejected, Request, Token
+from cascadia.policy import CANCELLED, Event, Finished, Rejected, Request, Token
 from cascadia.spec.dump import dump_spec
-from cascadia.spec.types import Spec
+from cascadia.spec.types import SloSpec, Spec
 from cascadia.table import format_rows
 
 SCHEMA = "cascadia.metrics/1"
@@ -28,7 +31,8 @@ PERCENTILE_METHOD = "linear"
 
 @attrs.frozen
 class RequestRecord:
-    level: int  # the level's concurrency
+    level: int | None  # the level's concurrency (closed loop)
+    rate: float | None  # the level's arrival rate (open loop)
     phase: str
     request_id: int
     prompt_tokens: int
@@ -53,9 +57,10 @@ class RequestRecord:
 class Recorder:
     """Timestamps one phase's requests from the policy's events: the same bookkeeping in both backends."""
 
-    def __init__(self, level: int, phase: str) -> None:
-        self.level, self.phase = level, phase
+    def __init__(self, level: int | None, phase: str, rate: float | None = None) -> None:
+        self.level, self.rate, self.phase = level, rate, phase
         self.rejected: list[Rejected] = []
+        self.cancelled: list[Finished] = []  # requests cancelled before they finished: no record
         self._arrivals: dict[int, tuple[Request, float]] = {}
         self._token_times: dict[int, list[float]] = {}
         self._records: list[RequestRecord] = []
@@ -67,11 +72,16 @@ class Recorder:
         for event in events:
             if isinstance(event, Token):
                 self._token_times.setdefault(event.request_id, []).append(t)
+            elif isinstance(event, Finished) and event.reason == CANCELLED:
+                self._arrivals.pop(event.request_id, None)
+                self._token_times.pop(event.request_id, None)
+                self.cancelled.append(event)
             elif isinstance(event, Finished):
                 request, t_arrival = self._arrivals.pop(event.request_id)
                 times = self._token_times.pop(event.request_id)
-                self._records.append(RequestRecord(self.level, self.phase, request.id, len(request.prompt_ids),
-                                                   len(times), t_arrival, times[0], times[-1], tuple(times)))
+                self._records.append(RequestRecord(self.level, self.rate, self.phase, request.id,
+                                                   len(request.prompt_ids), len(times), t_arrival, times[0], times[-1],
+                                                   tuple(times)))
             elif isinstance(event, Rejected):
                 self._arrivals.pop(event.request_id, None)
                 self.rejected.append(event)
@@ -84,9 +94,14 @@ class Recorder:
 
 def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
-        return {"p50": None, "p95": None}
-    p50, p95 = np.percentile(np.asarray(values, dtype=float), [50, 95], method=PERCENTILE_METHOD)
-    return {"p50": float(p50), "p95": float(p95)}
+        return {"p50": None, "p95": None, "p99": None}
+    p50, p95, p99 = np.percentile(np.asarray(values, dtype=float), [50, 95, 99], method=PERCENTILE_METHOD)
+    return {"p50": float(p50), "p95": float(p95), "p99": float(p99)}
+
+
+def meets(record: RequestRecord, slo: SloSpec) -> bool:
+    """Whether a request met the SLO: its first token in time, and (with more than one) its later ones."""
+    return record.ttft <= slo.ttft and (record.tpot is None or record.tpot <= slo.tpot)
 
 
 def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
@@ -98,23 +113,34 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def summarize_level(concurrency: int, records: Sequence[RequestRecord], busy_s: Mapping[str, float],
-                    rejected: int = 0) -> dict:
-    """The summary of one measured phase; `busy_s` holds each node's busy seconds during the phase."""
+def summarize_level(records: Sequence[RequestRecord], busy_s: Mapping[str, float], *, concurrency: int | None = None,
+                    rate: float | None = None, rejected: int = 0, cancelled: int = 0,
+                    slo: SloSpec | None = None) -> dict:
+    """The summary of one measured phase of a level (`concurrency` clients, or arrivals at `rate` per second);
+    `busy_s` holds each node's busy seconds in it."""
     wall = max(r.t_finish for r in records) - min(r.t_arrival for r in records) if records else 0.0
     decode_tokens = sum(r.output_tokens - 1 for r in records)
     decoding_s = _union_length((r.t_first_token, r.t_finish) for r in records if r.output_tokens > 1)
     output_tokens = sum(r.output_tokens for r in records)
+    goodput = None
+    if slo is not None:
+        good = sum(meets(r, slo) for r in records)
+        goodput = {"slo": {"ttft_s": slo.ttft, "tpot_s": slo.tpot},
+                   "fraction": good / len(records) if records else None,
+                   "requests_per_s": good / wall if wall > 0 else None}
     return {
         "concurrency": concurrency,
+        "rate": rate,
         "requests": len(records),
         "rejected": rejected,
+        "cancelled": cancelled,
         "output_tokens": output_tokens,
         "wall_s": wall,
         "decode_tokens_per_s": decode_tokens / decoding_s if decoding_s > 0 else None,
         "phase_tokens_per_s": output_tokens / wall if wall > 0 else None,
         "ttft_s": _percentiles([r.ttft for r in records]),
         "tpot_s": _percentiles([r.tpot for r in records if r.tpot is not None]),
+        "goodput": goodput,
         "busy": {node: (seconds / wall if wall > 0 else 0.0) for node, seconds in busy_s.items()},
     }
 
@@ -147,16 +173,37 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def describe_level(level: dict) -> str:
+    """"concurrency 4" or "rate 2.5/s" of a level summary."""
+    return f"rate {level['rate']:g}/s" if level.get("rate") is not None else f"concurrency {level['concurrency']}"
+
+
+def level_label(level: dict) -> str:
+    """A level summary's load: its concurrency, or "R/s" for open-loop arrivals."""
+    return f"{level['rate']:g}/s" if level.get("rate") is not None else str(level["concurrency"])
+
+
 def format_table(result_: dict) -> str:
-    """The level summaries as an aligned plain-text table."""
-    header = ("streams", "requests", "tokens", "decode tok/s", "phase tok/s", "TTFT p50 ms", "TTFT p95 ms",
-              "TPOT p50 ms", "TPOT p95 ms", "busiest node")
-    rows = [header]
-    for level in result_["levels"]:
-        busiest = max(level["busy"].items(), key=lambda item: item[1], default=None)
-        rows.append((str(level["concurrency"]), str(level["requests"]), str(level["output_tokens"]),
-                     _rate(level["decode_tokens_per_s"]), _rate(level["phase_tokens_per_s"]),
-                     _ms(level["ttft_s"]["p50"]), _ms(level["ttft_s"]["p95"]),
-                     _ms(level["tpot_s"]["p50"]), _ms(level["tpot_s"]["p95"]),
-                     f"{busiest[0]} {busiest[1]:.0%}" if busiest else "-"))
-    return format_rows(rows, left={len(header) - 1})
+    """The level summaries as an aligned plain-text table. Open-loop levels (arrival rates) add the p99 columns,
+    and a workload SLO a goodput column (the fraction of requests meeting it)."""
+    levels = result_["levels"]
+    open_loop = any(level.get("rate") is not None for level in levels)
+    with_slo = any(level.get("goodput") for level in levels)
+    columns = [("streams" if not open_loop else "load", level_label), ("requests", lambda lv: str(lv["requests"])),
+               ("tokens", lambda lv: str(lv["output_tokens"])),
+               ("decode tok/s", lambda lv: _rate(lv["decode_tokens_per_s"])),
+               ("phase tok/s", lambda lv: _rate(lv["phase_tokens_per_s"]))]
+    for metric, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
+        for p in ("p50", "p95", "p99") if open_loop else ("p50", "p95"):
+            columns.append((f"{name} {p} ms", lambda lv, m=metric, p=p: _ms(lv[m][p])))
+    if with_slo:
+        columns.append(("goodput", lambda lv: "-" if not lv.get("goodput") or lv["goodput"]["fraction"] is None
+                        else f"{lv['goodput']['fraction']:.0%}"))
+    columns.append(("busiest node", _busiest))
+    rows = [tuple(name for name, _ in columns)] + [tuple(cell(level) for _, cell in columns) for level in levels]
+    return format_rows(rows, left={len(columns) - 1})
+
+
+def _busiest(level: dict) -> str:
+    busiest = max(level["busy"].items(), key=lambda item: item[1], default=None)
+    return f"{busiest[0]} {busiest[1]:.0%}" if busiest else "-"

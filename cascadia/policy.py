@@ -3,9 +3,10 @@
 Pure and deterministic: no I/O, no clock, no tensors. The same three calls drive both backends (vLLM v1's seam,
 adapted to a pipeline):
 
-    events = policy.add_request(request)              # a client asks
+    events = policy.add_request(request)              # a client asks (at any time: admission is continuous)
     frame = policy.next_frame(group)                  # for every group with no frame in flight, after every change
     events = policy.complete_frame(frame, sampled)    # the last stage's sampled tokens came back
+    events = policy.cancel(request_id)                # a client went away: its slot is free within one frame
 
 Scenario: `max_streams` slots each hold one stream's state (K/V, convolution states) on every node. A waiting request
 takes the lowest free slot and joins the least-populated of `n_groups` pipeline groups (ties: lowest group). A group has
@@ -28,10 +29,13 @@ from collections.abc import Mapping
 
 import attrs
 
+from cascadia.sampling import Sampling
 from cascadia.spec.types import RuntimeSpec
 
+GREEDY = Sampling()
+
 PREFILL, DECODE = "prefill", "decode"
-LENGTH, STOP = "length", "stop"  # why a stream finished
+LENGTH, STOP, CANCELLED = "length", "stop", "cancelled"  # why a stream finished
 
 
 @attrs.frozen
@@ -40,6 +44,7 @@ class Request:
     prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
     max_new_tokens: int
     stop_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    sampling: Sampling = GREEDY  # how its tokens are drawn (the last stage samples each row by its own)
 
 
 @attrs.frozen
@@ -52,6 +57,7 @@ class Row:
     kind: str  # PREFILL or DECODE
     token: int  # the prompt token, or the stream's last sampled token
     sampled: bool  # the last stage samples a token from this row's logits
+    sampling: Sampling = GREEDY  # its stream's
 
 
 @attrs.frozen
@@ -90,8 +96,8 @@ class Token:
 @attrs.frozen
 class Finished:
     request_id: int
-    slot: int  # released: free for the next waiting request
-    reason: str  # LENGTH or STOP
+    slot: int | None  # released: free for the next waiting request (None: cancelled while still waiting)
+    reason: str  # LENGTH, STOP or CANCELLED
     output_tokens: int
 
 
@@ -125,6 +131,7 @@ class _Stream:
     prompt_len: int
     prefilled: int = 0  # prompt rows already put in a frame
     output: list[int] = attrs.Factory(list)
+    cancelled: bool = False  # its rows are in a frame in flight: released when that frame completes
 
 
 class Policy:
@@ -198,14 +205,14 @@ class Policy:
             raise ValueError(f"group {group} is not in 0..{self.n_groups - 1}")
         if group in self._in_flight:
             return None
-        rows = [Row(s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True)
-                for s in self._groups[group] if s.output]
+        rows = [Row(s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True,
+                    s.request.sampling) for s in self._groups[group] if s.output]
         window, prefilling = self.prefill_window, self._prefilling[group]
         while window and prefilling:
             s = prefilling[0]
             end = min(s.prompt_len, s.prefilled + window)
-            rows += [Row(s.slot, s.request.id, pos, PREFILL, s.request.prompt_ids[pos], pos == s.prompt_len - 1)
-                     for pos in range(s.prefilled, end)]
+            rows += [Row(s.slot, s.request.id, pos, PREFILL, s.request.prompt_ids[pos], pos == s.prompt_len - 1,
+                         s.request.sampling) for pos in range(s.prefilled, end)]
             window -= end - s.prefilled
             s.prefilled = end
             if end == s.prompt_len:
@@ -228,12 +235,34 @@ class Policy:
         events: list[Event] = []
         for request_id in expected:
             stream, token = self._streams[request_id], sampled[request_id]
+            if stream.cancelled:
+                continue
             stream.output.append(token)
             events.append(Token(request_id, token, len(stream.output) - 1))
             stop = token in stream.request.stop_ids
             if stop or len(stream.output) == stream.request.max_new_tokens:
                 events.append(self._release(stream, STOP if stop else LENGTH))
+        cancelled = sorted({row.request_id for row in frame.rows
+                            if (stream := self._streams.get(row.request_id)) is not None and stream.cancelled})
+        events += [self._release(self._streams[request_id], CANCELLED) for request_id in cancelled]
         return events + self._admit()
+
+    def cancel(self, request_id: int) -> list[Event]:
+        """Stop a request: a waiting one leaves the queue; a stream gives its slot back now, or, when a frame in
+        flight holds its rows, as soon as that frame completes (the nodes are still writing its state), its token
+        from that frame dropped. Nothing for a request that already finished, was rejected or was cancelled."""
+        for i, request in enumerate(self._waiting):
+            if request.id == request_id:
+                del self._waiting[i]
+                return [Finished(request_id, None, CANCELLED, 0)]
+        stream = self._streams.get(request_id)
+        if stream is None or stream.cancelled:
+            return []
+        in_flight = self._in_flight.get(stream.group)
+        if in_flight is not None and any(row.request_id == request_id for row in in_flight.rows):
+            stream.cancelled = True
+            return []
+        return [self._release(stream, CANCELLED)] + self._admit()
 
     # ---- internals ----------------------------------------------------------------------------------------------
     def _admit(self) -> list[Event]:
@@ -251,6 +280,8 @@ class Policy:
 
     def _release(self, stream: _Stream, reason: str) -> Finished:
         self._groups[stream.group].remove(stream)
+        if stream in self._prefilling[stream.group]:  # cancelled before its prompt was all sent
+            self._prefilling[stream.group].remove(stream)
         del self._streams[stream.request.id]
         heapq.heappush(self._free_slots, stream.slot)
         return Finished(stream.request.id, stream.slot, reason, len(stream.output))

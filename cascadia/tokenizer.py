@@ -20,6 +20,11 @@ from cascadia.spec.types import WorkloadSpec
 from cascadia.workload import load_prompts
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # the Hugging Face place of the special tokens and chat template
+# A chat as text, in the Hugging Face convention (Jinja2 over `messages`, `add_generation_prompt` and the special
+# tokens): each message under its role's marker, ended by EOS, then the assistant's marker for the reply.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+                 "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 BYTES = 256
 MAX_SPECIAL_ID = 255  # special ids beyond this are not placed: the ids below them would all need reserved tokens
 MAX_TOKENIZER_FILE_BYTES = 256 * 1024**2  # a 200k-entry vocabulary with its merges takes tens of MiB
@@ -57,6 +62,15 @@ def special_tokens(cfg: InklingConfig) -> list[str]:
     placed = {i: name for i, name in named.items() if i is not None and 0 <= i <= MAX_SPECIAL_ID}
     count = max(placed, default=-1) + 1
     return [placed.get(i, f"<|reserved_{i}|>") for i in range(count)]
+
+
+def tokenizer_config(cfg: InklingConfig) -> dict[str, str]:
+    """The `tokenizer_config.json` of a random checkpoint: its special tokens and `CHAT_TEMPLATE`."""
+    specials = special_tokens(cfg)
+    eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) and cfg.eos_token_id else cfg.eos_token_id
+    named = {"bos_token": cfg.bos_token_id, "eos_token": eos}
+    return {key: specials[i] for key, i in named.items() if i is not None and i < len(specials)} | {
+        "chat_template": CHAT_TEMPLATE}
 
 
 def build_tokenizer(cfg: InklingConfig) -> Tokenizer:

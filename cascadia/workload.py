@@ -1,12 +1,15 @@
 """Concrete requests from a WorkloadSpec, shared by `cascadia run` and `cascadia simulate` so both serve the same ones.
 
-Each concurrency level runs two phases back to back, as the paper measured: a warm-up phase, then a measured phase,
-each of `requests` requests (default: the level's concurrency). A phase starts on an empty pipeline (the previous phase
-has fully drained), so its first-token latencies include the ramp-up of admission. Both phases are recorded; level
-summaries describe the measured phase only, so the real run's first-use effects (allocation, caches) stay out of them.
+Each level runs two phases back to back, as the paper measured: a warm-up phase, then a measured phase, each of
+`requests` requests. A phase starts on an empty pipeline (the previous phase has fully drained), so its first-token
+latencies include the ramp-up of admission. Both phases are recorded; level summaries describe the measured phase
+only, so the real run's first-use effects (allocation, caches) stay out of them.
 
-Closed loop: at level c, c clients each send a request and the next one as soon as theirs is done (finished or
-rejected), until the phase's requests are all sent; `ClosedLoop` is that rule, for both backends.
+A level is closed- or open-loop, and its `Arrivals` say when its requests are sent, for both backends alike:
+- closed loop (`ClosedLoop`, a `concurrency` level): c clients each send a request and the next one as soon as theirs
+  is done (finished or rejected), until the phase's requests are all sent; `requests` defaults to c;
+- open loop (`OpenLoop`, a `rate` level): requests arrive at seeded Poisson times, `rate` per second on average,
+  whatever the server is doing, as users of a server do; `requests` defaults to ten seconds' worth (at least 16).
 
 Prompts come from the workload's JSONL file (one {"ids": [...]} object per line, or {"text": "..."} with a tokenizer),
 taken in order and cycled over the whole workload; otherwise from seeded random token ids. Prompt lengths are drawn
@@ -16,8 +19,10 @@ per (seed, level, phase), so adding a level does not change the others.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -26,23 +31,42 @@ from cascadia.errors import CascadiaError, RequestError
 from cascadia.files import UnreadableFile, read_text
 from cascadia.model_config import InklingConfig
 from cascadia.policy import Request
-from cascadia.spec.types import LengthSpec, RuntimeSpec, WorkloadSpec
+from cascadia.sampling import Sampling
+from cascadia.spec.types import LengthSpec, RuntimeSpec, SloSpec, WorkloadSpec
 
 WARMUP, MEASURED = "warmup", "measured"
 PHASES = (WARMUP, MEASURED)
 MAX_PROMPTS_FILE_BYTES = 256 * 1024**2  # read whole: a million prompts of 256 bytes
 
 
+OPEN_LOOP_SECONDS = 10  # an open-loop phase's default length, in seconds of arrivals
+OPEN_LOOP_LEAST = 16  # ... and its fewest requests
+
+
 @attrs.frozen
 class Phase:
     name: str
     requests: tuple[Request, ...]
+    seed: int  # of its arrival times (open loop)
 
 
 @attrs.frozen
 class Level:
-    concurrency: int
+    """`concurrency` closed-loop clients, or (`rate` set) open-loop arrivals at `rate` requests per second."""
+
+    concurrency: int | None
+    rate: float | None
     phases: tuple[Phase, ...]
+
+    @property
+    def describe(self) -> str:
+        """"concurrency 4" or "rate 2.5/s": for progress and messages."""
+        return f"rate {self.rate:g}/s" if self.rate is not None else f"concurrency {self.concurrency}"
+
+    def arrivals(self, phase: Phase) -> Arrivals:
+        if self.rate is None:
+            return ClosedLoop(phase.requests, self.concurrency)
+        return OpenLoop(phase.requests, self.rate, phase.seed)
 
 
 def load_prompts(path: str | Path, tokenize: Callable[[str], Sequence[int]] | None = None,
@@ -94,12 +118,17 @@ def build_levels(workload: WorkloadSpec, vocab_size: int, prompts: Sequence[tupl
     `prompts` (e.g. from `load_prompts(workload.prompts_file)`) replaces random prompts; `stop_ids` (EOS) makes
     requests stop early when sampled.
     """
-    levels, next_id = [], 0
-    for concurrency in workload.concurrency:
-        n_requests = workload.requests or concurrency
+    levels, next_id, sampling = [], 0, Sampling.of(workload)
+    loads = [(None, rate) for rate in workload.rate] or [(concurrency, None) for concurrency in workload.concurrency]
+    for concurrency, rate in loads:
+        if rate is None:
+            n_requests, key = workload.requests or concurrency, (concurrency,)
+        else:
+            n_requests = workload.requests or max(OPEN_LOOP_LEAST, math.ceil(OPEN_LOOP_SECONDS * rate))
+            key = (1, round(rate * 1e6))  # two numbers: never a closed-loop level's seed
         phases = []
         for phase_index, name in enumerate(PHASES):
-            rng = np.random.default_rng((workload.seed, concurrency, phase_index))
+            rng = np.random.default_rng((workload.seed, *key, phase_index))
             requests = []
             for _ in range(n_requests):
                 if prompts:
@@ -107,32 +136,83 @@ def build_levels(workload: WorkloadSpec, vocab_size: int, prompts: Sequence[tupl
                 else:
                     length = int(rng.integers(workload.prompt_tokens.low, workload.prompt_tokens.high + 1))
                     prompt = tuple(int(t) for t in rng.integers(0, vocab_size, length))
-                requests.append(Request(next_id, prompt, workload.output_tokens, stop_ids))
+                requests.append(Request(next_id, prompt, workload.output_tokens, stop_ids, sampling))
                 next_id += 1
-            phases.append(Phase(name, tuple(requests)))
-        levels.append(Level(concurrency, tuple(phases)))
+            phases.append(Phase(name, tuple(requests), int(rng.integers(2**31))))
+        levels.append(Level(concurrency, rate, tuple(phases)))
     return tuple(levels)
+
+
+class Arrivals(Protocol):
+    """When a phase's requests are sent: at the start, as earlier ones are done, or at their own times."""
+
+    def start(self, now: float) -> list[Request]:
+        """The requests sent when the phase starts at `now`."""
+
+    def done(self) -> list[Request]:
+        """Called once per finished or rejected request: the requests sent because of it."""
+
+    def due(self, now: float) -> list[Request]:
+        """The requests whose time has come by `now`."""
+
+    @property
+    def next_time(self) -> float | None:
+        """When the next request is due by the clock; None when none waits for a time."""
 
 
 class ClosedLoop:
     """`clients` clients sending a phase's requests: all start at once; a done request lets its client send the next."""
+
+    next_time = None
 
     def __init__(self, requests: Sequence[Request], clients: int) -> None:
         self._requests = list(requests)
         self._clients = clients
         self._sent = 0
 
-    def start(self) -> list[Request]:
+    def start(self, now: float) -> list[Request]:
         first = self._requests[:self._clients]
         self._sent = len(first)
         return first
 
-    def next(self) -> Request | None:
-        """Called once per finished or rejected request: the request its client sends next, if any is left."""
+    def done(self) -> list[Request]:
         if self._sent == len(self._requests):
-            return None
+            return []
         self._sent += 1
-        return self._requests[self._sent - 1]
+        return [self._requests[self._sent - 1]]
+
+    def due(self, now: float) -> list[Request]:
+        return []
+
+
+class OpenLoop:
+    """A phase's requests arriving at Poisson times, `rate` per second on average (exponential gaps drawn with
+    `seed`), the first at the start, whatever the server does."""
+
+    def __init__(self, requests: Sequence[Request], rate: float, seed: int) -> None:
+        self._requests = list(requests)
+        gaps = np.random.default_rng(seed).exponential(1 / rate, len(self._requests))
+        gaps[0] = 0.0
+        self._offsets = np.cumsum(gaps).tolist()
+        self._start = 0.0
+        self._sent = 0
+
+    def start(self, now: float) -> list[Request]:
+        self._start = now
+        return self.due(now)
+
+    def done(self) -> list[Request]:
+        return []
+
+    def due(self, now: float) -> list[Request]:
+        first = self._sent
+        while self._sent < len(self._requests) and self._start + self._offsets[self._sent] <= now:
+            self._sent += 1
+        return self._requests[first:self._sent]
+
+    @property
+    def next_time(self) -> float | None:
+        return self._start + self._offsets[self._sent] if self._sent < len(self._requests) else None
 
 
 def stop_ids(workload: WorkloadSpec, config: InklingConfig) -> frozenset[int]:
@@ -145,7 +225,7 @@ def misfits(workload: WorkloadSpec, runtime: RuntimeSpec) -> list[tuple[str, str
     """(workload key, message) for what does not fit the stream slots and context budget the runtime sizes its state
     for. Prompts from a file are checked one by one when admitted (too long: rejected)."""
     problems = []
-    if max(workload.concurrency) > runtime.max_streams:
+    if not workload.rate and max(workload.concurrency) > runtime.max_streams:
         problems.append(("concurrency", f"{max(workload.concurrency)} streams exceed runtime.max_streams "
                                         f"({runtime.max_streams})"))
     longest = workload.prompt_tokens.high + workload.output_tokens
@@ -171,10 +251,14 @@ def prompt_length_notes(prompts: Sequence[tuple[int, ...]], workload: WorkloadSp
 
 
 def override(workload: WorkloadSpec, concurrency: tuple[int, ...] | None = None, requests: int | None = None,
-             output_tokens: int | None = None, prompt_tokens: int | None = None) -> WorkloadSpec:
+             output_tokens: int | None = None, prompt_tokens: int | None = None,
+             rate: tuple[float, ...] | None = None, slo: SloSpec | None = None) -> WorkloadSpec:
     """The workload with the command line's choices in place of the spec's (None keeps the spec's); a prompt length
-    replaces the spec's prompts file too."""
-    changes = {"concurrency": concurrency, "requests": requests, "output_tokens": output_tokens}
+    replaces the spec's prompts file too, closed-loop levels the spec's rates and open-loop rates its levels."""
+    changes = {"concurrency": concurrency, "requests": requests, "output_tokens": output_tokens, "rate": rate,
+               "slo": slo}
+    if concurrency is not None and rate is None:
+        changes["rate"] = ()
     workload = attrs.evolve(workload, **{k: v for k, v in changes.items() if v is not None})
     if prompt_tokens is None:
         return workload

@@ -17,7 +17,7 @@ from cascadia.measure import calibrate as calibrate_module
 from cascadia.measure import pipeline_probe
 from cascadia.measure.calibrate import format_calibration
 from cascadia.measure.tables import Grid, StageProbe, SteeredRouter
-from cascadia.pipeline.stage import Sampling, load_stage
+from cascadia.pipeline.stage import load_stage
 from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration
 from cascadia.sim.fit import burst_streams, fit_non_negative, shared_speedup, simulate_burst
 from cascadia.sim.model import stage_kinds
@@ -86,7 +86,7 @@ def test_steered_router_touches_exactly_the_asked_experts(rows, distinct):
 def test_stage_probe_measures_every_kind_of_the_stage_on_the_grid(spec, checkpoint):
     plan = make_plan(spec)
     stage = plan.stages[0]  # embedding, layer 0 (sliding, dense), layer 1 (sliding, moe)
-    loaded = load_stage(spec, stage, checkpoint, 1, Sampling(), False, lambda done, total: None)
+    loaded = load_stage(spec, stage, checkpoint, 1, False, lambda done, total: None)
     kinds = stage_kinds(stage, spec.model.config)
     grid = attrs.evolve(Grid.of(spec), rounds=1)
     probe = StageProbe(loaded, kinds)

@@ -13,7 +13,7 @@ from cascadia.engine.checkpoint import Checkpoint, CheckpointError
 from cascadia.engine.init_model import random_tensor
 from cascadia.engine.quantize import round_to_bf16
 from cascadia.model_config import InklingConfig
-from cascadia.pipeline.stage import Sampling, load_stage
+from cascadia.pipeline.stage import load_stage
 from cascadia.tensors import (EMBED, HEAD, all_tensors, canonical_name, embedding_tensors, head_tensors, layer_prefix,
                               layer_tensors)
 
@@ -280,7 +280,7 @@ def test_a_stage_names_the_fields_its_checkpoint_differs_in(tmp_path):
     other = attrs.evolve(config, hidden_size=2 * config.hidden_size, rms_norm_eps=1e-5)
     spec = attrs.evolve(spec, model=attrs.evolve(spec.model, config=other), source=tmp_path / "spec.yaml")
     with pytest.raises(CheckpointError) as caught:
-        load_stage(spec, even_plan(spec).stages[0], FIXTURES / "base", None, Sampling(), False,
+        load_stage(spec, even_plan(spec).stages[0], FIXTURES / "base", None, False,
                    lambda done, total: None)
     assert str(caught.value) == (f"{FIXTURES / 'base'}: its config.json describes another model than the spec's: "
                                  f"hidden_size {config.hidden_size} vs {2 * config.hidden_size}, "

@@ -13,6 +13,7 @@ from cascadia.pipeline.transport import COORDINATOR, Transport, free_port, gener
 from cascadia.pipeline.wire import (VERSION, Encoder, Error, Frame, Hello, Progress, Ready, Stats, StatsRequest, Tokens,
                                     decode, encode, node_sender)
 from cascadia.policy import Policy, Request
+from cascadia.workload import ClosedLoop
 
 STALL_S = 0.5
 TIMEOUT_S = 10  # generous bound on any single wait; the tests never measure time
@@ -224,7 +225,7 @@ def test_tokens_no_frame_in_flight_has_are_dropped_and_the_phase_goes_on(stub_pi
     requests = [Request(i, (1, 2, 3), 2) for i in range(3)]
     outputs = Outputs()
     with caplog.at_level(logging.WARNING, "cascadia.pipeline.coordinator"):
-        coordinator.run_phase(policy, requests, 2, Recorder(2, "measured"), outputs)
+        coordinator.run_phase(policy, ClosedLoop(requests, 2), len(requests), Recorder(2, "measured"), outputs)
     assert sorted((line["request_id"], line["output_ids"]) for line in outputs.lines) == [
         (0, [100, 100]), (1, [101, 101]), (2, [100, 100])]
     frames = policy._seq

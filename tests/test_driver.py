@@ -4,6 +4,7 @@ from sim_specs import tiny_spec
 from cascadia.driver import PhaseDriver, Served, serve_workload
 from cascadia.metrics import Recorder
 from cascadia.policy import PREFILL, Finished, Policy, Request
+from cascadia.workload import ClosedLoop
 
 TOKEN = 7
 
@@ -20,8 +21,8 @@ def test_follow_ups_are_sent_as_clients_finish_and_frames_come_for_idle_groups()
     requests = [Request(i, (1, 2, 3), max_new_tokens=2) for i in range(3)]
     recorder = Recorder(level=2, phase="measured")
     arrived, events = [], []
-    driver = PhaseDriver(policy(), requests, 2, recorder, on_arrived=lambda r: arrived.append((r.id, recorder.level)),
-                         on_events=events.extend)
+    driver = PhaseDriver(policy(), ClosedLoop(requests, 2), len(requests), recorder,
+                         on_arrived=lambda r: arrived.append((r.id, recorder.level)), on_events=events.extend)
 
     g0, g1 = driver.start(now=0.0)  # two clients: requests 0 and 1, one per group, prompt rows first
     assert arrived == [(0, 2), (1, 2)]
@@ -47,7 +48,7 @@ def test_follow_ups_are_sent_as_clients_finish_and_frames_come_for_idle_groups()
 def test_a_rejected_request_lets_its_client_send_the_next_at_once():
     requests = [Request(0, (1,) * 10, max_new_tokens=1), Request(1, (1,), max_new_tokens=1)]
     recorder = Recorder(level=1, phase="warmup")
-    driver = PhaseDriver(policy(context_budget=8), requests, 1, recorder)
+    driver = PhaseDriver(policy(context_budget=8), ClosedLoop(requests, 1), len(requests), recorder)
 
     [frame] = driver.start(now=0.0)
     assert [r.request_id for r in recorder.rejected] == [0]
@@ -60,7 +61,8 @@ def test_a_rejected_request_lets_its_client_send_the_next_at_once():
 
 def test_a_phase_of_only_rejected_requests_is_done_at_the_start():
     requests = [Request(i, (1,) * 10, max_new_tokens=1) for i in range(3)]
-    driver = PhaseDriver(policy(context_budget=8), requests, 2, Recorder(level=2, phase="warmup"))
+    driver = PhaseDriver(policy(context_budget=8), ClosedLoop(requests, 2), len(requests),
+                         Recorder(level=2, phase="warmup"))
     assert driver.start(now=0.0) == []
     assert driver.done
 
@@ -83,8 +85,8 @@ def test_requests_stop_at_eos_only_when_the_workload_says_so():
 
 
 def test_a_stop_token_finishes_a_stream_early():
-    driver = PhaseDriver(policy(), [Request(0, (1, 2), max_new_tokens=5, stop_ids={TOKEN})], 1,
-                         recorder := Recorder(level=1, phase="measured"))
+    requests = [Request(0, (1, 2), max_new_tokens=5, stop_ids={TOKEN})]
+    driver = PhaseDriver(policy(), ClosedLoop(requests, 1), 1, recorder := Recorder(level=1, phase="measured"))
     [frame] = driver.start(now=0.0)
     assert complete(driver, frame, 1.0) == [] and driver.done
     [record] = recorder.records

@@ -35,7 +35,6 @@ from cascadia.pipeline.node import ForeignFrame
 from cascadia.pipeline.stage import EngineStage, RowSampler
 from cascadia.pipeline.wire import (DEFAULT_MAX_MESSAGE_BYTES, Decoder, Frame, Hello, Progress, Ready, Received,
                                     Shutdown, Stats, StatsRequest, Tokens, WireError, decode, encode)
-from cascadia.sampling import Sampling
 from cascadia.spec.load import load_spec
 from cascadia.workload import load_prompts
 
@@ -228,7 +227,7 @@ def stages(spec, checkpoint):
     """The first two stages of the tiny spec's plan, each a real engine (the first embeds token ids)."""
     spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, max_streams=4))
     opened = Checkpoint.open(checkpoint)
-    return [EngineStage(StageEngine.for_stage(spec, stage, opened, threads=1), RowSampler(Sampling(), 4))
+    return [EngineStage(StageEngine.for_stage(spec, stage, opened, threads=1), RowSampler(4))
             for stage in make_plan(spec).stages[:2]]
 
 

@@ -4,6 +4,7 @@
 - `pipeline/` (many processes) imports neither `sim/`, `measure/` nor `serve/`, and only its stage runtime
   (`pipeline/stage.py`) reaches into `engine/`;
 - `sim/` imports neither `engine/`, `pipeline/`, `measure/` nor `serve/`;
+- `serve/` (the HTTP front end) reaches the model only through `pipeline/`: neither `engine/`, `sim/` nor `measure/`;
 - the policy, driver, workload, metrics, graph and spec modules import no OpenVINO, ZeroMQ, SimPy or HTTP stack, not
   even through other Cascadia modules;
 - no module imports itself back through others (imports inside functions count too).
@@ -27,6 +28,7 @@ FORBIDDEN = {
     "cascadia.engine": ("cascadia.pipeline", "cascadia.sim", "cascadia.measure", "cascadia.serve", "cascadia.cli"),
     "cascadia.pipeline": ("cascadia.sim", "cascadia.measure", "cascadia.serve", "cascadia.cli"),
     "cascadia.sim": ("cascadia.engine", "cascadia.pipeline", "cascadia.measure", "cascadia.serve", "cascadia.cli"),
+    "cascadia.serve": ("cascadia.engine", "cascadia.sim", "cascadia.measure", "cascadia.cli"),
 }
 ENGINE_BRIDGE = "cascadia.pipeline.stage"  # the one pipeline module that may import the engine
 

@@ -9,7 +9,7 @@ from cascadia.spec.types import ClusterSpec, ModelSpec, NodeSpec, Spec
 
 
 def record(request_id, t_arrival, token_times, prompt=4):
-    return RequestRecord(1, "measured", request_id, prompt, len(token_times), t_arrival, token_times[0],
+    return RequestRecord(1, None, "measured", request_id, prompt, len(token_times), t_arrival, token_times[0],
                          token_times[-1], tuple(token_times))
 
 
@@ -21,7 +21,7 @@ def test_recorder_turns_events_into_records():
     rec.observe([Token(5, 9, 0)], 1.0)
     rec.observe([Token(5, 9, 1)], 1.25)
     rec.observe([Token(5, 9, 2), Finished(5, 0, "length", 3)], 1.75)
-    assert rec.records == [RequestRecord(2, "measured", 5, 3, 3, 0.5, 1.0, 1.75, (1.0, 1.25, 1.75))]
+    assert rec.records == [RequestRecord(2, None, "measured", 5, 3, 3, 0.5, 1.0, 1.75, (1.0, 1.25, 1.75))]
     assert rec.rejected == [Rejected(6, "too long")]
     assert rec.records[0].ttft == 0.5 and rec.records[0].tpot == pytest.approx(0.375)
 
@@ -33,20 +33,20 @@ def test_level_summary():
         record(2, 5.0, [6.0, 10.0]),  # [6, 10]: 4 s more, the gap [4, 6] is not decoding time
         record(3, 5.0, [7.0]),  # a single token: no decode tokens, no TPOT
     ]
-    s = summarize_level(4, records, {"a": 5.0, "b": 2.5}, rejected=1)
+    s = summarize_level(records, {"a": 5.0, "b": 2.5}, concurrency=4, rejected=1)
     assert s["requests"] == 4 and s["rejected"] == 1 and s["output_tokens"] == 8
     assert s["decode_tokens_per_s"] == pytest.approx(4 / 7)  # 2 + 1 + 1 decode tokens over 3 + 4 s
     assert s["wall_s"] == 10.0 and s["phase_tokens_per_s"] == pytest.approx(0.8)
     # ttft 1, 2, 1, 2 -> linear-interpolated percentiles
-    assert s["ttft_s"] == {"p50": pytest.approx(1.5), "p95": pytest.approx(2.0)}
-    # tpot 1, 2, 4 -> p50 2, p95 between 2 and 4: 2 + 0.9 * 2
-    assert s["tpot_s"] == {"p50": pytest.approx(2.0), "p95": pytest.approx(3.8)}
+    assert s["ttft_s"] == {"p50": pytest.approx(1.5), "p95": pytest.approx(2.0), "p99": pytest.approx(2.0)}
+    # tpot 1, 2, 4 -> p50 2, p95 and p99 between 2 and 4: 2 + 0.9 * 2, 2 + 0.98 * 2
+    assert s["tpot_s"] == {"p50": pytest.approx(2.0), "p95": pytest.approx(3.8), "p99": pytest.approx(3.96)}
     assert s["busy"] == {"a": 0.5, "b": 0.25}
 
 
 def test_single_token_requests_have_no_decode_rate():
-    s = summarize_level(1, [record(0, 0.0, [1.0])], {})
-    assert s["decode_tokens_per_s"] is None and s["tpot_s"] == {"p50": None, "p95": None}
+    s = summarize_level([record(0, 0.0, [1.0])], {}, concurrency=1)
+    assert s["decode_tokens_per_s"] is None and s["tpot_s"] == {"p50": None, "p95": None, "p99": None}
     assert s["phase_tokens_per_s"] == 1.0
 
 
@@ -57,7 +57,7 @@ def tiny_spec():
 
 def test_result_schema_and_table():
     records = [record(0, 0.0, [0.5, 0.75, 1.0]), record(1, 0.0, [0.25])]
-    level = summarize_level(2, records, {"node-a": 0.5, "node-b": 0.9})
+    level = summarize_level(records, {"node-a": 0.5, "node-b": 0.9}, concurrency=2)
     out = result("simulate", tiny_spec(), [level], records, calibration={"kind": "analytic"})
     assert out["schema"] == SCHEMA and out["source"] == "simulate"
     assert out["spec"]["model"]["name"] == "tiny" and out["calibration"] == {"kind": "analytic"}

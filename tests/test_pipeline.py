@@ -33,7 +33,8 @@ from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.stage import RowSampler, load_stage
 from cascadia.pipeline.transport import (COORDINATOR, Transport, TransportError, free_port, generate_keys, send,
                                          tcp_address)
-from cascadia.pipeline.wire import Frame, encode, node_sender
+from cascadia.pipeline.wire import Frame as WireFrame
+from cascadia.pipeline.wire import encode, node_sender
 from cascadia.sampling import Sampling
 from cascadia.spec.types import LinkSpec
 from cascadia.workload import MEASURED, WARMUP
@@ -57,23 +58,27 @@ def engine(spec, checkpoint):
 @pytest.fixture(scope="module")
 def pipeline(spec, plan, checkpoint):
     """Three greedy local nodes that also send logits back, shared by the module's tests."""
-    with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(), with_logits=True,
-                        node_timeout_s=TIMEOUT_S) as started:
+    with Pipeline.start(spec, plan, checkpoint=checkpoint, with_logits=True, node_timeout_s=TIMEOUT_S) as started:
         yield started
     assert [p.returncode for p in started.local.processes] == [0, 0, 0]  # each stopped on SHUTDOWN
 
 
 def reference_tokens(engine: Engine, prompt, n: int, sampling: Sampling) -> list[int]:
-    """One stream on the single-process engine: prefill, then decode, sampling as the last node does."""
-    sampler = RowSampler(sampling, slots=1)
+    """One stream on the single-process engine: prefill, then decode, each token drawn by the last node's own
+    sampler from rows that carry the stream's sampling as frames do."""
+    sampler = RowSampler(slots=1)
+
+    def draw(logits, positions, tokens) -> int:  # rows of slot 0, the last one sampled
+        k = len(positions)
+        frame = WireFrame(0, 0, [0] * k, positions, tokens, [False] * (k - 1) + [True],
+                          temperature=[sampling.temperature] * k, top_p=[sampling.top_p] * k, seed=[sampling.seed] * k)
+        sampler.observe(frame)
+        return int(sampler.sample(logits, frame)[0])
+
     engine.release(0)
-    logits = engine.prefill(0, prompt)[None]
-    sampler.observe(np.zeros(len(prompt), int), np.arange(len(prompt)), np.array(prompt))
-    tokens = [int(sampler.sample(logits, np.zeros(1, int))[0])]
+    tokens = [draw(engine.prefill(0, prompt)[None], range(len(prompt)), prompt)]
     while len(tokens) < n:
-        logits = engine.step([0], tokens[-1:])
-        sampler.observe(np.zeros(1, int), np.array([len(prompt) + len(tokens) - 1]), np.array(tokens[-1:]))
-        tokens.append(int(sampler.sample(logits, np.zeros(1, int))[0]))
+        tokens.append(draw(engine.step([0], tokens[-1:]), [len(prompt) + len(tokens) - 1], tokens[-1:]))
     return tokens
 
 
@@ -115,6 +120,18 @@ def test_greedy_tokens_equal_the_single_process_engine_at_every_concurrency(spec
     json.dumps(done.result)
 
 
+def test_open_loop_arrivals_on_the_pipeline_give_the_engines_tokens(spec, pipeline, engine):
+    """Requests arriving at Poisson times (some while others decode) are admitted as they come, exactly."""
+    workload = attrs.evolve(spec.workload, rate=(20.0,), requests=6, output_tokens=6)
+    done = pipeline.run(workload)
+    assert [line["rate"] for line in done.outputs] == [20.0] * 12 and len(done.outputs) == 12
+    assert_outputs_match_engine(done.outputs, engine, Sampling())
+    [level] = done.result["levels"]
+    assert level["rate"] == 20.0 and level["concurrency"] is None and level["requests"] == 6
+    arrivals = [r["t_arrival"] for r in done.result["requests"] if r["phase"] == MEASURED]
+    assert max(arrivals) - min(arrivals) > 0  # they did not all come at once
+
+
 def test_frames_wider_than_the_largest_row_bucket_are_split_exactly(spec, pipeline, engine):
     # One group holds all 8 streams: 8 decode rows plus a 4-row prefill window exceed the 8-row bucket.
     workload = attrs.evolve(spec.workload, concurrency=(8,), requests=10, output_tokens=5)
@@ -129,9 +146,9 @@ def test_frames_that_cannot_belong_to_the_run_are_dropped_and_it_goes_on(spec, p
     wrong width): node1 logs and counts each, and node0's frames, numbered lower, still go through exactly."""
     rejected = pipeline.coordinator.stats()["node1"].rejected
     hidden = spec.model.config.hidden_size
-    forgeries = [Frame(999999, 0, [5], [63], [3], [True], np.zeros((1, hidden), np.float32)),
-                 Frame(999999, 0, [99], [0], [3], [True], np.zeros((1, hidden), np.float32)),
-                 Frame(999999, 0, [5], [0], [3], [True], np.zeros((1, hidden + 1), np.float32))]
+    forgeries = [WireFrame(999999, 0, [5], [63], [3], [True], np.zeros((1, hidden), np.float32)),
+                 WireFrame(999999, 0, [99], [0], [3], [True], np.zeros((1, hidden), np.float32)),
+                 WireFrame(999999, 0, [5], [0], [3], [True], np.zeros((1, hidden + 1), np.float32))]
     with Transport("stranger") as stranger:
         forger = stranger.connect(zmq.PUSH, pipeline.local.places[1].listen, "node1")
         for seq, forgery in enumerate(forgeries):
@@ -188,8 +205,7 @@ def test_nodes_keep_state_in_the_spec_kv_precision(spec, plan, checkpoint, engin
     spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, kv_precision="bf16"))
     bf16_state = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     ids = [int(i) for i in np.random.default_rng(4).integers(0, 512, 30)]
-    with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(), with_logits=True,
-                        node_timeout_s=TIMEOUT_S) as started:
+    with Pipeline.start(spec, plan, checkpoint=checkpoint, with_logits=True, node_timeout_s=TIMEOUT_S) as started:
         distributed = started.score(ids, prefill=11)
     single = bf16_state.score(ids, prefill=11)
     scale = np.abs(single).max()
@@ -388,22 +404,22 @@ def test_a_node_started_with_other_settings_is_refused(spec, plan, checkpoint, t
     spec_path, plan_path = write_spec_and_plan(remote, plan, tmp_path)
     addresses = Addresses.local()
     node0 = start_node(spec_path, plan_path, "node0", remote.cluster.nodes[0].address, addresses, checkpoint, False,
-                       tmp_path / "n0.log", "--temperature", "0.7")  # the run samples greedily
+                       tmp_path / "n0.log", "--logits")  # the run does not score
     try:
-        with pytest.raises(PipelineError, match="node0: started with other settings than this run .* same spec, "
-                                                "plan and sampling options"):
+        with pytest.raises(PipelineError, match="node0: started with other settings than this run .* same spec and "
+                                                "plan as `cascadia run`"):
             Pipeline.start(remote, plan, addresses=addresses, node_timeout_s=TIMEOUT_S)
     finally:
         stop_all([node0])
 
 
 def test_settings_digest_ignores_what_may_differ_between_machines(spec, plan):
-    digest = settings_digest(spec, plan, Sampling(), False)
-    assert settings_digest(remote_spec(spec), plan, Sampling(seed=3, top_p=0.5), False) == digest  # greedy: no draws
-    assert settings_digest(spec, plan, Sampling(temperature=0.7), False) != digest
-    assert settings_digest(spec, plan, Sampling(), True) != digest
+    digest = settings_digest(spec, plan, False)
+    sampled = attrs.evolve(spec, workload=attrs.evolve(spec.workload, greedy=False, temperature=0.7))
+    assert settings_digest(remote_spec(sampled), plan, False) == digest  # sampling travels with each row
+    assert settings_digest(spec, plan, True) != digest
     other_runtime = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, max_streams=4))
-    assert settings_digest(other_runtime, plan, Sampling(), False) != digest
+    assert settings_digest(other_runtime, plan, False) != digest
 
 
 def test_the_coordinators_port_taken_is_a_clear_error(spec, plan):
@@ -467,7 +483,7 @@ def test_a_node_checks_its_own_machines_memory_before_it_loads(spec, tmp_path):
     stage = make_plan(huge).stages[1]
     with pytest.raises(NodeError, match=r"^node1: its stage needs 5.45 TB \(weights 611 kB, state 5.45 TB for "
                                         r"20000000 streams x 1024 positions\) but this machine has .+ available"):
-        load_stage(huge, stage, tmp_path / "nowhere", 1, Sampling(), False, lambda done, total: None)
+        load_stage(huge, stage, tmp_path / "nowhere", 1, False, lambda done, total: None)
 
 
 def test_a_checkpoint_a_node_cannot_read_is_a_clear_error(spec, plan, checkpoint, tmp_path):

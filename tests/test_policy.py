@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cascadia.policy import (DECODE, LENGTH, PREFILL, STOP, Admitted, Finished, Policy, Rejected, Request, Row, Token,
-                             padded_size)
+from cascadia.policy import (CANCELLED, DECODE, LENGTH, PREFILL, STOP, Admitted, Finished, Policy, Rejected, Request,
+                             Row, Token, padded_size)
 
 
 def policy(n_groups=1, max_streams=4, prefill_window=8, row_buckets=(2, 8), context_budget=64):
@@ -198,3 +198,70 @@ def test_decoding_streams_get_a_row_in_every_frame_while_a_prompt_is_admitted():
         assert [r.request_id for r in f.rows if r.kind == DECODE] == [0, 1, 2]
         assert sum(r.kind == PREFILL for r in f.rows) == min(8, 100 - 8 * chunk)
         p.complete_frame(f, {rid: 1 for rid in f.sampled_ids})
+
+
+# ---- cancellation -------------------------------------------------------------------------------------------------
+def test_cancelling_a_waiting_request_takes_it_out_of_the_queue():
+    p = policy(max_streams=1)
+    p.add_request(Request(0, (1,), 5))
+    p.add_request(Request(1, (2,), 5))
+    assert p.waiting == 1
+    assert p.cancel(1) == [Finished(1, None, CANCELLED, 0)]
+    assert p.waiting == 0 and p.cancel(1) == [] and p.cancel(99) == []  # once; unknown ids are no error
+
+
+def test_cancelling_an_idle_stream_frees_its_slot_at_once_for_the_next_waiting_request():
+    p = policy(max_streams=1)
+    p.add_request(Request(0, (1,), 5))
+    p.add_request(Request(1, (2,), 5))
+    f = p.next_frame(0)
+    p.complete_frame(f, {0: 9})  # request 0 decodes, nothing in flight
+    assert p.cancel(0) == [Finished(0, 0, CANCELLED, 1), Admitted(1, 0, 0)]
+    assert [r.request_id for r in p.next_frame(0).rows] == [1]
+
+
+def test_a_stream_cancelled_with_its_rows_in_flight_is_freed_when_that_frame_completes_without_its_token():
+    p = policy(max_streams=1)
+    p.add_request(Request(0, (1, 2), 5))
+    p.add_request(Request(1, (3,), 5))
+    f = p.next_frame(0)
+    assert p.cancel(0) == []  # the nodes are still writing its state
+    assert p.complete_frame(f, {0: 9}) == [Finished(0, 0, CANCELLED, 0), Admitted(1, 0, 0)]
+    assert p.cancel(0) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=requests_st, n_groups=st.integers(1, 3), max_streams=st.integers(1, 4), data=st.data())
+def test_cancels_at_random_moments_free_every_slot_and_silence_the_stream(requests, n_groups, max_streams, data):
+    p = Policy(n_groups, max_streams, 4, (2, 8, 16), context_budget=30)
+    pending = [Request(i, tuple(range(1, n + 1)), m) for i, (n, m) in enumerate(requests)]
+    ended: dict[int, str] = {}
+    cancelled_at: set[int] = set()
+    in_flight = {}
+
+    def observe(events):
+        for e in events:
+            if isinstance(e, Token):
+                assert e.request_id not in cancelled_at  # no token after the cancel call returned
+            elif isinstance(e, (Finished, Rejected)):
+                assert e.request_id not in ended  # one end each
+                ended[e.request_id] = e.reason if isinstance(e, Finished) else "rejected"
+
+    while pending or in_flight or not p.done:
+        action = data.draw(st.sampled_from(["add", "cancel", "complete"]))
+        if action == "add" and pending:
+            observe(p.add_request(pending.pop(0)))
+        elif action == "cancel":
+            request_id = data.draw(st.integers(0, len(requests) - 1))
+            if request_id not in ended and not any(r.id == request_id for r in pending):
+                cancelled_at.add(request_id)
+            observe(p.cancel(request_id))
+        for g in range(n_groups):
+            if (f := p.next_frame(g)) is not None:
+                in_flight[g] = f
+                assert not {r.request_id for r in f.rows} & (cancelled_at - set(ended))  # no new rows once cancelled
+        if in_flight and (action == "complete" or not pending):
+            f = in_flight.pop(data.draw(st.sampled_from(sorted(in_flight))))
+            observe(p.complete_frame(f, {rid: 7 for rid in f.sampled_ids}))
+    assert p.idle and p.active == 0 and set(ended) == set(range(len(requests)))
+    assert all(ended[i] == CANCELLED for i in cancelled_at)

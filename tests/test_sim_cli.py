@@ -194,3 +194,24 @@ def test_dash_is_standard_output_and_the_report_goes_to_standard_error(spec_path
     assert "decode tok/s" in result.stderr and "decode tok/s" not in result.stdout
     both = CliRunner().invoke(cli, ["simulate", str(spec_path), "--analytic", "--json", "-", "--plot", "-"])
     assert both.exit_code == 2 and "only one output may go to standard output" in both.output
+
+
+def test_simulate_an_open_loop_sweep_with_an_slo(spec_path):
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--analytic", "--rate", "1,40", "--requests", "8",
+                                      "--slo", "ttft=1s,tpot=100ms", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    levels = json.loads(result.stdout)["levels"]
+    assert [(level["rate"], level["concurrency"], level["requests"]) for level in levels] == [(1.0, None, 8),
+                                                                                            (40.0, None, 8)]
+    assert levels[0]["goodput"]["slo"] == {"ttft_s": 1.0, "tpot_s": 0.1} and levels[0]["ttft_s"]["p99"] > 0
+    assert result.stderr.splitlines()[0].split()[0] == "load" and "goodput" in result.stderr.splitlines()[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "1", "--rate", "2"], "give --concurrency (closed loop) or --rate (open loop), not both"),
+    (["--rate", "0,2"], "rates must be positive and distinct"),
+    (["--slo", "ttft=2s"], "is not like ttft=2s,tpot=200ms"),
+    (["--slo", "ttft=2s,tpot=fast"], "expected a duration")])
+def test_bad_open_loop_options_are_usage_errors(spec_path, args, message):
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--analytic", *args])
+    assert result.exit_code == 2 and message in result.output

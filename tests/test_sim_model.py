@@ -7,13 +7,14 @@ import pytest
 import simpy
 from sim_specs import calibration, even_plan, tiny_spec
 
-from cascadia.metrics import Recorder
+from cascadia.metrics import Recorder, format_table, summarize_level
 from cascadia.policy import Policy, Request
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import CalibrationError
 from cascadia.sim.model import PipelineModel, SharedHost, shared_hosts, stage_hosts
 from cascadia.sim.simulate import simulate
-from cascadia.spec.types import LengthSpec, LinkSpec, RuntimeSpec, WorkloadSpec
+from cascadia.spec.types import LengthSpec, LinkSpec, RuntimeSpec, SloSpec, WorkloadSpec
+from cascadia.workload import ClosedLoop, OpenLoop
 
 # Seconds per layer of each kind, chosen distinct so that a wrong count shows.
 KIND_TIMES = {"sliding": 1e-3, "global": 2e-3, "moe": 3e-3, "dense": 4e-3, "embedding": 5e-4, "head": 5e-3}
@@ -25,7 +26,7 @@ def run(spec, cal, requests, clients=1, groups=None):
     model = PipelineModel(spec, plan, cal)
     policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
     recorder = Recorder(clients, "measured")
-    busy = model.run_phase(policy, requests, clients, recorder)
+    busy = model.run_phase(policy, ClosedLoop(requests, clients), len(requests), recorder)
     return recorder.records, busy, model
 
 
@@ -39,7 +40,7 @@ def test_single_stream_is_the_sum_of_stage_and_link_times():
     stages = [k["embedding"] + 2 * k["sliding"] + k["dense"] + k["moe"] + overhead,
               k["global"] + k["sliding"] + 2 * k["moe"] + overhead,
               k["sliding"] + k["global"] + 2 * k["moe"] + k["head"] + overhead]
-    frame, token = 44 + 13 + HIDDEN_BYTES, 44 + 8  # header, a row's slot, position, token and flag, its residual
+    frame, token = 44 + 37 + HIDDEN_BYTES, 44 + 8  # header, a row's indices, flag and sampling, its residual
     wires = [1e-4 + frame / 1e8, 2e-4 + frame / 2e8, 3e-4 + token / 5e7]  # the last sends one token back
     assert record.ttft == pytest.approx(sum(stages) + sum(wires), rel=1e-12)
     assert list(busy.values()) == pytest.approx(stages, rel=1e-12)
@@ -205,3 +206,57 @@ def test_a_phase_whose_requests_are_all_rejected_ends_at_once():
     records, busy, model = run(spec, calibration(spec, lambda kind, r, x: KIND_TIMES[kind]),
                                [Request(i, too_long, 1) for i in range(3)], clients=2)
     assert records == [] and model.env.now == 0 and set(busy.values()) == {0.0}
+
+
+def open_loop(spec, cal, requests, rate, seed=1):
+    plan = even_plan(spec)
+    model = PipelineModel(spec, plan, cal)
+    recorder = Recorder(None, "measured", rate)
+    model.run_phase(Policy.for_runtime(spec.runtime, len(plan.stages)), OpenLoop(requests, rate, seed),
+                    len(requests), recorder)
+    return recorder.records
+
+
+def test_open_loop_requests_arrive_at_their_own_times_whatever_the_server_does():
+    """Arrivals at a low rate find an idle pipeline (each as fast as alone); at a high one they queue, and the
+    arrival times are the same Poisson times either way."""
+    spec = tiny_spec()
+    cal = calibration(spec, lambda kind, r, x: 1e-3 * (1 + r / 8))
+    requests = [Request(i, (1, 2, 3), 4) for i in range(40)]
+    [alone], _, _ = run(spec, cal, requests[:1])
+    slow = open_loop(spec, cal, requests, rate=0.5)
+    found_idle = [r.ttft for r, before in zip(slow[1:], slow) if r.t_arrival >= before.t_finish]
+    assert len(found_idle) > 30 and found_idle == pytest.approx([alone.ttft] * len(found_idle), rel=1e-9)
+    loop = OpenLoop(requests, 0.5, seed=1)
+    loop.start(0.0)
+    times = [0.0]
+    while (t := loop.next_time) is not None:
+        times += [t] * len(loop.due(t))
+    assert [r.t_arrival for r in slow] == pytest.approx(times)
+    busy = open_loop(spec, cal, requests, rate=2000.0)  # far faster than the pipeline serves them
+    assert np.percentile([r.ttft for r in busy], 99) > 5 * alone.ttft
+
+
+def test_goodput_counts_the_requests_meeting_the_slo():
+    spec = tiny_spec()
+    cal = calibration(spec, lambda kind, r, x: 1e-3 * (1 + r / 8))
+    records = open_loop(spec, cal, [Request(i, (1, 2, 3), 4) for i in range(40)], rate=300.0)
+    ttfts = sorted(r.ttft for r in records)
+    slo = SloSpec(ttft=ttfts[19] + 1e-12, tpot=1.0)  # half of them are within the TTFT bound, all within TPOT
+    summary = summarize_level(records, {}, rate=300.0, slo=slo)
+    assert summary["goodput"]["fraction"] == 0.5 and summary["rate"] == 300.0 and summary["concurrency"] is None
+    assert summary["goodput"]["requests_per_s"] == pytest.approx(20 / summary["wall_s"])
+    assert summarize_level(records, {}, rate=300.0, slo=attrs.evolve(slo, tpot=1e-9))["goodput"]["fraction"] == 0
+
+
+def test_simulate_sweeps_arrival_rates():
+    workload = WorkloadSpec(rate=(1.0, 50.0), requests=12, prompt_tokens=LengthSpec(4, 8), output_tokens=4,
+                            slo=SloSpec(ttft=0.05, tpot=0.05))
+    spec = attrs.evolve(tiny_spec(), workload=workload)
+    result = simulate(spec, calibration(spec, lambda kind, r, x: 1e-3 * (1 + r / 8)), even_plan(spec))
+    assert [(level["rate"], level["requests"]) for level in result["levels"]] == [(1.0, 12), (50.0, 12)]
+    slow, fast = result["levels"]
+    assert fast["ttft_s"]["p99"] > slow["ttft_s"]["p99"] and slow["goodput"]["fraction"] == 1.0
+    table = format_table(result).splitlines()
+    assert table[0].split()[0] == "load" and "TTFT p99 ms" in table[0] and "goodput" in table[0]
+    assert table[1].split()[0] == "1/s" and table[1].split()[-3] == "100%"

@@ -1,5 +1,6 @@
 import struct
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -27,7 +28,10 @@ def frames(draw, min_rows=0):
         values = draw(st.lists(st.floats(-1e4, 1e4, width=16), min_size=n * hidden, max_size=n * hidden))
         residual = np.array(values, dtype=draw(FLOAT_DTYPES)).reshape(n, hidden)
     return Frame(draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)), draw(ints), draw(ints), draw(ints),
-                 draw(st.lists(st.booleans(), min_size=n, max_size=n)), residual, draw(st.integers(0, 2**32 - 1)))
+                 draw(st.lists(st.booleans(), min_size=n, max_size=n)), residual, draw(st.integers(0, 2**32 - 1)),
+                 draw(st.lists(st.floats(0, 4), min_size=n, max_size=n)),
+                 draw(st.lists(st.floats(0, 1, exclude_min=True), min_size=n, max_size=n)),
+                 draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n)))
 
 
 @st.composite
@@ -231,11 +235,21 @@ def test_messages_check_their_row_counts():
         Frame(1, 0, [0], [0], [5], [True], np.zeros((1, 3), np.float64))
 
 
+@pytest.mark.parametrize("field, value, message", [("temperature", -1.0, "temperature: each must be"),
+                                                    ("temperature", float("nan"), "temperature: each must be"),
+                                                    ("top_p", 0.0, "top_p: each must lie in"),
+                                                    ("top_p", 1.5, "top_p: each must lie in")])
+def test_a_frame_that_asks_for_an_impossible_draw_is_rejected(field, value, message):
+    frame = attrs.evolve(Frame(1, 0, [0], [0], [5], [True]), **{field: [value]})
+    with pytest.raises(WireError, match=message):
+        decode(as_bytes(encode(frame, 0, 1)))
+
+
 def test_decoded_arrays_view_the_received_buffers():
     residual = np.arange(8, dtype=np.float32).reshape(2, 4)
     parts = as_bytes(encode(Frame(1, 0, [0, 1], [0, 0], [1, 2], [True, False], residual), 0, 1))
     frame = decode(parts).message
-    assert np.shares_memory(frame.residual, np.frombuffer(parts[5], np.uint8))
+    assert np.shares_memory(frame.residual, np.frombuffer(parts[8], np.uint8))
     assert not frame.residual.flags.writeable
 
 

@@ -2,12 +2,13 @@ import os
 from pathlib import Path
 
 import attrs
+import numpy as np
 import pytest
 
 from cascadia.errors import RequestError
 from cascadia.policy import Request
 from cascadia.spec.types import LengthSpec, RuntimeSpec, WorkloadSpec
-from cascadia.workload import PHASES, ClosedLoop, build_levels, load_prompts, override, prompt_length_notes
+from cascadia.workload import PHASES, ClosedLoop, OpenLoop, build_levels, load_prompts, override, prompt_length_notes
 
 
 def test_levels_phases_and_requests():
@@ -123,9 +124,25 @@ def test_prompts_longer_than_the_context_are_named_and_none_fitting_is_an_error(
 def test_closed_loop_sends_the_next_request_when_one_is_done():
     requests = [Request(i, (1,), 1) for i in range(5)]
     loop = ClosedLoop(requests, clients=2)
-    assert loop.start() == requests[:2]
-    assert [loop.next() for _ in range(4)] == [requests[2], requests[3], requests[4], None]
-    assert ClosedLoop(requests[:1], clients=3).start() == requests[:1]
+    assert loop.start(0.0) == requests[:2] and loop.next_time is None and loop.due(9.0) == []
+    assert [loop.done() for _ in range(4)] == [[requests[2]], [requests[3]], [requests[4]], []]
+    assert ClosedLoop(requests[:1], clients=3).start(0.0) == requests[:1]
+
+
+def test_open_loop_sends_requests_at_their_seeded_poisson_times():
+    requests = [Request(i, (1,), 1) for i in range(400)]
+    loop = OpenLoop(requests, rate=4.0, seed=3)
+    assert loop.start(10.0) == requests[:1]  # the first at the start
+    times = [10.0]
+    while (due := loop.next_time) is not None:
+        assert loop.due(due - 1e-9) == [] and loop.done() == []  # not before its time, nor because one finished
+        sent = loop.due(due)
+        times += [due] * len(sent)
+    gaps = np.diff(times)
+    assert len(times) == 400 and all(gaps >= 0)
+    assert 0.22 < gaps.mean() < 0.28 and 0.8 < gaps.std() / gaps.mean() < 1.2  # exponential gaps of mean 1/4 s
+    again = OpenLoop(requests, rate=4.0, seed=3)
+    assert again.start(10.0) == requests[:1] and again.next_time == times[1]  # seeded: the same times
 
 
 def test_override_replaces_only_what_is_given():

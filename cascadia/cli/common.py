@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import IO
 
@@ -87,7 +89,7 @@ class OutputPath(click.Path):
 def writing(path: str, binary: bool = False) -> Iterator[IO]:
     """`path` open for writing, or standard output for "-"; a failure to write is one error naming the file."""
     if path == "-":
-        yield click.get_binary_stream("stdout") if binary else click.get_text_stream("stdout")
+        yield click.get_binary_stream("stdout") if binary else sys.stdout
         return
     try:
         with open(path, "wb" if binary else "w") as f:
@@ -131,24 +133,79 @@ def with_sampling(workload, greedy: bool | None, temperature: float | None, top_
     return attrs.evolve(workload, **changes)
 
 
+class RateList(click.ParamType):
+    """Comma-separated positive rates (requests per second), e.g. "0.5,2,8"."""
+
+    name = "rates"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            rates = tuple(float(part) for part in value.split(","))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of rates", param, ctx)
+        if not all(math.isfinite(r) and r > 0 for r in rates) or len(set(rates)) != len(rates):
+            self.fail(f"{value!r}: rates must be positive and distinct", param, ctx)
+        return rates
+
+
+class Slo(click.ParamType):
+    """A service-level objective, "ttft=2s,tpot=200ms": both bounds, durations with units."""
+
+    name = "ttft=T,tpot=T"
+
+    def convert(self, value, param, ctx):
+        from cascadia import units
+        from cascadia.spec.types import SloSpec
+
+        if not isinstance(value, str):
+            return value
+        parts = dict(part.split("=", 1) for part in value.split(",") if "=" in part)
+        if set(parts) != {"ttft", "tpot"} or value.count("=") != 2:
+            self.fail(f"{value!r} is not like ttft=2s,tpot=200ms", param, ctx)
+        try:
+            bounds = {key: units.parse_duration(text) for key, text in parts.items()}
+        except units.UnitError as e:
+            self.fail(f"{value!r}: {e}", param, ctx)
+        if min(bounds.values()) <= 0:
+            self.fail(f"{value!r}: the bounds must be more than zero", param, ctx)
+        return SloSpec(**bounds)
+
+
+WORKLOAD_CHOICES = ("concurrency", "rate", "requests", "prompts", "prompt_tokens", "max_new_tokens", "slo")
+
+
 def workload_options(command):
-    """The plan, checkpoint, workload and group options that `run`, `simulate` and `validate` share."""
+    """The plan, checkpoint, workload and group options that `run`, `simulate` and `validate` share. The workload's
+    reach the command gathered as one `choices` argument (a dict), for `workload_overrides`."""
+    @functools.wraps(command)
+    def gathered(*args, **kwargs):
+        return command(*args, choices={key: kwargs.pop(key) for key in WORKLOAD_CHOICES}, **kwargs)
+
     for option in reversed((
             click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
                          help="a plan saved by `cascadia plan -o` (default: plan now)"),
             click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's"),
-            click.option("--concurrency", type=IntList(), help="concurrency levels, e.g. 1,2,4 (default: the spec's)"),
+            click.option("--concurrency", type=IntList(),
+                         help="closed-loop levels: clients each sending their next request when theirs is done, "
+                              "e.g. 1,2,4 (default: the spec's)"),
+            click.option("--rate", type=RateList(),
+                         help="open-loop levels instead: requests arriving at Poisson times, this many per second "
+                              "on average, e.g. 0.5,2,8"),
             click.option("--requests", type=click.IntRange(min=1),
-                         help="requests per phase (default: the level's concurrency)"),
+                         help="requests per phase (default: the level's concurrency; 10 s of arrivals, at least 16)"),
             click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
                          help='JSONL prompts, one {"ids": [...]} or {"text": "..."} per line; text needs the '
                               "checkpoint's tokenizer.json (default: the spec's prompts, or random ids)"),
             click.option("--prompt-tokens", type=click.IntRange(min=1), help="random prompts of this many tokens"),
             click.option("--max-new-tokens", type=click.IntRange(min=1), help="output tokens per request"),
+            click.option("--slo", type=Slo(), help="count the requests meeting both bounds (goodput), e.g. "
+                                                     "ttft=2s,tpot=200ms"),
             click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)"),
     )):
-        command = option(command)
-    return command
+        gathered = option(gathered)
+    return gathered
 
 
 def emulate_links_option(command):
@@ -158,14 +215,18 @@ def emulate_links_option(command):
                              "the spec's bandwidth (Linux, root; latency is not emulated)")(command)
 
 
-def workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens):
-    """The spec's workload with the command line's overrides, which must fit the spec's runtime as the spec's own
-    workload must."""
+def workload_overrides(loaded, choices: dict):
+    """The spec's workload with the command line's `choices` (`workload_options`), which must fit the spec's runtime
+    as the spec's own workload must."""
     import attrs
 
     from cascadia.workload import misfits, override
 
-    workload = override(loaded.workload, concurrency, requests, max_new_tokens, prompt_tokens)
+    if choices["concurrency"] is not None and choices["rate"] is not None:
+        raise click.UsageError("give --concurrency (closed loop) or --rate (open loop), not both")
+    workload = override(loaded.workload, choices["concurrency"], choices["requests"], choices["max_new_tokens"],
+                        choices["prompt_tokens"], choices["rate"], choices["slo"])
+    prompts = choices["prompts"]
     workload = attrs.evolve(workload, prompts_file=prompts) if prompts else workload
     if problems := misfits(workload, loaded.runtime):
         raise click.UsageError("; ".join(message for _, message in problems))

@@ -23,7 +23,6 @@ from cascadia.spec.load import load_spec
                                   "spec; the last node: the coordinator's token address)")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
 @click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: the node's, in the spec)")
-@sampling_options
 @click.option("--logits", is_flag=True, help="last node: send the logits of sampled rows back too (scoring)")
 @click.option("--parent-pid", type=int, help="stop when this process is no longer our parent")
 @click.option("--keep-serving", is_flag=True,
@@ -31,7 +30,7 @@ from cascadia.spec.load import load_spec
 @click.option("--wait-coordinator", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="seconds to wait at start for the coordinator to accept this node (--keep-serving: for ever)")
 def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, successor: str | None,
-         checkpoint: str | None, threads: int | None, greedy, temperature, top_p, seed, logits: bool,
+         checkpoint: str | None, threads: int | None, logits: bool,
          parent_pid: int | None, keep_serving: bool, wait_coordinator: float) -> None:
     """Serve one stage of a plan: load its layers, then compute frames until the coordinator says stop.
 
@@ -45,11 +44,9 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 
     from cascadia.graph.planner import load_plan
     from cascadia.pipeline.stage import node_settings, serve_node
-    from cascadia.sampling import Sampling
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     loaded = load_spec(spec_path)
-    sampling = Sampling.of(with_sampling(loaded.workload, greedy, temperature, top_p, seed))
     chosen = load_plan(plan_path, loaded)
     settings = attrs.evolve(node_settings(loaded, chosen, name, listen, control, successor, parent_pid),
                             keep_serving=keep_serving, coordinator_wait_s=None if keep_serving else wait_coordinator)
@@ -57,7 +54,7 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
     if folder is None:
         raise click.UsageError(f"{spec_path}: the model names no checkpoint; give --checkpoint")
     try:
-        serve_node(loaded, chosen, settings, folder, threads, sampling, logits)
+        serve_node(loaded, chosen, settings, folder, threads, logits)
     except Exception as e:  # already reported to the coordinator by the node loop; say it here too, briefly
         raise click.ClickException(f"{name}: {type(e).__name__}: {e}") from None
 
@@ -76,16 +73,14 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 @click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True),
               help="seconds a starting node may stay silent [default: 120]")
 @emulate_links_option
-def run_command(spec: str, plan_path: str | None, checkpoint: str | None, concurrency, requests, prompts,
-                prompt_tokens, max_new_tokens, greedy, temperature, top_p, seed, groups, json_path, outputs_path,
-                control, tokens, node_timeout, emulate_links) -> None:
-    """Run the spec's workload through the real pipeline and print throughput and latency per concurrency level.
+def run_command(spec: str, plan_path: str | None, checkpoint: str | None, choices: dict, greedy, temperature, top_p,
+                seed, groups, json_path, outputs_path, control, tokens, node_timeout, emulate_links) -> None:
+    """Run the spec's workload through the real pipeline and print throughput and latency per level.
 
     Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
     `cascadia node ... --control ADDRESS` (the last one also with --successor set to the --tokens address)."""
     loaded = load_spec(spec)
-    workload = with_sampling(workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens),
-                              greedy, temperature, top_p, seed)
+    workload = with_sampling(workload_overrides(loaded, choices), greedy, temperature, top_p, seed)
     _run_and_report(loaded, plan_path, workload, checkpoint, groups, json_path, outputs_path, control, tokens,
                     node_timeout, emulate_links)
 
@@ -110,9 +105,9 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
             with writing(json_path) as f:
                 json.dump(result, f, indent=1)
 
-    def phase_done(level: int, phase: str, records: list) -> None:
+    def phase_done(level: str, phase: str, records: list) -> None:
         tokens_out = sum(r.output_tokens for r in records)
-        click.echo(f"concurrency {level}, {phase}: {len(records)} requests, {tokens_out} tokens", err=True)
+        click.echo(f"{level}, {phase}: {len(records)} requests, {tokens_out} tokens", err=True)
 
     if (control is None) != (tokens is None):
         raise click.UsageError("give both --control and --tokens, or neither")

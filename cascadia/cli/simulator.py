@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (IntList, OutputPath, chosen_plan, emulate_links_option, report_to, workload_options,
-                                 workload_overrides, writing)
+from cascadia.cli.common import (WORKLOAD_CHOICES, IntList, OutputPath, chosen_plan, emulate_links_option, report_to,
+                                 workload_options, workload_overrides, writing)
 from cascadia.spec.load import load_spec
 
 
@@ -19,11 +19,10 @@ from cascadia.spec.load import load_spec
 @click.option("--json", "json_path", type=OutputPath(), help="write the metrics JSON here")
 @click.option("--plot", "plot_path", type=OutputPath(), help="write a throughput/latency plot (PNG)")
 def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None, checkpoint: str | None,
-             concurrency: tuple[int, ...] | None, requests: int | None, prompts: str | None,
-             prompt_tokens: int | None, max_new_tokens: int | None, groups: int | None, json_path: str | None,
-             plot_path: str | None) -> None:
-    """Predict throughput and latency of the plan at each concurrency level with the calibrated simulator. It reads
-    no weights: a checkpoint matters only for the tokenizer of text prompts."""
+             choices: dict, groups: int | None, json_path: str | None, plot_path: str | None) -> None:
+    """Predict throughput and latency of the plan at each level (closed-loop concurrency or open-loop arrival rate)
+    with the calibrated simulator. It reads no weights: a checkpoint matters only for the tokenizer of text
+    prompts."""
     import json
     from pathlib import Path
 
@@ -40,7 +39,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     report = report_to(json_path, plot_path)
     loaded = load_spec(spec)
     model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
-    workload = workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens)
+    workload = workload_overrides(loaded, choices)
     loaded = attrs.evolve(loaded, model=model, workload=workload)
     chosen = chosen_plan(loaded, plan_path)  # first: it refuses a runtime no node can hold, before any table is built
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
@@ -104,9 +103,8 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
 @click.option("--json", "json_path", type=OutputPath(),
               help="write both results and the errors here (after a failed run: the prediction and the runs so far)")
 @emulate_links_option
-def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, concurrency,
-                     requests, prompts, prompt_tokens, max_new_tokens, groups, repeats, json_path,
-                     emulate_links) -> None:
+def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, choices: dict,
+                     groups, repeats, json_path, emulate_links) -> None:
     """Simulate and run the same workload on the same plan, and print per level and metric the measured and
     predicted values and the error, then each metric's median absolute error."""
     import attrs
@@ -114,7 +112,7 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
     from cascadia.sim.calibration import Calibration
 
     loaded = load_spec(spec)
-    workload = workload_overrides(loaded, concurrency, requests, prompts, prompt_tokens, max_new_tokens)
+    workload = workload_overrides(loaded, choices)
     calibration = Calibration.load(calibration_path)
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
                          checkpoint, groups, repeats, json_path, emulate_links)
@@ -136,8 +134,8 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
             with writing(json_path) as f:
                 json.dump(result, f, indent=1)
 
-    def phase_done(level: int, phase: str, records: list) -> None:
-        click.echo(f"run: concurrency {level}, {phase}: {len(records)} requests", err=True)
+    def phase_done(level: str, phase: str, records: list) -> None:
+        click.echo(f"run: {level}, {phase}: {len(records)} requests", err=True)
 
     try:
         result = validate(loaded, chosen, calibration, repeats=repeats, groups=groups,
@@ -173,7 +171,7 @@ def demo(concurrency) -> None:
         raise click.ClickException(f"{specs}: not found (the demo runs from a source checkout)")
     _describe_paper_deployment(specs / "inkling-975b-11pc.yaml")
     loaded = load_spec(str(specs / "tiny-local.yaml"))
-    workload = workload_overrides(loaded, concurrency, None, None, None, None)
+    workload = workload_overrides(loaded, dict.fromkeys(WORKLOAD_CHOICES) | {"concurrency": concurrency})
     if ensure_random_checkpoint(loaded):
         click.echo(f"wrote random weights to {loaded.model.checkpoint}", err=True)
     chosen = chosen_plan(loaded, None)

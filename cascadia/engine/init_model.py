@@ -27,7 +27,7 @@ from cascadia.errors import CheckpointError
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import Spec
 from cascadia.tensors import all_tensors, fan_in, is_gain, is_routing_correction, is_short_conv, kept_f32
-from cascadia.tokenizer import TOKENIZER_FILE, TokenizerError, build_tokenizer
+from cascadia.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TokenizerError, build_tokenizer, tokenizer_config
 
 DTYPES = ("f32", "bf16")
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -154,13 +154,16 @@ def init_model(config: InklingConfig, out_dir: str | Path, seed: int = 0, dtype:
 
 
 def _write_tokenizer(config: InklingConfig, out_dir: Path) -> tuple[int | None, tuple[str, ...]]:
-    """Write tokenizer.json when the vocabulary allows one; (its size or None, notes on what fell short)."""
+    """Write tokenizer.json and tokenizer_config.json (special tokens, chat template) when the vocabulary allows a
+    tokenizer; (its size or None, notes on what fell short)."""
     try:
         tokenizer = build_tokenizer(config)
     except TokenizerError as e:
-        (out_dir / TOKENIZER_FILE).unlink(missing_ok=True)  # an older one would not match this model
+        for stale in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):  # older ones would not match this model
+            (out_dir / stale).unlink(missing_ok=True)
         return None, (f"no {TOKENIZER_FILE}: {e}",)
     tokenizer.save(str(out_dir / TOKENIZER_FILE))
+    (out_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config(config), indent=2) + "\n")
     size = tokenizer.get_vocab_size()
     if size < config.output_vocab_size:
         return size, (f"{TOKENIZER_FILE} has {size} entries, fewer than the model's {config.output_vocab_size}: "

@@ -19,7 +19,6 @@ from cascadia.graph.plan import Plan
 from cascadia.pipeline.coordinator import wire_frame
 from cascadia.pipeline.run import Pipeline, describe
 from cascadia.policy import DECODE, Frame, Row, padded_size
-from cascadia.sampling import Sampling
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.fit import AloneFrames, burst_streams, fit_overheads, shared_speedup
 from cascadia.sim.model import FrameShape
@@ -44,7 +43,7 @@ def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibrati
     frames: list[list[AloneFrames]] = []  # by pass, each shape's frames in order
     bursts: list[list[list[float]]] = [[] for _ in streams]  # per burst size, each pass's
     progress("starting the pipeline")
-    with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(),
+    with Pipeline.start(spec, plan, checkpoint=checkpoint,
                         on_message=lambda node, message: progress(describe(node, message))) as pipeline:
         probe = PipelineProbe(pipeline, spec)
         probe.alone([decode_rows(1, step) for step in range(STEPS)])  # the first frames pay for first use

@@ -35,7 +35,6 @@ from cascadia.pipeline.launch import thread_env
 from cascadia.pipeline.stage import EngineStage, find_stage, load_stage
 from cascadia.pipeline.wire import Frame
 from cascadia.policy import padded_size
-from cascadia.sampling import Sampling
 from cascadia.sim.analytic import kind_costs, row_grid
 from cascadia.sim.calibration import KIND_AXES, Table
 from cascadia.sim.model import stage_kinds
@@ -87,7 +86,7 @@ def tables_worker(argv: Sequence[str]) -> None:
         spec = load_spec(spec_path)
         plan = load_plan(plan_path, spec)
         _, stage = find_stage(plan, name)
-        loaded = load_stage(spec, stage, Path(checkpoint), None, Sampling(), False,
+        loaded = load_stage(spec, stage, Path(checkpoint), None, False,
                             lambda done, total: say(progress=f"compiled {done}/{total} blocks"))
         engine = loaded.engine
         device = f"{engine.device} {core().get_property(engine.device, 'FULL_DEVICE_NAME')}"

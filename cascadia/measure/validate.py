@@ -19,6 +19,7 @@ import attrs
 
 from cascadia.errors import NodeError
 from cascadia.graph.plan import Plan
+from cascadia.metrics import describe_level, level_label
 from cascadia.pipeline.run import RunFailed, run
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
@@ -34,6 +35,11 @@ METRICS = {
     "TTFT p95": (("ttft_s", "p95"), "ms", 1e3),
     "TPOT p50": (("tpot_s", "p50"), "ms", 1e3),
 }
+
+
+def _load(level: dict) -> tuple[int | None, float | None]:
+    """A level's concurrency and arrival rate (one of them None)."""
+    return level["concurrency"], level.get("rate")
 
 
 def _value(level: dict, keys: tuple[str, ...]) -> float | None:
@@ -58,26 +64,26 @@ def compare(runs: Sequence[dict], predicted: dict) -> dict:
     """Per level and metric the measured value (the median over the runs that have one), the runs' spread, the
     predicted value and the relative error (None when either is missing or the measured one is zero); per metric
     the median absolute error and the median spread over the levels that have one."""
-    predicted_levels = {level["concurrency"]: level for level in predicted["levels"]}
-    run_levels = [{level["concurrency"]: level for level in run["levels"]} for run in runs]
+    predicted_levels = {_load(level): level for level in predicted["levels"]}
+    run_levels = [{_load(level): level for level in run["levels"]} for run in runs]
     levels = []
     errors: dict[str, list[float]] = {name: [] for name in METRICS}
     spreads: dict[str, list[float]] = {name: [] for name in METRICS}
-    for concurrency in run_levels[0]:
-        if concurrency not in predicted_levels:
-            raise ValueError(f"the prediction has no level of concurrency {concurrency}")
+    for load in run_levels[0]:
+        if load not in predicted_levels:
+            raise ValueError(f"the prediction has no level of {describe_level(run_levels[0][load])}")
         metrics = {}
         for name, (keys, _, _) in METRICS.items():
-            values = [_value(by_level[concurrency], keys) for by_level in run_levels]
+            values = [_value(by_level[load], keys) for by_level in run_levels]
             real, spread = _median(values), _spread(values)
-            model = _value(predicted_levels[concurrency], keys)
+            model = _value(predicted_levels[load], keys)
             error = (model - real) / real if real and model is not None else None
             if error is not None:
                 errors[name].append(abs(error))
             if spread is not None:
                 spreads[name].append(spread)
             metrics[name] = {"measured": real, "spread": spread, "predicted": model, "error": error}
-        levels.append({"concurrency": concurrency, "metrics": metrics})
+        levels.append({"concurrency": load[0], "rate": load[1], "metrics": metrics})
     return {"levels": levels,
             "median_abs_error": {name: statistics.median(e) if e else None for name, e in errors.items()},
             "median_spread": {name: statistics.median(s) if s else None for name, s in spreads.items()}}
@@ -136,7 +142,7 @@ def format_comparison(comparison: dict) -> str:
     for level in comparison["levels"]:
         for i, (name, (_, unit, scale)) in enumerate(METRICS.items()):
             m = level["metrics"][name]
-            rows.append((str(level["concurrency"]) if i == 0 else "", f"{name} ({unit})" if unit == "ms" else name,
+            rows.append((level_label(level) if i == 0 else "", f"{name} ({unit})" if unit == "ms" else name,
                          _shown(m["measured"], scale), _percent(m["spread"]), _shown(m["predicted"], scale),
                          _percent(m["error"], "+")))
     lines = [format_rows(rows, left={1})]

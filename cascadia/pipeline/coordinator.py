@@ -16,6 +16,7 @@ as itself, the token socket only the last node's TOKENS for a frame in flight; a
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -30,6 +31,7 @@ from cascadia.pipeline.wire import (COORDINATOR_SENDER, Decoder, Encoder, Error,
 from cascadia.policy import Event, Finished
 from cascadia.policy import Frame as PolicyFrame
 from cascadia.policy import Policy, Rejected, Request, Token
+from cascadia.workload import Arrivals
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,9 @@ class Outputs:
         self.lines: list[dict] = []
         self._open: dict[int, tuple[dict, list[int]]] = {}
 
-    def arrived(self, request: Request, level: int, phase: str) -> None:
-        line = {"concurrency": level, "phase": phase, "request_id": request.id, "prompt_ids": list(request.prompt_ids)}
+    def arrived(self, request: Request, recorder: Recorder) -> None:
+        line = {"concurrency": recorder.level, "rate": recorder.rate, "phase": recorder.phase, "request_id": request.id,
+                "prompt_ids": list(request.prompt_ids)}
         self._open[request.id] = (line, [])
 
     def observe(self, events: Iterable[Event]) -> None:
@@ -99,19 +102,24 @@ class Coordinator:
         self._last_dropped: dict[str, str] = {}  # why each node's last dropped control message was dropped
         self._on_message: Callable[[str, Message], None] = lambda node, message: None
         self._clock0 = time.perf_counter()
+        self._last_ping = 0.0
 
     def now(self) -> float:
         return time.perf_counter() - self._clock0
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def wait_ready(self, first_address: str, timeout_s: float,
-                   on_message: Callable[[str, Message], None] = lambda node, message: None) -> None:
+                   on_message: Callable[[str, Message], None] = lambda node, message: None,
+                   stop: threading.Event | None = None) -> None:
         """Wait for every node's READY, passing each HELLO, PROGRESS and READY to `on_message`. A node silent for
-        `timeout_s` (from the start, or from its last message) is an error naming it. Then connect to the first."""
+        `timeout_s` (from the start, or from its last message) is an error naming it, and so is `stop` set by
+        another thread. Then connect to the first."""
         self._on_message = on_message
         start = time.monotonic()
         while len(self._ready) < len(self.nodes):
             self._poll()
+            if stop is not None and stop.is_set():
+                raise PipelineError("stopped before every node was ready")
             silent = [n for n in self.nodes
                       if n not in self._ready and time.monotonic() - self._last_heard.get(n, start) > timeout_s]
             if silent:
@@ -122,30 +130,22 @@ class Coordinator:
         self.first = self.transport.connect(zmq.PUSH, first_address, self.nodes[0])
 
     # ---- serving --------------------------------------------------------------------------------------------
-    def run_phase(self, policy: Policy, requests: Sequence[Request], clients: int, recorder: Recorder,
+    def run_phase(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder,
                   outputs: Outputs) -> dict[str, float]:
-        """Serve a phase's requests from `clients` closed-loop clients; returns each node's busy seconds in it.
+        """Serve a phase of `requests` requests sent as `arrivals` says; returns each node's busy seconds in it.
         The phase's bookkeeping is the simulator's `PhaseDriver`; here its frames go through the real pipeline."""
-        driver = PhaseDriver(policy, requests, clients, recorder,
-                             on_arrived=lambda request: outputs.arrived(request, recorder.level, recorder.phase),
+        driver = PhaseDriver(policy, arrivals, requests, recorder,
+                             on_arrived=lambda request: outputs.arrived(request, recorder),
                              on_events=outputs.observe)
         busy_before = {node: stats.busy_s for node, stats in self.stats().items()}
-        in_flight: dict[int, PolicyFrame] = {}
-
-        def launch(frames: list[PolicyFrame]) -> None:
-            for frame in frames:
-                in_flight[frame.group] = frame
-                self.send_frame(wire_frame(frame))
-
-        launch(driver.start(self.now()))
+        flight = Flight(self)
+        flight.launch(driver.start(self.now()))
         while not driver.done:
-            tokens = self.next_tokens()
-            if (stray := _stray_tokens(tokens, in_flight.get(tokens.group))) is not None:
-                self._drop("token socket", stray)  # a stray or forged message: the frame's own may follow
-                continue
-            frame = in_flight.pop(tokens.group)
-            sampled = dict(zip(frame.sampled_ids, tokens.token_ids.tolist()))
-            launch(driver.complete(frame, sampled, self.now()))
+            completed = flight.wait(until=driver.next_arrival)
+            if completed is None:  # an open-loop request is due
+                flight.launch(driver.arrive(self.now()))
+            else:
+                flight.launch(driver.complete(*completed, self.now()))
         return {node: stats.busy_s - busy_before[node] for node, stats in self.stats().items()}
 
     def send_frame(self, frame: Frame) -> None:
@@ -156,19 +156,26 @@ class Coordinator:
             raise PipelineError(f"{self.nodes[0]}: {e}") from None
 
     def next_tokens(self) -> Tokens:
-        """The next TOKENS from the last node, watching the pipeline while waiting."""
+        """The next TOKENS from the last node, watching the pipeline while waiting (`stall_s` without them is an
+        error)."""
         since = time.monotonic()
-        while True:
-            ready = self._poll()
-            if self.tokens in ready and (frames := receive_waiting(self.tokens)) is not None:
-                try:
-                    return self.token_decoder.decode(frames).message
-                except WireError as e:
-                    self._drop("token socket", str(e))
+        while (tokens := self.poll_tokens(HEARTBEAT_S)) is None:
             if time.monotonic() - since > self.stall_s:
                 raise PipelineError(self._stall_report())
-            if not ready:
-                self._ping()
+        return tokens
+
+    def poll_tokens(self, timeout_s: float, wake: Sequence = ()) -> Tokens | None:
+        """TOKENS from the last node if some come within `timeout_s`, taking in control messages and checking on the
+        nodes meanwhile; None sooner when one of `wake` (sockets or file descriptors) becomes readable."""
+        ready = self._poll(timeout_s, wake)
+        if self.tokens in ready and (frames := receive_waiting(self.tokens)) is not None:
+            try:
+                return self.token_decoder.decode(frames).message
+            except WireError as e:
+                self._drop("token socket", str(e))
+        if not ready and time.monotonic() - self._last_ping >= HEARTBEAT_S:
+            self._ping()
+        return None
 
     def _stall_report(self) -> str:
         """Why a stall is an error: first the nodes that no longer answer (a stopped or frozen process; a node
@@ -205,13 +212,21 @@ class Coordinator:
 
     def _ping(self) -> None:
         """Ask every node for its stats: sending to a node whose control connection dropped fails at once."""
+        self._last_ping = time.monotonic()
         for node in self.nodes:
             self._tell(node, StatsRequest())
             self._stats_owed[node] += 1
 
-    def _poll(self) -> dict:
-        """Wait up to a heartbeat for input and take in one control message, then check on the nodes."""
-        ready = dict(self.poller.poll(HEARTBEAT_S * 1000))
+    def _poll(self, timeout_s: float = HEARTBEAT_S, wake: Sequence = ()) -> dict:
+        """Wait up to `timeout_s` for input (or one of `wake` to be readable) and take in one control message, then
+        check on the nodes."""
+        for waker in wake:
+            self.poller.register(waker, zmq.POLLIN)
+        try:
+            ready = dict(self.poller.poll(max(0, round(timeout_s * 1000))))
+        finally:
+            for waker in wake:
+                self.poller.unregister(waker)
         if self.control in ready:
             self._next_control()
         self.watch()
@@ -262,8 +277,8 @@ class Coordinator:
                 self._stats_owed[node] = max(0, self._stats_owed[node] - 1)
             case Hello() if self.digest is not None and message.settings != self.digest:
                 raise PipelineError(f"{node}: started with other settings than this run (digest {message.settings}, "
-                                    f"expected {self.digest}): start it with the same spec, plan and sampling "
-                                    "options as `cascadia run`")
+                                    f"expected {self.digest}): start it with the same spec and plan as "
+                                    "`cascadia run`, and --logits only for `cascadia score`")
             case Hello() | Progress() | Ready():
                 self._last_heard[node] = time.monotonic()
                 if isinstance(message, Ready):
@@ -305,18 +320,64 @@ class Coordinator:
         self.transport.close()
 
 
-def _stray_tokens(tokens: Tokens, frame: PolicyFrame | None) -> str | None:
-    """Why TOKENS cannot be those of the frame its group has in flight, or None when they can."""
-    if frame is None or frame.seq != tokens.frame_id:
-        return f"tokens for frame {tokens.frame_id} of group {tokens.group}, which is not in flight"
-    sampled_slots = [row.slot for row in frame.rows if row.sampled]
-    if tokens.slots.tolist() != sampled_slots:
-        return f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected {sampled_slots}"
-    return None
+class Flight:
+    """The policy's frames the pipeline is computing (at most one per group), each matched with its tokens as they
+    come back. Tokens that cannot be a frame's in flight are logged, counted and dropped."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.frames: dict[int, PolicyFrame] = {}  # by group
+        self._progress = time.monotonic()  # when the last tokens came back, or the pipeline went busy
+
+    def launch(self, frames: Iterable[PolicyFrame]) -> None:
+        for frame in frames:
+            if not self.frames:
+                self._progress = time.monotonic()
+            self.frames[frame.group] = frame
+            self.coordinator.send_frame(wire_frame(frame))
+
+    def wait(self, until: float | None = None, wake: Sequence = ()) -> tuple[PolicyFrame, dict[int, int]] | None:
+        """The next frame to come back and its sampled tokens ({request id: token}); None once the coordinator's
+        clock passes `until`, or sooner when one of `wake` becomes readable. No tokens for `stall_s` while frames
+        are in flight is an error."""
+        coordinator = self.coordinator
+        while True:
+            timeout = HEARTBEAT_S if until is None else min(HEARTBEAT_S, until - coordinator.now())
+            tokens = coordinator.poll_tokens(max(timeout, 0.0), wake)
+            if tokens is not None and (matched := self._match(tokens)) is not None:
+                self._progress = time.monotonic()
+                return matched
+            if until is not None and coordinator.now() >= until:
+                return None
+            if wake and _readable(wake):
+                return None
+            if self.frames and time.monotonic() - self._progress > coordinator.stall_s:
+                raise PipelineError(coordinator._stall_report())
+
+    def _match(self, tokens: Tokens) -> tuple[PolicyFrame, dict[int, int]] | None:
+        """The frame in flight the tokens complete, and its sampled tokens; None after dropping tokens that cannot be
+        a frame's in flight (a stray or forged message: the frame's own may still come)."""
+        frame = self.frames.get(tokens.group)
+        sampled_slots = None if frame is None else [row.slot for row in frame.rows if row.sampled]
+        if frame is None or frame.seq != tokens.frame_id:
+            stray = f"tokens for frame {tokens.frame_id} of group {tokens.group}, which is not in flight"
+        elif tokens.slots.tolist() != sampled_slots:
+            stray = f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected {sampled_slots}"
+        else:
+            del self.frames[tokens.group]
+            return frame, dict(zip(frame.sampled_ids, tokens.token_ids.tolist()))
+        self.coordinator._drop("token socket", stray)
+        return None
+
+
+def _readable(wake: Sequence) -> bool:
+    return bool(zmq.select(list(wake), [], [], 0)[0])
 
 
 def wire_frame(frame: PolicyFrame) -> Frame:
     """The policy's frame as the pipeline carries it."""
     rows = frame.rows
     return Frame(frame.seq, frame.group, [r.slot for r in rows], [r.position for r in rows],
-                 [r.token for r in rows], [r.sampled for r in rows], bucket=frame.padded_rows)
+                 [r.token for r in rows], [r.sampled for r in rows], bucket=frame.padded_rows,
+                 temperature=[r.sampling.temperature for r in rows], top_p=[r.sampling.top_p for r in rows],
+                 seed=[r.sampling.seed for r in rows])

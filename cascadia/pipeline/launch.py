@@ -25,7 +25,6 @@ from cascadia.host_memory import shortfall
 from cascadia.pipeline.coordinator import PipelineError
 from cascadia.pipeline.emulated_links import EmulatedLinks
 from cascadia.pipeline.places import NodePlace, loopback_places
-from cascadia.sampling import Sampling
 from cascadia.spec.types import Spec
 from cascadia.units import format_bytes
 
@@ -39,19 +38,15 @@ class NodeCommand:
     spec_path: Path
     plan_path: Path
     checkpoint: Path
-    sampling: Sampling
     with_logits: bool = False
 
 
 def node_arguments(command: NodeCommand, name: str, place: NodePlace, successor: str, threads: int | None
                    ) -> list[str]:
     """The command line that starts one node (its place's prefix, then `cascadia node ...`)."""
-    s = command.sampling
     args = [*place.prefix, sys.executable, "-m", "cascadia", "node", "--spec", str(command.spec_path), "--plan",
             str(command.plan_path), "--name", name, "--listen", place.listen, "--successor", successor, "--control",
             place.control, "--checkpoint", str(command.checkpoint), "--parent-pid", str(os.getpid())]
-    args += ["--greedy"] if s.greedy else ["--temperature", repr(s.temperature), "--top-p", repr(s.top_p)]
-    args += ["--seed", str(s.seed)]
     if threads is not None:
         args += ["--threads", str(threads)]
     if command.with_logits:

@@ -9,6 +9,7 @@ token sequences (`score`) until closed; closing shuts every node down.
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -26,7 +27,6 @@ from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import free_port, tcp_address
 from cascadia.pipeline.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.policy import Policy, padded_size, score_schedule
-from cascadia.sampling import Sampling
 from cascadia.spec.dump import write_spec
 from cascadia.spec.types import Spec, WorkloadSpec
 from cascadia.tokenizer import workload_prompts
@@ -86,16 +86,17 @@ class Pipeline:
         self._score_frames = 0
 
     @classmethod
-    def start(cls, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, sampling: Sampling | None = None,
-              with_logits: bool = False, addresses: Addresses | None = None, node_timeout_s: float = NODE_TIMEOUT_S,
+    def start(cls, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, with_logits: bool = False,
+              addresses: Addresses | None = None, node_timeout_s: float = NODE_TIMEOUT_S,
               stall_s: float = STALL_S, on_message: Callable[[str, Message], None] = lambda node, message: None,
-              emulate_links: bool = False) -> Pipeline:
+              emulate_links: bool = False, stop: threading.Event | None = None) -> Pipeline:
         """Start (local) or wait for (tcp) the plan's nodes, until every one is READY.
 
-        Local nodes sample with `sampling` (default: the spec workload's) from `checkpoint` (default: the spec's),
-        and send the sampled rows' logits back when `with_logits` (for `score`); with `emulate_links` each runs in
+        Local nodes read `checkpoint` (default: the spec's), and send the sampled rows' logits back when
+        `with_logits` (for `score`); with `emulate_links` each runs in
         a network namespace of its own, its link to the next shaped to the spec's bandwidth. Remote nodes were
-        started with their own options; `addresses` must then be ones they reach."""
+        started with their own options; `addresses` must then be ones they reach. `stop`, set by another thread,
+        ends the wait (a PipelineError) and shuts the nodes down."""
         nodes = {node.name: node for node in spec.cluster.nodes}
         names = [stage.node for stage in plan.stages]
         if unknown := [name for name in names if name not in nodes]:
@@ -113,14 +114,13 @@ class Pipeline:
             raise SpecError("the nodes have tcp addresses: give the control and token addresses the coordinator "
                              "binds, reachable from them (e.g. --control tcp://0.0.0.0:5555 --tokens "
                              "tcp://0.0.0.0:5556)")
-        sampling = sampling or Sampling.of(spec.workload)
         coordinator = Coordinator(names, addresses.control, addresses.tokens, spec.cluster.curve_keys, stall_s,
-                                  digest=settings_digest(spec, plan, sampling, with_logits))
+                                  digest=settings_digest(spec, plan, with_logits))
         run_dir = tempfile.TemporaryDirectory(prefix="cascadia-run-")
         local_nodes = None
         try:
             if all(local):
-                command = _node_command(spec, plan, Path(run_dir.name), checkpoint, sampling, with_logits)
+                command = _node_command(spec, plan, Path(run_dir.name), checkpoint, with_logits)
                 rates = [spec.cluster.link(a, b).bandwidth for a, b in zip(names, names[1:])]
                 local_nodes = LocalNodes.start(command, names, [nodes[name].threads for name in names],
                                                Path(run_dir.name), addresses.control, addresses.tokens,
@@ -134,14 +134,14 @@ class Pipeline:
             _close(coordinator, local_nodes, run_dir, AFTER_FAILURE_S)
             raise
         try:
-            coordinator.wait_ready(first, node_timeout_s, on_message)
+            coordinator.wait_ready(first, node_timeout_s, on_message, stop)
         except BaseException:
             pipeline.close(AFTER_FAILURE_S)
             raise
         return pipeline
 
     def run(self, workload: WorkloadSpec, prompts: Sequence[tuple[int, ...]] | None = None,
-            groups: int | None = None, on_phase: Callable[[int, str, list], None] = lambda level, phase, records: None,
+            groups: int | None = None, on_phase: Callable[[str, str, list], None] = lambda level, phase, records: None,
             ) -> RunResult:
         """Every concurrency level of `workload` (warm-up and measured phase); `prompts` default to the workload's
         prompts file (text encoded by the checkpoint's tokenizer), or seeded random prompts without one; `groups`
@@ -159,7 +159,7 @@ class Pipeline:
                                   plan=self.plan.to_dict(), warnings=[*notes, *warnings])
 
         def run_phase(level: Level, phase: Phase, recorder: metrics.Recorder) -> dict[str, float]:
-            return self.coordinator.run_phase(policy, phase.requests, level.concurrency, recorder, outputs)
+            return self.coordinator.run_phase(policy, level.arrivals(phase), len(phase.requests), recorder, outputs)
 
         try:
             serve_workload(spec, workload, prompts, run_phase, served, on_phase)
@@ -201,8 +201,7 @@ class Pipeline:
         self.close(SHUTDOWN_S if exc_type is None else AFTER_FAILURE_S)
 
 
-def _node_command(spec: Spec, plan: Plan, run_dir: Path, checkpoint: Path | None, sampling: Sampling,
-                  with_logits: bool) -> NodeCommand:
+def _node_command(spec: Spec, plan: Plan, run_dir: Path, checkpoint: Path | None, with_logits: bool) -> NodeCommand:
     """Local nodes read the spec and plan as this process holds them, written to the run's folder."""
     checkpoint = checkpoint or spec.model.checkpoint
     if checkpoint is None:
@@ -210,7 +209,7 @@ def _node_command(spec: Spec, plan: Plan, run_dir: Path, checkpoint: Path | None
     if not Path(checkpoint).is_dir():
         raise CheckpointError(f"{checkpoint}: no such checkpoint folder")
     return NodeCommand(write_spec(spec, run_dir / "spec.yaml"), plan.save(run_dir / "plan.json"),
-                       Path(checkpoint).resolve(), sampling, with_logits)
+                       Path(checkpoint).resolve(), with_logits)
 
 
 def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, timeout_s: float) -> None:
@@ -227,14 +226,14 @@ def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts
         checkpoint: Path | None = None, addresses: Addresses | None = None,
         node_timeout_s: float = NODE_TIMEOUT_S, on_message=lambda node, message: None,
         on_phase=lambda level, phase, records: None, emulate_links: bool = False) -> RunResult:
-    """Start the pipeline, run `workload` (default: the spec's, whose sampling the nodes use) through it, shut it
+    """Start the pipeline, run `workload` (default: the spec's) through it, shut it
     down. `emulate_links`: see `Pipeline.start`."""
     workload = workload or spec.workload
     if prompts is None:  # before the nodes start: a bad prompts file fails at once, as do prompts too long
         prompts = workload_prompts(workload, checkpoint or spec.model.checkpoint, spec.model.config)
         if prompts:
             prompt_length_notes(prompts, workload, spec.runtime)
-    with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling.of(workload),
+    with Pipeline.start(spec, plan, checkpoint=checkpoint,
                         addresses=addresses, node_timeout_s=node_timeout_s, on_message=on_message,
                         emulate_links=emulate_links) as pipeline:
         return pipeline.run(workload, prompts, groups, on_phase)
@@ -245,6 +244,6 @@ def score_on_pipeline(spec: Spec, plan: Plan, ids: Sequence[int], prefill: int |
                       node_timeout_s: float = NODE_TIMEOUT_S, on_message=lambda node, message: None) -> np.ndarray:
     """Teacher-forced logits [N, V] of `ids` computed by the plan's nodes (see `Pipeline.score`); remote nodes must
     have been started with --logits."""
-    with Pipeline.start(spec, plan, checkpoint=checkpoint, sampling=Sampling(), with_logits=True, addresses=addresses,
+    with Pipeline.start(spec, plan, checkpoint=checkpoint, with_logits=True, addresses=addresses,
                         node_timeout_s=node_timeout_s, on_message=on_message) as pipeline:
         return pipeline.score(ids, prefill)

@@ -8,18 +8,16 @@ import json
 import attrs
 
 from cascadia.graph.plan import Plan
-from cascadia.sampling import Sampling
 from cascadia.spec.types import Spec
 
 
-def settings_digest(spec: Spec, plan: Plan, sampling: Sampling, with_logits: bool) -> str:
-    """A hash of the model, its formats, the runtime, the plan's stages, how the last node samples and whether it
-    sends logits back. A node started by hand with another spec, plan or sampling option says another digest and
-    is refused, rather than computing something else. Paths, addresses and thread counts may differ from machine
-    to machine and are left out."""
-    draws = {"greedy": True} if sampling.greedy else attrs.asdict(sampling)  # a greedy node ignores the rest
+def settings_digest(spec: Spec, plan: Plan, with_logits: bool) -> str:
+    """A hash of the model, its formats, the runtime, the plan's stages and whether the last node sends logits back.
+    A node started by hand with another spec or plan says another digest and is refused, rather than computing
+    something else. Paths, addresses and thread counts may differ from machine to machine and are left out; how
+    tokens are drawn travels with each frame's rows."""
     settings = {"model": spec.model.config.to_hf_dict(), "formats": attrs.asdict(spec.model.formats),
                 "runtime": attrs.asdict(spec.runtime),
                 "stages": [(s.node, s.first_layer, s.last_layer, list(s.roles)) for s in plan.stages],
-                "sampling": draws, "logits": with_logits}
+                "logits": with_logits}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]

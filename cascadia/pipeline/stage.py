@@ -34,25 +34,28 @@ from cascadia.units import format_bytes
 
 
 class RowSampler:
-    """Draws the token of each sampled row (see `cascadia.sampling`), keeping each slot's token history."""
+    """Draws the token of each sampled row as its stream asks (`cascadia.sampling`), keeping the token history of
+    each slot whose stream samples at random (a greedy stream needs none)."""
 
-    def __init__(self, sampling: Sampling, slots: int):
-        self.sampling = sampling
+    def __init__(self, slots: int):
         self._history = np.zeros(slots, np.uint32)  # `extend_history` of each slot's tokens so far
 
-    def observe(self, slots: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
+    def observe(self, frame: Frame) -> None:
         """Take in a frame's rows, in order."""
-        if self.sampling.greedy:
-            return
-        for slot, position, token in zip(slots.tolist(), positions.tolist(), token_ids.tolist()):
+        drawn = frame.temperature > 0
+        for slot, position, token in zip(frame.slots[drawn].tolist(), frame.positions[drawn].tolist(),
+                                         frame.token_ids[drawn].tolist()):
             start = 0 if position == 0 else int(self._history[slot])
             self._history[slot] = extend_history(start, [token])
 
-    def sample(self, logits: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """One token per row of logits [n, V]; row i belongs to `slots[i]`."""
-        if self.sampling.greedy:
+    def sample(self, logits: np.ndarray, frame: Frame) -> np.ndarray:
+        """One token per sampled row of the frame, from their logits [n, V]."""
+        rows = frame.sample
+        temperature, top_p, seed = frame.temperature[rows], frame.top_p[rows], frame.seed[rows]
+        if not temperature.any():
             return np.argmax(logits, axis=1)
-        draws = (self.sampling.draw(row, int(self._history[slot])) for row, slot in zip(logits, slots.tolist()))
+        draws = (Sampling(t, p, s).draw(row, int(self._history[slot])) for row, slot, t, p, s in
+                 zip(logits, frame.slots[rows].tolist(), temperature.tolist(), top_p.tolist(), seed.tolist()))
         return np.array(list(draws))
 
 
@@ -78,15 +81,13 @@ class EngineStage:
             parts.append(engine.forward(x, frame.slots[rows], frame.positions[rows], bucket))
         hidden = np.concatenate(parts)
         if engine.head is None:
-            return Frame(frame.frame_id, frame.group, frame.slots, frame.positions, frame.token_ids, frame.sample,
-                         hidden, frame.bucket)
+            return attrs.evolve(frame, residual=hidden)
         sampled = hidden[frame.sample]  # none in a frame that only carries the middle of prompts
         logits = np.zeros((0, engine.config.output_vocab_size), np.float32)
         if len(sampled):
             logits = np.concatenate([engine.logits(sampled[rows]) for rows in self._calls(len(sampled))])
-        slots = frame.slots[frame.sample]
-        self.sampler.observe(frame.slots, frame.positions, frame.token_ids)
-        return Tokens(frame.frame_id, frame.group, slots, self.sampler.sample(logits, slots),
+        self.sampler.observe(frame)
+        return Tokens(frame.frame_id, frame.group, frame.slots[frame.sample], self.sampler.sample(logits, frame),
                       logits if self.with_logits else None)
 
     def _bucket(self, frame: Frame) -> int | None:
@@ -156,8 +157,8 @@ def node_settings(spec: Spec, plan: Plan, name: str, listen: str, control: str, 
                         input_peer=before, curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid)
 
 
-def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, sampling: Sampling,
-               with_logits: bool, progress: ProgressFn) -> EngineStage:
+def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, with_logits: bool,
+               progress: ProgressFn) -> EngineStage:
     """Read only this stage's layers (and the embedding or head it holds) and compile them, once this machine's
     memory can hold them and their state."""
     weights, state = stage_memory(spec.model, spec.runtime, stage.layers, EMBED in stage.roles, HEAD in stage.roles)
@@ -173,15 +174,15 @@ def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, 
         raise CheckpointError(f"{checkpoint}: its config.json describes another model than the spec's: "
                               f"{', '.join(differences[:3])}{more} (checkpoint vs spec)")
     engine = StageEngine.for_stage(spec, stage, opened, threads=threads, progress=progress)
-    sampler = RowSampler(sampling, spec.runtime.max_streams) if engine.head is not None else None
+    sampler = RowSampler(spec.runtime.max_streams) if engine.head is not None else None
     return EngineStage(engine, sampler, with_logits)
 
 
 def serve_node(spec: Spec, plan: Plan, settings: NodeSettings, checkpoint: Path, threads: int | None,
-               sampling: Sampling, with_logits: bool) -> None:
+               with_logits: bool) -> None:
     """Run node `settings.name` until the coordinator shuts it down (see `cascadia.pipeline.node.run_node`)."""
     _, stage = find_stage(plan, settings.name)
-    settings = attrs.evolve(settings, digest=settings_digest(spec, plan, sampling, with_logits))
-    run_node(settings, lambda progress: load_stage(spec, stage, checkpoint, threads, sampling, with_logits,
+    settings = attrs.evolve(settings, digest=settings_digest(spec, plan, with_logits))
+    run_node(settings, lambda progress: load_stage(spec, stage, checkpoint, threads, with_logits,
                                                    progress))
 

@@ -6,8 +6,9 @@ and columns the arrays hold, so every buffer's byte length is checked before a s
 pickled; decoding only ever builds numpy arrays over the received bytes (no copy) and short UTF-8 strings.
 
 Kinds and their buffers (n = header rows, c = header cols):
-  FRAME          slots i32[n], positions i32[n], token_ids i32[n], sample u8[n], residual dtype[n, c] (c = 0: absent);
-                 the header's bucket is the row count every call of the frame's rows is padded to
+  FRAME          slots i32[n], positions i32[n], token_ids i32[n], sample u8[n], temperature f64[n], top_p f64[n],
+                 seed u64[n] (how the last stage draws each sampled row's token), residual dtype[n, c] (c = 0:
+                 absent); the header's bucket is the row count every call of the frame's rows is padded to
   TOKENS         slots i32[n], token_ids i32[n], logits dtype[n, c] (c = 0: absent)
   HELLO          node utf-8, layers i32[2] (first, last), settings utf-8 (the digest of what it was started with)
   READY          node utf-8, layers i32[2] (first, last)
@@ -37,7 +38,7 @@ import numpy as np
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 4
+VERSION = 5
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -46,6 +47,8 @@ _HEADER = struct.Struct(HEADER_LAYOUT)
 _DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2")}  # payload dtype codes; 0 = no payload
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 _I32 = np.dtype("<i4")
+_F64 = np.dtype("<f8")
+_U64 = np.dtype("<u8")
 _LAYERS = struct.Struct("<ii")
 _PROGRESS = struct.Struct("<qq")
 _STATS = struct.Struct("<dQQ")
@@ -102,9 +105,16 @@ class Frame:
     sample: np.ndarray = attrs.field(converter=lambda v: _vector(v, np.bool_))  # [n] sample a token from this row
     residual: np.ndarray | None = attrs.field(default=None, converter=_matrix)  # [n, hidden]; None into the first role
     bucket: int = 0  # rows each engine call of the frame is padded to (the policy's); 0: the smallest that holds them
+    # how each row's token is drawn (`cascadia.sampling.Sampling`); by default greedy
+    temperature: np.ndarray = attrs.field(default=attrs.Factory(lambda f: np.zeros(len(f.slots)), takes_self=True),
+                                          converter=lambda v: _vector(v, _F64))
+    top_p: np.ndarray = attrs.field(default=attrs.Factory(lambda f: np.ones(len(f.slots)), takes_self=True),
+                                    converter=lambda v: _vector(v, _F64))
+    seed: np.ndarray = attrs.field(default=attrs.Factory(lambda f: np.zeros(len(f.slots)), takes_self=True),
+                                   converter=lambda v: _vector(v, _U64))
 
     def __attrs_post_init__(self) -> None:
-        _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual"))
+        _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual", "temperature", "top_p", "seed"))
 
     @property
     def rows(self) -> int:
@@ -224,7 +234,8 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
         case Frame():
             fields = _payload_fields(message.frame_id, message.group, message.rows, message.residual, message.bucket)
             return Kind.FRAME, fields, [message.slots, message.positions, message.token_ids,
-                                        message.sample.view(np.uint8), _payload(message.residual)]
+                                        message.sample.view(np.uint8), message.temperature, message.top_p,
+                                        message.seed, _payload(message.residual)]
         case Tokens():
             fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
             return Kind.TOKENS, fields, [message.slots, message.token_ids, _payload(message.logits)]
@@ -267,7 +278,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 5, Kind.TOKENS: 3, Kind.HELLO: 3, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+_BUFFER_COUNTS = {Kind.FRAME: 8, Kind.TOKENS: 3, Kind.HELLO: 3, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 2}
 
 
@@ -314,9 +325,15 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             sample = _array(b[3], np.dtype(np.uint8), rows, "sample")
             if rows and sample.max() > 1:
                 raise WireError(f"sample: value {sample.max()} is not 0 or 1")
+            temperature, top_p = _array(b[4], _F64, rows, "temperature"), _array(b[5], _F64, rows, "top_p")
+            if not (np.isfinite(temperature).all() and (temperature >= 0).all()):
+                raise WireError("temperature: each must be a finite number >= 0")
+            if not ((top_p > 0) & (top_p <= 1)).all():  # NaN fails too
+                raise WireError("top_p: each must lie in (0, 1]")
             return Frame(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "positions"),
                          _indices(b[2], rows, "token_ids"), sample.view(np.bool_),
-                         _payload_matrix(b[4], rows, cols, code, "residual"), bucket)
+                         _payload_matrix(b[7], rows, cols, code, "residual"), bucket, temperature, top_p,
+                         _array(b[6], _U64, rows, "seed"))
         case Kind.TOKENS:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
                           _payload_matrix(b[2], rows, cols, code, "logits"))

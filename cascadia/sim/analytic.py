@@ -107,8 +107,11 @@ def _table(rows: tuple[int, ...], points: tuple[int, ...], time: Callable[[int, 
 def analytic_calibration(spec: Spec) -> Calibration:
     """Roofline tables for every node of the spec, and its links between consecutive nodes (the ring of stages).
     The tables reach the largest frame of the spec's workload: its most concurrent streams in one group (a grid for
-    every slot of a huge `max_streams` would take longer to build than the simulation)."""
-    rows = row_grid(spec, min(spec.runtime.max_streams, max(spec.workload.concurrency)))
+    every slot of a huge `max_streams` would take longer to build than the simulation). Open-loop arrivals may fill
+    every slot."""
+    workload = spec.workload
+    streams = spec.runtime.max_streams if workload.rate else min(spec.runtime.max_streams, max(workload.concurrency))
+    rows = row_grid(spec, streams)
     nodes = spec.cluster.nodes
     kinds = kind_costs(spec)
     per_node = {}

@@ -29,11 +29,12 @@ from cascadia.errors import PlanError
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
 from cascadia.metrics import Recorder
 from cascadia.model_config import InklingConfig, LayerKind
-from cascadia.policy import Frame, Policy, Request
+from cascadia.policy import Frame, Policy
 from cascadia.sim.calibration import (KIND_AXES, Calibration, CalibrationError, Extrapolations, NodeCalibration,
                                       interpolate)
 from cascadia.spec.types import LinkSpec, Spec
 from cascadia.wire_format import frame_bytes, tokens_bytes
+from cascadia.workload import Arrivals
 
 PLACEHOLDER_TOKEN = 0
 
@@ -304,11 +305,10 @@ class PipelineModel:
                 t = link.deliver(t, size)
         yield env.timeout(t - env.now)
 
-    def run_phase(self, policy: Policy, requests: Sequence[Request], clients: int,
-                  recorder: Recorder) -> dict[str, float]:
-        """Serve a phase's requests from `clients` closed-loop clients; returns each node's busy seconds in it."""
+    def run_phase(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder) -> dict[str, float]:
+        """Serve a phase of `requests` requests sent as `arrivals` says; returns each node's busy seconds in it."""
         env = self.env
-        driver = PhaseDriver(policy, requests, clients, recorder)
+        driver = PhaseDriver(policy, arrivals, requests, recorder)
         busy_before = dict(self.busy)
         drained = env.event()
 
@@ -320,10 +320,19 @@ class PipelineModel:
             yield from self.carry(frame)
             sampled = {request_id: PLACEHOLDER_TOKEN for request_id in frame.sampled_ids}
             launch(driver.complete(frame, sampled, env.now))
-            if driver.done:
+            if driver.done and not drained.triggered:
+                drained.succeed()
+
+        def arrive():  # open loop: requests come at their own times
+            while (due := driver.next_arrival) is not None:
+                yield env.timeout(max(0.0, due - env.now))
+                launch(driver.arrive(env.now))
+            if driver.done and not drained.triggered:  # the last arrivals were rejected at once
                 drained.succeed()
 
         launch(driver.start(env.now))
+        if driver.next_arrival is not None:
+            env.process(arrive())
         if not driver.done:  # else every request was rejected at once
             env.run(until=drained)
         return {node: self.busy[node] - busy_before[node] for node in self.busy}

@@ -33,7 +33,7 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     model = PipelineModel(spec, plan, calibration)
     policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
     served = serve_workload(spec, spec.workload, prompts, lambda level, phase, recorder: model.run_phase(
-        policy, phase.requests, level.concurrency, recorder), Served())
+        policy, level.arrivals(phase), len(phase.requests), recorder), Served())
     return metrics.result("simulate", spec, served.levels, served.records, calibration=calibration.describe(),
                           plan=plan.to_dict(), warnings=notes + model.notes + model.extrapolations.notes)
 

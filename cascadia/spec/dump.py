@@ -51,6 +51,8 @@ def _dump_workload(workload: WorkloadSpec) -> dict[str, Any]:
     prompt = workload.prompt_tokens
     values = {
         **attrs.asdict(workload, recurse=False), "concurrency": list(workload.concurrency),
+        "rate": list(workload.rate) or None,
+        "slo": workload.slo and {key: format_duration(getattr(workload.slo, key)) for key in ("ttft", "tpot")},
         "prompt_tokens": prompt.low if prompt.low == prompt.high else {"uniform": [prompt.low, prompt.high]},
         "prompts_file": workload.prompts_file and str(workload.prompts_file),
     }

@@ -31,8 +31,8 @@ from cascadia.model_config import (ALIASES, FIELD_TYPES, ConfigError, FieldTypeE
                                    read_text_fields)
 from cascadia.spec.problems import Problem, SpecError, shown
 from cascadia.spec.types import (DEVICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYPES, ClusterSpec, LengthSpec, LinkSpec,
-                                 ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats, WorkloadSpec,
-                                 is_tcp_address)
+                                 ModelSpec, NodeSpec, RuntimeSpec, SloSpec, Spec, WeightFormat, WeightFormats,
+                                 WorkloadSpec, is_tcp_address)
 from cascadia.spec.yaml_tree import Node, read_document
 from cascadia.units import UnitError, format_bytes, parse_bytes, parse_duration, parse_flops, parse_rate
 from cascadia.workload import misfits
@@ -205,6 +205,22 @@ def _int_list(value: Any) -> tuple[int, ...]:
     if len(set(items)) != len(items):
         raise _Invalid(f"values repeat: {shown(value)}")
     return tuple(items)
+
+
+def _rate_list(value: Any) -> tuple[float, ...]:
+    """Positive arrival rates (requests per second), distinct: `[0.5, 2, 8]`, `"0.5,2,8"` or `4`."""
+    if isinstance(value, str):
+        try:
+            value = [float(part) for part in value.split(",")]
+        except ValueError:
+            raise _Invalid(f"expected rates like '0.5,2,8', got {shown(value)}") from None
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                            for v in items):
+        raise _Invalid(f"expected positive rates (requests per second) like [0.5, 2, 8], got {shown(value)}")
+    if len(set(items)) != len(items):
+        raise _Invalid(f"values repeat: {shown(value)}")
+    return tuple(float(v) for v in items)
 
 
 def _buckets(value: Any) -> tuple[int, ...]:
@@ -524,6 +540,16 @@ def _length(ctx: _Context, node: Node, path: str) -> LengthSpec | None:
     return LengthSpec(*low_high)
 
 
+def _slo(ctx: _Context, node: Node | None) -> SloSpec | None:
+    """`{ttft: 2s, tpot: 200ms}`: both."""
+    if node is None:
+        return None
+    fields = _Fields(ctx, node, "workload.slo")
+    ttft, tpot = (fields.take(key, _positive(parse_duration), required=True) for key in ("ttft", "tpot"))
+    fields.finish()
+    return None if ttft is None or tpot is None else SloSpec(ttft, tpot)
+
+
 def _workload(ctx: _Context, node: Node | None) -> WorkloadSpec:
     if node is None:
         return WorkloadSpec()
@@ -540,6 +566,8 @@ def _workload(ctx: _Context, node: Node | None) -> WorkloadSpec:
         "temperature": fields.take("temperature", _positive(_number)),
         "top_p": fields.take("top_p", _fraction),
         "seed": fields.take("seed", _count_int),
+        "rate": fields.take("rate", _rate_list),
+        "slo": _slo(ctx, fields.get("slo")),
     }
     fields.finish()
     if prompt_node is not None and values["prompts_file"] is not None:

@@ -167,8 +167,17 @@ class LengthSpec:
 
 
 @attrs.frozen
+class SloSpec:
+    """What a request must meet to count towards goodput."""
+
+    ttft: float  # seconds to its first token, at most
+    tpot: float  # mean seconds per later token, at most
+
+
+@attrs.frozen
 class WorkloadSpec:
-    concurrency: tuple[int, ...] = (1,)
+    concurrency: tuple[int, ...] = (1,)  # closed-loop levels: clients that each send the next request when done
+    rate: tuple[float, ...] = ()  # open-loop levels (requests/s, Poisson arrivals); when given, in place of the above
     requests: int | None = None  # per level; None = as many as the level's concurrency
     prompt_tokens: LengthSpec = LengthSpec.fixed(16)
     prompts_file: Path | None = None  # JSONL: {"ids": [...]} or {"text": "..."} per line
@@ -178,6 +187,7 @@ class WorkloadSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    slo: SloSpec | None = None  # counts the requests meeting it (goodput) in each level's summary
 
 
 @attrs.frozen

@@ -1,0 +1,64 @@
+"""`cascadia serve`: an OpenAI-compatible server on the spec's pipeline."""
+
+from __future__ import annotations
+
+import click
+
+from cascadia.cli.common import Quantity, TcpAddress, chosen_plan
+from cascadia.spec.load import load_spec
+
+
+@click.command("serve")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
+              help="a plan saved by `cascadia plan -o` (default: plan now)")
+@click.option("--host", default="127.0.0.1", show_default=True, help="the address to listen on")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--model-name", help="the model's name in the API (default: the spec's model name)")
+@click.option("--max-waiting", type=click.IntRange(min=0),
+              help="requests that may wait for a stream slot; more get 429 (default: twice runtime.max_streams)")
+@click.option("--api-key-file", type=click.File("r"), help="require `Authorization: Bearer KEY` on /v1/ (the "
+                                                           "file's first line is the key)")
+@click.option("--max-body", type=Quantity("size"), default="4MiB", show_default=True,
+              help="the largest request body")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="seconds open requests may take to finish after SIGTERM or Ctrl-C, before they are cancelled")
+@click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)")
+@click.option("--control", type=TcpAddress(to_bind=True),
+              help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
+@click.option("--tokens", type=TcpAddress(to_bind=True),
+              help="tcp nodes: the token address to bind (the last node's --successor)")
+@click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True),
+              help="seconds a starting node may stay silent [default: 120]")
+def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, port: int, model_name: str | None,
+          max_waiting: int | None, api_key_file, max_body: int, shutdown_timeout: float, groups: int | None,
+          control: str | None, tokens: str | None, node_timeout: float | None) -> None:
+    """Serve the spec's model with an OpenAI-compatible API (chat and text completions, streamed or not; /v1/models,
+    /health, /metrics, and a status page at /) until SIGTERM or Ctrl-C.
+
+    Local nodes are started here; nodes with tcp addresses are started on their machines, as for `cascadia run`.
+    /health answers 503 while the nodes load."""
+    import logging
+    from pathlib import Path
+
+    from cascadia.pipeline.run import Addresses
+    from cascadia.serve.app import ServeSettings
+    from cascadia.serve.server import serve as run_server
+
+    if (control is None) != (tokens is None):
+        raise click.UsageError("give both --control and --tokens, or neither")
+    key = None
+    if api_key_file is not None:
+        key = api_key_file.readline().strip()
+        if not key:
+            raise click.BadParameter("the file's first line is empty", param_hint="--api-key-file")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    loaded = load_spec(spec)
+    runtime = loaded.runtime
+    settings = ServeSettings(model_name or loaded.model.name, runtime.context_budget,
+                             2 * runtime.max_streams if max_waiting is None else max_waiting, max_body, key)
+    run_server(loaded, chosen_plan(loaded, plan_path), settings, host=host, port=port,
+               checkpoint=Path(checkpoint) if checkpoint else None,
+               addresses=Addresses(control, tokens) if control else None, node_timeout_s=node_timeout, groups=groups,
+               shutdown_timeout_s=shutdown_timeout)

@@ -1,0 +1,205 @@
+"""The pipeline serving requests that arrive at any time, for `cascadia serve`.
+
+One thread owns the coordinator (a ZeroMQ socket belongs to one thread) and drives the shared policy, as `run_phase`
+does for a workload: every group with nothing in flight gets its next frame, each frame's tokens complete it. Other
+threads talk to it only through a queue and a wake-up socket: `submit` and `cancel` put a command on the queue and
+write a byte that wakes the thread's poll at once, so the pipeline never waits on HTTP, nor HTTP on the pipeline.
+Each request's events (`policy.Event`: admitted, tokens, finished or rejected) go to the callback it was submitted
+with, called on the service thread with the coordinator's clock; the callback must hand them on and return.
+
+The thread also starts the nodes (local ones) or waits for them (tcp ones), so the caller can answer "loading" in
+the meantime; `status` says where it stands. If the pipeline fails, every open request gets a `Failed` event and the
+service stops (`status().error` says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from cascadia.errors import CascadiaError, NodeError
+from cascadia.graph.plan import Plan
+from cascadia.pipeline.coordinator import Flight
+from cascadia.pipeline.run import Addresses, Pipeline, describe
+from cascadia.pipeline.wire import Message
+from cascadia.policy import Event, Finished, Policy, Rejected, Request
+from cascadia.spec.types import Spec
+
+log = logging.getLogger(__name__)
+
+STATS_S = 1.0  # how often the nodes' counters are read for `status`
+OnEvent = Callable[[Event, float], None]  # an event of the request, and when (the coordinator's clock, seconds)
+
+
+@attrs.frozen
+class Failed:
+    """The pipeline failed while the request was open: it ends here, without a Finished."""
+
+    request_id: int
+    reason: str
+
+
+@attrs.frozen
+class Status:
+    ready: bool  # every node is up and the service takes requests
+    loading: str  # the last thing a starting node said ("" once ready)
+    error: str | None  # why the service stopped, if it did
+    running: int  # streams holding a slot
+    waiting: int  # requests waiting for one
+    busy: dict[str, float]  # each node's busy fraction since the last status
+    frames_per_s: dict[str, float]  # ... and frames handled per second
+
+
+class PipelineService:
+    def __init__(self, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, addresses: Addresses | None = None,
+                 node_timeout_s: float | None = None, groups: int | None = None) -> None:
+        """Start serving `plan` on a thread of its own (see the module's text); `status().ready` says when the nodes
+        are up. The arguments are `Pipeline.start`'s, and `groups` the policy's pipeline groups (one per stage)."""
+        self.spec, self.plan = spec, plan
+        self._start = {"checkpoint": checkpoint, "addresses": addresses}
+        if node_timeout_s is not None:
+            self._start["node_timeout_s"] = node_timeout_s
+        self._policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._listeners: dict[int, OnEvent] = {}  # open requests, on the service thread only
+        self._lock = threading.Lock()  # guards what `status` reads
+        self._loading, self._error, self._ready = "starting", None, False
+        self._counts = (0, 0)  # streams running, requests waiting
+        self._stopping = threading.Event()
+        self._busy: dict[str, float] = {}
+        self._frames_per_s: dict[str, float] = {}
+        self._last_stats: tuple[float, dict] | None = None
+        self._thread = threading.Thread(target=self._serve, name="cascadia-pipeline", daemon=True)
+        self._thread.start()
+
+    # ---- any thread -------------------------------------------------------------------------------------------
+    def submit(self, request: Request, on_event: OnEvent) -> None:
+        """Add a request; its events go to `on_event` (on the service thread)."""
+        self._command(("submit", request, on_event))
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request (nothing for one that has ended): it ends with Finished(reason "cancelled")."""
+        self._command(("cancel", request_id))
+
+    def status(self) -> Status:
+        with self._lock:
+            return Status(self._ready, self._loading, self._error, *self._counts, dict(self._busy),
+                          dict(self._frames_per_s))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop serving: open requests end with Failed("the server is shutting down"), the nodes are shut down."""
+        self._stopping.set()
+        self._command(("stop",))
+        self._thread.join(timeout_s)
+        self._wake_reader.close()
+        self._wake_writer.close()
+
+    def _command(self, command: tuple) -> None:
+        self._commands.put(command)
+        try:
+            self._wake_writer.send(b"!")
+        except OSError:  # closed: the service has stopped, and the command will not be taken
+            pass
+
+    # ---- the service thread -----------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            pipeline = Pipeline.start(self.spec, self.plan, on_message=self._on_message, stop=self._stopping,
+                                      **self._start)
+        except CascadiaError as e:
+            self._stop(f"the pipeline did not start: {e}")
+            return
+        except Exception as e:  # a bug: still one line for the status, and the traceback in the log
+            log.exception("the pipeline did not start")
+            self._stop(f"the pipeline did not start: {type(e).__name__}: {e}")
+            return
+        with self._lock:
+            self._ready, self._loading = True, ""
+        reason = "the server is shutting down"
+        try:
+            self._loop(Flight(pipeline.coordinator))
+        except NodeError as e:
+            reason = str(e)
+            log.error("the pipeline failed: %s", e)
+        finally:
+            pipeline.close()
+            self._stop(reason)
+
+    def _loop(self, flight: Flight) -> None:
+        coordinator, policy = flight.coordinator, self._policy
+        while True:
+            while not self._commands.empty():
+                command = self._commands.get()
+                if command[0] == "stop":
+                    return
+                self._apply(command, coordinator.now())
+            flight.launch(frame for group in range(policy.n_groups) if (frame := policy.next_frame(group)))
+            with self._lock:
+                self._counts = (policy.active, policy.waiting)
+            completed = flight.wait(until=coordinator.now() + STATS_S, wake=[self._wake_reader])
+            self._drain_wake()
+            if completed is not None:
+                self._dispatch(policy.complete_frame(*completed), coordinator.now())
+            self._update_stats(coordinator)
+
+    def _apply(self, command: tuple, now: float) -> None:
+        if command[0] == "submit":
+            _, request, on_event = command
+            self._listeners[request.id] = on_event
+            self._dispatch(self._policy.add_request(request), now)
+        else:
+            self._dispatch(self._policy.cancel(command[1]), now)
+
+    def _dispatch(self, events: list[Event], now: float) -> None:
+        for event in events:
+            on_event = self._listeners.get(event.request_id)
+            if isinstance(event, (Finished, Rejected)):
+                self._listeners.pop(event.request_id, None)
+            if on_event is not None:
+                on_event(event, now)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_reader.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _update_stats(self, coordinator) -> None:
+        """Each node's busy fraction and frames per second, from its counters, every STATS_S."""
+        now = coordinator.now()
+        if self._last_stats is not None and now - self._last_stats[0] < STATS_S:
+            return
+        stats = coordinator.stats()
+        if self._last_stats is not None:
+            then, before = self._last_stats
+            with self._lock:
+                self._busy = {n: (s.busy_s - before[n].busy_s) / (now - then) for n, s in stats.items()}
+                self._frames_per_s = {n: (s.frames - before[n].frames) / (now - then) for n, s in stats.items()}
+        self._last_stats = (now, stats)
+
+    def _on_message(self, node: str, message: Message) -> None:
+        text = describe(node, message)
+        log.info(text)
+        with self._lock:
+            self._loading = text
+
+    def _stop(self, reason: str) -> None:
+        """The service has stopped: every open request fails with `reason`."""
+        with self._lock:
+            self._ready, self._error = False, reason
+        for request_id, on_event in list(self._listeners.items()):
+            on_event(Failed(request_id, reason), 0.0)
+        self._listeners.clear()
+        while not self._commands.empty():  # requests that came too late
+            command = self._commands.get()
+            if command[0] == "submit":
+                command[2](Failed(command[1].id, reason), 0.0)

@@ -1,0 +1,151 @@
+"""The OpenAI API's requests and responses, as `cascadia serve` speaks them: pydantic models that check every field
+(an unknown one is an error, not ignored), the response and stream-chunk bodies, and OpenAI-style error bodies.
+
+Supported: chat and text completions, streamed (server-sent events) or not; `max_tokens` (chat also
+`max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (up to 4 strings), `stream_options.include_usage`,
+`user`; and, as vLLM does, `ignore_eos` (keep going past the end-of-sequence token). A completion's prompt is text
+or a list of token ids. Refused with a clear message: `n` > 1, tools and functions, log-probabilities, penalties,
+response formats, `best_of`, `echo`, `suffix`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4
+# Fields of the OpenAI API this server knows and refuses, with why (any other unknown field: "unknown parameter").
+UNSUPPORTED = {
+    "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
+    "functions": "function calls are not supported", "function_call": "function calls are not supported",
+    "logprobs": "log-probabilities are not supported", "top_logprobs": "log-probabilities are not supported",
+    "logit_bias": "logit_bias is not supported", "response_format": "response formats are not supported",
+    "presence_penalty": "penalties are not supported", "frequency_penalty": "penalties are not supported",
+    "best_of": "best_of is not supported", "echo": "echo is not supported", "suffix": "suffix is not supported",
+    "parallel_tool_calls": "tool calls are not supported", "modalities": "only text is supported",
+    "audio": "only text is supported", "prediction": "predicted outputs are not supported",
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Generation(BaseModel):
+    """What chat and text completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    user: str | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stop_strings(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def wanted_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def wanted_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[int] = Field(description="text, or token ids")
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, value):
+        if not value:
+            raise ValueError("the prompt is empty")
+        if isinstance(value, list) and min(value) < 0:
+            raise ValueError("token ids are integers >= 0")
+        return value
+
+
+# ---- responses ---------------------------------------------------------------------------------------------------
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Reply:
+    """The bodies of one completion's response: whole, or its stream's chunks."""
+
+    def __init__(self, chat: bool, completion_id: str, model: str):
+        self.chat, self.id, self.model = chat, completion_id, model
+        self.created = int(time.time())
+        self._object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, suffix: str = "") -> dict:
+        return {"id": self.id, "object": self._object + suffix, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._head() | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+        """A stream chunk: a piece of text (None: none, as in the last chunk, which names the finish reason)."""
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else \
+                ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            return self._head(".chunk") | {"choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._head() | {"choices": [choice]}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return self._head(".chunk" if self.chat else "") | {"choices": [],
+                                                            "usage": usage(prompt_tokens, completion_tokens)}

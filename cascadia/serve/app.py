@@ -1,0 +1,362 @@
+"""The HTTP front end of `cascadia serve`: an OpenAI-compatible API over a `PipelineService`, as a Starlette app
+(FastAPI routes and validation, server-sent events by sse-starlette).
+
+Every request becomes one stream of the shared policy, admitted the moment it arrives. Its events come from the
+service thread into the request's asyncio queue, and go out as one stream chunk per generated token (text held back
+while it ends inside a character or could begin a stop string: `TextStream`). A client that goes away, or
+`POST /v1/cancel/{id}`, cancels its stream; a stop string found in the text cancels it too, with finish reason
+"stop". Bad input gets an OpenAI-style error body and a 4xx, a full queue 429 with Retry-After, a server that is
+loading, failed or shutting down 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from importlib import resources
+
+import attrs
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException
+from tokenizers import Tokenizer
+
+from cascadia.errors import CascadiaError
+from cascadia.pipeline.service import Failed, PipelineService
+from cascadia.policy import CANCELLED, LENGTH, STOP, Admitted, Finished, Rejected
+from cascadia.policy import Request as StreamRequest
+from cascadia.policy import Token
+from cascadia.sampling import Sampling
+from cascadia.serve.api import UNSUPPORTED, ChatRequest, CompletionRequest, Reply, error_body
+from cascadia.serve.chat import ChatTemplate
+from cascadia.serve.prom import CONTENT_TYPE, Metrics
+from cascadia.serve.text import TextStream
+
+KEEP_ALIVE_S = 15  # an SSE comment line this often keeps an idle stream's connection open
+RATE_WINDOW_S = 60  # tokens/s on the page: over this many seconds
+RETRY_AFTER_S = 1
+_WAKE = object()  # put in a request's event queue to end its wait
+
+
+@attrs.frozen
+class ServeSettings:
+    model_name: str
+    context_budget: int  # positions per stream: prompt + output tokens
+    max_waiting: int  # requests that may wait for a slot (all taken) before more get 429
+    max_body_bytes: int
+    api_key: str | None = None  # requests to /v1/ without it get 401
+
+
+class ApiError(Exception):
+    """A request the server refuses: its status, OpenAI-style body and Prometheus reason."""
+
+    def __init__(self, status: int, message: str, reason: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.reason, self.headers = status, reason, headers
+        self.body = error_body(message, kind, param, code)
+
+
+class Generation:
+    """One request being served: the service's events for it, turned into text pieces."""
+
+    def __init__(self, server: Server, stream: StreamRequest, completion_id: str, stop: list[str]):
+        self.server, self.stream, self.id = server, stream, completion_id
+        self.text = TextStream(server.tokenizer, stop) if server.tokenizer else None
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.admitted = False
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._arrived = time.perf_counter()
+        self._first_token: float | None = None
+
+    def on_event(self, event, t: float) -> None:
+        """From the service thread: hand the event to the request's loop."""
+        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Each generated token's text (maybe ""), then the held-back rest; `finish_reason` is set at the end."""
+        while self.finish_reason is None:
+            event = await self._events.get()
+            if event is _WAKE:  # cancelled here: `finish_reason` is set
+                continue
+            if isinstance(event, Admitted):
+                self.admitted = True
+                self.server.waiting -= 1
+            elif isinstance(event, Token):
+                self._on_token()
+                piece = self.text.push(event.token) if self.text else str(event.token)
+                if self.text is not None and self.text.stopped:
+                    self.server.service.cancel(self.stream.id)
+                    self._end(STOP)
+                yield piece
+            elif isinstance(event, Finished):
+                self._end({LENGTH: "length", STOP: "stop", CANCELLED: "cancelled"}[event.reason])
+                if self.text is not None and (rest := self.text.finish()):
+                    yield rest
+            elif isinstance(event, Rejected):  # the checks before submitting make this rare
+                self._end("rejected")
+                raise ApiError(400, event.reason, "rejected", code="context_length_exceeded")
+            elif isinstance(event, Failed):
+                self._end("error")
+                raise ApiError(503, f"the pipeline failed: {event.reason}", "failed", "server_error")
+
+    def cancel(self) -> None:
+        if self.finish_reason is None:
+            self.server.service.cancel(self.stream.id)
+            self._end("cancelled")
+            self._events.put_nowait(_WAKE)
+
+    def _on_token(self) -> None:
+        now = time.perf_counter()
+        if self._first_token is None:
+            self._first_token = now
+            self.server.metrics.ttft.observe(now - self._arrived)
+        self.tokens += 1
+        self.server.metrics.tokens.inc()
+        self.server.recent_tokens.append(now)
+
+    def _end(self, reason: str) -> None:
+        self.finish_reason = reason
+        if not self.admitted:
+            self.server.waiting -= 1
+        self.server.open.pop(self.id, None)
+        self.server.metrics.requests.labels(reason).inc()
+        if self._first_token is not None and self.tokens > 1:
+            self.server.metrics.tpot.observe((time.perf_counter() - self._first_token) / (self.tokens - 1))
+
+
+class Server:
+    """The app's state: the service, the tokenizer and chat template, the open requests, the metrics."""
+
+    def __init__(self, service: PipelineService, settings: ServeSettings, tokenizer: Tokenizer | None,
+                 chat: ChatTemplate | None, no_chat: str):
+        self.service, self.settings = service, settings
+        self.tokenizer, self.chat, self.no_chat = tokenizer, chat, no_chat
+        self.open: dict[str, Generation] = {}
+        self.waiting = 0  # submitted, not yet admitted
+        self.draining = False  # shutting down: no new requests
+        self.recent_tokens: deque[float] = deque()
+        self.ids = itertools.count()
+        self.metrics = Metrics(service.status, lambda: (len(self.open) - self.waiting, self.waiting))
+
+    def prompt(self, body: ChatRequest | CompletionRequest) -> list[int]:
+        if isinstance(body, ChatRequest):
+            if self.chat is None or self.tokenizer is None:
+                raise ApiError(400, f"chat completions need a chat template: {self.no_chat}; use /v1/completions",
+                               "invalid_request", param="messages")
+            text = self.chat.render([{"role": m.role, "content": m.text} for m in body.messages])
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        if isinstance(body.prompt, list):
+            return body.prompt
+        if self.tokenizer is None:
+            raise ApiError(400, "text prompts need the checkpoint's tokenizer.json; give token ids", "invalid_request",
+                           param="prompt")
+        return self.tokenizer.encode(body.prompt, add_special_tokens=False).ids
+
+    def start(self, body: ChatRequest | CompletionRequest) -> Generation:
+        """Check a request against the model and the queue, and submit it."""
+        status = self.service.status()
+        if self.draining or not status.ready:
+            why = "the server is shutting down" if self.draining else (status.error or f"loading ({status.loading})")
+            raise ApiError(503, f"not serving: {why}", "unavailable", "server_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        if body.model is not None and body.model != self.settings.model_name:
+            raise ApiError(404, f"no model named {body.model!r}; this server serves {self.settings.model_name!r}",
+                           "invalid_request", param="model", code="model_not_found")
+        prompt = self.prompt(body)
+        budget = self.settings.context_budget
+        if not prompt:
+            raise ApiError(400, "the prompt has no tokens", "invalid_request", param="prompt")
+        vocab = self.service.spec.model.config.vocab_size
+        if max(prompt) >= vocab:
+            raise ApiError(400, f"token id {max(prompt)} is beyond the vocabulary (0..{vocab - 1})",
+                           "invalid_request", param="prompt")
+        wanted = body.wanted_tokens()
+        if len(prompt) + (wanted or 1) > budget:
+            raise ApiError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({wanted or 1}) exceeds the "
+                                f"context length of {budget} positions", "context_length",
+                           param="max_tokens" if wanted else "messages", code="context_length_exceeded")
+        if len(self.open) >= self.service.spec.runtime.max_streams + self.settings.max_waiting:
+            raise ApiError(429, f"every stream slot is taken and {self.waiting} requests are waiting; try again "
+                                "shortly",
+                           "queue_full", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        config = self.service.spec.model.config
+        seed = secrets.randbits(63) if body.seed is None else body.seed
+        sampling = Sampling(body.temperature, body.top_p, seed) if body.temperature else Sampling()
+        stream = StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt),
+                               () if body.ignore_eos else config.eos_ids, sampling)
+        prefix = "chatcmpl" if isinstance(body, ChatRequest) else "cmpl"
+        generation = Generation(self, stream, f"{prefix}-{secrets.token_hex(12)}", body.stop_strings)
+        self.open[generation.id] = generation
+        self.waiting += 1
+        self.service.submit(stream, generation.on_event)
+        return generation
+
+    def tokens_per_s(self) -> float:
+        now = time.perf_counter()
+        while self.recent_tokens and self.recent_tokens[0] < now - RATE_WINDOW_S:
+            self.recent_tokens.popleft()
+        return len(self.recent_tokens) / RATE_WINDOW_S
+
+
+def build_app(server: Server) -> FastAPI:
+    app = FastAPI(title="cascadia serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        server.metrics.rejected.labels(e.reason).inc()
+        return JSONResponse(e.body, status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        return await api_error(request, _validation_error(e))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return await api_error(request, ApiError(e.status_code, str(e.detail), "http"))
+
+    @app.exception_handler(CascadiaError)
+    async def refused(request: Request, e: CascadiaError):
+        return await api_error(request, ApiError(400, str(e), "invalid_request"))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """The bearer key on /v1/, and the body size limit, before anything reads the body."""
+        if request.url.path.startswith("/v1/") and server.settings.api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {server.settings.api_key}".encode()):
+                return await api_error(request, ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                                         "unauthorized", code="invalid_api_key"))
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > server.settings.max_body_bytes):
+            return await api_error(request, ApiError(413, f"the request body is over the limit of "
+                                                          f"{server.settings.max_body_bytes} bytes", "too_large"))
+        return await call_next(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await _respond(server, body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _respond(server, body, request, chat=False)
+
+    @app.post("/v1/cancel/{completion_id}")
+    async def cancel(completion_id: str):
+        generation = server.open.get(completion_id)
+        if generation is None:
+            raise ApiError(404, f"no open request {completion_id!r}", "not_found", param="id")
+        generation.cancel()
+        return {"id": completion_id, "cancelled": True}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.settings.model_name, "object": "model",
+                                            "created": 0, "owned_by": "cascadia"}]}
+
+    @app.get("/health")
+    async def health():
+        status = server.service.status()
+        if status.ready and not server.draining:
+            return {"status": "ok"}
+        state, detail = ("shutting down", "") if server.draining else \
+            ("failed", status.error) if status.error else ("loading", status.loading)
+        return JSONResponse({"status": state, "detail": detail}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/status")
+    async def status():
+        return _status(server)
+
+    @app.get("/")
+    async def page():
+        return HTMLResponse(resources.files("cascadia.serve").joinpath("page.html").read_text(encoding="utf-8"))
+
+    return app
+
+
+async def _respond(server: Server, body: ChatRequest | CompletionRequest, request: Request, chat: bool):
+    generation = server.start(body)
+    reply = Reply(chat, generation.id, server.settings.model_name)
+    prompt_tokens = len(generation.stream.prompt_ids)
+    if body.stream:
+        return EventSourceResponse(_stream(generation, reply, body.include_usage, prompt_tokens), ping=KEEP_ALIVE_S)
+    collect = asyncio.ensure_future(_collect(generation))
+    try:
+        while not collect.done():
+            await asyncio.wait({collect}, timeout=0.25)
+            if not collect.done() and await request.is_disconnected():
+                generation.cancel()
+        text = await collect
+    finally:
+        collect.cancel()
+        generation.cancel()
+    return reply.whole(text, generation.finish_reason, prompt_tokens, generation.tokens)
+
+
+async def _collect(generation: Generation) -> str:
+    return "".join([piece async for piece in generation.pieces()])
+
+
+async def _stream(generation: Generation, reply: Reply, include_usage: bool, prompt_tokens: int):
+    """The server-sent events of a streamed completion; a client that goes away cancels its stream (this generator
+    is closed, and `finally` runs)."""
+    try:
+        yield {"data": json.dumps(reply.chunk("", first=True))}
+        try:
+            async for piece in generation.pieces():
+                yield {"data": json.dumps(reply.chunk(piece))}
+        except ApiError as e:
+            yield {"data": json.dumps(e.body)}
+            return
+        yield {"data": json.dumps(reply.chunk(None, generation.finish_reason))}
+        if include_usage:
+            yield {"data": json.dumps(reply.usage_chunk(prompt_tokens, generation.tokens))}
+        yield {"data": "[DONE]"}
+    finally:
+        generation.cancel()
+
+
+def _validation_error(e: RequestValidationError) -> ApiError:
+    """The first problem of a request body, as OpenAI words it."""
+    problem = e.errors()[0]
+    where = [str(part) for part in problem.get("loc", ()) if part != "body"]
+    param = ".".join(where) or None
+    if problem.get("type") == "extra_forbidden" and where and where[-1] in UNSUPPORTED:
+        return ApiError(400, f"{where[-1]}: {UNSUPPORTED[where[-1]]} by this server", "unsupported", param=param)
+    if problem.get("type") == "extra_forbidden":
+        return ApiError(400, f"unknown parameter {param!r}", "invalid_request", param=param)
+    if problem.get("type") == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON ({problem.get('msg')})", "invalid_request")
+    if param == "n":
+        return ApiError(400, "n: only one choice per request is supported", "unsupported", param="n")
+    message = problem.get("msg", "invalid")
+    return ApiError(400, f"{param}: {message}" if param else message, "invalid_request", param=param)
+
+
+def _status(server: Server) -> dict:
+    """What the page shows: the plan's stages, each node's load, the requests, the recent tokens per second."""
+    status = server.service.status()
+    return {
+        "model": server.settings.model_name, "ready": status.ready and not server.draining,
+        "loading": status.loading, "error": status.error,
+        "running": len(server.open) - server.waiting, "waiting": server.waiting,
+        "tokens_per_s": server.tokens_per_s(),
+        "stages": [{"node": s.node, "layers": [s.first_layer, s.last_layer], "roles": list(s.roles),
+                    "busy": status.busy.get(s.node), "frames_per_s": status.frames_per_s.get(s.node)}
+                   for s in server.service.plan.stages],
+    }

@@ -1,0 +1,98 @@
+"""`cascadia serve`: the pipeline service and the HTTP app under uvicorn, until SIGTERM or Ctrl-C.
+
+Shutting down, in order: new requests get 503 at once; the open ones may finish for up to `shutdown_timeout_s`;
+then those still open are cancelled (their streams end with finish reason "cancelled"); uvicorn closes the
+connections; the service shuts the nodes down (local node processes stop, and are killed if they do not), so no
+process is left behind. A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from cascadia.graph.plan import Plan
+from cascadia.pipeline.run import Addresses
+from cascadia.pipeline.service import PipelineService
+from cascadia.serve.app import Server, ServeSettings, build_app
+from cascadia.serve.chat import ChatTemplate
+from cascadia.spec.types import Spec
+from cascadia.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def serve(spec: Spec, plan: Plan, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
+          checkpoint: Path | None = None, addresses: Addresses | None = None, node_timeout_s: float | None = None,
+          groups: int | None = None, shutdown_timeout_s: float = 30.0) -> None:
+    """Serve until stopped (see the module's text). Text needs the checkpoint's tokenizer.json, chat its
+    tokenizer_config.json's chat template; without them only token-id completions are served."""
+    checkpoint = checkpoint or spec.model.checkpoint
+    tokenizer = chat = None
+    no_chat = f"{checkpoint}/{TOKENIZER_CONFIG_FILE} has no chat_template" if checkpoint else "no checkpoint named"
+    if checkpoint is not None and (Path(checkpoint) / TOKENIZER_FILE).is_file():
+        tokenizer = load_tokenizer(checkpoint)
+        chat = ChatTemplate.of_checkpoint(checkpoint)
+        if not (Path(checkpoint) / TOKENIZER_CONFIG_FILE).is_file():
+            no_chat = f"{checkpoint}/{TOKENIZER_CONFIG_FILE} is missing"
+    elif checkpoint is not None:
+        no_chat = f"{checkpoint}/{TOKENIZER_FILE} is missing"
+    service = PipelineService(spec, plan, checkpoint=checkpoint, addresses=addresses, node_timeout_s=node_timeout_s,
+                              groups=groups)
+    server = Server(service, settings, tokenizer, chat, no_chat)
+    try:
+        _Uvicorn(server, shutdown_timeout_s, uvicorn.Config(build_app(server), host=host, port=port, log_level="info",
+                                                           timeout_graceful_shutdown=5)).run()
+    finally:
+        service.close()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, with a shutdown that lets open requests finish for a while first (see the module's text)."""
+
+    def __init__(self, server: Server, shutdown_timeout_s: float, config: uvicorn.Config):
+        super().__init__(config)
+        self.cascadia, self.shutdown_timeout_s = server, shutdown_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT and SIGTERM go to `handle_exit` while serving (and are not raised again afterwards: a server
+        that shut down as asked exits 0)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.cascadia.draining or self._loop is None:
+            self.should_exit = self.force_exit = True  # a second signal: at once
+            return
+        self.cascadia.draining = True
+        log.info("shutting down: %d open requests may finish for up to %g s", len(self.cascadia.open),
+                 self.shutdown_timeout_s)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = self._loop.time() + self.shutdown_timeout_s
+        while self.cascadia.open and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for generation in list(self.cascadia.open.values()):
+            generation.cancel()
+        await asyncio.sleep(0.1)  # the cancelled streams send their last chunks
+        self.should_exit = True

@@ -1,0 +1,323 @@
+"""`cascadia serve` on the tiny model's three local nodes, driven by the real `openai` client and by raw HTTP: the
+API's answers, exact against the single-process engine; many clients at once; cancellation; every bad input's
+status and message; Prometheus metrics; a clean shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.engine import Engine
+from cascadia.engine.generate import generate
+from cascadia.pipeline.transport import free_port
+from cascadia.sampling import Sampling
+from cascadia.serve.chat import ChatTemplate
+from cascadia.tokenizer import load_tokenizer
+
+SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
+KEY = "sk-test-cascadia"
+START_S = 120  # loading three nodes on a busy 2-core machine
+
+
+class Served:
+    """A `cascadia serve` process on 127.0.0.1, up and ready."""
+
+    def __init__(self, tmp_path: Path, spec: Path, checkpoint: Path, *options: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / f"serve-{self.port}.log"
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "cascadia", "serve", str(spec), "--checkpoint",
+                                             str(checkpoint), "--port", str(self.port), *options],
+                                            stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"the server exited: {self.log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise AssertionError(f"not ready within {START_S} s: {self.log.read_text()[-3000:]}")
+
+    def children(self) -> set[int]:
+        return {int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
+                if _parent(stat) == self.process.pid}
+
+    def stop(self) -> int:
+        """SIGTERM, as systemd or a container would send: the server's exit status."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(60)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+
+
+def _parent(stat: Path) -> int | None:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, checkpoint):
+    folder = tmp_path_factory.mktemp("serve")
+    (folder / "key").write_text(KEY + "\n")
+    served = Served(folder, SPEC, checkpoint, "--api-key-file", str(folder / "key"), "--max-body", "64KiB")
+    nodes = served.children()
+    yield served
+    assert len(nodes) == 3 and served.stop() == 0
+    assert not any(_alive(pid) for pid in nodes), "node processes left behind"
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory, checkpoint):
+    """A server whose pipeline holds one stream, and lets one more request wait."""
+    folder = tmp_path_factory.mktemp("serve-one")
+    spec = folder / "one.yaml"
+    spec.write_text(f"include: {SPEC}\nruntime: {{max_streams: 1}}\nworkload: {{concurrency: [1]}}\n")
+    served = Served(folder, spec, checkpoint, "--max-waiting", "1")
+    yield served
+    assert served.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(spec, checkpoint):
+    """Greedy text and tokens as `cascadia generate` makes them, on the single-process engine."""
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    tokenizer = load_tokenizer(checkpoint)
+    chat = ChatTemplate.of_checkpoint(checkpoint)
+
+    def greedy(prompt_ids, n: int) -> tuple[str, list[int]]:
+        ids = list(generate(engine, prompt_ids, n, Sampling(), stop_ids=spec.model.config.eos_ids).ids)
+        return tokenizer.decode(ids, skip_special_tokens=True), ids
+
+    def chat_ids(messages) -> list[int]:
+        return tokenizer.encode(chat.render(messages), add_special_tokens=False).ids
+
+    return greedy, chat_ids, tokenizer
+
+
+MESSAGES = [{"role": "system", "content": "You are a small random model."}, {"role": "user", "content": "Hello!"}]
+
+
+# ---- the API's answers ----------------------------------------------------------------------------------------------
+def test_models_lists_the_spec_model(client):
+    assert [model.id for model in client.models.list()] == ["tiny"]
+
+
+def test_greedy_chat_is_the_single_process_engine_text(client, reference):
+    greedy, chat_ids, _ = reference
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    text, ids = greedy(chat_ids(MESSAGES), 12)
+    assert reply.choices[0].message.content == text and reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == ("stop" if len(ids) < 12 else "length")
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(chat_ids(MESSAGES)), len(ids))
+
+
+def test_streamed_chat_pieces_add_up_to_the_whole_reply(client, reference):
+    greedy, chat_ids, _ = reference
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy(chat_ids(MESSAGES), 12)[0]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(greedy(chat_ids(MESSAGES), 12)[1])
+
+
+def test_completions_take_text_or_token_ids(client, reference):
+    greedy, _, tokenizer = reference
+    prompt = "A fleet of ordinary computers"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    text = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0).choices[0].text
+    assert text == greedy(ids, 10)[0]
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == text
+    streamed = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+
+
+def test_a_stop_string_ends_the_text_before_it(client, reference):
+    greedy, _, tokenizer = reference
+    ids = tokenizer.encode("Measure first, then predict.", add_special_tokens=False).ids
+    text, _ = greedy(ids, 16)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    reply = client.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0, stop=[stop, "\x00"])
+    assert reply.choices[0].text == text[:text.find(stop)] and reply.choices[0].finish_reason == "stop"
+
+
+def test_sampled_replies_depend_on_the_seed(client):
+    def draw(seed):
+        return client.completions.create(model="tiny", prompt=[5, 9, 3], max_tokens=8, temperature=1.0, top_p=0.9,
+                                         seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+    assert draw(3) == draw(3) and draw(3) != draw(4)
+
+
+def test_thirty_two_streaming_clients_all_complete(server, reference):
+    greedy, _, _ = reference
+
+    async def one(client, i):
+        prompt = [1 + i % 7, 2 + i % 5, 3 + i % 3]
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                                 stream=True)
+        return prompt, "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(all_of_them())
+    assert len(results) == 32 and all(text == greedy(prompt, 8)[0] for prompt, text in results)
+
+
+# ---- cancellation -------------------------------------------------------------------------------------------------
+def stream_open(url: str, max_tokens: int, headers=None):
+    """A raw streaming request: the response, open."""
+    client = httpx.Client(timeout=60)
+    body = {"prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    response = client.send(client.build_request("POST", f"{url}/v1/completions", headers=headers, json=body),
+                           stream=True)
+    return client, response
+
+
+def status(url: str) -> dict:
+    return httpx.get(f"{url}/status", timeout=10).json()
+
+
+def wait_for(condition, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_client_that_goes_away_frees_its_slot_for_the_next(one_slot):
+    first_client, first = stream_open(one_slot.url, 55)
+    lines = first.iter_lines()
+    assert next(line for line in lines if line.startswith("data:"))  # streaming: it holds the one slot
+    second_client, second = stream_open(one_slot.url, 4)
+    wait_for(lambda: status(one_slot.url)["waiting"] == 1)
+    third = httpx.post(f"{one_slot.url}/v1/completions", json={"prompt": [1], "max_tokens": 2}, timeout=10)
+    assert third.status_code == 429 and third.headers["retry-after"] == "1"
+    assert third.json()["error"]["code"] == "rate_limit_exceeded"
+    first.close()
+    first_client.close()  # the client goes away mid-stream
+    texts = [line for line in second.iter_lines() if line.startswith("data:")]
+    assert texts[-1] == "data: [DONE]" and json.loads(texts[-2][5:])["choices"][0]["finish_reason"] == "length"
+    second_client.close()
+    wait_for(lambda: status(one_slot.url)["running"] == 0)
+
+
+def test_cancel_by_id_ends_a_stream_with_its_reason(one_slot):
+    client, response = stream_open(one_slot.url, 55)
+    chunks = (json.loads(line[5:]) for line in response.iter_lines() if line.startswith("data: {"))
+    completion_id = next(chunks)["id"]
+    assert httpx.post(f"{one_slot.url}/v1/cancel/{completion_id}", timeout=10).json()["cancelled"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "cancelled"
+    client.close()
+    assert httpx.post(f"{one_slot.url}/v1/cancel/{completion_id}", timeout=10).status_code == 404
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+BAD = [
+    ({"content": b"{not json"}, 400, "not valid JSON"),
+    ({"json": {"messages": MESSAGES, "bogus": 1}}, 400, "unknown parameter 'bogus'"),
+    ({"json": {"messages": MESSAGES, "n": 2}}, 400, "only one choice"),
+    ({"json": {"messages": MESSAGES, "tools": []}}, 400, "tool calls are not supported"),
+    ({"json": {"messages": MESSAGES, "temperature": 5}}, 400, "temperature"),
+    ({"json": {"messages": []}}, 400, "messages"),
+    ({"json": {"messages": MESSAGES, "max_tokens": 500}}, 400, "exceeds the context length of 64 positions"),
+    ({"json": {"messages": MESSAGES, "model": "gpt-4"}}, 404, "no model named 'gpt-4'"),
+    ({"json": {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}}, 400, "at most 4 stop strings"),
+    ({"content": b"{" + b" " * 70000 + b"}"}, 413, "over the limit of 65536 bytes"),
+]
+
+
+@pytest.mark.parametrize("request_kwargs, code, message", BAD)
+def test_bad_requests_get_an_openai_error_and_a_4xx(server, request_kwargs, code, message):
+    response = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}",
+                                                                        "Content-Type": "application/json"},
+                          timeout=30, **request_kwargs)
+    assert response.status_code == code, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"]
+
+
+def test_the_context_length_error_has_its_openai_code(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[1] * 60, max_tokens=10)
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_without_the_api_key_requests_get_401(server):
+    response = httpx.get(f"{server.url}/v1/models", timeout=10)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}  # health stays open
+
+
+# ---- metrics and status -----------------------------------------------------------------------------------------
+def test_metrics_parse_with_prometheus_own_parser(server, client):
+    client.completions.create(model="tiny", prompt=[4, 5], max_tokens=3, temperature=0)
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+    wait_for(lambda: all(s["busy"] is not None for s in status(server.url)["stages"]))
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    assert families["cascadia_generated_tokens"].samples[0].value > 0
+    assert {s.labels["node"] for s in families["cascadia_node_busy_ratio"].samples} == {"node0", "node1", "node2"}
+    for name in ("cascadia_requests_running", "cascadia_requests_waiting", "cascadia_time_to_first_token_seconds",
+                 "cascadia_time_per_output_token_seconds", "cascadia_requests_rejected", "cascadia_ready"):
+        assert name in families
+    rejected = {s.labels["reason"]: s.value for s in families["cascadia_requests_rejected"].samples
+                if s.name.endswith("_total")}
+    assert rejected["unauthorized"] >= 1
+
+
+def test_status_names_every_stage_and_node(server):
+    body = status(server.url)
+    assert [s["node"] for s in body["stages"]] == ["node0", "node1", "node2"] and body["ready"]
+    assert body["stages"][0]["layers"] == [0, 1] and body["stages"][-1]["roles"] == ["layers", "head"]
+
+
+@pytest.mark.parametrize("deadline, finish", [("30", "length"), ("0", "cancelled")])
+def test_the_server_stops_on_sigterm_and_leaves_no_process(tmp_path, checkpoint, deadline, finish):
+    """Open streams may finish within the shutdown deadline, and are cancelled after it."""
+    served = Served(tmp_path, SPEC, checkpoint, "--shutdown-timeout", deadline)
+    nodes = served.children()
+    client, response = stream_open(served.url, 55)
+    lines = response.iter_lines()
+    next(line for line in lines if line.startswith("data:"))
+    served.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: httpx.get(f"{served.url}/health", timeout=10).status_code == 503)  # no new requests
+    rest = [line for line in lines if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == finish
+    client.close()
+    assert served.process.wait(60) == 0
+    assert len(nodes) == 3 and not any(_alive(pid) for pid in nodes)
