@@ -52,10 +52,11 @@ class Bench:
     def __init__(self, keys: str | None):
         self.transport = Transport(COORDINATOR, keys, max_message_bytes=64 * 2**20)
         control, results, listen = (tcp_address("127.0.0.1", free_port()) for _ in range(3))
-        self.control = self.transport.bind(zmq.ROUTER, control)
-        self.results = self.transport.bind(zmq.PULL, results)
+        self.control = self.transport.bind(zmq.ROUTER, control, ["echo"])
+        self.results = self.transport.bind(zmq.PULL, results, ["echo"])
         settings = NodeSettings("echo", sender=node_sender(0), first_layer=0, last_layer=0, listen=listen,
                                 successor=Peer(COORDINATOR, results), control=Peer(COORDINATOR, control),
+                                input_peer=COORDINATOR,
                                 curve_keys=keys, max_message_bytes=64 * 2**20, parent_pid=os.getpid())
         self.node = SPAWN.Process(target=node_main, args=(settings,))
         self.node.start()

@@ -10,11 +10,13 @@ the command line catches `CascadiaError` once, prints its message and exits with
     └── RequestError      a request, prompt or token ids that cannot be served
 
 Anything else that escapes is a bug: the command line names it in one line and says how to see its traceback.
+`Terminated` is no error: SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that both stop a command alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class CascadiaError(Exception):
@@ -49,3 +51,17 @@ class NodeError(CascadiaError):
 
 class RequestError(CascadiaError):
     pass
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what `timeout`, systemd and container runtimes send), raised as Ctrl-C raises KeyboardInterrupt:
+    whatever keeps results or cleans up on Ctrl-C does so on SIGTERM too. Its text says why the command stopped."""
+
+    def __init__(self) -> None:
+        super().__init__("terminated by SIGTERM")
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message quotes it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

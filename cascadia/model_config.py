@@ -8,14 +8,15 @@ ignored. Everything else in Cascadia (graph, planner, engine, simulator) reads t
 from __future__ import annotations
 
 import enum
-import json
 import math
+import typing
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from cascadia.errors import CascadiaError
+from cascadia.errors import CascadiaError, shown
+from cascadia.files import UnreadableFile, read_json
 
 # transformers' layer type names, in `layer_types` and `mlp_layer_types`
 HF_SLIDING, HF_GLOBAL, HF_DENSE, HF_SPARSE = "hybrid_sliding", "hybrid", "dense", "sparse"
@@ -47,6 +48,8 @@ _ALIASES = {
 }
 # Most num_hidden_layers: per-layer lists are built from it, and a typo like 1e12 layers must fail, not hang.
 MAX_LAYERS = 10_000
+# Inkling's config.json takes 3 KiB; a file of more is not a model config (a checkpoint named by mistake).
+MAX_CONFIG_FILE_BYTES = 1024**2
 
 
 class ConfigError(CascadiaError):
@@ -74,18 +77,9 @@ def read_text_fields(path: str | Path) -> tuple[dict[str, Any], Path]:
     if path.is_dir():
         path = path / "config.json"
     try:
-        return text_fields(json.loads(path.read_text(encoding="utf-8"))), path
-    except ConfigError as e:
-        problem = str(e)
-    except FileNotFoundError:
-        problem = "no such file"
-    except IsADirectoryError:
-        problem = "is a folder, not a file"
-    except OSError as e:  # permissions, a name too long
-        problem = f"cannot read: {e.strerror or e}"
-    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deeply
-        problem = f"not valid JSON ({e})"
-    raise ConfigError(f"{path}: {problem}")
+        return text_fields(read_json(path, MAX_CONFIG_FILE_BYTES, "a model config")), path
+    except (ConfigError, UnreadableFile) as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 @attrs.frozen(kw_only=True)
@@ -134,8 +128,12 @@ class InklingConfig:
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> InklingConfig:
-        """Build from a transformers config dict: the text config, or the multimodal top level."""
-        d = text_fields(raw)
+        """Build from a transformers config dict: the text config, or the multimodal top level. Every key that sets
+        a field is checked for its type first (`conform_fields`; no number may come as text, as a JSON file would
+        not write it); keys of other parts of the model are ignored."""
+        d, problems = conform_fields(text_fields(raw))
+        if problems:
+            raise ConfigError("; ".join(problems))
         for alias, name in _ALIASES.items():
             if alias in d:
                 d.setdefault(name, d.pop(alias))
@@ -144,25 +142,20 @@ class InklingConfig:
             d["moe_intermediate_size"] = d.get("intermediate_size", attrs.fields(cls).moe_intermediate_size.default)
             d["intermediate_size"] = d.pop("dense_intermediate_size")
         n_layers = d.get("num_hidden_layers", 66)
-        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 0 < n_layers <= MAX_LAYERS:
+        if not 0 < n_layers <= MAX_LAYERS:
             raise ConfigError(f"num_hidden_layers must be an integer in 1..{MAX_LAYERS}, got {n_layers!r}")
-        try:
-            if not d.get("layer_types"):
-                local = d.get("local_layer_ids")
-                local = set(local) if local is not None else {i for i in range(n_layers) if (i + 1) % 6}
-                d["layer_types"] = [HF_SLIDING if i in local else HF_GLOBAL for i in range(n_layers)]
-            if not d.get("mlp_layer_types"):
-                dense_idx = int(d.get("dense_mlp_idx") or 0)
-                d["mlp_layer_types"] = [HF_DENSE if i < dense_idx else HF_SPARSE for i in range(n_layers)]
-            known = {f.name for f in attrs.fields(cls)}
-            kwargs = {k: v for k, v in d.items() if k in known}
-            kwargs["layer_types"] = tuple(kwargs["layer_types"])
-            kwargs["mlp_layer_types"] = tuple(kwargs["mlp_layer_types"])
-            return cls(**kwargs)
-        except ConfigError:
-            raise
-        except (TypeError, ValueError) as e:  # a wrongly typed value (a config.json not checked as a spec's is)
-            raise ConfigError(str(e)) from None
+        if not d.get("layer_types"):
+            local = d.get("local_layer_ids")
+            local = set(local) if local is not None else {i for i in range(n_layers) if (i + 1) % 6}
+            d["layer_types"] = [HF_SLIDING if i in local else HF_GLOBAL for i in range(n_layers)]
+        if not d.get("mlp_layer_types"):
+            dense_idx = d.get("dense_mlp_idx") or 0
+            d["mlp_layer_types"] = [HF_DENSE if i < dense_idx else HF_SPARSE for i in range(n_layers)]
+        known = {f.name for f in attrs.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        kwargs["layer_types"] = tuple(kwargs["layer_types"])
+        kwargs["mlp_layer_types"] = tuple(kwargs["mlp_layer_types"])
+        return cls(**kwargs)
 
     @classmethod
     def from_file(cls, path: str | Path) -> InklingConfig:
@@ -184,14 +177,16 @@ class InklingConfig:
 
     # ---- validation ---------------------------------------------------------------------------------------
     def problems(self) -> list[str]:
-        out = []
+        """What makes these values no Inkling text model, each message starting with the field it is about."""
+        _, out = conform_fields(attrs.asdict(self, recurse=False))
+        if out:
+            return out
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim",
                      "sliding_window_size", "d_rel", "rel_extent", "conv_kernel_size", "intermediate_size",
-                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                out.append(f"{name} must be a positive integer, got {value!r}")
+                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                out.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if out:
             return out
         if len(self.layer_types) != self.num_hidden_layers:
@@ -217,11 +212,22 @@ class InklingConfig:
             out.append(f"unpadded_vocab_size must lie in 1..vocab_size ({self.vocab_size})")
         if self.hidden_act != "silu":
             out.append(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
-        if not (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < math.inf):
-            out.append(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        # Divisors and scales: zero would divide by zero or silence a whole path of the model.
+        for name in ("rms_norm_eps", "route_scale", "logits_mup_width_multiplier"):
+            if getattr(self, name) <= 0:
+                out.append(f"{name} must be a positive number, got {getattr(self, name)!r}")
+        if self.log_scaling_alpha < 0:
+            out.append(f"log_scaling_alpha must be a number >= 0, got {self.log_scaling_alpha!r}")
+        if self.log_scaling_n_floor is not None and self.log_scaling_n_floor < 1:
+            out.append(f"log_scaling_n_floor must be at least 1 (or null), got {self.log_scaling_n_floor!r}")
+        if self.num_mtp_layers is not None and self.num_mtp_layers < 0:
+            out.append(f"num_mtp_layers must be at least 0 (or null), got {self.num_mtp_layers!r}")
+        for name in ("bos_token_id", "pad_token_id"):
+            if (token := getattr(self, name)) is not None and not 0 <= token < self.vocab_size:
+                out.append(f"{name} {token!r} lies outside the vocabulary (0..{self.vocab_size - 1})")
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
         # A stop token the head cannot produce would never stop a generation.
-        if bad := [t for t in eos if t is not None and not (isinstance(t, int) and 0 <= t < self.output_vocab_size)]:
+        if bad := [t for t in eos if t is not None and not 0 <= t < self.output_vocab_size]:
             out.append(f"eos_token_id {bad[0]!r} lies outside the vocabulary (0..{self.output_vocab_size - 1})")
         return out
 
@@ -275,3 +281,67 @@ class InklingConfig:
     def output_vocab_size(self) -> int:
         """Logits actually produced: the head's unpadded rows when the checkpoint says so."""
         return self.unpadded_vocab_size or self.vocab_size
+
+
+# ---- field types ---------------------------------------------------------------------------------------------------
+# Keys a model config may hold, with their types: InklingConfig's fields, the checkpoint aliases of some, and the
+# keys transformers derives fields from.
+FIELD_TYPES: dict[str, Any] = typing.get_type_hints(InklingConfig)
+FIELD_TYPES.update({alias: FIELD_TYPES[name] for alias, name in _ALIASES.items()})
+FIELD_TYPES.update({"local_layer_ids": list[int] | None, "dense_mlp_idx": int | None,
+                    "dense_intermediate_size": int | None})  # null: not given
+ALIASES = dict(_ALIASES)
+
+
+class FieldTypeError(ValueError):
+    """A config value of the wrong type; the message says what was expected."""
+
+
+def describe_type(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, type(int | None)):
+        return " or ".join(describe_type(arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) in (list, tuple):
+        return "a list of " + {int: "integers", str: "text values"}[typing.get_args(hint)[0]]
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "text", type(None): "null"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def conform(value: Any, hint: Any, numeric_text: bool = False) -> Any:
+    """`value` as type `hint` (an int widened to float, a list for a tuple), or raise FieldTypeError. A bool is no
+    number; `numeric_text` takes "1e-3" for a number too (YAML reads `1e-3`, without a dot, as text)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, type(int | None)):
+        for arg in typing.get_args(hint):
+            try:
+                return conform(value, arg, numeric_text)
+            except FieldTypeError:
+                pass
+    elif origin in (list, tuple) and isinstance(value, (list, tuple)):
+        try:
+            return [conform(item, typing.get_args(hint)[0], numeric_text) for item in value]
+        except FieldTypeError:
+            pass
+    elif hint is float:
+        if numeric_text and isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    elif isinstance(hint, type) and isinstance(value, hint) and (hint is bool or not isinstance(value, bool)):
+        return value
+    raise FieldTypeError(f"expected {describe_type(hint)}, got {shown(value)}")
+
+
+def conform_fields(fields: dict[str, Any], numeric_text: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """`fields` with each known key's value conformed to its type (`conform`), and a "KEY: expected ..., got ..."
+    problem for each that is not; other keys are kept as they are."""
+    out, problems = dict(fields), []
+    for key, value in fields.items():
+        if key in FIELD_TYPES:
+            try:
+                out[key] = conform(value, FIELD_TYPES[key], numeric_text)
+            except FieldTypeError as e:
+                problems.append(f"{key}: {e}")
+    return out, problems

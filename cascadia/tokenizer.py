@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cascadia.errors import CheckpointError
+from cascadia.files import UnreadableFile, read_text
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import WorkloadSpec
 from cascadia.workload import load_prompts
@@ -26,6 +27,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role
                  "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 BYTES = 256
 MAX_SPECIAL_ID = 255  # special ids beyond this are not placed: the ids below them would all need reserved tokens
+MAX_TOKENIZER_FILE_BYTES = 256 * 1024**2  # a 200k-entry vocabulary with its merges takes tens of MiB
 
 TEXT = """\
 A fleet of ordinary computers can hold a model that none of them could hold alone. Each machine keeps a run of
@@ -93,14 +95,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if path.is_dir():
         path = path / TOKENIZER_FILE
     try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the tokenizers library raises a bare Exception for missing and malformed files
+        return Tokenizer.from_str(read_text(path, MAX_TOKENIZER_FILE_BYTES, "a tokenizer file"))
+    except UnreadableFile as e:
+        raise TokenizerError(f"{path}: cannot read a tokenizer: {e}") from None
+    except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
         raise TokenizerError(f"{path}: cannot read a tokenizer ({e})") from None
 
 
-def workload_prompts(workload: WorkloadSpec, checkpoint: Path | None) -> list[tuple[int, ...]] | None:
-    """The prompts of the workload's file (None without one); {"text": ...} lines are encoded with the checkpoint's
-    tokenizer.json, read at the first such line."""
+def workload_prompts(workload: WorkloadSpec, checkpoint: Path | None, config: InklingConfig
+                     ) -> list[tuple[int, ...]] | None:
+    """The prompts of the workload's file (None without one), their ids checked against the model's vocabulary;
+    {"text": ...} lines are encoded with the checkpoint's tokenizer.json, read at the first such line."""
     if workload.prompts_file is None:
         return None
 
@@ -114,4 +119,4 @@ def workload_prompts(workload: WorkloadSpec, checkpoint: Path | None) -> list[tu
     def encode(text: str) -> Sequence[int]:
         return tokenizer().encode(text).ids
 
-    return load_prompts(workload.prompts_file, encode)
+    return load_prompts(workload.prompts_file, encode, config.vocab_size)

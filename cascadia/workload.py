@@ -28,6 +28,7 @@ import attrs
 import numpy as np
 
 from cascadia.errors import CascadiaError, RequestError
+from cascadia.files import UnreadableFile, read_text
 from cascadia.model_config import InklingConfig
 from cascadia.policy import Request
 from cascadia.sampling import Sampling
@@ -35,6 +36,7 @@ from cascadia.spec.types import LengthSpec, RuntimeSpec, SloSpec, WorkloadSpec
 
 WARMUP, MEASURED = "warmup", "measured"
 PHASES = (WARMUP, MEASURED)
+MAX_PROMPTS_FILE_BYTES = 256 * 1024**2  # read whole: a million prompts of 256 bytes
 
 
 OPEN_LOOP_SECONDS = 10  # an open-loop phase's default length, in seconds of arrivals
@@ -67,13 +69,15 @@ class Level:
         return OpenLoop(phase.requests, self.rate, phase.seed)
 
 
-def load_prompts(path: str | Path, tokenize: Callable[[str], Sequence[int]] | None = None) -> list[tuple[int, ...]]:
-    """Prompt token ids from a JSONL file; {"text": ...} lines need `tokenize`."""
+def load_prompts(path: str | Path, tokenize: Callable[[str], Sequence[int]] | None = None,
+                 vocab_size: int | None = None) -> list[tuple[int, ...]]:
+    """Prompt token ids from a JSONL file; {"text": ...} lines need `tokenize`; every id must lie in 0..`vocab_size`
+    - 1 (when given)."""
     prompts = []
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise RequestError(f"{path}: cannot read prompts ({e.strerror})") from None
+        lines = read_text(path, MAX_PROMPTS_FILE_BYTES, "a prompts file").splitlines()
+    except UnreadableFile as e:
+        raise RequestError(f"{path}: cannot read prompts: {e}") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -82,6 +86,8 @@ def load_prompts(path: str | Path, tokenize: Callable[[str], Sequence[int]] | No
             item = json.loads(line)
         except json.JSONDecodeError as e:
             raise RequestError(f"{where}: not valid JSON ({e.msg})") from None
+        if isinstance(item, dict) and "ids" in item and "text" in item:
+            raise RequestError(f"{where}: give 'ids' or 'text', not both")
         if isinstance(item, dict) and "ids" in item:
             ids = item["ids"]
             if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 0 for i in ids):
@@ -97,6 +103,8 @@ def load_prompts(path: str | Path, tokenize: Callable[[str], Sequence[int]] | No
                 raise RequestError(f"{where}: the text has no tokens")
         else:
             raise RequestError(f"{where}: expected an object with 'ids' (a list of token ids) or 'text'")
+        if vocab_size is not None and (beyond := max(ids)) >= vocab_size:
+            raise RequestError(f"{where}: token id {beyond} lies outside the model's vocabulary (0..{vocab_size - 1})")
         prompts.append(tuple(ids))
     if not prompts:
         raise RequestError(f"{path}: no prompts")
@@ -225,6 +233,21 @@ def misfits(workload: WorkloadSpec, runtime: RuntimeSpec) -> list[tuple[str, str
         problems.append(("output_tokens", f"prompt ({workload.prompt_tokens.high}) + output ({workload.output_tokens}) "
                                           f"tokens exceed runtime.context_budget ({runtime.context_budget})"))
     return problems
+
+
+def prompt_length_notes(prompts: Sequence[tuple[int, ...]], workload: WorkloadSpec, runtime: RuntimeSpec) -> list[str]:
+    """A note on the prompts whose requests the policy will reject, as longer than the context budget allows with
+    their output tokens (none when all fit); RequestError when none fits, so that nothing would run."""
+    budget, output = runtime.context_budget, workload.output_tokens
+    too_long = sum(len(prompt) + output > budget for prompt in prompts)
+    if not too_long:
+        return []
+    source = workload.prompts_file or "the prompts"
+    why = f"prompt + output ({output}) tokens exceed runtime.context_budget ({budget})"
+    if too_long == len(prompts):
+        raise RequestError(f"{source}: none of its {len(prompts)} prompts fits: {why} (the shortest has "
+                           f"{min(map(len, prompts))} tokens)")
+    return [f"{source}: {too_long} of its {len(prompts)} prompts are rejected: {why}"]
 
 
 def override(workload: WorkloadSpec, concurrency: tuple[int, ...] | None = None, requests: int | None = None,

@@ -285,3 +285,45 @@ def test_a_stage_names_the_fields_its_checkpoint_differs_in(tmp_path):
     assert str(caught.value) == (f"{FIXTURES / 'base'}: its config.json describes another model than the spec's: "
                                  f"hidden_size {config.hidden_size} vs {2 * config.hidden_size}, "
                                  "rms_norm_eps 1e-06 vs 1e-05 (checkpoint vs spec)")
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/../../outside.safetensors"])
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, shard):
+    raw = small_config()
+    write_checkpoint(tmp_path / "outside-source", raw, full_tensors(raw))
+    shutil.copy(tmp_path / "outside-source" / "model.safetensors", tmp_path / "outside.safetensors")
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(raw))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {HEAD: shard}}))
+    with pytest.raises(CheckpointError, match=rf"index\.json: weight_map\['lm_head\.weight'\]: '{shard}' lies "
+                                              rf"outside the checkpoint folder {path}: a shard must be a file in it"):
+        Checkpoint.open(path)
+
+
+def test_a_shard_reached_through_a_link_is_read(tmp_path):
+    """As in the Hugging Face cache, where each shard is a link to a blob elsewhere."""
+    raw = small_config()
+    source = write_checkpoint(tmp_path / "blobs", raw, full_tensors(raw))
+    path = tmp_path / "snapshot"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(raw))
+    (path / "model-1.safetensors").symlink_to(source / "model.safetensors")
+    names = json.loads((source / "model.safetensors").read_bytes()[8:8 + struct.unpack(
+        "<Q", (source / "model.safetensors").read_bytes()[:8])[0]])
+    weight_map = {name: "model-1.safetensors" for name in names if name != "__metadata__"}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    np.testing.assert_array_equal(Checkpoint.open(path).tensor(HEAD), Checkpoint.open(source).tensor(HEAD))
+
+
+def test_a_weight_file_that_is_no_regular_file_is_refused_unread(tmp_path):
+    import os
+
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(small_config()))
+    os.mkfifo(path / "shard.safetensors")  # reading it would block for ever
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {HEAD: "shard.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"shard\.safetensors: tensor 'lm_head\.weight' .*: is not a regular "
+                                              r"file"):
+        Checkpoint.open(path).tensor(HEAD)

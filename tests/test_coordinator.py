@@ -1,14 +1,19 @@
 """The coordinator against stub nodes: DEALERs that say what a node says, and a PUSH playing the last node."""
 
 import logging
+import shutil
+import threading
 
 import pytest
 import zmq
 
-from cascadia.pipeline.coordinator import Coordinator, PipelineError
-from cascadia.pipeline.transport import COORDINATOR, Transport, free_port, send, tcp_address
-from cascadia.pipeline.wire import (VERSION, Encoder, Error, Frame, Hello, Progress, Ready, Stats, Tokens, encode,
-                                    node_sender)
+from cascadia.metrics import Recorder
+from cascadia.pipeline.coordinator import Coordinator, Outputs, PipelineError
+from cascadia.pipeline.transport import COORDINATOR, Transport, free_port, generate_keys, receive, send, tcp_address
+from cascadia.pipeline.wire import (VERSION, Encoder, Error, Frame, Hello, Progress, Ready, Stats, StatsRequest, Tokens,
+                                    decode, encode, node_sender)
+from cascadia.policy import Policy, Request
+from cascadia.workload import ClosedLoop
 
 STALL_S = 0.5
 TIMEOUT_S = 10  # generous bound on any single wait; the tests never measure time
@@ -40,8 +45,8 @@ def transports():
     """Make Transports that are closed when the test ends, however it ends."""
     made = []
 
-    def make(name: str) -> Transport:
-        made.append(Transport(name))
+    def make(name: str, keys=None) -> Transport:
+        made.append(Transport(name, keys))
         return made[-1]
 
     yield make
@@ -153,3 +158,121 @@ def test_a_node_of_another_version_stops_the_start_at_once(pipeline):
                                             f"this build speaks version {VERSION}\\); run the same version on every "
                                             "machine$"):
         coordinator.wait_ready(local_address(), timeout_s=TIMEOUT_S)
+
+
+class StubPipeline(threading.Thread):
+    """The nodes' side of a phase: a and b answer stats requests (unless `silent`), the first node's input takes
+    each frame, and the last node's PUSH sends back first tokens no frame in flight has (`forgeries`), then the
+    frame's own tokens (each sampled row's token: its slot + 100)."""
+
+    def __init__(self, coordinator: Coordinator, stubs, transports, first: str, silent: tuple[str, ...] = ()):
+        super().__init__(daemon=True)
+        self.coordinator, self.stubs, self.silent = coordinator, [s for s in stubs if s.name not in silent], silent
+        self.input = transports("a").bind(zmq.PULL, first, [])
+        self.tokens = transports("b").connect(zmq.PUSH, coordinator.tokens_address, COORDINATOR)
+        self.encoder = Encoder(node_sender(len(stubs) - 1))
+        self.stop = threading.Event()
+
+    def forgeries(self, frame: Frame) -> list[Tokens]:
+        sampled = frame.slots[frame.sample]
+        return [Tokens(999999, frame.group, sampled, sampled + 100),
+                Tokens(frame.frame_id, frame.group + 1, sampled, sampled),
+                Tokens(frame.frame_id, frame.group, sampled[:0], sampled[:0])]
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for sock in [self.input, *(stub.sock for stub in self.stubs)]:
+            poller.register(sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            for sock, _ in poller.poll(50):
+                message = decode(receive(sock)).message
+                if sock is self.input:
+                    sampled = message.slots[message.sample]
+                    for tokens in [*self.forgeries(message), Tokens(message.frame_id, message.group, sampled,
+                                                                    sampled + 100)]:
+                        send(self.tokens, self.encoder.encode(tokens))
+                elif isinstance(message, StatsRequest):
+                    stub = next(stub for stub in self.stubs if stub.sock is sock)
+                    stub.say(Stats(stub.name, 0.0, 0, 0))
+
+
+@pytest.fixture
+def stub_pipeline(pipeline, transports):
+    coordinator, stubs = pipeline
+    first = local_address()
+    for stub in stubs:
+        stub.start()
+    coordinator.wait_ready(first, timeout_s=TIMEOUT_S)
+    made = []
+
+    def make(silent: tuple[str, ...] = ()) -> StubPipeline:
+        made.append(StubPipeline(coordinator, stubs, transports, first, silent))
+        made[-1].start()
+        return made[-1]
+
+    yield coordinator, make
+    for thread in made:
+        thread.stop.set()
+        thread.join(TIMEOUT_S)
+
+
+def test_tokens_no_frame_in_flight_has_are_dropped_and_the_phase_goes_on(stub_pipeline, caplog):
+    """The forged frame's tokens (frame 999999), tokens under another group, for other slots: each is logged and
+    counted, and the phase ends with every request's real tokens."""
+    coordinator, make = stub_pipeline
+    make()
+    policy = Policy(n_groups=1, max_streams=2, prefill_window=4, row_buckets=(1, 2, 4), context_budget=16)
+    requests = [Request(i, (1, 2, 3), 2) for i in range(3)]
+    outputs = Outputs()
+    with caplog.at_level(logging.WARNING, "cascadia.pipeline.coordinator"):
+        coordinator.run_phase(policy, ClosedLoop(requests, 2), len(requests), Recorder(2, "measured"), outputs)
+    assert sorted((line["request_id"], line["output_ids"]) for line in outputs.lines) == [
+        (0, [100, 100]), (1, [101, 101]), (2, [100, 100])]
+    frames = policy._seq
+    assert coordinator.dropped == 3 * frames
+    dropped = [m.removeprefix("coordinator: dropped a message on its token socket: ") for m in caplog.messages]
+    assert dropped.count("tokens for frame 999999 of group 0, which is not in flight") == frames
+    assert sum(m.endswith("of group 1, which is not in flight") for m in dropped) == frames
+    assert sum(", expected [" in m and "tokens for slots []" in m for m in dropped) == frames
+
+
+def test_a_stall_names_the_node_that_stopped_answering(stub_pipeline):
+    """b is frozen (it answers nothing): the coordinator's pings, one per idle heartbeat, go unanswered."""
+    coordinator, make = stub_pipeline
+    make(silent=("b",))
+    coordinator.stall_s = 3.5  # long enough for three heartbeats' pings
+    with pytest.raises(PipelineError, match=r"^no tokens came back for 3.5 s; b has not answered its last \d+ stats "
+                                            r"requests \(stopped or frozen\?\); frames handled per node: a 0; "):
+        coordinator.next_tokens()
+
+
+def test_a_node_claiming_another_nodes_name_with_its_own_key_is_dropped(tmp_path, transports, caplog):
+    """With Curve, a control message counts as node b's only over a connection made with b's key."""
+    generate_keys(tmp_path / "keys", ["a", "b", COORDINATOR])
+    forged = tmp_path / "forged"  # a's key pair, filed as b's: the DEALER names itself b
+    (forged / "secret").mkdir(parents=True)
+    shutil.copytree(tmp_path / "keys" / "public", forged / "public")
+    shutil.copy(tmp_path / "keys" / "secret" / "a.key_secret", forged / "secret" / "b.key_secret")
+    coordinator = Coordinator(["a", "b"], local_address(), local_address(), curve_keys=tmp_path / "keys",
+                              stall_s=STALL_S)
+    try:
+        real_a = transports_with_keys(transports, "a", tmp_path / "keys")
+        impostor = transports_with_keys(transports, "b", forged)
+        stub_a = StubNode(real_a, "a", coordinator.control_address, node_sender(0))
+        stub_b = StubNode(impostor, "b", coordinator.control_address, node_sender(1))
+        stub_a.start()
+        stub_b.say(Error("b", "forged"))
+        stub_b.start()
+        with caplog.at_level(logging.WARNING, "cascadia.pipeline.coordinator"):
+            with pytest.raises(PipelineError, match="^b: no word within 0.5 s while starting"):
+                coordinator.wait_ready(local_address(), timeout_s=STALL_S)
+        assert coordinator.dropped == 3
+        assert caplog.messages == ["coordinator: dropped a message on its control socket: from 'b' over a "
+                                   "connection made with another node's Curve key"] * 3
+    finally:
+        coordinator.close()
+
+
+def transports_with_keys(transports, name: str, keys):
+    """A `transports` maker for StubNode whose Transport holds `keys`."""
+    return lambda _: transports(name, keys)

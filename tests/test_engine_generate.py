@@ -115,12 +115,62 @@ def test_cli_score_matches_the_engine(tmp_path, engine, reference):
     (["--ids", "1,x"], "not a comma-separated list"),
     ([], "give --prompt or --ids"),
     (["--ids", "1,2", "--greedy", "--temperature", "1"], "give --greedy or --temperature/--top-p, not both"),
-    (["--ids", "99999"], "token ids must lie in"),
+    (["--ids", "99999"], "token id 99999 lies outside the vocabulary of"),
 ])
 def test_cli_generate_errors(args, message):
     result = CliRunner().invoke(cli, ["generate", str(FIXTURES / "sharded"), *args])
     assert result.exit_code != 0 and message in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("ids", ["5,4611686018427387904", "5,123456789012345678901"])
+def test_cli_generate_refuses_ids_beyond_the_vocabulary_before_any_work(ids):
+    result = CliRunner().invoke(cli, ["generate", str(FIXTURES / "sharded"), "--ids", ids])
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: token id {ids.split(',')[1]} lies outside the vocabulary of "
+                             f"{FIXTURES / 'sharded'} (0..319)\n")
+
+
+def test_cli_generate_refuses_more_positions_than_the_model_has():
+    result = CliRunner().invoke(cli, ["generate", str(FIXTURES / "sharded"), "--ids", "5,6",
+                                      "--max-new-tokens", "100000000"])
+    assert result.exit_code == 1
+    assert result.stderr == ("Error: 2 prompt + 100000000 new tokens take 100000002 positions, more than the model's "
+                             f"max_position_embeddings (131072, in {FIXTURES / 'sharded' / 'config.json'})\n")
+
+
+def test_cli_generate_refuses_state_beyond_the_machines_memory(tmp_path):
+    """A model that allows 10^12 positions: one stream of them needs 256 TB of K/V, more than any machine has."""
+    checkpoint = tmp_path / "model"
+    shutil.copytree(FIXTURES / "sharded", checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 2 * 10**12}))
+    result = CliRunner().invoke(cli, ["generate", str(checkpoint), "--ids", "5,6", "--max-new-tokens",
+                                      str(10**12 - 2)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: the engine needs 256 TB (weights 1.05 MB, K/V and convolution state "
+                                    "256 TB for 1000000000000 positions) but this machine has ")
+    assert "available (" in result.stderr
+
+
+def test_cli_score_refuses_ids_beyond_the_vocabulary(tmp_path):
+    (tmp_path / "ids.json").write_text(json.dumps([1, 2, 10**30]))
+    result = CliRunner().invoke(cli, ["score", str(FIXTURES / "sharded"), "--ids", str(tmp_path / "ids.json"),
+                                      "--out", str(tmp_path / "l.npy")])
+    assert result.exit_code == 1 and f"token id {10**30} lies outside the vocabulary" in result.stderr
+    (tmp_path / "ids.json").write_bytes(b"\xff\x00" * 10)
+    result = CliRunner().invoke(cli, ["score", str(FIXTURES / "sharded"), "--ids", str(tmp_path / "ids.json"),
+                                      "--out", str(tmp_path / "l.npy")])
+    assert result.exit_code == 1 and f"{tmp_path / 'ids.json'}: not UTF-8 text" in result.stderr
+
+
+def test_cli_generate_shows_the_progress_of_a_long_prefill(engine):
+    ids = ",".join(["7"] * 100)  # 4 calls of at most 32 rows (the default row buckets)
+    result = CliRunner().invoke(cli, ["generate", str(FIXTURES / "sharded"), "--ids", ids, "--max-new-tokens", "1",
+                                      "--precision", "f32"])
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.stderr.splitlines() if line.startswith("prefill:")] == [
+        "prefill: 32/100 tokens", "prefill: 64/100 tokens", "prefill: 96/100 tokens", "prefill: 100/100 tokens"]
 
 
 def test_cli_generate_names_a_malformed_tokenizer(tmp_path):

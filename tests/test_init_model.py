@@ -155,6 +155,20 @@ def test_cli_from_config_checkpoint_and_spec(tmp_path):
     Checkpoint.open(tmp_path / "c").validate(embed=True, head=True)
 
 
+def test_cli_keeps_an_existing_checkpoint_unless_forced(tmp_path):
+    runner = CliRunner()
+    assert runner.invoke(cli, ["init-model", str(SPEC), str(tmp_path / "c"), "--seed", "1"]).exit_code == 0
+    written = (tmp_path / "c" / "model.safetensors").read_bytes()
+    result = runner.invoke(cli, ["init-model", str(SPEC), str(tmp_path / "c"), "--seed", "2"])
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: {tmp_path / 'c'}: already holds a checkpoint (config.json, model.safetensors); "
+                             "give --force to replace it\n")
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == written
+    result = runner.invoke(cli, ["init-model", str(SPEC), str(tmp_path / "c"), "--seed", "2", "--force"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() != written
+
+
 def test_cli_errors_are_messages(tmp_path):
     runner = CliRunner()
     (tmp_path / "bad.json").write_text("{")

@@ -1,5 +1,10 @@
+import json
+import os
+
 import pytest
 
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.errors import CheckpointError
 from cascadia.model_config import ConfigError, InklingConfig
 
 
@@ -39,7 +44,7 @@ def test_round_trip_through_hf_dict():
     ({"rms_norm_eps": -1}, "rms_norm_eps must be a positive number, got -1"),
     ({"eos_token_id": [2, 201024]}, r"eos_token_id 201024 lies outside the vocabulary \(0..201023\)"),
     ({"unpadded_vocab_size": 100, "eos_token_id": 100}, r"eos_token_id 100 lies outside the vocabulary \(0..99\)"),
-    ({"num_hidden_layers": "six"}, "num_hidden_layers must be an integer in 1..10000, got 'six'"),
+    ({"num_hidden_layers": "six"}, "num_hidden_layers: expected an integer, got 'six'"),
     ({"num_hidden_layers": 10**12}, "num_hidden_layers must be an integer in 1..10000"),
     ({"text_config": [1]}, "text_config: expected a JSON object"),
 ])
@@ -50,7 +55,7 @@ def test_invalid_configs_name_the_field(raw, needle):
 
 @pytest.mark.parametrize("content, problem", [
     (None, "is a folder, not a file"),
-    (b"\xff{}", "not valid JSON"),
+    (b"\xff{}", "not UTF-8 text"),
     (b"[" * 100_000, "not valid JSON"),
     (b'{"mtp_config": 1}', "mtp_config: expected a JSON object"),
 ], ids=["folder", "not utf-8", "nested too deeply", "mtp_config not an object"])
@@ -61,4 +66,56 @@ def test_unreadable_config_files_name_the_file(tmp_path, content, problem):
     else:
         path.write_bytes(content)
     with pytest.raises(ConfigError, match=f"^{tmp_path}/config.json: {problem}"):
+        InklingConfig.from_file(tmp_path)
+
+
+# Each field a config.json may get wrong, as the issue found them: a type, or a value out of range.
+WRONG_FIELDS = [
+    ({"logits_mup_width_multiplier": 0}, "logits_mup_width_multiplier must be a positive number, got 0.0"),
+    ({"rms_norm_eps": True}, "rms_norm_eps: expected a number, got True"),
+    ({"route_scale": "8"}, "route_scale: expected a number, got '8'"),
+    ({"route_scale": -1}, "route_scale must be a positive number, got -1.0"),
+    ({"shared_expert_sink": "no"}, "shared_expert_sink: expected true or false, got 'no'"),
+    ({"log_scaling_alpha": "x"}, "log_scaling_alpha: expected a number, got 'x'"),
+    ({"log_scaling_alpha": -0.5}, "log_scaling_alpha must be a number >= 0, got -0.5"),
+    ({"log_scaling_n_floor": 0}, r"log_scaling_n_floor must be at least 1 \(or null\), got 0"),
+    ({"n_shared_experts": "2"}, "n_shared_experts: expected an integer, got '2'"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer, got 0"),
+    ({"model_max_length": 1.5}, "model_max_length: expected an integer, got 1.5"),
+    ({"hidden_act": 7}, "hidden_act: expected text, got 7"),
+    ({"layer_types": "hybrid"}, "layer_types: expected a list of text values, got 'hybrid'"),
+    ({"local_layer_ids": ["a"]}, r"local_layer_ids: expected a list of integers or null, got \['a'\]"),
+    ({"dense_mlp_idx": "1"}, "dense_mlp_idx: expected an integer or null, got '1'"),
+    ({"bos_token_id": 10**6}, r"bos_token_id 1000000 lies outside the vocabulary \(0..201023\)"),
+    ({"pad_token_id": -1}, r"pad_token_id -1 lies outside the vocabulary \(0..201023\)"),
+    ({"num_mtp_layers": -1}, r"num_mtp_layers must be at least 0 \(or null\), got -1"),
+]
+
+
+@pytest.mark.parametrize("field, problem", WRONG_FIELDS, ids=[next(iter(f)) for f, _ in WRONG_FIELDS])
+def test_every_field_of_a_config_file_is_checked_naming_file_and_key(tmp_path, field, problem):
+    (tmp_path / "config.json").write_text(json.dumps(field))
+    with pytest.raises(ConfigError, match=f"^{tmp_path}/config.json: {problem}$"):
+        InklingConfig.from_file(tmp_path)
+    with pytest.raises(CheckpointError, match=f"^{tmp_path}/config.json: {problem}$"):
+        Checkpoint.open(tmp_path)  # what a node reads: refused before any weight file is looked at
+
+
+def test_integers_for_numbers_are_read_as_numbers():
+    cfg = InklingConfig.from_hf_dict({"route_scale": 8, "rms_norm_eps": 1})
+    assert (cfg.route_scale, cfg.rms_norm_eps) == (8.0, 1.0) and isinstance(cfg.route_scale, float)
+
+
+@pytest.mark.parametrize("make", [lambda path: os.mkfifo(path), lambda path: path.symlink_to("/dev/zero")],
+                         ids=["fifo", "device"])
+def test_a_config_that_is_no_regular_file_is_refused_unread(tmp_path, make):
+    make(tmp_path / "config.json")
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        InklingConfig.from_file(tmp_path)
+
+
+def test_a_config_file_over_the_size_limit_is_refused_unread(tmp_path):
+    with open(tmp_path / "config.json", "wb") as f:
+        f.truncate(64 * 1024**3)  # sparse: 64 GiB that would fill memory if read
+    with pytest.raises(ConfigError, match=r"config.json: 64 GiB: holds more than the 1 MiB a model config may hold"):
         InklingConfig.from_file(tmp_path)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from cascadia.pipeline.node import NodeSettings, Peer, run_node
+from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, run_node
 from cascadia.pipeline.transport import (COORDINATOR, Transport, TransportError, free_port, generate_keys, receive,
                                          send, tcp_address)
 from cascadia.pipeline.wire import (COORDINATOR_SENDER, VERSION, Encoder, Error, Frame, Hello, Progress, Ready,
@@ -19,7 +19,8 @@ from cascadia.pipeline.wire import (COORDINATOR_SENDER, VERSION, Encoder, Error,
 
 HIDDEN = 8
 MAX_MESSAGE_BYTES = 256 * 1024
-POISON = 666  # a token id the test stage refuses
+POISON = 666  # a token id the test stage fails on
+FOREIGN = 999  # a token id the test stage finds cannot belong to the run
 TIMEOUT_S = 10  # generous bound on any single wait; the tests never measure time
 FAR_AHEAD = 2**62  # a sequence number that would shut out every later message, were it recorded
 SPAWN = multiprocessing.get_context("spawn")
@@ -34,6 +35,8 @@ class AddOne:
     def process(self, frame: Frame) -> Frame | Tokens:
         if POISON in frame.token_ids:
             raise ValueError("poisoned token")
+        if FOREIGN in frame.token_ids:
+            raise ForeignFrame(f"token {FOREIGN} is foreign here")
         if frame.residual is None:
             residual = np.repeat(frame.token_ids[:, None].astype(np.float32), HIDDEN, axis=1)
         else:
@@ -68,12 +71,14 @@ def node_via_middleman(settings: NodeSettings, log_path: str, pids) -> None:
 class Coordinator:
     """The test's side of a pipeline: control ROUTER, token PULL, and a PUSH into the first node."""
 
-    def __init__(self, transport: Transport, control_address: str | None = None, token_address: str | None = None):
+    def __init__(self, transport: Transport, control_address: str | None = None, token_address: str | None = None,
+                 nodes: tuple[str, ...] = ()):
+        """`nodes`: whose Curve keys may connect (all to control, the last to tokens); without keys, anyone's."""
         self.transport = transport
         self.control_address = control_address or tcp_address("127.0.0.1", free_port())
         self.token_address = token_address or tcp_address("127.0.0.1", free_port())
-        self.control = transport.bind(zmq.ROUTER, self.control_address)
-        self.tokens = transport.bind(zmq.PULL, self.token_address)
+        self.control = transport.bind(zmq.ROUTER, self.control_address, nodes)
+        self.tokens = transport.bind(zmq.PULL, self.token_address, nodes[-1:])
         self.encoder = Encoder(COORDINATOR_SENDER)
         self.first: zmq.Socket | None = None
 
@@ -83,8 +88,9 @@ class Coordinator:
         successors.append(Peer(COORDINATOR, self.token_address))
         return [NodeSettings(name, sender=node_sender(i), first_layer=2 * i, last_layer=2 * i + 1, listen=listen,
                              successor=succ, control=Peer(COORDINATOR, self.control_address),
-                             max_message_bytes=MAX_MESSAGE_BYTES, poll_s=0.05, **extra)
-                for i, (name, listen, succ) in enumerate(zip(names, listens, successors))]
+                             input_peer=before, max_message_bytes=MAX_MESSAGE_BYTES, poll_s=0.05, **extra)
+                for i, (name, listen, succ, before) in enumerate(zip(names, listens, successors,
+                                                                     [COORDINATOR, *names[:-1]]))]
 
     def connect_first(self, settings: NodeSettings) -> None:
         self.first = self.transport.connect(zmq.PUSH, settings.listen, settings.name)
@@ -152,7 +158,7 @@ def pipeline(tmp_path_factory):
     keys = tmp_path / "keys"
     generate_keys(keys, ["a", "b", "c", COORDINATOR])
     transport = Transport(COORDINATOR, keys, send_timeout_s=TIMEOUT_S)
-    coordinator = Coordinator(transport)
+    coordinator = Coordinator(transport, nodes=("a", "b", "c"))
     settings = coordinator.settings(["a", "b", "c"], curve_keys=keys)
     processes = start_nodes(settings, tmp_path)
     try:
@@ -191,23 +197,26 @@ def rejected_by(coordinator: Coordinator, node: str, count: int) -> int:
 
 
 def test_bad_and_stray_messages_are_rejected_logged_and_the_node_keeps_serving(pipeline):
-    """Nothing a stranger sends to b's input reaches b's stage or shuts out a, b's predecessor: not even a
-    STATS_REQUEST that claims a's sender id with a sequence number far ahead of a's."""
+    """Nothing sent to b's input over a connection made with a's key (the one key b accepts there) reaches b's stage
+    or shuts out a, b's predecessor: not even a STATS_REQUEST that claims a's sender id with a sequence number far
+    ahead of a's, nor a frame whose content cannot belong to the run."""
     coordinator, settings, tmp_path = pipeline
     b = settings[1]
     coordinator.push(frame(50, [1]))
     assert coordinator.next_tokens().frame_id == 50  # b has accepted a frame from a, numbered after 1
     rejected_before = coordinator.stats("b").rejected
-    intruder = coordinator.transport.connect(zmq.PUSH, b.listen, "b")
-    replayed = encode(frame(51, [1]), b.predecessor, 1)
-    wrong_version = [replayed[0][:4] + (VERSION + 1).to_bytes(2, "little") + replayed[0][6:], *replayed[1:]]
-    oversized = [*replayed, *[np.zeros(MAX_MESSAGE_BYTES // 4, np.uint8)] * 5]
-    oversized_bytes = sum(memoryview(f).nbytes for f in oversized)
-    stray = [wrong_version, [b"not a message"], oversized, replayed, encode(frame(52, [1]), 77, FAR_AHEAD),
-             encode(StatsRequest(), b.predecessor, FAR_AHEAD)]
-    for message in stray:
-        send(intruder, message)
-    assert rejected_by(coordinator, "b", rejected_before + len(stray)) == rejected_before + len(stray)
+    with Transport("a", tmp_path / "keys") as insider:
+        intruder = insider.connect(zmq.PUSH, b.listen, "b")
+        replayed = encode(frame(51, [1]), b.predecessor, 1)
+        wrong_version = [replayed[0][:4] + (VERSION + 1).to_bytes(2, "little") + replayed[0][6:], *replayed[1:]]
+        oversized = [*replayed, *[np.zeros(MAX_MESSAGE_BYTES // 4, np.uint8)] * 5]
+        oversized_bytes = sum(memoryview(f).nbytes for f in oversized)
+        foreign = encode(frame(999999, [FOREIGN]), b.predecessor, FAR_AHEAD)
+        stray = [wrong_version, [b"not a message"], oversized, replayed, encode(frame(52, [1]), 77, FAR_AHEAD),
+                 encode(StatsRequest(), b.predecessor, FAR_AHEAD), foreign]
+        for message in stray:
+            send(intruder, message)
+        assert rejected_by(coordinator, "b", rejected_before + len(stray)) == rejected_before + len(stray)
     coordinator.push(frame(53, [5]))
     tokens = coordinator.next_tokens()
     assert (tokens.frame_id, tokens.token_ids.tolist()) == (53, [8])
@@ -216,8 +225,26 @@ def test_bad_and_stray_messages_are_rejected_logged_and_the_node_keeps_serving(p
                    f"message of {oversized_bytes} bytes exceeds the limit of {MAX_MESSAGE_BYTES}",
                    f"sequence number 1 from sender {b.predecessor} is out of order",
                    f"Frame from sender 77; only sender {b.predecessor} sends here",
-                   f"unexpected StatsRequest from sender {b.predecessor}"):
+                   f"unexpected StatsRequest from sender {b.predecessor}",
+                   "frame 999999 cannot belong to this run: token 999 is foreign here"):
         assert f"b: rejected a message on its input socket: {reason}" in log
+
+
+@pytest.mark.parametrize("who", [COORDINATOR, "c"])
+def test_a_key_of_the_folder_that_does_not_send_there_is_refused_and_logged(pipeline, who):
+    """b's input accepts a's key only: the coordinator's key, or c's, is refused in the handshake, with a line in
+    b's log, and nothing it sends reaches b."""
+    coordinator, settings, tmp_path = pipeline
+    b = settings[1]
+    frames_before = coordinator.stats("b").frames
+    with Transport(who, tmp_path / "keys", send_timeout_s=0.5) as outsider:
+        with pytest.raises(TransportError, match=f"{b.listen} unreachable"):
+            send(outsider.connect(zmq.PUSH, b.listen, "b"), encode(frame(54, [1]), b.predecessor, FAR_AHEAD))
+    assert coordinator.stats("b").frames == frames_before
+    assert (f"b: refused a connection to its input {b.listen}: its Curve key is not the previous stage's"
+            in (tmp_path / "b.log").read_text())
+    coordinator.push(frame(55, [5]))
+    assert coordinator.next_tokens().frame_id == 55
 
 
 def test_a_control_message_from_another_sender_is_rejected(pipeline):
@@ -273,6 +300,15 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+def kill_and_see_the_node_go(parent, node_pid: int) -> None:
+    """Kill a node's parent (a middleman process), then wait (up to TIMEOUT_S) for the node to end."""
+    os.kill(parent.pid, signal.SIGKILL)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not process_gone(node_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_gone(node_pid)
+
+
 def test_node_stops_when_its_parent_dies(coordinator, tmp_path):
     settings = coordinator.settings(["orphan"])
     pids = SPAWN.Queue()
@@ -281,14 +317,49 @@ def test_node_stops_when_its_parent_dies(coordinator, tmp_path):
     try:
         node_pid = pids.get(timeout=TIMEOUT_S)
         coordinator.wait_ready(settings)
-        os.kill(middleman.pid, signal.SIGKILL)
-        deadline = time.monotonic() + TIMEOUT_S
-        while not process_gone(node_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_gone(node_pid)
+        kill_and_see_the_node_go(middleman, node_pid)
     finally:
         stop([middleman])
     assert f"orphan: stopping: parent process {middleman.pid} is gone" in (tmp_path / "orphan.log").read_text()
+
+
+@pytest.mark.parametrize("gone", ["coordinator", "parent"])
+def test_a_node_waiting_on_a_successor_that_takes_nothing_still_stops_when_its_run_is_gone(tmp_path, gone):
+    """The last node of a killed coordinator sends its tokens to a socket nobody holds. Its send would wait out the
+    send timeout (here 600 s) before the node saw anything else; it sees its coordinator or its parent go instead."""
+    transport = Transport(COORDINATOR)
+    coordinator = Coordinator(transport)
+    (settings,) = coordinator.settings(["waiter"])
+    settings = attrs.evolve(settings, successor=Peer(COORDINATOR, tcp_address("127.0.0.1", free_port())),
+                            send_timeout_s=600)
+    log = tmp_path / "waiter.log"
+    if gone == "parent":
+        pids = SPAWN.Queue()
+        parent = SPAWN.Process(target=node_via_middleman, args=(settings, str(log), pids))
+        parent.start()
+        node_pid = pids.get(timeout=TIMEOUT_S)
+    else:
+        (node,) = start_nodes([settings], tmp_path)
+    try:
+        coordinator.wait_ready([settings])
+        coordinator.connect_first(settings)
+        coordinator.push(frame(1, [4]))
+        deadline = time.monotonic() + TIMEOUT_S
+        while coordinator.stats("waiter").frames < 1:  # computed: it waits on its successor now, and still answers
+            assert time.monotonic() < deadline, "the frame was never computed"
+            time.sleep(0.05)
+        if gone == "parent":
+            kill_and_see_the_node_go(parent, node_pid)
+        else:
+            transport.close()  # the coordinator dies without a word
+            node.join(TIMEOUT_S)
+            assert node.exitcode == 1
+    finally:
+        stop([parent] if gone == "parent" else [node])
+        transport.close()
+    expected = (f"stopping: parent process {parent.pid} is gone" if gone == "parent"
+                else f"ERROR waiter: lost the coordinator at {settings.control.address}: its connection closed")
+    assert expected in log.read_text()
 
 
 def test_a_node_that_loses_its_coordinator_stops_with_a_clear_error(tmp_path):
@@ -357,7 +428,7 @@ def test_a_keep_serving_node_serves_the_next_coordinator(tmp_path):
 def test_a_node_whose_curve_keys_the_coordinator_refuses_gives_up_naming_it(tmp_path):
     generate_keys(tmp_path / "theirs", ["x", COORDINATOR])
     generate_keys(tmp_path / "ours", ["x", COORDINATOR])  # other key pairs under the same names
-    coordinator = Coordinator(Transport(COORDINATOR, tmp_path / "theirs"))
+    coordinator = Coordinator(Transport(COORDINATOR, tmp_path / "theirs"), nodes=("x",))
     (settings,) = coordinator.settings(["x"], curve_keys=tmp_path / "ours", coordinator_wait_s=1.0)
     try:
         with pytest.raises(TransportError, match="no coordinator accepted this node .* within 1 s .*refused the "
@@ -369,7 +440,7 @@ def test_a_node_whose_curve_keys_the_coordinator_refuses_gives_up_naming_it(tmp_
 
 def test_port_in_use_is_a_clear_error_and_reported(coordinator):
     (settings,) = coordinator.settings(["late"])
-    squatter = coordinator.transport.bind(zmq.PULL, settings.listen)
+    squatter = coordinator.transport.bind(zmq.PULL, settings.listen, [])
     with pytest.raises(TransportError, match=f"cannot listen on {settings.listen}: address already in use"):
         run_node(settings, lambda progress: pytest.fail("must not load a stage"))
     assert coordinator.next_control() == ("late", Hello("late", 0, 1))  # said once the coordinator took it

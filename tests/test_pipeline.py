@@ -4,9 +4,12 @@ specs/tiny-local.yaml (3 stages), checked against the single-process engine, and
 import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -20,16 +23,18 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate
 from cascadia.engine.init_model import ensure_random_checkpoint
-from cascadia.errors import CheckpointError, RequestError
+from cascadia.errors import CheckpointError, NodeError, RequestError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import PipelineError
 from cascadia.pipeline.emulated_links import EmulatedLinks, LinkEmulationError, namespaces
 from cascadia.pipeline.launch import LocalNodes
 from cascadia.pipeline.run import Addresses, Pipeline, RunFailed, run
 from cascadia.pipeline.settings import settings_digest
-from cascadia.pipeline.stage import RowSampler
-from cascadia.pipeline.transport import COORDINATOR, Transport, TransportError, free_port, generate_keys, tcp_address
+from cascadia.pipeline.stage import RowSampler, load_stage
+from cascadia.pipeline.transport import (COORDINATOR, Transport, TransportError, free_port, generate_keys, send,
+                                         tcp_address)
 from cascadia.pipeline.wire import Frame as WireFrame
+from cascadia.pipeline.wire import encode, node_sender
 from cascadia.sampling import Sampling
 from cascadia.spec.types import LinkSpec
 from cascadia.workload import MEASURED, WARMUP
@@ -133,6 +138,43 @@ def test_frames_wider_than_the_largest_row_bucket_are_split_exactly(spec, pipeli
     done = pipeline.run(workload, groups=1)
     assert len(done.outputs) == 20
     assert_outputs_match_engine(done.outputs, engine, Sampling())
+
+
+def test_frames_that_cannot_belong_to_the_run_are_dropped_and_it_goes_on(spec, pipeline, engine):
+    """The probe's forgery: FRAMEs to node1's input claiming node0's sender id (1), frame 999999, numbered far
+    ahead of node0's messages. Their rows fit no stream of node1 (a slot it lacks, a position no stream is at, the
+    wrong width): node1 logs and counts each, and node0's frames, numbered lower, still go through exactly."""
+    rejected = pipeline.coordinator.stats()["node1"].rejected
+    hidden = spec.model.config.hidden_size
+    forgeries = [WireFrame(999999, 0, [5], [63], [3], [True], np.zeros((1, hidden), np.float32)),
+                 WireFrame(999999, 0, [99], [0], [3], [True], np.zeros((1, hidden), np.float32)),
+                 WireFrame(999999, 0, [5], [0], [3], [True], np.zeros((1, hidden + 1), np.float32))]
+    with Transport("stranger") as stranger:
+        forger = stranger.connect(zmq.PUSH, pipeline.local.places[1].listen, "node1")
+        for seq, forgery in enumerate(forgeries):
+            send(forger, encode(forgery, node_sender(0), 2**62 + seq))
+        deadline = time.monotonic() + TIMEOUT_S
+        while pipeline.coordinator.stats()["node1"].rejected < rejected + len(forgeries):
+            assert time.monotonic() < deadline, "node1 did not reject the forgeries"
+            time.sleep(0.05)
+    done = pipeline.run(attrs.evolve(spec.workload, concurrency=(2,), output_tokens=4))
+    assert_outputs_match_engine(done.outputs, engine, Sampling())
+    log = pipeline.local.logs[1].read_text()
+    for reason in (r"slot 5 is at position \d+, but its rows start at 63",  # no stream here gets that far
+                   r"slot 99 is not one of the stage's 0..15", rf"its residual rows are {hidden + 1} wide, the model's "
+                                                               rf"{hidden}"):
+        assert re.search(f"node1: rejected a message on its input socket: frame 999999 cannot belong to this run: "
+                         f"{reason}", log), reason
+
+
+def test_prompts_longer_than_the_context_are_named_in_the_result(spec, pipeline, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [3, 4, 5]}\n{"ids": [%s]}\n' % ",".join(["3"] * 61))  # 61 + 4 > 64
+    done = pipeline.run(attrs.evolve(spec.workload, concurrency=(1,), requests=2, output_tokens=4,
+                                     prompts_file=prompts))
+    assert done.result["warnings"] == [f"{prompts}: 1 of its 2 prompts are rejected: prompt + output (4) tokens "
+                                       "exceed runtime.context_budget (64)"]
+    assert [line["finish_reason"] for line in done.outputs] == ["length", "rejected"] * 2
 
 
 def test_score_gives_the_single_process_logits(pipeline, engine):
@@ -336,7 +378,7 @@ def test_keep_serving_nodes_serve_one_run_after_another(spec, plan, checkpoint, 
 def listening(address: str):
     """Another socket listening on `address` meanwhile."""
     with Transport("squatter") as squatter:
-        sock = squatter.bind(zmq.PULL, address)
+        sock = squatter.bind(zmq.PULL, address, [])
         yield
         sock.close()
 
@@ -405,8 +447,43 @@ def test_bad_prompts_and_a_missing_checkpoint_fail_before_any_node_starts(spec, 
     prompts.write_text('{"ids": [1]}\n{"ids": [2\n')
     with pytest.raises(RequestError, match="prompts.jsonl:2: not valid JSON"):
         run(spec, plan, attrs.evolve(spec.workload, prompts_file=prompts), checkpoint=checkpoint)
+    prompts.write_text('{"ids": [1]}\n{"ids": [5, 12345678901234567890]}\n')
+    with pytest.raises(RequestError, match=r"prompts.jsonl:2: token id 12345678901234567890 lies outside the model's "
+                                           r"vocabulary \(0..511\)"):
+        run(spec, plan, attrs.evolve(spec.workload, prompts_file=prompts), checkpoint=checkpoint)
+    prompts.write_text('{"ids": [%s]}\n' % ",".join(["1"] * 60))  # 60 + 16 output tokens: beyond 64 positions
+    with pytest.raises(RequestError, match=r"prompts.jsonl: none of its 1 prompts fits: prompt \+ output \(16\) "
+                                           r"tokens exceed runtime.context_budget \(64\)"):
+        run(spec, plan, attrs.evolve(spec.workload, prompts_file=prompts), checkpoint=checkpoint)
     with pytest.raises(CheckpointError, match="nowhere: no such checkpoint folder"):
         run(spec, plan, checkpoint=tmp_path / "nowhere")
+
+
+def huge_state_spec(spec):
+    """Nodes that claim 100 TB each, and 2 * 10^7 streams of the model's 1,024 positions: 11 TB of state, which the
+    planner places (each node claims room for it) but no machine running these tests has."""
+    nodes = tuple(attrs.evolve(n, memory_bytes=100 * 10**12) for n in spec.cluster.nodes)
+    return attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=nodes),
+                        runtime=attrs.evolve(spec.runtime, max_streams=2 * 10**7, context_budget=1024))
+
+
+def test_local_nodes_beyond_this_machines_memory_are_refused_before_any_starts(spec, checkpoint):
+    before = child_processes()
+    huge = huge_state_spec(spec)
+    with pytest.raises(PipelineError, match=r"^the plan's 3 local nodes need 11.2 TB together \(node0 328 GB, node1 "
+                                            r"5.45 TB, node2 5.45 TB: weights, and state for 20000000 streams x "
+                                            r"1024 positions\) but this machine has .+ available \(.+\)$"):
+        Pipeline.start(huge, make_plan(huge), checkpoint=checkpoint, node_timeout_s=TIMEOUT_S)
+    assert child_processes() == before
+
+
+def test_a_node_checks_its_own_machines_memory_before_it_loads(spec, tmp_path):
+    """What a node on another machine does: it refuses with numbers, before it opens the checkpoint."""
+    huge = huge_state_spec(spec)
+    stage = make_plan(huge).stages[1]
+    with pytest.raises(NodeError, match=r"^node1: its stage needs 5.45 TB \(weights 611 kB, state 5.45 TB for "
+                                        r"20000000 streams x 1024 positions\) but this machine has .+ available"):
+        load_stage(huge, stage, tmp_path / "nowhere", 1, False, lambda done, total: None)
 
 
 def test_a_checkpoint_a_node_cannot_read_is_a_clear_error(spec, plan, checkpoint, tmp_path):
@@ -464,6 +541,57 @@ def test_ctrl_c_shuts_every_node_down_and_keeps_what_finished(spec, plan, checkp
     assert [(r["phase"], r["output_tokens"]) for r in failed.value.result["requests"]] == [(WARMUP, 3)] * 2
     assert [o["finish_reason"] for o in failed.value.outputs] == ["length"] * 2
     assert failed.value.result["warnings"] == ["the run was interrupted"]
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds `text` (a run's node processes name its temporary folder)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace") and not process_is_zombie(cmdline.parent):
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def process_is_zombie(proc: Path) -> bool:
+    return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does(checkpoint, tmp_path):
+    """`timeout`, systemd and containers stop with SIGTERM: the run still writes what finished, says why, exits
+    non-zero, removes its temporary folder and leaves no node behind."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    metrics_path, outputs_path = tmp_path / "run.json", tmp_path / "outputs.jsonl"
+    run = subprocess.Popen([sys.executable, "-m", "cascadia", "run", str(SPEC), "--checkpoint", str(checkpoint),
+                            "--concurrency", "1,2", "--requests", "4", "--max-new-tokens", "30", "--json",
+                            str(metrics_path), "--outputs", str(outputs_path)],
+                           env=os.environ | {"TMPDIR": str(temporary)}, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        said = []
+        for line in run.stderr:  # the measured phase of level 1 and all of level 2 are still to come
+            said.append(line)
+            if line.startswith("concurrency 1, warmup: 4 requests"):
+                break
+        assert processes_naming(str(temporary)), "no node is running"
+        run.send_signal(signal.SIGTERM)
+        said.append(run.communicate(timeout=TIMEOUT_S)[1])
+    finally:
+        if run.poll() is None:
+            run.kill()
+    said = "".join(said)
+    assert run.returncode == 1, said
+    assert said.endswith("Error: run failed: terminated by SIGTERM\n"), said
+    result = json.loads(metrics_path.read_text())
+    assert result["warnings"] == ["the run was terminated by SIGTERM"]
+    assert [r["phase"] for r in result["requests"]][:4] == [WARMUP] * 4
+    outputs = [json.loads(line) for line in outputs_path.read_text().splitlines()]
+    assert [o["phase"] for o in outputs][:4] == [WARMUP] * 4 and all(len(o["output_ids"]) == 30 for o in outputs)
+    assert list(temporary.iterdir()) == []  # the run's folder (spec, plan, node logs) is gone
+    assert processes_naming(str(temporary)) == []
 
 
 @pytest.mark.parametrize("command", [

@@ -151,8 +151,11 @@ def test_bad_calibration_files_name_file_and_key(tmp_path, path, value, message)
 
 
 def test_unreadable_calibration_files(tmp_path):
-    with pytest.raises(CalibrationError, match="missing.json: cannot read"):
+    with pytest.raises(CalibrationError, match="missing.json: no such file"):
         Calibration.load(tmp_path / "missing.json")
+    (tmp_path / "device.json").symlink_to("/dev/urandom")
+    with pytest.raises(CalibrationError, match="device.json: is not a regular file"):
+        Calibration.load(tmp_path / "device.json")
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(CalibrationError, match="broken.json: not valid JSON"):
         Calibration.load(tmp_path / "broken.json")

@@ -64,6 +64,7 @@ def test_a_saved_plan_and_groups(spec_path, tmp_path):
     (["--calibration", "{bad}", "--analytic"], 2, "give --calibration or --analytic, not both"),
     (["--concurrency", "1,x"], 2, "'1,x' is not a comma-separated list of integers"),
     (["--concurrency", "0"], 2, "every value must be at least 1"),
+    (["--concurrency", "2,2"], 2, "'2,2': values repeat"),
     (["--concurrency", "1,9"], 2, "9 streams exceed runtime.max_streams (8)"),
     (["--max-new-tokens", "100"], 2, "prompt (8) + output (100) tokens exceed runtime.context_budget (64)"),
 ])
@@ -132,6 +133,51 @@ def test_text_prompts_without_a_tokenizer_name_the_line(spec_path, tmp_path):
     result = invoke(spec_path, "--prompts", prompts)
     assert result.exit_code == 1
     assert f"{prompts}:2: {tmp_path / TOKENIZER_FILE}: cannot read a tokenizer" in result.output
+
+
+def test_prompts_longer_than_the_context_are_said_and_none_fitting_fails(spec_path, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [5, 6]}\n{"ids": [%s]}\n' % ",".join(["3"] * 100))
+    result = invoke(spec_path, "--prompts", prompts, "--concurrency", "1", "--requests", "2")
+    assert result.exit_code == 0, result.output
+    assert (f"warning: {prompts}: 1 of its 2 prompts are rejected: prompt + output (4) tokens exceed "
+            "runtime.context_budget (64)") in result.stderr
+    assert [line.split()[:2] for line in result.stdout.splitlines()[1:2]] == [["1", "1"]]  # one request served
+    prompts.write_text('{"ids": [%s]}\n' % ",".join(["3"] * 100))
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--prompts", str(prompts)])
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: {prompts}: none of its 1 prompts fits: prompt + output (4) tokens exceed "
+                             "runtime.context_budget (64) (the shortest has 100 tokens)\n")
+
+
+def test_prompt_ids_beyond_the_vocabulary_are_refused(spec_path, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [1, 123456789012345678901]}\n')
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--prompts", str(prompts)])
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: {prompts}:1: token id 123456789012345678901 lies outside the model's "
+                             "vocabulary (0..511)\n")
+
+
+@pytest.mark.parametrize("streams", [10**7, 10**18])
+def test_a_runtime_no_node_can_hold_is_refused_by_the_plan_before_any_table(spec_path, streams):
+    spec_path.write_text(SPEC.replace("max_streams: 8", f"max_streams: {streams}"))
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--concurrency", "1"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: {spec_path}: no plan fits. node node")
+    assert f"for {streams} streams x 64 positions" in result.stderr
+
+
+def test_slots_the_workload_never_fills_cost_the_simulation_nothing(spec_path):
+    """Nodes that could hold 10^7 streams: the tables reach the workload's frames only, not 10^7 slots' worth."""
+    spec_path.write_text(SPEC.replace("max_streams: 8", "max_streams: 10000000").replace("memory: 1GiB",
+                                                                                        "memory: 10TB"))
+    loaded = load_spec(spec_path)
+    assert {table.rows for node in analytic_calibration(loaded).nodes.values() for table in node.tables.values()} \
+        == {(2, 4, 8)}  # 2 streams + 4 prompt rows: frames of 8 rows at most
+    result = invoke(spec_path, "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert [line.split()[:3] for line in result.stdout.splitlines()[1:3]] == [["1", "1", "3"], ["2", "2", "6"]]
 
 
 def test_a_spec_no_plan_fits_is_named(spec_path):

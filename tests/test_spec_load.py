@@ -1,5 +1,7 @@
 import json
+import os
 import textwrap
+import threading
 from pathlib import Path
 
 import attrs
@@ -18,6 +20,7 @@ from cascadia.spec.types import PAPER_FORMATS, LengthSpec, LinkSpec, WeightForma
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 TINY_CONFIG = SPECS / "tiny" / "config.json"
 CLUSTER = "cluster: {nodes: [{name: a, memory: 8GB}]}\n"
+TIMEOUT_S = 30  # bound on a read that must not block; the tests never measure time
 
 
 def write(folder: Path, name: str, text: str) -> Path:
@@ -296,8 +299,75 @@ def test_a_wrong_config_field_does_not_set_off_others(tmp_path):
     assert found == [f"{tmp_path}/s.yaml:3: model.config.num_hidden_layers: expected an integer, got 'six'"]
 
 
+def test_a_curve_keys_folder_without_public_keys_is_refused(tmp_path):
+    path = write(tmp_path, "s.yaml", f"model: {{hf_config: {TINY_CONFIG}}}\n"
+                                     "cluster: {curve_keys: keys, nodes: [{name: a, memory: 8GB}]}\n")
+    assert problems(path) == [f"{path}:2: cluster.curve_keys: {tmp_path}/keys: no folder of public keys "
+                              f"({tmp_path}/keys/public); make one with `cascadia keys generate`"]
+    (tmp_path / "keys" / "public").mkdir(parents=True)
+    assert load_spec(path).cluster.curve_keys == tmp_path / "keys"
+
+
+@pytest.mark.parametrize("runtime, message", [
+    ("{context_budget: 2048}", "runtime.context_budget: 2048 positions exceed the model's max_position_embeddings "
+                               "(1024)"),
+    ("{max_streams: 2, context_budget: 8, prefill_window: 17}",
+     "runtime.prefill_window: 17 prompt rows exceed what max_streams (2) x context_budget (8) positions hold"),
+    ("{row_buckets: [1, 1000000000]}", "runtime.row_buckets: a call holds at most 4096 rows, got 1000000000"),
+])
+def test_runtime_values_beyond_what_a_run_can_use_are_refused(tmp_path, runtime, message):
+    path = write(tmp_path, "s.yaml", f"model: {{hf_config: {TINY_CONFIG}}}\n{CLUSTER}runtime: {runtime}\n")
+    assert problems(path) == [f"{path}:3: {message}"]
+
+
 def test_missing_spec_file(tmp_path):
     assert problems(tmp_path / "nope.yaml") == [f"{tmp_path}/nope.yaml: no such file"]
+
+
+def within(seconds: float, work):
+    """`work()`'s result, from a thread given `seconds` (a bound on a wait, not a measurement): a read that blocks
+    for ever fails the test instead of hanging the suite."""
+    done = []
+    worker = threading.Thread(target=lambda: done.append(work()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert done, f"still working after {seconds} s"
+    return done[0]
+
+
+@pytest.mark.parametrize("target, message", [
+    ("/dev/zero", "is not a regular file (a device, FIFO or socket cannot be read as one)"),
+    ("/dev/urandom", "is not a regular file (a device, FIFO or socket cannot be read as one)"),
+    ("fifo", "is not a regular file (a device, FIFO or socket cannot be read as one)"),
+    ("huge.yaml", "5 MiB: holds more than the 1 MiB a spec file may hold"),
+    ("binary.yaml", "not UTF-8 text (invalid start byte at byte 0)"),
+])
+def test_an_include_that_is_no_spec_file_is_refused_unread(tmp_path, target, message):
+    os.mkfifo(tmp_path / "fifo")  # opened for reading, it would block until a writer came
+    with open(tmp_path / "huge.yaml", "wb") as f:
+        f.truncate(5 * 1024**2)
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe" * 100)
+    path = write(tmp_path, "s.yaml", f"include: {target}\nmodel: {{hf_config: {TINY_CONFIG}}}\n{CLUSTER}")
+    where = target if target.startswith("/") else f"{tmp_path}/{target}"
+    assert within(TIMEOUT_S, lambda: problems(path)) == [f"{path}:1: include: {where}: {message}"]
+
+
+@pytest.mark.parametrize("target, message", [
+    ("/dev/urandom", "is not a regular file (a device, FIFO or socket cannot be read as one)"),
+    ("weights.bin", "64 GiB: holds more than the 1 MiB a model config may hold"),
+])
+def test_an_hf_config_that_is_no_config_file_is_refused_unread(tmp_path, target, message):
+    with open(tmp_path / "weights.bin", "wb") as f:
+        f.truncate(64 * 1024**3)  # sparse: a checkpoint's weights named by mistake
+    path = write(tmp_path, "s.yaml", f"model: {{hf_config: {target}}}\n{CLUSTER}")
+    where = target if target.startswith("/") else f"{tmp_path}/{target}"
+    assert within(TIMEOUT_S, lambda: problems(path)) == [f"{path}:1: model.hf_config: {where}: {message}"]
+
+
+def test_a_spec_over_the_size_limit_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("cluster: {nodes: [{name: a, memory: 8GB}]}\n" + "# padding\n" * 460_000)  # 4.5 MB
+    assert problems(path) == [f"{path}: 4.6 MB: holds more than the 1 MiB a spec file may hold"]
 
 
 # ---- never anything but SpecError ----------------------------------------------------------------------------------

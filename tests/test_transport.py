@@ -40,7 +40,7 @@ def keys(tmp_path_factory):
 
 def test_frame_crosses_a_push_pull_hop(transports, address):
     server, client = transports("server"), transports("client")
-    pull = server.bind(zmq.PULL, address)
+    pull = server.bind(zmq.PULL, address, ["client"])
     push = client.connect(zmq.PUSH, address, "server")
     residual = np.arange(3 * 1024, dtype=np.float32).reshape(3, 1024)  # above ZeroMQ's copy threshold
     send(push, Encoder(sender=7).encode(Frame(9, 2, [0, 1, 2], [5, 6, 7], [1, 2, 3], [False, False, True], residual)))
@@ -51,9 +51,9 @@ def test_frame_crosses_a_push_pull_hop(transports, address):
 
 
 def test_address_in_use_is_named(transports, address):
-    taken = transports("first").bind(zmq.PULL, address)  # noqa: F841 (kept: a collected socket would free the port)
+    taken = transports("first").bind(zmq.PULL, address, [])  # noqa: F841 (kept: a collected socket would free the port)
     with pytest.raises(TransportError, match=f"cannot listen on {address}: address already in use"):
-        transports("second").bind(zmq.PULL, address)
+        transports("second").bind(zmq.PULL, address, [])
 
 
 def test_unreachable_peer_is_named(transports, address):
@@ -63,13 +63,13 @@ def test_unreachable_peer_is_named(transports, address):
 
 
 def test_router_names_a_peer_that_is_not_connected(transports, address):
-    router = transports("coordinator").bind(zmq.ROUTER, address)
+    router = transports("coordinator").bind(zmq.ROUTER, address, [])
     with pytest.raises(TransportError, match="ghost is not connected"):
         send(router, [b"ghost", *Encoder(0).encode(Shutdown())])
 
 
 def test_curve_client_with_a_known_key_talks(transports, address, keys):
-    pull = transports("server", keys).bind(zmq.PULL, address)
+    pull = transports("server", keys).bind(zmq.PULL, address, ["client"])
     push = transports("client", keys).connect(zmq.PUSH, address, "server")
     send(push, [b"hello"])
     assert pull.poll(5000)
@@ -86,7 +86,7 @@ def stranger_keys(tmp_path, keys):
 
 @pytest.mark.parametrize("client_keys", ["stranger", "none"])
 def test_curve_server_refuses_clients_without_a_known_key(transports, address, keys, stranger_keys, client_keys):
-    pull = transports("server", keys).bind(zmq.PULL, address)
+    pull = transports("server", keys).bind(zmq.PULL, address, ["client"])
     client = transports("client", stranger_keys if client_keys == "stranger" else None, send_timeout_s=0.3)
     push = client.connect(zmq.PUSH, address, "server")
     with pytest.raises(TransportError, match="unreachable"):
@@ -109,3 +109,14 @@ def test_keys_generate_command(tmp_path):
     assert again.exit_code == 1 and "b.key: already exists" in again.output
     bad = runner.invoke(cli, ["keys", "generate", str(tmp_path / "k2"), "--nodes", "a,../x"])
     assert bad.exit_code == 1 and "'../x': a key name is" in bad.output
+
+
+@pytest.mark.parametrize("folder, reason", [("/proc/nope", "No such file or directory"),
+                                            ("{file}/keys", "Not a directory")])
+def test_keys_where_none_can_be_written_is_one_error(tmp_path, folder, reason):
+    (tmp_path / "file").write_text("")
+    folder = folder.format(file=tmp_path / "file")
+    result = CliRunner().invoke(cli, ["keys", "generate", folder, "--nodes", "a"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ") and f"cannot write keys ({reason})" in result.stderr
+    assert isinstance(result.exception, SystemExit)  # a message, not a traceback

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import attrs
@@ -6,8 +7,8 @@ import pytest
 
 from cascadia.errors import RequestError
 from cascadia.policy import Request
-from cascadia.spec.types import LengthSpec, WorkloadSpec
-from cascadia.workload import PHASES, ClosedLoop, OpenLoop, build_levels, load_prompts, override
+from cascadia.spec.types import LengthSpec, RuntimeSpec, WorkloadSpec
+from cascadia.workload import PHASES, ClosedLoop, OpenLoop, build_levels, load_prompts, override, prompt_length_notes
 
 
 def test_levels_phases_and_requests():
@@ -67,8 +68,57 @@ def test_bad_prompt_files(tmp_path, content, message):
 
 
 def test_missing_prompt_file(tmp_path):
-    with pytest.raises(RequestError, match="cannot read prompts"):
+    with pytest.raises(RequestError, match="nope.jsonl: cannot read prompts: no such file"):
         load_prompts(tmp_path / "nope.jsonl")
+
+
+def test_a_prompt_with_both_ids_and_text_is_refused(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"ids": [1]}\n{"ids": [1, 2], "text": "ab"}\n')
+    with pytest.raises(RequestError, match=f"^{path}:2: give 'ids' or 'text', not both$"):
+        load_prompts(path, tokenize=lambda text: [ord(c) for c in text])
+
+
+@pytest.mark.parametrize("ids, bad", [([5, 4611686018427387904], 4611686018427387904),
+                                      ([1, 123456789012345678901], 123456789012345678901), ([512], 512)])
+def test_ids_beyond_the_vocabulary_are_refused_naming_the_line(tmp_path, ids, bad):
+    path = tmp_path / "p.jsonl"
+    path.write_text(f'{{"ids": [3]}}\n{{"ids": {ids}}}\n')
+    assert load_prompts(path) == [(3,), tuple(ids)]  # without a vocabulary nothing bounds them
+    with pytest.raises(RequestError, match=rf"^{path}:2: token id {bad} lies outside the model's vocabulary "
+                                           rf"\(0..511\)$"):
+        load_prompts(path, vocab_size=512)
+
+
+def test_text_encoded_beyond_the_vocabulary_is_refused(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"text": "a"}\n')
+    with pytest.raises(RequestError, match=r":1: token id 97 lies outside the model's vocabulary \(0..63\)"):
+        load_prompts(path, tokenize=lambda text: [ord(c) for c in text], vocab_size=64)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda path: path.write_bytes(bytes(range(256)) * 4), r"not UTF-8 text \(invalid start byte at byte 128\)"),
+    (lambda path: os.mkfifo(path), "is not a regular file"),
+    (lambda path: path.symlink_to("/dev/zero"), "is not a regular file"),
+], ids=["binary", "fifo", "device"])
+def test_a_prompts_file_that_is_no_text_file_is_named(tmp_path, make, message):
+    path = tmp_path / "p.jsonl"
+    make(path)
+    with pytest.raises(RequestError, match=rf"^{path}: cannot read prompts: {message}"):
+        load_prompts(path)
+
+
+def test_prompts_longer_than_the_context_are_named_and_none_fitting_is_an_error(tmp_path):
+    runtime = RuntimeSpec(context_budget=16)
+    workload = WorkloadSpec(output_tokens=4, prompts_file=tmp_path / "p.jsonl")
+    assert prompt_length_notes([(1,) * 12, (1,) * 3], workload, runtime) == []
+    assert prompt_length_notes([(1,) * 13, (1,) * 3, (1,) * 20], workload, runtime) == [
+        f"{tmp_path / 'p.jsonl'}: 2 of its 3 prompts are rejected: prompt + output (4) tokens exceed "
+        "runtime.context_budget (16)"]
+    with pytest.raises(RequestError, match=r"p.jsonl: none of its 2 prompts fits: prompt \+ output \(4\) tokens "
+                                           r"exceed runtime.context_budget \(16\) \(the shortest has 13 tokens\)"):
+        prompt_length_notes([(1,) * 13, (1,) * 20], workload, runtime)
 
 
 def test_closed_loop_sends_the_next_request_when_one_is_done():

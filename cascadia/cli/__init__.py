@@ -4,17 +4,43 @@ module per family of commands.
 Errors: a `CascadiaError` (something the user can fix) is printed as one line, `Error: MESSAGE`, with its exit status
 (2 for a bad spec, 1 otherwise); click's own usage errors exit 2. Anything else is a bug: one line naming it and how to
 see the traceback (`cascadia --debug COMMAND ...` or CASCADIA_DEBUG=1), exit status 1.
+
+SIGTERM is taken as Ctrl-C is (`cascadia.errors.Terminated`): a run stops, writes what finished and removes its
+temporary files; any command then says why it stopped, with exit status 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+from collections.abc import Iterator
 
 import click
 
 from cascadia import __version__
 from cascadia.cli import engine, pipeline, serving, simulator, specs
-from cascadia.errors import CascadiaError
+from cascadia.errors import CascadiaError, Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While a command runs, SIGTERM raises `Terminated` (once: a second SIGTERM would only cut short the stopping
+    the first began). Signal handlers belong to the main thread; elsewhere SIGTERM keeps its default."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Cli(click.Group):
@@ -22,7 +48,11 @@ class _Cli(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            with _sigterm_as_interrupt():
+                return super().invoke(ctx)
+        except Terminated as e:
+            click.echo(f"Error: {e}", err=True)
+            ctx.exit(1)
         except CascadiaError as e:
             click.echo(f"Error: {e}", err=True)
             ctx.exit(e.exit_status)

@@ -31,7 +31,7 @@ class Quantity(click.ParamType):
 
 
 class IntList(click.ParamType):
-    """Comma-separated positive integers, e.g. "1,2,4"."""
+    """Comma-separated positive integers, each once, e.g. "1,2,4"."""
 
     name = "list"
 
@@ -44,6 +44,8 @@ class IntList(click.ParamType):
             self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
         if any(n < 1 for n in numbers):
             self.fail(f"{value!r}: every value must be at least 1", param, ctx)
+        if len(set(numbers)) != len(numbers):
+            self.fail(f"{value!r}: values repeat", param, ctx)
         return numbers
 
 

@@ -7,6 +7,8 @@ import click
 from cascadia.cli.common import OutputPath, chosen_plan, report_to, sampling_options, with_sampling, writing
 from cascadia.spec.load import load_spec
 
+MAX_IDS_FILE_BYTES = 64 * 1024**2  # `score --ids`: a few million token ids
+
 
 def _engine_options(func):
     """Options shared by the commands that run the single-process engine."""
@@ -23,13 +25,31 @@ def _engine_options(func):
     return func
 
 
-def _open_engine(checkpoint: str, context: int, precision: str, compressed: bool, device: str, threads: int | None):
+def _open_engine(checkpoint: str, ids: list[int], new_tokens: int, precision: str, compressed: bool, device: str,
+                 threads: int | None):
+    """The engine for one stream of `ids` and `new_tokens` more, once the model and this machine can hold them."""
     from cascadia.engine.checkpoint import Checkpoint
     from cascadia.engine.engine import Engine
+    from cascadia.engine.generate import check_request
     from cascadia.spec.types import PAPER_FORMATS, RuntimeSpec, WeightFormats
 
-    return Engine(Checkpoint.open(checkpoint), RuntimeSpec(precision=precision, max_streams=1, context_budget=context),
-                  formats=PAPER_FORMATS if compressed else WeightFormats(), device=device, threads=threads)
+    opened = Checkpoint.open(checkpoint)
+    runtime = RuntimeSpec(precision=precision, max_streams=1, context_budget=len(ids) + new_tokens)
+    formats = PAPER_FORMATS if compressed else WeightFormats()
+    check_request(opened, ids, new_tokens, formats, runtime)
+    return Engine(opened, runtime, formats=formats, device=device, threads=threads)
+
+
+def _prefill_progress():
+    """A prefill's progress on standard error, at most every tenth of the prompt: a long prompt takes a while."""
+    tenths = 0
+
+    def progress(done: int, total: int) -> None:
+        nonlocal tenths
+        if done * 10 // total > tenths:
+            tenths = done * 10 // total
+            click.echo(f"prefill: {done}/{total} tokens", err=True)
+    return progress
 
 
 def _token_ids(text: str) -> list[int]:
@@ -75,9 +95,11 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else _token_ids(ids_text)
     if not prompt_ids:
         raise click.UsageError("the prompt has no tokens")
-    engine = _open_engine(checkpoint, len(prompt_ids) + max_new_tokens, precision, compressed, device, threads)
+    engine = _open_engine(checkpoint, prompt_ids, max_new_tokens, precision, compressed, device, threads)
     stop = () if ignore_eos else engine.config.eos_ids
-    result = run_generation(engine, prompt_ids, max_new_tokens, sampling, stop)
+    several_calls = len(prompt_ids) > engine.stage.max_rows
+    result = run_generation(engine, prompt_ids, max_new_tokens, sampling, stop,
+                            progress=_prefill_progress() if several_calls else None)
     text = tokenizer.decode(list(result.ids)) if tokenizer else None
     if text is not None:
         report(text)
@@ -107,26 +129,26 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
 def score(checkpoint: str, ids_path: str, prefill: int | None, out: str, precision: str, compressed: bool,
           device: str, threads: int | None, spec_path: str | None, plan_path: str | None) -> None:
     """Teacher-forced logits for every position of a token sequence, with its mean log-prob and perplexity."""
-    import json
-
     report = report_to(out)
     import numpy as np
 
     from cascadia.engine.generate import score_logits
+    from cascadia.files import UnreadableFile, read_json
 
     try:
-        body = json.loads(open(ids_path).read())
-        ids = body["ids"] if isinstance(body, dict) else body
-        ids = [int(i) for i in ids]
-    except (ValueError, KeyError, TypeError) as e:
-        raise click.ClickException(f"{ids_path}: expected a JSON list of token ids or {{\"ids\": [...]}} ({e})") \
-            from None
+        body = read_json(ids_path, MAX_IDS_FILE_BYTES, "a file of token ids")
+    except UnreadableFile as e:
+        raise click.ClickException(f"{ids_path}: {e}") from None
+    ids = body.get("ids") if isinstance(body, dict) else body
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+        raise click.ClickException(f"{ids_path}: expected a JSON list of token ids (integers >= 0) or "
+                                   "{\"ids\": [...]}")
     if len(ids) < 2:
         raise click.ClickException(f"{ids_path}: scoring needs at least two tokens, got {len(ids)}")
     if spec_path:
         logits = _score_on_pipeline(spec_path, plan_path, checkpoint, ids, prefill)
     else:
-        engine = _open_engine(checkpoint, len(ids), precision, compressed, device, threads)
+        engine = _open_engine(checkpoint, ids, 0, precision, compressed, device, threads)
         logits = engine.score(ids, prefill=prefill)
     result = score_logits(logits, ids)
     with writing(out, binary=True) as f:

@@ -41,8 +41,9 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
     workload = workload_overrides(loaded, choices)
     loaded = attrs.evolve(loaded, model=model, workload=workload)
+    chosen = chosen_plan(loaded, plan_path)  # first: it refuses a runtime no node can hold, before any table is built
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
-    result = run_simulation(loaded, calibration, chosen_plan(loaded, plan_path), groups=groups)
+    result = run_simulation(loaded, calibration, chosen, groups=groups)
     report(format_table(result))
     if calibration.is_analytic:
         report("(analytic estimate)")

@@ -135,11 +135,21 @@ def keys_generate(folder: str, nodes: str) -> None:
 @click.argument("out_dir", type=click.Path(file_okay=False, writable=True))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True)
-def init_model_command(source: str, out_dir: str, seed: int, dtype: str) -> None:
+@click.option("--force", is_flag=True, help="replace a checkpoint already in OUT_DIR")
+def init_model_command(source: str, out_dir: str, seed: int, dtype: str, force: bool) -> None:
     """Write a random checkpoint (config.json, safetensors, tokenizer.json) for SOURCE: a config.json, a checkpoint
-    directory or a YAML spec."""
+    directory or a YAML spec. A checkpoint already in OUT_DIR is kept unless --force."""
+    from pathlib import Path
+
+    from cascadia.engine.checkpoint import INDEX_FILE, SINGLE_FILE
     from cascadia.engine.init_model import init_model
+    from cascadia.errors import CheckpointError
     from cascadia.model_config import InklingConfig
+
+    held = [name for name in ("config.json", SINGLE_FILE, INDEX_FILE) if (Path(out_dir) / name).exists()]
+    if held and not force:
+        raise CheckpointError(f"{out_dir}: already holds a checkpoint ({', '.join(held)}); give --force to replace "
+                              "it")
 
     config = load_spec(source).model.config if source.endswith((".yaml", ".yml")) else InklingConfig.from_file(source)
     report = init_model(config, out_dir, seed=seed, dtype=dtype, progress=click.echo)

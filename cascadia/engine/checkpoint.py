@@ -20,7 +20,8 @@ import attrs
 import numpy as np
 
 from cascadia.engine.quantize import bf16_to_f32
-from cascadia.errors import CheckpointError
+from cascadia.errors import CheckpointError, shown
+from cascadia.files import UnreadableFile, read_json, regular_file_size
 from cascadia.model_config import ConfigError, InklingConfig
 from cascadia.tensors import (MTP_PREFIX, all_tensors, canonical_name, embedding_tensors, head_tensors, layer_prefix,
                               layer_tensors)
@@ -29,6 +30,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Stored dtype -> numpy dtype of the raw little-endian values. BF16 is read as its 16 raw bits.
 _RAW_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+MAX_HEADER_BYTES = 100 * 1024**2  # the safetensors format's own limit on a file's JSON header
+MAX_INDEX_BYTES = 64 * 1024**2  # a shard index lists every tensor once: a few MiB for the largest models
 
 
 @attrs.frozen
@@ -48,16 +51,16 @@ class _Header:
 def _read_header(path: Path) -> _Header:
     """The JSON header of one safetensors file; raises ValueError saying what is wrong with the file."""
     try:
-        size = path.stat().st_size
+        size = regular_file_size(path)
         with path.open("rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > size - 8:
                 raise ValueError(f"a header of {header_len} bytes does not fit in a file of {size} bytes")
+            if header_len > MAX_HEADER_BYTES:
+                raise ValueError(f"a header of {header_len} bytes exceeds the format's limit of {MAX_HEADER_BYTES}")
             header = json.loads(f.read(header_len))
-    except FileNotFoundError:
-        raise ValueError("no such file") from None
-    except IsADirectoryError:
-        raise ValueError("is a folder, not a file") from None
+    except UnreadableFile:
+        raise
     except OSError as e:
         raise ValueError(f"cannot read: {e.strerror or e}") from None
     except (struct.error, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
@@ -89,6 +92,28 @@ def _entry(meta: object, data_start: int) -> _Entry:
     return _Entry(dtype, tuple(shape), data_start + offsets[0], offsets[1] - offsets[0])
 
 
+def _weight_map(index: Path) -> dict[str, Path]:
+    """The shard of each stored tensor, as a shard index lists them. A shard is named by a path inside the index's
+    folder: `../x.safetensors` or `/x` would have the checkpoint read any file. (Shards may be symbolic links, as in
+    the Hugging Face cache, so the name is checked, not where it leads.)"""
+    try:
+        weight_map = read_json(index, MAX_INDEX_BYTES, "a shard index")["weight_map"]
+        entries = list(weight_map.items())
+    except UnreadableFile as e:
+        raise CheckpointError(f"{index}: {e}") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: no readable weight_map ({type(e).__name__}: {e})") from None
+    stored = {}
+    for name, file in entries:
+        if not isinstance(file, str) or not file or "\0" in file:
+            raise CheckpointError(f"{index}: weight_map[{shown(name)}]: expected a file name, got {shown(file)}")
+        if Path(file).is_absolute() or ".." in Path(file).parts:
+            raise CheckpointError(f"{index}: weight_map[{shown(name)}]: {file!r} lies outside the checkpoint folder "
+                                  f"{index.parent}: a shard must be a file in it")
+        stored[name] = index.parent / file
+    return stored
+
+
 def _counts(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
@@ -114,11 +139,7 @@ class Checkpoint:
             raise CheckpointError(str(e)) from None
         headers = {}
         if (listing := path / INDEX_FILE).is_file():
-            try:
-                weight_map = json.loads(listing.read_text())["weight_map"]
-                stored = {name: path / file for name, file in weight_map.items()}
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(f"{listing}: no readable weight_map ({e})") from None
+            stored = _weight_map(listing)
         elif (listing := path / SINGLE_FILE).is_file():
             try:
                 headers[listing] = _read_header(listing)

@@ -120,14 +120,8 @@ class StageEngine:
     def forward(self, hidden: np.ndarray, slots, positions, bucket: int | None = None) -> np.ndarray:
         """Rows [T, H] of several streams, each at its own position, through this stage's layers, every block
         called at `bucket` rows (None: the smallest row bucket that holds them)."""
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-        bucket = padded_size(len(slots), self.row_buckets) if bucket is None else bucket
-        rows = Rows.build(slots, positions, self.lengths, self.config.conv_kernel_size, self.row_buckets, bucket)
+        rows = self.rows(slots, positions, bucket)
         ends = rows.positions[rows.starts] + rows.counts
-        if ends.max() > self.context_budget:
-            slot = int(rows.group_slots[np.argmax(ends)])
-            raise BatchError(f"slot {slot} would reach {ends.max()} positions, beyond the context budget "
-                             f"({self.context_budget})")
         x = np.asarray(hidden, dtype=np.float32)
         if x.shape != (len(rows.slots), self.config.hidden_size):
             raise BatchError(f"hidden rows must be [{len(rows.slots)}, {self.config.hidden_size}] (one per slot and "
@@ -136,6 +130,21 @@ class StageEngine:
             x = layer.forward(x, rows, state)
         self.lengths[rows.group_slots] = ends
         return x
+
+    def rows(self, slots, positions, bucket: int | None = None, lengths: np.ndarray | None = None) -> Rows:
+        """The rows of one call (see `forward`) checked against the slots' `lengths` (default: the engine's own):
+        BatchError, before any state changes, for rows that do not continue their streams, a bucket that is not
+        one of the row buckets, or a stream that would pass the context budget."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        bucket = padded_size(len(slots), self.row_buckets) if bucket is None else bucket
+        rows = Rows.build(slots, positions, self.lengths if lengths is None else lengths, self.config.conv_kernel_size,
+                          self.row_buckets, bucket)
+        ends = rows.positions[rows.starts] + rows.counts
+        if ends.max() > self.context_budget:
+            slot = int(rows.group_slots[np.argmax(ends)])
+            raise BatchError(f"slot {slot} would reach {ends.max()} positions, beyond the context budget "
+                             f"({self.context_budget})")
+        return rows
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Final norm, division by the muP width multiplier, head; only the unpadded vocabulary [T, V]."""
@@ -179,15 +188,17 @@ class Engine:
         Returns the logits of every row [T, V]."""
         return self.stage.logits(self._hidden(slots, ids))
 
-    def prefill(self, slot: int, ids) -> np.ndarray:
+    def prefill(self, slot: int, ids, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """Feed a prompt (or more of it) to one slot's stream, in chunks of the largest row bucket; logits of the
-        last row [V]."""
+        last row [V]. `progress(done, total)` is told the tokens taken in after each chunk."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not ids.size:
             raise ValueError("prefill needs at least one token")
         for start in range(0, len(ids), self.stage.max_rows):
             chunk = ids[start: start + self.stage.max_rows]
             hidden = self._hidden(np.full(len(chunk), slot), chunk)
+            if progress:
+                progress(start + len(chunk), len(ids))
         return self.stage.logits(hidden[-1:])[0]
 
     def score(self, ids, prefill: int | None = None, slot: int = 0) -> np.ndarray:

@@ -4,14 +4,19 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import numpy as np
 
+from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.errors import RequestError
+from cascadia.graph.costs import stage_memory
+from cascadia.host_memory import shortfall
 from cascadia.sampling import Sampling, extend_history
+from cascadia.spec.types import ModelSpec, RuntimeSpec, WeightFormats
+from cascadia.units import format_bytes
 
 
 @attrs.frozen
@@ -32,9 +37,31 @@ class Generation:
                 "decode_s": self.decode_s, "decode_tokens_per_s": self.decode_tokens_per_s, "stopped": self.stopped}
 
 
-def generate(engine: Engine, prompt_ids, max_new_tokens: int, sampling: Sampling,
-             stop_ids: Iterable[int] = (), slot: int = 0) -> Generation:
-    """Prefill the prompt into a fresh slot, then decode one token at a time; draws as `cascadia run`'s would."""
+def check_request(checkpoint: Checkpoint, ids: Sequence[int], new_tokens: int, formats: WeightFormats,
+                  runtime: RuntimeSpec) -> None:
+    """Refuse, before an engine allocates anything, what the model or this machine cannot serve: a token id beyond
+    the vocabulary, more positions than the model's `max_position_embeddings`, and weights plus the state of
+    `runtime` (its streams of its context budget) beyond this machine's available memory."""
+    cfg = checkpoint.config
+    if (beyond := max(ids)) >= cfg.vocab_size:
+        raise RequestError(f"token id {beyond} lies outside the vocabulary of {checkpoint.path} "
+                           f"(0..{cfg.vocab_size - 1})")
+    positions = len(ids) + new_tokens
+    if positions > cfg.max_position_embeddings:
+        raise RequestError(f"{len(ids)} prompt + {new_tokens} new tokens take {positions} positions, more than the "
+                           f"model's max_position_embeddings ({cfg.max_position_embeddings}, in "
+                           f"{checkpoint.path / 'config.json'})")
+    weights, state = stage_memory(ModelSpec(cfg, formats), runtime, range(cfg.num_hidden_layers), True, True)
+    if short := shortfall(weights + state):
+        raise RequestError(f"the engine needs {format_bytes(weights + state, digits=3)} (weights "
+                           f"{format_bytes(weights, digits=3)}, K/V and convolution state "
+                           f"{format_bytes(state, digits=3)} for {runtime.context_budget} positions) {short}")
+
+
+def generate(engine: Engine, prompt_ids, max_new_tokens: int, sampling: Sampling, stop_ids: Iterable[int] = (),
+             slot: int = 0, progress: Callable[[int, int], None] | None = None) -> Generation:
+    """Prefill the prompt into a fresh slot, then decode one token at a time; draws as `cascadia run`'s would.
+    `progress(done, total)` hears of the prompt's tokens as the prefill takes them in."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     prompt = tuple(int(i) for i in prompt_ids)
@@ -42,7 +69,7 @@ def generate(engine: Engine, prompt_ids, max_new_tokens: int, sampling: Sampling
     engine.release(slot)
     start = time.perf_counter()
     history = extend_history(0, prompt)
-    tokens = [sampling.draw(engine.prefill(slot, prompt), history)]
+    tokens = [sampling.draw(engine.prefill(slot, prompt, progress), history)]
     prefilled = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         history = extend_history(history, tokens[-1:])

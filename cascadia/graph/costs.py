@@ -199,3 +199,11 @@ def head_cost(model: ModelSpec) -> EndCost:
 def state_bytes(costs: list[LayerCost], context: int) -> int:
     """K/V and convolution state of one stream of `context` positions over a slice of layers."""
     return sum(c.state_bytes(context) for c in costs)
+
+
+def stage_memory(model: ModelSpec, runtime: RuntimeSpec, layers: range, embed: bool, head: bool) -> tuple[int, int]:
+    """What a stage holding `layers` (and the embedding, the head) allocates, as the planner counts it: its weight
+    bytes, and its state bytes for `runtime.max_streams` streams of `runtime.context_budget` positions."""
+    costs = layer_costs(model, runtime)[layers.start:layers.stop]
+    ends = (embed and embedding_cost(model).weight_bytes) + (head and head_cost(model).weight_bytes)
+    return sum(c.weight_bytes for c in costs) + ends, runtime.max_streams * state_bytes(costs, runtime.context_budget)

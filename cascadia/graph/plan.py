@@ -12,10 +12,12 @@ from typing import TypeVar
 import attrs
 
 from cascadia.errors import PlanError
+from cascadia.files import UnreadableFile, read_json
 from cascadia.table import format_rows
 from cascadia.units import binary_unit
 
 PLAN_VERSION = 1
+MAX_PLAN_FILE_BYTES = 16 * 1024**2  # a stage takes about 300 bytes
 # Roles a stage holds: its decoder layers, and the embedding or head at the ends of the pipeline.
 EMBED = "embed"  # token embedding and admission (first stage)
 LAYERS = "layers"  # a run of consecutive decoder layers (every stage)
@@ -120,9 +122,9 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         """The plan saved at `path` (`cascadia.graph.planner.load_plan` also checks it against a spec)."""
         try:
-            d = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise PlanError(f"{path}: cannot read plan ({e})") from None
+            d = read_json(path, MAX_PLAN_FILE_BYTES, "a plan file")
+        except UnreadableFile as e:
+            raise PlanError(f"{path}: cannot read plan: {e}") from None
         return cls.from_dict(d, where=str(path))
 
 

@@ -38,7 +38,7 @@ def measure_link(hidden_size: int, progress: Progress) -> LinkSpec:
     with contextlib.ExitStack() as stack:
         transport = stack.enter_context(Transport("calibrate"))
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="cascadia-calibrate-"))
-        inbox = transport.bind(zmq.PULL, reply)
+        inbox = transport.bind(zmq.PULL, reply, ["echo"])
         echo = stack.enter_context(Worker(__name__, "echo_worker", [listen, reply], dict(os.environ),
                                            Path(folder) / "echo.log"))
         outbox = transport.connect(zmq.PUSH, listen, "echo")
@@ -69,7 +69,7 @@ def echo_worker(argv: Sequence[str]) -> None:
     """The far end of a link: LISTEN REPLY; sends every message straight back, until an empty one."""
     listen, reply = argv
     with Transport("echo") as transport:
-        inbox = transport.bind(zmq.PULL, listen)
+        inbox = transport.bind(zmq.PULL, listen, ["calibrate"])
         outbox = transport.connect(zmq.PUSH, reply, "calibrate")
         while len(message := receive(inbox)) > 1:
             send(outbox, message)

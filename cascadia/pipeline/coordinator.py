@@ -9,7 +9,8 @@ recorded with the same `Recorder` as the simulator's.
 A failure stops the phase within about a second, naming the node: an ERROR from it, a local node process that
 exited (`watch`), a node whose control connection dropped (found by pinging silent pipelines), or no frame back
 within `stall_s`. A stray message is no failure: the control socket takes only the messages a node of the plan sends
-as itself, the token socket only the last node's TOKENS; anything else is logged, counted in `dropped`, and dropped.
+as itself, the token socket only the last node's TOKENS for a frame in flight; anything else is logged, counted in
+`dropped`, and dropped.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ class Coordinator:
         self.watch: Callable[[], None] = lambda: None
         self.transport = Transport(COORDINATOR, curve_keys)
         try:
-            self.control = self.transport.bind(zmq.ROUTER, control)
-            self.tokens = self.transport.bind(zmq.PULL, tokens)
+            self.control = self.transport.bind(zmq.ROUTER, control, self.nodes)
+            self.tokens = self.transport.bind(zmq.PULL, tokens, self.nodes[-1:])
         except TransportError:
             self.transport.close()
             raise
@@ -177,12 +178,17 @@ class Coordinator:
         return None
 
     def _stall_report(self) -> str:
-        """Why a stall is an error, with each node's last counters, so that a silent or poisoned node stands out."""
+        """Why a stall is an error: first the nodes that no longer answer (a stopped or frozen process; a node
+        answers a stats request however busy its stage), then each node's last counters, so that a silent or
+        poisoned node stands out."""
+        silent = [f"{node} has not answered its last {owed} stats requests" for node, owed in self._stats_owed.items()
+                  if owed > 1]  # one may be on its way
+        stopped = f"; {', '.join(silent)} (stopped or frozen?)" if silent else ""
         known = [(node, self._stats[node]) for node in self.nodes if node in self._stats]  # in stage order
         frames = ", ".join(f"{node} {stats.frames}" for node, stats in known)
         rejected = ", ".join(f"{node} {stats.rejected}" for node, stats in known)
-        return (f"no tokens came back for {self.stall_s:g} s; frames handled per node: {frames}; messages rejected "
-                f"per node: {rejected}; messages dropped by the coordinator: {self.dropped}")
+        return (f"no tokens came back for {self.stall_s:g} s{stopped}; frames handled per node: {frames}; messages "
+                f"rejected per node: {rejected}; messages dropped by the coordinator: {self.dropped}")
 
     def stats(self) -> dict[str, Stats]:
         """Every node's current counters. A node that leaves a request unanswered for `stall_s` is an error: a node
@@ -237,6 +243,9 @@ class Coordinator:
         node = identity.bytes.decode(errors="replace")
         if node not in self.control_decoders:
             self._drop("control socket", f"from {node!r}, which is not a node of the plan")
+            return None
+        if frames and not self.transport.sent_by(frames[0], node):
+            self._drop("control socket", f"from {node!r} over a connection made with another node's Curve key")
             return None
         try:
             return node, self.control_decoders[node].decode(frames).message
@@ -313,7 +322,7 @@ class Coordinator:
 
 class Flight:
     """The policy's frames the pipeline is computing (at most one per group), each matched with its tokens as they
-    come back. Tokens that cannot be a frame's in flight mean the pipeline lost track: an error naming the frame."""
+    come back. Tokens that cannot be a frame's in flight are logged, counted and dropped."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
@@ -335,9 +344,9 @@ class Flight:
         while True:
             timeout = HEARTBEAT_S if until is None else min(HEARTBEAT_S, until - coordinator.now())
             tokens = coordinator.poll_tokens(max(timeout, 0.0), wake)
-            if tokens is not None:
+            if tokens is not None and (matched := self._match(tokens)) is not None:
                 self._progress = time.monotonic()
-                return self._match(tokens)
+                return matched
             if until is not None and coordinator.now() >= until:
                 return None
             if wake and _readable(wake):
@@ -345,15 +354,20 @@ class Flight:
             if self.frames and time.monotonic() - self._progress > coordinator.stall_s:
                 raise PipelineError(coordinator._stall_report())
 
-    def _match(self, tokens: Tokens) -> tuple[PolicyFrame, dict[int, int]]:
-        frame = self.frames.pop(tokens.group, None)
+    def _match(self, tokens: Tokens) -> tuple[PolicyFrame, dict[int, int]] | None:
+        """The frame in flight the tokens complete, and its sampled tokens; None after dropping tokens that cannot be
+        a frame's in flight (a stray or forged message: the frame's own may still come)."""
+        frame = self.frames.get(tokens.group)
+        sampled_slots = None if frame is None else [row.slot for row in frame.rows if row.sampled]
         if frame is None or frame.seq != tokens.frame_id:
-            raise PipelineError(f"tokens for frame {tokens.frame_id} of group {tokens.group}, which is not in flight")
-        sampled_slots = [row.slot for row in frame.rows if row.sampled]
-        if tokens.slots.tolist() != sampled_slots:
-            raise PipelineError(f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected "
-                                f"{sampled_slots}")
-        return frame, dict(zip(frame.sampled_ids, tokens.token_ids.tolist()))
+            stray = f"tokens for frame {tokens.frame_id} of group {tokens.group}, which is not in flight"
+        elif tokens.slots.tolist() != sampled_slots:
+            stray = f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected {sampled_slots}"
+        else:
+            del self.frames[tokens.group]
+            return frame, dict(zip(frame.sampled_ids, tokens.token_ids.tolist()))
+        self.coordinator._drop("token socket", stray)
+        return None
 
 
 def _readable(wake: Sequence) -> bool:

@@ -1,9 +1,10 @@
 """Node processes on this machine for the plan's `local` nodes: `python -m cascadia node ...`, one per stage.
 
 Each gets a free port on 127.0.0.1 (or, with emulated links, a network namespace of its own), its thread count
-(for OpenVINO and OpenMP), and this process's pid, so it stops by itself if we die. Its own session keeps a Ctrl-C
-in the terminal for us alone: we then shut the nodes down in order. Its output goes to a log file whose last lines
-come with any error about it. `stop` asks nothing: the coordinator sends SHUTDOWN first; `stop` waits for the
+(for OpenVINO and OpenMP), and this process's pid, so it stops by itself if we die. They share this machine's memory,
+so what they will allocate together is checked against it first (`check_host_memory`). Each node's own session keeps
+a Ctrl-C in the terminal for us alone: we then shut the nodes down in order. Its output goes to a log file whose last
+lines come with any error about it. `stop` asks nothing: the coordinator sends SHUTDOWN first; `stop` waits for the
 processes to end and kills any left, so no node outlives the run (and removes the emulated links).
 """
 
@@ -18,9 +19,14 @@ from pathlib import Path
 
 import attrs
 
+from cascadia.graph.costs import stage_memory
+from cascadia.graph.plan import EMBED, HEAD, Plan
+from cascadia.host_memory import shortfall
 from cascadia.pipeline.coordinator import PipelineError
 from cascadia.pipeline.emulated_links import EmulatedLinks
 from cascadia.pipeline.places import NodePlace, loopback_places
+from cascadia.spec.types import Spec
+from cascadia.units import format_bytes
 
 LOG_TAIL_LINES = 12
 
@@ -98,6 +104,19 @@ class LocalNodes:
         finally:
             if self.links is not None:
                 self.links.close()
+
+
+def check_host_memory(spec: Spec, plan: Plan) -> None:
+    """Local nodes share this machine: what their stages allocate together (weights, and state for every slot's whole
+    context, as the planner counts them) must fit in its available memory, or they would start, serve, and be
+    killed by the kernel once their contexts filled (the state's pages are only taken when written)."""
+    needs = {stage.node: sum(stage_memory(spec.model, spec.runtime, stage.layers, EMBED in stage.roles,
+                                          HEAD in stage.roles)) for stage in plan.stages}
+    if short := shortfall(sum(needs.values())):
+        each = ", ".join(f"{node} {format_bytes(need, digits=3)}" for node, need in needs.items())
+        raise PipelineError(f"the plan's {len(needs)} local nodes need {format_bytes(sum(needs.values()), digits=3)} "
+                            f"together ({each}: weights, and state for {spec.runtime.max_streams} streams x "
+                            f"{spec.runtime.context_budget} positions) {short}")
 
 
 def thread_env(threads: int | None) -> dict[str, str]:

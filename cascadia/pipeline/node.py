@@ -4,11 +4,16 @@ The node binds its input (PULL), connects to its successor (PUSH) and to the coo
 named after the node), waits until the coordinator accepts that connection, says HELLO, loads its stage while
 reporting PROGRESS, says READY, then serves: every FRAME goes through `stage.process` and the result (a FRAME for
 the next node, or TOKENS from the last) goes to the successor. Its input takes only FRAMEs from the previous
-stage's node (the coordinator, for the first), its control socket only the coordinator's messages. Any other
-message, or one that fails to decode, is logged with its reason, counted, and dropped; the node keeps serving.
+stage's node (the coordinator, for the first), over a connection made with that node's Curve key when keys are in
+use; its control socket only the coordinator's messages. Any other message, one that fails to decode, and a frame
+whose content cannot belong to the run (the stage raises `ForeignFrame`: an unknown slot, a position its stream is
+not at) are logged with their reason, counted, and dropped; the node keeps serving. So are refused handshakes and
+closed connections on its input logged, which ZeroMQ handles without a message (it drops a message over the size
+limit with its connection).
 
 It stops on SHUTDOWN, when the process that started it is gone, or when it loses the coordinator (the control
-connection closes, or ZeroMQ's heartbeats go unanswered: `cascadia.pipeline.transport`), so no node outlives its run.
+connection closes, or ZeroMQ's heartbeats go unanswered: `cascadia.pipeline.transport`), so no node outlives its run;
+it watches for all three even while it waits on a successor that takes nothing (a killed coordinator's token socket).
 With `keep_serving` it serves run after run instead: when a run ends (SHUTDOWN, a lost coordinator, an unreachable
 successor) it keeps its compiled stage, waits for the last coordinator's connection to close and the next one's to
 open, and says HELLO and READY to that. A new run's streams start at position 0, which frees their slots
@@ -29,9 +34,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from cascadia.errors import NodeError
-from cascadia.pipeline.transport import Transport, TransportError, receive_waiting, send
+from cascadia.pipeline.transport import Transport, TransportError, receive_waiting, send, send_watching
 from cascadia.pipeline.wire import (COORDINATOR_SENDER, DEFAULT_MAX_MESSAGE_BYTES, Decoder, Encoder, Error, Frame,
-                                    Hello, Message, Progress, Ready, Shutdown, Stats, StatsRequest, Tokens, WireError)
+                                    Hello, Message, Progress, Ready, Received, Shutdown, Stats, StatsRequest, Tokens,
+                                    WireError)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +48,13 @@ class Stage(Protocol):
 
     def process(self, frame: Frame) -> Frame | Tokens:
         """The frame's rows after this stage. The input arrays are read-only views of the received message; the
-        returned arrays are handed to ZeroMQ without a copy, so the stage must not write into them afterwards."""
+        returned arrays are handed to ZeroMQ without a copy, so the stage must not write into them afterwards.
+        Raises ForeignFrame, before changing any state, for a frame that cannot belong to the run."""
+
+
+class ForeignFrame(Exception):
+    """A well-formed frame whose content cannot belong to the run (a stray or forged one): it is dropped like a
+    message that fails to decode, and never reported to the coordinator as a failure of the stage."""
 
 
 ProgressFn = Callable[[int, int], None]  # (done, total), called by a stage loader as it goes
@@ -63,6 +75,7 @@ class NodeSettings:
     listen: str  # tcp://HOST:PORT of this node's input
     successor: Peer  # the next node, or the coordinator's token socket for the last node
     control: Peer  # the coordinator's control socket
+    input_peer: str  # whose Curve key may connect to the input: the previous stage's node, or the coordinator
     curve_keys: Path | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     send_timeout_s: float = 10.0  # a successor that accepts nothing for this long is unreachable
@@ -94,6 +107,11 @@ class CoordinatorLost(NodeError):
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _CONTROL_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+# ... and of the input's connections: the ones it refused or lost
+_INPUT_EVENTS = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+_HANDSHAKE_FAILURES = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its Curve key is not the previous stage's",
+                       zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "it broke the handshake's protocol (no Curve keys?)",
+                       zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed"}
 
 
 def run_node(settings: NodeSettings, load_stage: Callable[[ProgressFn], Stage]) -> None:
@@ -117,6 +135,9 @@ def run_node(settings: NodeSettings, load_stage: Callable[[ProgressFn], Stage]) 
                 node.join(None)
         except NodeStopped as e:
             log.info("%s: stopping: %s", settings.name, e)
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`cascadia.errors.Terminated`)
+            log.info("%s: stopping: %s", settings.name, str(e) or "interrupted")
+            raise
         except CoordinatorLost as e:
             log.error("%s: %s", settings.name, e)  # nobody to report it to
             raise
@@ -140,6 +161,7 @@ class _Node:
         self.stale_connection = False  # keep-serving, after SHUTDOWN: the connection is still the last run's
         self.refused = False  # a handshake with the coordinator failed (ZeroMQ tries again)
         self.data: zmq.Socket | None = None
+        self.data_events: zmq.Socket | None = None
         self.successor: zmq.Socket | None = None
         self.encoder = Encoder(settings.sender)
         self._new_decoders()
@@ -148,9 +170,9 @@ class _Node:
         self.rejected = 0
 
     def open(self) -> None:
-        self.data = self.transport.bind(zmq.PULL, self.settings.listen)
-        self.successor = self.transport.connect(zmq.PUSH, self.settings.successor.address,
-                                                self.settings.successor.name)
+        s = self.settings
+        self.data, self.data_events = self.transport.bind_watched(zmq.PULL, s.listen, [s.input_peer], _INPUT_EVENTS)
+        self.successor = self.transport.connect(zmq.PUSH, s.successor.address, s.successor.name)
 
     def tell(self, message: Message) -> None:
         send(self.control, self.encoder.encode(message))
@@ -203,12 +225,13 @@ class _Node:
     def serve(self, stage: Stage) -> None:
         """Serve frames until the run ends (`keep_serving`; otherwise the end of the run raises)."""
         poller = zmq.Poller()
-        for sock in (self.control, self.data, self.control_events):
+        for sock in (self.control, self.data, self.control_events, self.data_events):
             poller.register(sock, zmq.POLLIN)
         while self.in_run:
             ready = dict(poller.poll(self.settings.poll_s * 1000))
             self._check_parent()
             self._take_control()
+            self._watch_input()
             if self.data in ready and self.in_run and (frames := receive_waiting(self.data)) is not None:
                 try:
                     self._on_data(frames, stage)
@@ -249,44 +272,80 @@ class _Node:
             log.warning("%s: the handshake with the coordinator at %s failed; trying again", self.settings.name,
                         self.settings.control.address)
 
+    def _watch_input(self) -> None:
+        """Log what happened to the input's connections: ZeroMQ refuses a handshake, or drops a connection whose
+        peer sent a message over the size limit, without a message to show for it."""
+        while self.data_events is not None and self.data_events.poll(0):
+            event = recv_monitor_message(self.data_events)["event"]
+            if event in _HANDSHAKE_FAILURES:
+                log.warning("%s: refused a connection to its input %s: %s", self.settings.name, self.settings.listen,
+                            _HANDSHAKE_FAILURES[event])
+            elif event == zmq.EVENT_DISCONNECTED:
+                log.info("%s: a connection to its input %s closed: its peer went away, or sent a message over the "
+                         "limit of %d bytes, which ZeroMQ drops with the connection", self.settings.name,
+                         self.settings.listen, self.settings.max_message_bytes)
+
+    def _still_in_run(self) -> bool:
+        """What a wait on the successor checks: the parent, the control channel (a SHUTDOWN, a lost coordinator:
+        both end the run or the node), the input's connections; whether the run goes on."""
+        self._check_parent()
+        self._take_control()
+        self._watch_input()
+        return self.in_run
+
     def _check_parent(self) -> None:
         parent = self.settings.parent_pid
         if parent is not None and os.getppid() != parent:
             raise NodeStopped(f"parent process {parent} is gone")
 
-    def _decode(self, frames: list, where: str, decoder: Decoder) -> Message | None:
-        """The message in `frames` (received on the `where` socket), or None after logging why it was rejected."""
+    def _decode(self, frames: list, where: str, decoder: Decoder, accept: bool = True) -> Received | None:
+        """The message in `frames` (received on the `where` socket), accepted unless told not to yet, or None after
+        logging why it was rejected."""
         try:
-            return decoder.decode(frames).message
+            return decoder.decode(frames) if accept else decoder.check(frames)
         except WireError as e:
-            self.rejected += 1
-            log.warning("%s: rejected a message on its %s socket: %s", self.settings.name, where, e)
+            self._reject(where, str(e))
             return None
 
+    def _reject(self, where: str, reason: str) -> None:
+        self.rejected += 1
+        log.warning("%s: rejected a message on its %s socket: %s", self.settings.name, where, reason)
+
     def _on_control(self, frames: list) -> None:
-        message = self._decode(frames, "control", self.control_decoder)
-        match message:
+        received = self._decode(frames, "control", self.control_decoder)
+        match received and received.message:
             case Shutdown() if self.in_run or not self.settings.keep_serving:  # else: the last run's, late
                 self._end_run("shutdown requested")
             case StatsRequest():
                 self.tell(Stats(self.settings.name, self.busy_s, self.frames, self.rejected))
 
     def _on_data(self, frames: list, stage: Stage) -> None:
-        frame = self._decode(frames, "input", self.data_decoder)
-        if frame is None:
+        """A frame through the stage to the successor. Its sequence number is accepted once the stage has taken its
+        content: a frame that cannot belong to the run moves nothing on."""
+        received = self._decode(frames, "input", self.data_decoder, accept=False)
+        if received is None:
             return
+        frame = received.message
         start = time.perf_counter()
-        result = self._process(stage, frame)
-        self.busy_s += time.perf_counter() - start
+        try:
+            result = self._process(stage, frame)
+        except ForeignFrame as e:
+            self._reject("input", f"frame {frame.frame_id} cannot belong to this run: {e}")
+            return
+        finally:
+            self.busy_s += time.perf_counter() - start
+        self.data_decoder.accept(received)
         if result is not None:
             self.frames += 1
-            send(self.successor, self.encoder.encode(result))
+            send_watching(self.successor, self.encoder.encode(result), self._still_in_run, self.settings.poll_s)
 
     def _process(self, stage: Stage, frame: Frame) -> Frame | Tokens | None:
         """The stage's result, or None after a failure. A failure is the stage's (a bad slot, an engine error), not
         the node's: report it to the coordinator, which decides whether the run goes on, and keep serving."""
         try:
             return stage.process(frame)
+        except ForeignFrame:
+            raise
         except Exception as e:
             log.exception("%s: frame %d failed", self.settings.name, frame.frame_id)
             self.tell(Error(self.settings.name, f"frame {frame.frame_id}: {type(e).__name__}: {e}"))

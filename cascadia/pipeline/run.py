@@ -21,7 +21,7 @@ from cascadia.driver import Served, serve_workload
 from cascadia.errors import CheckpointError, NodeError, PlanError, SpecError
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.coordinator import Coordinator, Outputs, PipelineError
-from cascadia.pipeline.launch import LocalNodes, NodeCommand
+from cascadia.pipeline.launch import LocalNodes, NodeCommand, check_host_memory
 from cascadia.pipeline.places import LOCALHOST
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import free_port, tcp_address
@@ -30,7 +30,7 @@ from cascadia.policy import Policy, padded_size, score_schedule
 from cascadia.spec.dump import write_spec
 from cascadia.spec.types import Spec, WorkloadSpec
 from cascadia.tokenizer import workload_prompts
-from cascadia.workload import Level, Phase
+from cascadia.workload import Level, Phase, prompt_length_notes
 
 NODE_TIMEOUT_S = 120.0  # a starting node silent for this long is an error
 STALL_S = 60.0  # a running pipeline that returns no tokens for this long is an error
@@ -108,6 +108,7 @@ class Pipeline:
         if emulate_links and not (all(local) and addresses is None):
             raise SpecError("links are emulated between local nodes only, on addresses chosen here")
         if all(local):
+            check_host_memory(spec, plan)
             addresses = addresses or Addresses.local("0.0.0.0" if emulate_links else LOCALHOST)
         elif addresses is None:
             raise SpecError("the nodes have tcp addresses: give the control and token addresses the coordinator "
@@ -148,13 +149,14 @@ class Pipeline:
         Raises RunFailed, holding what finished, when the pipeline fails or the run is interrupted (Ctrl-C)."""
         spec = self.spec
         if prompts is None:
-            prompts = workload_prompts(workload, self.checkpoint)
+            prompts = workload_prompts(workload, self.checkpoint, spec.model.config)
+        notes = prompt_length_notes(prompts, workload, spec.runtime) if prompts else []
         policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages))
         served, outputs = Served(), Outputs()
 
         def result(warnings: Sequence[str] = ()) -> dict:
             return metrics.result("run", attrs.evolve(spec, workload=workload), served.levels, served.records,
-                                  plan=self.plan.to_dict(), warnings=warnings)
+                                  plan=self.plan.to_dict(), warnings=[*notes, *warnings])
 
         def run_phase(level: Level, phase: Phase, recorder: metrics.Recorder) -> dict[str, float]:
             return self.coordinator.run_phase(policy, level.arrivals(phase), len(phase.requests), recorder, outputs)
@@ -163,8 +165,9 @@ class Pipeline:
             serve_workload(spec, workload, prompts, run_phase, served, on_phase)
         except PipelineError as e:
             raise RunFailed(str(e), result([f"the run stopped early: {e}"]), outputs.lines) from None
-        except KeyboardInterrupt:
-            raise RunFailed("interrupted", result(["the run was interrupted"]), outputs.lines) from None
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`cascadia.errors.Terminated`)
+            why = str(e) or "interrupted"
+            raise RunFailed(why, result([f"the run was {why}"]), outputs.lines) from None
         return RunResult(result(), outputs.lines)
 
     def score(self, ids: Sequence[int], prefill: int | None = None) -> np.ndarray:
@@ -226,8 +229,10 @@ def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts
     """Start the pipeline, run `workload` (default: the spec's) through it, shut it
     down. `emulate_links`: see `Pipeline.start`."""
     workload = workload or spec.workload
-    if prompts is None:  # before the nodes start: a bad prompts file fails at once
-        prompts = workload_prompts(workload, checkpoint or spec.model.checkpoint)
+    if prompts is None:  # before the nodes start: a bad prompts file fails at once, as do prompts too long
+        prompts = workload_prompts(workload, checkpoint or spec.model.checkpoint, spec.model.config)
+        if prompts:
+            prompt_length_notes(prompts, workload, spec.runtime)
     with Pipeline.start(spec, plan, checkpoint=checkpoint,
                         addresses=addresses, node_timeout_s=node_timeout_s, on_message=on_message,
                         emulate_links=emulate_links) as pipeline:

@@ -4,6 +4,9 @@ A frame's rows go through the engine in calls of at most its largest row bucket.
 token ids; the last applies the head to the rows it samples and returns their tokens (and logits, when scoring).
 A row at position 0 starts a new stream, so the stage resets that slot before computing: the data channel itself
 says when a slot is reused, and no message on the control channel can race with the new stream's first frame.
+Before anything changes, a frame is checked against the stage's state as it would leave it (`ForeignFrame` for an
+unknown slot, a position its stream is not at, a bucket, width or token id the stage does not have): a stray or
+forged frame that cannot belong to the run is dropped by the node, never computed.
 """
 
 from __future__ import annotations
@@ -17,14 +20,17 @@ import numpy as np
 from cascadia.engine.checkpoint import Checkpoint, CheckpointError
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.rows import BatchError
-from cascadia.errors import PlanError, SpecError
-from cascadia.graph.plan import Plan, Stage
-from cascadia.pipeline.node import NodeSettings, Peer, ProgressFn, run_node
+from cascadia.errors import NodeError, PlanError, SpecError
+from cascadia.graph.costs import stage_memory
+from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
+from cascadia.host_memory import shortfall
+from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, ProgressFn, run_node
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import COORDINATOR
 from cascadia.pipeline.wire import Frame, Tokens, node_sender
 from cascadia.sampling import Sampling, extend_history
 from cascadia.spec.types import Spec
+from cascadia.units import format_bytes
 
 
 class RowSampler:
@@ -65,16 +71,10 @@ class EngineStage:
 
     def process(self, frame: Frame) -> Frame | Tokens:
         engine = self.engine
-        if not frame.rows:
-            raise BatchError(f"frame {frame.frame_id} has no rows")
-        if frame.residual is None and engine.embedding is None:
-            raise BatchError(f"frame {frame.frame_id} carries no residual, and this stage has no embedding")
-        if frame.slots.max() >= len(engine.lengths):
-            raise BatchError(f"slots must lie in 0..{len(engine.lengths) - 1}, got {frame.slots.max()}")
+        self._check(frame)
         for slot in np.unique(frame.slots[frame.positions == 0]).tolist():
             engine.release(slot)
-        # Beyond the largest bucket a frame runs as calls of the largest (the policy pads to a multiple of it).
-        bucket = min(frame.bucket, engine.max_rows) or None
+        bucket = self._bucket(frame)
         parts = []
         for rows in self._calls(frame.rows):
             x = engine.embed(frame.token_ids[rows]) if engine.embedding is not None else frame.residual[rows]
@@ -89,6 +89,35 @@ class EngineStage:
         self.sampler.observe(frame)
         return Tokens(frame.frame_id, frame.group, frame.slots[frame.sample], self.sampler.sample(logits, frame),
                       logits if self.with_logits else None)
+
+    def _bucket(self, frame: Frame) -> int | None:
+        """The rows each call of the frame is padded to. Beyond the largest bucket a frame runs as calls of the
+        largest (the policy pads to a multiple of it)."""
+        return min(frame.bucket, self.engine.max_rows) or None
+
+    def _check(self, frame: Frame) -> None:
+        """ForeignFrame unless every row of the frame fits what this stage holds, call by call, as `process` would
+        run them: the slots' lengths after the frame's new streams are reset, then moved on by each call."""
+        engine, cfg = self.engine, self.engine.config
+        if not frame.rows:
+            raise ForeignFrame("it has no rows")
+        if engine.embedding is not None and (token := frame.token_ids.max()) >= cfg.vocab_size:
+            raise ForeignFrame(f"token id {token} lies outside the vocabulary (0..{cfg.vocab_size - 1})")
+        if engine.embedding is None and frame.residual is None:
+            raise ForeignFrame("it carries no residual, and this stage has no embedding")
+        if engine.embedding is None and frame.residual.shape[1] != cfg.hidden_size:
+            raise ForeignFrame(f"its residual rows are {frame.residual.shape[1]} wide, the model's "
+                               f"{cfg.hidden_size}")
+        if frame.slots.max() >= len(engine.lengths):
+            raise ForeignFrame(f"slot {frame.slots.max()} is not one of the stage's 0..{len(engine.lengths) - 1}")
+        lengths = engine.lengths.copy()
+        lengths[frame.slots[frame.positions == 0]] = 0
+        for rows in self._calls(frame.rows):
+            try:
+                checked = engine.rows(frame.slots[rows], frame.positions[rows], self._bucket(frame), lengths)
+            except BatchError as e:
+                raise ForeignFrame(str(e)) from None
+            lengths[checked.group_slots] = checked.positions[checked.starts] + checked.counts
 
     def _calls(self, n: int) -> Iterator[slice]:
         """Consecutive row ranges of at most the engine's largest bucket (a stream's rows may span two calls: the
@@ -122,14 +151,22 @@ def node_settings(spec: Spec, plan: Plan, name: str, listen: str, control: str, 
                              "as the successor")
         successor = address
     peer = COORDINATOR if index == len(plan.stages) - 1 else plan.stages[index + 1].node
+    before = COORDINATOR if index == 0 else plan.stages[index - 1].node
     return NodeSettings(name, sender=node_sender(index), first_layer=stage.first_layer, last_layer=stage.last_layer,
                         listen=listen, successor=Peer(peer, successor), control=Peer(COORDINATOR, control),
-                        curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid)
+                        input_peer=before, curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid)
 
 
 def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, with_logits: bool,
                progress: ProgressFn) -> EngineStage:
-    """Read only this stage's layers (and the embedding or head it holds) and compile them."""
+    """Read only this stage's layers (and the embedding or head it holds) and compile them, once this machine's
+    memory can hold them and their state."""
+    weights, state = stage_memory(spec.model, spec.runtime, stage.layers, EMBED in stage.roles, HEAD in stage.roles)
+    if short := shortfall(weights + state):
+        runtime = spec.runtime
+        raise NodeError(f"{stage.node}: its stage needs {format_bytes(weights + state, digits=3)} (weights "
+                        f"{format_bytes(weights, digits=3)}, state {format_bytes(state, digits=3)} for "
+                        f"{runtime.max_streams} streams x {runtime.context_budget} positions) {short}")
     opened = Checkpoint.open(checkpoint)
     if differences := opened.config.differences(spec.model.config):
         more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""

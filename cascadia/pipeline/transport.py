@@ -2,8 +2,14 @@
 
 Each node binds a PULL socket for its input and connects a PUSH socket to its successor (the last node's successor
 is the coordinator's token socket); the coordinator binds a ROUTER for control and each node connects a DEALER
-named after itself. The binding side is the Curve server: with keys, it accepts only clients whose public key is in
-the key folder's `public/` directory, and a client must know the public key of the server it connects to.
+named after itself. The binding side is the Curve server, and a client must know the public key of the server it
+connects to. With keys, each bound socket accepts only the peers that send there, by their public keys in the key
+folder's `public/` directory: a node's input only the previous stage's node (the first's: the coordinator), the
+token socket only the last node, the control socket only the plan's nodes, each under its own name (`sent_by`).
+Anyone else's handshake is refused, whichever key of the folder it holds.
+
+Without keys nothing is authenticated or encrypted: whoever reaches a port can read what passes and send what a
+peer would (see the README's security paragraph).
 
 Key folder layout (made by `generate_keys`, named by `ClusterSpec.curve_keys`):
   public/NAME.key          every participant's public key; copy the whole folder to every machine
@@ -16,7 +22,8 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -88,15 +95,28 @@ def generate_keys(folder: str | Path, names: Iterable[str]) -> list[Path]:
         for path in (public_dir / f"{name}.key", secret_dir / f"{name}.key_secret"):
             if path.exists():
                 raise TransportError(f"{path}: already exists; remove it to make new keys")
-    public_dir.mkdir(parents=True, exist_ok=True)
-    secret_dir.mkdir(parents=True, exist_ok=True)
-    secret_dir.chmod(0o700)
     written = []
-    for name in names:
-        public, secret = zmq.auth.create_certificates(secret_dir, name)
-        os.chmod(secret, 0o600)
-        written += [Path(shutil.move(public, public_dir / f"{name}.key")), Path(secret)]
+    try:
+        public_dir.mkdir(parents=True, exist_ok=True)
+        secret_dir.mkdir(parents=True, exist_ok=True)
+        secret_dir.chmod(0o700)
+        for name in names:
+            public, secret = zmq.auth.create_certificates(secret_dir, name)
+            os.chmod(secret, 0o600)
+            written += [Path(shutil.move(public, public_dir / f"{name}.key")), Path(secret)]
+    except OSError as e:
+        raise TransportError(f"{e.filename or folder}: cannot write keys ({e.strerror or e})") from None
     return written
+
+
+class _AllowedKeys:
+    """The ZAP check of one bound socket: a client's (Z85-encoded) public key must be one of its senders'."""
+
+    def __init__(self, keys: set[bytes]):
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
 
 
 class Transport:
@@ -116,26 +136,47 @@ class Transport:
                 raise TransportError("this libzmq was built without CurveZMQ; cannot use curve_keys")
             if not self.curve.public_dir.is_dir():
                 raise TransportError(f"{self.curve.public_dir}: no such folder of public keys")
-            # Without a running authenticator a Curve server would accept any client key.
+            # Without a running authenticator a Curve server would accept any client key. Each bound socket gets a
+            # ZAP domain of its own, allowing only its senders' keys (`bind`); no other domain allows any.
             self._authenticator = ThreadAuthenticator(self.context)
             self._authenticator.start()
-            self._authenticator.configure_curve(domain="*", location=str(self.curve.public_dir))
 
-    def bind(self, socket_type: int, address: str) -> zmq.Socket:
-        """A socket bound to `address`, the Curve server side when keys are in use."""
+    def bind(self, socket_type: int, address: str, senders: Sequence[str]) -> zmq.Socket:
+        """A socket bound to `address`, the Curve server side when keys are in use, accepting connections only from
+        `senders` (names in the key folder; without keys, from anyone)."""
+        return self.bind_watched(socket_type, address, senders, 0)[0]
+
+    def bind_watched(self, socket_type: int, address: str, senders: Sequence[str], events: int
+                     ) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """`bind`, with a monitor socket reporting the connections' `events` (none: no monitor)."""
         sock = self._socket(socket_type)
         if socket_type == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown peer raises instead of vanishing
         if self._keypair is not None:
             sock.curve_publickey, sock.curve_secretkey = self._keypair
             sock.curve_server = True
+            sock.zap_domain = address.encode()  # one socket binds an address: its domain is its own
+            self._authenticator.configure_curve_callback(address, _AllowedKeys(
+                {self.curve.public_key(name) for name in senders}))
+        monitor = sock.get_monitor_socket(events) if events else None
         try:
             sock.bind(address)
         except zmq.ZMQError as e:
             sock.close(linger=0)
             reason = "address already in use" if e.errno == zmq.EADDRINUSE else e.strerror
             raise TransportError(f"cannot listen on {address}: {reason}") from None
-        return sock
+        return sock, monitor
+
+    def sent_by(self, frame: zmq.Frame, name: str) -> bool:
+        """Whether a message (`frame`, one of its parts) came over a connection made with `name`'s key: a ROUTER's
+        peer names itself, and a peer holding another key of the folder could take another's name. Without keys,
+        every message passes."""
+        if self.curve is None:
+            return True
+        try:
+            return frame.get("User-Id") == self.curve.public_key(name).decode()
+        except (zmq.ZMQError, TransportError):  # no such property, or no key under that name
+            return False
 
     def connect(self, socket_type: int, address: str, peer: str) -> zmq.Socket:
         """A socket connected to `address`, where `peer` (a name in the key folder) listens. Messages are queued
@@ -184,22 +225,40 @@ class Transport:
         self.close()
 
 
+def _unreachable(sock: zmq.Socket) -> TransportError:
+    where = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    timeout_s = sock.getsockopt(zmq.SNDTIMEO) / 1000
+    return TransportError(f"{where} unreachable: no connection accepted the message within {timeout_s:g} s "
+                          "(not listening, or refusing our Curve key)")
+
+
 def send(sock: zmq.Socket, frames: Sequence) -> None:
     """Send one message's frames without copying large buffers; raise TransportError naming the peer's address
     when it cannot be delivered within the socket's send timeout."""
     try:
         sock.send_multipart(frames, copy=False)
     except zmq.Again:
-        where = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        timeout_s = sock.getsockopt(zmq.SNDTIMEO) / 1000
-        raise TransportError(f"{where} unreachable: no connection accepted the message within {timeout_s:g} s "
-                             "(not listening, or refusing our Curve key)") from None
+        raise _unreachable(sock) from None
     except zmq.ZMQError as e:
         if e.errno != zmq.EHOSTUNREACH:
             raise
         # A ROUTER addressed a peer (the first frame) that is not connected.
         raise TransportError(f"{bytes(frames[0]).decode(errors='replace')} is not connected to "
                              f"{sock.getsockopt_string(zmq.LAST_ENDPOINT)}") from None
+
+
+def send_watching(sock: zmq.Socket, frames: Sequence, watch: Callable[[], bool], poll_s: float) -> bool:
+    """`send` on a connecting socket (its connection made with IMMEDIATE), calling `watch()` every `poll_s` while
+    no connection takes the message: `watch` may raise, or return False to give the message up (then False is
+    returned). So a process waiting on a peer that is gone still hears of its run ending or its parent dying."""
+    deadline = time.monotonic() + sock.getsockopt(zmq.SNDTIMEO) / 1000
+    while not sock.poll(round(poll_s * 1000), zmq.POLLOUT):
+        if not watch():
+            return False
+        if time.monotonic() > deadline:
+            raise _unreachable(sock)
+    send(sock, frames)
+    return True
 
 
 def receive(sock: zmq.Socket) -> list[zmq.Frame]:

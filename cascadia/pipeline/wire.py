@@ -20,7 +20,9 @@ Kinds and their buffers (n = header rows, c = header cols):
 Every sender numbers its messages. Sender ids follow the pipeline: the coordinator is 0, the node of stage i is
 i + 1, so a node's frames come from the sender just before its own. A socket's `Decoder` accepts only its one sender
 and the kinds that sender sends there, and rejects a number that does not exceed the last one it accepted (a
-duplicate or a reordering), so a replayed or misrouted message, or one from a stranger, never reaches a stage.
+duplicate or a reordering), so a replayed or misrouted message never reaches a stage. A sender id is only a claim:
+that the connection is the sender's is for CurveZMQ to say (`cascadia.pipeline.transport`, which lets each socket
+accept only its sender's key); without it a stranger can claim any id.
 """
 
 from __future__ import annotations
@@ -384,7 +386,8 @@ def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
 class Decoder:
     """Decodes what one sender sends on one socket: a message from another sender, of a kind not in `kinds`, or whose
     sequence number does not exceed the last one accepted (a duplicate or a reordering) is rejected. Only an accepted
-    message moves the sequence on, so a stray or forged message cannot shut the real sender out."""
+    message moves the sequence on, so a stray message cannot shut the real sender out; a receiver that checks a
+    message's content too (`check`, then `accept`) keeps a message whose content cannot belong from moving it."""
 
     def __init__(self, sender: int, kinds: tuple[type, ...], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.sender = sender
@@ -393,6 +396,17 @@ class Decoder:
         self._last_seq: int | None = None
 
     def decode(self, frames: Sequence) -> Received:
+        """`check` and `accept`."""
+        received = self.check(frames)
+        self.accept(received)
+        return received
+
+    def accept(self, received: Received) -> None:
+        """Move the sequence on to a checked message's number."""
+        self._last_seq = received.seq
+
+    def check(self, frames: Sequence) -> Received:
+        """The message, with every check `decode` makes, but not yet accepted."""
         received = decode(frames, self.max_message_bytes)
         what = f"{type(received.message).__name__} from sender {received.sender}"
         if received.sender != self.sender:
@@ -404,5 +418,4 @@ class Decoder:
             order = "duplicate" if received.seq == last else "out of order"
             raise WireError(f"sequence number {received.seq} from sender {received.sender} is {order} "
                             f"(last accepted {last})")
-        self._last_seq = received.seq
         return received

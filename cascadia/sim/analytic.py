@@ -38,10 +38,11 @@ def _doubling(low: int, high: int) -> tuple[int, ...]:
     return (*points, high)
 
 
-def row_grid(spec: Spec) -> tuple[int, ...]:
-    """Every padded frame size the policy can produce: the buckets, and multiples of the largest up to a full group."""
+def row_grid(spec: Spec, streams: int | None = None) -> tuple[int, ...]:
+    """Every padded frame size the policy can produce with `streams` in one group (default: `max_streams`): the
+    buckets, and multiples of the largest up to a full group."""
     runtime = spec.runtime
-    largest_frame = padded_size(runtime.max_streams + runtime.prefill_window, runtime.row_buckets)
+    largest_frame = padded_size((streams or runtime.max_streams) + runtime.prefill_window, runtime.row_buckets)
     step = runtime.row_buckets[-1]
     return tuple(sorted(set(runtime.row_buckets) | set(range(step, largest_frame + 1, step))))
 
@@ -104,8 +105,13 @@ def _table(rows: tuple[int, ...], points: tuple[int, ...], time: Callable[[int, 
 
 
 def analytic_calibration(spec: Spec) -> Calibration:
-    """Roofline tables for every node of the spec, and its links between consecutive nodes (the ring of stages)."""
-    rows = row_grid(spec)
+    """Roofline tables for every node of the spec, and its links between consecutive nodes (the ring of stages).
+    The tables reach the largest frame of the spec's workload: its most concurrent streams in one group (a grid for
+    every slot of a huge `max_streams` would take longer to build than the simulation). Open-loop arrivals may fill
+    every slot."""
+    workload = spec.workload
+    streams = spec.runtime.max_streams if workload.rate else min(spec.runtime.max_streams, max(workload.concurrency))
+    rows = row_grid(spec, streams)
     nodes = spec.cluster.nodes
     kinds = kind_costs(spec)
     per_node = {}

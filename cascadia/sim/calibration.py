@@ -38,10 +38,12 @@ import attrs
 
 from cascadia import __version__
 from cascadia.errors import CalibrationError
+from cascadia.files import UnreadableFile, read_json
 from cascadia.model_config import InklingConfig, LayerKind
 from cascadia.spec.types import LinkSpec, Spec
 
 FORMAT = "cascadia.calibration/2"
+MAX_CALIBRATION_FILE_BYTES = 64 * 1024**2  # the paper's 11 nodes take 111 KiB (analytic)
 MEASURED, ANALYTIC = "measured", "analytic"
 # Each layer kind's second table axis; None: the time depends on rows alone.
 KIND_AXES = {LayerKind.SLIDING: "context", LayerKind.GLOBAL: "context", LayerKind.MOE: "experts",
@@ -197,11 +199,9 @@ class Calibration:
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         try:
-            raw = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise CalibrationError(f"{path}: cannot read ({e.strerror})") from None
-        except json.JSONDecodeError as e:
-            raise CalibrationError(f"{path}: not valid JSON ({e})") from None
+            raw = read_json(path, MAX_CALIBRATION_FILE_BYTES, "a calibration file")
+        except UnreadableFile as e:
+            raise CalibrationError(f"{path}: {e}") from None
         return cls.from_dict(raw, where=str(path))
 
     @classmethod

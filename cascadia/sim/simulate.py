@@ -14,6 +14,7 @@ from cascadia.sim.calibration import Calibration
 from cascadia.sim.model import PipelineModel
 from cascadia.spec.types import Spec
 from cascadia.tokenizer import workload_prompts
+from cascadia.workload import prompt_length_notes
 
 
 def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None) -> dict:
@@ -26,8 +27,9 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
         from cascadia.graph.planner import plan as make_plan
 
         plan = make_plan(spec)
-    notes = calibration.check_model(spec)
-    prompts = workload_prompts(spec.workload, spec.model.checkpoint)
+    prompts = workload_prompts(spec.workload, spec.model.checkpoint, spec.model.config)
+    notes = [*calibration.check_model(spec), *(prompt_length_notes(prompts, spec.workload, spec.runtime)
+                                               if prompts else [])]
     model = PipelineModel(spec, plan, calibration)
     policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
     served = serve_workload(spec, spec.workload, prompts, lambda level, phase, recorder: model.run_phase(

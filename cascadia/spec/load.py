@@ -21,14 +21,14 @@ import difflib
 import math
 import os
 import re
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from cascadia.model_config import _ALIASES, ConfigError, InklingConfig, read_text_fields
+from cascadia.model_config import (ALIASES, FIELD_TYPES, ConfigError, FieldTypeError, InklingConfig, conform,
+                                   read_text_fields)
 from cascadia.spec.problems import Problem, SpecError, shown
 from cascadia.spec.types import (DEVICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYPES, ClusterSpec, LengthSpec, LinkSpec,
                                  ModelSpec, NodeSpec, RuntimeSpec, SloSpec, Spec, WeightFormat, WeightFormats,
@@ -38,6 +38,9 @@ from cascadia.units import UnitError, format_bytes, parse_bytes, parse_duration,
 from cascadia.workload import misfits
 
 _MAX_COUNT = 10_000  # nodes one `count:` may stamp out: a guard against a billion
+# Rows of one engine call: every block is compiled and warmed up at each bucket, so a mistyped 10**9 would allocate
+# its activations at once. The paper's largest bucket is 32.
+MAX_ROW_BUCKET = 4096
 
 
 # ---- reading values ------------------------------------------------------------------------------------------------
@@ -116,6 +119,13 @@ class _Fields:
 def _is_file(path: Path) -> bool:
     try:
         return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _is_folder(path: Path) -> bool:
+    try:
+        return path.is_dir()
     except (OSError, ValueError):
         return False
 
@@ -217,6 +227,8 @@ def _buckets(value: Any) -> tuple[int, ...]:
     buckets = _int_list(value)
     if list(buckets) != sorted(buckets):
         raise _Invalid(f"must be increasing, got {shown(value)}")
+    if buckets[-1] > MAX_ROW_BUCKET:
+        raise _Invalid(f"a call holds at most {MAX_ROW_BUCKET} rows, got {buckets[-1]}")
     return buckets
 
 
@@ -236,60 +248,29 @@ def _address(value: Any) -> str:
 
 
 # ---- model ---------------------------------------------------------------------------------------------------------
-# Keys a model config may hold, with their types: InklingConfig's fields, the checkpoint aliases of some, and the
-# keys transformers derives fields from.
-_CONFIG_TYPES: dict[str, Any] = typing.get_type_hints(InklingConfig)
-_CONFIG_TYPES.update({alias: _CONFIG_TYPES[name] for alias, name in _ALIASES.items()})
-_CONFIG_TYPES.update({"local_layer_ids": list[int], "dense_mlp_idx": int, "dense_intermediate_size": int})
 _CONFIG_METADATA = {"model_type", "architectures"}  # in every config.json; harmless inline
 
 
-def _describe(hint: Any) -> str:
-    if typing.get_origin(hint) in (typing.Union, type(int | None)):
-        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
-    if typing.get_origin(hint) in (list, tuple):
-        return "a list of " + {int: "integers", str: "text values"}[typing.get_args(hint)[0]]
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "text", type(None): "null"}
-    return names.get(hint, getattr(hint, "__name__", str(hint)))
-
-
-def _conform(value: Any, hint: Any) -> Any:
-    """`value` as type `hint` (a number from numeric text, an int widened to float), or raise `_Invalid`."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, type(int | None)):
-        for arg in typing.get_args(hint):
-            try:
-                return _conform(value, arg)
-            except _Invalid:
-                pass
-    elif origin in (list, tuple) and isinstance(value, list):
-        return [_conform(item, typing.get_args(hint)[0]) for item in value]
-    elif hint is float:
-        return _number(value)
-    elif isinstance(hint, type) and isinstance(value, hint) and (hint is bool or not isinstance(value, bool)):
-        return value
-    raise _Invalid(f"expected {_describe(hint)}, got {shown(value)}")
-
-
 def _config_values(fields: dict[str, Any], report: Callable[[str, str], None],
-                   check_unknown: bool) -> dict[str, Any] | None:
-    """Config fields conformed to their types, or None; each problem goes to `report(key, message)`.
+                   check_unknown: bool, numeric_text: bool) -> dict[str, Any] | None:
+    """Config fields conformed to their types (`model_config.conform`; `numeric_text`: for YAML, which reads `1e-3`
+    as text), or None; each problem goes to `report(key, message)`.
 
     None when a field is wrong, rather than the others alone: a dropped field would come back as its default
     and set off problems of its own (a default 66 layers against a 6-entry layer_types).
     """
     out, valid = {}, True
     for key, value in fields.items():
-        if key not in _CONFIG_TYPES:
+        if key not in FIELD_TYPES:
             if check_unknown and key not in _CONFIG_METADATA:
-                hint = difflib.get_close_matches(key, list(_CONFIG_TYPES), n=1)
+                hint = difflib.get_close_matches(key, list(FIELD_TYPES), n=1)
                 report(key, "unknown model config key" + (f"; did you mean {hint[0]!r}?" if hint else ""))
                 valid = False
             out[key] = value
             continue
         try:
-            out[key] = _conform(value, _CONFIG_TYPES[key])
-        except _Invalid as e:
+            out[key] = conform(value, FIELD_TYPES[key], numeric_text)
+        except FieldTypeError as e:
             report(key, str(e))
             valid = False
     return out if valid else None
@@ -309,7 +290,7 @@ def _read_hf_config(ctx: _Context, node: Node) -> tuple[dict[str, Any], Path] | 
     def report(key: str, message: str) -> None:
         ctx.report(node, "model.hf_config", f"{path}: {key}: {message}")
 
-    values = _config_values(fields, report, check_unknown=False)
+    values = _config_values(fields, report, check_unknown=False, numeric_text=False)
     return None if values is None else (values, path)
 
 
@@ -320,7 +301,7 @@ def _mapping_values(ctx: _Context, node: Node, path: str) -> dict[str, Any] | No
         return None
     return _config_values({k: v.plain() for k, v in node.value.items()},
                           lambda key, message: ctx.report(node.value[key], f"{path}.{key}", message),
-                          check_unknown=True)
+                          check_unknown=True, numeric_text=True)
 
 
 def _inkling_config(ctx: _Context, model: Node, fields: _Fields) -> InklingConfig | None:
@@ -339,13 +320,13 @@ def _inkling_config(ctx: _Context, model: Node, fields: _Fields) -> InklingConfi
     if base is None or overrides is None:
         return None
     # An override under an alias (sliding_window) must beat the base's proper name (sliding_window_size).
-    merged = {**base, **{_ALIASES.get(key, key): value for key, value in overrides.items()}}
+    merged = {**base, **{ALIASES.get(key, key): value for key, value in overrides.items()}}
     try:
         return InklingConfig.from_hf_dict(merged)
     except ConfigError as e:
         for message in str(e).split("; "):
             # A message starts with the field it is about: point at the line that set that field.
-            field = message.split(" ", 1)[0]
+            field = message.split(" ", 1)[0].rstrip(":")
             if field in overrides:
                 ctx.report(overrides_node.value[field], f"model.overrides.{field}", message)
             elif inline_node is not None:
@@ -496,6 +477,11 @@ def _cluster(ctx: _Context, node: Node) -> ClusterSpec | None:
     if not fields.given("reserve"):
         reserve = attrs.fields(ClusterSpec).reserve_bytes.default
     curve_keys = fields.path_value("curve_keys")
+    if curve_keys is not None and not _is_folder(curve_keys / "public"):
+        # Without its public keys no socket could tell a peer's key from a stranger's.
+        ctx.report(fields.items["curve_keys"], "cluster.curve_keys",
+                   f"{curve_keys}: no folder of public keys ({curve_keys / 'public'}); make one with `cascadia keys "
+                   "generate`")
     nodes_node = fields.get("nodes", required=True)
     links_node = fields.get("links")
     fields.finish()
@@ -589,6 +575,21 @@ def _workload(ctx: _Context, node: Node | None) -> WorkloadSpec:
     return WorkloadSpec(**{k: v for k, v in values.items() if v is not None})
 
 
+def _check_runtime_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, model: ModelSpec) -> None:
+    """The runtime must stay within the model's positions, and a frame's prompt rows within what the slots hold:
+    beyond either, a value sizes work (state, tables of frame sizes) that no run can use."""
+    node = root.items["runtime"]
+    at = node.value if isinstance(node.value, dict) else {}
+    limit = model.config.max_position_embeddings
+    if runtime.context_budget > limit:
+        ctx.report(at.get("context_budget", node), "runtime.context_budget",
+                   f"{runtime.context_budget} positions exceed the model's max_position_embeddings ({limit})")
+    if runtime.prefill_window > runtime.max_streams * runtime.context_budget:
+        ctx.report(at.get("prefill_window", node), "runtime.prefill_window",
+                   f"{runtime.prefill_window} prompt rows exceed what max_streams ({runtime.max_streams}) x "
+                   f"context_budget ({runtime.context_budget}) positions hold")
+
+
 def _check_workload_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, workload: WorkloadSpec) -> None:
     """The workload must fit the stream slots and the context budget the runtime sizes its state for."""
     node = root.items["workload"]
@@ -615,6 +616,8 @@ def load_spec(path: str | Path) -> Spec:
     cluster = None if cluster_node is None else _cluster(ctx, cluster_node)
     before = len(ctx.problems)
     runtime, workload = _runtime(ctx, runtime_node), _workload(ctx, workload_node)
+    if runtime_node is not None and model is not None and len(ctx.problems) == before:
+        _check_runtime_fits(ctx, fields, runtime, model)
     if workload_node is not None and len(ctx.problems) == before:
         _check_workload_fits(ctx, fields, runtime, workload)
     if ctx.problems or model is None or cluster is None:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import attrs
 
-from cascadia.errors import SpecError
+from cascadia.errors import SpecError, shown
 
 __all__ = ["Problem", "SpecError", "shown"]
 
@@ -22,9 +21,3 @@ class Problem:
     def __str__(self) -> str:
         where = ":".join(str(part) for part in (self.file, self.line) if part is not None)
         return ": ".join(part for part in (where, self.key, self.message) if part)
-
-
-def shown(value: Any) -> str:
-    """`value` as a problem message quotes it: its repr, cut short."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
