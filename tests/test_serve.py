@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
+from serving import Served, alive
 
 from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
@@ -29,59 +28,6 @@ from cascadia.tokenizer import load_tokenizer
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
 KEY = "sk-test-cascadia"
-START_S = 120  # loading three nodes on a busy 2-core machine
-
-
-class Served:
-    """A `cascadia serve` process on 127.0.0.1, up and ready."""
-
-    def __init__(self, tmp_path: Path, spec: Path, checkpoint: Path, *options: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp_path / f"serve-{self.port}.log"
-        with self.log.open("w") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "cascadia", "serve", str(spec), "--checkpoint",
-                                             str(checkpoint), "--port", str(self.port), *options],
-                                            stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"the server exited: {self.log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise AssertionError(f"not ready within {START_S} s: {self.log.read_text()[-3000:]}")
-
-    def children(self) -> set[int]:
-        return {int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
-                if _parent(stat) == self.process.pid}
-
-    def stop(self) -> int:
-        """SIGTERM, as systemd or a container would send: the server's exit status."""
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(60)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-
-
-def _parent(stat: Path) -> int | None:
-    try:
-        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +38,7 @@ def server(tmp_path_factory, checkpoint):
     nodes = served.children()
     yield served
     assert len(nodes) == 3 and served.stop() == 0
-    assert not any(_alive(pid) for pid in nodes), "node processes left behind"
+    assert not any(alive(pid) for pid in nodes), "node processes left behind"
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +64,9 @@ def reference(spec, checkpoint):
     tokenizer = load_tokenizer(checkpoint)
     chat = ChatTemplate.of_checkpoint(checkpoint)
 
-    def greedy(prompt_ids, n: int) -> tuple[str, list[int]]:
-        ids = list(generate(engine, prompt_ids, n, Sampling(), stop_ids=spec.model.config.eos_ids).ids)
+    def greedy(prompt_ids, n: int, stop: bool = True) -> tuple[str, list[int]]:
+        stop_ids = spec.model.config.eos_ids if stop else ()
+        ids = list(generate(engine, prompt_ids, n, Sampling(), stop_ids=stop_ids).ids)
         return tokenizer.decode(ids, skip_special_tokens=True), ids
 
     def chat_ids(messages) -> list[int]:
@@ -164,8 +111,11 @@ def test_completions_take_text_or_token_ids(client, reference):
     assert text == greedy(ids, 10)[0]
     by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0)
     assert by_ids.choices[0].text == text
-    streamed = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0, stream=True)
-    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+    streamed = list(client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == greedy(ids, 10, stop=False)[0]
+    # one chunk per token, then the finish: what `cascadia run --url` times each token by
+    assert [c.choices[0].finish_reason for c in streamed] == [None] * 10 + ["length"]
 
 
 def test_a_stop_string_ends_the_text_before_it(client, reference):
@@ -352,4 +302,4 @@ def test_the_server_stops_on_sigterm_and_leaves_no_process(tmp_path, checkpoint,
     assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == finish
     client.close()
     assert served.process.wait(60) == 0
-    assert len(nodes) == 3 and not any(_alive(pid) for pid in nodes)
+    assert len(nodes) == 3 and not any(alive(pid) for pid in nodes)

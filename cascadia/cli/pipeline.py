@@ -113,7 +113,8 @@ def _load_and_report(loaded, workload, url: str, api_key_file, model: str | None
 
     report = report_to(json_path)
     key = api_key_file.readline().strip() if api_key_file is not None else None
-    prompts = workload_prompts(workload, Path(checkpoint) if checkpoint else loaded.model.checkpoint)
+    prompts = workload_prompts(workload, Path(checkpoint) if checkpoint else loaded.model.checkpoint,
+                               loaded.model.config)
     result = run_url(loaded, workload, Target(url, key, model), prompts, on_phase=lambda level, phase, records:
                      click.echo(f"{level}, {phase}: {len(records)} requests", err=True))
     report(format_table(result))

@@ -73,6 +73,7 @@ class Generation:
         self.text = TextStream(server.tokenizer, stop) if server.tokenizer else None
         self.tokens = 0
         self.finish_reason: str | None = None
+        self.rest = ""
         self.admitted = False
         self._events: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -84,7 +85,8 @@ class Generation:
         self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
     async def pieces(self) -> AsyncIterator[str]:
-        """Each generated token's text (maybe ""), then the held-back rest; `finish_reason` is set at the end."""
+        """Each generated token's text (maybe ""); at the end `finish_reason` is set, and `rest` holds the text held
+        back until then (a stop string's prefix that never completed, an unfinished UTF-8 character)."""
         while self.finish_reason is None:
             event = await self._events.get()
             if event is _WAKE:  # cancelled here: `finish_reason` is set
@@ -101,8 +103,7 @@ class Generation:
                 yield piece
             elif isinstance(event, Finished):
                 self._end({LENGTH: "length", STOP: "stop", CANCELLED: "cancelled"}[event.reason])
-                if self.text is not None and (rest := self.text.finish()):
-                    yield rest
+                self.rest = self.text.finish() if self.text is not None else ""
             elif isinstance(event, Rejected):  # the checks before submitting make this rare
                 self._end("rejected")
                 raise ApiError(400, event.reason, "rejected", code="context_length_exceeded")
@@ -309,21 +310,23 @@ async def _respond(server: Server, body: ChatRequest | CompletionRequest, reques
 
 
 async def _collect(generation: Generation) -> str:
-    return "".join([piece async for piece in generation.pieces()])
+    return "".join([piece async for piece in generation.pieces()]) + generation.rest
 
 
 async def _stream(generation: Generation, reply: Reply, include_usage: bool, prompt_tokens: int):
-    """The server-sent events of a streamed completion; a client that goes away cancels its stream (this generator
-    is closed, and `finally` runs)."""
+    """The server-sent events of a streamed completion: a chat's first names the role, then one per token, and the
+    last the finish reason (with any held-back text), so that a client can time each token by its chunk. A client
+    that goes away cancels its stream (this generator is closed, and `finally` runs)."""
     try:
-        yield {"data": json.dumps(reply.chunk("", first=True))}
+        if reply.chat:
+            yield {"data": json.dumps(reply.chunk("", first=True))}
         try:
             async for piece in generation.pieces():
                 yield {"data": json.dumps(reply.chunk(piece))}
         except ApiError as e:
             yield {"data": json.dumps(e.body)}
             return
-        yield {"data": json.dumps(reply.chunk(None, generation.finish_reason))}
+        yield {"data": json.dumps(reply.chunk(generation.rest or None, generation.finish_reason))}
         if include_usage:
             yield {"data": json.dumps(reply.usage_chunk(prompt_tokens, generation.tokens))}
         yield {"data": "[DONE]"}

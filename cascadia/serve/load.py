@@ -1,11 +1,11 @@
 """`cascadia run --url`: a spec's workload against a live OpenAI-compatible server, timed on the client side.
 
 The same levels, phases, prompts (as token ids) and arrivals as `cascadia run` serves on its own pipeline, sent as
-streamed `/v1/completions` requests by the `openai` client: a request arrives when its client sends it, and each
-token when its stream chunk comes back (`cascadia serve` sends a chunk per token, so that tokens are timed one by
-one; the count is the usage the server reports). The same `Recorder` turns that into the same metrics schema, so a
-run against a deployment, a local run and a simulation read alike. Each node's busy seconds come from the server's
-`/status`, when it is a `cascadia serve`.
+streamed `/v1/completions` requests by the `openai` client: a request arrives when its client sends it, and each token
+when its stream chunk comes back (`cascadia serve` sends a chunk per token, so that tokens are timed one by one, then
+one with the finish reason; the count is the usage the server reports). The same `Recorder` turns that into the same
+metrics schema, so a run against a deployment, a local run and a simulation read alike. Each node's busy seconds come
+from the server's `/status`, when it is a `cascadia serve`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from cascadia import metrics
 from cascadia.driver import Served, serve_workload
 from cascadia.errors import NodeError, RequestError
 from cascadia.metrics import Recorder
-from cascadia.policy import LENGTH, STOP, Finished, Request, Token
+from cascadia.policy import LENGTH, STOP, Finished, Rejected, Request, Token
 from cascadia.spec.types import Spec, WorkloadSpec
-from cascadia.workload import Arrivals, Level, Phase
+from cascadia.workload import Arrivals, Level, Phase, prompt_length_notes
 
 TIMEOUT_S = 600.0  # one request's longest wait for the server
 _FINISH = {"length": LENGTH, "stop": STOP}
@@ -45,8 +45,10 @@ class Target:
 
 def run_url(spec: Spec, workload: WorkloadSpec, target: Target, prompts: Sequence[tuple[int, ...]] | None,
             on_phase: Callable[[str, str, list], None] = lambda level, phase, records: None) -> dict:
-    """Every level of `workload` against the server, in the metrics schema (source "run"). A server that cannot be
-    reached, or fails a request, is a NodeError naming it."""
+    """Every level of `workload` against the server, in the metrics schema (source "run"). A request the server
+    refuses as too long for its context is rejected, as the policy rejects it in `cascadia run`; a server that cannot
+    be reached, or fails or refuses a request otherwise, is an error naming it."""
+    notes = prompt_length_notes(prompts, workload, spec.runtime) if prompts else []
     model = target.model or asyncio.run(_only_model(target))
     served = Served()
 
@@ -55,7 +57,7 @@ def run_url(spec: Spec, workload: WorkloadSpec, target: Target, prompts: Sequenc
 
     serve_workload(spec, workload, prompts, run_phase, served, on_phase)
     return metrics.result("run", attrs.evolve(spec, workload=workload), served.levels, served.records,
-                          warnings=[f"measured on the client side, against {target.url} (model {model})"])
+                          warnings=[f"measured on the client side, against {target.url} (model {model})", *notes])
 
 
 def _client(target: Target) -> openai.AsyncOpenAI:
@@ -131,11 +133,18 @@ async def _request(client: openai.AsyncOpenAI, model: str, request: Request, rec
                 finish = chunk.choices[0].finish_reason or finish
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
+    except openai.BadRequestError as e:
+        if e.code != "context_length_exceeded":
+            raise RequestError(f"request {request.id}: the server refused it: {e.message}") from None
+        recorder.observe([Rejected(request.id, e.message)], now())  # as the policy rejects it in `cascadia run`
+        return
     except openai.APIError as e:
         raise NodeError(f"request {request.id}: the server answered {e}") from None
-    if tokens is None or finish is None or tokens > len(times):
+    if tokens is None or finish is None or not times:
         raise NodeError(f"request {request.id}: the stream ended without its usage or finish reason")
-    token_times = times[:tokens]  # a last chunk may carry held-back text only
+    # cascadia serve: a chunk per token, then the finish; a server that sends several tokens in one chunk: those
+    # tokens arrived together, at the last chunk's time
+    token_times = times[:tokens] + times[-1:] * (tokens - len(times))
     for index, t in enumerate(token_times):
         recorder.observe([Token(request.id, -1, index)], t)
     recorder.observe([Finished(request.id, None, _FINISH.get(finish, finish), tokens)], token_times[-1])

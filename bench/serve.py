@@ -1,0 +1,131 @@
+"""What the HTTP path costs: decode tokens/s through `cascadia serve` (timed by its client) against `cascadia run`.
+
+Scenario: the benches' mid-size random Inkling (written once into CHECKPOINT) on NODES local node processes of
+THREADS_PER_NODE threads, one plan. Each round measures every concurrency level twice, back to back: first
+`cascadia run` (the coordinator drives the pipeline in this process), then the same workload (levels, prompts,
+warm-up and measured phases) sent by `cascadia run --url`'s load generator to a `cascadia serve` process holding the
+same plan, as streamed `/v1/completions` requests through the `openai` client, each token timed when its chunk
+arrives. Reported per level, the mean over the rounds:
+  run tok/s      decode tokens/s of `cascadia run` (output tokens after the first, over the decoding time)
+  serve tok/s    the same, measured on the client side of the server
+  HTTP cost      1 - serve / run: the share of throughput the HTTP path takes (negative: within the noise)
+  spread         the largest relative difference between two rounds of `cascadia run` at that level
+Not a test: it prints ratios. The server, its client and the nodes share this machine's cores, so the HTTP cost
+includes the CPU the server and client take from the nodes.
+
+    python bench/serve.py [--quick] [--concurrency 1,4,8] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+import httpx
+from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
+
+from cascadia.graph.planner import plan as make_plan
+from cascadia.model_config import InklingConfig
+from cascadia.pipeline.run import run
+from cascadia.pipeline.transport import free_port
+from cascadia.serve.load import Target, run_url
+from cascadia.spec.dump import write_spec
+from cascadia.spec.types import ClusterSpec, LengthSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WorkloadSpec
+from cascadia.table import format_rows
+
+MODEL = MID_SIZES | {"intermediate_size": 2048, "layer_types": (["hybrid_sliding"] * 3 + ["hybrid"]) * 2}
+QUICK_MODEL = MODEL | QUICK_SIZES | {"intermediate_size": 512}
+CHECKPOINT = Path("/tmp/cascadia-bench-pipeline")  # bench/pipeline.py's: the same model
+NODES = 2
+THREADS_PER_NODE = 1  # 2 nodes x 1 thread on this machine's 2 cores
+PROMPT_TOKENS = 16
+OUTPUT_TOKENS = 32
+SEED = 0
+START_S = 600  # loading the nodes on a busy machine
+
+
+def spec(config: InklingConfig, checkpoint: Path, max_streams: int) -> Spec:
+    cluster = ClusterSpec(tuple(NodeSpec(f"node{i}", memory_bytes=8 * 2**30, host="localhost",
+                                         threads=THREADS_PER_NODE) for i in range(NODES)), reserve_bytes=2**28)
+    runtime = RuntimeSpec(context_budget=PROMPT_TOKENS + OUTPUT_TOKENS, max_streams=max_streams, precision="bf16",
+                          row_buckets=(2, 4, 8, 16, 32), prefill_window=8)
+    workload = WorkloadSpec(prompt_tokens=LengthSpec.fixed(PROMPT_TOKENS), output_tokens=OUTPUT_TOKENS, seed=SEED)
+    return Spec(ModelSpec(config, FORMATS, checkpoint, name="bench-mid"), cluster, runtime, workload)
+
+
+class Server:
+    """`cascadia serve` on 127.0.0.1 with the given spec and plan files, until `stop`."""
+
+    def __init__(self, spec_path: Path, plan_path: Path, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        with log.open("w") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "cascadia", "serve", str(spec_path), "--plan", str(plan_path), "--port",
+                 self.url.rsplit(":", 1)[1]], stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_S
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                sys.exit(f"the server did not start; its log:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model, to check the bench itself")
+    parser.add_argument("--concurrency", default="1,4,8", help="levels, e.g. 1,4,8")
+    parser.add_argument("--rounds", type=int, default=2, help="measurements of each path per level")
+    args = parser.parse_args()
+    levels = tuple(int(c) for c in args.concurrency.split(","))
+    config = model_config(QUICK_MODEL if args.quick else MODEL)
+    setup = spec(config, random_checkpoint(config, CHECKPOINT, args.quick, SEED), max(levels))
+    workload = attrs.evolve(setup.workload, concurrency=levels)
+    plan = make_plan(setup)
+    print(f"model: hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.n_routed_experts} experts; "
+          f"{NODES} local nodes of {THREADS_PER_NODE} thread(s); {PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} output "
+          f"tokens per request", flush=True)
+    runs: list[list[float]] = [[] for _ in levels]
+    serves: list[list[float]] = [[] for _ in levels]
+    with tempfile.TemporaryDirectory(prefix="cascadia-bench-serve-") as tmp:
+        folder = Path(tmp)
+        spec_path, plan_path = write_spec(setup, folder / "spec.yaml"), folder / "plan.json"
+        plan.save(plan_path)
+        server = Server(spec_path, plan_path, folder / "serve.log")
+        try:
+            for round_ in range(args.rounds):
+                local = run(setup, plan, workload, on_message=lambda node, message: None).result["levels"]
+                served = run_url(setup, workload, Target(server.url), None)["levels"]
+                for index, (a, b) in enumerate(zip(local, served)):
+                    runs[index].append(a["decode_tokens_per_s"])
+                    serves[index].append(b["decode_tokens_per_s"])
+                print(f"  round {round_ + 1} of {args.rounds} done", flush=True)
+        finally:
+            server.stop()
+    rows = [("streams", "run tok/s", "serve tok/s", "HTTP cost", "spread")]
+    for level, a, b in zip(levels, runs, serves):
+        mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+        rows.append((str(level), f"{mean_a:.1f}", f"{mean_b:.1f}", f"{1 - mean_b / mean_a:+.1%}",
+                     f"{(max(a) - min(a)) / min(a):.1%}"))
+    print(format_rows(rows))
+
+
+if __name__ == "__main__":
+    main()
