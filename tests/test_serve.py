@@ -211,6 +211,7 @@ BAD = [
     ({"json": {"messages": MESSAGES, "model": "gpt-4"}}, 404, "no model named 'gpt-4'"),
     ({"json": {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}}, 400, "at most 4 stop strings"),
     ({"content": b"{" + b" " * 70000 + b"}"}, 413, "over the limit of 65536 bytes"),
+    ({"content": iter([b"{", b" " * 70000, b"}"])}, 413, "over the limit of 65536 bytes"),  # chunked, no length
 ]
 
 

@@ -18,7 +18,7 @@ import json
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 
 import attrs
@@ -210,6 +210,42 @@ class Server:
         return len(self.recent_tokens) / RATE_WINDOW_S
 
 
+class BodyLimit:
+    """ASGI middleware: a request's body is read whole before the app sees it, and refused with `too_large()` once
+    it passes `max_bytes`, whether it declares its length or comes in chunks."""
+
+    def __init__(self, app, max_bytes: int, too_large: Callable[[], Response]) -> None:
+        self.app, self.max_bytes, self.too_large = app, max_bytes, too_large
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            return await self.too_large()(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self.too_large()(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        whole: dict | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> dict:
+            nonlocal whole
+            if whole is None:
+                return await receive()  # after the body: a disconnect, for a streaming response to notice
+            message, whole = whole, None
+            return message
+
+        await self.app(scope, replay, send)
+
+
 def build_app(server: Server) -> FastAPI:
     app = FastAPI(title="cascadia serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -231,18 +267,22 @@ def build_app(server: Server) -> FastAPI:
     async def refused(request: Request, e: CascadiaError):
         return await api_error(request, ApiError(400, str(e), "invalid_request"))
 
-    @app.middleware("http")
+    def too_large() -> JSONResponse:
+        e = ApiError(413, f"the request body is over the limit of {server.settings.max_body_bytes} bytes",
+                     "too_large")
+        server.metrics.rejected.labels(e.reason).inc()
+        return JSONResponse(e.body, status_code=e.status)
+
+    app.add_middleware(BodyLimit, max_bytes=server.settings.max_body_bytes, too_large=too_large)
+
+    @app.middleware("http")  # added last, so it runs first: no body is read for a request without the key
     async def guard(request: Request, call_next):
-        """The bearer key on /v1/, and the body size limit, before anything reads the body."""
+        """The bearer key on /v1/."""
         if request.url.path.startswith("/v1/") and server.settings.api_key is not None:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {server.settings.api_key}".encode()):
                 return await api_error(request, ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
                                                          "unauthorized", code="invalid_api_key"))
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > server.settings.max_body_bytes):
-            return await api_error(request, ApiError(413, f"the request body is over the limit of "
-                                                          f"{server.settings.max_body_bytes} bytes", "too_large"))
         return await call_next(request)
 
     @app.post("/v1/chat/completions")
