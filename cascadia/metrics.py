@@ -126,7 +126,7 @@ def summarize_level(records: Sequence[RequestRecord], busy_s: Mapping[str, float
     if slo is not None:
         good = sum(meets(r, slo) for r in records)
         goodput = {"slo": {"ttft_s": slo.ttft, "tpot_s": slo.tpot},
-                   "fraction": good / len(records) if records else None,
+                   "fraction": good / (len(records) + rejected) if records or rejected else None,
                    "requests_per_s": good / wall if wall > 0 else None}
     return {
         "concurrency": concurrency,
@@ -185,11 +185,14 @@ def level_label(level: dict) -> str:
 
 def format_table(result_: dict) -> str:
     """The level summaries as an aligned plain-text table. Open-loop levels (arrival rates) add the p99 columns,
-    and a workload SLO a goodput column (the fraction of requests meeting it)."""
+    rejected requests a column of their count, and a workload SLO a goodput column (the fraction of requests
+    meeting it, rejected ones counted as missing it)."""
     levels = result_["levels"]
     open_loop = any(level.get("rate") is not None for level in levels)
     with_slo = any(level.get("goodput") for level in levels)
+    with_rejected = any(level.get("rejected") for level in levels)
     columns = [("streams" if not open_loop else "load", level_label), ("requests", lambda lv: str(lv["requests"])),
+               *([("rejected", lambda lv: str(lv["rejected"]))] if with_rejected else []),
                ("tokens", lambda lv: str(lv["output_tokens"])),
                ("decode tok/s", lambda lv: _rate(lv["decode_tokens_per_s"])),
                ("phase tok/s", lambda lv: _rate(lv["phase_tokens_per_s"]))]

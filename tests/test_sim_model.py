@@ -247,6 +247,10 @@ def test_goodput_counts_the_requests_meeting_the_slo():
     assert summary["goodput"]["fraction"] == 0.5 and summary["rate"] == 300.0 and summary["concurrency"] is None
     assert summary["goodput"]["requests_per_s"] == pytest.approx(20 / summary["wall_s"])
     assert summarize_level(records, {}, rate=300.0, slo=attrs.evolve(slo, tpot=1e-9))["goodput"]["fraction"] == 0
+    # a rejected request misses the SLO: 20 good of 40 served and 10 turned away
+    with_rejected = summarize_level(records, {}, rate=300.0, rejected=10, slo=slo)
+    assert with_rejected["goodput"]["fraction"] == 20 / 50
+    assert "rejected" in format_table({"levels": [with_rejected]}).splitlines()[0]
 
 
 def test_simulate_sweeps_arrival_rates():

@@ -46,8 +46,9 @@ class Target:
 def run_url(spec: Spec, workload: WorkloadSpec, target: Target, prompts: Sequence[tuple[int, ...]] | None,
             on_phase: Callable[[str, str, list], None] = lambda level, phase, records: None) -> dict:
     """Every level of `workload` against the server, in the metrics schema (source "run"). A request the server
-    refuses as too long for its context is rejected, as the policy rejects it in `cascadia run`; a server that cannot
-    be reached, or fails or refuses a request otherwise, is an error naming it."""
+    refuses as too long for its context (as the policy does in `cascadia run`), or for want of room (429: its
+    waiting queue is full), is rejected; a server that cannot be reached, or fails or refuses a request otherwise,
+    is an error naming it."""
     notes = prompt_length_notes(prompts, workload, spec.runtime) if prompts else []
     model = target.model or asyncio.run(_only_model(target))
     served = Served()
@@ -89,9 +90,7 @@ async def _phase(target: Target, model: str, arrivals: Arrivals, requests: int, 
         def send(batch: list[Request]) -> None:
             for request in batch:
                 recorder.arrived(request, now())
-                task = asyncio.create_task(_request(client, model, request, recorder, now))
-                task.add_done_callback(lambda done: tasks.discard(done) or send(arrivals.done()))
-                tasks.add(task)
+                tasks.add(asyncio.create_task(_request(client, model, request, recorder, now)))
 
         send(arrivals.start(now()))
         left = requests
@@ -104,9 +103,11 @@ async def _phase(target: Target, model: str, arrivals: Arrivals, requests: int, 
                 else:  # open loop, between arrivals
                     finished = set()
                     await asyncio.sleep(timeout)
+                tasks -= finished
                 for task in finished:
                     task.result()  # a failed request stops the run
                     left -= 1
+                    send(arrivals.done())  # closed loop: its client's next request
                 send(arrivals.due(now()))
         finally:
             for task in tasks:
@@ -133,10 +134,10 @@ async def _request(client: openai.AsyncOpenAI, model: str, request: Request, rec
                 finish = chunk.choices[0].finish_reason or finish
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
-    except openai.BadRequestError as e:
-        if e.code != "context_length_exceeded":
+    except (openai.BadRequestError, openai.RateLimitError) as e:
+        if e.status_code == 400 and e.code != "context_length_exceeded":
             raise RequestError(f"request {request.id}: the server refused it: {e.message}") from None
-        recorder.observe([Rejected(request.id, e.message)], now())  # as the policy rejects it in `cascadia run`
+        recorder.observe([Rejected(request.id, e.message)], now())  # too long, or no room: the server's admission
         return
     except openai.APIError as e:
         raise NodeError(f"request {request.id}: the server answered {e}") from None
