@@ -1,9 +1,10 @@
 """Aggregate decode tokens/s of a 3-node local pipeline against 1 node, by concurrency, on a mid-size random model.
 
-Scenario: a random Inkling of MODEL's sizes (written once by `init_model` into CHECKPOINT) is served by `cascadia run`
-machinery twice: by one node holding every layer, then by three local node processes holding consecutive thirds, each
-with THREADS_PER_NODE inference threads. Every level runs a warm-up and a measured phase of `concurrency` closed-loop
-requests of PROMPT_TOKENS prompt and OUTPUT_TOKENS output tokens, greedy. Reported per level and setup:
+Scenario: a random Inkling of specs/mid's config (written once by `init_model` into CHECKPOINT) is served by
+`cascadia run` machinery twice: by one node holding every layer, then by three local node processes holding
+consecutive thirds, each with THREADS_PER_NODE inference threads. Every level runs a warm-up and a measured phase of
+`concurrency` closed-loop requests of PROMPT_TOKENS prompt and OUTPUT_TOKENS output tokens, greedy. Reported per
+level and setup:
   decode tok/s   the metrics' decode throughput (output tokens after the first, over the decoding time)
   ideal tok/s    the pipeline's ceiling set by its slowest stage: the phase's output tokens / the busiest node's busy
                  seconds (the throughput if that node never waited)
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 import attrs
-from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
+from random_model import FORMATS, mid_config, random_checkpoint
 
 from cascadia.graph.planner import plan as make_plan
 from cascadia.model_config import InklingConfig
@@ -30,9 +31,6 @@ from cascadia.pipeline.run import run
 from cascadia.spec.types import ClusterSpec, LengthSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WorkloadSpec
 from cascadia.table import format_rows
 
-# Three sliding layers to one global, twice; a dense MLP of width 2048.
-MODEL = MID_SIZES | {"intermediate_size": 2048, "layer_types": (["hybrid_sliding"] * 3 + ["hybrid"]) * 2}
-QUICK_MODEL = MODEL | QUICK_SIZES | {"intermediate_size": 512}
 CHECKPOINT = Path("/tmp/cascadia-bench-pipeline")
 CORES = 2  # this machine's
 THREADS_PER_NODE = 1  # 3 nodes x 1 thread on CORES cores; the single node gets all CORES
@@ -70,7 +68,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,3,9,18", help="levels, e.g. 1,3,9,18")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(","))
-    config = model_config(QUICK_MODEL if args.quick else MODEL)
+    config = mid_config(args.quick)
     checkpoint = random_checkpoint(config, CHECKPOINT, args.quick, SEED)
     print(f"model: hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.n_routed_experts} experts "
           f"top-{config.num_experts_per_tok} + {config.n_shared_experts} shared of width "

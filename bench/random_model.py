@@ -25,6 +25,18 @@ FORMATS = WeightFormats(routed_experts=WeightFormat("int4", 32), shared_experts=
                         embedding=WeightFormat("int8"), head=WeightFormat("int8"))
 
 
+# The pipeline benches' model, as specs/mid-pinned.yaml serves it: MID_SIZES, three sliding layers to one global
+# twice, a dense MLP of width 2048.
+MID_CONFIG = Path(__file__).parent.parent / "specs" / "mid" / "config.json"
+QUICK_MID = QUICK_SIZES | {"intermediate_size": 512}
+
+
+def mid_config(quick: bool) -> InklingConfig:
+    """specs/mid's config; with `quick` at QUICK_SIZES."""
+    config = InklingConfig.from_file(MID_CONFIG)
+    return InklingConfig.from_hf_dict(config.to_hf_dict() | QUICK_MID) if quick else config
+
+
 def model_config(sizes: dict) -> InklingConfig:
     """specs/tiny's config with `sizes` (config.json keys) over it."""
     base = InklingConfig.from_file(Path(__file__).parent.parent / "specs" / "tiny" / "config.json").to_hf_dict()

@@ -1,11 +1,11 @@
 """What the HTTP path costs: decode tokens/s through `cascadia serve` (timed by its client) against `cascadia run`.
 
-Scenario: the benches' mid-size random Inkling (written once into CHECKPOINT) on NODES local node processes of
-THREADS_PER_NODE threads, one plan. Each round measures every concurrency level twice, back to back: first
-`cascadia run` (the coordinator drives the pipeline in this process), then the same workload (levels, prompts,
-warm-up and measured phases) sent by `cascadia run --url`'s load generator to a `cascadia serve` process holding the
-same plan, as streamed `/v1/completions` requests through the `openai` client, each token timed when its chunk
-arrives. Reported per level, the mean over the rounds:
+Scenario: the benches' mid-size random Inkling (specs/mid's config, written once into CHECKPOINT) on NODES local
+node processes of THREADS_PER_NODE threads, one plan. Each round measures every concurrency level twice, back to
+back: first `cascadia run` (the coordinator drives the pipeline in this process), then the same workload (levels,
+prompts, warm-up and measured phases) sent by `cascadia run --url`'s load generator to a `cascadia serve` process
+holding the same plan, as streamed `/v1/completions` requests through the `openai` client, each token timed when its
+chunk arrives. Reported per level, the mean over the rounds:
   run tok/s      decode tokens/s of `cascadia run` (output tokens after the first, over the decoding time)
   serve tok/s    the same, measured on the client side of the server
   HTTP cost      1 - serve / run: the share of throughput the HTTP path takes (negative: within the noise)
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import attrs
 import httpx
-from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
+from random_model import FORMATS, mid_config, random_checkpoint
 
 from cascadia.graph.planner import plan as make_plan
 from cascadia.model_config import InklingConfig
@@ -38,8 +38,6 @@ from cascadia.spec.dump import write_spec
 from cascadia.spec.types import ClusterSpec, LengthSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WorkloadSpec
 from cascadia.table import format_rows
 
-MODEL = MID_SIZES | {"intermediate_size": 2048, "layer_types": (["hybrid_sliding"] * 3 + ["hybrid"]) * 2}
-QUICK_MODEL = MODEL | QUICK_SIZES | {"intermediate_size": 512}
 CHECKPOINT = Path("/tmp/cascadia-bench-pipeline")  # bench/pipeline.py's: the same model
 NODES = 2
 THREADS_PER_NODE = 1  # 2 nodes x 1 thread on this machine's 2 cores
@@ -95,7 +93,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="measurements of each path per level")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(","))
-    config = model_config(QUICK_MODEL if args.quick else MODEL)
+    config = mid_config(args.quick)
     setup = spec(config, random_checkpoint(config, CHECKPOINT, args.quick, SEED), max(levels))
     workload = attrs.evolve(setup.workload, concurrency=levels)
     plan = make_plan(setup)

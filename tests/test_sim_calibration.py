@@ -6,6 +6,7 @@ import attrs
 import pytest
 from sim_specs import calibration, tiny_spec
 
+from cascadia import host_cpus
 from cascadia.sim.calibration import (Calibration, CalibrationError, Extrapolations, Table, interpolate,
                                       uniform_distinct_experts)
 from cascadia.spec.types import WeightFormat, WeightFormats
@@ -93,6 +94,24 @@ def test_check_model():
     stray = attrs.evolve(cal, links={("n0", "n1"): spec.cluster.default_link, ("n1", "n9"): spec.cluster.default_link})
     assert stray.check_model(spec) == ["calibration: links name nodes the spec's cluster does not have, so they are "
                                        "not used: links[1] (n1->n9)"]
+
+
+def test_a_calibration_records_its_cpu_and_warns_on_another(tmp_path):
+    spec = tiny_spec()
+    cal = calibration(spec, lambda kind, r, x: 1.0)
+    assert cal.meta.cpu == host_cpus.identity() and cal.meta.cpu["model"]
+    cal.save(tmp_path / "cal.json")
+    assert Calibration.load(tmp_path / "cal.json").check_model(spec) == []  # recorded, read back, the same
+    other = {"model": "Intel Xeon Platinum 8480+ (family 6, model 143)", "isa": ["AVX2", "AVX-512", "AMX"]}
+    [note] = attrs.evolve(cal, meta=attrs.evolve(cal.meta, cpu=other)).check_model(spec)
+    assert note == (f"calibration: measured on Intel Xeon Platinum 8480+ (family 6, model 143) with AVX2, AVX-512, "
+                    f"AMX; this machine has {host_cpus.describe(host_cpus.identity())}: its timings may not hold here")
+
+
+def test_an_older_calibration_without_a_cpu_still_loads(tmp_path):
+    raw = calibration(tiny_spec(), lambda kind, r, x: 1.0).to_dict()
+    del raw["meta"]["cpu"]
+    assert Calibration.from_dict(raw).meta.cpu is None
 
 
 DELETE = object()

@@ -13,6 +13,8 @@ from typing import IO
 
 import click
 
+from cascadia.host_cpus import parse_cpus
+
 
 class Quantity(click.ParamType):
     """A quantity with units on the command line: a "size" ("64GB"), "rate" ("1gbit") or "duration" ("100us")."""
@@ -131,6 +133,20 @@ def with_sampling(workload, greedy: bool | None, temperature: float | None, top_
     changes.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed))
                     if v is not None})
     return attrs.evolve(workload, **changes)
+
+
+class CpuList(click.ParamType):
+    """CPU ids as `taskset` writes them, e.g. "0-3" or "0,2-3"."""
+
+    name = "cpus"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_cpus(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
 
 
 class RateList(click.ParamType):

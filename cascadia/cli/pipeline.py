@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (OutputPath, TcpAddress, chosen_plan, emulate_links_option, report_to, sampling_options,
-                                 with_sampling, workload_options, workload_overrides, writing)
+from cascadia.cli.common import (CpuList, OutputPath, TcpAddress, chosen_plan, emulate_links_option, report_to,
+                                 sampling_options, with_sampling, workload_options, workload_overrides, writing)
 from cascadia.spec.load import load_spec
 
 
@@ -24,13 +24,15 @@ from cascadia.spec.load import load_spec
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
 @click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: the node's, in the spec)")
 @click.option("--logits", is_flag=True, help="last node: send the logits of sampled rows back too (scoring)")
+@click.option("--cpus", type=CpuList(), help="the CPUs to run on, e.g. 0-3 (default: the node's cpus in the spec, "
+                                             "else wherever it is started)")
 @click.option("--parent-pid", type=int, help="stop when this process is no longer our parent")
 @click.option("--keep-serving", is_flag=True,
               help="serve run after run: when a run ends, keep the compiled stage and wait for the next coordinator")
 @click.option("--wait-coordinator", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="seconds to wait at start for the coordinator to accept this node (--keep-serving: for ever)")
 def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, successor: str | None,
-         checkpoint: str | None, threads: int | None, logits: bool,
+         checkpoint: str | None, threads: int | None, logits: bool, cpus: tuple[int, ...] | None,
          parent_pid: int | None, keep_serving: bool, wait_coordinator: float) -> None:
     """Serve one stage of a plan: load its layers, then compute frames until the coordinator says stop.
 
@@ -54,7 +56,7 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
     if folder is None:
         raise click.UsageError(f"{spec_path}: the model names no checkpoint; give --checkpoint")
     try:
-        serve_node(loaded, chosen, settings, folder, threads, logits)
+        serve_node(loaded, chosen, settings, folder, threads, logits, cpus)
     except Exception as e:  # already reported to the coordinator by the node loop; say it here too, briefly
         raise click.ClickException(f"{name}: {type(e).__name__}: {e}") from None
 

@@ -29,6 +29,7 @@ import numpy as np
 from cascadia.engine.device import core
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import load_plan
+from cascadia.host_cpus import pin
 from cascadia.measure.workers import CalibrationFailed, Worker, say
 from cascadia.model_config import LayerKind
 from cascadia.pipeline.launch import thread_env
@@ -86,6 +87,7 @@ def tables_worker(argv: Sequence[str]) -> None:
         spec = load_spec(spec_path)
         plan = load_plan(plan_path, spec)
         _, stage = find_stage(plan, name)
+        pin(spec.cluster.node(name).cpus, name, whole_process=True)  # measured as the node will run: on its CPUs
         loaded = load_stage(spec, stage, Path(checkpoint), None, False,
                             lambda done, total: say(progress=f"compiled {done}/{total} blocks"))
         engine = loaded.engine

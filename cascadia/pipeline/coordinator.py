@@ -99,6 +99,7 @@ class Coordinator:
         self._stats_owed = dict.fromkeys(self.nodes, 0)  # stats requests not yet answered, by node
         self._ready: set[str] = set()
         self._last_heard: dict[str, float] = {}  # monotonic time of each starting node's last message
+        self.node_cpus: dict[str, tuple[int, ...]] = {}  # the CPUs each node's process runs on, from its HELLO
         self._last_dropped: dict[str, str] = {}  # why each node's last dropped control message was dropped
         self._on_message: Callable[[str, Message], None] = lambda node, message: None
         self._clock0 = time.perf_counter()
@@ -281,6 +282,8 @@ class Coordinator:
                                     "`cascadia run`, and --logits only for `cascadia score`")
             case Hello() | Progress() | Ready():
                 self._last_heard[node] = time.monotonic()
+                if isinstance(message, Hello):
+                    self.node_cpus[node] = message.cpus
                 if isinstance(message, Ready):
                     self._ready.add(node)
                 self._on_message(node, message)

@@ -21,6 +21,7 @@ import attrs
 
 from cascadia.graph.costs import stage_memory
 from cascadia.graph.plan import EMBED, HEAD, Plan
+from cascadia.host_cpus import format_cpus
 from cascadia.host_memory import shortfall
 from cascadia.pipeline.coordinator import PipelineError
 from cascadia.pipeline.emulated_links import EmulatedLinks
@@ -41,12 +42,13 @@ class NodeCommand:
     with_logits: bool = False
 
 
-def node_arguments(command: NodeCommand, name: str, place: NodePlace, successor: str, threads: int | None
-                   ) -> list[str]:
-    """The command line that starts one node (its place's prefix, then `cascadia node ...`)."""
+def node_arguments(command: NodeCommand, name: str, place: NodePlace, successor: str, threads: int | None,
+                   cpus: Sequence[int]) -> list[str]:
+    """The command line that starts one node (its place's prefix, then `cascadia node ...`) on `cpus`."""
     args = [*place.prefix, sys.executable, "-m", "cascadia", "node", "--spec", str(command.spec_path), "--plan",
             str(command.plan_path), "--name", name, "--listen", place.listen, "--successor", successor, "--control",
-            place.control, "--checkpoint", str(command.checkpoint), "--parent-pid", str(os.getpid())]
+            place.control, "--checkpoint", str(command.checkpoint), "--parent-pid", str(os.getpid()), "--cpus",
+            format_cpus(cpus)]
     if threads is not None:
         args += ["--threads", str(threads)]
     if command.with_logits:
@@ -63,9 +65,11 @@ class LocalNodes:
         self.processes: list[subprocess.Popen] = []
 
     @classmethod
-    def start(cls, command: NodeCommand, names: Sequence[str], threads: Sequence[int | None], log_dir: Path,
-              control: str, tokens: str, link_rates: Sequence[float] | None = None) -> LocalNodes:
-        """Start one node per name (stage order) reaching the coordinator at `control` and `tokens`: on 127.0.0.1,
+    def start(cls, command: NodeCommand, names: Sequence[str], threads: Sequence[int | None],
+              cpus: Sequence[Sequence[int]], log_dir: Path, control: str, tokens: str,
+              link_rates: Sequence[float] | None = None) -> LocalNodes:
+        """Start one node per name (stage order), with its thread count and CPUs, reaching the coordinator at
+        `control` and `tokens`: on 127.0.0.1,
         or with `link_rates` (bytes/s from each stage to the next) in network namespaces joined by links shaped to
         them (`cascadia.pipeline.emulated_links`; the coordinator must then bind every interface)."""
         links = None if link_rates is None else EmulatedLinks(link_rates, _port(control), _port(tokens))
@@ -73,10 +77,10 @@ class LocalNodes:
         successors = [place.address for place in places[1:]] + [places[-1].tokens]
         nodes = cls(names, places, [log_dir / f"{name}.log" for name in names], links)
         try:
-            for name, place, successor, count, log in zip(names, places, successors, threads, nodes.logs):
+            for name, place, successor, count, ids, log in zip(names, places, successors, threads, cpus, nodes.logs):
                 with log.open("w") as out:
                     nodes.processes.append(subprocess.Popen(
-                        node_arguments(command, name, place, successor, count), env=thread_env(count),
+                        node_arguments(command, name, place, successor, count, ids), env=thread_env(count),
                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         except BaseException:
             nodes.stop(timeout_s=0)

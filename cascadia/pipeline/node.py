@@ -84,6 +84,7 @@ class NodeSettings:
     digest: str = ""  # of the settings it was started with, said in HELLO (`pipeline.settings.settings_digest`)
     keep_serving: bool = False  # serve run after run, each with its own coordinator (see the module's text)
     coordinator_wait_s: float | None = 120.0  # how long a starting node waits for a coordinator (None: no limit)
+    cpus: tuple[int, ...] = ()  # the CPUs its process may run on, said in HELLO
 
     @property
     def predecessor(self) -> int:
@@ -207,7 +208,7 @@ class _Node:
             pass  # a frame of the last run
         self.in_run = True
         s = self.settings
-        self.tell(Hello(s.name, s.first_layer, s.last_layer, s.digest))
+        self.tell(Hello(s.name, s.first_layer, s.last_layer, s.digest, s.cpus))
 
     def _new_decoders(self) -> None:
         """Decoders for a new coordinator's run, whose messages are numbered afresh."""

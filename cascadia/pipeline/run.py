@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from cascadia import metrics
+from cascadia import host_cpus, metrics
 from cascadia.driver import Served, serve_workload
 from cascadia.errors import CheckpointError, NodeError, PlanError, SpecError
 from cascadia.graph.plan import Plan
@@ -70,7 +70,8 @@ def describe(node: str, message: Message) -> str:
     """A starting node's message for people."""
     match message:
         case Hello():
-            return f"{node}: up, loading layers {message.first_layer}-{message.last_layer}"
+            return (f"{node}: up on CPUs {host_cpus.format_cpus(message.cpus)}, loading layers {message.first_layer}-"
+                    f"{message.last_layer}")
         case Progress():
             return f"{node}: compiled {message.done}/{message.total} blocks"
         case Ready():
@@ -80,9 +81,10 @@ def describe(node: str, message: Message) -> str:
 
 class Pipeline:
     def __init__(self, spec: Spec, plan: Plan, coordinator: Coordinator, local: LocalNodes | None, run_dir,
-                 checkpoint: Path | None):
+                 checkpoint: Path | None, affinity: tuple[int, ...]):
+        """`affinity`: the CPUs the calling thread ran on before the coordinator was pinned, for `close`."""
         self.spec, self.plan, self.checkpoint = spec, plan, checkpoint
-        self.coordinator, self.local, self._run_dir = coordinator, local, run_dir
+        self.coordinator, self.local, self._run_dir, self._affinity = coordinator, local, run_dir, affinity
         self._score_frames = 0
 
     @classmethod
@@ -109,29 +111,40 @@ class Pipeline:
             raise SpecError("links are emulated between local nodes only, on addresses chosen here")
         if all(local):
             check_host_memory(spec, plan)
+            for name in names:
+                host_cpus.check(nodes[name].cpus, name)
             addresses = addresses or Addresses.local("0.0.0.0" if emulate_links else LOCALHOST)
         elif addresses is None:
             raise SpecError("the nodes have tcp addresses: give the control and token addresses the coordinator "
                              "binds, reachable from them (e.g. --control tcp://0.0.0.0:5555 --tokens "
                              "tcp://0.0.0.0:5556)")
-        coordinator = Coordinator(names, addresses.control, addresses.tokens, spec.cluster.curve_keys, stall_s,
-                                  digest=settings_digest(spec, plan, with_logits))
+        affinity = host_cpus.available()
+        host_cpus.pin(spec.cluster.coordinator_cpus, "the coordinator")  # before ZeroMQ starts its I/O thread
+        try:
+            coordinator = Coordinator(names, addresses.control, addresses.tokens, spec.cluster.curve_keys, stall_s,
+                                      digest=settings_digest(spec, plan, with_logits))
+        except BaseException:
+            host_cpus.restore(affinity)
+            raise
         run_dir = tempfile.TemporaryDirectory(prefix="cascadia-run-")
         local_nodes = None
         try:
             if all(local):
                 command = _node_command(spec, plan, Path(run_dir.name), checkpoint, with_logits)
                 rates = [spec.cluster.link(a, b).bandwidth for a, b in zip(names, names[1:])]
+                # a node without CPUs of its own runs where this thread ran before it was pinned
                 local_nodes = LocalNodes.start(command, names, [nodes[name].threads for name in names],
+                                               [nodes[name].cpus or affinity for name in names],
                                                Path(run_dir.name), addresses.control, addresses.tokens,
                                                rates if emulate_links else None)
                 coordinator.watch = local_nodes.check
                 first = local_nodes.places[0].address
             else:
                 first = nodes[names[0]].address
-            pipeline = cls(spec, plan, coordinator, local_nodes, run_dir, checkpoint or spec.model.checkpoint)
+            pipeline = cls(spec, plan, coordinator, local_nodes, run_dir, checkpoint or spec.model.checkpoint,
+                           affinity)
         except BaseException:
-            _close(coordinator, local_nodes, run_dir, AFTER_FAILURE_S)
+            _close(coordinator, local_nodes, run_dir, affinity, AFTER_FAILURE_S)
             raise
         try:
             coordinator.wait_ready(first, node_timeout_s, on_message, stop)
@@ -192,7 +205,7 @@ class Pipeline:
 
     def close(self, timeout_s: float = SHUTDOWN_S) -> None:
         """Shut every node down; kill local ones not gone within `timeout_s`."""
-        _close(self.coordinator, self.local, self._run_dir, timeout_s)
+        _close(self.coordinator, self.local, self._run_dir, self._affinity, timeout_s)
 
     def __enter__(self) -> Pipeline:
         return self
@@ -212,7 +225,8 @@ def _node_command(spec: Spec, plan: Plan, run_dir: Path, checkpoint: Path | None
                        Path(checkpoint).resolve(), with_logits)
 
 
-def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, timeout_s: float) -> None:
+def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, affinity: tuple[int, ...],
+           timeout_s: float) -> None:
     try:
         coordinator.shutdown(timeout_s)
         if local is not None:
@@ -220,6 +234,7 @@ def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, timeout_
     finally:
         coordinator.close()
         run_dir.cleanup()
+        host_cpus.restore(affinity)
 
 
 def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts=None, groups: int | None = None,

@@ -11,7 +11,7 @@ forged frame that cannot belong to the run is dropped by the node, never compute
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -23,6 +23,7 @@ from cascadia.engine.rows import BatchError
 from cascadia.errors import NodeError, PlanError, SpecError
 from cascadia.graph.costs import stage_memory
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
+from cascadia.host_cpus import pin
 from cascadia.host_memory import shortfall
 from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, ProgressFn, run_node
 from cascadia.pipeline.settings import settings_digest
@@ -179,10 +180,12 @@ def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, 
 
 
 def serve_node(spec: Spec, plan: Plan, settings: NodeSettings, checkpoint: Path, threads: int | None,
-               with_logits: bool) -> None:
-    """Run node `settings.name` until the coordinator shuts it down (see `cascadia.pipeline.node.run_node`)."""
+               with_logits: bool, cpus: Sequence[int] | None = None) -> None:
+    """Run node `settings.name` until the coordinator shuts it down (see `cascadia.pipeline.node.run_node`), on
+    `cpus` (default: the node's in the spec, else where it was started)."""
     _, stage = find_stage(plan, settings.name)
-    settings = attrs.evolve(settings, digest=settings_digest(spec, plan, with_logits))
+    cpus = pin(cpus or spec.cluster.node(settings.name).cpus, settings.name, whole_process=True)
+    settings = attrs.evolve(settings, digest=settings_digest(spec, plan, with_logits), cpus=cpus)
     run_node(settings, lambda progress: load_stage(spec, stage, checkpoint, threads, with_logits,
                                                    progress))
 

@@ -10,7 +10,8 @@ Kinds and their buffers (n = header rows, c = header cols):
                  seed u64[n] (how the last stage draws each sampled row's token), residual dtype[n, c] (c = 0:
                  absent); the header's bucket is the row count every call of the frame's rows is padded to
   TOKENS         slots i32[n], token_ids i32[n], logits dtype[n, c] (c = 0: absent)
-  HELLO          node utf-8, layers i32[2] (first, last), settings utf-8 (the digest of what it was started with)
+  HELLO          node utf-8, layers i32[2] (first, last), settings utf-8 (the digest of what it was started with),
+                 cpus i32[any] (the CPUs its process may run on)
   READY          node utf-8, layers i32[2] (first, last)
   PROGRESS       node utf-8, i64[2] (done, total)
   ERROR          node utf-8, text utf-8
@@ -38,7 +39,7 @@ import numpy as np
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 5
+VERSION = 6
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -138,12 +139,13 @@ class Tokens:
 @attrs.frozen
 class Hello:
     """A node is up, its sockets open, and about to load `first_layer..last_layer`; `settings` is the digest of the
-    spec, plan and sampling it was started with (`cascadia.pipeline.settings.settings_digest`)."""
+    spec and plan it was started with (`cascadia.pipeline.settings.settings_digest`)."""
 
     node: str
     first_layer: int
     last_layer: int
     settings: str = ""
+    cpus: tuple[int, ...] = ()  # the CPUs its process may run on
 
 
 @attrs.frozen
@@ -241,7 +243,7 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
             return Kind.TOKENS, fields, [message.slots, message.token_ids, _payload(message.logits)]
         case Hello():
             return Kind.HELLO, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer),
-                                           _utf8(message.settings)]
+                                           _utf8(message.settings), np.asarray(message.cpus, dtype=_I32)]
         case Ready():
             return Kind.READY, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer)]
         case Progress():
@@ -278,7 +280,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 8, Kind.TOKENS: 3, Kind.HELLO: 3, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+_BUFFER_COUNTS = {Kind.FRAME: 8, Kind.TOKENS: 3, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 2}
 
 
@@ -338,7 +340,10 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
                           _payload_matrix(b[2], rows, cols, code, "logits"))
         case Kind.HELLO:
-            return Hello(_text(b[0], "node"), *_unpack(_LAYERS, b[1], "layers"), _text(b[2], "settings"))
+            if b[3].nbytes % _I32.itemsize:
+                raise WireError(f"cpus: {b[3].nbytes} bytes, not a whole number of ids")
+            cpus = tuple(int(cpu) for cpu in _indices(b[3], b[3].nbytes // _I32.itemsize, "cpus"))
+            return Hello(_text(b[0], "node"), *_unpack(_LAYERS, b[1], "layers"), _text(b[2], "settings"), cpus)
         case Kind.READY:
             return Ready(_text(b[0], "node"), *_unpack(_LAYERS, b[1], "layers"))
         case Kind.PROGRESS:

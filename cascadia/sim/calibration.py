@@ -4,7 +4,8 @@ A calibration file (JSON, format "cascadia.calibration/2") is measured with the 
 from the spec's hardware figures (kind "analytic", see `analytic.py`):
 
     {"format": "cascadia.calibration/2",
-     "meta": {"kind", "cascadia", "openvino", "device", "precision", "weight_formats", "model", "date"},
+     "meta": {"kind", "cascadia", "openvino", "device", "precision", "weight_formats", "model", "date",
+              "cpu": {"model", "isa"}},             # cpu: a measured one's; absent in older files
      "grid_bounds": {...},                        # written for readers, ignored when loading
      "nodes": {NAME: {"frame_s": S, "row_s": S,   # host overheads per frame and per row (scheduling, serialisation)
                       "stream_s": S,              # host time per stream in a frame (per-stream attention and state)
@@ -36,7 +37,7 @@ from typing import Any
 
 import attrs
 
-from cascadia import __version__
+from cascadia import __version__, host_cpus
 from cascadia.errors import CalibrationError
 from cascadia.files import UnreadableFile, read_json
 from cascadia.model_config import InklingConfig, LayerKind
@@ -112,6 +113,7 @@ class CalibrationMeta:
     weight_formats: dict[str, str]
     model: dict[str, int]  # model_dims() of the model it was made for
     date: str | None  # ISO date of the measurement; None for analytic estimates (nothing was measured)
+    cpu: dict | None = None  # the measuring machine's CPU (`host_cpus.identity`); None: analytic, or not recorded
 
 
 @attrs.frozen
@@ -145,7 +147,7 @@ class Calibration:
         return bounds
 
     def check_model(self, spec: Spec) -> list[str]:
-        """Raise if made for another model; return warnings for other formats or precision, and for links to nodes
+        """Raise if made for another model; return warnings for other formats, precision or CPU, and for links to nodes
         the spec lacks (harmless for a calibration of a larger cluster, a typo otherwise: the link the spec's nodes
         use then comes from the spec, as the simulation notes)."""
         where = self.source or "calibration"
@@ -161,6 +163,10 @@ class Calibration:
         if self.meta.precision != spec.runtime.precision:
             notes.append(f"{where}: measured at precision {self.meta.precision}, "
                          f"the spec runs {spec.runtime.precision}")
+        here = host_cpus.identity()
+        if self.meta.cpu is not None and self.meta.cpu != here:
+            notes.append(f"{where}: measured on {host_cpus.describe(self.meta.cpu)}; this machine has "
+                         f"{host_cpus.describe(here)}: its timings may not hold here")
         names = {node.name for node in spec.cluster.nodes}
         if stray := [f"links[{i}] ({a}->{b})" for i, (a, b) in enumerate(self.links) if not {a, b} <= names]:
             notes.append(f"{where}: links name nodes the spec's cluster does not have, so they are not used: "
@@ -212,11 +218,13 @@ class Calibration:
             r.fail("format", f"expected {FORMAT!r}, got {raw.get('format')!r}")
         meta_raw = r.mapping(r.get(raw, "meta", ""), "meta")
         meta_fields = {f.name for f in attrs.fields(CalibrationMeta)}
-        if missing := sorted(meta_fields - set(meta_raw)):
+        if missing := sorted(meta_fields - set(meta_raw) - {"cpu"}):  # older files name no CPU
             r.fail("meta", f"missing {', '.join(missing)}")
         r.mapping(meta_raw["model"], "meta.model")
         r.mapping(meta_raw["weight_formats"], "meta.weight_formats")
-        meta = CalibrationMeta(**{k: meta_raw[k] for k in meta_fields})
+        meta = CalibrationMeta(**{k: meta_raw[k] for k in meta_fields if k in meta_raw})
+        if meta.cpu is not None:
+            r.mapping(meta.cpu, "meta.cpu")
         if meta.kind not in (MEASURED, ANALYTIC):
             r.fail("meta.kind", f"must be {MEASURED!r} or {ANALYTIC!r}, got {meta.kind!r}")
         nodes = {}
@@ -279,10 +287,11 @@ def _formats(spec: Spec) -> dict[str, str]:
 
 def make_meta(spec: Spec, kind: str, device: str, openvino: str | None) -> CalibrationMeta:
     """Metadata for a calibration of the spec's model made now (measured ones are dated)."""
-    date = datetime.date.today().isoformat() if kind == MEASURED else None
+    measured = kind == MEASURED
     return CalibrationMeta(kind=kind, cascadia=__version__, openvino=openvino, device=device,
                            precision=spec.runtime.precision, weight_formats=_formats(spec),
-                           model=model_dims(spec.model.config), date=date)
+                           model=model_dims(spec.model.config), date=datetime.date.today().isoformat() if measured
+                           else None, cpu=host_cpus.identity() if measured else None)
 
 
 def _table_dict(kind: str, table: Table) -> dict[str, Any]:

@@ -34,7 +34,7 @@ def _dump_node(node: NodeSpec) -> dict[str, Any]:
         "memory_bandwidth": node.memory_bandwidth and format_rate(node.memory_bandwidth),
         "compute": node.compute_flops and format_flops(node.compute_flops), "host": node.host,
         "threads": node.threads, "reserve": None if node.reserve_bytes is None else format_bytes(node.reserve_bytes),
-        "layers": node.layers,
+        "layers": node.layers, "cpus": None if node.cpus is None else list(node.cpus),
     }
     return {k: v for k, v in values.items() if v is not None}
 
@@ -78,6 +78,7 @@ def dump_spec(spec: Spec) -> dict[str, Any]:
         "cluster": {
             "reserve": format_bytes(cluster.reserve_bytes),
             **({"curve_keys": str(cluster.curve_keys)} if cluster.curve_keys else {}),
+            **({"coordinator_cpus": list(cluster.coordinator_cpus)} if cluster.coordinator_cpus else {}),
             "nodes": [_dump_node(node) for node in cluster.nodes],
             "links": links,
         },

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from cascadia.host_cpus import parse_cpus
 from cascadia.model_config import (ALIASES, FIELD_TYPES, ConfigError, FieldTypeError, InklingConfig, conform,
                                    read_text_fields)
 from cascadia.spec.problems import Problem, SpecError, shown
@@ -223,6 +224,13 @@ def _rate_list(value: Any) -> tuple[float, ...]:
     return tuple(float(v) for v in items)
 
 
+def _cpu_list(value: Any) -> tuple[int, ...]:
+    try:
+        return parse_cpus(value)
+    except ValueError as e:
+        raise _Invalid(str(e)) from None
+
+
 def _buckets(value: Any) -> tuple[int, ...]:
     buckets = _int_list(value)
     if list(buckets) != sorted(buckets):
@@ -404,8 +412,11 @@ def _nodes(ctx: _Context, entry: Node, path: str, cluster_reserve: int | None) -
         "threads": fields.take("threads", _positive_int),
         "reserve_bytes": fields.take("reserve", parse_bytes),
         "layers": fields.take("layers", _positive_int),
+        "cpus": fields.take("cpus", _cpu_list),
     }
     fields.finish()
+    if values["cpus"] is not None and values["threads"] is None and not fields.given("threads"):
+        values["threads"] = len(values["cpus"])  # a thread per CPU it may use
     memory = values["memory_bytes"]
     reserve = values["reserve_bytes"] if fields.given("reserve") else cluster_reserve  # None: invalid, reported
     if memory is not None and reserve is not None and memory <= reserve:
@@ -482,6 +493,7 @@ def _cluster(ctx: _Context, node: Node) -> ClusterSpec | None:
         ctx.report(fields.items["curve_keys"], "cluster.curve_keys",
                    f"{curve_keys}: no folder of public keys ({curve_keys / 'public'}); make one with `cascadia keys "
                    "generate`")
+    coordinator_cpus = fields.take("coordinator_cpus", _cpu_list)
     nodes_node = fields.get("nodes", required=True)
     links_node = fields.get("links")
     fields.finish()
@@ -501,7 +513,8 @@ def _cluster(ctx: _Context, node: Node) -> ClusterSpec | None:
                     seen[value] = f"cluster.nodes[{i}]"
             nodes.append(spec)
     default, pairs = _links(ctx, links_node, {n.name for n in nodes})
-    return None if reserve is None else ClusterSpec(tuple(nodes), default, pairs, reserve, curve_keys)
+    return None if reserve is None else ClusterSpec(tuple(nodes), default, pairs, reserve, curve_keys,
+                                                    coordinator_cpus)
 
 
 # ---- runtime and workload ------------------------------------------------------------------------------------------

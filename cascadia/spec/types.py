@@ -100,6 +100,7 @@ class NodeSpec:
     threads: int | None = None  # inference threads; None = let OpenVINO decide
     reserve_bytes: int | None = None  # overrides the cluster's runtime reserve
     layers: int | None = None  # pin: this node holds exactly this many layers; None = the planner chooses
+    cpus: tuple[int, ...] | None = None  # the CPUs of its machine its process may run on; None = any
 
     @property
     def is_local(self) -> bool:
@@ -124,6 +125,7 @@ class ClusterSpec:
     links: dict[tuple[str, str], LinkSpec] = attrs.field(factory=dict)  # keyed by sorted node-name pair
     reserve_bytes: int = 2 * 2**30  # OS, runtime, buffers: kept free on every node
     curve_keys: Path | None = None  # folder of CurveZMQ key files; None = no encryption
+    coordinator_cpus: tuple[int, ...] | None = None  # the CPUs the coordinator's thread may run on; None = any
 
     def node(self, name: str) -> NodeSpec:
         """The node of that name (a KeyError naming it and the cluster's nodes, for one it lacks)."""
