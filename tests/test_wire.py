@@ -51,7 +51,9 @@ CONTROLS = st.one_of(
     st.just(Shutdown()),
     st.builds(Error, NAMES, st.text(max_size=200)),
     st.just(StatsRequest()),
-    st.builds(Stats, NAMES, st.floats(0, 1e6), st.integers(0, 2**63), st.integers(0, 2**63)),
+    st.builds(Stats, NAMES, st.floats(0, 1e6), st.integers(0, 2**63), st.integers(0, 2**63), st.floats(0, 1e6),
+              st.lists(st.tuples(st.integers(0, 2**63), st.floats(0, 1e6), st.floats(0, 1e6), st.floats(0, 1e6)),
+                       max_size=4).map(tuple)),
 )
 MESSAGES = st.one_of(frames(), tokens(), CONTROLS)
 

@@ -68,6 +68,8 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 @click.option("--json", "json_path", type=OutputPath(), help="write the metrics JSON here")
 @click.option("--outputs", "outputs_path", type=OutputPath(),
               help="write each request's prompt and output token ids here (JSONL)")
+@click.option("--trace", "trace_path", type=OutputPath(),
+              help="write the run's timeline here (Chrome trace JSON, for Perfetto or chrome://tracing)")
 @click.option("--control", type=TcpAddress(to_bind=True),
               help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
 @click.option("--tokens", type=TcpAddress(to_bind=True),
@@ -80,8 +82,8 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 @click.option("--api-key-file", type=click.File("r"), help="with --url: the server's key (the file's first line)")
 @click.option("--model", help="with --url: the model to ask for (default: the server's only one)")
 def run_command(spec: str, plan_path: str | None, checkpoint: str | None, choices: dict, greedy, temperature, top_p,
-                seed, groups, json_path, outputs_path, control, tokens, node_timeout, emulate_links, url, api_key_file,
-                model) -> None:
+                seed, groups, json_path, outputs_path, trace_path, control, tokens, node_timeout, emulate_links, url,
+                api_key_file, model) -> None:
     """Run the spec's workload through the real pipeline and print throughput and latency per level.
 
     Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
@@ -91,16 +93,18 @@ def run_command(spec: str, plan_path: str | None, checkpoint: str | None, choice
     loaded = load_spec(spec)
     workload = with_sampling(workload_overrides(loaded, choices), greedy, temperature, top_p, seed)
     if url is not None:
-        pipeline_only = {"--plan": plan_path, "--groups": groups, "--outputs": outputs_path, "--control": control,
-                         "--tokens": tokens, "--node-timeout": node_timeout, "--emulate-links": emulate_links or None}
+        pipeline_only = {"--plan": plan_path, "--groups": groups, "--outputs": outputs_path, "--trace": trace_path,
+                         "--control": control, "--tokens": tokens, "--node-timeout": node_timeout,
+                         "--emulate-links": emulate_links or None}
         if given := [name for name, value in pipeline_only.items() if value is not None]:
             raise click.UsageError(f"{', '.join(given)}: for the pipeline `run` starts, not with --url")
         _load_and_report(loaded, workload, url, api_key_file, model, checkpoint, json_path)
         return
     if api_key_file is not None or model is not None:
         raise click.UsageError("--api-key-file and --model go with --url")
-    _run_and_report(loaded, plan_path, workload, checkpoint, groups, json_path, outputs_path, control, tokens,
-                    node_timeout, emulate_links)
+    _run_and_report(loaded, plan_path, workload, checkpoint=checkpoint, groups=groups, json_path=json_path,
+                    outputs_path=outputs_path, trace_path=trace_path, control=control, tokens=tokens,
+                    node_timeout=node_timeout, emulate_links=emulate_links)
 
 
 def _load_and_report(loaded, workload, url: str, api_key_file, model: str | None, checkpoint: str | None,
@@ -125,9 +129,10 @@ def _load_and_report(loaded, workload, url: str, api_key_file, model: str | None
             json.dump(result, f, indent=1)
 
 
-def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | None = None, groups: int | None = None,
-                    json_path: str | None = None, outputs_path: str | None = None, control: str | None = None,
-                    tokens: str | None = None, node_timeout: float | None = None, emulate_links: bool = False) -> None:
+def _run_and_report(loaded, plan_path: str | None, workload, *, checkpoint: str | None = None,
+                    groups: int | None = None, json_path: str | None = None, outputs_path: str | None = None,
+                    trace_path: str | None = None, control: str | None = None, tokens: str | None = None,
+                    node_timeout: float | None = None, emulate_links: bool = False) -> None:
     """Run the workload through the pipeline, with progress on stderr; print the table, write the files."""
     import json
     from pathlib import Path
@@ -135,7 +140,7 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
     from cascadia.metrics import format_table
     from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, RunFailed, describe, run
 
-    report = report_to(json_path, outputs_path)
+    report = report_to(json_path, outputs_path, trace_path)
 
     def write(result: dict, outputs: list[dict]) -> None:
         if outputs_path:  # first: the generated tokens are what a failure to write the other would lose
@@ -157,7 +162,7 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
                    addresses=Addresses(control, tokens) if control else None,
                    node_timeout_s=node_timeout or NODE_TIMEOUT_S,
                    on_message=lambda node, message: click.echo(describe(node, message), err=True),
-                   on_phase=phase_done, emulate_links=emulate_links)
+                   on_phase=phase_done, emulate_links=emulate_links, trace=trace_path is not None)
     except RunFailed as e:
         write(e.result, e.outputs)
         raise click.ClickException(f"run failed: {e}") from None
@@ -165,3 +170,7 @@ def _run_and_report(loaded, plan_path: str | None, workload, checkpoint: str | N
     for warning in done.result["warnings"]:
         click.echo(f"warning: {warning}", err=True)
     write(done.result, done.outputs)
+    if trace_path:
+        from cascadia.trace import chrome_trace, records_of
+        with writing(trace_path) as f:
+            json.dump(chrome_trace(done.frames, records_of(done.result), [s.node for s in chosen.stages], "run"), f)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import zmq
@@ -25,6 +26,7 @@ import zmq
 from cascadia.driver import PhaseDriver
 from cascadia.errors import NodeError
 from cascadia.metrics import Recorder
+from cascadia.pipeline.frame_log import FrameLog, NodeClock
 from cascadia.pipeline.transport import COORDINATOR, Transport, TransportError, receive_waiting, send
 from cascadia.pipeline.wire import (COORDINATOR_SENDER, Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready,
                                     Shutdown, Stats, StatsRequest, Tokens, VersionMismatch, WireError, node_sender)
@@ -36,6 +38,7 @@ from cascadia.workload import Arrivals
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # how often a waiting coordinator checks that every node is still there
+CLOCK_EXCHANGES = 5  # stats exchanges with idle nodes that place their clocks on the coordinator's
 
 
 class PipelineError(NodeError):
@@ -97,6 +100,9 @@ class Coordinator:
         self.poller.register(self.tokens, zmq.POLLIN)
         self._stats: dict[str, Stats] = {}
         self._stats_owed = dict.fromkeys(self.nodes, 0)  # stats requests not yet answered, by node
+        self._stats_asked: dict[str, deque[float]] = {node: deque() for node in self.nodes}  # ... when each was sent
+        self.clocks = {node: NodeClock() for node in self.nodes}
+        self.frame_log: FrameLog | None = None  # set to keep what `cascadia run --trace` writes
         self._ready: set[str] = set()
         self._last_heard: dict[str, float] = {}  # monotonic time of each starting node's last message
         self.node_cpus: dict[str, tuple[int, ...]] = {}  # the CPUs each node's process runs on, from its HELLO
@@ -191,6 +197,12 @@ class Coordinator:
         return (f"no tokens came back for {self.stall_s:g} s{stopped}; frames handled per node: {frames}; messages "
                 f"rejected per node: {rejected}; messages dropped by the coordinator: {self.dropped}")
 
+    def sync_clocks(self, exchanges: int = CLOCK_EXCHANGES) -> None:
+        """Place each node's clock on ours (`clocks`) from a few stats exchanges while the nodes are idle, when the
+        round trips are shortest."""
+        for _ in range(exchanges):
+            self.stats()
+
     def stats(self) -> dict[str, Stats]:
         """Every node's current counters. A node that leaves a request unanswered for `stall_s` is an error: a node
         answers requests in order, so waiting on for a lost one would wait for ever."""
@@ -217,6 +229,7 @@ class Coordinator:
         for node in self.nodes:
             self._tell(node, StatsRequest())
             self._stats_owed[node] += 1
+            self._stats_asked[node].append(self.now())
 
     def _poll(self, timeout_s: float = HEARTBEAT_S, wake: Sequence = ()) -> dict:
         """Wait up to `timeout_s` for input (or one of `wake` to be readable) and take in one control message, then
@@ -276,6 +289,10 @@ class Coordinator:
             case Stats():
                 self._stats[node] = message
                 self._stats_owed[node] = max(0, self._stats_owed[node] - 1)
+                if self._stats_asked[node]:  # answers come in order
+                    self.clocks[node].observe(self._stats_asked[node].popleft(), self.now(), message.clock)
+                if self.frame_log is not None:
+                    self.frame_log.node_times(node, message.frame_times)
             case Hello() if self.digest is not None and message.settings != self.digest:
                 raise PipelineError(f"{node}: started with other settings than this run (digest {message.settings}, "
                                     f"expected {self.digest}): start it with the same spec and plan as "
@@ -338,6 +355,8 @@ class Flight:
                 self._progress = time.monotonic()
             self.frames[frame.group] = frame
             self.coordinator.send_frame(wire_frame(frame))
+            if (log := self.coordinator.frame_log) is not None:
+                log.sent(frame.seq, frame.group, len(frame.rows), frame.padded_rows, self.coordinator.now())
 
     def wait(self, until: float | None = None, wake: Sequence = ()) -> tuple[PolicyFrame, dict[int, int]] | None:
         """The next frame to come back and its sampled tokens ({request id: token}); None once the coordinator's
@@ -368,6 +387,8 @@ class Flight:
             stray = f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected {sampled_slots}"
         else:
             del self.frames[tokens.group]
+            if (log := self.coordinator.frame_log) is not None:
+                log.done(frame.seq, self.coordinator.now())
             return frame, dict(zip(frame.sampled_ids, tokens.token_ids.tolist()))
         self.coordinator._drop("token socket", stray)
         return None

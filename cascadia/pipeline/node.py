@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -93,6 +94,7 @@ class NodeSettings:
 
 
 CONTROL_SEND_TIMEOUT_S = 10.0
+MAX_FRAME_TIMES = 100_000  # frame times kept for the next Stats (a trace's); older ones go
 
 
 class NodeStopped(Exception):
@@ -169,6 +171,7 @@ class _Node:
         self.busy_s = 0.0
         self.frames = 0
         self.rejected = 0
+        self.frame_times: deque[tuple[int, float, float, float]] = deque(maxlen=MAX_FRAME_TIMES)
 
     def open(self) -> None:
         s = self.settings
@@ -318,26 +321,31 @@ class _Node:
             case Shutdown() if self.in_run or not self.settings.keep_serving:  # else: the last run's, late
                 self._end_run("shutdown requested")
             case StatsRequest():
-                self.tell(Stats(self.settings.name, self.busy_s, self.frames, self.rejected))
+                self.tell(Stats(self.settings.name, self.busy_s, self.frames, self.rejected, time.monotonic(),
+                                tuple(self.frame_times)))
+                self.frame_times.clear()
 
     def _on_data(self, frames: list, stage: Stage) -> None:
         """A frame through the stage to the successor. Its sequence number is accepted once the stage has taken its
         content: a frame that cannot belong to the run moves nothing on."""
+        taken_in = time.monotonic()
         received = self._decode(frames, "input", self.data_decoder, accept=False)
         if received is None:
             return
         frame = received.message
-        start = time.perf_counter()
+        start = time.monotonic()
         try:
             result = self._process(stage, frame)
         except ForeignFrame as e:
             self._reject("input", f"frame {frame.frame_id} cannot belong to this run: {e}")
             return
         finally:
-            self.busy_s += time.perf_counter() - start
+            end = time.monotonic()
+            self.busy_s += end - start
         self.data_decoder.accept(received)
         if result is not None:
             self.frames += 1
+            self.frame_times.append((frame.frame_id, taken_in, start, end))
             send_watching(self.successor, self.encoder.encode(result), self._still_in_run, self.settings.poll_s)
 
     def _process(self, stage: Stage, frame: Frame) -> Frame | Tokens | None:

@@ -21,6 +21,7 @@ from cascadia.driver import Served, serve_workload
 from cascadia.errors import CheckpointError, NodeError, PlanError, SpecError
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.coordinator import Coordinator, Outputs, PipelineError
+from cascadia.pipeline.frame_log import FrameLog
 from cascadia.pipeline.launch import LocalNodes, NodeCommand, check_host_memory
 from cascadia.pipeline.places import LOCALHOST
 from cascadia.pipeline.settings import settings_digest
@@ -30,6 +31,7 @@ from cascadia.policy import Policy, padded_size, score_schedule
 from cascadia.spec.dump import write_spec
 from cascadia.spec.types import Spec, WorkloadSpec
 from cascadia.tokenizer import workload_prompts
+from cascadia.trace import FrameTiming
 from cascadia.workload import Level, Phase, prompt_length_notes
 
 NODE_TIMEOUT_S = 120.0  # a starting node silent for this long is an error
@@ -51,6 +53,7 @@ class RunFailed(NodeError):
 class RunResult:
     result: dict  # the metrics schema (cascadia.metrics.result)
     outputs: list[dict]  # one line per request: concurrency, phase, request id, prompt and output ids
+    frames: list[FrameTiming] | None = None  # with `trace`: every frame's way through the pipeline
 
 
 @attrs.frozen
@@ -148,6 +151,7 @@ class Pipeline:
             raise
         try:
             coordinator.wait_ready(first, node_timeout_s, on_message, stop)
+            coordinator.sync_clocks()
         except BaseException:
             pipeline.close(AFTER_FAILURE_S)
             raise
@@ -155,10 +159,10 @@ class Pipeline:
 
     def run(self, workload: WorkloadSpec, prompts: Sequence[tuple[int, ...]] | None = None,
             groups: int | None = None, on_phase: Callable[[str, str, list], None] = lambda level, phase, records: None,
-            ) -> RunResult:
+            trace: bool = False) -> RunResult:
         """Every concurrency level of `workload` (warm-up and measured phase); `prompts` default to the workload's
         prompts file (text encoded by the checkpoint's tokenizer), or seeded random prompts without one; `groups`
-        (pipeline groups) to one per stage.
+        (pipeline groups) to one per stage; with `trace`, each frame's timing too.
         Raises RunFailed, holding what finished, when the pipeline fails or the run is interrupted (Ctrl-C)."""
         spec = self.spec
         if prompts is None:
@@ -166,6 +170,8 @@ class Pipeline:
         notes = prompt_length_notes(prompts, workload, spec.runtime) if prompts else []
         policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages))
         served, outputs = Served(), Outputs()
+        coordinator = self.coordinator
+        coordinator.frame_log = FrameLog(coordinator.nodes) if trace else None
 
         def result(warnings: Sequence[str] = ()) -> dict:
             return metrics.result("run", attrs.evolve(spec, workload=workload), served.levels, served.records,
@@ -181,7 +187,9 @@ class Pipeline:
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`cascadia.errors.Terminated`)
             why = str(e) or "interrupted"
             raise RunFailed(why, result([f"the run was {why}"]), outputs.lines) from None
-        return RunResult(result(), outputs.lines)
+        frames = coordinator.frame_log.timings(coordinator.clocks) if trace else None
+        coordinator.frame_log = None
+        return RunResult(result(), outputs.lines, frames)
 
     def score(self, ids: Sequence[int], prefill: int | None = None) -> np.ndarray:
         """Teacher-forced logits of every position [N, V] of a fresh stream in slot 0, as `Engine.score` computes
@@ -240,9 +248,9 @@ def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, affinity
 def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts=None, groups: int | None = None,
         checkpoint: Path | None = None, addresses: Addresses | None = None,
         node_timeout_s: float = NODE_TIMEOUT_S, on_message=lambda node, message: None,
-        on_phase=lambda level, phase, records: None, emulate_links: bool = False) -> RunResult:
+        on_phase=lambda level, phase, records: None, emulate_links: bool = False, trace: bool = False) -> RunResult:
     """Start the pipeline, run `workload` (default: the spec's) through it, shut it
-    down. `emulate_links`: see `Pipeline.start`."""
+    down. `emulate_links`: see `Pipeline.start`; `trace`: `Pipeline.run`."""
     workload = workload or spec.workload
     if prompts is None:  # before the nodes start: a bad prompts file fails at once, as do prompts too long
         prompts = workload_prompts(workload, checkpoint or spec.model.checkpoint, spec.model.config)
@@ -251,7 +259,7 @@ def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts
     with Pipeline.start(spec, plan, checkpoint=checkpoint,
                         addresses=addresses, node_timeout_s=node_timeout_s, on_message=on_message,
                         emulate_links=emulate_links) as pipeline:
-        return pipeline.run(workload, prompts, groups, on_phase)
+        return pipeline.run(workload, prompts, groups, on_phase, trace)
 
 
 def score_on_pipeline(spec: Spec, plan: Plan, ids: Sequence[int], prefill: int | None = None, *,

@@ -15,7 +15,8 @@ Kinds and their buffers (n = header rows, c = header cols):
   READY          node utf-8, layers i32[2] (first, last)
   PROGRESS       node utf-8, i64[2] (done, total)
   ERROR          node utf-8, text utf-8
-  STATS          node utf-8, f64 busy seconds + u64 frames + u64 rejected
+  STATS          node utf-8, f64 busy seconds + u64 frames + u64 rejected + f64 clock, frame ids u64[k], their
+                 times f64[k, 3] (taken in, started, done)
   SHUTDOWN, STATS_REQUEST: none
 
 Every sender numbers its messages. Sender ids follow the pipeline: the coordinator is 0, the node of stage i is
@@ -39,7 +40,7 @@ import numpy as np
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 6
+VERSION = 7
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -52,7 +53,7 @@ _F64 = np.dtype("<f8")
 _U64 = np.dtype("<u8")
 _LAYERS = struct.Struct("<ii")
 _PROGRESS = struct.Struct("<qq")
-_STATS = struct.Struct("<dQQ")
+_STATS = struct.Struct("<dQQd")
 
 
 class WireError(ValueError):
@@ -186,6 +187,9 @@ class Stats:
     busy_s: float  # total time spent inside the stage's process()
     frames: int
     rejected: int  # messages that failed to decode
+    clock: float = 0.0  # the node's clock (time.monotonic) as it answered, to place its frame times
+    frame_times: tuple[tuple[int, float, float, float], ...] = ()  # since its last Stats: (frame id, taken in,
+    # started, done) on its clock, for each frame it computed
 
 
 Message = Frame | Tokens | Hello | Progress | Ready | Shutdown | Error | StatsRequest | Stats
@@ -256,7 +260,10 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
             return Kind.STATS_REQUEST, _Fields(), []
         case Stats():
             return Kind.STATS, _Fields(), [_utf8(message.node),
-                                           _STATS.pack(message.busy_s, message.frames, message.rejected)]
+                                           _STATS.pack(message.busy_s, message.frames, message.rejected,
+                                                       message.clock),
+                                           np.array([t[0] for t in message.frame_times], dtype=_U64),
+                                           np.array([t[1:] for t in message.frame_times], dtype=_F64).reshape(-1)]
     raise TypeError(f"not a wire message: {message!r}")
 
 
@@ -281,7 +288,7 @@ class Encoder:
 # --- decoding ---------------------------------------------------------------------------------------------------
 
 _BUFFER_COUNTS = {Kind.FRAME: 8, Kind.TOKENS: 3, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
-                  Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 2}
+                  Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4}
 
 
 def _array(buffer: memoryview, dtype: np.dtype, count: int, name: str) -> np.ndarray:
@@ -355,7 +362,10 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
         case Kind.STATS_REQUEST:
             return StatsRequest()
         case Kind.STATS:
-            return Stats(_text(b[0], "node"), *_unpack(_STATS, b[1], "stats"))
+            ids = _array(b[2], _U64, b[2].nbytes // _U64.itemsize, "frame ids")
+            times = _array(b[3], _F64, 3 * len(ids), "frame times").reshape(-1, 3)
+            frame_times = tuple((int(i), *map(float, t)) for i, t in zip(ids, times))
+            return Stats(_text(b[0], "node"), *_unpack(_STATS, b[1], "stats"), frame_times)
 
 
 def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Received:

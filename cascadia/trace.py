@@ -1,0 +1,91 @@
+"""Timelines of a run or a simulation in the Chrome trace event format (Perfetto and chrome://tracing open them).
+
+Both backends describe each frame the same way (`FrameTiming`: when the coordinator sent it, when each stage took
+it from its input, started and finished it, when its tokens came back), on the coordinator's clock in seconds, and
+each request by its metrics record. `chrome_trace` lays that out as one process per node and one for the
+coordinator: a node's "compute" track holds a complete event (`"ph": "X"`) per frame it computed, named by the
+frame's group and rows; its "link to NEXT" track the frame's way to the next stage (from the end of its compute to
+the next stage taking it in: the wire, and any wait in the next stage's queue). The coordinator's process holds the
+link into the first stage and each request as an async span from its arrival to its last token.
+`frame_times` gives each node's per-frame compute times, for comparing two timelines node by node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+import numpy as np
+
+from cascadia.metrics import RequestRecord
+
+COORDINATOR = "coordinator"
+_US = 1e6  # trace timestamps are microseconds
+
+
+@attrs.frozen
+class StageTiming:
+    received: float  # the stage took the frame from its input
+    start: float  # ... began computing it
+    end: float  # ... and was done (its result then goes to the next stage)
+
+
+@attrs.frozen
+class FrameTiming:
+    frame_id: int
+    group: int
+    rows: int  # rows of streams (the call was padded to `bucket`)
+    bucket: int
+    sent: float  # the coordinator sent it into the first stage
+    stages: tuple[StageTiming, ...]  # in stage order
+    done: float  # its tokens reached the coordinator
+
+
+def chrome_trace(frames: Iterable[FrameTiming], records: Iterable[RequestRecord], nodes: Sequence[str],
+                 source: str) -> dict:
+    """The trace document: `nodes` in stage order, `source` ("run" or "simulate") in its metadata."""
+    events = [_name("process_name", 0, None, COORDINATOR), _name("thread_name", 0, 1, f"link to {nodes[0]}"),
+              _name("thread_name", 0, 2, "requests")]
+    for pid, node in enumerate(nodes, 1):
+        after = nodes[pid] if pid < len(nodes) else COORDINATOR
+        events += [_name("process_name", pid, None, node), _name("thread_name", pid, 1, "compute"),
+                   _name("thread_name", pid, 2, f"link to {after}")]
+    for frame in frames:
+        label = f"group {frame.group}, {frame.rows} rows"
+        args = {"frame": frame.frame_id, "group": frame.group, "rows": frame.rows, "bucket": frame.bucket}
+        left, left_place = frame.sent, (0, 1)
+        for pid, stage in enumerate(frame.stages, 1):
+            events.append(_span(label, *left_place, left, stage.received, args))
+            events.append(_span(label, pid, 1, stage.start, stage.end, args))
+            left, left_place = stage.end, (pid, 2)
+        events.append(_span(label, *left_place, left, frame.done, args))
+    for record in records:
+        name = f"request {record.request_id}"
+        args = {"phase": record.phase, "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
+                "ttft_ms": record.ttft * 1e3}
+        common = {"cat": "request", "id": record.request_id, "pid": 0, "tid": 2, "name": name}
+        events.append(common | {"ph": "b", "ts": record.t_arrival * _US, "args": args})
+        events.append(common | {"ph": "e", "ts": record.t_finish * _US})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": source, "nodes": list(nodes)}}
+
+
+def records_of(result: dict) -> list[RequestRecord]:
+    """The request records of a metrics result (`cascadia.metrics.result`)."""
+    return [RequestRecord(**{**record, "token_times": tuple(record["token_times"])}) for record in result["requests"]]
+
+
+def frame_times(frames: Iterable[FrameTiming], nodes: Sequence[str]) -> dict[str, np.ndarray]:
+    """Each node's compute time per frame, in seconds."""
+    frames = list(frames)
+    return {node: np.array([frame.stages[i].end - frame.stages[i].start for frame in frames])
+            for i, node in enumerate(nodes)}
+
+
+def _name(kind: str, pid: int, tid: int | None, name: str) -> dict:
+    event = {"ph": "M", "name": kind, "pid": pid, "args": {"name": name}}
+    return event if tid is None else event | {"tid": tid}
+
+
+def _span(name: str, pid: int, tid: int, start: float, end: float, args: dict) -> dict:
+    return {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": start * _US, "dur": max(0.0, end - start) * _US,
+            "args": args}
