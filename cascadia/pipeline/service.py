@@ -155,14 +155,21 @@ class PipelineService:
                 if command[0] == "stop":
                     return
                 self._apply(command, coordinator)
-            flight.launch(frame for group in range(policy.n_groups) if (frame := policy.next_frame(group)))
-            with self._lock:
-                self._counts = (policy.active, policy.waiting)
+            self._launch(flight)
             completed = flight.wait(until=coordinator.now() + STATS_S, wake=[self._wake_reader])
             self._drain_wake()
             if completed is not None:
-                self._dispatch(policy.complete_frame(*completed), coordinator.now())
+                events = policy.complete_frame(*completed)
+                self._launch(flight)  # the pipeline busy again before the tokens go to the HTTP side
+                self._dispatch(events, coordinator.now())
             self._update_stats(coordinator)
+
+    def _launch(self, flight: Flight) -> None:
+        """Every group with nothing in flight gets its next frame."""
+        policy = self._policy
+        flight.launch(frame for group in range(policy.n_groups) if (frame := policy.next_frame(group)))
+        with self._lock:
+            self._counts = (policy.active, policy.waiting)
 
     def _apply(self, command: tuple, coordinator) -> None:
         if command[0] == "submit":
