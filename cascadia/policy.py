@@ -7,6 +7,7 @@ adapted to a pipeline):
     frame = policy.next_frame(group)                  # for every group with no frame in flight, after every change
     events = policy.complete_frame(frame, sampled)    # the last stage's sampled tokens came back
     events = policy.cancel(request_id)                # a client went away: its slot is free within one frame
+    events = policy.replay()                          # a node was replaced: every stream's state is rebuilt
 
 Scenario: `max_streams` slots each hold one stream's state (K/V, convolution states) on every node. A waiting request
 takes the lowest free slot and joins the least-populated of `n_groups` pipeline groups (ties: lowest group). A group has
@@ -129,9 +130,14 @@ class _Stream:
     slot: int
     group: int
     prompt_len: int
-    prefilled: int = 0  # prompt rows already put in a frame
+    prefilled: int = 0  # rows of its tokens (the prompt; in a replay, its output too) already put in a frame
     output: list[int] = attrs.Factory(list)
     cancelled: bool = False  # its rows are in a frame in flight: released when that frame completes
+    replaying: bool = False  # its state is being rebuilt (`Policy.replay`): no decode row until that is done
+
+    def token_at(self, position: int) -> int:
+        prompt = self.request.prompt_ids
+        return prompt[position] if position < self.prompt_len else self.output[position - self.prompt_len]
 
 
 class Policy:
@@ -206,17 +212,19 @@ class Policy:
         if group in self._in_flight:
             return None
         rows = [Row(s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True,
-                    s.request.sampling) for s in self._groups[group] if s.output]
+                    s.request.sampling) for s in self._groups[group] if s.output and not s.replaying]
         window, prefilling = self.prefill_window, self._prefilling[group]
         while window and prefilling:
             s = prefilling[0]
-            end = min(s.prompt_len, s.prefilled + window)
-            rows += [Row(s.slot, s.request.id, pos, PREFILL, s.request.prompt_ids[pos], pos == s.prompt_len - 1,
-                         s.request.sampling) for pos in range(s.prefilled, end)]
+            target = s.prompt_len + len(s.output)  # the next token is sampled from the row of its last position
+            end = min(target, s.prefilled + window)
+            rows += [Row(s.slot, s.request.id, pos, PREFILL, s.token_at(pos), pos == target - 1, s.request.sampling)
+                     for pos in range(s.prefilled, end)]
             window -= end - s.prefilled
             s.prefilled = end
-            if end == s.prompt_len:
+            if end == target:
                 prefilling.popleft()
+                s.replaying = False
         if not rows:
             return None
         frame = Frame(self._seq, group, tuple(rows), padded_size(len(rows), self.row_buckets))
@@ -263,6 +271,19 @@ class Policy:
             stream.cancelled = True
             return []
         return [self._release(stream, CANCELLED)] + self._admit()
+
+    def replay(self) -> list[Event]:
+        """The nodes lost the streams' state (a node was replaced): forget the frames in flight, and rebuild every
+        stream by prefilling its prompt and the tokens it has made so far again, in windows as any prompt, before it
+        decodes on. A draw depends only on its stream's seed and tokens, so the tokens that follow are those a run
+        without the loss makes. Streams cancelled with rows in flight are released now."""
+        self._in_flight.clear()
+        events: list[Event] = [self._release(s, CANCELLED) for s in list(self._streams.values()) if s.cancelled]
+        for group, streams in enumerate(self._groups):
+            for stream in streams:
+                stream.prefilled, stream.replaying = 0, bool(stream.output)
+            self._prefilling[group] = deque(streams)
+        return events + self._admit()
 
     # ---- internals ----------------------------------------------------------------------------------------------
     def _admit(self) -> list[Event]:

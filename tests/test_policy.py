@@ -1,3 +1,5 @@
+import zlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -265,3 +267,75 @@ def test_cancels_at_random_moments_free_every_slot_and_silence_the_stream(reques
             observe(p.complete_frame(f, {rid: 7 for rid in f.sampled_ids}))
     assert p.idle and p.active == 0 and set(ended) == set(range(len(requests)))
     assert all(ended[i] == CANCELLED for i in cancelled_at)
+
+
+# ---- replay: the nodes lost every stream's state ------------------------------------------------------------------
+class FakeModel:
+    """A stage that samples from its streams' tokens: a row at position 0 starts its slot afresh (as a stage does),
+    and each sampled token is a hash of the tokens its stream holds, so any state a replay got wrong shows."""
+
+    def __init__(self):
+        self.tokens: dict[int, list[int]] = {}
+
+    def run(self, frame):
+        sampled = {}
+        for row in frame.rows:
+            held = self.tokens.setdefault(row.slot, [])
+            if row.position == 0:
+                held.clear()
+            assert row.position == len(held), "a row not at its stream's next position"
+            held.append(row.token)
+            if row.sampled:
+                sampled[row.request_id] = zlib.crc32(bytes(str(held), "ascii")) % 50
+        return sampled
+
+
+def serve_all(requests, n_groups, max_streams, replay_at=frozenset(), draw=lambda options: options[0]):
+    """Every request through a policy and FakeModel; with `replay_at`, the nodes lose their state (`replay`, and a
+    fresh FakeModel) after those frame completions. Each request's output tokens."""
+    p = Policy(n_groups, max_streams, 3, (2, 8, 16), context_budget=40)
+    model, outputs, in_flight, completions = FakeModel(), {}, {}, 0
+    for request in requests:
+        p.add_request(request)
+    while not p.done:
+        for g in range(n_groups):
+            if (f := p.next_frame(g)) is not None:
+                in_flight[g] = f
+        f = in_flight.pop(draw(sorted(in_flight)))
+        for e in p.complete_frame(f, model.run(f)):
+            if isinstance(e, Token):
+                outputs.setdefault(e.request_id, []).append(e.token)
+        completions += 1
+        if completions in replay_at:
+            in_flight.clear()  # frames in flight are lost with the node
+            model = FakeModel()
+            p.replay()
+    return outputs
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests=requests_st, n_groups=st.integers(1, 3), max_streams=st.integers(1, 5),
+       replay_at=st.sets(st.integers(1, 40), max_size=4), data=st.data())
+def test_a_replay_at_any_moment_gives_the_tokens_of_a_run_without_one(requests, n_groups, max_streams, replay_at,
+                                                                      data):
+    requests = [Request(i, tuple(range(1 + i, 1 + i + min(n, 20))), m) for i, (n, m) in enumerate(requests)]
+    expected = serve_all(requests, n_groups, max_streams)
+    draw = lambda options: data.draw(st.sampled_from(options))  # noqa: E731 (frames come back in any order)
+    assert serve_all(requests, n_groups, max_streams, replay_at, draw) == expected
+
+
+def test_a_replay_prefills_each_stream_again_then_decodes():
+    p = policy(prefill_window=4)
+    p.add_request(Request(0, (5, 6, 7), 4))
+    first = p.next_frame(0)
+    p.complete_frame(first, {0: 9})
+    p.complete_frame(p.next_frame(0), {0: 8})  # output so far: 9, 8; in flight: the row of 8
+    p.next_frame(0)
+    assert p.replay() == []
+    again = p.next_frame(0)
+    assert [(r.position, r.token, r.kind, r.sampled) for r in again.rows] == [
+        (0, 5, PREFILL, False), (1, 6, PREFILL, False), (2, 7, PREFILL, False), (3, 9, PREFILL, False)]
+    assert p.complete_frame(again, {}) == []  # no row of it is sampled: the window ended before the last
+    rest = p.next_frame(0)
+    assert [(r.position, r.token, r.sampled) for r in rest.rows] == [(4, 8, True)]
+    assert p.complete_frame(rest, {0: 3}) == [Token(0, 3, 2)]
