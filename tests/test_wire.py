@@ -204,7 +204,7 @@ def test_header_fields_a_kind_does_not_use_must_be_zero(message, offset):
 
 def test_decoder_rejects_duplicates_and_reordering():
     decoder = Decoder(sender=1, kinds=(StatsRequest, Shutdown))
-    encoder = Encoder(sender=1)
+    encoder = Encoder(sender=1, start=0)
     m1, m2, m3 = (encoder.encode(StatsRequest()) for _ in range(3))
     decoder.decode(m1)
     decoder.decode(m3)
@@ -263,3 +263,11 @@ def test_the_costed_message_sizes_are_the_encoded_ones(rows, hidden):
     assert sum(map(len, as_bytes(encode(frame, 0, 1)))) == frame_bytes(rows, hidden)
     tokens = Tokens(1, 0, [0] * rows, [0] * rows)
     assert sum(map(len, as_bytes(encode(tokens, 0, 1)))) == tokens_bytes(rows)
+
+
+def test_a_sender_started_again_numbers_above_its_earlier_life():
+    decoder = Decoder(sender=1, kinds=(Shutdown,))
+    first_life = Encoder(sender=1)
+    for _ in range(1000):
+        decoder.decode(first_life.encode(Shutdown()))
+    assert decoder.decode(Encoder(sender=1).encode(Shutdown())).seq > 1000  # a restarted node's first message

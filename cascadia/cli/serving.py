@@ -29,16 +29,24 @@ from cascadia.spec.load import load_spec
               help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
 @click.option("--tokens", type=TcpAddress(to_bind=True),
               help="tcp nodes: the token address to bind (the last node's --successor)")
-@click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True),
-              help="seconds a starting node may stay silent [default: 120]")
+@click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="seconds a starting node may stay silent")
+@click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="seconds without tokens, frames in flight, after which a node that answers nothing is lost (a "
+                   "frame that takes longer on a slow machine would count as a loss: raise it there)")
+@click.option("--replace-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="seconds a lost tcp node may take to come back before its stage is down (open requests fail, "
+                   "new ones get 503, until it does)")
 def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, port: int, model_name: str | None,
           max_waiting: int | None, api_key_file, max_body: int, shutdown_timeout: float, groups: int | None,
-          control: str | None, tokens: str | None, node_timeout: float | None) -> None:
+          control: str | None, tokens: str | None, node_timeout: float, stall_timeout: float,
+          replace_timeout: float) -> None:
     """Serve the spec's model with an OpenAI-compatible API (chat and text completions, streamed or not; /v1/models,
     /health, /metrics, and a status page at /) until SIGTERM or Ctrl-C.
 
     Local nodes are started here; nodes with tcp addresses are started on their machines, as for `cascadia run`.
-    /health answers 503 while the nodes load."""
+    /health answers 503 while the nodes load. A lost node is taken back: a local one is started again, a tcp one
+    waited for; its streams are rebuilt from their tokens and go on where they were."""
     import logging
     from pathlib import Path
 
@@ -60,5 +68,5 @@ def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, p
                              2 * runtime.max_streams if max_waiting is None else max_waiting, max_body, key)
     run_server(loaded, chosen_plan(loaded, plan_path), settings, host=host, port=port,
                checkpoint=Path(checkpoint) if checkpoint else None,
-               addresses=Addresses(control, tokens) if control else None, node_timeout_s=node_timeout, groups=groups,
-               shutdown_timeout_s=shutdown_timeout)
+               shutdown_timeout_s=shutdown_timeout, addresses=Addresses(control, tokens) if control else None,
+               node_timeout_s=node_timeout, groups=groups, stall_s=stall_timeout, replace_timeout_s=replace_timeout)

@@ -45,6 +45,15 @@ class PipelineError(NodeError):
     """The pipeline cannot go on; the text names the node at fault when one is known."""
 
 
+class NodeLost(PipelineError):
+    """A node is gone (its process ended, its connection closed, or it stopped answering): the pipeline can go on
+    once a node takes its stage again."""
+
+    def __init__(self, node: str, reason: str) -> None:
+        super().__init__(f"{node}: {reason}")
+        self.node = node
+
+
 class Outputs:
     """Each request's prompt and generated tokens, for `--outputs`: what the pipeline computed, request by request."""
 
@@ -122,6 +131,21 @@ class Coordinator:
         `timeout_s` (from the start, or from its last message) is an error naming it, and so is `stop` set by
         another thread. Then connect to the first."""
         self._on_message = on_message
+        self._await_ready(timeout_s, stop)
+        self.first = self.transport.connect(zmq.PUSH, first_address, self.nodes[0])
+
+    def rejoin(self, node: str, timeout_s: float, stop: threading.Event | None = None) -> None:
+        """Take `node` back after its loss: forget what its earlier life owed us, and wait for the node started in
+        its place (by us, or on its machine) to say HELLO and READY, as at the start; then place its clock."""
+        self._ready.discard(node)
+        self._last_heard.pop(node, None)
+        self._stats_owed[node] = 0
+        self._stats_asked[node].clear()
+        self.clocks[node] = NodeClock()
+        self._await_ready(timeout_s, stop)
+        self.sync_clocks()
+
+    def _await_ready(self, timeout_s: float, stop: threading.Event | None) -> None:
         start = time.monotonic()
         while len(self._ready) < len(self.nodes):
             self._poll()
@@ -134,7 +158,6 @@ class Coordinator:
                                   for node in silent if node in self._last_dropped)
                 raise PipelineError(f"{', '.join(silent)}: no word within {timeout_s:g} s while starting (not "
                                     f"started, or started without --control {self.control_address}?){dropped}")
-        self.first = self.transport.connect(zmq.PUSH, first_address, self.nodes[0])
 
     # ---- serving --------------------------------------------------------------------------------------------
     def run_phase(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder,
@@ -168,7 +191,7 @@ class Coordinator:
         since = time.monotonic()
         while (tokens := self.poll_tokens(HEARTBEAT_S)) is None:
             if time.monotonic() - since > self.stall_s:
-                raise PipelineError(self._stall_report())
+                raise self._stall_error()
         return tokens
 
     def poll_tokens(self, timeout_s: float, wake: Sequence = ()) -> Tokens | None:
@@ -183,6 +206,12 @@ class Coordinator:
         if not ready and time.monotonic() - self._last_ping >= HEARTBEAT_S:
             self._ping()
         return None
+
+    def _stall_error(self) -> PipelineError:
+        """A stall: the loss of the first node that no longer answers, when one does not; else the report."""
+        report = self._stall_report()
+        silent = [node for node, owed in self._stats_owed.items() if owed > 1]
+        return NodeLost(silent[0], report) if silent else PipelineError(report)
 
     def _stall_report(self) -> str:
         """Why a stall is an error: first the nodes that no longer answer (a stopped or frozen process; a node
@@ -220,8 +249,8 @@ class Coordinator:
         try:
             send(self.control, [node.encode(), *self.encoder.encode(message)])
         except TransportError:
-            raise PipelineError(f"{node}: lost its control connection (the node stopped or its machine is "
-                                "unreachable)") from None
+            raise NodeLost(node, "lost its control connection (the node stopped or its machine is unreachable)") \
+                from None
 
     def _ping(self) -> None:
         """Ask every node for its stats: sending to a node whose control connection dropped fails at once."""
@@ -374,7 +403,7 @@ class Flight:
             if wake and _readable(wake):
                 return None
             if self.frames and time.monotonic() - self._progress > coordinator.stall_s:
-                raise PipelineError(coordinator._stall_report())
+                raise coordinator._stall_error()
 
     def _match(self, tokens: Tokens) -> tuple[PolicyFrame, dict[int, int]] | None:
         """The frame in flight the tokens complete, and its sampled tokens; None after dropping tokens that cannot be

@@ -23,7 +23,7 @@ from cascadia.graph.costs import stage_memory
 from cascadia.graph.plan import EMBED, HEAD, Plan
 from cascadia.host_cpus import format_cpus
 from cascadia.host_memory import shortfall
-from cascadia.pipeline.coordinator import PipelineError
+from cascadia.pipeline.coordinator import NodeLost, PipelineError
 from cascadia.pipeline.emulated_links import EmulatedLinks
 from cascadia.pipeline.places import NodePlace, loopback_places
 from cascadia.spec.types import Spec
@@ -63,6 +63,8 @@ class LocalNodes:
                  links: EmulatedLinks | None):
         self.names, self.places, self.logs, self.links = list(names), list(places), list(logs), links
         self.processes: list[subprocess.Popen] = []
+        self._commands: list[tuple[list[str], dict[str, str]]] = []  # each node's command line and environment
+        self.restarts = 0
 
     @classmethod
     def start(cls, command: NodeCommand, names: Sequence[str], threads: Sequence[int | None],
@@ -77,22 +79,40 @@ class LocalNodes:
         successors = [place.address for place in places[1:]] + [places[-1].tokens]
         nodes = cls(names, places, [log_dir / f"{name}.log" for name in names], links)
         try:
-            for name, place, successor, count, ids, log in zip(names, places, successors, threads, cpus, nodes.logs):
-                with log.open("w") as out:
-                    nodes.processes.append(subprocess.Popen(
-                        node_arguments(command, name, place, successor, count, ids), env=thread_env(count),
-                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            for name, place, successor, count, ids in zip(names, places, successors, threads, cpus):
+                nodes._commands.append((node_arguments(command, name, place, successor, count, ids),
+                                        thread_env(count)))
+                nodes.processes.append(nodes._spawn(len(nodes.processes), "w"))
         except BaseException:
             nodes.stop(timeout_s=0)
             raise
         return nodes
 
+    def _spawn(self, index: int, log_mode: str) -> subprocess.Popen:
+        args, env = self._commands[index]
+        with self.logs[index].open(log_mode) as out:
+            return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    def restart(self, name: str) -> None:
+        """Start node `name` again as it was started (its old process killed first, if still there: a frozen node
+        is as lost as a dead one); its log goes on in the same file."""
+        index = self.names.index(name)
+        old = self.processes[index]
+        if old.poll() is None:
+            old.kill()
+            old.wait()
+        with self.logs[index].open("a") as out:
+            out.write(f"\n--- {name} started again after its loss ---\n")
+        self.processes[index] = self._spawn(index, "a")
+        self.restarts += 1
+
     def check(self) -> None:
-        """Raise PipelineError naming the first node process that has exited."""
+        """Raise NodeLost naming the first node process that has exited."""
         for name, process, log in zip(self.names, self.processes, self.logs):
             if (status := process.poll()) is not None:
                 how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
-                raise PipelineError(f"{name}: the node process {how}{_tail(log)}")
+                raise NodeLost(name, f"the node process {how}{_tail(log)}")
 
     def stop(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for every process to end (after SHUTDOWN), then kill the rest; remove the

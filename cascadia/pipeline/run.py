@@ -211,6 +211,13 @@ class Pipeline:
             logits.append(np.array(tokens.logits))
         return np.concatenate(logits)
 
+    def replace(self, node: str, timeout_s: float, stop: threading.Event | None = None) -> None:
+        """Take a lost node back: a local one is started again here; a remote one must be started again on its
+        machine. Wait up to `timeout_s` for it to say HELLO and READY (`stop` ends the wait)."""
+        if self.local is not None:
+            self.local.restart(node)
+        self.coordinator.rejoin(node, timeout_s, stop)
+
     def close(self, timeout_s: float = SHUTDOWN_S) -> None:
         """Shut every node down; kill local ones not gone within `timeout_s`."""
         _close(self.coordinator, self.local, self._run_dir, self._affinity, timeout_s)

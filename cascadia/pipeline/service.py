@@ -20,6 +20,8 @@ import logging
 import queue
 import socket
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,8 +29,8 @@ import attrs
 
 from cascadia.errors import CascadiaError, NodeError
 from cascadia.graph.plan import Plan
-from cascadia.pipeline.coordinator import Flight
-from cascadia.pipeline.run import Addresses, Pipeline, describe
+from cascadia.pipeline.coordinator import Flight, NodeLost, PipelineError
+from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, Pipeline, describe
 from cascadia.pipeline.wire import Message
 from cascadia.policy import Event, Finished, Policy, Rejected, Request
 from cascadia.spec.types import Spec
@@ -36,6 +38,10 @@ from cascadia.spec.types import Spec
 log = logging.getLogger(__name__)
 
 STATS_S = 1.0  # how often the nodes' counters are read for `status`
+STALL_S = 2.0  # a node that holds up the pipeline this long, and answers nothing, is lost
+REPLACE_TIMEOUT_S = 60.0  # how long a lost remote node may take to come back before its stage is down
+DOWN_POLL_S = 1.0  # while a stage is down: how often waiting requests are refused between looks for its node
+MAX_RESTARTS = 3  # a local node lost again this often while being started again: the service fails
 OnEvent = Callable[[Event, float], None]  # an event of the request, and when (the coordinator's clock, seconds)
 
 
@@ -56,17 +62,23 @@ class Status:
     waiting: int  # requests waiting for one
     busy: dict[str, float]  # each node's busy fraction since the last status
     frames_per_s: dict[str, float]  # ... and frames handled per second
+    down: str | None = None  # a stage lost and what is done about it, while it is
+    accepting: bool = False  # requests are taken: serving, or recovering (they wait); not while a stage is down
+    failures: dict[str, int] = attrs.Factory(dict)  # losses so far, by node
+    recoveries_s: tuple[float, ...] = ()  # how long each recovery took, from the loss to serving again
 
 
 class PipelineService:
     def __init__(self, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, addresses: Addresses | None = None,
-                 node_timeout_s: float | None = None, groups: int | None = None) -> None:
+                 node_timeout_s: float = NODE_TIMEOUT_S, groups: int | None = None, stall_s: float = STALL_S,
+                 replace_timeout_s: float = REPLACE_TIMEOUT_S) -> None:
         """Start serving `plan` on a thread of its own (see the module's text); `status().ready` says when the nodes
-        are up. The arguments are `Pipeline.start`'s, and `groups` the policy's pipeline groups (one per stage)."""
+        are up. The arguments are `Pipeline.start`'s, `groups` the policy's pipeline groups (one per stage), and
+        `replace_timeout_s` how long a lost remote node may take to come back before its stage is down."""
         self.spec, self.plan = spec, plan
-        self._start = {"checkpoint": checkpoint, "addresses": addresses}
-        if node_timeout_s is not None:
-            self._start["node_timeout_s"] = node_timeout_s
+        self._start = {"checkpoint": checkpoint, "addresses": addresses, "node_timeout_s": node_timeout_s,
+                       "stall_s": stall_s}
+        self._replace_timeout_s = replace_timeout_s
         self._policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_reader, self._wake_writer = socket.socketpair()
@@ -79,6 +91,10 @@ class PipelineService:
         self._busy: dict[str, float] = {}
         self._frames_per_s: dict[str, float] = {}
         self._last_stats: tuple[float, dict] | None = None
+        self._down: str | None = None
+        self._accepting = True
+        self._failures: Counter[str] = Counter()
+        self._recoveries_s: list[float] = []
         self._thread = threading.Thread(target=self._serve, name="cascadia-pipeline", daemon=True)
         self._thread.start()
 
@@ -94,7 +110,7 @@ class PipelineService:
     def busy_seconds(self, timeout_s: float = 10.0) -> dict[str, float]:
         """Each node's busy seconds since it started, read from the nodes now (so that a load generator can time a
         phase's busy share exactly); empty while the pipeline is not serving, or gives no answer in `timeout_s`."""
-        if not self.status().ready:
+        if not self.status().ready or self.status().down:
             return {}
         answer: concurrent.futures.Future = concurrent.futures.Future()
         self._command(("busy", answer))
@@ -105,8 +121,9 @@ class PipelineService:
 
     def status(self) -> Status:
         with self._lock:
-            return Status(self._ready, self._loading, self._error, *self._counts, dict(self._busy),
-                          dict(self._frames_per_s))
+            return Status(self._ready and not self._down, self._loading, self._error, *self._counts,
+                          dict(self._busy), dict(self._frames_per_s), self._down, self._ready and self._accepting,
+                          dict(self._failures), tuple(self._recoveries_s))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop serving: open requests end with Failed("the server is shutting down"), the nodes are shut down."""
@@ -139,7 +156,8 @@ class PipelineService:
             self._ready, self._loading = True, ""
         reason = "the server is shutting down"
         try:
-            self._loop(Flight(pipeline.coordinator))
+            while not self._loop(Flight(pipeline.coordinator), pipeline):
+                pass
         except NodeError as e:
             reason = str(e)
             log.error("the pipeline failed: %s", e)
@@ -147,22 +165,109 @@ class PipelineService:
             pipeline.close()
             self._stop(reason)
 
-    def _loop(self, flight: Flight) -> None:
+    def _loop(self, flight: Flight, pipeline: Pipeline) -> bool:
+        """Serve until told to stop (True), or until a node is lost and taken back (False: serve on, with a new
+        flight)."""
         coordinator, policy = flight.coordinator, self._policy
+        try:
+            while True:
+                while not self._commands.empty():
+                    command = self._commands.get()
+                    if command[0] == "stop":
+                        return True
+                    self._apply(command, coordinator)
+                self._launch(flight)
+                completed = flight.wait(until=coordinator.now() + STATS_S, wake=[self._wake_reader])
+                self._drain_wake()
+                if completed is not None:
+                    events = policy.complete_frame(*completed)
+                    self._launch(flight)  # the pipeline busy again before the tokens go to the HTTP side
+                    self._dispatch(events, coordinator.now())
+                self._update_stats(coordinator)
+        except NodeLost as lost:
+            return not self._recover(pipeline, lost)
+
+    def _recover(self, pipeline: Pipeline, lost: NodeLost) -> bool:
+        """Take a lost node's stage back (see the module's text): True once serving again, False when told to stop
+        meanwhile. Requests keep arriving and wait; if a remote node does not come back within the replace timeout,
+        the open ones fail, new ones are refused, and we wait on for it."""
+        started, attempts = time.monotonic(), 0
         while True:
-            while not self._commands.empty():
-                command = self._commands.get()
-                if command[0] == "stop":
-                    return
-                self._apply(command, coordinator)
-            self._launch(flight)
-            completed = flight.wait(until=coordinator.now() + STATS_S, wake=[self._wake_reader])
-            self._drain_wake()
-            if completed is not None:
-                events = policy.complete_frame(*completed)
-                self._launch(flight)  # the pipeline busy again before the tokens go to the HTTP side
-                self._dispatch(events, coordinator.now())
-            self._update_stats(coordinator)
+            stage = _stage_name(self.plan, lost.node)
+            self._failures[lost.node] += 1
+            attempts += 1
+            if attempts > MAX_RESTARTS:
+                raise PipelineError(f"{stage}: lost {attempts} times while being taken back; the last time: {lost}")
+            log.warning("%s lost: %s; taking it back", stage, lost)
+            self._set_down(f"{stage} lost ({lost}); taking it back", accepting=True)
+            try:
+                self._take_back(pipeline, lost.node, stage)
+                break
+            except NodeLost as again:  # the node started in its place was lost too, or another one
+                lost = again
+            except PipelineError:
+                if self._stopping.is_set():
+                    return False
+                raise
+        self._last_stats = None  # a restarted node counts from zero
+        self._dispatch(self._policy.replay(), pipeline.coordinator.now())
+        with self._lock:
+            self._recoveries_s.append(time.monotonic() - started)
+        self._set_down(None, accepting=True)
+        log.info("%s serves again after %.2f s", stage, self._recoveries_s[-1])
+        return True
+
+    def _take_back(self, pipeline: Pipeline, node: str, stage: str) -> None:
+        """A local node is started again here; a remote one must come back on its machine (a `--keep-serving`
+        node's supervisor, or someone, starts it again): after the replace timeout its stage is down until it
+        does."""
+        if pipeline.local is not None:
+            pipeline.replace(node, self._start["node_timeout_s"], self._stopping)
+            return
+        try:
+            pipeline.replace(node, self._replace_timeout_s, self._stopping)
+            return
+        except NodeLost:
+            raise
+        except PipelineError:
+            if self._stopping.is_set():
+                raise
+        reason = f"{stage} is down: no node took it back within {self._replace_timeout_s:g} s"
+        self._fail_open(reason)
+        self._set_down(f"{reason}; waiting for one", accepting=False)
+        while True:
+            self._refuse_waiting(reason)
+            try:
+                pipeline.replace(node, DOWN_POLL_S, self._stopping)
+                return
+            except NodeLost:
+                raise
+            except PipelineError:
+                if self._stopping.is_set():
+                    raise
+
+    def _set_down(self, down: str | None, accepting: bool) -> None:
+        """What status says while a stage is lost, and whether requests are taken meanwhile."""
+        with self._lock:
+            self._down, self._accepting = down, accepting
+
+    def _fail_open(self, reason: str) -> None:
+        """Every open request fails with `reason`, and the policy starts afresh."""
+        for request_id, on_event in list(self._listeners.items()):
+            on_event(Failed(request_id, reason), 0.0)
+        self._listeners.clear()
+        self._policy = Policy.for_runtime(self.spec.runtime, self._policy.n_groups)
+
+    def _refuse_waiting(self, reason: str) -> None:
+        """While a stage is down: requests that came fail at once, and stats requests get nothing."""
+        while not self._commands.empty():
+            command = self._commands.get()
+            if command[0] == "stop":
+                self._stopping.set()
+            elif command[0] == "submit":
+                command[2](Failed(command[1].id, reason), 0.0)
+            elif command[0] == "busy":
+                command[1].set_result({})
 
     def _launch(self, flight: Flight) -> None:
         """Every group with nothing in flight gets its next frame."""
@@ -205,8 +310,9 @@ class PipelineService:
         if self._last_stats is not None:
             then, before = self._last_stats
             with self._lock:
-                self._busy = {n: (s.busy_s - before[n].busy_s) / (now - then) for n, s in stats.items()}
-                self._frames_per_s = {n: (s.frames - before[n].frames) / (now - then) for n, s in stats.items()}
+                self._busy = {n: max(0.0, s.busy_s - before[n].busy_s) / (now - then) for n, s in stats.items()}
+                self._frames_per_s = {n: max(0, s.frames - before[n].frames) / (now - then)
+                                      for n, s in stats.items()}
         self._last_stats = (now, stats)
 
     def _on_message(self, node: str, message: Message) -> None:
@@ -228,3 +334,9 @@ class PipelineService:
                 command[2](Failed(command[1].id, reason), 0.0)
             elif command[0] == "busy":
                 command[1].set_result({})
+
+
+def _stage_name(plan: Plan, node: str) -> str:
+    """"node1 (layers 2-3)"."""
+    stage = next(stage for stage in plan.stages if stage.node == node)
+    return f"{node} (layers {stage.first_layer}-{stage.last_layer})"

@@ -152,6 +152,7 @@ class Transport:
         sock = self._socket(socket_type)
         if socket_type == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown peer raises instead of vanishing
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a node started again takes its name over from its lost self
         if self._keypair is not None:
             sock.curve_publickey, sock.curve_secretkey = self._keypair
             sock.curve_server = True

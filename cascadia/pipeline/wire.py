@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -274,11 +275,13 @@ def encode(message: Message, sender: int, seq: int) -> list:
 
 
 class Encoder:
-    """Encodes the messages of one sender, numbering them 1, 2, 3, ..."""
+    """Encodes the messages of one sender, numbering them up by one from `start`: by default the wall clock's
+    nanoseconds as it was made, so that a sender started again (a node restarted, a machine rebooted) numbers above
+    everything of its earlier life, and its peers take its messages."""
 
-    def __init__(self, sender: int):
+    def __init__(self, sender: int, start: int | None = None):
         self.sender = sender
-        self._seq = 0
+        self._seq = time.time_ns() if start is None else start
 
     def encode(self, message: Message) -> list:
         self._seq += 1

@@ -40,7 +40,7 @@ from cascadia.serve.chat import ChatTemplate
 from cascadia.serve.prom import CONTENT_TYPE, Metrics
 from cascadia.serve.text import TextStream
 
-KEEP_ALIVE_S = 15  # an SSE comment line this often keeps an idle stream's connection open
+KEEP_ALIVE_S = 5  # an SSE comment line this often keeps a paused stream's connection open (a node is replaced)
 RATE_WINDOW_S = 60  # tokens/s on the page: over this many seconds
 RETRY_AFTER_S = 1
 _WAKE = object()  # put in a request's event queue to end its wait
@@ -167,8 +167,9 @@ class Server:
     def start(self, body: ChatRequest | CompletionRequest) -> Generation:
         """Check a request against the model and the queue, and submit it."""
         status = self.service.status()
-        if self.draining or not status.ready:
-            why = "the server is shutting down" if self.draining else (status.error or f"loading ({status.loading})")
+        if self.draining or not status.accepting:
+            why = "the server is shutting down" if self.draining else \
+                (status.down or status.error or f"loading ({status.loading})")
             raise ApiError(503, f"not serving: {why}", "unavailable", "server_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         if body.model is not None and body.model != self.settings.model_name:
@@ -311,8 +312,8 @@ def build_app(server: Server) -> FastAPI:
         status = server.service.status()
         if status.ready and not server.draining:
             return {"status": "ok"}
-        state, detail = ("shutting down", "") if server.draining else \
-            ("failed", status.error) if status.error else ("loading", status.loading)
+        state, detail = ("shutting down", "") if server.draining else ("failed", status.error) if status.error \
+            else ("down", status.down) if status.down else ("loading", status.loading)
         return JSONResponse({"status": state, "detail": detail}, status_code=503)
 
     @app.get("/metrics")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from cascadia.pipeline.service import Status
 
@@ -54,3 +54,11 @@ class _Live:
         for node, fraction in status.busy.items():
             busy.add_metric([node], fraction)
         yield busy
+        failures = CounterMetricFamily("cascadia_node_failures", "Nodes lost (process ended, connection closed, or "
+                                       "silent while holding up the pipeline)", labels=["node"])
+        for node, count in status.failures.items():
+            failures.add_metric([node], count)
+        yield failures
+        recoveries = SummaryMetricFamily("cascadia_recovery_seconds", "From a node's loss to serving again",
+                                         count_value=len(status.recoveries_s), sum_value=sum(status.recoveries_s))
+        yield recoveries

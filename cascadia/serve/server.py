@@ -18,7 +18,6 @@ from pathlib import Path
 import uvicorn
 
 from cascadia.graph.plan import Plan
-from cascadia.pipeline.run import Addresses
 from cascadia.pipeline.service import PipelineService
 from cascadia.serve.app import Server, ServeSettings, build_app
 from cascadia.serve.chat import ChatTemplate
@@ -29,10 +28,10 @@ log = logging.getLogger(__name__)
 
 
 def serve(spec: Spec, plan: Plan, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
-          checkpoint: Path | None = None, addresses: Addresses | None = None, node_timeout_s: float | None = None,
-          groups: int | None = None, shutdown_timeout_s: float = 30.0) -> None:
-    """Serve until stopped (see the module's text). Text needs the checkpoint's tokenizer.json, chat its
-    tokenizer_config.json's chat template; without them only token-id completions are served."""
+          checkpoint: Path | None = None, shutdown_timeout_s: float = 30.0, **pipeline) -> None:
+    """Serve until stopped (see the module's text); `pipeline` holds `PipelineService`'s other options. Text needs
+    the checkpoint's tokenizer.json, chat its tokenizer_config.json's chat template; without them only token-id
+    completions are served."""
     checkpoint = checkpoint or spec.model.checkpoint
     tokenizer = chat = None
     no_chat = f"{checkpoint}/{TOKENIZER_CONFIG_FILE} has no chat_template" if checkpoint else "no checkpoint named"
@@ -43,8 +42,7 @@ def serve(spec: Spec, plan: Plan, settings: ServeSettings, *, host: str = "127.0
             no_chat = f"{checkpoint}/{TOKENIZER_CONFIG_FILE} is missing"
     elif checkpoint is not None:
         no_chat = f"{checkpoint}/{TOKENIZER_FILE} is missing"
-    service = PipelineService(spec, plan, checkpoint=checkpoint, addresses=addresses, node_timeout_s=node_timeout_s,
-                              groups=groups)
+    service = PipelineService(spec, plan, checkpoint=checkpoint, **pipeline)
     server = Server(service, settings, tokenizer, chat, no_chat)
     try:
         _Uvicorn(server, shutdown_timeout_s, uvicorn.Config(build_app(server), host=host, port=port, log_level="info",
