@@ -14,7 +14,8 @@ its relative-position bias, residuals, and the FP32 restoration of the MLP's out
       x = x + attn_sconv(o_proj(a))                       compiled o_proj
       h = post_attention_layernorm(x)
       m = SwiGLU(h) * global_scale                        dense layers, compiled
-        | routed(h, router(h)) + shared(h)                MoE layers, compiled; FP32 restoration around them
+        | routed(h, router(h)) + shared(h)                MoE layers, compiled, fused or expert-grouped by the
+                                                          call's rows; FP32 restoration around them
       x = x + mlp_sconv(m)
 
 Shapes: T rows of one call (several streams, each at its own positions), n one stream's rows in it, H hidden,
@@ -34,9 +35,11 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from cascadia.engine.device import CompiledBlock
+from cascadia.engine.device import Compiled, CompiledBlock
+from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.rows import Rows
 from cascadia.engine.state_format import StateFormat
+from cascadia.policy import padded_size
 
 
 # ---- norms, softmax, short convolutions ----------------------------------------------------------------------------
@@ -219,9 +222,15 @@ class DecoderLayer:
     router: Router | None = None  # MoE layers
     output_scale: np.ndarray | None = None  # dense layers: the MLP's global_scale [1]
     dense_slices: int | None = None  # dense layers run as this many all-active expert slices
+    grouped: GroupedBlock | None = None  # MoE layers: the same experts, expert-grouped (`graphs.moe_grouped`)
+    grouped_from: int | None = None  # calls of at least this many rows (their bucket) run `grouped`, not `mlp`
 
-    def blocks(self) -> list[CompiledBlock]:
-        return [self.qkvr, self.o_proj, self.mlp]
+    def blocks(self) -> list[Compiled]:
+        return [self.qkvr, self.o_proj, self.mlp] + ([self.grouped] if self.grouped is not None else [])
+
+    def runs_grouped(self, bucket: int) -> bool:
+        """Whether a call of `bucket` rows runs the expert-grouped MoE."""
+        return self.grouped is not None and self.grouped_from is not None and bucket >= self.grouped_from
 
     def forward(self, x: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
         """x [T, H], the residual stream of the rows -> after this layer. Updates the rows' slots in `state`."""
@@ -246,6 +255,12 @@ class DecoderLayer:
                                first, state.fmt)
         return out
 
+    def expert_inputs(self, h: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+        """A MoE layer's block inputs for rows h [T, H] (h, index, weights / F, shared weights / F), and F [T, 1]."""
+        routing = self.router(h)
+        factor = row_factor(routing.weights, routing.shared_weights)
+        return (h, routing.index, routing.weights / factor, routing.shared_weights / factor), factor
+
     def feed_forward(self, h: np.ndarray, bucket: int | None = None) -> np.ndarray:
         """The MLP of the rows h [T, H], restored to full scale in FP32; the blocks run at `bucket` rows (None: the
         smallest bucket that holds them)."""
@@ -255,7 +270,9 @@ class DecoderLayer:
             else:
                 out = self.mlp(h, bucket=bucket)[0]
             return out * np.float32(self.up_divisor) * self.output_scale
-        routing = self.router(h)
-        factor = row_factor(routing.weights, routing.shared_weights)
-        out = self.mlp(h, routing.index, routing.weights / factor, routing.shared_weights / factor, bucket=bucket)[0]
+        inputs, factor = self.expert_inputs(h)
+        if self.runs_grouped(padded_size(len(h), self.mlp.buckets) if bucket is None else bucket):
+            out = self.grouped(*inputs)
+        else:
+            out = self.mlp(*inputs, bucket=bucket)[0]
         return out * (np.float32(self.up_divisor) * factor)

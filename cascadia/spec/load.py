@@ -7,7 +7,7 @@ and key path.
     cluster:   nodes: [{name: pc, count: 11, memory: 61.2GiB, memory_bandwidth: 120GB/s, compute: 30TFLOPS}]
                links: {default: {bandwidth: 1gbit, latency: 100us}, pairs: [{between: [pc0, pc1], ...}]}
                reserve: 2GiB                             # kept free on every node
-    runtime:   context_budget, max_streams, precision, kv_precision, row_buckets, prefill_window, ...
+    runtime:   context_budget, max_streams, precision, kv_precision, row_buckets, prefill_window, moe_grouped_from
     workload:  concurrency: 1,2,4  requests  prompt_tokens: {uniform: [8, 24]}  output_tokens  greedy ...
     include:   [models/inkling.yaml, clusters/lab.yaml]  # merged first, in order; this file's keys win
 
@@ -30,9 +30,9 @@ import attrs
 
 from cascadia.model_config import _ALIASES, ConfigError, InklingConfig, read_text_fields
 from cascadia.spec.problems import Problem, SpecError, shown
-from cascadia.spec.types import (DEVICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYPES, ClusterSpec, LengthSpec, LinkSpec,
-                                 ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats, WorkloadSpec,
-                                 is_tcp_address)
+from cascadia.spec.types import (DEVICES, MOE_GROUPED_CHOICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYPES, ClusterSpec,
+                                 LengthSpec, LinkSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat,
+                                 WeightFormats, WorkloadSpec, is_tcp_address)
 from cascadia.spec.yaml_tree import Node, read_document
 from cascadia.units import UnitError, format_bytes, parse_bytes, parse_duration, parse_flops, parse_rate
 from cascadia.workload import misfits
@@ -514,9 +514,19 @@ def _runtime(ctx: _Context, node: Node | None) -> RuntimeSpec:
         "kv_precision": fields.take("kv_precision", _choice(PRECISIONS)),
         "row_buckets": fields.take("row_buckets", _buckets),
         "prefill_window": fields.take("prefill_window", _positive_int),
+        "moe_grouped_from": fields.take("moe_grouped_from", _grouped_from),
     }
     fields.finish()
     return RuntimeSpec(**{k: v for k, v in values.items() if v is not None})
+
+
+def _grouped_from(value: Any) -> int | str:
+    """A row count >= 1, `auto` or `never`."""
+    if isinstance(value, str) and value.lower() in MOE_GROUPED_CHOICES:
+        return value.lower()
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise _Invalid(f"expected a row count >= 1, {' or '.join(MOE_GROUPED_CHOICES)}, got {shown(value)}")
 
 
 def _length(ctx: _Context, node: Node, path: str) -> LengthSpec | None:

@@ -17,6 +17,7 @@ from cascadia.model_config import InklingConfig
 WEIGHT_DTYPES = ("int4", "int8", "f16", "bf16", "f32")
 PRECISIONS = ("f32", "bf16", "f16")
 DEVICES = ("auto", "GPU", "CPU")
+MOE_GROUPED_CHOICES = ("auto", "never")  # runtime.moe_grouped_from, beside a row count
 # Tensor groups that each get a weight format.
 TENSOR_GROUPS = ("routed_experts", "shared_experts", "attention", "dense_mlp", "embedding", "head")
 
@@ -147,6 +148,9 @@ class RuntimeSpec:
     kv_precision: str = "f32"  # dtype of the K/V cache and convolution states
     row_buckets: tuple[int, ...] = (1, 2, 8, 16, 24, 32)  # increasing: rows of a call are padded up to one
     prefill_window: int = 8  # most prompt rows admitted per step
+    # MoE calls of at least this many rows (their bucket) run expert-grouped, smaller ones fused; "auto": from the
+    # engine's own measurement at start-up; "never": always fused.
+    moe_grouped_from: int | str = "auto"
 
     @property
     def largest_bucket(self) -> int:
