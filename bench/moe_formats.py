@@ -3,18 +3,21 @@
 Scenario: a random one-layer Inkling of the benches' mid size (hidden 1024, 64 experts top-6 plus 2 shared of width
 512), written once by `init_model` into CHECKPOINT (bf16); its MoE layer is built by the engine's own `build_layer`,
 its routed and shared
-experts stored in each of FORMATS, compiled at each of the PRECISIONS asked for. Each (format, precision) runs in
-two fresh processes: one builds the fused path only, the other the fused and the expert-grouped paths (what the
-engine holds when it runs both). Reported:
+experts stored in each of FORMATS, compiled at each of the PRECISIONS asked for. Each (format, precision) runs in fresh
+processes: one builds the fused path only, SWEEPS others the fused and the expert-grouped paths (what the engine
+holds when it runs both). Reported:
   stored      the layer's weight bytes (`cascadia.graph.costs`: values, scales, zero points), the experts in the
               format, the attention in bench/engine.py's (int8; 2.9 MiB of the layer)
   resident    the process's resident memory after building the layer, its warm-up and the timed calls, less what
-              it held before (Python, numpy, OpenVINO loaded), over the stored bytes; also with the grouped path
-  ms          median seconds per call over REPEATS calls at 1 and at ROWS rows of unit RMS routed by the layer's
-              router, both paths in the same process, called in turn (one layer called again and again: its
-              weights are larger than this CPU's L3, so most of them come from memory each time)
-  error       largest |output - exact| over the largest |exact| at ROWS rows, exact = the same layer with f32
-              weights at f32 compute (so it counts the format's rounding and the precision's together)
+              it held before (Python, numpy, OpenVINO loaded), over the stored bytes; with the grouped path too
+              (median of the SWEEPS processes)
+  ms          median seconds per call at 1 and at ROWS rows of unit RMS routed by the layer's router: REPEATS
+              calls of each path in turn in the process that holds both (one layer called again and again; its
+              weights are larger than this CPU's L3), the median of SWEEPS such processes, every sweep over all
+              cases in a new order; grouped / fused: the median of each process's own ratio (other load on the
+              machine moves whole processes)
+  error       |output - exact| / |exact| (Euclidean norms) at ROWS rows, exact = the same layer with f32 weights
+              at f32 compute (so it counts the format's rounding and the precision's together)
 Not a test: it prints a table.
 
     python bench/moe_formats.py [--quick] [--precisions bf16,f32]
@@ -28,6 +31,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from datetime import date
 from pathlib import Path
 
@@ -53,6 +57,7 @@ FORMATS = {"int8 per row, symmetric": WeightFormat("int8"),
               for g in (32, 64, 128) for kind in ("symmetric", "asymmetric")}}
 ROWS = 32
 REPEATS = 9
+SWEEPS = 3
 SEED = 0
 MODEL = MID_SIZES | {"num_hidden_layers": 1, "layer_types": ["hybrid_sliding"], "mlp_layer_types": ["sparse"]}
 CHECKPOINT = Path(tempfile.gettempdir()) / "cascadia-bench-moe-formats"
@@ -93,33 +98,30 @@ def inputs(layer, rows: int):
 
 
 def case_child(path: str, fmt: WeightFormat, precision: str, grouped: bool, results) -> None:
-    """In a fresh process: memory of the build; with `grouped`, times of both paths and their outputs at ROWS."""
+    """In a fresh process: the resident bytes that building, warming up and calling the layer add; with `grouped`,
+    the median seconds per call of both paths at 1 and ROWS rows (called in turn) and their outputs at ROWS."""
     CompiledBlock(graphs.projection([np.ones((8, 8), np.float32)], WeightFormat()), "CPU", compile_options("f32"),
                   (1,)).warm_up()
     before = resident_bytes()
     layer = build(path, fmt, precision, grouped)
-    out: dict[str, object] = {}
-    if grouped:
-        paths = {"fused": lambda x: layer.mlp(*x)[0], "grouped": lambda x: layer.grouped(*x)}
-        for rows in (1, ROWS):
-            x, _ = inputs(layer, rows)
-            samples = {name: [] for name in paths}
-            for _ in range(REPEATS):
-                for name, call in paths.items():
-                    start = time.perf_counter()
-                    call(x)
-                    samples[name].append(time.perf_counter() - start)
-            out |= {f"{name} {rows}": statistics.median(s) for name, s in samples.items()}
-        x, factor = inputs(layer, ROWS)
-        out |= {f"{name} output": call(x) * factor * np.float32(layer.up_divisor) for name, call in paths.items()}
-    out["resident"] = resident_bytes() - before
-    results.put(out)
+    paths = {"fused": lambda *x: layer.mlp(*x)[0]} | ({"grouped": layer.grouped} if grouped else {})
+    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for rows in (1, ROWS):
+        x, _ = inputs(layer, rows)
+        for _ in range(REPEATS):
+            for name, call in paths.items():
+                start = time.perf_counter()
+                call(*x)
+                samples[name, rows].append(time.perf_counter() - start)
+    x, factor = inputs(layer, ROWS)
+    outputs = {name: call(*x) * factor * np.float32(layer.up_divisor) for name, call in paths.items()}
+    results.put((resident_bytes() - before, {key: statistics.median(s) for key, s in samples.items()}, outputs))
 
 
-def run_case(path: str, fmt: WeightFormat, precision: str, grouped: bool) -> dict[str, object]:
+def in_child(target, *args):
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
-    child = spawn.Process(target=case_child, args=(path, fmt, precision, grouped, results))
+    child = spawn.Process(target=target, args=(*args, results))
     child.start()
     out = results.get()
     child.join()
@@ -132,6 +134,10 @@ def exact_output(path: str) -> np.ndarray:
     return layer.mlp(*x)[0] * factor * np.float32(layer.up_divisor)
 
 
+def relative_error(output: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.linalg.norm(output - exact) / np.linalg.norm(exact))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, to check the bench itself")
@@ -141,19 +147,30 @@ def main() -> None:
     path = str(random_checkpoint(config, CHECKPOINT, args.quick, SEED))
     exact = exact_output(path)
     load_before = os.getloadavg()
+    precisions = args.precisions.split(",")
+    cases = [(precision, name) for precision in precisions for name in FORMATS]
+    fused_only = {case: in_child(case_child, path, FORMATS[case[1]], case[0], False)[0] for case in cases}
+    measured: dict[tuple[str, str], list] = defaultdict(list)
+    rng = np.random.default_rng(SEED)
+    for sweep in range(SWEEPS):
+        for i in rng.permutation(len(cases)):
+            precision, name = cases[i]
+            print(f"sweep {sweep + 1}/{SWEEPS}: {precision}, {name} ...", flush=True)
+            measured[cases[i]].append(in_child(case_child, path, FORMATS[name], precision, True))
     rows = []
-    for precision in args.precisions.split(","):
-        for name, fmt in FORMATS.items():
-            print(f"{precision}, {name} ...", flush=True)
-            fused_only = run_case(path, fmt, precision, grouped=False)
-            both = run_case(path, fmt, precision, grouped=True)
-            ops = costs.layer_ops(ModelSpec(config, layer_formats(fmt)), moe_layer_index(config))
-            stored = sum(op.weight_bytes for op in ops.values())
-            errors = {p: np.abs(both[f"{p} output"] - exact).max() / np.abs(exact).max() for p in ("fused", "grouped")}
-            rows.append((runs_as(precision, "CPU"), name, f"{stored / 2**20:.1f}",
-                         f"{fused_only['resident'] / stored:.2f}", f"{both['resident'] / stored:.2f}",
-                         *(f"{both[f'{p} {n}'] * 1e3:.2f}" for n in (1, ROWS) for p in ("fused", "grouped")),
-                         f"{errors['fused']:.1e}", f"{errors['grouped']:.1e}"))
+    for precision, name in cases:
+        runs = measured[precision, name]
+        both = statistics.median(resident for resident, _, _ in runs)
+        seconds = {key: statistics.median(times[key] for _, times, _ in runs) for key in runs[0][1]}
+        ratios = {n: statistics.median(times["grouped", n] / times["fused", n] for _, times, _ in runs)
+                  for n in (1, ROWS)}
+        ops = costs.layer_ops(ModelSpec(config, layer_formats(FORMATS[name])), moe_layer_index(config))
+        stored = sum(op.weight_bytes for op in ops.values())
+        rows.append((runs_as(precision, "CPU"), name, f"{stored / 2**20:.1f}",
+                     f"{fused_only[precision, name] / stored:.2f}", f"{both / stored:.2f}",
+                     *(f"{seconds[p, n] * 1e3:.2f}" for n in (1, ROWS) for p in ("fused", "grouped")),
+                     *(f"{ratios[n]:.2f}" for n in (1, ROWS)),
+                     *(f"{relative_error(runs[0][2][p], exact):.1e}" for p in ("fused", "grouped"))))
     load_after = os.getloadavg()
     print(f"\n{date.today()}: {core().get_property('CPU', 'FULL_DEVICE_NAME')}, {os.cpu_count()} cores; "
           f"{'quick ' if args.quick else ''}MoE layer hidden {config.hidden_size}, {config.n_routed_experts} experts "
@@ -161,7 +178,8 @@ def main() -> None:
           f"{config.moe_intermediate_size}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; "
           f"bench/engine.py's experts: {BENCH_FORMATS.routed_experts}\n")
     print(format_rows([("runs as", "experts", "stored MiB", "resident / stored", "with grouped",
-                        "fused 1 ms", "grouped 1 ms", f"fused {ROWS} ms", f"grouped {ROWS} ms", "fused error",
+                        "fused 1 ms", "grouped 1 ms", f"fused {ROWS} ms", f"grouped {ROWS} ms",
+                        "grouped / fused 1", f"grouped / fused {ROWS}", "fused error",
                         "grouped error"), *rows]))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,17 +40,19 @@ def crossover(seconds: dict[int, tuple[float, float]]) -> int | None:
 
 
 def _median_seconds(layer: DecoderLayer, rows: int, rounds: int) -> tuple[float, float]:
-    """Median seconds per call of the fused and the grouped path on `rows` rows (after one untimed call each)."""
-    h = np.random.default_rng(rows).standard_normal((rows, layer.post_norm.shape[0]), dtype=np.float32)
-    inputs, _ = layer.expert_inputs(h)
-    paths: tuple[Callable[[], object], ...] = (lambda: layer.mlp(*inputs, bucket=rows), lambda: layer.grouped(*inputs))
+    """Median seconds per call of the fused and the grouped path on `rows` rows, new rows (so a new routing) in
+    every round, as in decoding: the grouped graph's shapes follow the routing, and a change of shapes costs it
+    time (measured up to 1.8x its time on repeated inputs, on bench/engine.py's model). One untimed call each
+    first."""
+    rng = np.random.default_rng(rows)
     samples: list[list[float]] = [[], []]
-    for path in paths:
-        path()
-    for _ in range(rounds):
+    for round_ in range(rounds + 1):
+        inputs, _ = layer.expert_inputs(rng.standard_normal((rows, layer.post_norm.shape[0]), dtype=np.float32))
+        paths = (lambda: layer.mlp(*inputs, bucket=rows), lambda: layer.grouped(*inputs))
         for times, path in zip(samples, paths):
             start = time.perf_counter()
             path()
-            times.append(time.perf_counter() - start)
+            if round_:
+                times.append(time.perf_counter() - start)
     fused, grouped = (statistics.median(times) for times in samples)
     return fused, grouped
