@@ -30,9 +30,9 @@ import attrs
 
 from cascadia.model_config import _ALIASES, ConfigError, InklingConfig, read_text_fields
 from cascadia.spec.problems import Problem, SpecError, shown
-from cascadia.spec.types import (DEVICES, MOE_GROUPED_CHOICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYPES, ClusterSpec,
-                                 LengthSpec, LinkSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat,
-                                 WeightFormats, WorkloadSpec, is_tcp_address)
+from cascadia.spec.types import (DEVICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYPES, ClusterSpec, LengthSpec, LinkSpec,
+                                 ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats, WorkloadSpec,
+                                 is_tcp_address)
 from cascadia.spec.yaml_tree import Node, read_document
 from cascadia.units import UnitError, format_bytes, parse_bytes, parse_duration, parse_flops, parse_rate
 from cascadia.workload import misfits
@@ -520,13 +520,16 @@ def _runtime(ctx: _Context, node: Node | None) -> RuntimeSpec:
     return RuntimeSpec(**{k: v for k, v in values.items() if v is not None})
 
 
+_GROUPED_WORDS = ("auto", "never")  # runtime.moe_grouped_from, beside a row count
+
+
 def _grouped_from(value: Any) -> int | str:
     """A row count >= 1, `auto` or `never`."""
-    if isinstance(value, str) and value.lower() in MOE_GROUPED_CHOICES:
+    if isinstance(value, str) and value.lower() in _GROUPED_WORDS:
         return value.lower()
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    raise _Invalid(f"expected a row count >= 1, {' or '.join(MOE_GROUPED_CHOICES)}, got {shown(value)}")
+    raise _Invalid(f"expected a row count >= 1, {' or '.join(_GROUPED_WORDS)}, got {shown(value)}")
 
 
 def _length(ctx: _Context, node: Node, path: str) -> LengthSpec | None:

@@ -17,7 +17,6 @@ from cascadia.model_config import InklingConfig
 WEIGHT_DTYPES = ("int4", "int8", "f16", "bf16", "f32")
 PRECISIONS = ("f32", "bf16", "f16")
 DEVICES = ("auto", "GPU", "CPU")
-MOE_GROUPED_CHOICES = ("auto", "never")  # runtime.moe_grouped_from, beside a row count
 # Tensor groups that each get a weight format.
 TENSOR_GROUPS = ("routed_experts", "shared_experts", "attention", "dense_mlp", "embedding", "head")
 
