@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import cascadia.pipeline.stage as pipeline_stage
 from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import StageEngine
@@ -20,7 +21,7 @@ from cascadia.measure import calibrate as calibrate_module
 from cascadia.measure import pipeline_probe
 from cascadia.measure.calibrate import format_calibration
 from cascadia.measure.tables import Grid, StageProbe, SteeredRouter
-from cascadia.pipeline.stage import EngineStage, Sampling, load_stage
+from cascadia.pipeline.stage import Sampling, load_stage
 from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration
 from cascadia.sim.fit import burst_streams, fit_non_negative, shared_speedup, simulate_burst
 from cascadia.sim.model import stage_kinds
@@ -111,7 +112,7 @@ def test_steered_frames_reach_the_expert_grouped_moe_with_the_asked_experts(spec
     grouped = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, moe_grouped_from=1))
     stage = make_plan(grouped).stages[0]
     engine = StageEngine.for_stage(grouped, stage, Checkpoint.open(checkpoint), threads=1)
-    probe = StageProbe(EngineStage(engine), stage_kinds(stage, spec.model.config))  # no head: no sampler
+    probe = StageProbe(pipeline_stage.EngineStage(engine), stage_kinds(stage, spec.model.config))  # no head, no sampler
     touched = []
     call = GroupedBlock.__call__
     monkeypatch.setattr(GroupedBlock, "__call__", lambda self, x, index, *rest:
