@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import cascadia.pipeline.stage as pipeline_stage
 from cascadia.cli import cli
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.inkling import Routing
 from cascadia.errors import SpecError
 from cascadia.graph.planner import plan as make_plan
@@ -100,6 +104,23 @@ def test_stage_probe_measures_every_kind_of_the_stage_on_the_grid(spec, checkpoi
         assert table.points == (grid.points[kind] if KIND_AXES[kind] else ())
         assert all(t > 0 for line in table.time_s for t in line)
     assert tables["moe"].points == (2, 4, 8) and tables["sliding"].points == (1, 2, 4, 8, 16)
+
+
+def test_steered_frames_reach_the_expert_grouped_moe_with_the_asked_experts(spec, checkpoint, monkeypatch):
+    """The MoE table times the path the engine runs: with the grouped one at every call size, each measured frame
+    still touches exactly the distinct experts asked."""
+    grouped = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, moe_grouped_from=1))
+    stage = make_plan(grouped).stages[0]
+    engine = StageEngine.for_stage(grouped, stage, Checkpoint.open(checkpoint), threads=1)
+    probe = StageProbe(pipeline_stage.EngineStage(engine), stage_kinds(stage, spec.model.config))  # no head, no sampler
+    touched = []
+    call = GroupedBlock.__call__
+    monkeypatch.setattr(GroupedBlock, "__call__", lambda self, x, index, *rest:
+                        touched.append(len(np.unique(index))) or call(self, x, index, *rest))
+    for rows, distinct in ((1, 2), (4, 6), (8, 8)):
+        touched.clear()
+        assert probe.run(rows, 1, distinct)["moe"][0] > 0
+        assert touched == [min(distinct, 2 * rows)]
 
 
 # ---- a whole calibration -----------------------------------------------------------------------------------------

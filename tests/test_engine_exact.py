@@ -1,5 +1,6 @@
 """The f32 engine against transformers' logits (tests/fixtures/<case>/reference.npz, made by
-scripts/make_fixtures.py): prefill, cached decode, and batches mixing streams at different positions."""
+scripts/make_fixtures.py): prefill, cached decode, and batches mixing streams at different positions; the MoE
+layers fused, and expert-grouped at every call size."""
 
 from __future__ import annotations
 
@@ -25,11 +26,21 @@ def assert_close(logits: np.ndarray, reference: np.ndarray) -> None:
     np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))  # identical greedy tokens
 
 
-@pytest.fixture(scope="module", params=CASES)
+# runtime.moe_grouped_from of each MoE path.
+MOE_PATHS = {"fused": "never", "grouped": 1}
+
+
+@pytest.fixture(scope="module", params=[(c, p) for c in CASES for p in MOE_PATHS],
+                ids=[f"{c}-{p}" for c in CASES for p in MOE_PATHS])
 def case(request):
-    path = FIXTURES / request.param
-    return Engine(Checkpoint.open(path), RuntimeSpec(precision="f32", max_streams=12, context_budget=64)), \
-        dict(np.load(path / "reference.npz"))
+    name, moe_path = request.param
+    path = FIXTURES / name
+    runtime = RuntimeSpec(precision="f32", max_streams=12, context_budget=64, moe_grouped_from=MOE_PATHS[moe_path])
+    engine = Engine(Checkpoint.open(path), runtime)
+    moe_layers = [layer for layer in engine.stage.layers if layer.router is not None]
+    assert moe_layers and all(layer.runs_grouped(b) == (moe_path == "grouped")
+                              for layer in moe_layers for b in runtime.row_buckets)
+    return engine, dict(np.load(path / "reference.npz"))
 
 
 def test_prefill_matches_reference(case):

@@ -29,6 +29,7 @@ COMPRESSED = WeightFormats(routed_experts=WeightFormat("int4", 32), shared_exper
 # (precision, formats) -> (lowest top-1 agreement, highest mean KL(f32 || low) in nats) over the fixtures'
 # prefill and decode rows. Measured on the three fixtures: bf16 top-1 >= 0.95, KL <= 6.2e-4 (the base fixture has
 # one expert choice that flips); compressed top-1 >= 0.62, KL <= 3.1e-3 (tiny widths quantise badly: groups of 16).
+# The expert-grouped MoE: bf16 top-1 >= 0.95, KL <= 6.2e-4; compressed top-1 >= 0.675, KL <= 2.7e-3.
 FLOORS = {("bf16", "f32 weights"): (0.85, 3e-3), ("bf16", "compressed"): (0.5, 1e-2)}
 # kv_precision -> (lowest top-1 agreement, largest logit error relative to the largest f32 logit) for 16-bit K/V and
 # convolution states with f32 compute and weights. Measured on the three fixtures: top-1 1.0; error at most 3.3e-4
@@ -64,12 +65,14 @@ def test_half_precision_state_agrees_with_f32(fixture, kv_precision):
     assert top1 >= min_top1 and 0 < error <= max_error, f"top-1 {top1:.3f}, error {error:.2e}"
 
 
+@pytest.mark.parametrize("moe_grouped_from", ["never", 1], ids=["fused", "grouped"])
 @pytest.mark.parametrize("formats", ["f32 weights", "compressed"])
-def test_low_precision_agrees_with_f32(fixture, formats):
+def test_low_precision_agrees_with_f32(fixture, formats, moe_grouped_from):
     """A bf16 request runs bf16 where the CPU has bf16 arithmetic, else f32 (OpenVINO's fallback): f32 weights are
-    then exact, and compressed ones must still meet their floors."""
+    then exact, and compressed ones must still meet their floors; with the MoE layers fused, and expert-grouped
+    at every call size."""
     checkpoint, ref, exact = fixture
-    engine = Engine(checkpoint, RuntimeSpec(precision="bf16"),
+    engine = Engine(checkpoint, RuntimeSpec(precision="bf16", moe_grouped_from=moe_grouped_from),
                     formats=COMPRESSED if formats == "compressed" else WeightFormats())
     runs = runs_as("bf16", engine.stage.device)
     assert engine.stage.precision == runs

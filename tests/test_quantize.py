@@ -9,7 +9,7 @@ import openvino.opset16 as ops
 import pytest
 
 from cascadia.engine.ov_ops import weight
-from cascadia.engine.quantize import Nibbles, quantize, quantize_stacks
+from cascadia.engine.quantize import Nibbles, Quantized, quantize, quantize_stacks
 from cascadia.spec.types import WeightFormat
 
 # Odd entry sizes (3 x 5 values) make chunks start and end in the middle of a byte.
@@ -84,3 +84,18 @@ def test_graph_holds_openvino_packing_of_the_values(fmt):
     else:
         expected = [q.values.unpack()[:, 0, :], q.zero_point.unpack()[:, :, 0]]
     assert got == sorted((list(v.shape), openvino_packed(v)) for v in expected)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat("int4", 4), WeightFormat("int4", 5, symmetric=False),
+                                 WeightFormat("int8"), WeightFormat("int8", 5, symmetric=False)],
+                         ids=["int4", "int4-asym", "int8", "int8-asym"])
+def test_one_expert_and_experts_stacked_by_rows_quantise_as_the_stack(fmt):
+    """`Quantized.entry` (one expert of a stack) and `Quantized.concat` (gate over up) hold exactly the values of the
+    stack they come from, also where an entry starts or ends in the middle of a byte (3 x 5 values)."""
+    width = 5 if fmt.group_size == 5 else 4
+    stack = quantize(np.random.default_rng(1).standard_normal((4, 3, width), dtype=np.float32), fmt)
+    whole = stack.dequantize()
+    for e in range(4):
+        assert np.array_equal(stack.entry(e).dequantize(), whole[e])
+    joined = Quantized.concat([stack.entry(3), stack.entry(1)])
+    assert np.array_equal(joined.dequantize(), np.concatenate([whole[3], whole[1]]))

@@ -68,6 +68,14 @@ def test_paper_deployment():
     assert len(spec.workload.concurrency) == 15 and spec.workload.output_tokens == 128
 
 
+@pytest.mark.parametrize("text, value", [("16", 16), ("never", "never"), ("Auto", "auto")])
+def test_moe_grouped_from_is_a_row_count_auto_or_never(tmp_path, text, value):
+    spec = load_spec(write(tmp_path, "s.yaml", "model: {config: {}}\n" + CLUSTER +
+                           f"runtime: {{moe_grouped_from: {text}}}\n"))
+    assert spec.runtime.moe_grouped_from == value
+    assert load_spec(write(tmp_path, "t.yaml", "model: {config: {}}\n" + CLUSTER)).runtime.moe_grouped_from == "auto"
+
+
 def test_tiny_spec_paths_resolve_against_the_spec_folder():
     spec = load_spec(SPECS / "tiny-local.yaml")
     assert spec.model.checkpoint == SPECS / "tiny-checkpoint"
@@ -199,6 +207,10 @@ BAD = [
     ("model: {config: {}}\n" + CLUSTER + "runtime: {row_buckets: [8, 2]}\n", "runtime.row_buckets: must be increasing"),
     ("model: {config: {}}\n" + CLUSTER + "runtime: {kv_precision: int8}\n",
      "s.yaml:3: runtime.kv_precision: expected one of f32, bf16, f16, got 'int8'"),
+    ("model: {config: {}}\n" + CLUSTER + "runtime: {moe_grouped_from: 0}\n",
+     "s.yaml:3: runtime.moe_grouped_from: expected a row count >= 1, auto or never, got 0"),
+    ("model: {config: {}}\n" + CLUSTER + "runtime: {moe_grouped_from: sometimes}\n",
+     "s.yaml:3: runtime.moe_grouped_from: expected a row count >= 1, auto or never, got 'sometimes'"),
     ("model: {config: {}}\n" + CLUSTER + "worklaod: {}\n", "s.yaml:3: worklaod: unknown key; did you mean 'workload'?"),
     ("model: {config: {}}\n" + CLUSTER + "runtime:\n  max_streams: 2\n  max_streams: 3\n",
      "s.yaml:5: runtime.max_streams: duplicate key (first on line 4)"),

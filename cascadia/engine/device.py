@@ -71,23 +71,18 @@ def compile_options(precision: str, threads: int | None = None) -> dict[str, obj
     return options
 
 
-class CompiledBlock:
-    """One compiled graph with one inference request. Every input's first axis is rows; calls pad rows up to a
-    bucket (so the plugin sees a few shapes only) and return the real rows of each output.
+class Compiled:
+    """One compiled graph with one inference request, its weights resident once. Compiled from an in-memory
+    `ov.Model`, the CPU plugin keeps the model's constants beside its own repacked copy (bench/engine.py's model:
+    6.2 GiB resident for 3.1 GiB of f32 weights, 1.2 GiB for 0.48 GiB in the paper's int4/int8). Compiled from an
+    IR file, it maps the constants from the file instead (3.3 and 0.8 GiB), and once it has repacked them (when
+    compiling, and for matmuls on the first call of a shape) `drop_mapped_pages` takes those file pages out of the
+    process."""
 
-    The weights are resident once. Compiled from an in-memory `ov.Model`, the CPU plugin keeps the model's
-    constants beside its own repacked copy (bench/engine.py's model: 6.2 GiB resident for 3.1 GiB of f32 weights,
-    1.2 GiB for 0.48 GiB in the paper's int4/int8). Compiled from an IR file, it maps the constants from the file
-    instead (3.3 and 0.8 GiB), and once it has repacked them (when compiling, and for matmuls on the first call of
-    a shape) `_drop_mapped_pages` takes those file pages out of the process."""
-
-    def __init__(self, model: ov.Model, device: str, options: dict[str, object], buckets: Sequence[int]):
+    def __init__(self, model: ov.Model, device: str, options: dict[str, object]):
         self.compiled, self._weights_file = _compile_from_file(model, device, options)
-        _drop_mapped_pages(self._weights_file)
+        self.drop_mapped_pages()
         self.request = self.compiled.create_infer_request()
-        self.buckets = tuple(sorted(buckets))
-        self._inputs: dict[int, list[np.ndarray]] = {}  # each bucket's input arrays, allocated on first use
-        self._bound: int | None = None  # the bucket whose arrays the request reads
 
     @property
     def precision(self) -> str:
@@ -97,6 +92,20 @@ class CompiledBlock:
     def op_types(self) -> set[str]:
         """Layer types of the runtime model (what the plugin actually runs, after its fusions)."""
         return {op.get_rt_info()["layerType"].astype(str) for op in self.compiled.get_runtime_model().get_ops()}
+
+    def drop_mapped_pages(self) -> None:
+        _drop_mapped_pages(self._weights_file)
+
+
+class CompiledBlock(Compiled):
+    """A compiled graph whose every input's first axis is rows; calls pad rows up to a bucket (so the plugin sees
+    a few shapes only) and return the real rows of each output."""
+
+    def __init__(self, model: ov.Model, device: str, options: dict[str, object], buckets: Sequence[int]):
+        super().__init__(model, device, options)
+        self.buckets = tuple(sorted(buckets))
+        self._inputs: dict[int, list[np.ndarray]] = {}  # each bucket's input arrays, allocated on first use
+        self._bound: int | None = None  # the bucket whose arrays the request reads
 
     def __call__(self, *inputs: np.ndarray, bucket: int | None = None) -> list[np.ndarray]:
         """The outputs' real rows, the inputs padded to `bucket` rows (None: the smallest bucket that holds them)."""
@@ -128,7 +137,7 @@ class CompiledBlock:
         for size in self.buckets:
             self(*(_pad_rows(np.empty([0, *(d.get_length() for d in p.get_partial_shape()[1:])],
                                       p.get_element_type().to_dtype()), size) for p in self.compiled.inputs))
-        _drop_mapped_pages(self._weights_file)
+        self.drop_mapped_pages()
 
 
 def _compile_from_file(model: ov.Model, device: str, options: dict[str, object]) -> tuple[ov.CompiledModel, str]:

@@ -16,8 +16,10 @@ import numpy as np
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, device_precision, pick_device
-from cascadia.engine.inkling import SlotState, rms_norm
+from cascadia.engine.grouped_moe import GroupedBlock
+from cascadia.engine.inkling import DecoderLayer, SlotState, rms_norm
 from cascadia.engine.layer_build import build_layer
+from cascadia.engine.moe_choice import measured_grouped_from
 from cascadia.engine.quantize import Quantized, quantize_stacks
 from cascadia.engine.rows import BatchError, Rows
 from cascadia.engine.state_format import StateFormat
@@ -40,7 +42,9 @@ class StageEngine:
         says: compute `precision`, `max_streams` slots of `context_budget` positions, states stored in
         `kv_precision` (computed with in f32), calls padded to `row_buckets`. `formats`: how weights are stored.
         `dense_slices`: run dense MLPs as that many all-active expert slices. `warm_up`: run every graph at every
-        bucket once now, so that first requests are not slow."""
+        bucket once now, so that first requests are not slow. MoE calls of at least `moe_grouped_from` rows run
+        expert-grouped (`cascadia.engine.moe_choice`; "auto" is measured here and the result kept in
+        `self.moe_grouped_from`, None for fused only)."""
         cfg = self.config = checkpoint.config
         if len(layers) and not (0 <= layers[0] and layers[-1] < cfg.num_hidden_layers and layers.step == 1):
             raise ValueError(f"layers must be consecutive within 0..{cfg.num_hidden_layers - 1}, got {layers}")
@@ -55,6 +59,9 @@ class StageEngine:
         def compile_block(model) -> CompiledBlock:
             return CompiledBlock(model, self.device, options, runtime.row_buckets)
 
+        def compile_grouped(model) -> GroupedBlock:
+            return GroupedBlock(model, self.device, options, runtime.row_buckets)
+
         def advance() -> None:
             nonlocal done
             done += 1
@@ -68,8 +75,12 @@ class StageEngine:
             self.embed_norm = checkpoint.tensor(EMBED_NORM)
             advance()
         self.layers, self.states = [], []
+        self.moe_grouped_from = _grouped_setting(runtime)
         for i in layers:
-            self.layers.append(build_layer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices))
+            grouped = compile_grouped if self.moe_grouped_from is not None else None
+            self.layers.append(build_layer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices,
+                                           grouped))
+            self._choose_moe_path(self.layers[-1])
             ring = cfg.kv_entries(i, context_budget, self.max_rows)
             self.states.append(SlotState(self.layers[-1].shape, ring, cfg.hidden_size, cfg.conv_kernel_size,
                                          runtime.max_streams, StateFormat(runtime.kv_precision)))
@@ -82,6 +93,19 @@ class StageEngine:
         if warm_up:
             for block in self.blocks:
                 block.warm_up()
+
+    def _choose_moe_path(self, layer: DecoderLayer) -> None:
+        """Settle `moe_grouped_from` on the first MoE layer when it is "auto" (measured on that layer's blocks),
+        and give a MoE layer the expert-grouped block only where some call size uses it."""
+        if layer.grouped is None:
+            return
+        if self.moe_grouped_from == AUTO:
+            layer.mlp.warm_up()
+            layer.grouped.warm_up()
+            self.moe_grouped_from = measured_grouped_from(layer, self.row_buckets)
+        if self.moe_grouped_from is None:
+            layer.grouped = None
+        layer.grouped_from = self.moe_grouped_from
 
     @classmethod
     def for_stage(cls, spec: Spec, stage: Stage, checkpoint: Checkpoint, *, threads: int | None = None,
@@ -159,6 +183,18 @@ class StageEngine:
         for state in self.states:
             state.release(slot)
         self.lengths[slot] = 0
+
+
+AUTO = "auto"
+
+
+def _grouped_setting(runtime: RuntimeSpec) -> int | str | None:
+    """`runtime.moe_grouped_from` as the engine starts with it: a row count, AUTO (to measure), or None (fused only,
+    also for a count above the largest bucket)."""
+    setting = runtime.moe_grouped_from
+    if setting == "never" or (isinstance(setting, int) and setting > runtime.largest_bucket):
+        return None
+    return setting
 
 
 def _matrix(checkpoint: Checkpoint, name: str, fmt: WeightFormat) -> np.ndarray | Quantized:

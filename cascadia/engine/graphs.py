@@ -13,7 +13,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
 
-from cascadia.engine.ov_ops import all_experts_index, const, linear, swiglu, tiled_experts, weight
+from cascadia.engine.ov_ops import all_experts_index, const, ints, linear, swiglu, swish, tiled_experts, weight
 from cascadia.engine.quantize import Quantized
 from cascadia.spec.types import WeightFormat
 
@@ -65,6 +65,38 @@ def moe(routed: tuple[Stack, Stack, Stack], routed_fmt: WeightFormat,
     shared_out = _experts(x.output(0), *shared, shared_fmt, all_experts_index(shared_w.output(0), n_shared),
                           shared_w.output(0))
     return ov.Model([ops.add(routed_out, shared_out).output(0)], [x, index, w, shared_w], "moe")
+
+
+def moe_grouped(routed: tuple[Stack, Stack, Stack], routed_fmt: WeightFormat,
+                shared: tuple[Stack, Stack, Stack], shared_fmt: WeightFormat, top_k: int) -> ov.Model:
+    """The experts of `moe`, each its own branch over the rows that chose it. The CPU plugin makes each branch a
+    FullyConnected on compressed weights, which reads its expert once for all those rows (the fused GatherMatmul
+    reads it again for every row) and quantises the activations dynamically where the precision allows. The host
+    (`cascadia.engine.grouped_moe`) sorts the rows' choices by expert:
+    x [T, H], shared_weights [T, S]; sorted [N, H], the row of each of the N = T k choices in expert order;
+    lengths [E] int64, choices per expert (0: untouched); sorted_weights [N, 1]; unsort [T, k] int32, the place
+    in sorted of each row's choices -> [T, H]."""
+    n_experts, _, hidden = routed[0].shape
+    x, shared_w = _rows(hidden), _rows(shared[0].shape[0], "shared_weights")
+    sorted_rows, sorted_w = _rows(hidden, "sorted"), _rows(1, "sorted_weights")
+    lengths = ops.parameter([n_experts], ov.Type.i64, name="lengths")
+    unsort = _rows(top_k, "unsort", ov.Type.i32)
+    parts = ops.variadic_split(sorted_rows, const(np.int64(0)), lengths).outputs()
+    expert_out = ops.concat([_expert(part, routed, e, routed_fmt) for e, part in enumerate(parts)], 0)  # [N, H]
+    weighted = ops.gather(ops.multiply(expert_out, sorted_w), unsort, const(np.int64(0)))  # [T, k, H]
+    out = ops.reduce_sum(weighted, ints(1), False)
+    for e in range(shared[0].shape[0]):
+        column = ops.gather(shared_w, ints(e), const(np.int64(1)))  # [T, 1]
+        out = ops.add(out, ops.multiply(_expert(x.output(0), shared, e, shared_fmt), column))
+    return ov.Model([out.output(0)], [x, shared_w, sorted_rows, lengths, sorted_w, unsort], "moe_grouped")
+
+
+def _expert(x: ov.Output, stacks: tuple[Stack, Stack, Stack], e: int, fmt: WeightFormat) -> ov.Output:
+    """Expert e's SwiGLU of rows x, gate and up as one matmul [2I, H]."""
+    gate, up, down = (s.entry(e) if isinstance(s, Quantized) else s[e] for s in stacks)
+    gate_up = Quantized.concat([gate, up]) if isinstance(gate, Quantized) else np.concatenate([gate, up])
+    g, u = ops.split(linear(x, weight(gate_up, fmt)), const(np.int64(-1)), 2).outputs()
+    return linear(ops.multiply(swish(g), u).output(0), weight(down, fmt))
 
 
 def embedding(table: np.ndarray | Quantized, fmt: WeightFormat) -> ov.Model:

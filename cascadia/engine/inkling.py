@@ -14,7 +14,8 @@ its relative-position bias, residuals, and the FP32 restoration of the MLP's out
       x = x + attn_sconv(o_proj(a))                       compiled o_proj
       h = post_attention_layernorm(x)
       m = SwiGLU(h) * global_scale                        dense layers, compiled
-        | routed(h, router(h)) + shared(h)                MoE layers, compiled; FP32 restoration around them
+        | routed(h, router(h)) + shared(h)                MoE layers, compiled, fused or expert-grouped by the
+                                                          call's rows; FP32 restoration around them
       x = x + mlp_sconv(m)
 
 Shapes: T rows of one call (several streams, each at its own positions), n one stream's rows in it, H hidden,
@@ -34,9 +35,11 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from cascadia.engine.device import CompiledBlock
+from cascadia.engine.device import Compiled, CompiledBlock
+from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.rows import Rows
 from cascadia.engine.state_format import StateFormat
+from cascadia.policy import padded_size
 
 
 # ---- norms, softmax, short convolutions ----------------------------------------------------------------------------
@@ -133,42 +136,49 @@ def log_scale(positions: np.ndarray, n_floor: int, alpha: float) -> np.ndarray:
 
 
 def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, rel: np.ndarray,
-           ring_k: np.ndarray, ring_v: np.ndarray, first: int, fmt: StateFormat = StateFormat()) -> np.ndarray:
-    """One stream's n rows at positions first..: q [n, h, d], k/v [n, kv, d], rel [n, h, X] (bias per distance)
-    -> attention output [n, h * d]. Writes the new keys and values into the stream's ring [kv, R, d] first.
+           ring_k: np.ndarray, ring_v: np.ndarray, slots: np.ndarray, first: np.ndarray,
+           fmt: StateFormat = StateFormat()) -> np.ndarray:
+    """G streams' n rows each (all decode rows of a call at once, n = 1, or a prefill chunk), stream g's at
+    positions first[g]..: q [G, n, h, d], k/v [G, n, kv, d], rel [G, n, h, X] (bias per distance) -> attention
+    output [G, n, h * d]. Writes the new keys and values into the streams' rings first: every slot's rings
+    [slots, kv, R, d], stream g's at `slots[g]`.
 
     Position p lives at ring entry p % R. A global layer's ring is the whole context budget (it never wraps); a
     sliding layer's keeps window - 1 + (most rows per call) entries, so that writing a chunk never overwrites a key
     an earlier row of the same chunk still sees. Keys are attended in ring order (softmax does not care); each
-    key's position, for the mask and the bias, follows from its entry."""
-    n, ring = q.shape[0], ring_k.shape[1]
-    positions = first + np.arange(n)
-    ring_k[:, positions % ring] = fmt.encode(k.transpose(1, 0, 2))
-    ring_v[:, positions % ring] = fmt.encode(v.transpose(1, 0, 2))
+    key's position, for the mask and the bias, follows from its entry. A stream reads its ring's first m entries,
+    m the most any of the G has filled, and masks the entries it has not filled itself."""
+    streams, n = q.shape[:2]
+    ring = ring_k.shape[2]
+    positions = first[:, None] + np.arange(n)  # [G, n]
+    ring_k[slots[:, None], :, positions % ring] = fmt.encode(k)
+    ring_v[slots[:, None], :, positions % ring] = fmt.encode(v)
     last = first + n - 1
-    filled = min(ring, last + 1)
-    key_positions = last - (last - np.arange(filled)) % ring
-    distance = positions[:, None] - key_positions[None, :]  # [n, m]
+    filled = np.minimum(ring, last + 1)
+    entries = np.arange(filled.max())  # m
+    key_positions = last[:, None] - (last[:, None] - entries) % ring  # [G, m]
+    distance = positions[:, :, None] - key_positions[:, None, :]  # [G, n, m]
 
     heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
     in_bank = (distance >= 0) & (distance < shape.bias_extent)
-    bias = rel.transpose(1, 0, 2)[:, np.arange(n)[:, None], np.clip(distance, 0, shape.bias_extent - 1)]
-    bias = np.where(in_bank, bias, np.float32(0))  # [h, n, m]
+    bias = np.take_along_axis(rel, np.clip(distance, 0, shape.bias_extent - 1)[:, :, None, :], axis=3)
+    bias = np.where(in_bank[:, :, None], bias, np.float32(0)).transpose(0, 2, 1, 3)  # [G, h, n, m]
     if shape.log_scaling is not None:
-        tau = log_scale(positions, *shape.log_scaling)
-        q = q * tau[:, None, None]
-        bias = bias * tau[None, :, None]
+        tau = log_scale(positions, *shape.log_scaling)[:, :, None, None]  # [G, n, 1, 1]
+        q = q * tau
+        bias = bias * tau.transpose(0, 2, 1, 3)
 
     # Query head i reads kv head i // (h / kv): group the queries of one kv head as rows of one matmul.
-    grouped_q = q.transpose(1, 0, 2).reshape(kv_heads, -1, head_dim)  # [kv, (h / kv) n, d]
-    scores = (grouped_q @ fmt.decode(ring_k[:, :filled]).transpose(0, 2, 1)).reshape(heads, n, filled)
+    grouped_q = q.transpose(0, 2, 1, 3).reshape(streams, kv_heads, -1, head_dim)  # [G, kv, (h / kv) n, d]
+    keys = fmt.decode(ring_k[slots, :, : len(entries)])  # [G, kv, m, d]
+    scores = (grouped_q @ keys.transpose(0, 1, 3, 2)).reshape(streams, heads, n, len(entries))
     scores = scores * np.float32(1 / head_dim) + bias  # q and k are RMS-normalised: 1/d, not 1/sqrt(d)
-    allowed = distance >= 0
+    allowed = (distance >= 0) & (entries < filled[:, None])[:, None, :]
     if shape.window is not None:
         allowed &= distance < shape.window
-    probs = softmax(np.where(allowed, scores, -np.inf)).reshape(kv_heads, -1, filled)
-    out = (probs @ fmt.decode(ring_v[:, :filled])).reshape(heads, n, head_dim)
-    return out.transpose(1, 0, 2).reshape(n, heads * head_dim)
+    probs = softmax(np.where(allowed[:, None], scores, -np.inf)).reshape(streams, kv_heads, -1, len(entries))
+    out = (probs @ fmt.decode(ring_v[slots, :, : len(entries)])).reshape(streams, heads, n, head_dim)
+    return out.transpose(0, 2, 1, 3).reshape(streams, n, heads * head_dim)
 
 
 class SlotState:
@@ -219,9 +229,15 @@ class DecoderLayer:
     router: Router | None = None  # MoE layers
     output_scale: np.ndarray | None = None  # dense layers: the MLP's global_scale [1]
     dense_slices: int | None = None  # dense layers run as this many all-active expert slices
+    grouped: GroupedBlock | None = None  # MoE layers: the same experts, expert-grouped (`graphs.moe_grouped`)
+    grouped_from: int | None = None  # calls of at least this many rows (their bucket) run `grouped`, not `mlp`
 
-    def blocks(self) -> list[CompiledBlock]:
-        return [self.qkvr, self.o_proj, self.mlp]
+    def blocks(self) -> list[Compiled]:
+        return [self.qkvr, self.o_proj, self.mlp] + ([self.grouped] if self.grouped is not None else [])
+
+    def runs_grouped(self, bucket: int) -> bool:
+        """Whether a call of `bucket` rows runs the expert-grouped MoE."""
+        return self.grouped is not None and self.grouped_from is not None and bucket >= self.grouped_from
 
     def forward(self, x: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
         """x [T, H], the residual stream of the rows -> after this layer. Updates the rows' slots in `state`."""
@@ -240,11 +256,18 @@ class DecoderLayer:
         v = v.reshape(k.shape)
         rel = r.reshape(len(r), self.shape.heads, -1) @ self.rel_bank  # [T, h, X]: bias per distance
         out = np.empty((len(h), self.shape.heads * self.shape.head_dim), np.float32)
-        for slot, start, count, first in rows.groups():
-            part = slice(start, start + count)
-            out[part] = attend(self.shape, q[part], k[part], v[part], rel[part], state.k[slot], state.v[slot],
-                               first, state.fmt)
+        for count in np.unique(rows.counts).tolist():  # streams with as many rows in one call: all decode rows
+            groups = np.flatnonzero(rows.counts == count)
+            part = rows.starts[groups][:, None] + np.arange(count)  # [G, n] rows of these streams
+            out[part] = attend(self.shape, q[part], k[part], v[part], rel[part], state.k, state.v,
+                               rows.group_slots[groups], rows.positions[rows.starts[groups]], state.fmt)
         return out
+
+    def expert_inputs(self, h: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+        """A MoE layer's block inputs for rows h [T, H] (h, index, weights / F, shared weights / F), and F [T, 1]."""
+        routing = self.router(h)
+        factor = row_factor(routing.weights, routing.shared_weights)
+        return (h, routing.index, routing.weights / factor, routing.shared_weights / factor), factor
 
     def feed_forward(self, h: np.ndarray, bucket: int | None = None) -> np.ndarray:
         """The MLP of the rows h [T, H], restored to full scale in FP32; the blocks run at `bucket` rows (None: the
@@ -255,7 +278,9 @@ class DecoderLayer:
             else:
                 out = self.mlp(h, bucket=bucket)[0]
             return out * np.float32(self.up_divisor) * self.output_scale
-        routing = self.router(h)
-        factor = row_factor(routing.weights, routing.shared_weights)
-        out = self.mlp(h, routing.index, routing.weights / factor, routing.shared_weights / factor, bucket=bucket)[0]
+        inputs, factor = self.expert_inputs(h)
+        if self.runs_grouped(padded_size(len(h), self.mlp.buckets) if bucket is None else bucket):
+            out = self.grouped(*inputs)
+        else:
+            out = self.mlp(*inputs, bucket=bucket)[0]
         return out * (np.float32(self.up_divisor) * factor)

@@ -21,6 +21,7 @@ from cascadia import tensors as names
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import LayerTensors
 from cascadia.engine.device import CompiledBlock
+from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.inkling import AttentionShape, DecoderLayer, Router, conv_taps
 from cascadia.engine.quantize import quantize_stacks
 from cascadia.model_config import InklingConfig
@@ -32,9 +33,12 @@ TYPICAL_CEILING_LOG2 = 7
 
 
 def build_layer(cfg: InklingConfig, layer: int, t: Mapping[str, np.ndarray], formats: WeightFormats,
-                compile: Compile, dense_slices: int | None = None) -> DecoderLayer:
+                compile: Compile, dense_slices: int | None = None,
+                compile_grouped: Callable[[ov.Model], GroupedBlock] | None = None) -> DecoderLayer:
     """Layer `layer` from its float32 tensors `t` by name relative to its prefix (`Checkpoint.layer`).
-    `dense_slices`: run a dense MLP as that many all-active expert slices through the fused MoE graph."""
+    `dense_slices`: run a dense MLP as that many all-active expert slices through the fused MoE graph.
+    `compile_grouped`: also compile a MoE layer's experts expert-grouped (`graphs.moe_grouped`), for the engine to
+    choose between the two by rows (`DecoderLayer.grouped_from`, unset here)."""
     heads, kv_heads, head_dim = cfg.heads(layer)
     log_scaling = None
     if not cfg.is_sliding(layer) and cfg.log_scaling_n_floor is not None:
@@ -62,14 +66,16 @@ def build_layer(cfg: InklingConfig, layer: int, t: Mapping[str, np.ndarray], for
                             dense_slices=dense_slices)
     router = Router(t[names.ROUTER], t[names.ROUTER_CORRECTION], cfg.route_scale, t[names.ROUTER_SCALE],
                     cfg.num_experts_per_tok)
-    mlp, divisor = _moe_block(cfg, t, formats, post_norm, compile)
-    return DecoderLayer(**common, mlp=mlp, up_divisor=divisor, router=router)
+    mlp, grouped, divisor = _moe_blocks(cfg, t, formats, post_norm, compile, compile_grouped)
+    return DecoderLayer(**common, mlp=mlp, up_divisor=divisor, router=router, grouped=grouped)
 
 
-def _moe_block(cfg: InklingConfig, t: Mapping[str, np.ndarray], formats: WeightFormats, post_norm: np.ndarray,
-               compile: Compile) -> tuple[CompiledBlock, float]:
-    """The routed and shared experts as one compiled block, and their divisor A. Integer formats stream the stacks
-    one expert at a time, twice: A must be known before quantising up / A."""
+def _moe_blocks(cfg: InklingConfig, t: Mapping[str, np.ndarray], formats: WeightFormats, post_norm: np.ndarray,
+                compile: Compile, compile_grouped: Callable[[ov.Model], GroupedBlock] | None
+                ) -> tuple[CompiledBlock, GroupedBlock | None, float]:
+    """The routed and shared experts as the fused block (and the expert-grouped one, with `compile_grouped`), and
+    their divisor A. Integer formats stream the stacks one expert at a time, twice: A must be known before
+    quantising up / A. Each graph is built and compiled in turn, so that only one holds copies of the weights."""
     width, routed_fmt, shared_fmt = cfg.moe_intermediate_size, formats.routed_experts, formats.shared_experts
 
     def routed() -> Iterator[Chunk]:
@@ -81,9 +87,16 @@ def _moe_block(cfg: InklingConfig, t: Mapping[str, np.ndarray], formats: WeightF
     divisor = max(up_divisor(*_peak_rows(routed()), post_norm), up_divisor(*_peak_rows(shared()), post_norm))
     routed_weights = _expert_weights(routed(), cfg.n_routed_experts, routed_fmt, divisor)
     shared_weights = _expert_weights(shared(), cfg.n_shared_experts, shared_fmt, divisor)
-    model = graphs.moe(routed_weights, routed_fmt, shared_weights, shared_fmt, cfg.num_experts_per_tok)
-    del routed_weights, shared_weights  # the graph holds copies of 4-bit stacks: not twice while it compiles
-    return compile(model), divisor
+    top_k = cfg.num_experts_per_tok
+    fused_model = graphs.moe(routed_weights, routed_fmt, shared_weights, shared_fmt, top_k)
+    if compile_grouped is None:
+        del routed_weights, shared_weights  # the graph holds copies of 4-bit stacks: not twice while it compiles
+        return compile(fused_model), None, divisor
+    fused = compile(fused_model)
+    del fused_model
+    grouped_model = graphs.moe_grouped(routed_weights, routed_fmt, shared_weights, shared_fmt, top_k)
+    del routed_weights, shared_weights
+    return fused, compile_grouped(grouped_model), divisor
 
 
 def up_divisor(gate: np.ndarray, up: np.ndarray, down: np.ndarray, norm_weight: np.ndarray) -> float:

@@ -51,10 +51,25 @@ class Nibbles:
 
     def unpack(self) -> np.ndarray:
         """The values one per byte: int8 (sign-extended) or uint8."""
-        nibbles = np.stack([self.data & 0x0F, self.data >> 4], axis=-1).reshape(-1)[: math.prod(self.shape)]
-        if self.signed:
-            return ((nibbles ^ 8).astype(np.int8) - 8).reshape(self.shape)  # 8..15 -> -8..-1
-        return nibbles.reshape(self.shape)
+        return self._values(0, math.prod(self.shape)).reshape(self.shape)
+
+    def entry(self, index: int) -> Nibbles:
+        """Entry `index` along axis 0, packed on its own."""
+        size = math.prod(self.shape[1:])
+        return Nibbles.of(self._values(index * size, (index + 1) * size).reshape(self.shape[1:]), self.signed)
+
+    @classmethod
+    def of(cls, values: np.ndarray, signed: bool) -> Nibbles:
+        """int8 (signed) or uint8 `values` in the 4-bit range, packed."""
+        packed = cls.zeros(values.shape, signed)
+        packed.put(0, values)
+        return packed
+
+    def _values(self, start: int, stop: int) -> np.ndarray:
+        """Flat values start..stop-1, one per byte."""
+        data = self.data[start // 2: (stop + 1) // 2]
+        nibbles = np.stack([data & 0x0F, data >> 4], axis=-1).reshape(-1)[start % 2: start % 2 + stop - start]
+        return ((nibbles ^ 8).astype(np.int8) - 8) if self.signed else nibbles  # 8..15 -> -8..-1
 
 
 Ints = np.ndarray | Nibbles
@@ -76,6 +91,24 @@ class Quantized:
         """Shape of the matrix it stands for."""
         *lead, groups, group = self.values.shape
         return (*lead, groups * group)
+
+    def entry(self, index: int) -> Quantized:
+        """The matrix at `index` along axis 0 of a stack (an expert)."""
+        return Quantized(_entry(self.values, index), self.scale[index], _entry(self.zero_point, index), self.bits)
+
+    @classmethod
+    def concat(cls, parts: Sequence[Quantized]) -> Quantized:
+        """Matrices of the same input width and format stacked along their output rows (gate over up)."""
+        first = parts[0]
+
+        def joined(arrays: list[Ints]) -> Ints:
+            if isinstance(arrays[0], Nibbles):
+                return Nibbles.of(np.concatenate([a.unpack() for a in arrays]), arrays[0].signed)
+            return np.concatenate(arrays)
+
+        zero_point = None if first.zero_point is None else joined([p.zero_point for p in parts])
+        return cls(joined([p.values for p in parts]), np.concatenate([p.scale for p in parts]), zero_point,
+                   first.bits)
 
     def dequantize(self) -> np.ndarray:
         """The float32 matrix the plugins compute with: (values - zero point) * scale."""
@@ -152,6 +185,12 @@ def _put(into: Ints, first: int, part: np.ndarray) -> None:
         into.put(first, part)
     else:
         into[first: first + len(part)] = part
+
+
+def _entry(ints: Ints | None, index: int) -> Ints | None:
+    if ints is None:
+        return None
+    return ints.entry(index) if isinstance(ints, Nibbles) else ints[index]
 
 
 def _one_per_byte(ints: Ints) -> np.ndarray:

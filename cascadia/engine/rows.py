@@ -31,11 +31,6 @@ class Rows:
     def group_slots(self) -> np.ndarray:
         return self.slots[self.starts]
 
-    def groups(self):
-        """(slot, first row, row count, first position) of each group."""
-        for start, count in zip(self.starts.tolist(), self.counts.tolist()):
-            yield int(self.slots[start]), start, count, int(self.positions[start])
-
     @classmethod
     def build(cls, slots, positions, lengths: np.ndarray, kernel: int, buckets: tuple[int, ...],
               bucket: int) -> Rows:

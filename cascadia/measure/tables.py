@@ -92,6 +92,9 @@ def tables_worker(argv: Sequence[str]) -> None:
                             lambda done, total: say(progress=f"compiled {done}/{total} blocks"))
         engine = loaded.engine
         device = f"{engine.device} {core().get_property(engine.device, 'FULL_DEVICE_NAME')}"
+        grouped_from = engine.moe_grouped_from
+        say(progress="MoE fused at every call size" if grouped_from is None else
+            f"MoE fused below {grouped_from} rows, expert-grouped from {grouped_from}")
         probe = StageProbe(loaded, stage_kinds(stage, spec.model.config))
         tables = probe.tables(Grid.of(spec, int(rounds)), lambda text: say(progress=text))
         say(tables={kind: attrs.asdict(table) for kind, table in tables.items()}, device=device)

@@ -7,7 +7,7 @@ and key path.
     cluster:   nodes: [{name: pc, count: 11, memory: 61.2GiB, memory_bandwidth: 120GB/s, compute: 30TFLOPS}]
                links: {default: {bandwidth: 1gbit, latency: 100us}, pairs: [{between: [pc0, pc1], ...}]}
                reserve: 2GiB                             # kept free on every node
-    runtime:   context_budget, max_streams, precision, kv_precision, row_buckets, prefill_window, ...
+    runtime:   context_budget, max_streams, precision, kv_precision, row_buckets, prefill_window, moe_grouped_from
     workload:  concurrency: 1,2,4  requests  prompt_tokens: {uniform: [8, 24]}  output_tokens  greedy ...
     include:   [models/inkling.yaml, clusters/lab.yaml]  # merged first, in order; this file's keys win
 
@@ -529,9 +529,22 @@ def _runtime(ctx: _Context, node: Node | None) -> RuntimeSpec:
         "kv_precision": fields.take("kv_precision", _choice(PRECISIONS)),
         "row_buckets": fields.take("row_buckets", _buckets),
         "prefill_window": fields.take("prefill_window", _positive_int),
+        "moe_grouped_from": fields.take("moe_grouped_from", _grouped_from),
     }
     fields.finish()
     return RuntimeSpec(**{k: v for k, v in values.items() if v is not None})
+
+
+_GROUPED_WORDS = ("auto", "never")  # runtime.moe_grouped_from, beside a row count
+
+
+def _grouped_from(value: Any) -> int | str:
+    """A row count >= 1, `auto` or `never`."""
+    if isinstance(value, str) and value.lower() in _GROUPED_WORDS:
+        return value.lower()
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise _Invalid(f"expected a row count >= 1, {' or '.join(_GROUPED_WORDS)}, got {shown(value)}")
 
 
 def _length(ctx: _Context, node: Node, path: str) -> LengthSpec | None:

@@ -149,6 +149,9 @@ class RuntimeSpec:
     kv_precision: str = "f32"  # dtype of the K/V cache and convolution states
     row_buckets: tuple[int, ...] = (1, 2, 8, 16, 24, 32)  # increasing: rows of a call are padded up to one
     prefill_window: int = 8  # most prompt rows admitted per step
+    # MoE calls of at least this many rows (their bucket) run expert-grouped, smaller ones fused; "auto": from the
+    # engine's own measurement at start-up; "never": always fused.
+    moe_grouped_from: int | str = "auto"
 
     @property
     def largest_bucket(self) -> int:
