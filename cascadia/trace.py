@@ -42,8 +42,9 @@ class FrameTiming:
 
 
 def chrome_trace(frames: Iterable[FrameTiming], records: Iterable[RequestRecord], nodes: Sequence[str],
-                 source: str) -> dict:
-    """The trace document: `nodes` in stage order, `source` ("run" or "simulate") in its metadata."""
+                 source: str, clock_error_s: dict[str, float] | None = None) -> dict:
+    """The trace document: `nodes` in stage order; in its metadata `source` ("run" or "simulate") and how far each
+    node's times may be off the coordinator's clock (`clock_error_s`, a run's)."""
     events = [_name("process_name", 0, None, COORDINATOR), _name("thread_name", 0, 1, f"link to {nodes[0]}"),
               _name("thread_name", 0, 2, "requests")]
     for pid, node in enumerate(nodes, 1):
@@ -66,7 +67,8 @@ def chrome_trace(frames: Iterable[FrameTiming], records: Iterable[RequestRecord]
         common = {"cat": "request", "id": record.request_id, "pid": 0, "tid": 2, "name": name}
         events.append(common | {"ph": "b", "ts": record.t_arrival * _US, "args": args})
         events.append(common | {"ph": "e", "ts": record.t_finish * _US})
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": source, "nodes": list(nodes)}}
+    other = {"source": source, "nodes": list(nodes)} | ({"clock_error_s": clock_error_s} if clock_error_s else {})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
 def records_of(result: dict) -> list[RequestRecord]:

@@ -9,10 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 import cascadia.cli
-from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, state_bytes
+from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops, state_bytes
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import InfeasiblePlan, RooflineStageTime, min_max_split, plan, stage_roles
 from cascadia.model_config import InklingConfig
+from cascadia.spec.load import load_spec
 from cascadia.spec.types import (ClusterSpec, LinkSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat,
                                  WeightFormats)
 
@@ -347,3 +348,15 @@ def test_cli_spec_error_exits_2(tmp_path):
     bad.write_text("model: 42\n")
     out = CliRunner().invoke(cascadia.cli.cli, ["plan", str(bad)])
     assert out.exit_code == 2 and out.output.startswith("Error: ") and "Traceback" not in out.output
+
+
+def test_a_node_that_may_build_the_grouped_moe_path_is_planned_with_its_experts_twice():
+    spec = load_spec(Path(__file__).parent.parent / "specs" / "tiny-local.yaml")
+    fused = plan(spec)
+    grouped_spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, moe_grouped_from="auto"))
+    grouped = plan(grouped_spec)
+    experts = [sum(op.weight_bytes for op in layer_ops(spec.model, layer).values()
+                   if op.kind in ("routed_experts", "shared_experts")) for layer in range(6)]
+    for a, b in zip(fused.stages, grouped.stages):
+        assert (a.first_layer, a.last_layer) == (b.first_layer, b.last_layer)
+        assert b.weight_bytes - a.weight_bytes == sum(experts[a.first_layer:a.last_layer + 1]) > 0

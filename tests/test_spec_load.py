@@ -73,7 +73,7 @@ def test_moe_grouped_from_is_a_row_count_auto_or_never(tmp_path, text, value):
     spec = load_spec(write(tmp_path, "s.yaml", "model: {config: {}}\n" + CLUSTER +
                            f"runtime: {{moe_grouped_from: {text}}}\n"))
     assert spec.runtime.moe_grouped_from == value
-    assert load_spec(write(tmp_path, "t.yaml", "model: {config: {}}\n" + CLUSTER)).runtime.moe_grouped_from == "auto"
+    assert load_spec(write(tmp_path, "t.yaml", "model: {config: {}}\n" + CLUSTER)).runtime.moe_grouped_from == "never"
 
 
 def test_tiny_spec_paths_resolve_against_the_spec_folder():

@@ -43,7 +43,8 @@ def test_frame_crosses_a_push_pull_hop(transports, address):
     pull = server.bind(zmq.PULL, address, ["client"])
     push = client.connect(zmq.PUSH, address, "server")
     residual = np.arange(3 * 1024, dtype=np.float32).reshape(3, 1024)  # above ZeroMQ's copy threshold
-    send(push, Encoder(sender=7, start=0).encode(Frame(9, 2, [0, 1, 2], [5, 6, 7], [1, 2, 3], [False, False, True], residual)))
+    frame = Frame(9, 2, [0, 1, 2], [5, 6, 7], [1, 2, 3], [False, False, True], residual)
+    send(push, Encoder(sender=7, start=0).encode(frame))
     assert pull.poll(5000)
     received = decode(receive(pull))
     assert (received.sender, received.seq, received.message.frame_id) == (7, 1, 9)

@@ -173,4 +173,5 @@ def _run_and_report(loaded, plan_path: str | None, workload, *, checkpoint: str 
     if trace_path:
         from cascadia.trace import chrome_trace, records_of
         with writing(trace_path) as f:
-            json.dump(chrome_trace(done.frames, records_of(done.result), [s.node for s in chosen.stages], "run"), f)
+            json.dump(chrome_trace(done.frames, records_of(done.result), [s.node for s in chosen.stages], "run",
+                                   done.clock_error_s), f)

@@ -52,6 +52,7 @@ class LayerCost:
     params: int  # all parameters of the layer
     active_params: int  # parameters one token uses (top-k routed + shared experts, or the dense MLP)
     weight_bytes: int  # stored bytes under the spec's formats (scales and zero points included)
+    held_bytes: int  # what the engine holds of them: the experts twice when it may build the grouped MoE path too
     bytes_per_row: int  # weight bytes one decode row reads (attention + router + top-k experts + shared, or dense)
     expert_bytes: int  # bytes of ONE routed expert (0 for dense layers)
     flops_per_row: float  # matmul FLOPs of one row at context 0
@@ -140,13 +141,16 @@ def layer_costs(model: ModelSpec, runtime: RuntimeSpec = RuntimeSpec()) -> list[
         ops = layer_ops(model, layer).values()
         n_heads, _, head_dim = cfg.heads(layer)
         routed = [op for op in ops if op.kind == "routed_experts"]
+        weight_bytes = sum(op.weight_bytes for op in ops)
+        experts = sum(op.weight_bytes for op in ops if op.kind in ("routed_experts", "shared_experts"))
         out.append(LayerCost(
             layer=layer,
             attention=cfg.attention_kind(layer),
             mlp=cfg.mlp_kind(layer),
             params=sum(op.params for op in ops),
             active_params=sum(op.active_params for op in ops),
-            weight_bytes=sum(op.weight_bytes for op in ops),
+            weight_bytes=weight_bytes,
+            held_bytes=weight_bytes + (experts if runtime.moe_grouped_from != "never" else 0),
             bytes_per_row=sum(op.bytes_per_row for op in ops),
             expert_bytes=routed[0].weight_bytes // cfg.n_routed_experts if routed else 0,
             flops_per_row=sum(op.flops_per_row for op in ops),
@@ -203,7 +207,8 @@ def state_bytes(costs: list[LayerCost], context: int) -> int:
 
 def stage_memory(model: ModelSpec, runtime: RuntimeSpec, layers: range, embed: bool, head: bool) -> tuple[int, int]:
     """What a stage holding `layers` (and the embedding, the head) allocates, as the planner counts it: its weight
-    bytes, and its state bytes for `runtime.max_streams` streams of `runtime.context_budget` positions."""
+    bytes as the engine holds them, and its state bytes for `runtime.max_streams` streams of
+    `runtime.context_budget` positions."""
     costs = layer_costs(model, runtime)[layers.start:layers.stop]
     ends = (embed and embedding_cost(model).weight_bytes) + (head and head_cost(model).weight_bytes)
-    return sum(c.weight_bytes for c in costs) + ends, runtime.max_streams * state_bytes(costs, runtime.context_budget)
+    return sum(c.held_bytes for c in costs) + ends, runtime.max_streams * state_bytes(costs, runtime.context_budget)

@@ -97,7 +97,7 @@ class _Memory:
     def __init__(self, spec: Spec, nodes: tuple[NodeSpec, ...]) -> None:
         self.spec, self.nodes = spec, nodes
         self.costs = layer_costs(spec.model, spec.runtime)
-        self._weights = [0, *itertools.accumulate(c.weight_bytes for c in self.costs)]
+        self._weights = [0, *itertools.accumulate(c.held_bytes for c in self.costs)]
         ends = {EMBED: embedding_cost(spec.model).weight_bytes, HEAD: head_cost(spec.model).weight_bytes}
         self._all_weights = self._weights[-1] + sum(ends.values())
         self._end_weights = [sum(size for role, size in ends.items() if role in stage_roles(j, len(nodes)))
@@ -209,7 +209,7 @@ def _extra_nodes_needed(spec: Spec, memory: _Memory, like: NodeSpec) -> int | No
     """Fewest copies of `like` that, appended to the fleet, make the plan fit; None if no number does."""
     streams, context, n_layers = spec.runtime.max_streams, spec.runtime.context_budget, len(memory.costs)
     room = like.memory_bytes - spec.cluster.reserve(like)
-    if room <= 0 or any(c.weight_bytes + streams * c.state_bytes(context) > room for c in memory.costs):
+    if room <= 0 or any(c.held_bytes + streams * c.state_bytes(context) > room for c in memory.costs):
         return None  # some layer does not fit even alone
     # start from what the total memory demands, then check the cuts themselves
     nodes = memory.nodes

@@ -109,6 +109,7 @@ class Coordinator:
         self.poller.register(self.tokens, zmq.POLLIN)
         self._stats: dict[str, Stats] = {}
         self._stats_owed = dict.fromkeys(self.nodes, 0)  # stats requests not yet answered, by node
+        self._answers = dict.fromkeys(self.nodes, 0)  # stats answers received, by node
         self._stats_asked: dict[str, deque[float]] = {node: deque() for node in self.nodes}  # ... when each was sent
         self.clocks = {node: NodeClock() for node in self.nodes}
         self.frame_log: FrameLog | None = None  # set to keep what `cascadia run --trace` writes
@@ -236,9 +237,13 @@ class Coordinator:
         """Every node's current counters. A node that leaves a request unanswered for `stall_s` is an error: a node
         answers requests in order, so waiting on for a lost one would wait for ever."""
         self._ping()
-        since = time.monotonic()
+        since, answered_before = time.monotonic(), dict(self._answers)
         while owing := [node for node, owed in self._stats_owed.items() if owed]:
             if time.monotonic() - since > self.stall_s:
+                silent = [node for node in owing if self._answers[node] == answered_before[node]]
+                if silent:
+                    raise NodeLost(silent[0], f"no answer to a stats request within {self.stall_s:g} s (stopped "
+                                              "or frozen?)")
                 raise PipelineError(f"{', '.join(owing)}: no answer to a stats request within {self.stall_s:g} s")
             if not self._poll():
                 self._ping()
@@ -318,6 +323,7 @@ class Coordinator:
             case Stats():
                 self._stats[node] = message
                 self._stats_owed[node] = max(0, self._stats_owed[node] - 1)
+                self._answers[node] += 1
                 if self._stats_asked[node]:  # answers come in order
                     self.clocks[node].observe(self._stats_asked[node].popleft(), self.now(), message.clock)
                 if self.frame_log is not None:

@@ -20,6 +20,11 @@ class NodeClock:
         self.offset = 0.0  # node clock - coordinator clock
         self.round_trip = math.inf
 
+    @property
+    def error_bound(self) -> float:
+        """How far `offset` may be off: half the shortest round trip (the node read its clock within it)."""
+        return self.round_trip / 2
+
     def observe(self, sent: float, received: float, node_clock: float) -> None:
         if received - sent < self.round_trip:
             self.round_trip = received - sent

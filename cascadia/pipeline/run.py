@@ -54,6 +54,7 @@ class RunResult:
     result: dict  # the metrics schema (cascadia.metrics.result)
     outputs: list[dict]  # one line per request: concurrency, phase, request id, prompt and output ids
     frames: list[FrameTiming] | None = None  # with `trace`: every frame's way through the pipeline
+    clock_error_s: dict[str, float] | None = None  # ... and how far each node's times may be off the coordinator's
 
 
 @attrs.frozen
@@ -189,7 +190,8 @@ class Pipeline:
             raise RunFailed(why, result([f"the run was {why}"]), outputs.lines) from None
         frames = coordinator.frame_log.timings(coordinator.clocks) if trace else None
         coordinator.frame_log = None
-        return RunResult(result(), outputs.lines, frames)
+        errors = {node: clock.error_bound for node, clock in coordinator.clocks.items()} if trace else None
+        return RunResult(result(), outputs.lines, frames, errors)
 
     def score(self, ids: Sequence[int], prefill: int | None = None) -> np.ndarray:
         """Teacher-forced logits of every position [N, V] of a fresh stream in slot 0, as `Engine.score` computes

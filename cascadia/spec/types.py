@@ -151,7 +151,7 @@ class RuntimeSpec:
     prefill_window: int = 8  # most prompt rows admitted per step
     # MoE calls of at least this many rows (their bucket) run expert-grouped, smaller ones fused; "auto": from the
     # engine's own measurement at start-up; "never": always fused.
-    moe_grouped_from: int | str = "auto"
+    moe_grouped_from: int | str = "never"
 
     @property
     def largest_bucket(self) -> int:

@@ -1,0 +1,179 @@
+"""`cascadia serve` losing a node: the chaos test (kill -9 a stage at a random moment under 24 streaming clients,
+each stage in turn; every request completes with the tokens of the fault-free engine), a frozen node (SIGSTOP)
+caught by the stall timeout, and tcp nodes whose stage is down until a node comes back for it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serving import Served, alive
+
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.engine import Engine
+from cascadia.engine.generate import generate
+from cascadia.graph.planner import plan as make_plan
+from cascadia.pipeline.run import Addresses
+from cascadia.pipeline.transport import free_port, tcp_address
+from cascadia.sampling import Sampling
+from cascadia.spec.dump import write_spec
+from cascadia.tokenizer import load_tokenizer
+
+SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
+STREAMS, TOKENS = 24, 40
+WAIT_S = 60
+
+
+def prompt(i: int) -> list[int]:
+    return [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11]
+
+
+@pytest.fixture(scope="module")
+def expected(spec, checkpoint) -> list[str]:
+    """Every client's greedy text, from the single-process engine."""
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    tokenizer = load_tokenizer(checkpoint)
+    return [tokenizer.decode(list(generate(engine, prompt(i), TOKENS, Sampling()).ids), skip_special_tokens=True)
+            for i in range(STREAMS)]
+
+
+async def stream_all(url: str, during=None) -> list[str]:
+    """STREAMS greedy streaming completions at once, each its text; `during` runs once the first tokens came."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    first = asyncio.Event()
+
+    async def one(i: int) -> str:
+        stream = await client.completions.create(model="tiny", prompt=prompt(i), max_tokens=TOKENS, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        pieces = []
+        async for chunk in stream:
+            first.set()
+            pieces.append(chunk.choices[0].text)
+        return "".join(pieces)
+
+    async with client:
+        tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
+        if during is not None:
+            await first.wait()
+            await during()
+        return await asyncio.gather(*tasks)
+
+
+def metric(url: str, name: str) -> dict:
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)}
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in families[name].samples}
+
+
+@pytest.fixture
+def server(tmp_path, checkpoint):
+    served = Served(tmp_path, SPEC, checkpoint)
+    yield served
+    nodes = served.children()
+    assert served.stop() == 0
+    assert not any(alive(pid) for pid in nodes), "node processes left behind"
+
+
+def node_pids(served: Served) -> list[int]:
+    """The server's node processes, in stage order (by their --name)."""
+    by_name = {}
+    for pid in served.children():
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        by_name[args[args.index(b"--name") + 1].decode()] = pid
+    return [by_name[name] for name in sorted(by_name)]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_node_killed_at_a_random_moment_costs_no_request_and_no_token(server, expected, stage):
+    victim = node_pids(server)[stage]
+
+    async def kill():
+        await asyncio.sleep(random.uniform(0, 0.5))
+        os.kill(victim, signal.SIGKILL)
+
+    assert asyncio.run(stream_all(server.url, kill)) == expected
+    assert recovered(server.url) == {f"node{stage}": 1}
+    assert not alive(victim) and len(server.children()) == 3  # started again, the lost one gone
+
+
+def test_a_frozen_node_is_caught_by_the_stall_timeout_and_replaced(tmp_path, checkpoint, expected):
+    served = Served(tmp_path, SPEC, checkpoint, "--stall-timeout", "1")
+    try:
+        victim = node_pids(served)[1]
+
+        async def freeze():
+            os.kill(victim, signal.SIGSTOP)
+
+        started = time.monotonic()
+        assert asyncio.run(stream_all(served.url, freeze)) == expected
+        assert recovered(served.url) == {"node1": 1} and time.monotonic() - started < WAIT_S
+        assert not alive(victim)  # killed, not left stopped
+    finally:
+        nodes = served.children()
+        assert served.stop() == 0
+        assert not any(alive(pid) for pid in nodes)
+
+
+def recovered(url: str) -> dict[str, int]:
+    """Losses by node, from /metrics, after checking that each was recovered from."""
+    failures = {labels[0][1]: int(value) for (name, labels), value in metric(url, "cascadia_node_failures").items()}
+    recovery = metric(url, "cascadia_recovery_seconds")
+    assert recovery[("cascadia_recovery_seconds_count", ())] == sum(failures.values())
+    assert recovery[("cascadia_recovery_seconds_sum", ())] > 0
+    return failures
+
+
+def test_a_tcp_node_lost_for_good_takes_its_stage_down_until_a_node_comes_back(tmp_path, spec, checkpoint,
+                                                                               expected):
+    nodes = tuple(attrs.evolve(n, address=tcp_address("127.0.0.1", free_port())) for n in spec.cluster.nodes)
+    remote = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=nodes))
+    spec_path, plan_path = write_spec(remote, tmp_path / "spec.yaml"), make_plan(remote).save(tmp_path / "plan.json")
+    addresses = Addresses.local()
+
+    def start(i: int) -> subprocess.Popen:
+        last = ["--successor", addresses.tokens] if i == len(nodes) - 1 else []
+        with (tmp_path / f"node{i}.log").open("a") as log:
+            return subprocess.Popen([sys.executable, "-m", "cascadia", "node", "--spec", str(spec_path), "--plan",
+                                     str(plan_path), "--name", nodes[i].name, "--listen", nodes[i].address,
+                                     "--control", addresses.control, "--checkpoint", str(checkpoint),
+                                     "--parent-pid", str(os.getpid()), *last], stdout=log, stderr=subprocess.STDOUT)
+
+    processes = [start(i) for i in range(len(nodes))]
+    served = Served(tmp_path, spec_path, checkpoint, "--plan", str(plan_path), "--control", addresses.control,
+                    "--tokens", addresses.tokens, "--replace-timeout", "2")
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+        stream = client.completions.create(model="tiny", prompt=prompt(0), max_tokens=55, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        processes[1].kill()
+        with pytest.raises(openai.APIError, match="node1 \\(layers 2-3\\) is down"):
+            list(stream)  # the open request ends with an error event once the replace timeout has passed
+        health = httpx.get(f"{served.url}/health", timeout=10)
+        assert health.status_code == 503 and "node1 (layers 2-3) is down" in health.json()["detail"]
+        with pytest.raises(openai.APIStatusError, match="node1 \\(layers 2-3\\) is down") as refused:
+            client.completions.create(model="tiny", prompt=prompt(1), max_tokens=4)
+        assert refused.value.status_code == 503
+        processes[1] = start(1)  # a node for the stage appears: serving resumes
+        deadline = time.monotonic() + WAIT_S
+        while httpx.get(f"{served.url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, served.log.read_text()[-2000:]
+            time.sleep(0.2)
+        reply = client.completions.create(model="tiny", prompt=prompt(2), max_tokens=TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == expected[2]
+    finally:
+        assert served.stop() == 0
+        for process in processes:
+            process.kill()
+            process.wait()
