@@ -38,6 +38,7 @@ from cascadia.workload import Arrivals
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # how often a waiting coordinator checks that every node is still there
+WATCH_S = 0.1  # how often a waiting coordinator checks its local nodes' processes (`watch`)
 CLOCK_EXCHANGES = 5  # stats exchanges with idle nodes that place their clocks on the coordinator's
 
 
@@ -266,12 +267,12 @@ class Coordinator:
             self._stats_asked[node].append(self.now())
 
     def _poll(self, timeout_s: float = HEARTBEAT_S, wake: Sequence = ()) -> dict:
-        """Wait up to `timeout_s` for input (or one of `wake` to be readable) and take in one control message, then
-        check on the nodes."""
+        """Wait up to `timeout_s` (at most WATCH_S) for input (or one of `wake` to be readable) and take in one
+        control message, then check on the nodes."""
         for waker in wake:
             self.poller.register(waker, zmq.POLLIN)
         try:
-            ready = dict(self.poller.poll(max(0, round(timeout_s * 1000))))
+            ready = dict(self.poller.poll(max(0, round(min(timeout_s, WATCH_S) * 1000))))
         finally:
             for waker in wake:
                 self.poller.unregister(waker)

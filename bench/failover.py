@@ -1,0 +1,140 @@
+"""What losing a node costs a serving pipeline: detection, taking its stage back, replay, by stage.
+
+Scenario: the spec's pipeline (default specs/tiny-local.yaml, its local nodes) serves STREAMS greedy requests of
+PROMPT_TOKENS + OUTPUT_TOKENS through `PipelineService`, the engine of `cascadia serve`, without HTTP. Once every
+stream has made KILL_AFTER tokens, one node is killed with SIGKILL (or frozen with SIGSTOP: --freeze); each stage
+in turn, ROUNDS times. Reported per stage, medians over the rounds, from the moment of the loss:
+  detected      the service knows the node is lost (its status says the stage is down)
+  back          the node started in its place is READY (the status clears)
+  first token   the first token after that: the replay (every stream prefilled again) is done
+  slower by     the run's wall time against the same requests without a loss
+Every stream's tokens are checked against the run without a loss. Not a test: it prints times.
+
+    python bench/failover.py [SPEC] [--freeze] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from cascadia.graph.planner import plan as make_plan
+from cascadia.pipeline.service import PipelineService
+from cascadia.policy import Finished, Request, Token
+from cascadia.spec.load import load_spec
+from cascadia.table import format_rows
+
+STREAMS = 8
+PROMPT_TOKENS = 8
+OUTPUT_TOKENS = 40
+KILL_AFTER = 10  # tokens every stream has made before the loss
+POLL_S = 0.0005  # how often the status is read while recovering
+
+
+class Streams:
+    """STREAMS requests submitted at once; each token's arrival time; done when all have finished."""
+
+    def __init__(self, service: PipelineService, first_id: int) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.times: list[float] = []
+        self.finished = threading.Event()
+        self._open = STREAMS
+        for i in range(STREAMS):
+            prompt = tuple(1 + (i * 7 + j) % 50 for j in range(PROMPT_TOKENS))
+            service.submit(Request(first_id + i, prompt, OUTPUT_TOKENS), self._on_event)
+
+    def _on_event(self, event, t: float) -> None:
+        if isinstance(event, Token):
+            self.tokens.setdefault(event.request_id, []).append(event.token)
+            self.times.append(time.monotonic())
+        elif isinstance(event, Finished):
+            self._open -= 1
+            if not self._open:
+                self.finished.set()
+
+    def each_made(self, n: int) -> bool:
+        return len(self.tokens) == STREAMS and min(map(len, self.tokens.values())) >= n
+
+    def outputs(self) -> list[list[int]]:
+        return [self.tokens[k] for k in sorted(self.tokens)]
+
+
+def node_pid(service: PipelineService, name: str) -> int:
+    for pid in Path("/proc").iterdir():
+        try:
+            args = (pid / "cmdline").read_bytes().split(b"\0")
+            stat = (pid / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(stat[1]) == os.getpid() and b"--name" in args and args[args.index(b"--name") + 1] == name.encode():
+            return int(pid.name)
+    raise SystemExit(f"no process for node {name}")
+
+
+def one_loss(service: PipelineService, node: str, how: signal.Signals, first_id: int) -> dict[str, float]:
+    streams = Streams(service, first_id)
+    while not streams.each_made(KILL_AFTER):
+        time.sleep(POLL_S)
+    lost_at = time.monotonic()
+    os.kill(node_pid(service, node), how)
+    moments = {}
+    while "back" not in moments:
+        down = service.status().down
+        if down and "detected" not in moments:
+            moments["detected"] = time.monotonic()
+        elif not down and "detected" in moments:
+            moments["back"] = time.monotonic()
+        time.sleep(POLL_S)
+    streams.finished.wait()
+    moments["first token"] = min(t for t in streams.times if t > moments["back"])
+    moments["outputs"] = streams.outputs()
+    moments["wall"] = streams.times[-1] - streams.times[0]
+    return {key: value - lost_at if isinstance(value, float) and key != "wall" else value
+            for key, value in moments.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("spec", nargs="?", default=str(Path(__file__).parent.parent / "specs" / "tiny-local.yaml"))
+    parser.add_argument("--freeze", action="store_true", help="SIGSTOP the node instead of killing it")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    spec = load_spec(args.spec)
+    plan = make_plan(spec)
+    service = PipelineService(spec, plan)
+    try:
+        while not service.status().ready:
+            if service.status().error:
+                raise SystemExit(service.status().error)
+            time.sleep(0.1)
+        clean = Streams(service, 0)
+        clean.finished.wait()
+        reference, clean_wall = clean.outputs(), clean.times[-1] - clean.times[0]
+        how = signal.SIGSTOP if args.freeze else signal.SIGKILL
+        rows = [("node", "detected ms", "back ms", "first token ms", "slower by", "tokens")]
+        next_id = STREAMS
+        for stage in plan.stages:
+            losses = []
+            for _ in range(args.rounds):
+                losses.append(one_loss(service, stage.node, how, next_id))
+                next_id += STREAMS
+            same = all(loss["outputs"] == reference for loss in losses)
+            rows.append((stage.node, *(f"{statistics.median(loss[key] for loss in losses) * 1e3:.0f}"
+                                       for key in ("detected", "back", "first token")),
+                         f"{statistics.median(loss['wall'] for loss in losses) / clean_wall:.2f}x",
+                         "identical" if same else "DIFFERENT"))
+        print(f"{spec.model.name}: {len(plan.stages)} local nodes, {STREAMS} streams of {PROMPT_TOKENS} + "
+              f"{OUTPUT_TOKENS} tokens, {'SIGSTOP' if args.freeze else 'SIGKILL'} after {KILL_AFTER} tokens each, "
+              f"median of {args.rounds}")
+        print(format_rows(rows))
+    finally:
+        service.close()
+
+
+if __name__ == "__main__":
+    main()
