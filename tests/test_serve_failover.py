@@ -1,6 +1,6 @@
 """`cascadia serve` losing a node: the chaos test (kill -9 a stage at a random moment under 24 streaming clients,
-each stage in turn; every request completes with the tokens of the fault-free engine), a frozen node (SIGSTOP)
-caught by the stall timeout, and tcp nodes whose stage is down until a node comes back for it."""
+greedy and sampled, each stage in turn; every request completes with the tokens of the single-process engine), a
+frozen node (SIGSTOP) caught by the stall timeout, and tcp nodes whose stage is down until a node comes back."""
 
 from __future__ import annotations
 
@@ -39,23 +39,31 @@ def prompt(i: int) -> list[int]:
     return [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11]
 
 
+def sampling(i: int) -> Sampling:
+    """Even clients greedy, odd ones sampled with a seed of their own."""
+    return Sampling() if i % 2 == 0 else Sampling(temperature=1.0, top_p=0.9, seed=i)
+
+
 @pytest.fixture(scope="module")
 def expected(spec, checkpoint) -> list[str]:
-    """Every client's greedy text, from the single-process engine."""
+    """Every client's text, from the single-process engine."""
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     tokenizer = load_tokenizer(checkpoint)
-    return [tokenizer.decode(list(generate(engine, prompt(i), TOKENS, Sampling()).ids), skip_special_tokens=True)
+    return [tokenizer.decode(list(generate(engine, prompt(i), TOKENS, sampling(i)).ids), skip_special_tokens=True)
             for i in range(STREAMS)]
 
 
 async def stream_all(url: str, during=None) -> list[str]:
-    """STREAMS greedy streaming completions at once, each its text; `during` runs once the first tokens came."""
+    """STREAMS streaming completions at once, each its text; `during` runs once the first tokens came."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     first = asyncio.Event()
 
     async def one(i: int) -> str:
-        stream = await client.completions.create(model="tiny", prompt=prompt(i), max_tokens=TOKENS, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})
+        drawn = sampling(i)
+        options = {"temperature": 0} if drawn.greedy else {"temperature": drawn.temperature, "top_p": drawn.top_p,
+                                                             "seed": drawn.seed}
+        stream = await client.completions.create(model="tiny", prompt=prompt(i), max_tokens=TOKENS, stream=True,
+                                                 extra_body={"ignore_eos": True}, **options)
         pieces = []
         async for chunk in stream:
             first.set()

@@ -262,9 +262,9 @@ class Coordinator:
         """Ask every node for its stats: sending to a node whose control connection dropped fails at once."""
         self._last_ping = time.monotonic()
         for node in self.nodes:
+            self._stats_asked[node].append(self.now())  # before it goes: the node answers after this
             self._tell(node, StatsRequest())
             self._stats_owed[node] += 1
-            self._stats_asked[node].append(self.now())
 
     def _poll(self, timeout_s: float = HEARTBEAT_S, wake: Sequence = ()) -> dict:
         """Wait up to `timeout_s` (at most WATCH_S) for input (or one of `wake` to be readable) and take in one
@@ -390,9 +390,9 @@ class Flight:
             if not self.frames:
                 self._progress = time.monotonic()
             self.frames[frame.group] = frame
-            self.coordinator.send_frame(wire_frame(frame))
-            if (log := self.coordinator.frame_log) is not None:
+            if (log := self.coordinator.frame_log) is not None:  # before it goes: the first node takes it after
                 log.sent(frame.seq, frame.group, len(frame.rows), frame.padded_rows, self.coordinator.now())
+            self.coordinator.send_frame(wire_frame(frame))
 
     def wait(self, until: float | None = None, wake: Sequence = ()) -> tuple[PolicyFrame, dict[int, int]] | None:
         """The next frame to come back and its sampled tokens ({request id: token}); None once the coordinator's
