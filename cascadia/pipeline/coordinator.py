@@ -27,7 +27,8 @@ from cascadia.driver import PhaseDriver
 from cascadia.errors import NodeError
 from cascadia.metrics import Recorder
 from cascadia.pipeline.frame_log import FrameLog, NodeClock
-from cascadia.pipeline.transport import COORDINATOR, Transport, TransportError, receive_waiting, send
+from cascadia.pipeline.transport import (COORDINATOR, Transport, TransportError, receive_waiting, send,
+                                         send_watching)
 from cascadia.pipeline.wire import (COORDINATOR_SENDER, Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready,
                                     Shutdown, Stats, StatsRequest, Tokens, VersionMismatch, WireError, node_sender)
 from cascadia.policy import Event, Finished
@@ -182,10 +183,14 @@ class Coordinator:
 
     def send_frame(self, frame: Frame) -> None:
         """Send a frame into the first node."""
+        def still_there() -> bool:  # while the first node takes nothing: a local one may have died
+            self.watch()
+            return True
+
         try:
-            send(self.first, self.encoder.encode(frame))
+            send_watching(self.first, self.encoder.encode(frame), still_there, WATCH_S)
         except TransportError as e:
-            raise PipelineError(f"{self.nodes[0]}: {e}") from None
+            raise NodeLost(self.nodes[0], str(e)) from None
 
     def next_tokens(self) -> Tokens:
         """The next TOKENS from the last node, watching the pipeline while waiting (`stall_s` without them is an
