@@ -224,6 +224,11 @@ class Policy:
         self._in_flight[group] = frame
         return frame
 
+    def next_frames(self) -> list[Frame]:
+        """`next_frame` of every group without a frame in flight, in group order, where it has rows to compute."""
+        frames = (self.next_frame(group) for group in range(self.n_groups) if group not in self._in_flight)
+        return [frame for frame in frames if frame is not None]
+
     def complete_frame(self, frame: Frame, sampled: Mapping[int, int]) -> list[Event]:
         """Take the tokens sampled from a frame's rows ({request id: token}); finish streams, admit waiting ones."""
         if self._in_flight.get(frame.group) != frame:
