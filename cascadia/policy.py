@@ -23,6 +23,7 @@ earlier when it samples one of its request's `stop_ids` (EOS, when the workload 
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 from collections import deque
 from collections.abc import Mapping
@@ -67,7 +68,7 @@ class Frame:
     rows: tuple[Row, ...]  # decode rows (by admission order), then prompt rows
     padded_rows: int  # the row bucket the engine runs; rows beyond len(rows) are padding
 
-    @property
+    @functools.cached_property  # read by the backend, the policy and the simulator's costs
     def sampled_ids(self) -> tuple[int, ...]:
         return tuple(row.request_id for row in self.rows if row.sampled)
 
@@ -131,7 +132,6 @@ class _Stream:
     prompt_len: int
     prefilled: int = 0  # prompt rows already put in a frame
     output: list[int] = attrs.Factory(list)
-    cancelled: bool = False  # its rows are in a frame in flight: released when that frame completes
 
 
 class Policy:
@@ -152,6 +152,8 @@ class Policy:
         self._streams: dict[int, _Stream] = {}  # by request id
         self._in_flight: dict[int, Frame] = {}  # by group
         self._seen: set[int] = set()
+        # streams cancelled while a frame in flight holds their rows: released when that frame completes
+        self._cancelling: set[int] = set()
         self._seq = 0
 
     @classmethod
@@ -231,25 +233,27 @@ class Policy:
 
     def complete_frame(self, frame: Frame, sampled: Mapping[int, int]) -> list[Event]:
         """Take the tokens sampled from a frame's rows ({request id: token}); finish streams, admit waiting ones."""
-        if self._in_flight.get(frame.group) != frame:
+        in_flight = self._in_flight.get(frame.group)
+        if in_flight is not frame and in_flight != frame:  # the same frame, as a rule: no need to compare its rows
             raise ValueError(f"frame {frame.seq} of group {frame.group} is not in flight")
         expected = frame.sampled_ids
-        if set(sampled) != set(expected):
+        if sampled.keys() != set(expected):
             raise ValueError(f"frame {frame.seq} samples requests {sorted(expected)}, got tokens for {sorted(sampled)}")
         del self._in_flight[frame.group]
         events: list[Event] = []
         for request_id in expected:
             stream, token = self._streams[request_id], sampled[request_id]
-            if stream.cancelled:
+            if request_id in self._cancelling:
                 continue
-            stream.output.append(token)
-            events.append(Token(request_id, token, len(stream.output) - 1))
+            output = stream.output
+            output.append(token)
+            events.append(Token(request_id, token, len(output) - 1))
             stop = token in stream.request.stop_ids
-            if stop or len(stream.output) == stream.request.max_new_tokens:
+            if stop or len(output) == stream.request.max_new_tokens:
                 events.append(self._release(stream, STOP if stop else LENGTH))
-        cancelled = sorted({row.request_id for row in frame.rows
-                            if (stream := self._streams.get(row.request_id)) is not None and stream.cancelled})
-        events += [self._release(self._streams[request_id], CANCELLED) for request_id in cancelled]
+        if self._cancelling:
+            cancelled = sorted({row.request_id for row in frame.rows if row.request_id in self._cancelling})
+            events += [self._release(self._streams[request_id], CANCELLED) for request_id in cancelled]
         return events + self._admit()
 
     def cancel(self, request_id: int) -> list[Event]:
@@ -261,11 +265,11 @@ class Policy:
                 del self._waiting[i]
                 return [Finished(request_id, None, CANCELLED, 0)]
         stream = self._streams.get(request_id)
-        if stream is None or stream.cancelled:
+        if stream is None or request_id in self._cancelling:
             return []
         in_flight = self._in_flight.get(stream.group)
         if in_flight is not None and any(row.request_id == request_id for row in in_flight.rows):
-            stream.cancelled = True
+            self._cancelling.add(request_id)
             return []
         return [self._release(stream, CANCELLED)] + self._admit()
 
@@ -288,5 +292,6 @@ class Policy:
         if stream in self._prefilling[stream.group]:  # cancelled before its prompt was all sent
             self._prefilling[stream.group].remove(stream)
         del self._streams[stream.request.id]
+        self._cancelling.discard(stream.request.id)
         heapq.heappush(self._free_slots, stream.slot)
         return Finished(stream.request.id, stream.slot, reason, len(stream.output))
