@@ -62,7 +62,7 @@ class FrameShape:
         n, total = len(attended), sum(attended)
         sliding = total if max(attended) <= window else sum(min(p, window) for p in attended)
         return (frame.padded_rows, n, sliding / n, total / n, len({row.request_id for row in rows}),
-                sum(row.sampled for row in rows))
+                len(frame.sampled_ids))
 
 
 @attrs.frozen
@@ -340,8 +340,9 @@ class PipelineModel:
             self.busy[name] += costs.stage_s[stage]
         free_at, latency, hop_s = self._free_at, self._latency, costs.hop_s
         for hop in leg.hops:
-            free_at[hop] = max(t, free_at[hop]) + hop_s[hop]
-            t = free_at[hop] + latency[hop]
+            free = free_at[hop]
+            free_at[hop] = free = (free if free > t else t) + hop_s[hop]  # max(t, free), without a call per hop
+            t = free + latency[hop]
         return t
 
     def carry(self, frame: Frame):
