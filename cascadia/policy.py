@@ -48,7 +48,9 @@ class Request:
     sampling: Sampling = GREEDY  # how its tokens are drawn (the last stage samples each row by its own)
 
 
-@attrs.frozen
+# Rows and tokens, made by the hundred thousand in a simulation, keep their fields in a __dict__: attrs fills it
+# directly, where a slotted frozen class takes an object.__setattr__ call per field (a third longer to make one).
+@attrs.frozen(slots=False)
 class Row:
     """One position of one stream in a frame: what the first stage embeds and where the nodes write its state."""
 
@@ -87,7 +89,7 @@ class Admitted:
     group: int
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # as Row
 class Token:
     request_id: int
     token: int
