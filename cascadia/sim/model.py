@@ -340,9 +340,10 @@ class PipelineModel:
             self.busy[name] += costs.stage_s[stage]
         free_at, latency, hop_s = self._free_at, self._latency, costs.hop_s
         for hop in leg.hops:
-            free = free_at[hop]
-            free_at[hop] = free = (free if free > t else t) + hop_s[hop]  # max(t, free), without a call per hop
-            t = free + latency[hop]
+            if free_at[hop] > t:  # max(t, free_at[hop]), without a call per hop
+                t = free_at[hop]
+            free_at[hop] = t = t + hop_s[hop]
+            t += latency[hop]
         return t
 
     def carry(self, frame: Frame):
