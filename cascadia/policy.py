@@ -48,8 +48,8 @@ class Request:
     sampling: Sampling = GREEDY  # how its tokens are drawn (the last stage samples each row by its own)
 
 
-# Rows and tokens, made by the hundred thousand in a simulation, keep their fields in a __dict__: attrs fills it
-# directly, where a slotted frozen class takes an object.__setattr__ call per field (a third longer to make one).
+# Frames, rows and tokens, made by the hundred thousand in a simulation, keep their fields in a __dict__: attrs fills
+# it directly, where a slotted frozen class takes an object.__setattr__ call per field (a third longer to make one).
 @attrs.frozen(slots=False)
 class Row:
     """One position of one stream in a frame: what the first stage embeds and where the nodes write its state."""
@@ -63,7 +63,7 @@ class Row:
     sampling: Sampling = GREEDY  # its stream's
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # as Row; and its cached sampled_ids is then a plain entry of the __dict__
 class Frame:
     seq: int  # serial number over the policy's life
     group: int
