@@ -230,7 +230,8 @@ class Policy:
 
     def next_frames(self) -> list[Frame]:
         """`next_frame` of every group without a frame in flight, in group order, where it has rows to compute."""
-        frames = (self.next_frame(group) for group in range(self.n_groups) if group not in self._in_flight)
+        frames = (self.next_frame(group) for group in range(self.n_groups)
+                  if group not in self._in_flight and self._groups[group])  # a group without streams has no rows
         return [frame for frame in frames if frame is not None]
 
     def complete_frame(self, frame: Frame, sampled: Mapping[int, int]) -> list[Event]:
