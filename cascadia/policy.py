@@ -23,7 +23,6 @@ earlier when it samples one of its request's `stop_ids` (EOS, when the workload 
 from __future__ import annotations
 
 import bisect
-import functools
 import heapq
 from collections import deque
 from collections.abc import Mapping
@@ -63,16 +62,19 @@ class Row:
     sampling: Sampling = GREEDY  # its stream's
 
 
-@attrs.frozen(slots=False)  # as Row; and its cached sampled_ids is then a plain entry of the __dict__
+@attrs.frozen(slots=False)  # as Row
 class Frame:
     seq: int  # serial number over the policy's life
     group: int
     rows: tuple[Row, ...]  # decode rows (by admission order), then prompt rows
     padded_rows: int  # the row bucket the engine runs; rows beyond len(rows) are padding
+    # the request ids of the sampled rows, in order: made with the frame, as the backend, the policy and the
+    # simulator's costs all read them
+    sampled_ids: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
 
-    @functools.cached_property  # read by the backend, the policy and the simulator's costs
-    def sampled_ids(self) -> tuple[int, ...]:
-        return tuple(row.request_id for row in self.rows if row.sampled)
+    @sampled_ids.default
+    def _sampled_ids(self) -> tuple[int, ...]:
+        return tuple([row.request_id for row in self.rows if row.sampled])  # a list first: quicker than a generator
 
 
 # ---- events: what changed, in order; the backends timestamp them ------------------------------------------------
