@@ -232,9 +232,9 @@ class Policy:
 
     def next_frames(self) -> list[Frame]:
         """`next_frame` of every group without a frame in flight, in group order, where it has rows to compute."""
-        frames = (self.next_frame(group) for group in range(self.n_groups)
-                  if group not in self._in_flight and self._groups[group])  # a group without streams has no rows
-        return [frame for frame in frames if frame is not None]
+        return [frame for group in range(self.n_groups)
+                if group not in self._in_flight and self._groups[group]  # a group without streams has no rows
+                and (frame := self.next_frame(group)) is not None]
 
     def complete_frame(self, frame: Frame, sampled: Mapping[int, int]) -> list[Event]:
         """Take the tokens sampled from a frame's rows ({request id: token}); finish streams, admit waiting ones."""
