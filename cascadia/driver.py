@@ -108,5 +108,4 @@ class PhaseDriver:
             self._recorder.arrived(request, now)
             self._on_arrived(request)
             queue.extend(self._observe(self._policy.add_request(request), now))
-        frames = (self._policy.next_frame(group) for group in range(self._policy.n_groups))
-        return [frame for frame in frames if frame is not None]
+        return self._policy.next_frames()

@@ -161,7 +161,7 @@ def result(source: str, spec: Spec, levels: Sequence[dict], records: Sequence[Re
         "calibration": calibration,
         "warnings": list(warnings),
         "levels": list(levels),
-        "requests": [attrs.asdict(r) for r in records],
+        "requests": [attrs.asdict(r, recurse=False) for r in records],  # plain fields: no visit to each token time
     }
 
 

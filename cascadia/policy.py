@@ -48,7 +48,9 @@ class Request:
     sampling: Sampling = GREEDY  # how its tokens are drawn (the last stage samples each row by its own)
 
 
-@attrs.frozen
+# Frames, rows and tokens, made by the hundred thousand in a simulation, keep their fields in a __dict__: attrs fills
+# it directly, where a slotted frozen class takes an object.__setattr__ call per field (a third longer to make one).
+@attrs.frozen(slots=False)
 class Row:
     """One position of one stream in a frame: what the first stage embeds and where the nodes write its state."""
 
@@ -61,16 +63,19 @@ class Row:
     sampling: Sampling = GREEDY  # its stream's
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # as Row
 class Frame:
     seq: int  # serial number over the policy's life
     group: int
     rows: tuple[Row, ...]  # decode rows (by admission order), then prompt rows
     padded_rows: int  # the row bucket the engine runs; rows beyond len(rows) are padding
+    # the request ids of the sampled rows, in order: made with the frame, as the backend, the policy and the
+    # simulator's costs all read them
+    sampled_ids: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def sampled_ids(self) -> tuple[int, ...]:
-        return tuple(row.request_id for row in self.rows if row.sampled)
+    @sampled_ids.default
+    def _sampled_ids(self) -> tuple[int, ...]:
+        return tuple([row.request_id for row in self.rows if row.sampled])  # a list first: quicker than a generator
 
 
 # ---- events: what changed, in order; the backends timestamp them ------------------------------------------------
@@ -87,7 +92,7 @@ class Admitted:
     group: int
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # as Row
 class Token:
     request_id: int
     token: int
@@ -132,7 +137,6 @@ class _Stream:
     prompt_len: int
     prefilled: int = 0  # rows of its tokens (the prompt; in a replay, its output too) already put in a frame
     output: list[int] = attrs.Factory(list)
-    cancelled: bool = False  # its rows are in a frame in flight: released when that frame completes
     replaying: bool = False  # its state is being rebuilt (`Policy.replay`): no decode row until that is done
 
     def token_at(self, position: int) -> int:
@@ -158,6 +162,8 @@ class Policy:
         self._streams: dict[int, _Stream] = {}  # by request id
         self._in_flight: dict[int, Frame] = {}  # by group
         self._seen: set[int] = set()
+        # streams cancelled while a frame in flight holds their rows: released when that frame completes
+        self._cancelling: set[int] = set()
         self._seq = 0
 
     @classmethod
@@ -232,27 +238,35 @@ class Policy:
         self._in_flight[group] = frame
         return frame
 
+    def next_frames(self) -> list[Frame]:
+        """`next_frame` of every group without a frame in flight, in group order, where it has rows to compute."""
+        return [frame for group in range(self.n_groups)
+                if group not in self._in_flight and self._groups[group]  # a group without streams has no rows
+                and (frame := self.next_frame(group)) is not None]
+
     def complete_frame(self, frame: Frame, sampled: Mapping[int, int]) -> list[Event]:
         """Take the tokens sampled from a frame's rows ({request id: token}); finish streams, admit waiting ones."""
-        if self._in_flight.get(frame.group) != frame:
+        in_flight = self._in_flight.get(frame.group)
+        if in_flight is not frame and in_flight != frame:  # the same frame, as a rule: no need to compare its rows
             raise ValueError(f"frame {frame.seq} of group {frame.group} is not in flight")
         expected = frame.sampled_ids
-        if set(sampled) != set(expected):
+        if sampled.keys() != set(expected):
             raise ValueError(f"frame {frame.seq} samples requests {sorted(expected)}, got tokens for {sorted(sampled)}")
         del self._in_flight[frame.group]
         events: list[Event] = []
         for request_id in expected:
             stream, token = self._streams[request_id], sampled[request_id]
-            if stream.cancelled:
+            if request_id in self._cancelling:
                 continue
-            stream.output.append(token)
-            events.append(Token(request_id, token, len(stream.output) - 1))
+            output = stream.output
+            output.append(token)
+            events.append(Token(request_id, token, len(output) - 1))
             stop = token in stream.request.stop_ids
-            if stop or len(stream.output) == stream.request.max_new_tokens:
+            if stop or len(output) == stream.request.max_new_tokens:
                 events.append(self._release(stream, STOP if stop else LENGTH))
-        cancelled = sorted({row.request_id for row in frame.rows
-                            if (stream := self._streams.get(row.request_id)) is not None and stream.cancelled})
-        events += [self._release(self._streams[request_id], CANCELLED) for request_id in cancelled]
+        if self._cancelling:
+            cancelled = sorted({row.request_id for row in frame.rows if row.request_id in self._cancelling})
+            events += [self._release(self._streams[request_id], CANCELLED) for request_id in cancelled]
         return events + self._admit()
 
     def cancel(self, request_id: int) -> list[Event]:
@@ -264,11 +278,11 @@ class Policy:
                 del self._waiting[i]
                 return [Finished(request_id, None, CANCELLED, 0)]
         stream = self._streams.get(request_id)
-        if stream is None or stream.cancelled:
+        if stream is None or request_id in self._cancelling:
             return []
         in_flight = self._in_flight.get(stream.group)
         if in_flight is not None and any(row.request_id == request_id for row in in_flight.rows):
-            stream.cancelled = True
+            self._cancelling.add(request_id)
             return []
         return [self._release(stream, CANCELLED)] + self._admit()
 
@@ -278,7 +292,7 @@ class Policy:
         decodes on. A draw depends only on its stream's seed and tokens, so the tokens that follow are those a run
         without the loss makes. Streams cancelled with rows in flight are released now."""
         self._in_flight.clear()
-        events: list[Event] = [self._release(s, CANCELLED) for s in list(self._streams.values()) if s.cancelled]
+        events: list[Event] = [self._release(self._streams[r], CANCELLED) for r in sorted(self._cancelling)]
         for group, streams in enumerate(self._groups):
             for stream in streams:
                 stream.prefilled, stream.replaying = 0, bool(stream.output)
@@ -304,5 +318,6 @@ class Policy:
         if stream in self._prefilling[stream.group]:  # cancelled before its prompt was all sent
             self._prefilling[stream.group].remove(stream)
         del self._streams[stream.request.id]
+        self._cancelling.discard(stream.request.id)
         heapq.heappush(self._free_slots, stream.slot)
         return Finished(stream.request.id, stream.slot, reason, len(stream.output))

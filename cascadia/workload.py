@@ -135,7 +135,7 @@ def build_levels(workload: WorkloadSpec, vocab_size: int, prompts: Sequence[tupl
                     prompt = prompts[next_id % len(prompts)]
                 else:
                     length = int(rng.integers(workload.prompt_tokens.low, workload.prompt_tokens.high + 1))
-                    prompt = tuple(int(t) for t in rng.integers(0, vocab_size, length))
+                    prompt = tuple(rng.integers(0, vocab_size, length).tolist())
                 requests.append(Request(next_id, prompt, workload.output_tokens, stop_ids, sampling))
                 next_id += 1
             phases.append(Phase(name, tuple(requests), int(rng.integers(2**31))))

@@ -16,10 +16,9 @@ import attrs
 import networkx as nx
 
 from cascadia.graph import costs
-from cascadia.graph.costs import EMBEDDING, FINAL_NORM, HEAD, SAMPLER, OpCost
+from cascadia.graph.costs import ACTIVATION_BYTES, EMBEDDING, FINAL_NORM, HEAD, SAMPLER, OpCost
 from cascadia.spec.types import ModelSpec, RuntimeSpec
 
-ACTIVATION_BYTES = 4  # FP32 per element between ops
 ROUTING_BYTES = 8  # per selected expert: an f32 weight and an int32 index
 
 FORMATS = ("json", "dot")

@@ -23,6 +23,7 @@ from cascadia.spec.types import ModelSpec, RuntimeSpec
 
 STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 VECTOR_BYTES = 4  # small tensors are f32
+ACTIVATION_BYTES = 4  # FP32 per element between ops
 
 # Op kinds of a decoder layer, in dataflow order; each checkpoint tensor belongs to one (`tensors.op_kind`).
 LAYER_KINDS = ("input_norm", "attention", "attn_sconv", "post_norm", "router", "routed_experts", "shared_experts",

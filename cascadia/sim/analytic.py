@@ -17,8 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from cascadia.graph.build import ACTIVATION_BYTES
-from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops
+from cascadia.graph.costs import ACTIVATION_BYTES, embedding_cost, head_cost, layer_costs, layer_ops
 from cascadia.graph.plan import ring_pairs
 from cascadia.model_config import LayerKind
 from cascadia.policy import padded_size

@@ -19,7 +19,7 @@ deterministic: simultaneous events keep SimPy's scheduling order, which depends 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import simpy
@@ -52,10 +52,25 @@ class FrameShape:
 
     @classmethod
     def of(cls, frame: Frame, window: int) -> FrameShape:
-        positions = [row.position + 1 for row in frame.rows]
-        n = len(positions)
-        return cls(frame.padded_rows, n, sum(min(p, window) for p in positions) / n, sum(positions) / n,
-                   len({row.request_id for row in frame.rows}), len(frame.sampled_ids))
+        return cls(*cls.figures(frame, window))
+
+    @staticmethod
+    def figures(frame: Frame, window: int) -> tuple[int, int, float, float, int, int]:
+        """The shape's fields as a plain tuple: a cheap key for the costs of frames already seen."""
+        rows = frame.rows
+        attended = [row.position + 1 for row in rows]
+        n, total = len(attended), sum(attended)
+        sliding = total if max(attended) <= window else sum(min(p, window) for p in attended)
+        return (frame.padded_rows, n, sliding / n, total / n, len({row.request_id for row in rows}),
+                len(frame.sampled_ids))
+
+
+@attrs.frozen
+class FrameCosts:
+    """What a frame of one shape takes on each stage and hop (`PipelineModel`'s hops: compute and wire times)."""
+
+    stage_s: tuple[float, ...]
+    hop_s: tuple[float, ...]
 
 
 def message_sizes(shape: FrameShape, hidden: int, stages: int) -> list[int]:
@@ -134,22 +149,6 @@ class StageCost:
         return total
 
 
-@attrs.define(eq=False)
-class Server:
-    """A capacity-1 FIFO resource kept as the time it next falls free.
-
-    Exactly simpy.Resource's FIFO service when each holder's duration is known when it asks, as here, at one event
-    per hop instead of the seven a request, a timeout and a release take.
-    """
-
-    free_at: float = 0.0
-
-    def serve(self, arrival: float, duration: float) -> float:
-        """Queue a job arriving at `arrival`; returns when it is done."""
-        self.free_at = max(arrival, self.free_at) + duration
-        return self.free_at
-
-
 def stage_hosts(spec: Spec, plan: Plan) -> list[str]:
     """The host of each stage's node."""
     nodes = {node.name: node for node in spec.cluster.nodes}
@@ -210,17 +209,30 @@ class SharedHost:
 _TIME_EPS = 1e-12  # seconds: jobs this close to the first one finish with it (rounding of the work left)
 
 
-class Link:
-    def __init__(self, spec: LinkSpec) -> None:
-        self.spec, self.wire = spec, Server()
+@attrs.frozen
+class Leg:
+    """A stretch of the ring a frame passes at one go: exclusive hops, then (but for the last leg) a shared host's.
 
-    def deliver(self, sent: float, size: int) -> float:
-        """When a message handed over at `sent` arrives: it waits for the wire, holds it, then travels."""
-        return self.wire.serve(sent, size / self.spec.bandwidth) + self.spec.latency
+    Frames never overtake one another on exclusive hosts and wires (FIFO, fixed latencies), so these serve frames
+    in the order they enter the leg, and the frame can reserve them all at once. A shared host's speed depends on
+    what else computes there meanwhile, so the frame goes there when it arrives, waits for its node's turn and
+    computes as fast as the host then allows.
+    """
+
+    hops: range  # its exclusive hops, in order
+    charged: tuple[tuple[str, int], ...]  # (node, stage) of the stages whose busy time counts when a frame enters it
+    shared: int | None  # the hop on a shared host it ends with; None: the last leg, back to stage 0
 
 
 class PipelineModel:
-    """The plan's stages on their hosts, joined by links in a ring; carries frames and runs workload phases."""
+    """The plan's stages on their hosts, joined by links in a ring; carries frames and runs workload phases.
+
+    A frame's round trip is a list of hops: each stage's compute, then its link's wire (none from a node to itself).
+    An exclusive hop (a host of its own, a wire) is a capacity-1 FIFO server kept as the time it next falls free:
+    exactly simpy.Resource's service when each holder's duration is known when it asks, as here, without its seven
+    events per hop. A wire's message then travels for the link's latency. A frame's costs are worked out once per
+    frame shape.
+    """
 
     def __init__(self, spec: Spec, plan: Plan, calibration: Calibration) -> None:
         self.env = simpy.Environment()
@@ -239,12 +251,38 @@ class PipelineModel:
         self.costs, self._cost_index = self._stage_costs(plan, calibration, config)
         host_names = stage_hosts(spec, plan)
         shared = {name: SharedHost(self.env, calibration.hosts.get(name, (1.0,))) for name in shared_hosts(spec, plan)}
-        # a stage on a shared host: the host's speed and its node's turn; on a host of its own: a plain server
-        self._hosts = [shared.get(name) or Server() for name in host_names]
-        self._turns = [simpy.Resource(self.env) if name in shared else None for name in host_names]
         self.notes: list[str] = []
         self._links = [self._link(calibration, spec, a, b) for a, b in plan.hops()]
+        self._stage_hops: list[int] = []  # each stage's compute hop
+        self._wire_hops: list[int | None] = []  # each stage's link's wire hop (None: no link)
+        self._latency: list[float] = []  # by hop: what a message travels after the wire (0 for a compute)
+        # a stage on a shared host: the host's speed and its node's turn, by hop
+        self._sharing: dict[int, tuple[SharedHost, simpy.Resource]] = {}
+        for host, link in zip(host_names, self._links):
+            self._stage_hops.append(len(self._latency))
+            if host in shared:
+                self._sharing[len(self._latency)] = (shared[host], simpy.Resource(self.env))
+            self._latency.append(0.0)
+            self._wire_hops.append(None if link is None else len(self._latency))
+            if link is not None:
+                self._latency.append(link.latency)
+        self._free_at = [0.0] * len(self._latency)  # by hop: when an exclusive hop next falls free
+        self._legs = self._split_into_legs()
+        self._by_shape: dict[tuple, FrameCosts] = {}  # by FrameShape.figures
         self.busy = dict.fromkeys(self._names, 0.0)
+
+    def _split_into_legs(self) -> list[Leg]:
+        """The ring's hops, cut after each one on a shared host."""
+        legs, start, charged = [], 0, []
+        stage_at = {hop: stage for stage, hop in enumerate(self._stage_hops)}
+        for hop in range(len(self._latency)):
+            if hop in stage_at:
+                charged.append((self._names[stage_at[hop]], stage_at[hop]))
+            if hop in self._sharing:
+                legs.append(Leg(range(start, hop), tuple(charged), hop))
+                start, charged = hop + 1, []
+        legs.append(Leg(range(start, len(self._latency)), tuple(charged), None))
+        return legs
 
     def _stage_costs(self, plan: Plan, calibration: Calibration,
                      config: InklingConfig) -> tuple[list[StageCost], list[int]]:
@@ -268,7 +306,7 @@ class PipelineModel:
                  for kinds, node, names in groups]
         return costs, index
 
-    def _link(self, calibration: Calibration, spec: Spec, a: str, b: str) -> Link | None:
+    def _link(self, calibration: Calibration, spec: Spec, a: str, b: str) -> LinkSpec | None:
         if a == b:
             return None
         figures = calibration.links.get((a, b))
@@ -276,34 +314,64 @@ class PipelineModel:
             figures = spec.cluster.link(a, b)
             self.notes.append(f"link {a}->{b}: not in the calibration; using the spec's figures "
                               f"({figures.bandwidth:g} B/s, {figures.latency:g} s)")
-        return Link(figures)
+        return figures
+
+    def frame_costs(self, frame: Frame) -> FrameCosts:
+        figures = FrameShape.figures(frame, self._window)
+        if (costs := self._by_shape.get(figures)) is None:
+            costs = self._by_shape[figures] = self._costs_of(FrameShape(*figures))
+        return costs
+
+    def _costs_of(self, shape: FrameShape) -> FrameCosts:
+        times = [cost(shape) for cost in self.costs]
+        stage_s = tuple(times[cost] for cost in self._cost_index)
+        hop_s = [0.0] * len(self._latency)
+        for time, compute, wire, link, size in zip(stage_s, self._stage_hops, self._wire_hops, self._links,
+                                                   message_sizes(shape, self._hidden, len(self._names))):
+            hop_s[compute] = time
+            if wire is not None:
+                hop_s[wire] = size / link.bandwidth
+        return FrameCosts(stage_s, tuple(hop_s))
+
+    def _enter(self, leg: Leg, costs: FrameCosts, t: float) -> float:
+        """A frame entering `leg` at `t` counts its stages' busy time and takes its exclusive hops in turn; returns
+        when it is through them."""
+        for name, stage in leg.charged:
+            self.busy[name] += costs.stage_s[stage]
+        free_at, latency, hop_s = self._free_at, self._latency, costs.hop_s
+        for hop in leg.hops:
+            if free_at[hop] > t:  # max(t, free_at[hop]), without a call per hop
+                t = free_at[hop]
+            free_at[hop] = t = t + hop_s[hop]
+            t += latency[hop]
+        return t
 
     def carry(self, frame: Frame):
-        """The process of one frame: every stage in turn, then its sampled tokens back to stage 0.
-
-        Frames never overtake one another on exclusive hosts and wires (FIFO, fixed latencies), so these serve frames
-        in the order they left stage 0, and the frame can reserve them at once. A shared host's speed depends on
-        what else computes there meanwhile, so the frame goes there when it arrives, waits for its node's turn and
-        computes as fast as the host then allows.
-        """
-        shape = FrameShape.of(frame, self._window)
-        times = [cost(shape) for cost in self.costs]
-        sizes = message_sizes(shape, self._hidden, len(self._names))
-        env, t = self.env, self.env.now
-        for name, cost, host, turn, link, size in zip(self._names, self._cost_index, self._hosts, self._turns,
-                                                      self._links, sizes):
-            self.busy[name] += times[cost]
-            if turn is None:
-                t = host.serve(t, times[cost])
-            else:
+        """The process of one frame: every leg in turn, the last bringing its sampled tokens back to stage 0."""
+        costs, env = self.frame_costs(frame), self.env
+        t = env.now
+        for leg in self._legs:
+            t = self._enter(leg, costs, t)
+            if leg.shared is not None:
                 yield env.timeout(t - env.now)
+                host, turn = self._sharing[leg.shared]
                 with turn.request() as mine:
                     yield mine
-                    yield host.compute(times[cost])
+                    yield host.compute(costs.hop_s[leg.shared])
                 t = env.now
-            if link is not None:
-                t = link.deliver(t, size)
         yield env.timeout(t - env.now)
+
+    def _launch(self, frame: Frame, land: Callable[[Frame], None]) -> None:
+        """Send a frame round the ring; `land(frame)` once its sampled tokens are back at stage 0."""
+        if self._sharing:
+            self.env.process(self._fly(frame, land))
+        else:  # a single leg: the frame takes all its hops now and needs no process, only its landing's timeout
+            t = self._enter(self._legs[0], self.frame_costs(frame), self.env.now)
+            self.env.timeout(t - self.env.now).callbacks.append(lambda _: land(frame))
+
+    def _fly(self, frame: Frame, land: Callable[[Frame], None]):
+        yield from self.carry(frame)
+        land(frame)
 
     def run_phase(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder) -> dict[str, float]:
         """Serve a phase of `requests` requests sent as `arrivals` says; returns each node's busy seconds in it."""
@@ -314,11 +382,10 @@ class PipelineModel:
 
         def launch(frames: list[Frame]) -> None:
             for frame in frames:
-                env.process(fly(frame))
+                self._launch(frame, land)
 
-        def fly(frame: Frame):
-            yield from self.carry(frame)
-            sampled = {request_id: PLACEHOLDER_TOKEN for request_id in frame.sampled_ids}
+        def land(frame: Frame) -> None:
+            sampled = dict.fromkeys(frame.sampled_ids, PLACEHOLDER_TOKEN)
             launch(driver.complete(frame, sampled, env.now))
             if driver.done and not drained.triggered:
                 drained.succeed()

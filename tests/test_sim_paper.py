@@ -1,0 +1,130 @@
+"""The paper's deployment (specs/inkling-975b-11pc.yaml, analytic): its predictions pinned, so that work on the
+simulator's speed cannot change what it predicts, and the simulator's work per request bounded, in counts that no
+other load on the machine can change (never its time)."""
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import attrs
+import pytest
+
+from cascadia.driver import Served, serve_workload
+from cascadia.graph.planner import plan
+from cascadia.policy import Policy
+from cascadia.sim.analytic import analytic_calibration
+from cascadia.sim.model import PipelineModel
+from cascadia.sim.simulate import simulate
+from cascadia.spec.load import load_spec
+from cascadia.spec.types import Spec
+
+PAPER_SPEC = Path(__file__).parent.parent / "specs" / "inkling-975b-11pc.yaml"
+
+# The figures `cascadia simulate specs/inkling-975b-11pc.yaml` printed before the simulator was made faster:
+# concurrency: (decode tok/s, phase tok/s, TTFT p50 s, TTFT p95 s, TPOT p50 s, TPOT p95 s, busy of pc10, wall s)
+PINNED = {
+    1: (4.262553168729414, 3.447972717117919, 7.328913816919531, 7.328913816919531, 0.23460117925005988,
+        0.23460117925005988, 0.12399839053178895, 37.123263581677136),
+    8: (32.2286666568543, 26.355314749335378, 7.655079143410205, 7.948627937252189, 0.2448179629174535,
+        0.24637334998315855, 0.9478081408973459, 38.853643363368406),
+    15: (34.81191606618338, 30.57418481239896, 8.727765839435335, 16.398084417722163, 0.4110851066260618,
+         0.4140223056485996, 0.9307531193523793, 62.798076605508356),
+    66: (56.729458729061676, 54.21314809862164, 32.13367193179772, 60.072802093955545, 0.9057110371498733,
+         0.9847546691366535, 0.9947287832990209, 155.8293568311483),
+    176: (66.59390376871343, 65.54138169748826, 91.67276701483752, 208.301724625396, 1.6585029191171472,
+          1.7417875680360868, 0.9976102465135083, 343.7217741911495),
+}
+PINNED_FINISH_SUM = 4202151.792323908  # every request's t_finish (s), both phases of all 15 levels, added up
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def paper_result():
+    spec = load_spec(PAPER_SPEC)
+    return simulate(spec, analytic_calibration(spec), plan(spec))
+
+
+def test_paper_spec_predictions_are_pinned(paper_result):
+    levels = {level["concurrency"]: level for level in paper_result["levels"]}
+    for concurrency, pinned in PINNED.items():
+        level = levels[concurrency]
+        figures = (level["decode_tokens_per_s"], level["phase_tokens_per_s"], level["ttft_s"]["p50"],
+                   level["ttft_s"]["p95"], level["tpot_s"]["p50"], level["tpot_s"]["p95"], level["busy"]["pc10"],
+                   level["wall_s"])
+        assert figures == pytest.approx(pinned, rel=1e-9, abs=0), f"concurrency {concurrency}"
+    assert len(paper_result["requests"]) == 1732 and paper_result["warnings"] == []
+    assert sum(r["t_finish"] for r in paper_result["requests"]) == pytest.approx(PINNED_FINISH_SUM, rel=1e-9, abs=0)
+
+
+def python_calls(run: Callable[[], T]) -> tuple[T, int]:
+    """What `run()` returns, and how many Python functions and built-ins it called: a measure of the work it did that
+    no other load on the machine can change, unlike its time."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        value = run()
+    finally:
+        sys.setprofile(None)
+    return value, calls
+
+
+def paper_simulator(concurrency: tuple[int, ...]) -> tuple[Spec, PipelineModel, Policy]:
+    """The paper spec with levels at `concurrency`, and the simulator's model and policy for its plan."""
+    spec = load_spec(PAPER_SPEC)
+    spec = attrs.evolve(spec, workload=attrs.evolve(spec.workload, concurrency=concurrency))
+    the_plan = plan(spec)
+    return spec, PipelineModel(spec, the_plan, analytic_calibration(spec)), Policy.for_runtime(spec.runtime,
+                                                                                               len(the_plan.stages))
+
+
+def serve_phases(spec: Spec, model: PipelineModel, policy: Policy,
+                 run: Callable[[Callable[[], T]], T] = lambda serve: serve()) -> Served:
+    """The spec's workload through the simulator, as `simulate` serves it; each phase is served by run(serve)."""
+    return serve_workload(spec, spec.workload, None, lambda level, phase, recorder: run(
+        lambda: model.run_phase(policy, level.arrivals(phase), len(phase.requests), recorder)), Served())
+
+
+def test_a_frame_on_hosts_of_their_own_is_one_simpy_event():
+    """No process per frame (three events each before the simulator was made faster), only its landing's timeout."""
+    spec, model, policy = paper_simulator((1, 15))
+    frames = events = 0
+    next_frame, step = policy.next_frame, model.env.step
+
+    def counted_next_frame(group: int):
+        nonlocal frames
+        frame = next_frame(group)
+        frames += frame is not None
+        return frame
+
+    def counted_step() -> None:
+        nonlocal events
+        events += 1
+        step()
+
+    policy.next_frame, model.env.step = counted_next_frame, counted_step
+    served = serve_phases(spec, model, policy)
+    assert len(served.records) == 32 and frames > 32 * (128 + 64 // 8) / 2
+    assert frames < events <= frames + 2 * 4  # and at most two per phase: its end, and SimPy's own resuming
+
+
+def test_python_calls_per_simulated_request_stay_few():
+    """The speed check of the simulator: 13,111 calls per simulated request before it was made faster, 4,308 after
+    (Python 3.11, concurrency 8 and 44); a ceiling a quarter above, which a return of what was removed would cross."""
+    spec, model, policy = paper_simulator((8, 44))
+    calls = 0
+
+    def counted(serve: Callable[[], T]) -> T:
+        nonlocal calls
+        busy, phase_calls = python_calls(serve)
+        calls += phase_calls
+        return busy
+
+    served = serve_phases(spec, model, policy, counted)
+    assert len(served.records) == 104 and calls / len(served.records) < 5400
