@@ -7,7 +7,7 @@ coordinator: a node's "compute" track holds a complete event (`"ph": "X"`) per f
 frame's group and rows; its "link to NEXT" track the frame's way to the next stage (from the end of its compute to
 the next stage taking it in: the wire, and any wait in the next stage's queue). The coordinator's process holds the
 link into the first stage and each request as an async span from its arrival to its last token.
-`frame_times` gives each node's per-frame compute times, for comparing two timelines node by node.
+`frame_times` gives each node's per-frame compute and onward link times, for comparing two timelines node by node.
 """
 
 from __future__ import annotations
@@ -76,11 +76,17 @@ def records_of(result: dict) -> list[RequestRecord]:
     return [RequestRecord(**{**record, "token_times": tuple(record["token_times"])}) for record in result["requests"]]
 
 
-def frame_times(frames: Iterable[FrameTiming], nodes: Sequence[str]) -> dict[str, np.ndarray]:
-    """Each node's compute time per frame, in seconds."""
+def frame_times(frames: Iterable[FrameTiming], nodes: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
+    """Per node and frame, in seconds: its "compute" time, and its "link" time (from the end of its compute to the
+    next stage taking the frame in, or, from the last stage, to its tokens reaching the coordinator)."""
     frames = list(frames)
-    return {node: np.array([frame.stages[i].end - frame.stages[i].start for frame in frames])
-            for i, node in enumerate(nodes)}
+    times = {}
+    for i, node in enumerate(nodes):
+        ends = np.array([frame.stages[i].end for frame in frames])
+        onward = np.array([frame.stages[i + 1].received if i + 1 < len(nodes) else frame.done for frame in frames])
+        times[node] = {"compute": ends - np.array([frame.stages[i].start for frame in frames]),
+                       "link": onward - ends}
+    return times
 
 
 def _name(kind: str, pid: int, tid: int | None, name: str) -> dict:

@@ -42,6 +42,22 @@ def test_simulate_prints_the_table_and_writes_json(spec_path, tmp_path):
     assert {r["prompt_tokens"] for r in data["requests"]} == {6} and len(data["requests"]) == 12
 
 
+def test_simulate_trace_holds_every_frame_once_per_node_and_every_request(spec_path, tmp_path):
+    out, trace = tmp_path / "result.json", tmp_path / "trace.json"
+    result = invoke(spec_path, "--concurrency", "1,3", "--requests", "3", "--max-new-tokens", "5", "--json", out,
+                    "--trace", trace)
+    assert result.exit_code == 0, result.output
+    document, report = json.loads(trace.read_text()), json.loads(out.read_text())
+    nodes = [stage["node"] for stage in report["plan"]["stages"]]
+    assert document["otherData"] == {"source": "simulate", "nodes": nodes}
+    events = document["traceEvents"]
+    compute = [e for e in events if e["ph"] == "X" and e["pid"] > 0 and e["tid"] == 1]
+    frames = {e["args"]["frame"] for e in compute}
+    per_node = {pid: sorted(e["args"]["frame"] for e in compute if e["pid"] == pid) for pid in range(1, len(nodes) + 1)}
+    assert all(seen == sorted(frames) for seen in per_node.values())  # each frame once on every node
+    assert sum(e["ph"] == "b" for e in events) == len(report["requests"]) == 12  # a span per request
+
+
 def test_a_saved_calibration_gives_the_same_prediction(spec_path, tmp_path):
     calibration = tmp_path / "cal.json"
     analytic_calibration(load_spec(spec_path)).save(calibration)

@@ -21,20 +21,22 @@ KIND_TIMES = {"sliding": 1e-3, "global": 2e-3, "moe": 3e-3, "dense": 4e-3, "embe
 HIDDEN_BYTES = 64 * 4  # the tiny model's FP32 residual row
 
 
-def run(spec, cal, requests, clients=1, groups=None):
+def run(spec, cal, requests, clients=1, groups=None, traced=False):
     plan = even_plan(spec)
     model = PipelineModel(spec, plan, cal)
+    model.timings = [] if traced else None
     policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
     recorder = Recorder(clients, "measured")
     busy = model.run_phase(policy, ClosedLoop(requests, clients), len(requests), recorder)
     return recorder.records, busy, model
 
 
-def test_single_stream_is_the_sum_of_stage_and_link_times():
+def _three_stages_and_their_links():
+    """The tiny model on three nodes, calibrated with KIND_TIMES and links of their own; what one frame of one
+    row takes on each stage and on each link (the wire and the latency)."""
     spec = tiny_spec()  # layers S S G S S G, layer 0 dense; two per node
     links = {("n0", "n1"): LinkSpec(1e8, 1e-4), ("n1", "n2"): LinkSpec(2e8, 2e-4), ("n2", "n0"): LinkSpec(5e7, 3e-4)}
     cal = calibration(spec, lambda kind, r, x: KIND_TIMES[kind], frame_s=1e-5, row_s=1e-6, links=links)
-    [record], busy, _ = run(spec, cal, [Request(0, (7,), 1)])
     k = KIND_TIMES
     overhead = 1e-5 + 1e-6  # one frame of one row
     stages = [k["embedding"] + 2 * k["sliding"] + k["dense"] + k["moe"] + overhead,
@@ -42,8 +44,25 @@ def test_single_stream_is_the_sum_of_stage_and_link_times():
               k["sliding"] + k["global"] + 2 * k["moe"] + k["head"] + overhead]
     frame, token = 44 + 37 + HIDDEN_BYTES, 44 + 8  # header, a row's indices, flag and sampling, its residual
     wires = [1e-4 + frame / 1e8, 2e-4 + frame / 2e8, 3e-4 + token / 5e7]  # the last sends one token back
+    return spec, cal, stages, wires
+
+
+def test_single_stream_is_the_sum_of_stage_and_link_times():
+    spec, cal, stages, wires = _three_stages_and_their_links()
+    [record], busy, _ = run(spec, cal, [Request(0, (7,), 1)])
     assert record.ttft == pytest.approx(sum(stages) + sum(wires), rel=1e-12)
     assert list(busy.values()) == pytest.approx(stages, rel=1e-12)
+
+
+def test_the_trace_of_a_single_stream_holds_each_stage_and_link_time():
+    spec, cal, stages, wires = _three_stages_and_their_links()
+    [record], _, model = run(spec, cal, [Request(0, (7,), 1)], traced=True)
+    [frame] = model.timings
+    assert (frame.group, frame.rows, frame.bucket) == (0, 1, 2)
+    assert [s.end - s.start for s in frame.stages] == pytest.approx(stages, rel=1e-12)
+    arrivals = [s.received for s in frame.stages[1:]] + [frame.done]
+    assert [t - s.end for s, t in zip(frame.stages, arrivals)] == pytest.approx(wires, rel=1e-9)
+    assert (frame.sent, frame.done) == (record.t_arrival, record.token_times[0])
 
 
 def test_rows_and_streams_are_charged_apart():
@@ -91,6 +110,25 @@ def test_nodes_sharing_a_host_share_its_speed():
                                                 pytest.approx([5 * s, 9 * s, 12 * s])]
     # Twice the work with both computing: as if on hosts of their own.
     assert _two_groups_on_two_nodes("box", speedup=(1.0, 2.0)) == own_hosts
+
+
+def test_a_trace_shows_nodes_on_one_host_at_shared_speed_and_changes_nothing():
+    s = 4e-3  # as above: 4 layers of 1 ms a stage, the two nodes on one core
+    spec = tiny_spec(n_nodes=2, host="box")
+    fast = LinkSpec(1e30, 0.0)
+    cal = calibration(spec, lambda kind, r, x: 1e-3 if kind in ("moe", "dense", "embedding", "head") else 0.0,
+                      links={("n0", "n1"): fast, ("n1", "n0"): fast})
+    requests = [Request(i, (1,), 3) for i in range(2)]
+    traced, _, model = run(spec, cal, requests, clients=2, traced=True)
+    untraced, _, _ = run(spec, cal, requests, clients=2)
+    assert traced == untraced
+    assert len(model.timings) == 6  # 3 tokens for each of 2 streams, a frame each
+    for node in (0, 1):
+        spans = sorted((f.stages[node].start, f.stages[node].end) for f in model.timings)
+        assert all(end <= start + 1e-12 for (_, end), (start, _) in zip(spans, spans[1:]))  # one frame at a time
+    # group 0's first frame: alone on node 0 (one stage time), then beside group 1's on node 0 (two)
+    first = model.timings[0]
+    assert [st.end - st.start for st in first.stages] == pytest.approx([s, 2 * s])
 
 
 def test_a_node_without_a_host_is_a_host_of_its_own():

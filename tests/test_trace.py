@@ -33,7 +33,10 @@ def test_a_frame_becomes_a_compute_event_per_node_and_a_link_event_per_hop():
     assert all(e["name"] == "group 1, 3 rows" for e in events if e["ph"] == "X")
     begin, end = (e for e in events if e["ph"] in "be")
     assert (begin["id"], begin["ts"], end["ts"]) == (9, 0.5e6, 2.25e6)
-    assert frame_times([frame], ["a", "b"])["b"].tolist() == pytest.approx([0.4], abs=1e-12)
+    times = frame_times([frame], ["a", "b"])
+    assert {node: {part: t.tolist() for part, t in parts.items()} for node, parts in times.items()} == {
+        "a": {"compute": pytest.approx([0.3]), "link": pytest.approx([0.1])},
+        "b": {"compute": pytest.approx([0.4]), "link": pytest.approx([0.25])}}
 
 
 def test_run_trace_holds_every_frame_once_per_node_in_pipeline_order(tmp_path, checkpoint):

@@ -11,8 +11,9 @@ from click.testing import CliRunner
 from sim_specs import calibration
 
 from cascadia.cli import cli
-from cascadia.measure.validate import METRICS, SCHEMA, compare, format_comparison
+from cascadia.measure.validate import METRICS, SCHEMA, compare, compare_frame_times, format_comparison
 from cascadia.pipeline.run import RunFailed, RunResult
+from cascadia.trace import FrameTiming, StageTiming
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
 
@@ -80,6 +81,27 @@ def test_the_comparison_table():
     assert two[-2].startswith("median spread of the runs: decode tok/s 0.0%")
 
 
+def _frame(i, *stages, done):
+    return FrameTiming(i, 0, 1, 1, 0.0, tuple(StageTiming(*stage) for stage in stages), done)
+
+
+def test_per_frame_times_of_both_backends_node_by_node():
+    measured = [_frame(i, (0.0, 0.0, 0.010 * (i + 1)), (0.05, 0.06, 0.08), done=0.1) for i in range(3)]
+    predicted = [_frame(0, (0.0, 0.0, 0.015), (0.02, 0.02, 0.04), done=0.045)]
+    times = compare_frame_times(measured, predicted, ["a", "b"])
+    assert times["a"]["compute"] == {"measured": {"frames": 3, "p50": pytest.approx(0.02), "p95": pytest.approx(0.029)},
+                                     "predicted": {"frames": 1, "p50": pytest.approx(0.015),
+                                                   "p95": pytest.approx(0.015)}}
+    assert times["b"]["link"]["measured"]["p50"] == pytest.approx(0.02)  # from its compute's end to the tokens back
+    assert times["a"]["link"]["predicted"]["p50"] == pytest.approx(0.005)  # ... to the next stage taking it in
+    comparison = compare([MEASURED], PREDICTED) | {"frame_times": times}
+    lines = format_comparison(comparison).splitlines()
+    assert lines[-5].split() == ["node", "per", "frame", "frames", "measured", "p50", "p95", "predicted", "p50", "p95",
+                                 "error", "p50"]
+    assert lines[-4].split() == ["a", "compute", "3/1", "20.00", "29.00", "15.00", "15.00", "-25.0%"]
+    assert lines[-1].split() == ["link", "to", "coordinator", "3/1", "20.00", "20.00", "5.00", "5.00", "-75.0%"]
+
+
 # ---- against the real pipeline -----------------------------------------------------------------------------------
 def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_path):
     cal_path, out = tmp_path / "cal.json", tmp_path / "validation.json"
@@ -140,3 +162,26 @@ def test_a_failed_run_keeps_the_prediction_and_the_runs_before_it(spec, tmp_path
     saved = json.loads(out.read_text())
     assert saved["failed"] == "node1: gone" and saved["measured"] == [finished, partial]
     assert saved["predicted"]["source"] == "simulate"
+
+
+def test_validate_writes_both_timelines_and_compares_each_node_per_frame(spec, checkpoint, tmp_path):
+    cal_path, traces = tmp_path / "cal.json", tmp_path / "traces"
+    calibration(spec, lambda kind, r, x: 1e-4 * r).save(cal_path)  # hand-made: the errors mean nothing here
+    result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(cal_path), "--checkpoint",
+                                      str(checkpoint), "--concurrency", "1", "--max-new-tokens", "4",
+                                      "--prompt-tokens", "5", "--trace-dir", str(traces)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    documents = {path.name: json.loads(path.read_text()) for path in traces.iterdir()}
+    assert set(documents) == {"run.json", "simulate.json"}
+    assert {name: d["otherData"]["source"] for name, d in documents.items()} == {"run.json": "run",
+                                                                                "simulate.json": "simulate"}
+    # one stream: both backends compute the same frames (2 prompt windows or fewer, then the decode steps)
+    computed = [sorted(e["args"]["rows"] for e in d["traceEvents"] if e["ph"] == "X" and e["pid"] == 1
+                       and e["tid"] == 1) for d in documents.values()]
+    assert computed[0] == computed[1] and len(computed[0]) > 0
+    lines = result.stdout.splitlines()
+    table = lines[lines.index("per frame (ms; frames measured/predicted)") + 1:]
+    frames = len(computed[0])
+    assert [line.split()[:3] for line in table[1:-1:2]] == [[node, "compute", f"{frames}/{frames}"]
+                                                            for node in ("node0", "node1", "node2")]
+    assert table[-1] == f"wrote the timelines to {traces}: run.json, simulate.json"

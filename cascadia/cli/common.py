@@ -100,6 +100,16 @@ def writing(path: str, binary: bool = False) -> Iterator[IO]:
         raise click.ClickException(f"{e.filename or path}: cannot write ({e.strerror})") from None
 
 
+def write_trace(path: str, frames, result: dict, nodes: list[str], clock_error_s: dict | None = None) -> None:
+    """A run's or a simulation's timeline as Chrome trace JSON (`cascadia.trace`)."""
+    import json
+
+    from cascadia.trace import chrome_trace, records_of
+
+    with writing(path) as f:
+        json.dump(chrome_trace(frames, records_of(result), nodes, result["source"], clock_error_s), f)
+
+
 def report_to(*paths: str | None) -> Callable[..., None]:
     """How a command prints its report for people: on standard output, or on standard error when one of its output
     files is standard output ("-"), which at most one may be."""

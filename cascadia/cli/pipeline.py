@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from cascadia.cli.common import (CpuList, OutputPath, TcpAddress, chosen_plan, emulate_links_option, report_to,
-                                 sampling_options, with_sampling, workload_options, workload_overrides, writing)
+                                 sampling_options, with_sampling, workload_options, workload_overrides, write_trace,
+                                 writing)
 from cascadia.spec.load import load_spec
 
 
@@ -171,7 +172,4 @@ def _run_and_report(loaded, plan_path: str | None, workload, *, checkpoint: str 
         click.echo(f"warning: {warning}", err=True)
     write(done.result, done.outputs)
     if trace_path:
-        from cascadia.trace import chrome_trace, records_of
-        with writing(trace_path) as f:
-            json.dump(chrome_trace(done.frames, records_of(done.result), [s.node for s in chosen.stages], "run",
-                                   done.clock_error_s), f)
+        write_trace(trace_path, done.frames, done.result, [s.node for s in chosen.stages], done.clock_error_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from cascadia.cli.common import (WORKLOAD_CHOICES, IntList, OutputPath, chosen_plan, emulate_links_option, report_to,
-                                 workload_options, workload_overrides, writing)
+                                 workload_options, workload_overrides, write_trace, writing)
 from cascadia.spec.load import load_spec
 
 
@@ -18,8 +18,11 @@ from cascadia.spec.load import load_spec
 @workload_options
 @click.option("--json", "json_path", type=OutputPath(), help="write the metrics JSON here")
 @click.option("--plot", "plot_path", type=OutputPath(), help="write a throughput/latency plot (PNG)")
+@click.option("--trace", "trace_path", type=OutputPath(),
+              help="write the simulated timeline here (Chrome trace JSON, for Perfetto or chrome://tracing)")
 def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None, checkpoint: str | None,
-             choices: dict, groups: int | None, json_path: str | None, plot_path: str | None) -> None:
+             choices: dict, groups: int | None, json_path: str | None, plot_path: str | None,
+             trace_path: str | None) -> None:
     """Predict throughput and latency of the plan at each level (closed-loop concurrency or open-loop arrival rate)
     with the calibrated simulator. It reads no weights: a checkpoint matters only for the tokenizer of text
     prompts."""
@@ -36,14 +39,15 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
 
     if analytic and calibration_path:
         raise click.UsageError("give --calibration or --analytic, not both")
-    report = report_to(json_path, plot_path)
+    report = report_to(json_path, plot_path, trace_path)
     loaded = load_spec(spec)
     model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
     workload = workload_overrides(loaded, choices)
     loaded = attrs.evolve(loaded, model=model, workload=workload)
     chosen = chosen_plan(loaded, plan_path)  # first: it refuses a runtime no node can hold, before any table is built
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
-    result = run_simulation(loaded, calibration, chosen, groups=groups)
+    timings = [] if trace_path else None
+    result = run_simulation(loaded, calibration, chosen, groups=groups, timings=timings)
     report(format_table(result))
     if calibration.is_analytic:
         report("(analytic estimate)")
@@ -55,6 +59,8 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     if plot_path:
         with writing(plot_path, binary=True) as f:
             plot(result, f)
+    if trace_path:
+        write_trace(trace_path, timings, result, [s.node for s in chosen.stages])
 
 
 @click.command("calibrate")
@@ -102,11 +108,15 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
               help="serve the workload this many times; the median is the measurement")
 @click.option("--json", "json_path", type=OutputPath(),
               help="write both results and the errors here (after a failed run: the prediction and the runs so far)")
+@click.option("--trace-dir", type=click.Path(file_okay=False, writable=True),
+              help="write both timelines here (simulate.json, run.json: Chrome trace JSON) and compare each node's "
+                   "compute time per frame")
 @emulate_links_option
 def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, choices: dict,
-                     groups, repeats, json_path, emulate_links) -> None:
+                     groups, repeats, json_path, trace_dir, emulate_links) -> None:
     """Simulate and run the same workload on the same plan, and print per level and metric the measured and
-    predicted values and the error, then each metric's median absolute error."""
+    predicted values and the error, then each metric's median absolute error; with --trace-dir, each node's compute
+    time per frame in both."""
     import attrs
 
     from cascadia.sim.calibration import Calibration
@@ -115,12 +125,13 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
     workload = workload_overrides(loaded, choices)
     calibration = Calibration.load(calibration_path)
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
-                         checkpoint, groups, repeats, json_path, emulate_links)
+                         checkpoint, groups, repeats, json_path, emulate_links, trace_dir)
 
 
 def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = None, groups: int | None = None,
-                         repeats: int = 1, json_path: str | None = None, emulate_links: bool = False) -> None:
-    """Simulate and run with progress on stderr; print the comparison, write the JSON."""
+                         repeats: int = 1, json_path: str | None = None, emulate_links: bool = False,
+                         trace_dir: str | None = None) -> None:
+    """Simulate and run with progress on stderr; print the comparison, write the JSON and the timelines."""
     import json
     from pathlib import Path
 
@@ -137,15 +148,26 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
     def phase_done(level: str, phase: str, records: list) -> None:
         click.echo(f"run: {level}, {phase}: {len(records)} requests", err=True)
 
+    timelines = {} if trace_dir else None
+    if trace_dir:
+        try:  # before the work: a directory that cannot be made is said now
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise click.ClickException(f"{trace_dir}: cannot make the directory ({e.strerror})") from None
     try:
         result = validate(loaded, chosen, calibration, repeats=repeats, groups=groups,
                           checkpoint=Path(checkpoint) if checkpoint else None,
                           on_message=lambda node, message: click.echo(describe(node, message), err=True),
-                          on_phase=phase_done, emulate_links=emulate_links)
+                          on_phase=phase_done, emulate_links=emulate_links, timelines=timelines)
     except ValidationFailed as e:
         write(e.result)
         raise click.ClickException(f"run failed: {e}") from None
     report(format_comparison(result))
+    for name, (frames, backend_result, clock_error_s) in (timelines or {}).items():
+        write_trace(str(Path(trace_dir) / f"{name}.json"), frames, backend_result,
+                    [stage.node for stage in chosen.stages], clock_error_s)
+    if trace_dir:
+        report(f"wrote the timelines to {trace_dir}: {', '.join(f'{name}.json' for name in timelines)}")
     warnings = [f"warning (predicted): {w}" for w in result["predicted"]["warnings"]]
     warnings += dict.fromkeys(f"warning (measured): {w}" for run in result["measured"] for w in run["warnings"])
     for warning in warnings:

@@ -6,7 +6,7 @@ on a machine shared with other work its speed wanders by tens of percent from mi
 a few runs is what it typically does. Per concurrency level and metric, error = (predicted - measured) / measured,
 with the median over the runs as measured, and the runs' spread = (largest - smallest) / median: an error smaller
 than the spread says little about the model. Per metric, the median of the absolute errors and of the spreads over
-the levels.
+the levels. With timelines, per node the per-frame compute time of both (median and p95), to see where they part.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
+import numpy as np
 
 from cascadia.errors import NodeError
 from cascadia.graph.plan import Plan
@@ -25,6 +26,7 @@ from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
 from cascadia.table import format_rows
+from cascadia.trace import FrameTiming, frame_times
 
 SCHEMA = "cascadia.validation/2"
 # name -> (keys into a level summary, unit shown, scale to that unit)
@@ -89,6 +91,21 @@ def compare(runs: Sequence[dict], predicted: dict) -> dict:
             "median_spread": {name: statistics.median(s) if s else None for name, s in spreads.items()}}
 
 
+def compare_frame_times(measured: Sequence[FrameTiming], predicted: Sequence[FrameTiming],
+                        nodes: Sequence[str]) -> dict:
+    """Per node, for its compute and its link onward (`trace.frame_times`): how many frames each backend timed,
+    and their time's median and p95, in seconds."""
+    real, model = frame_times(measured, nodes), frame_times(predicted, nodes)
+
+    def figures(times: np.ndarray) -> dict:
+        if not len(times):
+            return {"frames": 0, "p50": None, "p95": None}
+        return {"frames": len(times), "p50": float(np.median(times)), "p95": float(np.percentile(times, 95))}
+
+    return {node: {part: {"measured": figures(real[node][part]), "predicted": figures(model[node][part])}
+                   for part in ("compute", "link")} for node in nodes}
+
+
 class ValidationFailed(NodeError):
     """A run failed; `result` holds the prediction and the runs so far, the failed one's partial result last."""
 
@@ -99,23 +116,37 @@ class ValidationFailed(NodeError):
 
 def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1, groups: int | None = None,
              checkpoint: Path | None = None, on_message: Callable = lambda node, message: None,
-             on_phase: Callable = lambda level, phase, records: None, emulate_links: bool = False) -> dict:
+             on_phase: Callable = lambda level, phase, records: None, emulate_links: bool = False,
+             timelines: dict | None = None) -> dict:
     """Simulate, then run `repeats` times, the spec's workload on `plan`; the results and their comparison. With
-    `emulate_links` the runs go over links shaped to the spec's bandwidths, and so does the simulation.
+    `emulate_links` the runs go over links shaped to the spec's bandwidths, and so does the simulation. `timelines`:
+    a dict that takes each backend's timeline, as (frames, metrics result, clock errors) by name ("simulate", "run";
+    "run-1".. with repeats); the comparison then holds each node's per-frame times (`compare_frame_times`).
 
     The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts."""
     if emulate_links:
         calibration = _with_emulated_links(calibration, spec, plan)
-    predicted = simulate(spec, calibration, plan, groups=groups)
-    runs = []
-    for _ in range(repeats):
+    traced = timelines is not None
+    predicted_frames: list[FrameTiming] | None = [] if traced else None
+    predicted = simulate(spec, calibration, plan, groups=groups, timings=predicted_frames)
+    runs, measured_frames = [], []
+    for i in range(repeats):
         try:
-            runs.append(run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
-                            on_phase=on_phase, emulate_links=emulate_links).result)
+            done = run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
+                       on_phase=on_phase, emulate_links=emulate_links, trace=traced)
         except RunFailed as e:
             raise ValidationFailed(str(e), {"schema": SCHEMA, "failed": str(e), "measured": [*runs, e.result],
                                             "predicted": predicted}) from None
-    return {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
+        runs.append(done.result)
+        if traced:
+            measured_frames += done.frames
+            timelines[f"run-{i + 1}" if repeats > 1 else "run"] = (done.frames, done.result, done.clock_error_s)
+    result = {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
+    if traced:
+        timelines["simulate"] = (predicted_frames, predicted, None)
+        result["frame_times"] = compare_frame_times(measured_frames, predicted_frames,
+                                                    [stage.node for stage in plan.stages])
+    return result
 
 
 def _with_emulated_links(calibration: Calibration, spec: Spec, plan: Plan) -> Calibration:
@@ -135,6 +166,21 @@ def _percent(value: float | None, sign: str = "") -> str:
     return "-" if value is None else f"{value:{sign}.1%}"
 
 
+def format_frame_times(frame_times: dict) -> str:
+    """`compare_frame_times` as a table: per node, its compute and its link onward, ms per frame."""
+    onward = [*list(frame_times)[1:], "coordinator"]
+    rows = [("node", "per frame", "frames", "measured p50", "p95", "predicted p50", "p95", "error p50")]
+    for i, (node, parts) in enumerate(frame_times.items()):
+        for part, both in parts.items():
+            real, model = both["measured"], both["predicted"]
+            error = (model["p50"] - real["p50"]) / real["p50"] if real["p50"] and model["p50"] is not None else None
+            what = "compute" if part == "compute" else f"link to {onward[i]}"
+            rows.append((node if part == "compute" else "", what, f"{real['frames']}/{model['frames']}",
+                         _shown(real["p50"], 1e3), _shown(real["p95"], 1e3), _shown(model["p50"], 1e3),
+                         _shown(model["p95"], 1e3), _percent(error, "+")))
+    return "per frame (ms; frames measured/predicted)\n" + format_rows(rows, left={0, 1})
+
+
 def format_comparison(comparison: dict) -> str:
     """Per level and metric: measured, the runs' spread, predicted, error; then each metric's median spread (with
     several runs) and median absolute error."""
@@ -151,5 +197,7 @@ def format_comparison(comparison: dict) -> str:
                                                                for name, s in comparison["median_spread"].items()))
     lines.append("median |error|: " + ", ".join(f"{name} {_percent(e)}"
                                                 for name, e in comparison["median_abs_error"].items()))
+    if "frame_times" in comparison:
+        lines.append("\n" + format_frame_times(comparison["frame_times"]))
     return "\n".join(lines)
 

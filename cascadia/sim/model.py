@@ -33,6 +33,7 @@ from cascadia.policy import Frame, Policy
 from cascadia.sim.calibration import (KIND_AXES, Calibration, CalibrationError, Extrapolations, NodeCalibration,
                                       interpolate)
 from cascadia.spec.types import LinkSpec, Spec
+from cascadia.trace import FrameTiming, StageTiming
 from cascadia.wire_format import frame_bytes, tokens_bytes
 from cascadia.workload import Arrivals
 
@@ -270,6 +271,7 @@ class PipelineModel:
         self._legs = self._split_into_legs()
         self._by_shape: dict[tuple, FrameCosts] = {}  # by FrameShape.figures
         self.busy = dict.fromkeys(self._names, 0.0)
+        self.timings: list[FrameTiming] | None = None  # a list: each frame's way round the ring is kept in it
 
     def _split_into_legs(self) -> list[Leg]:
         """The ring's hops, cut after each one on a shared host."""
@@ -333,37 +335,46 @@ class PipelineModel:
                 hop_s[wire] = size / link.bandwidth
         return FrameCosts(stage_s, tuple(hop_s))
 
-    def _enter(self, leg: Leg, costs: FrameCosts, t: float) -> float:
+    def _enter(self, leg: Leg, costs: FrameCosts, t: float, served: list | None = None) -> float:
         """A frame entering `leg` at `t` counts its stages' busy time and takes its exclusive hops in turn; returns
-        when it is through them."""
+        when it is through them. `served` (by hop) takes when each hop began and ended serving the frame."""
         for name, stage in leg.charged:
             self.busy[name] += costs.stage_s[stage]
         free_at, latency, hop_s = self._free_at, self._latency, costs.hop_s
         for hop in leg.hops:
             if free_at[hop] > t:  # max(t, free_at[hop]), without a call per hop
                 t = free_at[hop]
-            free_at[hop] = t = t + hop_s[hop]
+            free_at[hop] = t + hop_s[hop]
+            if served is not None:
+                served[hop] = (t, free_at[hop])
+            t = free_at[hop]
             t += latency[hop]
         return t
 
-    def carry(self, frame: Frame):
-        """The process of one frame: every leg in turn, the last bringing its sampled tokens back to stage 0."""
+    def carry(self, frame: Frame, served: list | None = None):
+        """The process of one frame: every leg in turn, the last bringing its sampled tokens back to stage 0.
+        `served`: see `_enter` (a shared host serves a frame from its node's turn to the end of its work)."""
         costs, env = self.frame_costs(frame), self.env
         t = env.now
         for leg in self._legs:
-            t = self._enter(leg, costs, t)
+            t = self._enter(leg, costs, t, served)
             if leg.shared is not None:
                 yield env.timeout(t - env.now)
                 host, turn = self._sharing[leg.shared]
                 with turn.request() as mine:
                     yield mine
+                    start = env.now
                     yield host.compute(costs.hop_s[leg.shared])
+                    if served is not None:
+                        served[leg.shared] = (start, env.now)
                 t = env.now
         yield env.timeout(t - env.now)
 
     def _launch(self, frame: Frame, land: Callable[[Frame], None]) -> None:
         """Send a frame round the ring; `land(frame)` once its sampled tokens are back at stage 0."""
-        if self._sharing:
+        if self.timings is not None:
+            self.env.process(self._fly_traced(frame, land))
+        elif self._sharing:
             self.env.process(self._fly(frame, land))
         else:  # a single leg: the frame takes all its hops now and needs no process, only its landing's timeout
             t = self._enter(self._legs[0], self.frame_costs(frame), self.env.now)
@@ -371,6 +382,16 @@ class PipelineModel:
 
     def _fly(self, frame: Frame, land: Callable[[Frame], None]):
         yield from self.carry(frame)
+        land(frame)
+
+    def _fly_traced(self, frame: Frame, land: Callable[[Frame], None]):
+        """`_fly`, keeping the frame's timing: a stage takes a frame in as it starts computing it (a node reads its
+        input when it is free: the wait is the link's, as in a run's trace)."""
+        sent, served = self.env.now, [None] * len(self._latency)
+        yield from self.carry(frame, served)
+        stages = tuple(StageTiming(served[hop][0], *served[hop]) for hop in self._stage_hops)
+        self.timings.append(FrameTiming(frame.seq, frame.group, len(frame.rows), frame.padded_rows, sent, stages,
+                                        self.env.now))
         land(frame)
 
     def run_phase(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder) -> dict[str, float]:

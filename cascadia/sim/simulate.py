@@ -14,14 +14,17 @@ from cascadia.sim.calibration import Calibration
 from cascadia.sim.model import PipelineModel
 from cascadia.spec.types import Spec
 from cascadia.tokenizer import workload_prompts
+from cascadia.trace import FrameTiming
 from cascadia.workload import prompt_length_notes
 
 
-def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None) -> dict:
+def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None,
+             timings: list[FrameTiming] | None = None) -> dict:
     """Simulate every concurrency level of `spec.workload` (warm-up and measured phase) on `plan`.
 
     `plan` defaults to the planner's; `groups` (pipeline groups) to one per stage. Prompts come from the workload's
-    prompts file (text encoded by the checkpoint's tokenizer), or are seeded random ones without one.
+    prompts file (text encoded by the checkpoint's tokenizer), or are seeded random ones without one. `timings`: a
+    list that takes every frame's way round the pipeline, for a trace.
     """
     if plan is None:
         from cascadia.graph.planner import plan as make_plan
@@ -31,6 +34,7 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     notes = [*calibration.check_model(spec), *(prompt_length_notes(prompts, spec.workload, spec.runtime)
                                                if prompts else [])]
     model = PipelineModel(spec, plan, calibration)
+    model.timings = timings
     policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
     served = serve_workload(spec, spec.workload, prompts, lambda level, phase, recorder: model.run_phase(
         policy, level.arrivals(phase), len(phase.requests), recorder), Served())
