@@ -8,9 +8,12 @@ in turn, ROUNDS times. Reported per stage, medians over the rounds, from the mom
   back          the node started in its place is READY (the status clears)
   first token   the first token after that: the replay (every stream prefilled again) is done
   slower by     the run's wall time against the same requests without a loss
-Every stream's tokens are checked against the run without a loss. Not a test: it prints times.
+Every stream's tokens are checked against the run without a loss. Not a test: it prints times. With a calibration
+(`cascadia calibrate`: it times each node's restart), the simulator's prediction of the same loss beside them: the
+same requests through `PipelineModel`, the node lost when each stream has made KILL_AFTER tokens there, found after
+the measured detection time.
 
-    python bench/failover.py [SPEC] [--freeze] [--rounds 3]
+    python bench/failover.py [SPEC] [--freeze] [--rounds 3] [--calibration cal.json]
 """
 
 from __future__ import annotations
@@ -25,15 +28,26 @@ from pathlib import Path
 
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.service import PipelineService
-from cascadia.policy import Finished, Request, Token
+from cascadia.metrics import Recorder
+from cascadia.policy import Finished, Policy, Request, Token
+from cascadia.sim.calibration import Calibration
+from cascadia.sim.loss import Loss, recovery
+from cascadia.sim.model import PipelineModel
 from cascadia.spec.load import load_spec
 from cascadia.table import format_rows
+from cascadia.workload import ClosedLoop
 
 STREAMS = 8
 PROMPT_TOKENS = 8
 OUTPUT_TOKENS = 40
 KILL_AFTER = 10  # tokens every stream has made before the loss
 POLL_S = 0.0005  # how often the status is read while recovering
+KEYS = ("detected", "back", "first token")
+
+
+def requests(first_id: int) -> list[Request]:
+    return [Request(first_id + i, tuple(1 + (i * 7 + j) % 50 for j in range(PROMPT_TOKENS)), OUTPUT_TOKENS)
+            for i in range(STREAMS)]
 
 
 class Streams:
@@ -44,9 +58,8 @@ class Streams:
         self.times: list[float] = []
         self.finished = threading.Event()
         self._open = STREAMS
-        for i in range(STREAMS):
-            prompt = tuple(1 + (i * 7 + j) % 50 for j in range(PROMPT_TOKENS))
-            service.submit(Request(first_id + i, prompt, OUTPUT_TOKENS), self._on_event)
+        for request in requests(first_id):
+            service.submit(request, self._on_event)
 
     def _on_event(self, event, t: float) -> None:
         if isinstance(event, Token):
@@ -98,14 +111,34 @@ def one_loss(service: PipelineService, node: str, how: signal.Signals, first_id:
             for key, value in moments.items()}
 
 
+def simulated(spec, plan, calibration: Calibration, loss: Loss | None, detect_s: float = 0.0):
+    """The bench's requests through the simulator, all at once, with `loss` or without: (records, the loss's)."""
+    model = PipelineModel(spec, plan, calibration)
+    recorder = Recorder(STREAMS, "measured")
+    how = (loss, recovery(loss, spec, plan.stages, calibration, detect_s)) if loss else None
+    model.run_phase(Policy.for_runtime(spec.runtime, len(plan.stages)), ClosedLoop(requests(0), STREAMS), STREAMS,
+                    recorder, how)
+    return recorder.records, model.losses
+
+
+def predicted_loss(spec, plan, calibration: Calibration, node: str, detect_s: float) -> dict[str, float]:
+    """The simulator's figures for losing `node` once every stream has made KILL_AFTER tokens."""
+    clean, _ = simulated(spec, plan, calibration, None)
+    at_s = max(record.token_times[KILL_AFTER - 1] for record in clean) - clean[0].t_arrival
+    _, [loss] = simulated(spec, plan, calibration, Loss(node, at_s), detect_s)
+    return {"detected": loss["detected_s"], "back": loss["back_s"], "first token": loss["first_token_s"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec", nargs="?", default=str(Path(__file__).parent.parent / "specs" / "tiny-local.yaml"))
     parser.add_argument("--freeze", action="store_true", help="SIGSTOP the node instead of killing it")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calibration", help="a calibration of this spec, for the simulator's prediction")
     args = parser.parse_args()
     spec = load_spec(args.spec)
     plan = make_plan(spec)
+    calibration = Calibration.load(args.calibration) if args.calibration else None
     service = PipelineService(spec, plan)
     try:
         while not service.status().ready:
@@ -116,7 +149,7 @@ def main() -> None:
         clean.finished.wait()
         reference, clean_wall = clean.outputs(), clean.times[-1] - clean.times[0]
         how = signal.SIGSTOP if args.freeze else signal.SIGKILL
-        rows = [("node", "detected ms", "back ms", "first token ms", "slower by", "tokens")]
+        rows = [("node", "", "detected ms", "back ms", "first token ms", "slower by", "tokens")]
         next_id = STREAMS
         for stage in plan.stages:
             losses = []
@@ -124,14 +157,19 @@ def main() -> None:
                 losses.append(one_loss(service, stage.node, how, next_id))
                 next_id += STREAMS
             same = all(loss["outputs"] == reference for loss in losses)
-            rows.append((stage.node, *(f"{statistics.median(loss[key] for loss in losses) * 1e3:.0f}"
-                                       for key in ("detected", "back", "first token")),
+            measured = {key: statistics.median(loss[key] for loss in losses) for key in KEYS}
+            rows.append((stage.node, "measured", *(f"{measured[key] * 1e3:.0f}" for key in KEYS),
                          f"{statistics.median(loss['wall'] for loss in losses) / clean_wall:.2f}x",
                          "identical" if same else "DIFFERENT"))
+            if calibration is not None:
+                predicted = predicted_loss(spec, plan, calibration, stage.node, measured["detected"])
+                rows.append(("", "predicted", "", *(f"{predicted[key] * 1e3:.0f} "
+                                                    f"({predicted[key] / measured[key] - 1:+.0%})"
+                                                    for key in KEYS[1:]), "", ""))
         print(f"{spec.model.name}: {len(plan.stages)} local nodes, {STREAMS} streams of {PROMPT_TOKENS} + "
               f"{OUTPUT_TOKENS} tokens, {'SIGSTOP' if args.freeze else 'SIGKILL'} after {KILL_AFTER} tokens each, "
               f"median of {args.rounds}")
-        print(format_rows(rows))
+        print(format_rows(rows, left={1}))
     finally:
         service.close()
 

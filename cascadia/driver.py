@@ -89,6 +89,11 @@ class PhaseDriver:
         """A frame's sampled tokens ({request id: token}) came back at `now`; returns the frames to launch."""
         return self._submit(self._observe(self._policy.complete_frame(frame, sampled), now), now)
 
+    def replay(self, now: float) -> list[Frame]:
+        """The nodes lost every stream's state at `now`: the policy rebuilds them (`Policy.replay`); returns the
+        frames to launch."""
+        return self._submit(self._observe(self._policy.replay(), now), now)
+
     def _observe(self, events: list[Event], now: float) -> list[Request]:
         """Record events; the requests sent because requests are done (closed loop)."""
         self._recorder.observe(events, now)

@@ -146,6 +146,7 @@ def test_calibrate_writes_a_measured_calibration_with_every_table_the_plan_needs
         node = calibration.nodes[stage.node]
         assert set(node.tables) == set(stage_kinds(stage, spec.model.config))
         assert node.stream_s >= 0 and node.frame_s >= 0 and node.row_s >= 0
+        assert 0 < node.restart_s < 60  # started again and back within the node timeout
     assert set(calibration.links) == {("node0", "node1"), ("node1", "node2"), ("node2", "node0")}
     assert all(link.latency > 0 and link.bandwidth > 0 for link in calibration.links.values())
     speedup = calibration.hosts["localhost"]  # three nodes share this machine
@@ -153,7 +154,7 @@ def test_calibrate_writes_a_measured_calibration_with_every_table_the_plan_needs
     raw = json.loads(path.read_text())
     assert raw["grid_bounds"]["global"] == {"rows": [1, 24], "context": [1, 64]}
     assert output.splitlines()[0].split() == ["node", "sliding", "global", "moe", "dense", "embedding", "head",
-                                              "per", "stream", "per", "frame", "per", "row"]
+                                              "per", "stream", "per", "frame", "per", "row", "restart", "s"]
     assert output.splitlines()[-1] == f"wrote {path}"
 
 
@@ -169,6 +170,17 @@ def test_simulate_takes_the_measured_calibration(calibration_file, tmp_path):
     assert all(level["decode_tokens_per_s"] > 0 for level in predicted["levels"])
 
 
+def test_a_simulated_loss_takes_the_measured_restart(calibration_file, tmp_path):
+    path, _ = calibration_file
+    out = tmp_path / "predicted.json"
+    result = CliRunner().invoke(cli, ["simulate", str(SPEC), "--calibration", str(path), "--concurrency", "1",
+                                      "--fail", "node1@0.01", "--detect", "0.1", "--json", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    [loss] = json.loads(out.read_text())["losses"]
+    assert loss["back_s"] == pytest.approx(0.1 + Calibration.load(path).nodes["node1"].restart_s)
+
+
 def test_format_calibration():
     from sim_specs import calibration, tiny_spec
 
@@ -177,8 +189,8 @@ def test_format_calibration():
                        hosts={"box": (1.0, 1.5)})
     lines = format_calibration(cal).splitlines()
     assert lines[0].split() == ["node", "sliding", "global", "moe", "dense", "embedding", "head", "per", "stream",
-                                "per", "frame", "per", "row"]
-    assert lines[1].split() == ["n0", *["1.000-4.000"] * 6, "0.200", "1.000", "0.000"]
+                                "per", "frame", "per", "row", "restart", "s"]
+    assert lines[1].split() == ["n0", *["1.000-4.000"] * 6, "0.200", "1.000", "0.000", "-"]
     assert lines[4] == "link n0 -> n1: latency 100 us, bandwidth 800 Mbit/s"
     assert lines[-1] == "host box: speedup 1.00, 1.50 with 1, 2, ... nodes computing at once"
 

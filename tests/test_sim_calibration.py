@@ -73,6 +73,7 @@ def test_save_and_load_round_trip(tmp_path):
     cal = attrs.evolve(calibration(spec, lambda kind, r, x: 1e-3 * r + 1e-6 * x, frame_s=1e-4, row_s=1e-6,
                                    stream_s=1e-5),
                        routing=((1, 8), (2.0, 7.5)), hosts={"box": (1.0, 1.5, 1.25)})
+    cal = attrs.evolve(cal, nodes={**cal.nodes, "n1": attrs.evolve(cal.nodes["n1"], restart_s=1.5)})
     path = tmp_path / "cal.json"
     cal.save(path)
     loaded = Calibration.load(path)
@@ -151,6 +152,7 @@ TABLES = "nodes.n0.tables"
     (f"{TABLES}.dense.context", [1], f"{TABLES}.dense: a dense table has only 'rows' and 'time_s'"),
     ("nodes.n1.row_s", -1e-6, "nodes.n1.row_s: a time cannot be negative"),
     ("nodes.n1.stream_s", "1ms", "nodes.n1.stream_s: expected a finite number"),
+    ("nodes.n1.restart_s", -2, "nodes.n1.restart_s: a time cannot be negative"),
     ("links.0.bandwidth_Bps", 0, r"links\[0\].bandwidth_Bps: must be positive"),
     ("links.1.to", DELETE, r"links\[1\]: missing 'to'"),
     ("links", 5, "links: expected a list"),

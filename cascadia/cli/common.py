@@ -51,6 +51,26 @@ class IntList(click.ParamType):
         return numbers
 
 
+class NodeAtSeconds(click.ParamType):
+    """NODE@SECONDS, e.g. "pc3@20": a node and a moment."""
+
+    name = "node@seconds"
+
+    def convert(self, value, param, ctx):
+        from cascadia.sim.loss import Loss
+
+        if isinstance(value, Loss):
+            return value
+        node, at, seconds = value.rpartition("@")[0], "@" in value, value.rpartition("@")[2]
+        try:
+            moment = float(seconds)
+        except ValueError:
+            moment = -1.0
+        if not at or not node or not moment >= 0:
+            self.fail(f"{value!r} is not NODE@SECONDS (a node's name and a time, e.g. pc3@20)", param, ctx)
+        return Loss(node, moment)
+
+
 class TcpAddress(click.ParamType):
     """A ZeroMQ address, tcp://HOST:PORT (HOST may be * in an address `to_bind`): checked at once, not when the
     socket is first used."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import (WORKLOAD_CHOICES, IntList, OutputPath, chosen_plan, emulate_links_option, report_to,
-                                 workload_options, workload_overrides, write_trace, writing)
+from cascadia.cli.common import (WORKLOAD_CHOICES, IntList, NodeAtSeconds, OutputPath, chosen_plan,
+                                 emulate_links_option, report_to, workload_options, workload_overrides, write_trace,
+                                 writing)
+from cascadia.sim.loss import DETECT_S
 from cascadia.spec.load import load_spec
 
 
@@ -20,9 +22,14 @@ from cascadia.spec.load import load_spec
 @click.option("--plot", "plot_path", type=OutputPath(), help="write a throughput/latency plot (PNG)")
 @click.option("--trace", "trace_path", type=OutputPath(),
               help="write the simulated timeline here (Chrome trace JSON, for Perfetto or chrome://tracing)")
+@click.option("--fail", "loss", type=NodeAtSeconds(),
+              help="lose this node this many seconds into each level's measured phase, and recover as `serve` does")
+@click.option("--detect", "detect_s", type=click.FloatRange(min=0),
+              help=f"with --fail: seconds until the loss is known [default: {DETECT_S:g}, serve's --stall-timeout; "
+                   "a local node's exit is seen within 0.1]")
 def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None, checkpoint: str | None,
              choices: dict, groups: int | None, json_path: str | None, plot_path: str | None,
-             trace_path: str | None) -> None:
+             trace_path: str | None, loss, detect_s: float) -> None:
     """Predict throughput and latency of the plan at each level (closed-loop concurrency or open-loop arrival rate)
     with the calibrated simulator. It reads no weights: a checkpoint matters only for the tokenizer of text
     prompts."""
@@ -34,11 +41,14 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     from cascadia.metrics import format_table
     from cascadia.sim.analytic import analytic_calibration
     from cascadia.sim.calibration import Calibration
+    from cascadia.sim.loss import format_losses
     from cascadia.sim.simulate import plot
     from cascadia.sim.simulate import simulate as run_simulation
 
     if analytic and calibration_path:
         raise click.UsageError("give --calibration or --analytic, not both")
+    if detect_s is not None and loss is None:
+        raise click.UsageError("--detect is the detection time of a loss: give --fail NODE@SECONDS with it")
     report = report_to(json_path, plot_path, trace_path)
     loaded = load_spec(spec)
     model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
@@ -47,10 +57,13 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     chosen = chosen_plan(loaded, plan_path)  # first: it refuses a runtime no node can hold, before any table is built
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
     timings = [] if trace_path else None
-    result = run_simulation(loaded, calibration, chosen, groups=groups, timings=timings)
+    result = run_simulation(loaded, calibration, chosen, groups=groups, timings=timings, loss=loss,
+                            detect_s=DETECT_S if detect_s is None else detect_s)
     report(format_table(result))
     if calibration.is_analytic:
         report("(analytic estimate)")
+    if result.get("losses"):
+        report(f"\n{format_losses(result['losses'])}")
     for warning in result["warnings"]:
         click.echo(f"warning: {warning}", err=True)
     if json_path:

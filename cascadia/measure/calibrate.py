@@ -50,13 +50,14 @@ def calibrate(spec: Spec, plan: Plan, checkpoint: Path | None = None, rounds: in
 def format_calibration(calibration: Calibration) -> str:
     """Each node's times in ms (a kind's range over its grid: one layer), its overheads, the links and hosts."""
     kinds = [kind for kind in KIND_AXES if any(kind in node.tables for node in calibration.nodes.values())]
-    rows = [("node", *kinds, "per stream", "per frame", "per row")]
+    rows = [("node", *kinds, "per stream", "per frame", "per row", "restart s")]
     for name, node in calibration.nodes.items():
         ranges = []
         for kind in kinds:
             times = [t for line in node.tables[kind].time_s for t in line] if kind in node.tables else []
             ranges.append(f"{min(times) * 1e3:.3f}-{max(times) * 1e3:.3f}" if times else "-")
-        rows.append((name, *ranges, *(f"{t * 1e3:.3f}" for t in (node.stream_s, node.frame_s, node.row_s))))
+        rows.append((name, *ranges, *(f"{t * 1e3:.3f}" for t in (node.stream_s, node.frame_s, node.row_s)),
+                     "-" if node.restart_s is None else f"{node.restart_s:.2f}"))
     return "\n".join([
         format_rows(rows, left={0}),
         *(f"link {a} -> {b}: {describe_link(link)}" for (a, b), link in calibration.links.items()),

@@ -3,7 +3,8 @@ overheads, and how fast a shared host's nodes compute together (the fits: `casca
 
 The pipeline (`Pipeline.start`) serves passes that interleave two kinds of traffic (a figure is the median over the
 passes): frames alone in the pipeline, of decode rows (one stream each) and of prompt windows (one stream), of
-1 ... the largest bucket rows; and bursts of one-row streams all in flight (`burst_streams`).
+1 ... the largest bucket rows; and bursts of one-row streams all in flight (`burst_streams`). Then each node is
+started again, as `cascadia serve` does after its loss, and timed until it is ready (for `simulate --fail`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.coordinator import wire_frame
-from cascadia.pipeline.run import Pipeline, describe
+from cascadia.pipeline.run import NODE_TIMEOUT_S, Pipeline, describe
 from cascadia.policy import DECODE, Frame, Row, padded_size
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.fit import AloneFrames, burst_streams, fit_overheads, shared_speedup
@@ -54,9 +55,21 @@ def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibrati
                 passes.append(probe.saturate(n, min(BURST_STEPS, runtime.context_budget)))
             progress(f"pipeline: pass {sweep + 1}/{PASSES}: {len(alone)} frame shapes alone, bursts of "
                      f"{', '.join(map(str, streams))} streams at once")
+        restarts = {stage.node: restart_time(pipeline, stage.node, progress) for stage in plan.stages}
     calibration = fit_overheads(spec, plan, layers, [AloneFrames.median(passes) for passes in zip(*frames)],
                                 progress)
+    calibration = attrs.evolve(calibration, nodes={name: attrs.evolve(node, restart_s=restarts[name])
+                                                   for name, node in calibration.nodes.items()})
     return attrs.evolve(calibration, hosts=shared_speedup(spec, plan, calibration, bursts, progress))
+
+
+def restart_time(pipeline: Pipeline, node: str, progress: Progress) -> float:
+    """Seconds from killing `node` and starting it again until the pipeline has it back (READY, clock placed)."""
+    started = time.monotonic()
+    pipeline.replace(node, NODE_TIMEOUT_S)
+    seconds = time.monotonic() - started
+    progress(f"{node}: started again, back after {seconds:.2f} s")
+    return seconds
 
 
 class PipelineProbe:

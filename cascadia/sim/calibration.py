@@ -9,6 +9,7 @@ from the spec's hardware figures (kind "analytic", see `analytic.py`):
      "grid_bounds": {...},                        # written for readers, ignored when loading
      "nodes": {NAME: {"frame_s": S, "row_s": S,   # host overheads per frame and per row (scheduling, serialisation)
                       "stream_s": S,              # host time per stream in a frame (per-stream attention and state)
+                      "restart_s": S,             # optional: a node started in its place until it is ready
                       "tables": {KIND: TABLE}}},
      "links": [{"from": A, "to": B, "latency_s": S, "bandwidth_Bps": B}],
      "hosts": {HOST: {"speedup": [S1, S2, ...]}}, # optional: nodes sharing HOST (default: one core, S = [1])
@@ -101,6 +102,7 @@ class NodeCalibration:
     frame_s: float = 0.0  # host overhead per frame through the node
     row_s: float = 0.0  # host overhead per row of a frame
     stream_s: float = 0.0  # host time per stream (distinct request) among a frame's rows, beyond the tables
+    restart_s: float | None = None  # a node started in the lost one's place, until it is ready; None: not known
 
 
 @attrs.frozen
@@ -180,6 +182,7 @@ class Calibration:
             "meta": attrs.asdict(self.meta),
             "grid_bounds": self.grid_bounds(),
             "nodes": {name: {"frame_s": node.frame_s, "row_s": node.row_s, "stream_s": node.stream_s,
+                             **({} if node.restart_s is None else {"restart_s": node.restart_s}),
                              "tables": {kind: _table_dict(kind, t) for kind, t in node.tables.items()}}
                       for name, node in self.nodes.items()},
             "links": [{"from": a, "to": b, "latency_s": link.latency, "bandwidth_Bps": link.bandwidth}
@@ -234,8 +237,9 @@ class Calibration:
             tables = {}
             for kind, t in r.mapping(r.get(node, "tables", at), f"{at}.tables").items():
                 tables[LayerKind(kind)] = r.table(kind, t, f"{at}.tables.{kind}")  # checks the kind first
+            restart_s = None if node.get("restart_s") is None else r.seconds(node["restart_s"], f"{at}.restart_s")
             nodes[name] = NodeCalibration(tables, *(r.seconds(node.get(key, 0.0), f"{at}.{key}")
-                                                    for key in ("frame_s", "row_s", "stream_s")))
+                                                    for key in ("frame_s", "row_s", "stream_s")), restart_s)
         if not nodes:
             r.fail("nodes", "no nodes")
         links = {}

@@ -32,6 +32,7 @@ from cascadia.model_config import InklingConfig, LayerKind
 from cascadia.policy import Frame, Policy
 from cascadia.sim.calibration import (KIND_AXES, Calibration, CalibrationError, Extrapolations, NodeCalibration,
                                       interpolate)
+from cascadia.sim.loss import Loss, Recovery
 from cascadia.spec.types import LinkSpec, Spec
 from cascadia.trace import FrameTiming, StageTiming
 from cascadia.wire_format import frame_bytes, tokens_bytes
@@ -272,6 +273,8 @@ class PipelineModel:
         self._by_shape: dict[tuple, FrameCosts] = {}  # by FrameShape.figures
         self.busy = dict.fromkeys(self._names, 0.0)
         self.timings: list[FrameTiming] | None = None  # a list: each frame's way round the ring is kept in it
+        self._flying: dict[int, list] = {}  # while a loss may come: frames in flight, by seq, as served so far
+        self.losses: list[dict] = []  # each simulated loss: when it was seen, when the stage was back, ...
 
     def _split_into_legs(self) -> list[Leg]:
         """The ring's hops, cut after each one on a shared host."""
@@ -370,10 +373,11 @@ class PipelineModel:
                 t = env.now
         yield env.timeout(t - env.now)
 
-    def _launch(self, frame: Frame, land: Callable[[Frame], None]) -> None:
-        """Send a frame round the ring; `land(frame)` once its sampled tokens are back at stage 0."""
-        if self.timings is not None:
-            self.env.process(self._fly_traced(frame, land))
+    def _launch(self, frame: Frame, land: Callable[[Frame], None], served: bool = False) -> None:
+        """Send a frame round the ring; `land(frame)` once its sampled tokens are back at stage 0. `served`: keep
+        where it is while in flight (`_flying`)."""
+        if self.timings is not None or served:
+            self.env.process(self._fly_served(frame, land))
         elif self._sharing:
             self.env.process(self._fly(frame, land))
         else:  # a single leg: the frame takes all its hops now and needs no process, only its landing's timeout
@@ -384,32 +388,66 @@ class PipelineModel:
         yield from self.carry(frame)
         land(frame)
 
-    def _fly_traced(self, frame: Frame, land: Callable[[Frame], None]):
-        """`_fly`, keeping the frame's timing: a stage takes a frame in as it starts computing it (a node reads its
-        input when it is free: the wait is the link's, as in a run's trace)."""
+    def _fly_served(self, frame: Frame, land: Callable[[Frame], None]):
+        """`_fly`, keeping when each hop served the frame, and its timing for a trace: a stage takes a frame in as
+        it starts computing it (a node reads its input when it is free: the wait is the link's, as in a run's)."""
         sent, served = self.env.now, [None] * len(self._latency)
+        self._flying[frame.seq] = served
         yield from self.carry(frame, served)
-        stages = tuple(StageTiming(served[hop][0], *served[hop]) for hop in self._stage_hops)
-        self.timings.append(FrameTiming(frame.seq, frame.group, len(frame.rows), frame.padded_rows, sent, stages,
-                                        self.env.now))
+        del self._flying[frame.seq]
+        if self.timings is not None:
+            stages = tuple(StageTiming(served[hop][0], *served[hop]) for hop in self._stage_hops)
+            self.timings.append(FrameTiming(frame.seq, frame.group, len(frame.rows), frame.padded_rows, sent, stages,
+                                            self.env.now))
         land(frame)
 
-    def run_phase(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder) -> dict[str, float]:
-        """Serve a phase of `requests` requests sent as `arrivals` says; returns each node's busy seconds in it."""
+    def run_phase(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder,
+                  loss: tuple[Loss, Recovery] | None = None) -> dict[str, float]:
+        """Serve a phase of `requests` requests sent as `arrivals` says; returns each node's busy seconds in it.
+        With `loss`, its node is lost that long into the phase and recovers as `Recovery` says (`losses`)."""
         env = self.env
         driver = PhaseDriver(policy, arrivals, requests, recorder)
         busy_before = dict(self.busy)
         drained = env.event()
+        lost: set[int] = set()  # frames that never come back: their tokens are made again after the replay
+        down = False
+        recovering: tuple[dict, float] | None = None  # the loss's record and moment, until a token after the replay
 
         def launch(frames: list[Frame]) -> None:
             for frame in frames:
-                self._launch(frame, land)
+                if down:  # sent into the lost node, or kept back while its stage is down
+                    lost.add(frame.seq)
+                else:
+                    self._launch(frame, land, served=loss is not None)
 
         def land(frame: Frame) -> None:
+            nonlocal recovering
+            if frame.seq in lost:
+                lost.discard(frame.seq)
+                return
             sampled = dict.fromkeys(frame.sampled_ids, PLACEHOLDER_TOKEN)
+            if recovering is not None and sampled:
+                recovering[0]["first_token_s"] = env.now - recovering[1]
+                recovering = None
             launch(driver.complete(frame, sampled, env.now))
             if driver.done and not drained.triggered:
                 drained.succeed()
+
+        def lose(node: str, at_s: float, how: Recovery):
+            nonlocal down, recovering
+            yield env.timeout(at_s)
+            if drained.triggered:  # the phase was over first
+                return
+            t, down, hop = env.now, True, self._stage_hops[how.stage]
+            lost.update(seq for seq, served in self._flying.items() if served[hop] is None or served[hop][1] > t)
+            yield env.timeout(how.detect_s + how.restart_s)
+            self._free_at = [min(free, env.now) for free in self._free_at]  # the lost frames hold no hop
+            down = False
+            record = {"node": node, "at_s": at_s, "detected_s": how.detect_s, "back_s": how.detect_s + how.restart_s,
+                      "first_token_s": None}
+            self.losses.append(record)
+            recovering = record, t
+            launch(driver.replay(env.now))
 
         def arrive():  # open loop: requests come at their own times
             while (due := driver.next_arrival) is not None:
@@ -419,6 +457,8 @@ class PipelineModel:
                 drained.succeed()
 
         launch(driver.start(env.now))
+        if loss is not None:
+            env.process(lose(loss[0].node, loss[0].at_s, loss[1]))
         if driver.next_arrival is not None:
             env.process(arrive())
         if not driver.done:  # else every request was rejected at once

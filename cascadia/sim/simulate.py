@@ -11,20 +11,22 @@ from cascadia.errors import CascadiaError
 from cascadia.graph.plan import Plan
 from cascadia.policy import Policy
 from cascadia.sim.calibration import Calibration
+from cascadia.sim.loss import DETECT_S, Loss, recovery
 from cascadia.sim.model import PipelineModel
 from cascadia.spec.types import Spec
 from cascadia.tokenizer import workload_prompts
 from cascadia.trace import FrameTiming
-from cascadia.workload import prompt_length_notes
+from cascadia.workload import MEASURED, prompt_length_notes
 
 
 def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None,
-             timings: list[FrameTiming] | None = None) -> dict:
+             timings: list[FrameTiming] | None = None, loss: Loss | None = None, detect_s: float = DETECT_S) -> dict:
     """Simulate every concurrency level of `spec.workload` (warm-up and measured phase) on `plan`.
 
     `plan` defaults to the planner's; `groups` (pipeline groups) to one per stage. Prompts come from the workload's
     prompts file (text encoded by the checkpoint's tokenizer), or are seeded random ones without one. `timings`: a
-    list that takes every frame's way round the pipeline, for a trace.
+    list that takes every frame's way round the pipeline, for a trace. `loss`: a node lost in each level's measured
+    phase, found `detect_s` later (`cascadia.sim.loss`); the result then says, per level, what it cost ("losses").
     """
     if plan is None:
         from cascadia.graph.planner import plan as make_plan
@@ -35,11 +37,25 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
                                                if prompts else [])]
     model = PipelineModel(spec, plan, calibration)
     model.timings = timings
+    how = recovery(loss, spec, plan.stages, calibration, detect_s) if loss else None
     policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
-    served = serve_workload(spec, spec.workload, prompts, lambda level, phase, recorder: model.run_phase(
-        policy, level.arrivals(phase), len(phase.requests), recorder), Served())
-    return metrics.result("simulate", spec, served.levels, served.records, calibration=calibration.describe(),
-                          plan=plan.to_dict(), warnings=notes + model.notes + model.extrapolations.notes)
+
+    def run_phase(level, phase, recorder):
+        if loss is None or phase.name != MEASURED:
+            return model.run_phase(policy, level.arrivals(phase), len(phase.requests), recorder)
+        start, before = model.env.now, len(model.losses)
+        busy = model.run_phase(policy, level.arrivals(phase), len(phase.requests), recorder, (loss, how))
+        if len(model.losses) == before:
+            notes.append(f"{level.describe}: the measured phase was over after {model.env.now - start:.3g} s, "
+                         f"before {loss.node} was lost at {loss.at_s:g} s")
+        for record in model.losses[before:]:
+            record.update(concurrency=level.concurrency, rate=level.rate)
+        return busy
+
+    served = serve_workload(spec, spec.workload, prompts, run_phase, Served())
+    result = metrics.result("simulate", spec, served.levels, served.records, calibration=calibration.describe(),
+                            plan=plan.to_dict(), warnings=notes + model.notes + model.extrapolations.notes)
+    return result | ({"losses": model.losses} if loss else {})
 
 
 def plot(result: dict, out: str | Path | BinaryIO) -> None:

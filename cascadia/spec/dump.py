@@ -32,7 +32,8 @@ def _dump_node(node: NodeSpec) -> dict[str, Any]:
     values = {
         "name": node.name, "address": node.address, "device": node.device, "memory": format_bytes(node.memory_bytes),
         "memory_bandwidth": node.memory_bandwidth and format_rate(node.memory_bandwidth),
-        "compute": node.compute_flops and format_flops(node.compute_flops), "host": node.host,
+        "compute": node.compute_flops and format_flops(node.compute_flops),
+        "disk_bandwidth": node.disk_bandwidth and format_rate(node.disk_bandwidth), "host": node.host,
         "threads": node.threads, "reserve": None if node.reserve_bytes is None else format_bytes(node.reserve_bytes),
         "layers": node.layers, "cpus": None if node.cpus is None else list(node.cpus),
     }

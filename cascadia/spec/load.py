@@ -408,6 +408,7 @@ def _nodes(ctx: _Context, entry: Node, path: str, cluster_reserve: int | None) -
         "memory_bytes": fields.take("memory", _positive(parse_bytes), required=True),
         "memory_bandwidth": fields.take("memory_bandwidth", _positive(parse_rate)),
         "compute_flops": fields.take("compute", _positive(parse_flops)),
+        "disk_bandwidth": fields.take("disk_bandwidth", _positive(parse_rate)),
         "host": fields.take("host", _text),
         "threads": fields.take("threads", _positive_int),
         "reserve_bytes": fields.take("reserve", parse_bytes),

@@ -96,6 +96,7 @@ class NodeSpec:
     memory_bytes: int = 0  # usable memory for weights, state and reserve
     memory_bandwidth: float | None = None  # bytes/s, for analytic estimates
     compute_flops: float | None = None  # FLOP/s at the compute precision, for analytic estimates
+    disk_bandwidth: float | None = None  # bytes/s its checkpoint is read at, for a simulated restart (`--fail`)
     host: str | None = None  # nodes naming the same host share its cores and memory bandwidth
     threads: int | None = None  # inference threads; None = let OpenVINO decide
     reserve_bytes: int | None = None  # overrides the cluster's runtime reserve
