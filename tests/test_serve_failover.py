@@ -1,6 +1,7 @@
 """`cascadia serve` losing a node: the chaos test (kill -9 a stage at a random moment under 24 streaming clients,
 greedy and sampled, each stage in turn; every request completes with the tokens of the single-process engine), a
-frozen node (SIGSTOP) caught by the stall timeout, and tcp nodes whose stage is down until a node comes back."""
+frozen node (SIGSTOP) caught by the stall timeout, tcp nodes whose stage is down until a node comes back, and a
+restarted server taking `--keep-serving` nodes back as they are."""
 
 from __future__ import annotations
 
@@ -141,24 +142,42 @@ def recovered(url: str) -> dict[str, int]:
     return failures
 
 
+class TcpNodes:
+    """The tiny spec's nodes at tcp addresses on 127.0.0.1, each a `cascadia node` process started here (as on its
+    own machine), for a server started with `options`."""
+
+    def __init__(self, tmp_path: Path, spec, checkpoint: Path, *node_options: str):
+        self.tmp_path, self.checkpoint, self.node_options = tmp_path, checkpoint, node_options
+        self.nodes = tuple(attrs.evolve(n, address=tcp_address("127.0.0.1", free_port())) for n in spec.cluster.nodes)
+        remote = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=self.nodes))
+        self.spec_path = write_spec(remote, tmp_path / "spec.yaml")
+        self.plan_path = make_plan(remote).save(tmp_path / "plan.json")
+        self.addresses = Addresses.local()
+        self.options = ("--plan", str(self.plan_path), "--control", self.addresses.control, "--tokens",
+                        self.addresses.tokens)
+        self.processes = [self.start(i) for i in range(len(self.nodes))]
+
+    def start(self, i: int) -> subprocess.Popen:
+        node = self.nodes[i]
+        last = ["--successor", self.addresses.tokens] if i == len(self.nodes) - 1 else []
+        with (self.tmp_path / f"node{i}.log").open("a") as log:
+            return subprocess.Popen([sys.executable, "-m", "cascadia", "node", "--spec", str(self.spec_path),
+                                     "--plan", str(self.plan_path), "--name", node.name, "--listen", node.address,
+                                     "--control", self.addresses.control, "--checkpoint", str(self.checkpoint),
+                                     "--parent-pid", str(os.getpid()), *last, *self.node_options],
+                                    stdout=log, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+
+
 def test_a_tcp_node_lost_for_good_takes_its_stage_down_until_a_node_comes_back(tmp_path, spec, checkpoint,
                                                                                expected):
-    nodes = tuple(attrs.evolve(n, address=tcp_address("127.0.0.1", free_port())) for n in spec.cluster.nodes)
-    remote = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=nodes))
-    spec_path, plan_path = write_spec(remote, tmp_path / "spec.yaml"), make_plan(remote).save(tmp_path / "plan.json")
-    addresses = Addresses.local()
-
-    def start(i: int) -> subprocess.Popen:
-        last = ["--successor", addresses.tokens] if i == len(nodes) - 1 else []
-        with (tmp_path / f"node{i}.log").open("a") as log:
-            return subprocess.Popen([sys.executable, "-m", "cascadia", "node", "--spec", str(spec_path), "--plan",
-                                     str(plan_path), "--name", nodes[i].name, "--listen", nodes[i].address,
-                                     "--control", addresses.control, "--checkpoint", str(checkpoint),
-                                     "--parent-pid", str(os.getpid()), *last], stdout=log, stderr=subprocess.STDOUT)
-
-    processes = [start(i) for i in range(len(nodes))]
-    served = Served(tmp_path, spec_path, checkpoint, "--plan", str(plan_path), "--control", addresses.control,
-                    "--tokens", addresses.tokens, "--replace-timeout", "2")
+    tcp = TcpNodes(tmp_path, spec, checkpoint)
+    processes, start = tcp.processes, tcp.start
+    served = Served(tmp_path, tcp.spec_path, checkpoint, *tcp.options, "--replace-timeout", "2")
     try:
         client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
         stream = client.completions.create(model="tiny", prompt=prompt(0), max_tokens=55, temperature=0,
@@ -182,6 +201,29 @@ def test_a_tcp_node_lost_for_good_takes_its_stage_down_until_a_node_comes_back(t
         assert reply.choices[0].text == expected[2]
     finally:
         assert served.stop() == 0
-        for process in processes:
-            process.kill()
-            process.wait()
+        tcp.kill()
+
+
+def test_a_restarted_server_takes_keep_serving_nodes_back_without_reloading(tmp_path, spec, checkpoint, expected):
+    tcp = TcpNodes(tmp_path, spec, checkpoint, "--keep-serving")
+    try:
+        first = Served(tmp_path, tcp.spec_path, checkpoint, *tcp.options)
+        client = openai.OpenAI(base_url=f"{first.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+        reply = client.completions.create(model="tiny", prompt=prompt(0), max_tokens=TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == expected[0]
+        first.process.kill()  # the server dies; its nodes are on other machines and keep their stages
+        first.process.wait()
+        second = Served(tmp_path, tcp.spec_path, checkpoint, *tcp.options)
+        try:
+            client = openai.OpenAI(base_url=f"{second.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+            reply = client.completions.create(model="tiny", prompt=prompt(2), max_tokens=TOKENS, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            assert reply.choices[0].text == expected[2]
+        finally:
+            assert second.stop() == 0
+        assert all(process.poll() is None for process in tcp.processes)  # the same processes: nothing reloaded
+        for i in range(len(tcp.nodes)):
+            assert (tmp_path / f"node{i}.log").read_text().count(": ready on ") == 2  # ready for each server
+    finally:
+        tcp.kill()
