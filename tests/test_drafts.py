@@ -1,13 +1,16 @@
 """Captured-state draft evaluation: accepted drafts on hand-made agreement, the reduced vocabulary, capturing the
-deployed path, draft heads built with the engine's quantisation."""
+deployed path, draft heads built with the engine's quantisation, and `cascadia draft-eval`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+from cascadia.cli import cli
 from cascadia.drafts import heads
 from cascadia.drafts.acceptance import agreeing_runs, expected_accepted, most_frequent_tokens
 from cascadia.drafts.capture import capture
@@ -22,6 +25,7 @@ from cascadia.spec.types import ClusterSpec, ModelSpec, NodeSpec, RuntimeSpec, S
 from cascadia.tensors import HEAD
 
 FIXTURES = Path(__file__).parent / "fixtures"
+TINY_SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
 
 
 # ---- accepted drafts ------------------------------------------------------------------------------------------------
@@ -150,3 +154,73 @@ def test_draft_eval_in_a_lower_precision_the_deployed_head_replays_the_deployed_
     assert deployed.agreement == 1.0 and deployed.format == "int8 per-row" and f32.precision == "f32"
     assert result.head(FULL, INT4).weight_bytes < deployed.weight_bytes < f32.weight_bytes / 3
     assert result.deployed["precision"] == deployed.precision and result.deployed["head_format"] == "int8 per-row"
+
+
+# ---- the command ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"ids": list(range(start, start + 9))}) + "\n" for start in (3, 40, 200)))
+    return path
+
+
+def draft_cli(checkpoint, *args):
+    return CliRunner().invoke(cli, ["draft-eval", str(TINY_SPEC), "--checkpoint", str(checkpoint), *args])
+
+
+def test_cli_draft_eval_prints_the_heads_and_the_view_and_writes_json(checkpoint, prompts_file, tmp_path):
+    out = tmp_path / "drafts.json"
+    result = draft_cli(checkpoint, "--prompts", str(prompts_file), "--vocab", "100", "--chain", "3",
+                       "--max-new-tokens", "6", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    body = json.loads(out.read_text())
+    assert body["positions"] == 18 and body["chain"] == 3 and body["reduced_vocabulary"]["seen"] == 27
+    assert [h["name"] for h in body["heads"]] == ["full f32", "full deployed", "full int4", "top 100 f32",
+                                                  "top 100 deployed", "top 100 int4"]
+    assert body["heads"][1]["expected_accepted"][0] == 1.0 and len(body["heads"][1]["expected_accepted"]) == 3
+    assert set(body["view"]["cells"]) == {"full", "reduced"} and set(body["view"]["cells"]["full"]) == {"f32", "int4"}
+    for line in ("head ", "full f32 ", "top 100 int4 ", "2x2 view: top-1 agreement / expected accepted drafts for a "
+                 "chain of 3", "effects: vocabulary selection (at f32) "):
+        assert line in result.stdout
+    assert "captured prompt 3/3: 9 + 6 tokens" in result.stderr
+    to_stdout = draft_cli(checkpoint, "--prompts", str(prompts_file), "--vocab", "100", "--chain", "3",
+                          "--max-new-tokens", "6", "--json", "-")
+    assert json.loads(to_stdout.stdout)["heads"] == body["heads"] and "2x2 view" in to_stdout.stderr
+
+
+@pytest.mark.parametrize("args, status, message", [
+    (["--prompts", "missing.jsonl", "--vocab", "8"], 2, "'missing.jsonl' does not exist"),
+    (["--vocab", "8"], 2, "give --prompts: "),
+    (["--prompts", "{prompts}", "--vocab", "0"], 2, "--vocab"),
+    (["--prompts", "{prompts}", "--vocab", "512"], 2, "512: a reduced vocabulary is smaller than the model's 512"),
+    (["--prompts", "{prompts}", "--vocab", "8", "--chain", "0"], 2, "--chain"),
+    (["--prompts", "{prompts}", "--vocab", "8", "--chain", "9", "--max-new-tokens", "8"], 2,
+     "9: a chain is at most the 8 tokens generated per prompt"),
+    (["--prompts", "{bad}", "--vocab", "8"], 1, "bad.jsonl:2: 'ids' must be a non-empty list"),
+])
+def test_cli_draft_eval_errors(checkpoint, prompts_file, tmp_path, args, status, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ids": [1, 2]}\n{"ids": []}\n')
+    args = [a.format(prompts=prompts_file, bad=bad) for a in args]
+    result = draft_cli(checkpoint, *args)
+    assert result.exit_code == status and message in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_cli_draft_eval_counts_a_corpus_for_the_reduced_vocabulary(checkpoint, prompts_file, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"ids": [9, 9, 9, 300, 300, 4]}) + "\n")
+    out = tmp_path / "drafts.json"
+    result = draft_cli(checkpoint, "--prompts", str(prompts_file), "--corpus", str(corpus), "--vocab", "2",
+                       "--chain", "2", "--max-new-tokens", "4", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["reduced_vocabulary"] | {"coverage": None} == {
+        "tokens": 2, "seen": 2, "from": str(corpus), "coverage": None}
+    assert f"the 2 tokens most frequent in {corpus} (2 of them occur there" in result.stdout
+
+
+def test_cli_draft_eval_refuses_a_checkpoint_of_another_model(prompts_file):
+    result = draft_cli(FIXTURES / "sharded", "--prompts", str(prompts_file), "--vocab", "8")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.startswith(f"Error: {FIXTURES / 'sharded'}: its config.json describes another model than "
+                                    f"{TINY_SPEC}'s: ")
