@@ -2,8 +2,9 @@
 
 A draft head proposes, at each position t of a sequence, the token the deployed path produced there. A chain of
 k drafts starting at t is accepted up to its first mismatch. While every earlier draft of the chain agreed, the
-stream's tokens, and so the hidden state at the next position, are exactly those captured; so the drafts a chain
-of k starting at t gets accepted are the consecutive agreeing positions from t on, capped at k:
+stream's tokens are exactly those captured, and so is the hidden state at the next position (to the rounding of a
+call of another row count); so the drafts a chain of k starting at t gets accepted are the consecutive agreeing
+positions from t on, capped at k:
 
     accepted_k(t) = min(k, run(t)),  run(t) = the number of positions t, t+1, ... that agree before the first
                                               that does not (0 when t itself does not)
