@@ -170,13 +170,20 @@ class StageEngine:
                              f"({self.context_budget})")
         return rows
 
+    # Told the rows the head reads, on every call of `logits`: how `cascadia draft-eval` captures the final hidden
+    # states of the deployed path. None: nobody listens.
+    head_input_observer: Callable[[np.ndarray], None] | None = None
+
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Final norm, division by the muP width multiplier, head; only the unpadded vocabulary [T, V]."""
         if self.head is None:
             raise RuntimeError("this stage was built without the head")
         cfg = self.config
         h = rms_norm(np.asarray(hidden, dtype=np.float32), self.final_norm, cfg.rms_norm_eps)
-        return self.head(h / np.float32(cfg.logits_mup_width_multiplier))[0][:, : cfg.output_vocab_size]
+        head_input = h / np.float32(cfg.logits_mup_width_multiplier)
+        if self.head_input_observer is not None:
+            self.head_input_observer(head_input)
+        return self.head(head_input)[0][:, : cfg.output_vocab_size]
 
     def release(self, slot: int) -> None:
         """Forget a slot's stream; its next rows start at position 0."""
