@@ -27,8 +27,7 @@ from cascadia.driver import PhaseDriver
 from cascadia.errors import NodeError
 from cascadia.metrics import Recorder
 from cascadia.pipeline.frame_log import FrameLog, NodeClock
-from cascadia.pipeline.transport import (COORDINATOR, Transport, TransportError, receive_waiting, send,
-                                         send_watching)
+from cascadia.pipeline.transport import COORDINATOR, Transport, TransportError, receive_waiting, send, send_watching
 from cascadia.pipeline.wire import (COORDINATOR_SENDER, Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready,
                                     Shutdown, Stats, StatsRequest, Tokens, VersionMismatch, WireError, node_sender)
 from cascadia.policy import Event, Finished
