@@ -122,11 +122,11 @@ class StageEngine:
     def for_stage(cls, spec: Spec, stage: Stage, checkpoint: Checkpoint, *, threads: int | None = None,
                   progress: ProgressFn | None = None) -> StageEngine:
         """The engine of one stage of a plan, as the spec's runtime and weight formats and the stage's node say
-        (`threads`, when given, in place of the node's)."""
+        (`threads`, when given, in place of the node's), with the K/V pool the plan gives it."""
         node = spec.cluster.node(stage.node)
         return cls(checkpoint, stage.layers, embed=EMBED_ROLE in stage.roles, head=HEAD_ROLE in stage.roles,
                    runtime=spec.runtime, formats=spec.model.formats, device=node.device,
-                   threads=node.threads if threads is None else threads, progress=progress)
+                   threads=node.threads if threads is None else threads, progress=progress, kv_blocks=stage.kv_blocks)
 
     @property
     def blocks(self) -> list[CompiledBlock]:

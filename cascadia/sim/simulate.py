@@ -31,7 +31,7 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     notes = [*calibration.check_model(spec), *(prompt_length_notes(prompts, spec.workload, spec.runtime)
                                                if prompts else [])]
     model = PipelineModel(spec, plan, calibration)
-    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
+    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_blocks)
     served = serve_workload(spec, spec.workload, prompts, lambda level, phase, recorder: model.run_phase(
         policy, level.arrivals(phase), len(phase.requests), recorder), Served())
     return metrics.result("simulate", spec, served.levels, served.records, calibration=calibration.describe(),
