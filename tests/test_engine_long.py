@@ -12,6 +12,8 @@ import attrs
 import numpy as np
 import pytest
 
+from cascadia.engine import attention
+from cascadia.engine.attention import SPAN_KEYS
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.init_model import init_model
@@ -58,8 +60,14 @@ def greedy_continuation(engine: Engine, prompt: np.ndarray, n: int, slot: int = 
     return tokens, np.stack(rows)
 
 
-@pytest.mark.parametrize("row_buckets", [(1, 2, 8, 16, 24, 32), (1, 8, 256)], ids=["chunks-32", "chunks-256"])
-def test_chunked_prefill_and_greedy_decode_match_transformers(long_checkpoint, reference, row_buckets):
+@pytest.mark.parametrize("row_buckets, span_keys", [((1, 2, 8, 16, 24, 32), SPAN_KEYS), ((1, 8, 256), SPAN_KEYS),
+                                                    ((1, 8, 256), 192)],
+                         ids=["chunks-32", "chunks-256", "chunks-256-spans-192"])
+def test_chunked_prefill_and_greedy_decode_match_transformers(long_checkpoint, reference, row_buckets, span_keys,
+                                                              monkeypatch):
+    """Attention over the global layers' keys in spans of SPAN_KEYS (two spans at the end) and of 192 keys (32
+    spans, 3 blocks each, combined on the thread pool)."""
+    monkeypatch.setattr(attention, "SPAN_KEYS", span_keys)
     engine = Engine(Checkpoint.open(long_checkpoint), long_runtime(row_buckets=row_buckets), threads=1)
     prompt = reference["prompt_ids"]
     assert_close(engine.score(prompt)[reference["positions"]], reference["prompt_logits"])

@@ -35,9 +35,9 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from cascadia.engine.attention import AttentionShape, KeyStore, attend
 from cascadia.engine.device import Compiled, CompiledBlock
 from cascadia.engine.grouped_moe import GroupedBlock
-from cascadia.engine.kv_store import PagedKV, SlotRing
 from cascadia.engine.rows import Rows
 from cascadia.engine.state_format import StateFormat
 from cascadia.policy import padded_size
@@ -117,69 +117,6 @@ def row_factor(*weights: np.ndarray) -> np.ndarray:
     """F [T, 1] = 2^ceil(log2 max(1, sum |w|)) over all of a row's routing weights (see the module's text)."""
     total = sum(np.abs(w).sum(axis=1, keepdims=True) for w in weights)
     return np.exp2(np.ceil(np.log2(np.maximum(total, 1)))).astype(np.float32)
-
-
-KeyStore = SlotRing | PagedKV
-
-
-# ---- attention over a stream's keys and values -----------------------------------------------------------------------
-@attrs.frozen
-class AttentionShape:
-    heads: int
-    kv_heads: int
-    head_dim: int
-    window: int | None  # keys at distance >= window are masked (sliding layers); None = causal only
-    bias_extent: int  # the relative-bias bank covers distances 0 .. bias_extent-1; zero beyond
-    log_scaling: tuple[int, float] | None  # (n_floor, alpha) on global layers that scale queries and bias
-
-
-def log_scale(positions: np.ndarray, n_floor: int, alpha: float) -> np.ndarray:
-    """tau(p) = 1 + alpha * log(max((p + 1) / n_floor, 1)), in FP32 as the reference."""
-    ratio = (positions + 1).astype(np.float32) / np.float32(n_floor)
-    return np.float32(1) + np.float32(alpha) * np.log(np.maximum(ratio, np.float32(1)))
-
-
-def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, rel: np.ndarray, store: KeyStore,
-           slots: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """G streams' n rows each (all decode rows of a call at once, n = 1, or a prefill chunk), stream g's at
-    positions first[g]..: q [G, n, h, d], k/v [G, n, kv, d], rel [G, n, h, X] (bias per distance) -> attention
-    output [G, n, h * d]. Writes the new keys and values into the layer's `store` first (stream g's at `slots[g]`).
-
-    A sliding layer's ring keeps window - 1 + (most rows per call) entries, so that writing a chunk never overwrites
-    a key an earlier row of the same chunk still sees; a global layer's paged store never wraps. Keys are attended
-    in entry order (softmax does not care); each key's position, for the mask and the bias, follows from its entry.
-    A stream reads its first m entries, m the most any of the G has filled, and masks the entries it has not filled
-    itself."""
-    streams, n = q.shape[:2]
-    positions = first[:, None] + np.arange(n)  # [G, n]
-    store.write(slots, positions, k, v)
-    last = first + n - 1
-    ring = store.span or int(last.max()) + 1
-    filled = np.minimum(ring, last + 1)
-    entries = np.arange(filled.max())  # m
-    key_positions = last[:, None] - (last[:, None] - entries) % ring  # [G, m]
-    distance = positions[:, :, None] - key_positions[:, None, :]  # [G, n, m]
-
-    heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
-    in_bank = (distance >= 0) & (distance < shape.bias_extent)
-    bias = np.take_along_axis(rel, np.clip(distance, 0, shape.bias_extent - 1)[:, :, None, :], axis=3)
-    bias = np.where(in_bank[:, :, None], bias, np.float32(0)).transpose(0, 2, 1, 3)  # [G, h, n, m]
-    if shape.log_scaling is not None:
-        tau = log_scale(positions, *shape.log_scaling)[:, :, None, None]  # [G, n, 1, 1]
-        q = q * tau
-        bias = bias * tau.transpose(0, 2, 1, 3)
-
-    # Query head i reads kv head i // (h / kv): group the queries of one kv head as rows of one matmul.
-    grouped_q = q.transpose(0, 2, 1, 3).reshape(streams, kv_heads, -1, head_dim)  # [G, kv, (h / kv) n, d]
-    keys, values = store.read(slots, len(entries))  # [G, kv, m, d]
-    scores = (grouped_q @ keys.transpose(0, 1, 3, 2)).reshape(streams, heads, n, len(entries))
-    scores = scores * np.float32(1 / head_dim) + bias  # q and k are RMS-normalised: 1/d, not 1/sqrt(d)
-    allowed = (distance >= 0) & (entries < filled[:, None])[:, None, :]
-    if shape.window is not None:
-        allowed &= distance < shape.window
-    probs = softmax(np.where(allowed[:, None], scores, -np.inf)).reshape(streams, kv_heads, -1, len(entries))
-    out = (probs @ values).reshape(streams, heads, n, head_dim)
-    return out.transpose(0, 2, 1, 3).reshape(streams, n, heads * head_dim)
 
 
 class SlotState:

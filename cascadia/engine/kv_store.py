@@ -6,8 +6,8 @@ the stage's `BlockPool` as the stream grows and given back when it is released (
 the streams that are long, not to a preallocated context per slot. Arrays are zero-filled: pages are committed as
 they are written.
 
-Both read a stream's keys back as [kv, m, d] with entry e holding some position p, e = p % span (span: the ring's
-length; a paged stream never wraps).
+Both read a stream's entries start..stop-1 back as keys and values [kv, stop - start, d], entry e holding some
+position p, e = p % span (span: the ring's length; a paged stream never wraps).
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ class SlotRing:
         self.k[slots[:, None], :, positions % self.span] = self.fmt.encode(k)
         self.v[slots[:, None], :, positions % self.span] = self.fmt.encode(v)
 
-    def read(self, slots: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """The first m entries of each stream's ring, keys and values [G, kv, m, d] in f32."""
-        return self.fmt.decode(self.k[slots, :, :m]), self.fmt.decode(self.v[slots, :, :m])
+    def read(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Entries start..stop-1 of each stream's ring, keys and values [G, kv, stop - start, d] in f32."""
+        return self.fmt.decode(self.k[slots, :, start:stop]), self.fmt.decode(self.v[slots, :, start:stop])
 
 
 class PagedKV:
@@ -109,11 +109,13 @@ class PagedKV:
         self.k[ids, :, positions % block] = self.fmt.encode(k)
         self.v[ids, :, positions % block] = self.fmt.encode(v)
 
-    def read(self, slots: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """Positions 0..m-1 of each stream, keys and values [G, kv, m, d] in f32 (gathered from its blocks)."""
-        table = self.pool.table(slots, self.pool.blocks_for(m))
+    def read(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Positions start..stop-1 of each stream (start a multiple of the block), keys and values
+        [G, kv, stop - start, d] in f32, gathered from its blocks."""
+        first = start // self.pool.block
+        table = self.pool.table(slots, self.pool.blocks_for(stop))[:, first:]
 
         def gather(blocks: np.ndarray) -> np.ndarray:
             g, n, kv, b, d = blocks.shape
-            return self.fmt.decode(blocks.transpose(0, 2, 1, 3, 4).reshape(g, kv, n * b, d)[:, :, :m])
+            return self.fmt.decode(blocks.transpose(0, 2, 1, 3, 4).reshape(g, kv, n * b, d)[:, :, : stop - start])
         return gather(self.k[table]), gather(self.v[table])
