@@ -78,36 +78,50 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
     def span(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return _span(shape, grouped_q, rel, store, slots, positions, last, ring, filled, *bounds)
     parts = [span(spans[0])] if len(spans) == 1 else list(_threads().map(span, spans))
-    top = np.maximum.reduce([p[0] for p in parts])  # [G, h, n, 1]
+    top = np.maximum.reduce([p[0] for p in parts])  # [G, kv, h/kv, n]
     weights = [np.exp(p[0] - top) for p in parts]
     total = sum(w * p[1] for w, p in zip(weights, parts))
-    out = sum(w * p[2] for w, p in zip(weights, parts)) / total  # [G, h, n, d]
-    return out.transpose(0, 2, 1, 3).reshape(streams, n, shape.heads * shape.head_dim)
+    out = sum(w[..., None] * p[2] for w, p in zip(weights, parts)) / total[..., None]  # [G, kv, h/kv, n, d]
+    return out.reshape(streams, shape.heads, n, shape.head_dim).transpose(0, 2, 1, 3).reshape(streams, n, -1)
 
 
 def _span(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store: KeyStore, slots: np.ndarray,
           positions: np.ndarray, last: np.ndarray, ring: int, filled: np.ndarray, start: int, stop: int
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Entries start..stop-1 of every stream: the scores' max per row [G, h, n, 1] (0 where a row sees none of
-    them), the sum of exp(score - max) [G, h, n, 1] and the unnormalised output [G, h, n, d]."""
+    """Entries start..stop-1 of every stream (and any more the store returns with them: past stop, they are past
+    every stream's filled entries): the scores' max per row [G, kv, h/kv, n] (0 where a row sees none of them),
+    the sum of exp(score - max) [G, kv, h/kv, n] and the unnormalised output [G, kv, h/kv, n, d].
+
+    Keys come as b runs of B entries [G, b, kv, B, d] (a paged store's blocks, without copying them into one
+    run), scores as [G, b, kv, h/kv, n, B]. A span that every row sees whole, beyond the bias bank (most of a long
+    context), needs neither mask nor bias."""
     streams, n = positions.shape
-    heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
-    entries = np.arange(start, stop)  # s
-    key_positions = last[:, None] - (last[:, None] - entries) % ring  # [G, s]
-    distance = positions[:, :, None] - key_positions[:, None, :]  # [G, n, s]
-    keys, values = store.read(slots, start, stop)  # [G, kv, s, d]
-    scores = (grouped_q @ keys.transpose(0, 1, 3, 2)).reshape(streams, heads, n, len(entries))
-    scores *= np.float32(1 / head_dim)  # q and k are RMS-normalised: 1/d, not 1/sqrt(d)
-    if distance.min() < shape.bias_extent:  # some key of the span is within the bank of some row
-        in_bank = (distance >= 0) & (distance < shape.bias_extent)
-        bias = np.take_along_axis(rel, np.clip(distance, 0, shape.bias_extent - 1)[:, :, None, :], axis=3)
-        scores += np.where(in_bank[:, :, None], bias, np.float32(0)).transpose(0, 2, 1, 3)  # [G, h, n, s]
-    allowed = (distance >= 0) & (entries < filled[:, None])[:, None, :]
-    if shape.window is not None:
-        allowed &= distance < shape.window
-    scores = np.where(allowed[:, None], scores, -np.inf)
-    top = scores.max(axis=-1, keepdims=True)
+    kv_heads, group = shape.kv_heads, shape.heads // shape.kv_heads
+    keys, values = store.read(slots, start, stop)
+    runs, run = keys.shape[1], keys.shape[3]
+    scores = (grouped_q[:, None] @ keys.transpose(0, 1, 2, 4, 3)).reshape(streams, runs, kv_heads, group, n, run)
+    scores *= np.float32(1 / shape.head_dim)  # q and k are RMS-normalised: 1/d, not 1/sqrt(d)
+    # the least distance from a row to a key: a paged store's entries are positions, a ring's wrap (take 0)
+    nearest = int(positions[:, 0].min()) - (start + runs * run - 1) if store.span is None else 0
+    if shape.window is not None or nearest < shape.bias_extent:
+        entries = start + np.arange(runs * run)
+        key_positions = last[:, None] - (last[:, None] - entries) % ring  # [G, s]
+        distance = positions[:, :, None] - key_positions[:, None, :]  # [G, n, s]
+
+        def by_run(x: np.ndarray) -> np.ndarray:  # [G, n, ..., s] -> [G, b, ..., n, B]
+            x = x.reshape(*x.shape[:-1], runs, run)
+            return np.moveaxis(x, (1, -2), (-2, 1))
+        if nearest < shape.bias_extent:
+            in_bank = (distance >= 0) & (distance < shape.bias_extent)
+            bias = np.take_along_axis(rel, np.clip(distance, 0, shape.bias_extent - 1)[:, :, None, :], axis=3)
+            bias = np.where(in_bank[:, :, None], bias, np.float32(0))  # [G, n, h, s]
+            scores += by_run(bias.reshape(streams, n, kv_heads, group, -1))
+        allowed = (distance >= 0) & (entries < filled[:, None])[:, None, :]
+        if shape.window is not None:
+            allowed &= distance < shape.window
+        scores = np.where(by_run(allowed[:, :, None, None]), scores, -np.inf)
+    top = scores.max(axis=(1, 5), keepdims=True)
     top[np.isneginf(top)] = 0  # a row that sees none of these keys: every exponential below is 0
     exps = np.exp(scores - top)
-    out = (exps.reshape(streams, kv_heads, -1, len(entries)) @ values).reshape(streams, heads, n, head_dim)
-    return top, exps.sum(axis=-1, keepdims=True), out
+    out = (exps.reshape(streams, runs, kv_heads, group * n, run) @ values).sum(axis=1)
+    return top[:, 0, ..., 0], exps.sum(axis=(1, 5)), out.reshape(streams, kv_heads, group, n, shape.head_dim)

@@ -84,8 +84,9 @@ class SlotRing:
         self.v[slots[:, None], :, positions % self.span] = self.fmt.encode(v)
 
     def read(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Entries start..stop-1 of each stream's ring, keys and values [G, kv, stop - start, d] in f32."""
-        return self.fmt.decode(self.k[slots, :, start:stop]), self.fmt.decode(self.v[slots, :, start:stop])
+        """Entries start..stop-1 of each stream's ring, keys and values [G, 1, kv, stop - start, d] in f32."""
+        return (self.fmt.decode(self.k[slots, None, :, start:stop]),
+                self.fmt.decode(self.v[slots, None, :, start:stop]))
 
 
 class PagedKV:
@@ -110,12 +111,7 @@ class PagedKV:
         self.v[ids, :, positions % block] = self.fmt.encode(v)
 
     def read(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Positions start..stop-1 of each stream (start a multiple of the block), keys and values
-        [G, kv, stop - start, d] in f32, gathered from its blocks."""
-        first = start // self.pool.block
-        table = self.pool.table(slots, self.pool.blocks_for(stop))[:, first:]
-
-        def gather(blocks: np.ndarray) -> np.ndarray:
-            g, n, kv, b, d = blocks.shape
-            return self.fmt.decode(blocks.transpose(0, 2, 1, 3, 4).reshape(g, kv, n * b, d)[:, :, : stop - start])
-        return gather(self.k[table]), gather(self.v[table])
+        """The blocks holding positions start..stop-1 of each stream (start a multiple of the block), keys and
+        values [G, blocks, kv, block, d] in f32."""
+        table = self.pool.table(slots, self.pool.blocks_for(stop))[:, start // self.pool.block:]
+        return self.fmt.decode(self.k[table]), self.fmt.decode(self.v[table])
