@@ -13,6 +13,9 @@ process may use, one stream. Its random checkpoint (bf16) is written once to CHE
   attention the share of a decode step spent in attention, and the bytes it must read (every global layer's keys
             and values of N positions, every sliding ring) over that time, as a fraction of a streaming read's
             bandwidth measured in the same run (the sum of a 1 GiB array, best of 3 on one thread and on every core)
+  alone     one global layer's attention for one decode row at N, by itself (median of ATTENTION_REPEATS calls):
+            on one thread and on the pool of every core, against the time to read its keys and values at that
+            bandwidth
 Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the measured N), their predictions at 64k
 and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
 TTFT 22 s at 1k, 110 min at 64k). Not a test: it prints tables.
@@ -23,9 +26,10 @@ TTFT 22 s at 1k, 110 min at 64k). Not a test: it prints tables.
 from __future__ import annotations
 
 import argparse
-import platform
+import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +38,11 @@ from random_model import FORMATS, mid_config, random_checkpoint
 
 import cascadia  # noqa: F401  before numpy's first BLAS call, as in every cascadia command
 import cascadia.engine.inkling as inkling
+from cascadia.engine import attention
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
-from cascadia.engine.kv_store import PagedKV
+from cascadia.engine.kv_store import BlockPool, PagedKV
+from cascadia.engine.state_format import StateFormat
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import RuntimeSpec
 from cascadia.table import format_rows
@@ -44,7 +50,9 @@ from cascadia.table import format_rows
 CHECKPOINT = Path(__file__).parent.parent / "specs" / "mid-long-checkpoint"
 CONTEXTS = (1024, 4096, 16384, 65536)
 PREFILL_CHUNK = 256
+MAX_POSITIONS = 1 << 20  # the checkpoint's max_position_embeddings, whatever the contexts asked (no rewrite)
 DECODE_STEPS = 12
+ATTENTION_REPEATS = 9
 SEED = 0
 PAPER_DECODE_MS = {4096: 54, 65536: 216, 524288: 1496}
 PAPER_TTFT_S = {1024: 22, 65536: 110 * 60}
@@ -107,6 +115,44 @@ def kv_bytes_read(engine: Engine, positions: int) -> int:
     return total
 
 
+def attention_alone_ms(layer: inkling.DecoderLayer, positions: int, threads: int, rng: np.random.Generator) -> float:
+    """ms of `layer`'s attention for one decode row at `positions` (keys and values random, in bf16), on a pool of
+    `threads` threads."""
+    shape = layer.shape
+    pool = BlockPool(-(-(positions + 1) // 64), 64, 1)
+    pool.grow({0: positions + 1})
+    store = PagedKV(pool, shape.kv_heads, shape.head_dim, StateFormat("bf16"))
+    slot = np.array([0])
+    for start in range(0, positions, 4096):
+        at = np.arange(start, min(positions, start + 4096))[None]
+        store.write(slot, at, *(rng.standard_normal((1, at.shape[1], shape.kv_heads, shape.head_dim),
+                                                    dtype=np.float32) for _ in "kv"))
+    q = rng.standard_normal((1, 1, shape.heads, shape.head_dim), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 1, shape.kv_heads, shape.head_dim), dtype=np.float32) for _ in "kv")
+    rel = rng.standard_normal((1, 1, shape.heads, shape.bias_extent), dtype=np.float32)
+    default = attention._threads
+    attention._threads = lambda: pool_of[threads]
+    try:
+        times = []
+        for _ in range(ATTENTION_REPEATS):
+            start = time.perf_counter()
+            attention.attend(shape, q, k, v, rel, store, slot, np.array([positions]))
+            times.append(time.perf_counter() - start)
+    finally:
+        attention._threads = default
+    return 1e3 * statistics.median(times)
+
+
+pool_of = {n: ThreadPoolExecutor(n) for n in {1, len(os.sched_getaffinity(0))}}
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
 def fit(xs: list[float], ys: list[float], columns) -> np.ndarray:
     """Least-squares coefficients of ys over the given functions of xs."""
     return np.linalg.lstsq(np.array([[f(x) for f in columns] for x in xs]), np.array(ys), rcond=None)[0]
@@ -120,15 +166,16 @@ def main() -> None:
     args = parser.parse_args()
     contexts = sorted(int(n) for n in args.contexts.split(","))
     budget = contexts[-1] + DECODE_STEPS + 2
-    config = long_config(args.quick, budget)
+    config = long_config(args.quick, MAX_POSITIONS)
     checkpoint = Checkpoint.open(random_checkpoint(config, CHECKPOINT, args.quick, SEED))
     runtime = RuntimeSpec(precision="bf16", kv_precision="bf16", max_streams=1, context_budget=budget,
                           row_buckets=(1, 2, 8, 32, PREFILL_CHUNK))
     engine = Engine(checkpoint, runtime, formats=FORMATS)
     clock, rng = AttentionClock(), np.random.default_rng(SEED)
     bandwidth = memory_bandwidth(np.ones(2**27, np.int64))
-    print(f"CPU: {platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores; "
-          f"compute {engine.stage.precision}; streaming read {bandwidth / 1e9:.1f} GB/s\n")
+    cores = len(os.sched_getaffinity(0))
+    print(f"CPU: {cpu_name()}, {cores} cores; compute {engine.stage.precision}; streaming read "
+          f"{bandwidth / 1e9:.1f} GB/s\n")
 
     rows, ttft, decode = [], {}, {}
     for n in contexts:
@@ -143,10 +190,16 @@ def main() -> None:
             token = int(prompt[-1])
         decode[n], attention_ms = decode_ms(engine, clock, 0, token)
         fraction = kv_bytes_read(engine, n) / (attention_ms / 1e3) / bandwidth
+        global_layer = next(layer for layer in engine.stage.layers if layer.shape.window is None)
+        alone = [attention_alone_ms(global_layer, n, threads, rng) for threads in sorted(pool_of)]
+        read_ms = 1e3 * n * 2 * global_layer.shape.kv_heads * global_layer.shape.head_dim * 2 / bandwidth
         rows.append((f"{n:,}", f"{ttft[n]:.1f}" if n in ttft else "-", f"{decode[n]:.1f}", f"{attention_ms:.1f}",
-                     f"{kv_bytes_read(engine, n) / 2**20:.1f}", f"{100 * fraction:.0f}%"))
+                     f"{kv_bytes_read(engine, n) / 2**20:.1f}", f"{100 * fraction:.0f}%",
+                     " / ".join(f"{t:.2f}" for t in alone), f"{read_ms:.2f}"))
+    threads = " / ".join(f"{n} thread{'s' * (n > 1)}" for n in sorted(pool_of))
     print(format_rows([("context", "TTFT s", "decode ms/token", "of which attention ms", "K/V read MiB",
-                        "attention at % of bandwidth"), *rows]))
+                        "attention at % of bandwidth", f"one layer alone ms ({threads})", "its K/V read ms"),
+                       *rows]))
 
     print()
     c, d = fit(list(decode), list(decode.values()), (lambda x: 1.0, lambda x: x))

@@ -114,4 +114,8 @@ class PagedKV:
         """The blocks holding positions start..stop-1 of each stream (start a multiple of the block), keys and
         values [G, blocks, kv, block, d] in f32."""
         table = self.pool.table(slots, self.pool.blocks_for(stop))[:, start // self.pool.block:]
+        first, count = int(table[0, 0]), table.shape[1]
+        if len(slots) == 1 and np.array_equal(table[0], np.arange(first, first + count)):
+            at = slice(first, first + count)  # one stream's blocks in a row (as one stream alone takes them): a view
+            return self.fmt.decode(self.k[None, at]), self.fmt.decode(self.v[None, at])
         return self.fmt.decode(self.k[table]), self.fmt.decode(self.v[table])
