@@ -16,11 +16,15 @@ process may use, one stream. Its random checkpoint (bf16) is written once to CHE
   alone     one global layer's attention for one decode row at N, by itself (median of ATTENTION_REPEATS calls):
             on one thread and on the pool of every core, against the time to read its keys and values at that
             bandwidth
+With --attention-only, just one global layer's attention for one decode row at each N, without the model: the
+engine's spans (bf16 and f32 K/V, one thread and every thread) against OpenVINO's ScaledDotProductAttention on the
+same f32 keys and values passed in place ([1, kv, N, d]; the query heads of a K/V head as its query rows; the
+bias as an additive mask), with the largest difference between their outputs.
 Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the measured N), their predictions at 64k
 and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
 TTFT 22 s at 1k, 110 min at 64k). Not a test: it prints tables.
 
-    python bench/long_context.py [--quick] [--contexts 1024,4096,16384,65536] [--ttft-max 16384]
+    python bench/long_context.py [--quick] [--contexts 1024,4096,16384,65536] [--ttft-max 16384] [--attention-only]
 """
 
 from __future__ import annotations
@@ -33,12 +37,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
 from engine import memory_bandwidth
 from random_model import FORMATS, mid_config, random_checkpoint
 
 import cascadia  # noqa: F401  before numpy's first BLAS call, as in every cascadia command
 import cascadia.engine.inkling as inkling
 from cascadia.engine import attention
+from cascadia.engine.attention import AttentionShape
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.kv_store import BlockPool, PagedKV
@@ -115,32 +122,98 @@ def kv_bytes_read(engine: Engine, positions: int) -> int:
     return total
 
 
-def attention_alone_ms(layer: inkling.DecoderLayer, positions: int, threads: int, rng: np.random.Generator) -> float:
-    """ms of `layer`'s attention for one decode row at `positions` (keys and values random, in bf16), on a pool of
-    `threads` threads."""
-    shape = layer.shape
+def random_store(shape: AttentionShape, positions: int, precision: str, rng: np.random.Generator) -> PagedKV:
+    """A paged store holding `positions` + 1 positions of one stream, all but the last random."""
     pool = BlockPool(-(-(positions + 1) // 64), 64, 1)
     pool.grow({0: positions + 1})
-    store = PagedKV(pool, shape.kv_heads, shape.head_dim, StateFormat("bf16"))
-    slot = np.array([0])
+    store = PagedKV(pool, shape.kv_heads, shape.head_dim, StateFormat(precision))
     for start in range(0, positions, 4096):
         at = np.arange(start, min(positions, start + 4096))[None]
-        store.write(slot, at, *(rng.standard_normal((1, at.shape[1], shape.kv_heads, shape.head_dim),
-                                                    dtype=np.float32) for _ in "kv"))
+        store.write(np.array([0]), at, *(rng.standard_normal((1, at.shape[1], shape.kv_heads, shape.head_dim),
+                                                             dtype=np.float32) for _ in "kv"))
+    return store
+
+
+def decode_row(shape: AttentionShape, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """q, k, v, rel of one decode row."""
     q = rng.standard_normal((1, 1, shape.heads, shape.head_dim), dtype=np.float32)
     k, v = (rng.standard_normal((1, 1, shape.kv_heads, shape.head_dim), dtype=np.float32) for _ in "kv")
-    rel = rng.standard_normal((1, 1, shape.heads, shape.bias_extent), dtype=np.float32)
+    return q, k, v, rng.standard_normal((1, 1, shape.heads, shape.bias_extent), dtype=np.float32)
+
+
+def spans_ms(shape: AttentionShape, store: PagedKV, positions: int, row: tuple[np.ndarray, ...], threads: int
+             ) -> tuple[float, np.ndarray]:
+    """ms of the engine's attention for one decode row at `positions` over `store` on `threads` threads, and its
+    output."""
     default = attention._threads
     attention._threads = lambda: pool_of[threads]
     try:
         times = []
         for _ in range(ATTENTION_REPEATS):
             start = time.perf_counter()
-            attention.attend(shape, q, k, v, rel, store, slot, np.array([positions]))
+            out = attention.attend(shape, *row, store, np.array([0]), np.array([positions]))
             times.append(time.perf_counter() - start)
     finally:
         attention._threads = default
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(times), out
+
+
+def attention_alone_ms(layer: inkling.DecoderLayer, positions: int, threads: int, rng: np.random.Generator) -> float:
+    """ms of `layer`'s attention for one decode row at `positions` (keys and values random, in bf16), on a pool of
+    `threads` threads."""
+    store = random_store(layer.shape, positions, "bf16", rng)
+    return spans_ms(layer.shape, store, positions, decode_row(layer.shape, rng), threads)[0]
+
+
+def sdpa_ms(shape: AttentionShape, store: PagedKV, positions: int, row: tuple[np.ndarray, ...]
+            ) -> tuple[float, np.ndarray]:
+    """ms of OpenVINO's ScaledDotProductAttention for the decode row of `spans_ms` (store in f32), and its output
+    [1, 1, h d]. Its keys and values are the store's, laid out [1, kv, N, d] once, outside the timing; the bias and
+    log-scaling are applied as the engine applies them, the bias as an additive mask."""
+    kv, group, d = shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim
+    n = positions + 1
+    q, k, v, rel = row
+    store.write(np.array([0]), np.array([[n - 1]]), k, v)
+    keys, values = (np.ascontiguousarray(x[0].transpose(1, 0, 2, 3).reshape(kv, -1, d)[None, :, :n])
+                    for x in store.read(np.array([0]), 0, n))  # whole blocks: the last may go past n
+    tau = attention.log_scale(np.array([n - 1]), *shape.log_scaling) if shape.log_scaling else np.float32(1)
+    mask = np.zeros((1, shape.heads, n), np.float32)
+    mask[0, :, n - shape.bias_extent:] = (rel[0, 0] * tau)[:, ::-1]  # distance 0 is the last key
+    inputs = {"q": (q[0, 0] * tau).reshape(1, kv, group, d), "k": keys, "v": values,
+              "mask": mask.reshape(1, kv, group, n)}
+    params = [ops.parameter([1, kv, group, d], ov.Type.f32, name="q"),
+              *(ops.parameter([1, kv, -1, d], ov.Type.f32, name=name) for name in "kv"),
+              ops.parameter([1, kv, group, -1], ov.Type.f32, name="mask")]
+    out = ops.scaled_dot_product_attention(*params, ops.constant(np.float32(1 / d)), causal=False)
+    request = ov.Core().compile_model(ov.Model([out], params), "CPU",
+                                      {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    times = []
+    for _ in range(ATTENTION_REPEATS + 1):
+        start = time.perf_counter()
+        request.infer(inputs, share_inputs=True)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[1:]), request.get_output_tensor(0).data.reshape(1, 1, -1)
+
+
+def attention_only(config: InklingConfig, contexts: list[int], rng: np.random.Generator) -> None:
+    layer = next(i for i in range(config.num_hidden_layers) if not config.is_sliding(i))
+    heads, kv_heads, head_dim = config.heads(layer)
+    scaling = (config.log_scaling_n_floor, config.log_scaling_alpha) if config.log_scaling_n_floor else None
+    shape = AttentionShape(heads, kv_heads, head_dim, None, config.rel_extent, scaling)
+    cores = len(os.sched_getaffinity(0))
+    rows = []
+    for n in contexts:
+        row = decode_row(shape, rng)
+        bf16 = [spans_ms(shape, random_store(shape, n, "bf16", rng), n, row, t)[0] for t in sorted(pool_of)]
+        f32_store = random_store(shape, n, "f32", rng)
+        f32 = [spans_ms(shape, f32_store, n, row, t) for t in sorted(pool_of)]
+        openvino_ms, openvino_out = sdpa_ms(shape, f32_store, n, row)
+        rows.append((f"{n:,}", *(f"{t:.2f}" for t in bf16), *(f"{t:.2f}" for t, _ in f32), f"{openvino_ms:.2f}",
+                     f"{np.abs(openvino_out - f32[0][1]).max():.1e}"))
+    threads = [f"{t} thread{'s' * (t > 1)}" for t in sorted(pool_of)]
+    print(format_rows([("context", *(f"spans bf16, {t} ms" for t in threads),
+                        *(f"spans f32, {t} ms" for t in threads), f"OpenVINO SDPA f32 ({cores} cores) ms",
+                        "max |difference|"), *rows]))
 
 
 pool_of = {n: ThreadPoolExecutor(n) for n in {1, len(os.sched_getaffinity(0))}}
@@ -163,8 +236,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller model (hidden 256, 16 experts)")
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--ttft-max", type=int, default=16384, help="prefill for real up to this many tokens")
+    parser.add_argument("--attention-only", action="store_true", help="one global layer's attention, no model")
     args = parser.parse_args()
     contexts = sorted(int(n) for n in args.contexts.split(","))
+    if args.attention_only:
+        print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores\n")
+        attention_only(long_config(args.quick, MAX_POSITIONS), contexts, np.random.default_rng(SEED))
+        return
     budget = contexts[-1] + DECODE_STEPS + 2
     config = long_config(args.quick, MAX_POSITIONS)
     checkpoint = Checkpoint.open(random_checkpoint(config, CHECKPOINT, args.quick, SEED))
