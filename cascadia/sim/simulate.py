@@ -38,7 +38,7 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     model = PipelineModel(spec, plan, calibration)
     model.timings = timings
     how = recovery(loss, spec, plan.stages, calibration, detect_s) if loss else None
-    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
+    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_blocks)
 
     def run_phase(level, phase, recorder):
         if loss is None or phase.name != MEASURED:
