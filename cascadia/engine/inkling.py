@@ -182,19 +182,21 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
 
 
 class SlotState:
-    """A layer's state for every slot: K/V rings [slots, kv, R, d] and the last K-1 inputs of its short
-    convolutions [slots, K-1, C] (those of k and v side by side: they run as one), all stored in `fmt`.
-    Zero-filled, so pages are only committed as slots fill."""
+    """A layer's state for every slot: K/V rings [slots, kv, R, d] and the last K-1+rewind inputs of its short
+    convolutions [slots, K-1+rewind, C] (those of k and v side by side: they run as one; `rewind`, the positions a
+    stream may step back, see `cascadia.engine.rows`), all stored in `fmt`. Zero-filled, so pages are only committed
+    as slots fill."""
 
     def __init__(self, shape: AttentionShape, ring: int, hidden: int, kernel: int, slots: int,
-                 fmt: StateFormat = StateFormat()):
+                 fmt: StateFormat = StateFormat(), rewind: int = 0):
         self.fmt = fmt
         kv = (slots, shape.kv_heads, ring, shape.head_dim)
         self.k, self.v = fmt.zeros(kv), fmt.zeros(kv)
         kv_width = shape.kv_heads * shape.head_dim
-        self.conv_kv = fmt.zeros((slots, kernel - 1, 2 * kv_width))
-        self.conv_attn = fmt.zeros((slots, kernel - 1, hidden))
-        self.conv_mlp = fmt.zeros((slots, kernel - 1, hidden))
+        history = kernel - 1 + rewind
+        self.conv_kv = fmt.zeros((slots, history, 2 * kv_width))
+        self.conv_attn = fmt.zeros((slots, history, hidden))
+        self.conv_mlp = fmt.zeros((slots, history, hidden))
 
     @property
     def nbytes(self) -> int:

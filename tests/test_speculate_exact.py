@@ -1,0 +1,131 @@
+"""Speculative decoding on the real engine: the tiny model in one process (a stage holding every layer, the
+embedding and the head, driven by the policy as the last node is, frames completed in a seeded random order) gives
+exactly the tokens it gives without speculation, greedy and sampled, with 1, 4 and 16 streams at once, whatever the
+drafts: prompt lookup, drafts always wrong, or a replay of the run's own outputs (every draft accepted). And a
+rewind keeps nothing of the rows it drops."""
+
+import random
+
+import attrs
+import numpy as np
+import pytest
+
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.rows import BatchError
+from cascadia.pipeline.coordinator import wire_frame
+from cascadia.pipeline.stage import EngineStage, RowSampler
+from cascadia.policy import DRAFT, Policy, Request, Token
+from cascadia.sampling import Sampling
+from cascadia.speculation import NgramDrafter, ReplayDrafter
+
+VOCAB = 512  # specs/tiny/config.json
+
+
+def whole_model(spec, checkpoint, speculate: str | None) -> EngineStage:
+    runtime = attrs.evolve(spec.runtime, speculate=speculate)
+    engine = StageEngine(Checkpoint.open(checkpoint), range(spec.model.config.num_hidden_layers), embed=True,
+                         head=True, runtime=runtime, formats=spec.model.formats, threads=1)
+    return EngineStage(engine, RowSampler(runtime.max_streams, engine.rewind))
+
+
+@pytest.fixture(scope="module")
+def plain(spec, checkpoint):
+    return whole_model(spec, checkpoint, None)
+
+
+@pytest.fixture(scope="module")
+def speculative(spec, checkpoint):
+    return whole_model(spec, checkpoint, "ngram:4")
+
+
+def repetitive_requests(n: int, sampled: bool, long_every: int = 1) -> list[Request]:
+    """Prompts that repeat a short phrase, so that prompt lookup finds drafts; lengths vary, and requests
+    0, long_every, 2 long_every, ... make the most tokens."""
+    requests = []
+    for i in range(n):
+        phrase = [(7 * i + 3 * j) % VOCAB for j in range(3 + i % 3)]
+        prompt = (phrase * 6)[: 10 + i % 7]
+        sampling = Sampling(0.8, 0.9, seed=i) if sampled else Sampling()
+        requests.append(Request(i, prompt, 16 if i % long_every == 0 else 4 + i % 5, sampling=sampling))
+    return requests
+
+
+class WrongDrafter(ReplayDrafter):
+    """The replay's tokens shifted by one: every draft rejected."""
+
+    def propose(self, request_id, prompt, output, limit):
+        return [(t + 1) % VOCAB for t in super().propose(request_id, prompt, output, limit)]
+
+
+def serve(stage: EngineStage, runtime, requests, n_groups: int, drafter=None, seed: int = 0):
+    """Every request at once (each a stream); frames of the groups in flight are computed in a random order. Each
+    request's tokens, and the frames."""
+    policy = Policy.for_runtime(attrs.evolve(runtime, speculate="ngram:4" if drafter else None), n_groups, drafter)
+    rng, outputs, frames, in_flight = random.Random(seed), {}, [], {}
+    for request in requests:
+        policy.add_request(request)
+    while not policy.done:
+        for frame in policy.next_frames():
+            in_flight[frame.group] = frame
+        frame = in_flight.pop(rng.choice(sorted(in_flight)))
+        frames.append(frame)
+        tokens = stage.process(wire_frame(frame)).token_ids.tolist()
+        for event in policy.complete_frame(frame, tokens):
+            if isinstance(event, Token):
+                outputs.setdefault(event.request_id, []).append(event.token)
+    return outputs, frames
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("concurrency", [1, 4, 16])
+def test_speculation_gives_the_tokens_of_a_run_without_it(spec, plain, speculative, concurrency, sampled):
+    # the first group's two streams run longest: once the other groups' have finished, frames mix their drafts
+    n_groups = concurrency // 2 + 1 if concurrency > 1 else 3
+    requests = repetitive_requests(concurrency, sampled, long_every=n_groups)
+    expected, _ = serve(plain, spec.runtime, requests, n_groups)
+    recorded = {r.prompt_ids: expected[r.id] for r in requests}
+    for drafter in (NgramDrafter(), ReplayDrafter(recorded), WrongDrafter(recorded)):
+        outputs, frames = serve(speculative, spec.runtime, requests, n_groups, drafter, seed=concurrency)
+        assert outputs == expected, type(drafter).__name__
+        if isinstance(drafter, NgramDrafter):  # it drafts what the model makes of its prompts: maybe nothing
+            continue
+        drafted = [f for f in frames if any(r.kind == DRAFT for r in f.rows)]
+        assert drafted, "nothing was speculated"
+        if concurrency > 1:  # some frame verifies drafts beside another stream's rows
+            assert any(len({r.request_id for r in f.rows}) > 1 for f in drafted)
+
+
+def test_a_replay_of_the_outputs_takes_fewer_frames(spec, plain, speculative):
+    requests = repetitive_requests(1, sampled=True)
+    expected, plain_frames = serve(plain, spec.runtime, requests, 3)
+    replay = ReplayDrafter({r.prompt_ids: expected[r.id] for r in requests})
+    outputs, frames = serve(speculative, spec.runtime, requests, 3, replay)
+    assert outputs == expected and len(frames) < len(plain_frames) / 2
+
+
+def test_a_rewound_stream_keeps_nothing_of_its_rejected_rows(spec, speculative):
+    """After rows beyond the accepted position, what follows does not depend on what those rows held, bit for bit
+    (K/V masked by position, convolution inputs rebuilt from those kept by position), and matches a stream that
+    never went beyond (to rounding: its calls had other shapes)."""
+    engine = speculative.engine
+    prompt = list(range(20, 40))
+    assert len(prompt) + 5 > spec.model.config.sliding_window_size + 8  # the sliding layers' rings wrap
+    prompt_calls = [(0, prompt[:8]), (8, prompt[8:16]), (16, prompt[16:])]  # calls of at most the largest bucket
+
+    def run(feeds):
+        engine.release(0)
+        for start, tokens in prompt_calls + feeds:
+            hidden = engine.forward(engine.embed(np.array(tokens)), [0] * len(tokens),
+                                    list(range(start, start + len(tokens))))
+        return engine.logits(hidden[-1:])
+
+    # five rows at 20..24 (a decode row and four drafts), only the first kept; then 21, 22 again from other tokens
+    rewound = run([(20, [1, 9, 8, 7, 6]), (21, [2, 3])])
+    np.testing.assert_array_equal(run([(20, [1, 5, 5, 5, 5]), (21, [2, 3])]), rewound)
+    np.testing.assert_allclose(run([(20, [1]), (21, [2, 3])]), rewound, rtol=0, atol=1e-6)
+    assert np.abs(run([(20, [1, 9, 8, 7, 6]), (25, [2, 3])]) - rewound).max() > 1e-3  # the drafts did count there
+    # a rewind deeper than the last call allows is refused before anything changes
+    run([(20, [1])])
+    with pytest.raises(BatchError, match="rows start at 20"):
+        engine.forward(engine.embed(np.array([5])), [0], [20])
