@@ -50,7 +50,8 @@ def serve_workload(spec: Spec, workload: WorkloadSpec, prompts: Sequence[tuple[i
             if phase.name == MEASURED:
                 served.levels.append(summarize_level(
                     recorder.records, busy, concurrency=level.concurrency, rate=level.rate,
-                    rejected=len(recorder.rejected), cancelled=len(recorder.cancelled), slo=workload.slo))
+                    rejected=len(recorder.rejected), cancelled=len(recorder.cancelled), slo=workload.slo,
+                    speculation=recorder.speculation))
             on_phase(level.describe, phase.name, recorder.records)
     return served
 

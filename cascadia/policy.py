@@ -78,6 +78,7 @@ class Frame:
     group: int
     rows: tuple[Row, ...]  # decode rows (by admission order), each followed by its stream's drafts, then prompt rows
     padded_rows: int  # the row bucket the engine runs; rows beyond len(rows) are padding
+    drafted: bool = False  # some rows are drafts
     # the request ids of the sampled rows, in order (a speculating stream's once per row): made with the frame, as
     # the backend, the policy and the simulator's costs all read them
     sampled_ids: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
@@ -256,9 +257,12 @@ class Policy:
                 s.replaying = False
         if not rows:
             return None
+        drafted = False
         if self.speculation is not None and decoding and sum(map(bool, self._groups)) < self.n_groups:
+            undrafted = len(rows)
             rows = self._with_drafts(rows, decoding)
-        frame = Frame(self._seq, group, tuple(rows), padded_size(len(rows), self.row_buckets))
+            drafted = len(rows) > undrafted
+        frame = Frame(self._seq, group, tuple(rows), padded_size(len(rows), self.row_buckets), drafted)
         self._seq += 1
         self._in_flight[group] = frame
         return frame
@@ -279,13 +283,18 @@ class Policy:
             raise ValueError(f"frame {frame.seq} samples {len(frame.sampled_ids)} rows, got {len(tokens)} tokens")
         del self._in_flight[frame.group]
         events: list[Event] = []
-        for request_id, drafts, sampled in _by_stream(frame, tokens):
-            if request_id in self._cancelling:
-                continue
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
-                accepted += 1
-            events += self._take(self._streams[request_id], sampled[:accepted + 1], len(drafts))
+        if not frame.drafted:  # a token per stream: as a rule, and the simulator's every frame, so kept short
+            for request_id, token in zip(frame.sampled_ids, tokens):
+                if request_id not in self._cancelling:
+                    events += self._take(self._streams[request_id], (token,))
+        else:
+            for request_id, drafts, sampled in _by_stream(frame, tokens):
+                if request_id in self._cancelling:
+                    continue
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
+                    accepted += 1
+                events += self._take(self._streams[request_id], sampled[:accepted + 1], len(drafts))
         if self._cancelling:
             cancelled = sorted({row.request_id for row in frame.rows if row.request_id in self._cancelling})
             events += [self._release(self._streams[request_id], CANCELLED) for request_id in cancelled]
@@ -322,7 +331,7 @@ class Policy:
         return events + self._admit()
 
     # ---- internals ----------------------------------------------------------------------------------------------
-    def _take(self, stream: _Stream, tokens: Sequence[int], proposed: int) -> list[Event]:
+    def _take(self, stream: _Stream, tokens: Sequence[int], proposed: int = 0) -> list[Event]:
         """A stream's accepted tokens, cut after a stop id or its last token as without speculation."""
         events: list[Event] = []
         request, output = stream.request, stream.output

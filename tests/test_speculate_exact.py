@@ -13,7 +13,9 @@ import pytest
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.rows import BatchError
+from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import wire_frame
+from cascadia.pipeline.run import Pipeline
 from cascadia.pipeline.stage import EngineStage, RowSampler
 from cascadia.policy import DRAFT, Policy, Request, Token
 from cascadia.sampling import Sampling
@@ -129,3 +131,42 @@ def test_a_rewound_stream_keeps_nothing_of_its_rejected_rows(spec, speculative):
     run([(20, [1])])
     with pytest.raises(BatchError, match="rows start at 20"):
         engine.forward(engine.embed(np.array([5])), [0], [20])
+
+
+# ---- the 3-node pipeline ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def speculating_pipeline(spec, checkpoint):
+    """The tiny spec's three local nodes, each keeping the state a rewind of up to four drafts needs."""
+    spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, speculate="ngram:4"))
+    with Pipeline.start(spec, make_plan(spec), checkpoint=checkpoint, node_timeout_s=20) as started:
+        yield started
+    assert [p.returncode for p in started.local.processes] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("drafts", ["ngram", "replay", "wrong"])
+def test_the_pipeline_speculates_exactly_at_every_concurrency(spec, plain, speculating_pipeline, drafts, sampled):
+    workload = attrs.evolve(spec.workload, concurrency=(1, 4, 16), output_tokens=10, greedy=not sampled,
+                            temperature=0.8, top_p=0.9, seed=3)
+    prompts = [r.prompt_ids for r in repetitive_requests(16, sampled)]
+    sampling = Sampling.of(workload)
+    # each stream's tokens depend on its prompt and sampling only: the single-process engine, without speculation
+    expected, _ = serve(plain, spec.runtime, [Request(i, p, 10, sampling=sampling) for i, p in enumerate(prompts)],
+                        n_groups=1)
+    recorded = {prompt: expected[i] for i, prompt in enumerate(prompts)}
+    drafter = {"ngram": None, "replay": ReplayDrafter(recorded), "wrong": WrongDrafter(recorded)}[drafts]
+    done = speculating_pipeline.run(workload, prompts=prompts, drafter=drafter)
+    assert len(done.outputs) == 2 * (1 + 4 + 16)
+    for line in done.outputs:
+        assert line["output_ids"] == recorded[tuple(line["prompt_ids"])], f"request {line['request_id']}"
+    speculation = [level["speculation"] for level in done.result["levels"]]
+    # a lone stream leaves two stages idle: after its first token, 4 drafts all accepted, then the 3 it has left;
+    # or, all rejected, 4, then 1 a step (the draft length adapts) for the next 7 tokens, none for the last
+    if drafts != "ngram":  # at 4 and 16 streams too, once groups fall idle as the phase's requests run out
+        assert all(s["proposed"] > 0 for s in speculation)
+    if drafts == "replay":
+        assert speculation[0] == {"proposed": 7, "accepted": 7, "mean_accepted_per_step": 3.5}
+        assert all(s["accepted"] == s["proposed"] for s in speculation)
+    if drafts == "wrong":
+        assert speculation[0] == {"proposed": 4 + 7, "accepted": 0, "mean_accepted_per_step": 0}
+        assert all(s["accepted"] == 0 for s in speculation)

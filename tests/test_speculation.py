@@ -2,14 +2,19 @@
 verification exact at any concurrency against a stand-in stage that rewinds as the real ones do."""
 
 import zlib
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cascadia.policy import DECODE, DRAFT, PREFILL, STOP, Finished, Policy, Request, Token, Verified
+from cascadia.spec.load import load_spec
+from cascadia.spec.problems import SpecError
 from cascadia.spec.types import RuntimeSpec
 from cascadia.speculation import NgramDrafter, ReplayDrafter, Speculation, parse_speculate
+
+TINY_SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
 
 
 # ---- drafts ------------------------------------------------------------------------------------------------------
@@ -202,3 +207,15 @@ def test_the_replay_drafter_takes_a_lone_stream_to_its_end_in_fewer_frames():
     outputs, verified = serve([request], 2, ReplayDrafter({request.prompt_ids: expected[0]}))
     assert outputs == expected
     assert [(v.proposed, v.accepted) for v in verified] == [(3, 3)] * 2 + [(2, 2)]  # then one last plain decode
+
+
+@pytest.mark.parametrize("value, problem", [("ngram:3", None), ("ngram:0", "runtime.speculate"),
+                                            ("lookahead", "runtime.speculate")])
+def test_the_spec_runtime_may_speculate(tmp_path, value, problem):
+    text = TINY_SPEC.read_text().replace("runtime:\n", f"runtime:\n  speculate: {value}\n")
+    (tmp_path / "spec.yaml").write_text(text.replace("hf_config: tiny/", f"hf_config: {TINY_SPEC.parent}/tiny/"))
+    if problem is None:
+        assert load_spec(tmp_path / "spec.yaml").runtime.max_draft == 3
+    else:
+        with pytest.raises(SpecError, match=rf"{problem}.*ngram or ngram:MAX_DRAFT"):
+            load_spec(tmp_path / "spec.yaml")
