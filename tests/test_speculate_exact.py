@@ -5,13 +5,17 @@ drafts: prompt lookup, drafts always wrong, or a replay of the run's own outputs
 rewind keeps nothing of the rows it drops."""
 
 import random
+from pathlib import Path
 
 import attrs
 import numpy as np
+import openai
 import pytest
+from serving import Served
 
 from cascadia.engine.checkpoint import Checkpoint
-from cascadia.engine.engine import StageEngine
+from cascadia.engine.engine import Engine, StageEngine
+from cascadia.engine.generate import generate
 from cascadia.engine.rows import BatchError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import wire_frame
@@ -20,8 +24,10 @@ from cascadia.pipeline.stage import EngineStage, RowSampler
 from cascadia.policy import DRAFT, Policy, Request, Token
 from cascadia.sampling import Sampling
 from cascadia.speculation import NgramDrafter, ReplayDrafter
+from cascadia.tokenizer import load_tokenizer
 
 VOCAB = 512  # specs/tiny/config.json
+SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
 
 
 def whole_model(spec, checkpoint, speculate: str | None) -> EngineStage:
@@ -170,3 +176,24 @@ def test_the_pipeline_speculates_exactly_at_every_concurrency(spec, plain, specu
     if drafts == "wrong":
         assert speculation[0] == {"proposed": 4 + 7, "accepted": 0, "mean_accepted_per_step": 0}
         assert all(s["accepted"] == 0 for s in speculation)
+
+
+def test_serve_speculates_with_the_same_replies(tmp_path, spec, checkpoint):
+    """`cascadia serve --speculate`: the prompt's own phrase drafts for the first reply (rejected: the random model
+    does not go on with it), the phrase table (the first reply's tokens) for the same prompt asked again, which
+    greedy decoding and a seeded draw both make again; every reply is the one without speculation."""
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    tokenizer = load_tokenizer(checkpoint)
+    served = Served(tmp_path, SPEC, checkpoint, "--speculate", "ngram:4")
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=60)
+        prompt = [5, 9, 3, 5, 9, 3, 5, 9]
+        for sampling in (Sampling(), Sampling(0.9, 0.95, seed=4)):
+            expected = tokenizer.decode(list(generate(engine, prompt, 12, sampling).ids), skip_special_tokens=True)
+            for _ in range(2):
+                reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                                  temperature=sampling.temperature, top_p=sampling.top_p,
+                                                  seed=sampling.seed, extra_body={"ignore_eos": True})
+                assert reply.choices[0].text == expected
+    finally:
+        assert served.stop() == 0
