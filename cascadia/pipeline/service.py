@@ -181,8 +181,10 @@ class PipelineService:
                 self._drain_wake()
                 if completed is not None:
                     events = policy.complete_frame(*completed)
-                    self._launch(flight)  # the pipeline busy again before the tokens go to the HTTP side
-                    self._dispatch(events, coordinator.now())
+                    try:
+                        self._launch(flight)  # the pipeline busy again before the tokens go to the HTTP side
+                    finally:  # a node lost while launching: the tokens are the streams' all the same
+                        self._dispatch(events, coordinator.now())
                 self._update_stats(coordinator)
         except NodeLost as lost:
             return not self._recover(pipeline, lost)
