@@ -17,10 +17,13 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine, StageEngine
 from cascadia.engine.generate import generate
 from cascadia.engine.rows import BatchError
+from cascadia.graph.costs import stage_memory
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import wire_frame
+from cascadia.pipeline.node import ForeignFrame
 from cascadia.pipeline.run import Pipeline
 from cascadia.pipeline.stage import EngineStage, RowSampler
+from cascadia.pipeline.wire import Frame as WireFrame
 from cascadia.policy import DRAFT, Policy, Request, Token
 from cascadia.sampling import Sampling
 from cascadia.speculation import NgramDrafter, ReplayDrafter
@@ -197,3 +200,30 @@ def test_serve_speculates_with_the_same_replies(tmp_path, spec, checkpoint):
                 assert reply.choices[0].text == expected
     finally:
         assert served.stop() == 0
+
+
+def test_the_state_the_engine_allocates_is_the_state_the_plan_counts(spec, plain, speculative):
+    layers = range(spec.model.config.num_hidden_layers)
+    for stage, speculate in ((plain, None), (speculative, "ngram:4")):
+        runtime = attrs.evolve(spec.runtime, speculate=speculate)
+        assert stage_memory(spec.model, runtime, layers, True, True)[1] == stage.engine.state_bytes
+
+
+def test_a_frame_stepping_back_further_than_its_state_allows_is_foreign(speculative):
+    """The last stage refuses, before anything changes, rows that start further back than the drafts of the
+    slot's last call (or MAX_DRAFT) reach."""
+    def frame(seq, positions, tokens):
+        n = len(positions)
+        return WireFrame(seq, 0, [5] * n, positions, tokens, [True] * n, temperature=[0.0] * n, top_p=[1.0] * n,
+                         seed=[0] * n)
+
+    engine = speculative.engine
+    speculative.process(frame(0, range(8), [3] * 8))  # a prompt of 8 rows: the next may start up to 4 back
+    speculative.process(frame(1, range(6, 9), [3, 4, 5]))  # 2 back, 3 rows
+    before = engine.lengths.copy(), engine.reach.copy(), [s.conv_kv.copy() for s in engine.states]
+    with pytest.raises(ForeignFrame, match="is at position 9 .or up to 2 before., but its rows start at 6"):
+        speculative.process(frame(2, [6], [1]))
+    assert np.array_equal(engine.lengths, before[0]) and np.array_equal(engine.reach, before[1])
+    assert all(np.array_equal(s.conv_kv, kept) for s, kept in zip(engine.states, before[2]))
+    speculative.process(frame(3, [7], [1]))  # 2 back: taken
+    engine.release(5)
