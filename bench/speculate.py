@@ -6,7 +6,8 @@ repeated, so that prompt lookup has something to find): fresh ones (a prompt per
 speculation; with prompt-lookup (n-gram) drafts; and with the replay of the first run's outputs as drafts (every
 draft accepted: the ceiling); then REPEATED prompts over and over, without speculation and with n-gram drafts,
 which then come from the phrase table (the outputs of the requests that finished before). Every speculating run's
-tokens are checked against the run without on the same prompts.
+tokens are compared with the run without on the same prompts (the same in f32; bf16 rounding moves with a call's
+rows, so there they may differ).
 Reported per level: decode tokens/s, the speed-up, drafts accepted of proposed, mean accepted per verifying step,
 and, with a calibration (`cascadia calibrate`), the simulator's decode tokens/s and speed-up for the same workload,
 its drafts accepted at the measured acceptance (accepted / proposed; 1 for the replay). Not a test: it prints
@@ -74,9 +75,8 @@ def measured(spec, calibration: Calibration | None, max_draft: int) -> None:
     runs = {"n-gram": (plain, served(spec, fresh, None, speculate), expected),
             "replay": (plain, served(spec, fresh, ReplayDrafter(by_prompt(expected)), speculate), expected),
             "n-gram, repeated prompts": (plain_repeated, served(spec, repeated, None, speculate), expected_repeated)}
-    for name, (_, (_, outputs), reference) in runs.items():
-        if outputs != reference:
-            raise SystemExit(f"{name}: the tokens differ from the run without speculation")
+    differ = {name: sum(outputs[key] != reference[key] for key in reference)
+              for name, (_, (_, outputs), reference) in runs.items()}
     predicted_plain = simulate(spec, calibration)["levels"] if calibration else None
     rows = [("drafts", "streams", "decode tok/s", "speed-up", "accepted/proposed", "per step", "sim tok/s",
              "sim speed-up")]
@@ -99,8 +99,10 @@ def measured(spec, calibration: Calibration | None, max_draft: int) -> None:
                          f"{level['decode_tokens_per_s'] / plain[i]['decode_tokens_per_s']:.2f}",
                          f"{drafts['accepted']}/{drafts['proposed']}",
                          "-" if per_step is None else f"{per_step:.2f}", *sim))
+    same = "the same tokens with and without" if not any(differ.values()) else "requests whose tokens differ " \
+        "from the run without: " + ", ".join(f"{name} {n}/{len(expected)}" for name, n in differ.items())
     print(f"{spec.source}: {REQUESTS} requests of {OUTPUT_TOKENS} greedy tokens per phase, repetitive prompts, up "
-          f"to {max_draft} drafts (the same tokens with and without)")
+          f"to {max_draft} drafts, {spec.runtime.precision} compute ({same})")
     print(format_rows(rows))
 
 

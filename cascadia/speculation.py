@@ -111,7 +111,7 @@ class ReplayDrafter:
 
 
 class Speculation:
-    """A policy's speculation: a drafter, each stream's adaptive draft length, and the counts for the metrics."""
+    """A policy's speculation: a drafter, and each stream's draft length, adapting to what it accepts."""
 
     def __init__(self, drafter: Drafter, max_draft: int) -> None:
         if max_draft < 1:
