@@ -116,8 +116,8 @@ def simulated(spec, plan, calibration: Calibration, loss: Loss | None, detect_s:
     model = PipelineModel(spec, plan, calibration)
     recorder = Recorder(STREAMS, "measured")
     how = (loss, recovery(loss, spec, plan.stages, calibration, detect_s)) if loss else None
-    model.run_phase(Policy.for_runtime(spec.runtime, len(plan.stages)), ClosedLoop(requests(0), STREAMS), STREAMS,
-                    recorder, how)
+    policy = Policy.for_runtime(spec.runtime, len(plan.stages), plan.kv_blocks)
+    model.run_phase(policy, ClosedLoop(requests(0), STREAMS), STREAMS, recorder, how)
     return recorder.records, model.losses
 
 

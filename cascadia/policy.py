@@ -24,8 +24,12 @@ stream's tokens, so each accepted token is the one the stream gets without specu
 where the stream stands, and every stage rewinds to there (K/V are masked by position; convolution inputs and the
 sampler's history are kept for the positions a rewind can drop).
 
-Requests whose prompt plus `max_new_tokens` exceeds the context budget are rejected with a reason, never truncated:
-truncation would silently change what the client asked for. A stream finishes after `max_new_tokens` tokens, or
+Memory by need: the global layers' K/V live in blocks of `kv_block` positions from a pool of `kv_blocks` per node
+(the smallest node's bounds them all: every node holds every stream). A request is admitted when a slot and the
+blocks for its prompt plus `max_new_tokens` are free (held until it finishes, so that a stream never runs out
+mid-way), otherwise it waits, in arrival order. Requests whose prompt plus `max_new_tokens` exceeds the context
+budget, or needs more blocks than the pool holds, are rejected with a reason, never truncated: truncation would
+silently change what the client asked for. A stream finishes after `max_new_tokens` tokens, or
 earlier when it samples one of its request's `stop_ids` (EOS, when the workload says `stop_at_eos`).
 """
 
@@ -165,15 +169,19 @@ class _Stream:
 
 class Policy:
     def __init__(self, n_groups: int, max_streams: int, prefill_window: int, row_buckets: tuple[int, ...],
-                 context_budget: int, speculation: Speculation | None = None) -> None:
+                 context_budget: int, kv_blocks: int | None = None, kv_block: int = 64,
+                 speculation: Speculation | None = None) -> None:
+        """`kv_blocks` None: enough for every slot at the context budget (blocks never bound admission)."""
+        kv_blocks = max_streams * -(-context_budget // kv_block) if kv_blocks is None else kv_blocks
         for name, value in (("n_groups", n_groups), ("max_streams", max_streams), ("prefill_window", prefill_window),
-                            ("context_budget", context_budget)):
+                            ("context_budget", context_budget), ("kv_blocks", kv_blocks), ("kv_block", kv_block)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if not row_buckets or list(row_buckets) != sorted(set(row_buckets)) or row_buckets[0] < 1:
             raise ValueError(f"row_buckets must be increasing positive sizes, got {row_buckets}")
         self.n_groups, self.max_streams, self.prefill_window = n_groups, max_streams, prefill_window
         self.row_buckets, self.context_budget = tuple(row_buckets), context_budget
+        self.kv_blocks, self.kv_block, self.free_blocks = kv_blocks, kv_block, kv_blocks
         self.speculation = speculation
         self._waiting: deque[Request] = deque()
         self._free_slots = list(range(max_streams))  # a heap: the lowest free slot goes first
@@ -187,11 +195,13 @@ class Policy:
         self._seq = 0
 
     @classmethod
-    def for_runtime(cls, runtime: RuntimeSpec, n_groups: int, drafter: Drafter | None = None) -> Policy:
-        """The policy `runtime` says; with `runtime.speculate`, drafts from `drafter` (default: prompt lookup)."""
+    def for_runtime(cls, runtime: RuntimeSpec, n_groups: int, kv_blocks: int | None = None,
+                    drafter: Drafter | None = None) -> Policy:
+        """The policy `runtime` says. `kv_blocks`: the pool of the node with the fewest (`Plan.kv_blocks`); with
+        `runtime.speculate`, drafts from `drafter` (default: prompt lookup)."""
         speculation = Speculation(drafter or NgramDrafter(), runtime.max_draft) if runtime.max_draft else None
         return cls(n_groups, runtime.max_streams, runtime.prefill_window, runtime.row_buckets, runtime.context_budget,
-                   speculation)
+                   kv_blocks, runtime.kv_block, speculation)
 
     # ---- state ------------------------------------------------------------------------------------------------
     @property
@@ -231,6 +241,11 @@ class Policy:
             return [Rejected(request.id, f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
                                          f"({request.max_new_tokens}) = {needed} exceeds the context budget "
                                          f"of {self.context_budget} positions")]
+        if self._blocks(request) > self.kv_blocks:
+            return [Rejected(request.id, f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
+                                         f"({request.max_new_tokens}) = {needed} positions need "
+                                         f"{self._blocks(request)} K/V blocks of {self.kv_block}, more than the "
+                                         f"pool's {self.kv_blocks} ({self.kv_blocks * self.kv_block} positions)")]
         self._waiting.append(request)
         return self._admit()
 
@@ -331,6 +346,10 @@ class Policy:
         return events + self._admit()
 
     # ---- internals ----------------------------------------------------------------------------------------------
+    def _blocks(self, request: Request) -> int:
+        """K/V blocks a request holds from admission to its end: its prompt and every token it may make."""
+        return -(-(len(request.prompt_ids) + request.max_new_tokens) // self.kv_block)
+
     def _take(self, stream: _Stream, tokens: Sequence[int], proposed: int = 0) -> list[Event]:
         """A stream's accepted tokens, cut after a stop id or its last token as without speculation."""
         events: list[Event] = []
@@ -369,8 +388,9 @@ class Policy:
 
     def _admit(self) -> list[Event]:
         events: list[Event] = []
-        while self._waiting and self._free_slots:
+        while self._waiting and self._free_slots and self._blocks(self._waiting[0]) <= self.free_blocks:
             request = self._waiting.popleft()
+            self.free_blocks -= self._blocks(request)
             slot = heapq.heappop(self._free_slots)
             group = min(range(self.n_groups), key=lambda g: (len(self._groups[g]), g))
             stream = _Stream(request, slot, group, len(request.prompt_ids))
@@ -389,6 +409,7 @@ class Policy:
         if self.speculation is not None:
             self.speculation.finished(stream.request.id, stream.request.prompt_ids, stream.output)
         heapq.heappush(self._free_slots, stream.slot)
+        self.free_blocks += self._blocks(stream.request)
         return Finished(stream.request.id, stream.slot, reason, len(stream.output))
 
 

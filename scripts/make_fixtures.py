@@ -5,12 +5,17 @@ weights, global scales and routing corrections, is away from its trivial init) a
 InklingForCausalLM, saved with save_pretrained, read back in float32 with eager attention, and run to record
 reference logits. Run from the repository root:
 
-    python scripts/make_fixtures.py            # writes tests/fixtures/<case>/
+    python scripts/make_fixtures.py            # writes tests/fixtures/<case>/ and tests/fixtures/long/
+    python scripts/make_fixtures.py --only long
+
+The long case keeps no weights (tests rewrite them from its config and seed with `cascadia.engine.init_model`, the
+same draws) and only the logits of some positions: a few thousand positions of full logits would be megabytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -62,6 +67,23 @@ CASES = {
         n_shared_experts=2, route_scale=4.0, logits_mup_width_multiplier=3.0, conv_kernel_size=4,
     ), dict(dtype=torch.bfloat16), 12),
 }
+
+
+# Long positions: a small window and bias extent, so that thousands of positions wrap the sliding rings hundreds of
+# times and put almost every key beyond the bias bank; log scaling from position 64 (tau reaches 2.8 at 6k).
+LONG = dict(
+    vocab_size=128, hidden_size=32, num_hidden_layers=4, layer_types=[S, G, S, G],
+    mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16,
+    sliding_window_size=16, rel_extent=24, d_rel=4, log_scaling_n_floor=64, log_scaling_alpha=0.4,
+    intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+    n_shared_experts=2, route_scale=2.5, logits_mup_width_multiplier=2.0, conv_kernel_size=4,
+    max_position_embeddings=8192,
+)
+LONG_PROMPT = 6080  # prompt tokens; then LONG_DECODE greedy tokens, one at a time with the cache
+LONG_DECODE = 64
+LONG_SAMPLED = 48  # prompt positions whose full-forward logits are kept (besides the last)
 
 
 def build_model(hf: dict, seed: int) -> InklingForCausalLM:
@@ -132,13 +154,51 @@ def make_case(name: str, hf: dict, save_options: dict, prefill_len: int, root: P
     print(f"  {check_window(model, ids)}")
 
 
+@torch.no_grad()
+def greedy(model: InklingForCausalLM, prompt: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """n greedy tokens after the prompt (prompt at once, then one token at a time with the cache), and the logits
+    each was taken from [n, V]."""
+    cache = DynamicCache(config=model.config)
+    row = model(torch.from_numpy(prompt)[None], cache=cache, use_cache=True).logits[0, -1]
+    tokens, rows = [], []
+    for _ in range(n):
+        rows.append(row)
+        tokens.append(int(row.argmax()))
+        row = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0, 0]
+    return np.array(tokens, np.int64), torch.stack(rows).numpy()
+
+
+def make_long_case(root: Path, seed: int) -> None:
+    """tests/fixtures/long: config.json and reference.npz (see tests/fixtures/README.md)."""
+    out = root / "long"
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(LONG, seed)
+    (out / "config.json").write_text(json.dumps(InklingConfig.from_hf_dict(LONG).to_hf_dict(), indent=2) + "\n")
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, LONG["vocab_size"], LONG_PROMPT, dtype=np.int64)
+    full = logits(model, prompt)
+    positions = np.unique(np.r_[np.sort(rng.choice(LONG_PROMPT - 1, LONG_SAMPLED, replace=False)), LONG_PROMPT - 1])
+    tokens, decode = greedy(model, prompt, LONG_DECODE)
+    whole = logits(model, np.r_[prompt, tokens[:-1]])[LONG_PROMPT - 1:]
+    gap = np.abs(decode - whole).max()
+    assert gap <= TOLERANCE, f"long: cached decode differs from the full forward by {gap}"
+    np.savez_compressed(out / "reference.npz", seed=np.int64(seed), prompt_ids=prompt, positions=positions,
+                        prompt_logits=full[positions], greedy_ids=tokens, greedy_logits=decode)
+    print(f"long: {LONG_PROMPT} prompt tokens, logits at {len(positions)} positions (std {full.std():.3f}), "
+          f"{LONG_DECODE} greedy tokens; cached decode vs full forward max |diff| {gap:.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/fixtures"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=[*CASES, "long"], help="write this case alone")
     args = parser.parse_args()
     for name, (hf, save_options, prefill_len) in CASES.items():
-        make_case(name, hf, save_options, prefill_len, args.out, args.seed)
+        if args.only in (None, name):
+            make_case(name, hf, save_options, prefill_len, args.out, args.seed)
+    if args.only in (None, "long"):
+        make_long_case(args.out, args.seed)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ MOE_PATHS = {"fused": "never", "grouped": 1}
 def case(request):
     name, moe_path = request.param
     path = FIXTURES / name
-    runtime = RuntimeSpec(precision="f32", max_streams=12, context_budget=64, moe_grouped_from=MOE_PATHS[moe_path])
+    # Blocks of 8 positions: the global layers' keys of a stream lie in several blocks, and streams interleave.
+    runtime = RuntimeSpec(precision="f32", max_streams=12, context_budget=64, kv_block=8,
+                          moe_grouped_from=MOE_PATHS[moe_path])
     engine = Engine(Checkpoint.open(path), runtime)
     moe_layers = [layer for layer in engine.stage.layers if layer.router is not None]
     assert moe_layers and all(layer.runs_grouped(b) == (moe_path == "grouped")
@@ -104,7 +106,7 @@ def test_sliding_rings_wrap_exactly():
     ids = np.random.default_rng(2).integers(0, 256, 150)
     wrapped = Engine(checkpoint, RuntimeSpec(precision="f32", max_streams=1, context_budget=150))
     whole = Engine(checkpoint, RuntimeSpec(precision="f32", max_streams=1, context_budget=150, row_buckets=(8, 160)))
-    assert wrapped.stage.states[0].k.shape[2] == 39 and whole.stage.states[0].k.shape[2] == 150
+    assert wrapped.stage.states[0].kv.k.shape[2] == 39 and whole.stage.states[0].kv.k.shape[2] == 150
     expected = whole.score(ids)
     np.testing.assert_allclose(wrapped.score(ids, prefill=50), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
@@ -131,3 +133,25 @@ def test_rows_must_continue_their_streams(case):
         engine.score(np.zeros(65, np.int64), slot=6)
     assert stage.lengths[5] == 4  # refused rows change nothing
     np.testing.assert_allclose(engine.step([5], ref["ids"][4:5])[0], ref["prefill_logits"][4], atol=1e-5)
+
+
+def test_streams_take_pool_blocks_as_they_grow_and_give_them_back():
+    """A pool of 6 blocks of 8 positions shared by 4 slots: streams take blocks as they pass each multiple of 8,
+    rows the pool cannot hold are refused before any state changes, and a released stream's blocks serve the next
+    (its logits those of a fresh engine)."""
+    checkpoint = Checkpoint.open(FIXTURES / "base")
+    ref = dict(np.load(FIXTURES / "base" / "reference.npz"))
+    runtime = RuntimeSpec(precision="f32", max_streams=4, context_budget=64, kv_block=8)
+    engine = Engine(checkpoint, runtime, kv_blocks=6)
+    pool = engine.stage.pool
+    engine.prefill(0, ref["ids"][:17])  # 3 blocks
+    engine.prefill(1, ref["mixed_a_ids"][:8])  # 1 block
+    assert (pool.held(0), pool.held(1), pool.free) == (3, 1, 2)
+    with pytest.raises(BatchError, match="the K/V pool has 2 free blocks of 8 positions, these rows need 3 more"):
+        engine.step([2] * 17, ref["mixed_b_ids"][:17])
+    assert engine.stage.lengths[2] == 0 and pool.free == 2
+    engine.release(0)
+    assert pool.free == 5
+    assert_close(engine.prefill(2, ref["ids"][:25]), ref["prefill_logits"][24])  # 4 blocks, 3 of them slot 0's
+    assert_close(engine.step([1], ref["mixed_a_ids"][8:9])[0], ref["mixed_a_logits"][8])  # its second block
+    assert pool.free == 0

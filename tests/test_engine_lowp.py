@@ -57,7 +57,7 @@ def test_half_precision_state_agrees_with_f32(fixture, kv_precision):
     checkpoint, ref, exact = fixture
     engine = Engine(checkpoint, RuntimeSpec(precision="f32", kv_precision=kv_precision))
     state = engine.stage.states[0]
-    assert state.k.itemsize == state.conv_kv.itemsize == 2
+    assert state.kv.k.itemsize == state.conv_kv.itemsize == 2
     half = engine.score(ref["ids"], prefill=int(ref["prefill_len"]))
     top1 = np.mean(half.argmax(-1) == exact.argmax(-1))
     error = np.abs(half - exact).max() / np.abs(exact).max()

@@ -77,9 +77,12 @@ def everything_on_node0(d):
     (drop_key, "stages[1].node is missing"),
     (set_stage(1, "est_time_s", True), "stages[1].est_time_s must be a number, not true"),
     (lambda d: d.update(stages=[]), "stages is empty"),
-    (lambda d: d.update(version=2), "plan version 2 is not 1"),
-    (everything_on_node0, "stages[0] needs 65.48 MiB on node node0 (weights 1.15 MiB, state 338.00 KiB for 8 streams "
-                          "x 64 positions, reserve 64.00 MiB) but it has 65.00 MiB: plan again for this spec"),
+    (lambda d: d.update(version=1), "plan version 1 is not 2"),
+    (everything_on_node0, "stages[0] has no K/V pool, where the spec needs blocks of 64 positions for at least 64: "
+                          "plan again for this spec"),
+    (set_stage(1, "kv_blocks", 10**6), "stages[1] needs 15.32 GiB on node node1 (weights 597.07 KiB, state 15.26 "
+                                       "GiB: 8 streams' slots and a K/V pool of 1,000,000 blocks of 64 positions"),
+    (set_stage(1, "kv_block", 32), "stages[1] has a K/V pool of "),
 ])
 def test_a_bad_plan_names_the_file_and_the_stage_at_fault(spec_path, saved, change, message):
     bad = edited(saved, change)
@@ -98,7 +101,7 @@ def test_a_plan_that_is_not_an_object(spec_path, tmp_path):
 def test_a_plan_saved_for_fewer_streams_does_not_fit_once_max_streams_grows(spec_path, saved):
     spec_path.write_text(SPEC.replace("max_streams: 8", "max_streams: 64"))
     with pytest.raises(PlanError,
-                       match=r"stages\[0\] needs 65.56 MiB .* state 1.00 MiB for 64 streams x 64 positions"):
+                       match=r"stages\[0\] needs 65.56 MiB .* state 1.00 MiB: 64 streams' slots and no K/V pool"):
         load_plan(saved, load_spec(spec_path))
 
 

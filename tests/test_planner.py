@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 import cascadia.cli
-from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops, state_bytes
+from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops, least_state_bytes
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import InfeasiblePlan, RooflineStageTime, min_max_split, plan, stage_roles
 from cascadia.model_config import InklingConfig
@@ -59,8 +59,7 @@ def memory_need(spec: Spec, stage: int, first: int, last: int) -> int:
     roles = stage_roles(stage, len(spec.cluster.nodes))
     return (sum(c.weight_bytes for c in costs) + embedding_cost(spec.model).weight_bytes * ("embed" in roles)
             + head_cost(spec.model).weight_bytes * ("head" in roles)
-            + spec.runtime.max_streams * state_bytes(costs, spec.runtime.context_budget)
-            + spec.cluster.reserve(spec.cluster.nodes[stage]))
+            + least_state_bytes(costs, spec.runtime) + spec.cluster.reserve(spec.cluster.nodes[stage]))
 
 
 def brute_force(spec: Spec, stage_time) -> tuple[float, float] | None:
@@ -109,14 +108,16 @@ def test_plan_is_optimal_against_brute_force(seed):
             plan(spec)
         return
     p = plan(spec)
-    fullest = max((s.weight_bytes + s.state_bytes + spec.cluster.reserve_bytes) / n.memory_bytes
-                  for s, n in zip(p.stages, spec.cluster.nodes))
+    fullest = max(memory_need(spec, j, s.first_layer, s.last_layer) / n.memory_bytes
+                  for j, (s, n) in enumerate(zip(p.stages, spec.cluster.nodes)))
     assert (p.bottleneck_s, fullest) == expected
     assert [s.node for s in p.stages] == [n.name for n in spec.cluster.nodes]
     assert sum(stage_sizes(p)) == spec.model.config.num_hidden_layers and min(stage_sizes(p)) >= 1
-    for j, s in enumerate(p.stages):
-        assert s.weight_bytes + s.state_bytes + spec.cluster.reserve_bytes == memory_need(spec, j, s.first_layer,
+    for j, (s, node) in enumerate(zip(p.stages, spec.cluster.nodes)):
+        # the pool takes what the least state leaves, in whole blocks
+        assert s.weight_bytes + s.state_bytes + spec.cluster.reserve_bytes >= memory_need(spec, j, s.first_layer,
                                                                                          s.last_layer)
+        assert s.weight_bytes + s.state_bytes + s.free_bytes + spec.cluster.reserve_bytes == node.memory_bytes
         assert s.free_bytes >= 0
 
 
@@ -193,14 +194,26 @@ def test_papers_deployment_context_grows_8_kib_per_position_per_node():
     sliding = [c for c in costs if c.kv_window]
     assert len(costs) - len(sliding) == 1  # one global layer per six
     # beyond the sliding layers' entries (the window's last 511 keys and a call's 32 rows) only the global layer's K/V
-    # grows: 8 KiB per position (f32)
+    # grows: 8 KiB per position (f32), in blocks of 64 positions
     fixed = sum(c.conv_state_bytes for c in costs) + sum(c.kv_bytes_per_position * c.kv_window for c in sliding)
     room = middle.free_bytes + middle.state_bytes
-    assert middle.max_positions_per_stream == (room - fixed) // (8 * 2**10)
+    assert middle.kv_blocks == (room - fixed) // (64 * 8 * 2**10)
+    assert middle.max_positions_per_stream == middle.positions_one_stream == 64 * middle.kv_blocks
     assert middle.max_positions_per_stream > 512 * 2**10  # the paper: 512k positions per stream fit
 
 
-def test_max_positions_per_stream_is_the_largest_that_fits():
+def test_a_stream_may_reach_the_whole_pool_when_the_others_are_short():
+    """176 slots and a context budget of 256k: every node keeps each slot's own state and one stream's 256k
+    positions of K/V; the rest of its memory is pool, shared by the streams as they grow."""
+    p = plan(paper_spec(max_streams=176, context_budget=256 * 1024))
+    pool = p.kv_blocks
+    assert pool == min(s.kv_blocks for s in p.stages) and pool * 64 >= 256 * 1024
+    assert all(s.max_positions_per_stream == s.kv_blocks // 176 * 64 for s in p.stages)
+    with pytest.raises(InfeasiblePlan, match="176 streams' slots and K/V for one stream of 524288 positions"):
+        plan(paper_spec(max_streams=176, context_budget=512 * 1024))
+
+
+def test_the_pool_takes_what_weights_slots_and_reserve_leave_in_whole_blocks():
     checked = 0
     for seed in range(60):
         spec = small_spec(random.Random(seed), n_layers=6, n_nodes=2)
@@ -208,17 +221,18 @@ def test_max_positions_per_stream_is_the_largest_that_fits():
             p = plan(spec)
         except InfeasiblePlan:
             continue
-        streams = spec.runtime.max_streams
-        for s in p.stages:
-            costs = layer_costs(spec.model, spec.runtime)[s.first_layer:s.last_layer + 1]
-            room = s.free_bytes + s.state_bytes
-            if s.max_positions_per_stream is None:
-                assert all(c.kv_window for c in costs)
-                assert streams * state_bytes(costs, 10**9) <= room
+        runtime, streams = spec.runtime, spec.runtime.max_streams
+        for s, node in zip(p.stages, spec.cluster.nodes):
+            costs = layer_costs(spec.model, runtime)[s.first_layer:s.last_layer + 1]
+            slots = streams * sum(c.slot_bytes(runtime.context_budget) for c in costs)
+            block = runtime.kv_block * sum(c.pool_bytes_per_position for c in costs)
+            room = node.memory_bytes - s.weight_bytes - spec.cluster.reserve_bytes - slots
+            if s.kv_blocks is None:
+                assert all(c.kv_window for c in costs) and s.max_positions_per_stream is None
             else:
-                assert streams * state_bytes(costs, s.max_positions_per_stream) <= room
-                assert streams * state_bytes(costs, s.max_positions_per_stream + 1) > room
-                assert s.max_positions_per_stream >= spec.runtime.context_budget
+                assert s.kv_blocks == room // block and s.state_bytes == slots + s.kv_blocks * block
+                assert s.positions_one_stream >= runtime.context_budget
+                assert s.max_positions_per_stream == s.kv_blocks // streams * runtime.kv_block
             checked += 1
     assert checked > 20
 
@@ -242,14 +256,14 @@ def test_infeasible_plan_names_the_node_and_what_would_fit():
     with pytest.raises(InfeasiblePlan) as info:
         plan(spec)
     message = str(info.value)
-    assert "node pc1 is short of memory by 8.88 GiB" in message
-    assert "state 20.13 GiB for 400 streams x 1024 positions" in message
-    assert "max_streams 223, or context_budget 322, or 2 more nodes like pc0 (61.20 GiB each, 13 in all)" in message
+    assert "node pc1 is short of memory by 5.77 GiB" in message
+    assert "state 17.01 GiB: 400 streams' slots and K/V for one stream of 1024 positions" in message
+    assert "max_streams 264, or context_budget 354, or 2 more nodes like pc0 (61.20 GiB each, 13 in all)" in message
     # each suggestion is the edge of what fits
     runtime = spec.runtime
-    plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, max_streams=223)))
-    plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, context_budget=322)))
-    for too_much in (attrs.evolve(runtime, max_streams=224), attrs.evolve(runtime, context_budget=323)):
+    plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, max_streams=264)))
+    plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, context_budget=354)))
+    for too_much in (attrs.evolve(runtime, max_streams=265), attrs.evolve(runtime, context_budget=355)):
         with pytest.raises(InfeasiblePlan):
             plan(attrs.evolve(spec, runtime=too_much))
     for extra, fits in ((1, False), (2, True)):
@@ -310,7 +324,8 @@ def test_cli_plan_prints_the_table_and_writes_json(tmp_path, given_spec):
                                                 "-o", str(tmp_path / "plan.json")])
     assert out.exit_code == 0, out.output
     assert out.output.splitlines()[0].split() == ["node", "layers", "roles", "weight", "GiB", "state", "GiB", "free",
-                                                  "GiB", "positions/stream", "est.", "ms"]
+                                                  "GiB", "K/V", "blocks", "positions:", "1", "stream", "each", "of",
+                                                  "max", "est.", "ms"]
     assert "pc0   0-6     embed+layers" in out.output and "params: 947.03B total, 41.06B active" in out.output
     saved = json.loads((tmp_path / "p.json").read_text())
     assert saved == json.loads((tmp_path / "plan.json").read_text())

@@ -12,6 +12,45 @@ def policy(n_groups=1, max_streams=4, prefill_window=8, row_buckets=(2, 8), cont
     return Policy(n_groups, max_streams, prefill_window, row_buckets, context_budget)
 
 
+def test_requests_wait_for_kv_blocks_and_one_that_never_fits_is_rejected_with_the_numbers():
+    """A pool of 5 blocks of 8 positions for 4 slots: a request holds the blocks of its prompt + max_new_tokens
+    from admission to its end; the next waits (in order, though a slot is free) until they are given back."""
+    p = Policy(1, 4, 8, (2, 8), context_budget=64, kv_blocks=5, kv_block=8)
+    assert p.add_request(Request(0, tuple(range(20)), 4)) == [Admitted(0, 0, 0)]  # 24 positions: 3 blocks
+    assert p.add_request(Request(1, tuple(range(10)), 7)) == []  # 17: 3 blocks, 2 free
+    assert p.add_request(Request(2, (1,), 1)) == []  # behind request 1
+    assert (p.free_blocks, p.waiting) == (2, 2)
+    [rejected] = p.add_request(Request(3, tuple(range(40)), 10))
+    assert rejected == Rejected(3, "prompt (40 tokens) + max_new_tokens (10) = 50 positions need 7 K/V blocks of 8, "
+                                   "more than the pool's 5 (40 positions)")
+    events = []
+    while not any(isinstance(e, Finished) for e in events):
+        f = p.next_frame(0)
+        events = p.complete_frame(f, dict.fromkeys(f.sampled_ids, 9))
+    assert events[-2:] == [Admitted(1, 0, 0), Admitted(2, 1, 0)] and p.free_blocks == 1
+
+
+def test_a_64k_prompt_enters_in_hundreds_of_frames_while_another_stream_decodes_in_every_one():
+    """prefill_window is the per-frame budget of prompt tokens: with 256 and a row bucket of 264 for prefill frames
+    (256 prompt rows beside up to 8 decode rows; decode frames, of a few rows, pad to the small buckets), a
+    65,536-token prompt takes 256 frames, and the stream already decoding gets a token from each of them: it waits
+    at most one chunk."""
+    p = Policy(1, 2, 256, (1, 2, 8, 32, 264), context_budget=70_000, kv_block=64)
+    p.add_request(Request(0, (5,), 300))
+    p.complete_frame(f := p.next_frame(0), {0: 1})
+    p.add_request(Request(1, tuple(range(65_536)), 1))
+    frames = []
+    while len(frames) < 300:
+        frames.append(f := p.next_frame(0))
+        events = p.complete_frame(f, dict.fromkeys(f.sampled_ids, 7))
+        if any(isinstance(e, Token) and e.request_id == 1 for e in events):
+            break
+    assert len(frames) == 256
+    assert all(sum(r.kind == PREFILL for r in f.rows) == 256 and f.rows[0].kind == DECODE for f in frames)
+    assert {f.padded_rows for f in frames} == {264}
+    assert shape(p.next_frame(0)) == (0, 1, [(0, 257, DECODE, 7, True)])
+
+
 def shape(frame):
     """A frame as (group, padded rows, [(request, position, kind, token, sampled)]) for golden comparisons."""
     return frame.group, frame.padded_rows, [(r.request_id, r.position, r.kind, r.token, r.sampled) for r in frame.rows]

@@ -80,8 +80,8 @@ def paper_simulator(concurrency: tuple[int, ...]) -> tuple[Spec, PipelineModel, 
     spec = load_spec(PAPER_SPEC)
     spec = attrs.evolve(spec, workload=attrs.evolve(spec.workload, concurrency=concurrency))
     the_plan = plan(spec)
-    return spec, PipelineModel(spec, the_plan, analytic_calibration(spec)), Policy.for_runtime(spec.runtime,
-                                                                                               len(the_plan.stages))
+    policy = Policy.for_runtime(spec.runtime, len(the_plan.stages), the_plan.kv_blocks)
+    return spec, PipelineModel(spec, the_plan, analytic_calibration(spec)), policy
 
 
 def serve_phases(spec: Spec, model: PipelineModel, policy: Policy,

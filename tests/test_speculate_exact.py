@@ -72,7 +72,8 @@ class WrongDrafter(ReplayDrafter):
 def serve(stage: EngineStage, runtime, requests, n_groups: int, drafter=None, seed: int = 0):
     """Every request at once (each a stream); frames of the groups in flight are computed in a random order. Each
     request's tokens, and the frames."""
-    policy = Policy.for_runtime(attrs.evolve(runtime, speculate="ngram:4" if drafter else None), n_groups, drafter)
+    policy = Policy.for_runtime(attrs.evolve(runtime, speculate="ngram:4" if drafter else None), n_groups,
+                                 drafter=drafter)
     rng, outputs, frames, in_flight = random.Random(seed), {}, [], {}
     for request in requests:
         policy.add_request(request)

@@ -73,7 +73,7 @@ def test_bad_speculate_settings_say_what_is_accepted(value):
 
 # ---- the policy --------------------------------------------------------------------------------------------------
 def speculating(outputs, n_groups=2, max_draft=4, buckets=(1, 2, 4, 8)) -> Policy:
-    return Policy(n_groups, 4, 4, buckets, 64, Speculation(ReplayDrafter(outputs), max_draft))
+    return Policy(n_groups, 4, 4, buckets, 64, speculation=Speculation(ReplayDrafter(outputs), max_draft))
 
 
 def layout(frame):
@@ -165,7 +165,7 @@ class WrongDrafter:
 def serve(requests, n_groups, drafter=None, max_draft=3, draw=lambda options: options[0]):
     """Each request's output tokens, and the Verified events."""
     speculation = Speculation(drafter, max_draft) if drafter is not None else None
-    p = Policy(n_groups, 4, 3, (1, 2, 4), 64, speculation)
+    p = Policy(n_groups, 4, 3, (1, 2, 4), 64, speculation=speculation)
     model, outputs, verified, in_flight = RewindingModel(max_draft if drafter else 0), {}, [], {}
     for request in requests:
         p.add_request(request)

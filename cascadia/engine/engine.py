@@ -1,10 +1,11 @@
 """The resident Inkling engine: `StageEngine` serves a run of consecutive layers (one pipeline stage, optionally
 with the embedding and the head), `Engine` is all of them in one process.
 
-Streams live in slots. A slot holds, per layer, the stream's K/V ring and its four short-convolution states, and
-the stage remembers each slot's length (its next position), so rows that do not continue their stream are refused
-before any state changes. Rows of different streams at different positions share one call; a slot's rows in a
-call are consecutive and at consecutive positions (one decode row, or a prefill chunk).
+Streams live in slots. A slot holds, per layer, the stream's keys and values (a ring on a sliding layer, blocks of
+the stage's K/V pool on a global one, taken as the stream grows) and its four short-convolution states, and the
+stage remembers each slot's length (its next position), so rows that do not continue their stream, or that the pool
+has no room for, are refused before any state changes. Rows of different streams at different positions share one
+call; a slot's rows in a call are consecutive and at consecutive positions (one decode row, or a prefill chunk).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, device_precision, pick_device
 from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.inkling import DecoderLayer, SlotState, rms_norm
+from cascadia.engine.kv_store import BlockPool, PagedKV, SlotRing
 from cascadia.engine.layer_build import build_layer
 from cascadia.engine.moe_choice import measured_grouped_from
 from cascadia.engine.quantize import Quantized, quantize_stacks
@@ -37,14 +39,16 @@ ProgressFn = Callable[[int, int], None]  # (parts built, parts to build): embedd
 class StageEngine:
     def __init__(self, checkpoint: Checkpoint, layers: range, *, embed: bool, head: bool, runtime: RuntimeSpec,
                  formats: WeightFormats = WeightFormats(), device: str = "auto", threads: int | None = None,
-                 dense_slices: int | None = None, warm_up: bool = True, progress: ProgressFn | None = None):
+                 dense_slices: int | None = None, warm_up: bool = True, progress: ProgressFn | None = None,
+                 kv_blocks: int | None = None):
         """Compile the stage's graphs (one per weight block, dynamic rows) and allocate its slots, as `runtime`
-        says: compute `precision`, `max_streams` slots of `context_budget` positions, states stored in
-        `kv_precision` (computed with in f32), calls padded to `row_buckets`. `formats`: how weights are stored.
-        `dense_slices`: run dense MLPs as that many all-active expert slices. `warm_up`: run every graph at every
-        bucket once now, so that first requests are not slow. MoE calls of at least `moe_grouped_from` rows run
-        expert-grouped (`cascadia.engine.moe_choice`; "auto" is measured here and the result kept in
-        `self.moe_grouped_from`, None for fused only)."""
+        says: compute `precision`, `max_streams` slots of at most `context_budget` positions, states stored in
+        `kv_precision` (computed with in f32), calls padded to `row_buckets`. The global layers' keys and values take
+        blocks of `kv_block` positions from a pool of `kv_blocks` (None: enough for every slot at the budget).
+        `formats`: how weights are stored. `dense_slices`: run dense MLPs as that many all-active expert slices.
+        `warm_up`: run every graph at every bucket once now, so that first requests are not slow. MoE calls of at
+        least `moe_grouped_from` rows run expert-grouped (`cascadia.engine.moe_choice`; "auto" is measured here and
+        the result kept in `self.moe_grouped_from`, None for fused only)."""
         cfg = self.config = checkpoint.config
         if len(layers) and not (0 <= layers[0] and layers[-1] < cfg.num_hidden_layers and layers.step == 1):
             raise ValueError(f"layers must be consecutive within 0..{cfg.num_hidden_layers - 1}, got {layers}")
@@ -76,15 +80,23 @@ class StageEngine:
             self.embed_norm = checkpoint.tensor(EMBED_NORM)
             advance()
         self.layers, self.states = [], []
+        fmt = StateFormat(runtime.kv_precision)
+        self.pool = BlockPool(kv_blocks or runtime.max_streams * runtime.blocks_for(context_budget), runtime.kv_block,
+                              runtime.max_streams)
         self.moe_grouped_from = _grouped_setting(runtime)
         for i in layers:
             grouped = compile_grouped if self.moe_grouped_from is not None else None
             self.layers.append(build_layer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices,
                                            grouped))
             self._choose_moe_path(self.layers[-1])
-            ring = cfg.kv_entries(i, context_budget, self.max_rows)
-            self.states.append(SlotState(self.layers[-1].shape, ring, cfg.hidden_size, cfg.conv_kernel_size,
-                                         runtime.max_streams, StateFormat(runtime.kv_precision), self.rewind))
+            shape = self.layers[-1].shape
+            if cfg.is_sliding(i):
+                kv = SlotRing(runtime.max_streams, shape.kv_heads, cfg.kv_entries(i, context_budget, self.max_rows),
+                              shape.head_dim, fmt)
+            else:
+                kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt)
+            self.states.append(SlotState(kv, cfg.hidden_size, cfg.conv_kernel_size, runtime.max_streams, fmt,
+                                         self.rewind))
             advance()
         if head:
             self.final_norm = checkpoint.tensor(FINAL_NORM)
@@ -113,11 +125,11 @@ class StageEngine:
     def for_stage(cls, spec: Spec, stage: Stage, checkpoint: Checkpoint, *, threads: int | None = None,
                   progress: ProgressFn | None = None) -> StageEngine:
         """The engine of one stage of a plan, as the spec's runtime and weight formats and the stage's node say
-        (`threads`, when given, in place of the node's)."""
+        (`threads`, when given, in place of the node's), with the K/V pool the plan gives it."""
         node = spec.cluster.node(stage.node)
         return cls(checkpoint, stage.layers, embed=EMBED_ROLE in stage.roles, head=HEAD_ROLE in stage.roles,
                    runtime=spec.runtime, formats=spec.model.formats, device=node.device,
-                   threads=node.threads if threads is None else threads, progress=progress)
+                   threads=node.threads if threads is None else threads, progress=progress, kv_blocks=stage.kv_blocks)
 
     @property
     def blocks(self) -> list[CompiledBlock]:
@@ -125,7 +137,8 @@ class StageEngine:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of the per-stream state allocated for every slot: K/V rings and convolution histories."""
+        """Bytes of the per-stream state allocated: sliding rings and convolution histories of every slot, the K/V
+        pool (committed as it is written)."""
         return sum(state.nbytes for state in self.states)
 
     @property
@@ -152,6 +165,7 @@ class StageEngine:
         if x.shape != (len(rows.slots), self.config.hidden_size):
             raise BatchError(f"hidden rows must be [{len(rows.slots)}, {self.config.hidden_size}] (one per slot and "
                              f"position), got {list(x.shape)}")
+        self.pool.grow(dict(zip(rows.group_slots.tolist(), ends.tolist())))
         for layer, state in zip(self.layers, self.states):
             x = layer.forward(x, rows, state)
         self.lengths[rows.group_slots] = ends
@@ -175,18 +189,26 @@ class StageEngine:
                              f"({self.context_budget})")
         return rows
 
+    # Told the rows the head reads, on every call of `logits`: how `cascadia draft-eval` captures the final hidden
+    # states of the deployed path. None: nobody listens.
+    head_input_observer: Callable[[np.ndarray], None] | None = None
+
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Final norm, division by the muP width multiplier, head; only the unpadded vocabulary [T, V]."""
         if self.head is None:
             raise RuntimeError("this stage was built without the head")
         cfg = self.config
         h = rms_norm(np.asarray(hidden, dtype=np.float32), self.final_norm, cfg.rms_norm_eps)
-        return self.head(h / np.float32(cfg.logits_mup_width_multiplier))[0][:, : cfg.output_vocab_size]
+        head_input = h / np.float32(cfg.logits_mup_width_multiplier)
+        if self.head_input_observer is not None:
+            self.head_input_observer(head_input)
+        return self.head(head_input)[0][:, : cfg.output_vocab_size]
 
     def release(self, slot: int) -> None:
         """Forget a slot's stream; its next rows start at position 0."""
         for state in self.states:
             state.release(slot)
+        self.pool.release(slot)
         self.lengths[slot] = self.reach[slot] = 0
 
 

@@ -10,7 +10,7 @@ its relative-position bias, residuals, and the FP32 restoration of the MLP's out
       q|k|v|r = qkvr(h)                                   compiled
       k, v = k_sconv(k), v_sconv(v)                       causal, over each stream's last K-1 inputs
       q, k = q_norm(q), k_norm(k)                         per head
-      a = attention(q, k, v) + relative bias(r)           over each stream's K/V ring; log-scaled on global layers
+      a = attention(q, k, v) + relative bias(r)           over each stream's keys; log-scaled on global layers
       x = x + attn_sconv(o_proj(a))                       compiled o_proj
       h = post_attention_layernorm(x)
       m = SwiGLU(h) * global_scale                        dense layers, compiled
@@ -19,8 +19,8 @@ its relative-position bias, residuals, and the FP32 restoration of the MLP's out
       x = x + mlp_sconv(m)
 
 Shapes: T rows of one call (several streams, each at its own positions), n one stream's rows in it, H hidden,
-h query heads, kv key/value heads, d head dim, r d_rel, X a layer's bias extent (distances 0..X-1), R a stream's
-K/V ring entries, m keys attended, K convolution kernel, C a convolution's channels, k routed experts per row,
+h query heads, kv key/value heads, d head dim, r d_rel, X a layer's bias extent (distances 0..X-1), m keys
+attended, K convolution kernel, C a convolution's channels, k routed experts per row,
 S shared experts.
 
 FP32 restoration (the paper's scheme for FP16 expert arithmetic; FP16 overflows above 65504): the build divides the
@@ -35,6 +35,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from cascadia.engine.attention import AttentionShape, KeyStore, attend
 from cascadia.engine.device import Compiled, CompiledBlock
 from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.rows import Rows
@@ -118,81 +119,16 @@ def row_factor(*weights: np.ndarray) -> np.ndarray:
     return np.exp2(np.ceil(np.log2(np.maximum(total, 1)))).astype(np.float32)
 
 
-# ---- attention over a stream's K/V ring --------------------------------------------------------------------------
-@attrs.frozen
-class AttentionShape:
-    heads: int
-    kv_heads: int
-    head_dim: int
-    window: int | None  # keys at distance >= window are masked (sliding layers); None = causal only
-    bias_extent: int  # the relative-bias bank covers distances 0 .. bias_extent-1; zero beyond
-    log_scaling: tuple[int, float] | None  # (n_floor, alpha) on global layers that scale queries and bias
-
-
-def log_scale(positions: np.ndarray, n_floor: int, alpha: float) -> np.ndarray:
-    """tau(p) = 1 + alpha * log(max((p + 1) / n_floor, 1)), in FP32 as the reference."""
-    ratio = (positions + 1).astype(np.float32) / np.float32(n_floor)
-    return np.float32(1) + np.float32(alpha) * np.log(np.maximum(ratio, np.float32(1)))
-
-
-def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, rel: np.ndarray,
-           ring_k: np.ndarray, ring_v: np.ndarray, slots: np.ndarray, first: np.ndarray,
-           fmt: StateFormat = StateFormat()) -> np.ndarray:
-    """G streams' n rows each (all decode rows of a call at once, n = 1, or a prefill chunk), stream g's at
-    positions first[g]..: q [G, n, h, d], k/v [G, n, kv, d], rel [G, n, h, X] (bias per distance) -> attention
-    output [G, n, h * d]. Writes the new keys and values into the streams' rings first: every slot's rings
-    [slots, kv, R, d], stream g's at `slots[g]`.
-
-    Position p lives at ring entry p % R. A global layer's ring is the whole context budget (it never wraps); a
-    sliding layer's keeps window - 1 + (most rows per call) entries, so that writing a chunk never overwrites a key
-    an earlier row of the same chunk still sees. Keys are attended in ring order (softmax does not care); each
-    key's position, for the mask and the bias, follows from its entry. A stream reads its ring's first m entries,
-    m the most any of the G has filled, and masks the entries it has not filled itself."""
-    streams, n = q.shape[:2]
-    ring = ring_k.shape[2]
-    positions = first[:, None] + np.arange(n)  # [G, n]
-    ring_k[slots[:, None], :, positions % ring] = fmt.encode(k)
-    ring_v[slots[:, None], :, positions % ring] = fmt.encode(v)
-    last = first + n - 1
-    filled = np.minimum(ring, last + 1)
-    entries = np.arange(filled.max())  # m
-    key_positions = last[:, None] - (last[:, None] - entries) % ring  # [G, m]
-    distance = positions[:, :, None] - key_positions[:, None, :]  # [G, n, m]
-
-    heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
-    in_bank = (distance >= 0) & (distance < shape.bias_extent)
-    bias = np.take_along_axis(rel, np.clip(distance, 0, shape.bias_extent - 1)[:, :, None, :], axis=3)
-    bias = np.where(in_bank[:, :, None], bias, np.float32(0)).transpose(0, 2, 1, 3)  # [G, h, n, m]
-    if shape.log_scaling is not None:
-        tau = log_scale(positions, *shape.log_scaling)[:, :, None, None]  # [G, n, 1, 1]
-        q = q * tau
-        bias = bias * tau.transpose(0, 2, 1, 3)
-
-    # Query head i reads kv head i // (h / kv): group the queries of one kv head as rows of one matmul.
-    grouped_q = q.transpose(0, 2, 1, 3).reshape(streams, kv_heads, -1, head_dim)  # [G, kv, (h / kv) n, d]
-    keys = fmt.decode(ring_k[slots, :, : len(entries)])  # [G, kv, m, d]
-    scores = (grouped_q @ keys.transpose(0, 1, 3, 2)).reshape(streams, heads, n, len(entries))
-    scores = scores * np.float32(1 / head_dim) + bias  # q and k are RMS-normalised: 1/d, not 1/sqrt(d)
-    allowed = (distance >= 0) & (entries < filled[:, None])[:, None, :]
-    if shape.window is not None:
-        allowed &= distance < shape.window
-    probs = softmax(np.where(allowed[:, None], scores, -np.inf)).reshape(streams, kv_heads, -1, len(entries))
-    out = (probs @ fmt.decode(ring_v[slots, :, : len(entries)])).reshape(streams, heads, n, head_dim)
-    return out.transpose(0, 2, 1, 3).reshape(streams, n, heads * head_dim)
-
-
 class SlotState:
-    """A layer's state for every slot: K/V rings [slots, kv, R, d] and the last K-1+rewind inputs of its short
-    convolutions [slots, K-1+rewind, C] (those of k and v side by side: they run as one; `rewind`, the positions a
-    stream may step back, see `cascadia.engine.rows`), all stored in `fmt`. Zero-filled, so pages are only committed
-    as slots fill."""
+    """A layer's state for every slot: its keys and values (`kv`: a ring per slot on a sliding layer, blocks of the
+    stage's pool on a global one) and the last K-1+rewind inputs of its short convolutions [slots, K-1+rewind, C]
+    (those of k and v side by side: they run as one; `rewind`, the positions a stream may step back, see
+    `cascadia.engine.rows`), all stored in `fmt`. Zero-filled, so pages are only committed as slots fill."""
 
-    def __init__(self, shape: AttentionShape, ring: int, hidden: int, kernel: int, slots: int,
-                 fmt: StateFormat = StateFormat(), rewind: int = 0):
-        self.fmt = fmt
-        kv = (slots, shape.kv_heads, ring, shape.head_dim)
-        self.k, self.v = fmt.zeros(kv), fmt.zeros(kv)
-        kv_width = shape.kv_heads * shape.head_dim
+    def __init__(self, kv: KeyStore, hidden: int, kernel: int, slots: int, fmt: StateFormat = StateFormat(),
+                 rewind: int = 0):
+        self.kv, self.fmt = kv, fmt
+        kv_width = kv.k.shape[1] * kv.k.shape[3]
         history = kernel - 1 + rewind
         self.conv_kv = fmt.zeros((slots, history, 2 * kv_width))
         self.conv_attn = fmt.zeros((slots, history, hidden))
@@ -200,10 +136,11 @@ class SlotState:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.k, self.v, self.conv_kv, self.conv_attn, self.conv_mlp))
+        return self.kv.nbytes + sum(a.nbytes for a in (self.conv_kv, self.conv_attn, self.conv_mlp))
 
     def release(self, slot: int) -> None:
-        """Ready a slot for a new stream. Stale K/V need no clearing: a stream only reads entries it wrote."""
+        """Ready a slot for a new stream. Stale K/V need no clearing: a stream only reads entries it wrote (its
+        blocks go back to the pool with `BlockPool.release`, once for all layers)."""
         for states in (self.conv_kv, self.conv_attn, self.conv_mlp):
             states[slot] = 0
 
@@ -261,8 +198,8 @@ class DecoderLayer:
         for count in np.unique(rows.counts).tolist():  # streams with as many rows in one call: all decode rows
             groups = np.flatnonzero(rows.counts == count)
             part = rows.starts[groups][:, None] + np.arange(count)  # [G, n] rows of these streams
-            out[part] = attend(self.shape, q[part], k[part], v[part], rel[part], state.k, state.v,
-                               rows.group_slots[groups], rows.positions[rows.starts[groups]], state.fmt)
+            out[part] = attend(self.shape, q[part], k[part], v[part], rel[part], state.kv,
+                               rows.group_slots[groups], rows.positions[rows.starts[groups]])
         return out
 
     def expert_inputs(self, h: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:

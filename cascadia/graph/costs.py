@@ -69,6 +69,16 @@ class LayerCost:
         """K/V and convolution state of one stream of `context` positions."""
         return self.kv_bytes_per_position * self.kv_positions(context) + self.conv_state_bytes
 
+    def slot_bytes(self, context: int) -> int:
+        """What every slot holds, however long its stream: the convolution states and, on a sliding layer, its K/V
+        ring (for a context budget of `context`)."""
+        return self.state_bytes(context) - self.pool_bytes_per_position * context
+
+    @property
+    def pool_bytes_per_position(self) -> int:
+        """K/V bytes a stream takes from the stage's pool per position: a global layer's (0 on a sliding one)."""
+        return self.kv_bytes_per_position if self.kv_window is None else 0
+
 
 @attrs.frozen
 class EndCost:
@@ -207,10 +217,17 @@ def state_bytes(costs: list[LayerCost], context: int) -> int:
     return sum(c.state_bytes(context) for c in costs)
 
 
+def least_state_bytes(costs: list[LayerCost], runtime: RuntimeSpec) -> int:
+    """The least state a stage of these layers must be able to hold: every slot's own (`LayerCost.slot_bytes`) for
+    `runtime.max_streams` slots, and K/V pool blocks for one stream at the context budget."""
+    context = runtime.context_budget
+    return (runtime.max_streams * sum(c.slot_bytes(context) for c in costs)
+            + runtime.blocks_for(context) * runtime.kv_block * sum(c.pool_bytes_per_position for c in costs))
+
+
 def stage_memory(model: ModelSpec, runtime: RuntimeSpec, layers: range, embed: bool, head: bool) -> tuple[int, int]:
-    """What a stage holding `layers` (and the embedding, the head) allocates, as the planner counts it: its weight
-    bytes as the engine holds them, and its state bytes for `runtime.max_streams` streams of
-    `runtime.context_budget` positions."""
+    """What a stage holding `layers` (and the embedding, the head) needs at least, as the planner counts it: its
+    weight bytes as the engine holds them, and `least_state_bytes`."""
     costs = layer_costs(model, runtime)[layers.start:layers.stop]
     ends = (embed and embedding_cost(model).weight_bytes) + (head and head_cost(model).weight_bytes)
-    return sum(c.held_bytes for c in costs) + ends, runtime.max_streams * state_bytes(costs, runtime.context_budget)
+    return sum(c.held_bytes for c in costs) + ends, least_state_bytes(costs, runtime)

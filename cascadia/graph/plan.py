@@ -16,7 +16,7 @@ from cascadia.files import UnreadableFile, read_json
 from cascadia.table import format_rows
 from cascadia.units import binary_unit
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: stages name their K/V pool
 MAX_PLAN_FILE_BYTES = 16 * 1024**2  # a stage takes about 300 bytes
 # Roles a stage holds: its decoder layers, and the embedding or head at the ends of the pipeline.
 EMBED = "embed"  # token embedding and admission (first stage)
@@ -37,15 +37,22 @@ class Stage:
     last_layer: int  # inclusive
     roles: tuple[str, ...]  # "embed", "layers", "head"
     weight_bytes: int
-    state_bytes: int  # K/V and convolution state for max_streams x context_budget
-    free_bytes: int  # memory left after weights, state and reserve
-    # context per stream that would fit at max_streams; None = any (the stage keeps only sliding-window K/V)
+    state_bytes: int  # every slot's own state (convolutions, sliding rings) and the K/V pool
+    free_bytes: int  # memory left after weights, state and reserve (less than a block)
+    # context per stream when max_streams streams share the pool alike; None = any (only sliding-window K/V)
     max_positions_per_stream: int | None
     est_time_s: float  # estimated time of one decode row through this stage
+    kv_blocks: int | None = None  # the K/V pool's blocks (of the global layers); None = no global layer, no pool
+    kv_block: int = 64  # positions per block
 
     @property
     def layers(self) -> range:
         return range(self.first_layer, self.last_layer + 1)
+
+    @property
+    def positions_one_stream(self) -> int | None:
+        """The longest context one stream alone could reach in the pool; None = any."""
+        return None if self.kv_blocks is None else self.kv_blocks * self.kv_block
 
 
 @attrs.frozen
@@ -62,6 +69,7 @@ class Plan:
             "stages": [
                 {"node": s.node, "layers": [s.first_layer, s.last_layer], "roles": list(s.roles),
                  "weight_bytes": s.weight_bytes, "state_bytes": s.state_bytes, "free_bytes": s.free_bytes,
+                 "kv_blocks": s.kv_blocks, "kv_block": s.kv_block,
                  "max_positions_per_stream": s.max_positions_per_stream, "est_time_s": s.est_time_s}
                 for s in self.stages
             ],
@@ -85,6 +93,12 @@ class Plan:
                    total_params=field("total_params", int), active_params=field("active_params", int),
                    bottleneck_s=float(field("bottleneck_s", _NUMBER)), cost_source=field("cost_source", str))
 
+    @property
+    def kv_blocks(self) -> int | None:
+        """The smallest pool of any stage (every node holds every stream): what admission counts; None = no pool."""
+        pools = [s.kv_blocks for s in self.stages if s.kv_blocks is not None]
+        return min(pools) if pools else None
+
     def hops(self) -> list[tuple[str, str]]:
         """(node, the next stage's node) for every stage, the last with the first's: where each stage sends its rows
         (the last sends the sampled tokens back to the first). A one-stage plan's hop is (node, node)."""
@@ -93,12 +107,16 @@ class Plan:
     def table(self) -> str:
         """The plan for people: one line per stage, then totals and what the stage times bound."""
         unit, size = binary_unit(max(max(s.weight_bytes, s.state_bytes, s.free_bytes) for s in self.stages))
-        rows = [("node", "layers", "roles", f"weight {unit}", f"state {unit}", f"free {unit}", "positions/stream",
-                 "est. ms")]
+        rows = [("node", "layers", "roles", f"weight {unit}", f"state {unit}", f"free {unit}", "K/V blocks",
+                 "positions: 1 stream", "each of max", "est. ms")]
+
+        def count(n: int | None) -> str:
+            return "any" if n is None else f"{n:,}"
         for s in self.stages:
-            positions = "any" if s.max_positions_per_stream is None else f"{s.max_positions_per_stream:,}"
             rows.append((s.node, f"{s.first_layer}-{s.last_layer}", "+".join(s.roles), f"{s.weight_bytes / size:.2f}",
-                         f"{s.state_bytes / size:.2f}", f"{s.free_bytes / size:.2f}", positions,
+                         f"{s.state_bytes / size:.2f}", f"{s.free_bytes / size:.2f}",
+                         "-" if s.kv_blocks is None else f"{s.kv_blocks:,} x {s.kv_block}",
+                         count(s.positions_one_stream), count(s.max_positions_per_stream),
                          f"{s.est_time_s * 1e3:.3f}"))
         slowest = max(self.stages, key=lambda s: s.est_time_s)
         one_row = sum(s.est_time_s for s in self.stages)
@@ -126,6 +144,13 @@ class Plan:
         except UnreadableFile as e:
             raise PlanError(f"{path}: cannot read plan: {e}") from None
         return cls.from_dict(d, where=str(path))
+
+
+def stage_state_words(streams: int, stage: Stage) -> str:
+    """A stage's state in words, for messages: "16 streams' slots and a K/V pool of 1,024 blocks of 64 positions"."""
+    pool = "no K/V pool" if stage.kv_blocks is None else f"a K/V pool of {stage.kv_blocks:,} blocks of " \
+                                                           f"{stage.kv_block} positions"
+    return f"{streams} streams' slots and {pool}"
 
 
 T = TypeVar("T")
@@ -168,6 +193,7 @@ def _stage_from_dict(d: object, label: str) -> Stage:
     roles = tuple(_typed(role, str, f"{label}.roles[{i}]") for i, role in enumerate(field("roles", list)))
     return Stage(node=field("node", str), first_layer=first, last_layer=last, roles=roles,
                  weight_bytes=field("weight_bytes", int), state_bytes=field("state_bytes", int),
-                 free_bytes=field("free_bytes", int),
+                 free_bytes=field("free_bytes", int), kv_blocks=field("kv_blocks", _INT_OR_NULL),
+                 kv_block=field("kv_block", int),
                  max_positions_per_stream=field("max_positions_per_stream", _INT_OR_NULL),
                  est_time_s=float(field("est_time_s", _NUMBER)))

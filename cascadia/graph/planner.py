@@ -1,10 +1,12 @@
 """The planner: which consecutive decoder layers each node holds.
 
 The layers are cut into one contiguous stage per node, in the cluster's node order; the first stage also holds the
-embedding, the last the final norm and head. A stage fits when its weights, the K/V and convolution state of
-`runtime.max_streams` streams of `runtime.context_budget` positions, and the node's reserve fit in its
-`memory_bytes`. Among the partitions that fit, the planner takes the one whose slowest stage is fastest, and among
-those the one whose fullest node is least full. Both are exact dynamic programs over (stage, last layer).
+embedding, the last the final norm and head. A stage fits when its weights, the state of its `runtime.max_streams`
+slots (convolution states, sliding layers' K/V rings), the global layers' K/V for one stream of
+`runtime.context_budget` positions, and the node's reserve fit in its `memory_bytes`. What is left becomes the node's
+K/V pool, in blocks of `runtime.kv_block` positions, shared by its streams as they grow. Among the partitions
+that fit, the planner takes the one whose slowest stage is fastest, and among those the one whose fullest node is
+least full. Both are exact dynamic programs over (stage, last layer).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cascadia.errors import PlanError
-from cascadia.graph.costs import LayerCost, embedding_cost, head_cost, layer_costs, state_bytes
-from cascadia.graph.plan import EMBED, HEAD, LAYERS, Plan, Stage, ring_pairs
+from cascadia.graph.costs import embedding_cost, head_cost, layer_costs
+from cascadia.graph.plan import EMBED, HEAD, LAYERS, Plan, Stage, ring_pairs, stage_state_words
 from cascadia.spec.types import NodeSpec, Spec
 from cascadia.units import binary_unit
 from cascadia.wire_format import frame_bytes, tokens_bytes
@@ -92,23 +94,25 @@ class RooflineStageTime:
 
 class _Memory:
     """Bytes a stage needs on its node: weights, state for the streams, reserve (running sums over layers, since
-    the dynamic programs ask for every stage)."""
+    the dynamic programs ask for every stage). State is every slot's own (`LayerCost.slot_bytes`) plus pool blocks
+    for one stream at the context."""
 
     def __init__(self, spec: Spec, nodes: tuple[NodeSpec, ...]) -> None:
         self.spec, self.nodes = spec, nodes
         self.costs = layer_costs(spec.model, spec.runtime)
         self._weights = [0, *itertools.accumulate(c.held_bytes for c in self.costs)]
+        self._pool = [0, *itertools.accumulate(c.pool_bytes_per_position for c in self.costs)]
         ends = {EMBED: embedding_cost(spec.model).weight_bytes, HEAD: head_cost(spec.model).weight_bytes}
         self._all_weights = self._weights[-1] + sum(ends.values())
         self._end_weights = [sum(size for role, size in ends.items() if role in stage_roles(j, len(nodes)))
                              for j in range(len(nodes))]
         self._reserves = [spec.cluster.reserve(node) for node in nodes]
-        self._state: dict[int, list[int]] = {}  # context -> running sum of per-stream state over layers
+        self._slot: dict[int, list[int]] = {}  # context -> running sum of per-slot state over layers
 
-    def _state_sums(self, context: int) -> list[int]:
-        if context not in self._state:
-            self._state[context] = [0, *itertools.accumulate(c.state_bytes(context) for c in self.costs)]
-        return self._state[context]
+    def _slot_sums(self, context: int) -> list[int]:
+        if context not in self._slot:
+            self._slot[context] = [0, *itertools.accumulate(c.slot_bytes(context) for c in self.costs)]
+        return self._slot[context]
 
     def all_weights(self) -> int:
         return self._all_weights
@@ -116,22 +120,32 @@ class _Memory:
     def weights(self, stage: int, first: int, last: int) -> int:
         return self._weights[last + 1] - self._weights[first] + self._end_weights[stage]
 
-    def state(self, first: int, last: int, context: int) -> int:
-        """Per stream."""
-        sums = self._state_sums(context)
+    def slot_state(self, first: int, last: int, context: int) -> int:
+        """Of one slot."""
+        sums = self._slot_sums(context)
         return sums[last + 1] - sums[first]
+
+    def block_bytes(self, first: int, last: int) -> int:
+        """Of one pool block: the global layers' K/V of `kv_block` positions."""
+        return (self._pool[last + 1] - self._pool[first]) * self.spec.runtime.kv_block
+
+    def state(self, first: int, last: int, streams: int, context: int) -> int:
+        """Slots for `streams` streams, pool blocks for one of `context` positions."""
+        blocks = self.spec.runtime.blocks_for(context)
+        return streams * self.slot_state(first, last, context) + blocks * self.block_bytes(first, last)
 
     def reserve(self, stage: int) -> int:
         return self._reserves[stage]
 
     def need(self, stage: int, first: int, last: int, streams: int, context: int) -> int:
-        return self.weights(stage, first, last) + streams * self.state(first, last, context) + self._reserves[stage]
+        return self.weights(stage, first, last) + self.state(first, last, streams, context) + self._reserves[stage]
 
     def shortfall(self, streams: int, context: int) -> Callable[[int, int, int], float]:
         """Score of a stage for `min_max_split`: bytes it needs beyond its node's memory (<= 0 when it fits);
         math.inf for a stage whose length breaks its node's `layers` pin. Inlined from `need`: it is called for
         every candidate stage."""
-        weights, state = self._weights, self._state_sums(context)
+        weights, slot, pool = self._weights, self._slot_sums(context), self._pool
+        one_stream = self.spec.runtime.blocks_for(context) * self.spec.runtime.kv_block
         fixed = [ends + reserve - node.memory_bytes
                  for ends, reserve, node in zip(self._end_weights, self._reserves, self.nodes)]
         pins = [node.layers for node in self.nodes]
@@ -139,7 +153,8 @@ class _Memory:
         def score(j: int, a: int, b: int) -> float:
             if pins[j] is not None and b - a + 1 != pins[j]:
                 return math.inf
-            return weights[b + 1] - weights[a] + streams * (state[b + 1] - state[a]) + fixed[j]
+            return (weights[b + 1] - weights[a] + streams * (slot[b + 1] - slot[a])
+                    + one_stream * (pool[b + 1] - pool[a]) + fixed[j])
         return score
 
     def fits(self, streams: int, context: int) -> bool:
@@ -169,23 +184,6 @@ def min_max_split(n_stages: int, n_layers: int, score: Callable[[int, int, int],
     return best[n_stages][n_layers], firsts[::-1]
 
 
-def _max_positions(costs: list[LayerCost], streams: int, budget: int) -> int | None:
-    """Largest context per stream whose state for `streams` streams fits in `budget` bytes (given that the
-    planned context fits); None when the state stops growing (sliding layers only) and still fits."""
-    def fits(positions: int) -> bool:
-        return streams * state_bytes(costs, positions) <= budget
-
-    if all(c.kv_window is not None for c in costs) and fits(max(c.kv_window for c in costs)):
-        return None
-    lo, hi = 0, 1
-    while fits(hi):
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
 def _gib(n: float) -> str:
     """Binary units with 2 decimals, GiB for the sizes that matter, smaller ones for toy models: "61.20 GiB",
     "3.50 KiB". Not units.format_bytes: its shortest exact text ("65.712999631 GB") or rounding to significant digits
@@ -209,11 +207,11 @@ def _extra_nodes_needed(spec: Spec, memory: _Memory, like: NodeSpec) -> int | No
     """Fewest copies of `like` that, appended to the fleet, make the plan fit; None if no number does."""
     streams, context, n_layers = spec.runtime.max_streams, spec.runtime.context_budget, len(memory.costs)
     room = like.memory_bytes - spec.cluster.reserve(like)
-    if room <= 0 or any(c.held_bytes + streams * c.state_bytes(context) > room for c in memory.costs):
+    if room <= 0 or any(c.held_bytes + memory.state(c.layer, c.layer, streams, context) > room for c in memory.costs):
         return None  # some layer does not fit even alone
     # start from what the total memory demands, then check the cuts themselves
     nodes = memory.nodes
-    total_need = (memory.all_weights() + streams * memory.state(0, n_layers - 1, context)
+    total_need = (memory.all_weights() + memory.state(0, n_layers - 1, streams, context)
                   + sum(spec.cluster.reserve(n) for n in nodes))
     shortage = total_need - sum(n.memory_bytes for n in nodes)
     for extra in range(max(1, math.ceil(shortage / room)), n_layers - len(nodes) + 1):
@@ -229,11 +227,11 @@ def _infeasible_message(spec: Spec, memory: _Memory, firsts: list[int]) -> str:
     stages = [(j, first, end - 1) for j, (first, end) in enumerate(zip(firsts, [*firsts[1:], n_layers]))]
     j, first, last = max(stages, key=lambda s: score(*s))
     node = nodes[j]
-    weights, state = memory.weights(j, first, last), streams * memory.state(first, last, context)
+    weights, state = memory.weights(j, first, last), memory.state(first, last, streams, context)
     extras = "".join(f" + {role}" for role in stage_roles(j, len(nodes)) if role != LAYERS)
     message = (f"node {node.name} is short of memory by {_gib(score(j, first, last))}: in the split that fits best, "
                f"layers {first}-{last}{extras} need {_gib(memory.need(j, first, last, streams, context))} (weights "
-               f"{_gib(weights)}, state {_gib(state)} for {streams} streams x {context} positions, reserve "
+               f"{_gib(weights)}, state {_gib(state)}: {_state_words(streams, context)}, reserve "
                f"{_gib(memory.reserve(j))}) but it has {_gib(node.memory_bytes)}.")
     options = []
     if streams > 1 and (s := _largest_fitting(streams - 1, lambda s: memory.fits(s, context))):
@@ -247,6 +245,10 @@ def _infeasible_message(spec: Spec, memory: _Memory, firsts: list[int]) -> str:
     if not options:
         return message + " Neither fewer streams, a smaller context budget nor more such nodes would make it fit."
     return message + " It would fit with " + ", or ".join(options) + "."
+
+
+def _state_words(streams: int, context: int) -> str:
+    return f"{streams} streams' slots and K/V for one stream of {context} positions"
 
 
 def _check_pins(nodes: tuple[NodeSpec, ...], n_layers: int) -> None:
@@ -295,11 +297,15 @@ def plan(spec: Spec, stage_time: StageTime | None = None, cost_source: str = "cu
     stages = []
     for j, (first, end) in enumerate(zip(firsts, [*firsts[1:], n_layers])):
         last, node = end - 1, nodes[j]
-        weights, state = memory.weights(j, first, last), streams * memory.state(first, last, context)
-        room_for_state = node.memory_bytes - weights - memory.reserve(j)
+        weights, slots = memory.weights(j, first, last), streams * memory.slot_state(first, last, context)
+        room_for_pool = node.memory_bytes - weights - memory.reserve(j) - slots
+        block = memory.block_bytes(first, last)
+        blocks = room_for_pool // block if block else None  # None: no global layer, no pool
+        state = slots + (blocks or 0) * block
         stages.append(Stage(node=node.name, first_layer=first, last_layer=last, roles=stage_roles(j, n_nodes),
-                            weight_bytes=weights, state_bytes=state, free_bytes=room_for_state - state,
-                            max_positions_per_stream=_max_positions(memory.costs[first:end], streams, room_for_state),
+                            weight_bytes=weights, state_bytes=state, free_bytes=room_for_pool + slots - state,
+                            kv_blocks=blocks, kv_block=runtime.kv_block,
+                            max_positions_per_stream=None if blocks is None else blocks // streams * runtime.kv_block,
                             est_time_s=time_of(j, first, last)))
     ends = embedding_cost(spec.model).params + head_cost(spec.model).params
     return Plan(stages=tuple(stages), total_params=sum(c.params for c in memory.costs) + ends,
@@ -362,17 +368,28 @@ def _check_nodes(stages: tuple[Stage, ...], spec: Spec, where: str) -> None:
 
 
 def _check_memory(stages: tuple[Stage, ...], spec: Spec, where: str) -> None:
-    """Each stage's weights, state for the spec's streams and context, and its node's reserve, counted as the
-    planner counts them, fit in the node's memory."""
+    """Each stage's weights, the spec's slots, the stage's K/V pool and its node's reserve, counted as the planner
+    counts them, fit in the node's memory; the pool holds a stream at the context budget, in the spec's blocks."""
     by_name = {node.name: node for node in spec.cluster.nodes}
     nodes = tuple(by_name[stage.node] for stage in stages)
-    memory, streams, context = _Memory(spec, nodes), spec.runtime.max_streams, spec.runtime.context_budget
+    runtime = spec.runtime
+    memory, streams, context = _Memory(spec, nodes), runtime.max_streams, runtime.context_budget
+    again = "plan again for this spec (`cascadia plan SPEC -o FILE`)"
     for i, (stage, node) in enumerate(zip(stages, nodes)):
         first, last = stage.first_layer, stage.last_layer
-        need = memory.need(i, first, last, streams, context)
+        pooled = memory.block_bytes(first, last) > 0
+        if pooled and (stage.kv_blocks is None or stage.kv_block != runtime.kv_block
+                       or stage.kv_blocks < runtime.blocks_for(context)):
+            pool = ("no K/V pool" if stage.kv_blocks is None else
+                    f"a K/V pool of {stage.kv_blocks} blocks of {stage.kv_block} positions")
+            raise PlanError(f"{where}: stages[{i}] has {pool}, where the spec needs blocks of {runtime.kv_block} "
+                            f"positions for at least {context}: {again}")
+        state = streams * memory.slot_state(first, last, context) + (stage.kv_blocks or 0) * pooled * \
+            memory.block_bytes(first, last)
+        need = memory.weights(i, first, last) + state + memory.reserve(i)
         if need > node.memory_bytes:
             raise PlanError(
                 f"{where}: stages[{i}] needs {_gib(need)} on node {node.name} (weights "
-                f"{_gib(memory.weights(i, first, last))}, state {_gib(streams * memory.state(first, last, context))} "
-                f"for {streams} streams x {context} positions, reserve {_gib(memory.reserve(i))}) but it has "
-                f"{_gib(node.memory_bytes)}: plan again for this spec (`cascadia plan SPEC -o FILE`)")
+                f"{_gib(memory.weights(i, first, last))}, state {_gib(state)}: "
+                f"{stage_state_words(streams, stage)}, reserve {_gib(memory.reserve(i))}) but it has "
+                f"{_gib(node.memory_bytes)}: {again}")

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import attrs
 
-from cascadia.graph.costs import stage_memory
-from cascadia.graph.plan import EMBED, HEAD, Plan
+from cascadia.graph.plan import Plan
 from cascadia.host_cpus import format_cpus
 from cascadia.host_memory import shortfall
 from cascadia.pipeline.coordinator import NodeLost, PipelineError
@@ -131,16 +130,15 @@ class LocalNodes:
 
 
 def check_host_memory(spec: Spec, plan: Plan) -> None:
-    """Local nodes share this machine: what their stages allocate together (weights, and state for every slot's whole
-    context, as the planner counts them) must fit in its available memory, or they would start, serve, and be
-    killed by the kernel once their contexts filled (the state's pages are only taken when written)."""
-    needs = {stage.node: sum(stage_memory(spec.model, spec.runtime, stage.layers, EMBED in stage.roles,
-                                          HEAD in stage.roles)) for stage in plan.stages}
+    """Local nodes share this machine: what their stages allocate together (weights, every slot's own state and the
+    K/V pool, as the plan counts them) must fit in its available memory, or they would start, serve, and be killed
+    by the kernel once their streams filled the pools (the state's pages are only taken when written)."""
+    needs = {stage.node: stage.weight_bytes + stage.state_bytes for stage in plan.stages}
     if short := shortfall(sum(needs.values())):
         each = ", ".join(f"{node} {format_bytes(need, digits=3)}" for node, need in needs.items())
         raise PipelineError(f"the plan's {len(needs)} local nodes need {format_bytes(sum(needs.values()), digits=3)} "
-                            f"together ({each}: weights, and state for {spec.runtime.max_streams} streams x "
-                            f"{spec.runtime.context_budget} positions) {short}")
+                            f"together ({each}: weights, {spec.runtime.max_streams} streams' slots and the K/V "
+                            f"pools) {short}")
 
 
 def thread_env(threads: int | None) -> dict[str, str]:

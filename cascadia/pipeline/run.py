@@ -171,7 +171,7 @@ class Pipeline:
         if prompts is None:
             prompts = workload_prompts(workload, self.checkpoint, spec.model.config)
         notes = prompt_length_notes(prompts, workload, spec.runtime) if prompts else []
-        policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages), drafter)
+        policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages), self.plan.kv_blocks, drafter)
         served, outputs = Served(), Outputs()
         coordinator = self.coordinator
         coordinator.frame_log = FrameLog(coordinator.nodes) if trace else None

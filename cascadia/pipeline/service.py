@@ -79,7 +79,7 @@ class PipelineService:
         self._start = {"checkpoint": checkpoint, "addresses": addresses, "node_timeout_s": node_timeout_s,
                        "stall_s": stall_s}
         self._replace_timeout_s = replace_timeout_s
-        self._policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
+        self._policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_blocks)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._wake_reader.setblocking(False)
@@ -183,7 +183,7 @@ class PipelineService:
                     events = policy.complete_frame(*completed)
                     try:
                         self._launch(flight)  # the pipeline busy again before the tokens go to the HTTP side
-                    finally:  # a node lost while launching: the tokens are the streams' all the same
+                    finally:  # ... and they go even when the launch finds a node lost: the policy counts them made
                         self._dispatch(events, coordinator.now())
                 self._update_stats(coordinator)
         except NodeLost as lost:
@@ -258,7 +258,7 @@ class PipelineService:
         for request_id, on_event in list(self._listeners.items()):
             on_event(Failed(request_id, reason), 0.0)
         self._listeners.clear()
-        self._policy = Policy.for_runtime(self.spec.runtime, self._policy.n_groups)
+        self._policy = Policy.for_runtime(self.spec.runtime, self._policy.n_groups, self.plan.kv_blocks)
 
     def _refuse_waiting(self, reason: str) -> None:
         """While a stage is down: requests that came fail at once, and stats requests get nothing."""

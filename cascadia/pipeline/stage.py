@@ -21,8 +21,7 @@ from cascadia.engine.checkpoint import Checkpoint, CheckpointError
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.rows import BatchError
 from cascadia.errors import NodeError, PlanError, SpecError
-from cascadia.graph.costs import stage_memory
-from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
+from cascadia.graph.plan import Plan, Stage, stage_state_words
 from cascadia.host_cpus import pin
 from cascadia.host_memory import shortfall
 from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, ProgressFn, run_node
@@ -167,13 +166,12 @@ def node_settings(spec: Spec, plan: Plan, name: str, listen: str, control: str, 
 def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, with_logits: bool,
                progress: ProgressFn) -> EngineStage:
     """Read only this stage's layers (and the embedding or head it holds) and compile them, once this machine's
-    memory can hold them and their state."""
-    weights, state = stage_memory(spec.model, spec.runtime, stage.layers, EMBED in stage.roles, HEAD in stage.roles)
+    memory can hold them and their state (the plan's figures: every slot's own state and the K/V pool)."""
+    weights, state = stage.weight_bytes, stage.state_bytes
     if short := shortfall(weights + state):
-        runtime = spec.runtime
         raise NodeError(f"{stage.node}: its stage needs {format_bytes(weights + state, digits=3)} (weights "
-                        f"{format_bytes(weights, digits=3)}, state {format_bytes(state, digits=3)} for "
-                        f"{runtime.max_streams} streams x {runtime.context_budget} positions) {short}")
+                        f"{format_bytes(weights, digits=3)}, state {format_bytes(state, digits=3)}: "
+                        f"{stage_state_words(spec.runtime.max_streams, stage)}) {short}")
     opened = Checkpoint.open(checkpoint)
     if differences := opened.config.differences(spec.model.config):
         more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""

@@ -41,7 +41,8 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     model = PipelineModel(spec, plan, calibration)
     model.timings = timings
     how = recovery(loss, spec, plan.stages, calibration, detect_s) if loss else None
-    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), RateDrafter(acceptance, spec.workload.seed))
+    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_blocks,
+                                RateDrafter(acceptance, spec.workload.seed))
 
     def run_phase(level, phase, recorder):
         if loss is None or phase.name != MEASURED:

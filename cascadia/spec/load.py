@@ -7,8 +7,8 @@ and key path.
     cluster:   nodes: [{name: pc, count: 11, memory: 61.2GiB, memory_bandwidth: 120GB/s, compute: 30TFLOPS}]
                links: {default: {bandwidth: 1gbit, latency: 100us}, pairs: [{between: [pc0, pc1], ...}]}
                reserve: 2GiB                             # kept free on every node
-    runtime:   context_budget, max_streams, precision, kv_precision, row_buckets, prefill_window, moe_grouped_from,
-               speculate
+    runtime:   context_budget, max_streams, kv_block, precision, kv_precision, row_buckets, prefill_window,
+               moe_grouped_from, speculate
     workload:  concurrency: 1,2,4  requests  prompt_tokens: {uniform: [8, 24]}  output_tokens  greedy ...
     include:   [models/inkling.yaml, clusters/lab.yaml]  # merged first, in order; this file's keys win
 
@@ -528,6 +528,7 @@ def _runtime(ctx: _Context, node: Node | None) -> RuntimeSpec:
     values = {
         "context_budget": fields.take("context_budget", _positive_int),
         "max_streams": fields.take("max_streams", _positive_int),
+        "kv_block": fields.take("kv_block", _positive_int),
         "precision": fields.take("precision", _choice(PRECISIONS)),
         "kv_precision": fields.take("kv_precision", _choice(PRECISIONS)),
         "row_buckets": fields.take("row_buckets", _buckets),

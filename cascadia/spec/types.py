@@ -145,8 +145,9 @@ class ClusterSpec:
 
 @attrs.frozen
 class RuntimeSpec:
-    context_budget: int = 1024  # positions per stream
-    max_streams: int = 16  # concurrent streams the KV budget is sized for
+    context_budget: int = 1024  # the most positions a stream may reach
+    max_streams: int = 16  # concurrent streams (slots)
+    kv_block: int = 64  # positions per block of a global layer's K/V pool
     precision: str = "bf16"  # compute precision of the engine
     kv_precision: str = "f32"  # dtype of the K/V cache and convolution states
     row_buckets: tuple[int, ...] = (1, 2, 8, 16, 24, 32)  # increasing: rows of a call are padded up to one
@@ -161,6 +162,10 @@ class RuntimeSpec:
     def max_draft(self) -> int:
         """The most draft rows a stream's frame carries, and so the most positions a stage rewinds (0: off)."""
         return parse_speculate(self.speculate)
+
+    def blocks_for(self, positions: int) -> int:
+        """K/V pool blocks a stream of `positions` positions holds."""
+        return -(-positions // self.kv_block)
 
     @property
     def largest_bucket(self) -> int:

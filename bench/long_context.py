@@ -1,0 +1,302 @@
+"""Long context on the mid-size random Inkling: first-token time and decode time per token against context length.
+
+Scenario: specs/mid's model (hidden 1024; 8 layers, three sliding (window 128) to one global, twice; K/V heads 4 of
+64 dims; bias extent 256, log-scaling from position 64) in specs/mid-pinned.yaml's formats and precisions (experts
+int4 g32, the rest int8; bf16 compute and bf16 K/V, f32 on a CPU without bf16), one process on every core this
+process may use, one stream. Its random checkpoint (bf16) is written once to CHECKPOINT.
+  TTFT      seconds to prefill N prompt tokens (chunks of PREFILL_CHUNK rows) and take the first token's logits,
+            N up to --ttft-max (default 16k; a 64k prefill takes long on a small machine)
+  decode    ms per greedy decode step of the stream at context N: median of DECODE_STEPS steps after a warm-up.
+            The context is real when it was prefilled for the TTFT column; beyond --ttft-max its keys and values
+            are written with random values straight into the stage's stores (a step's time does not depend on the
+            values: attention reads every key whatever its score)
+  attention the share of a decode step spent in attention, and the bytes it must read (every global layer's keys
+            and values of N positions, every sliding ring) over that time, as a fraction of a streaming read's
+            bandwidth measured in the same run (the sum of a 1 GiB array, best of 3 on one thread and on every core)
+  alone     one global layer's attention for one decode row at N, by itself (median of ATTENTION_REPEATS calls):
+            on one thread and on the pool of every core, against the time to read its keys and values at that
+            bandwidth
+With --attention-only, just one global layer's attention for one decode row at each N, without the model: the
+engine's spans (bf16 and f32 K/V, one thread and every thread) against OpenVINO's ScaledDotProductAttention on the
+same f32 keys and values passed in place ([1, kv, N, d]; the query heads of a K/V head as its query rows; the
+bias as an additive mask), with the largest difference between their outputs.
+Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the measured N), their predictions at 64k
+and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
+TTFT 22 s at 1k, 110 min at 64k). Not a test: it prints tables.
+
+    python bench/long_context.py [--quick] [--contexts 1024,4096,16384,65536] [--ttft-max 16384] [--attention-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+from engine import memory_bandwidth
+from random_model import FORMATS, mid_config, random_checkpoint
+
+import cascadia  # noqa: F401  before numpy's first BLAS call, as in every cascadia command
+import cascadia.engine.inkling as inkling
+from cascadia.engine import attention
+from cascadia.engine.attention import AttentionShape
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.engine import Engine
+from cascadia.engine.kv_store import BlockPool, PagedKV
+from cascadia.engine.state_format import StateFormat
+from cascadia.model_config import InklingConfig
+from cascadia.spec.types import RuntimeSpec
+from cascadia.table import format_rows
+
+CHECKPOINT = Path(__file__).parent.parent / "specs" / "mid-long-checkpoint"
+CONTEXTS = (1024, 4096, 16384, 65536)
+PREFILL_CHUNK = 256
+MAX_POSITIONS = 1 << 20  # the checkpoint's max_position_embeddings, whatever the contexts asked (no rewrite)
+DECODE_STEPS = 12
+ATTENTION_REPEATS = 9
+SEED = 0
+PAPER_DECODE_MS = {4096: 54, 65536: 216, 524288: 1496}
+PAPER_TTFT_S = {1024: 22, 65536: 110 * 60}
+
+
+class AttentionClock:
+    """Seconds spent in `inkling.attend` while it is on (the layers call it through the module)."""
+
+    def __init__(self):
+        self.seconds, self._attend = 0.0, inkling.attend
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self._attend(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        inkling.attend = timed
+
+
+def long_config(quick: bool, positions: int) -> InklingConfig:
+    return InklingConfig.from_hf_dict(mid_config(quick).to_hf_dict() | {"max_position_embeddings": positions})
+
+
+def fill_context(engine: Engine, slot: int, positions: int, rng: np.random.Generator) -> None:
+    """Give a fresh stream `positions` positions of random keys and values (and leave its convolution states at
+    zero), as if it had been prefilled."""
+    stage = engine.stage
+    engine.release(slot)
+    stage.pool.grow({slot: positions})
+    for state in stage.states:
+        kv_heads, head_dim = state.kv.k.shape[1], state.kv.k.shape[3]
+        kept = positions if isinstance(state.kv, PagedKV) else min(positions, state.kv.span)
+        for start in range(positions - kept, positions, 4096):
+            at = np.arange(start, min(positions, start + 4096))[None]
+            k, v = (rng.standard_normal((1, at.shape[1], kv_heads, head_dim), dtype=np.float32) for _ in "kv")
+            state.kv.write(np.array([slot]), at, k / np.sqrt(head_dim), v)
+    stage.lengths[slot] = positions
+
+
+def decode_ms(engine: Engine, clock: AttentionClock, slot: int, token: int) -> tuple[float, float]:
+    """(ms per decode step, of which attention) over DECODE_STEPS steps after one untimed step."""
+    engine.step([slot], [token])
+    times, attention = [], []
+    for _ in range(DECODE_STEPS):
+        clock.seconds, start = 0.0, time.perf_counter()
+        token = int(engine.step([slot], [token])[0].argmax())
+        times.append(time.perf_counter() - start)
+        attention.append(clock.seconds)
+    return 1e3 * statistics.median(times), 1e3 * statistics.median(attention)
+
+
+def kv_bytes_read(engine: Engine, positions: int) -> int:
+    """Bytes of keys and values one decode row reads at `positions`: all of each global layer's, a sliding layer's
+    ring (its filled entries)."""
+    total = 0
+    for state in engine.stage.states:
+        per_position = 2 * state.kv.k.shape[1] * state.kv.k.shape[3] * state.kv.k.itemsize
+        total += per_position * (positions if isinstance(state.kv, PagedKV) else min(positions, state.kv.span))
+    return total
+
+
+def random_store(shape: AttentionShape, positions: int, precision: str, rng: np.random.Generator) -> PagedKV:
+    """A paged store holding `positions` + 1 positions of one stream, all but the last random."""
+    pool = BlockPool(-(-(positions + 1) // 64), 64, 1)
+    pool.grow({0: positions + 1})
+    store = PagedKV(pool, shape.kv_heads, shape.head_dim, StateFormat(precision))
+    for start in range(0, positions, 4096):
+        at = np.arange(start, min(positions, start + 4096))[None]
+        store.write(np.array([0]), at, *(rng.standard_normal((1, at.shape[1], shape.kv_heads, shape.head_dim),
+                                                             dtype=np.float32) for _ in "kv"))
+    return store
+
+
+def decode_row(shape: AttentionShape, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """q, k, v, rel of one decode row."""
+    q = rng.standard_normal((1, 1, shape.heads, shape.head_dim), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 1, shape.kv_heads, shape.head_dim), dtype=np.float32) for _ in "kv")
+    return q, k, v, rng.standard_normal((1, 1, shape.heads, shape.bias_extent), dtype=np.float32)
+
+
+def spans_ms(shape: AttentionShape, store: PagedKV, positions: int, row: tuple[np.ndarray, ...], threads: int
+             ) -> tuple[float, np.ndarray]:
+    """ms of the engine's attention for one decode row at `positions` over `store` on `threads` threads, and its
+    output."""
+    default = attention._threads
+    attention._threads = lambda: pool_of[threads]
+    try:
+        times = []
+        for _ in range(ATTENTION_REPEATS):
+            start = time.perf_counter()
+            out = attention.attend(shape, *row, store, np.array([0]), np.array([positions]))
+            times.append(time.perf_counter() - start)
+    finally:
+        attention._threads = default
+    return 1e3 * statistics.median(times), out
+
+
+def attention_alone_ms(layer: inkling.DecoderLayer, positions: int, threads: int, rng: np.random.Generator) -> float:
+    """ms of `layer`'s attention for one decode row at `positions` (keys and values random, in bf16), on a pool of
+    `threads` threads."""
+    store = random_store(layer.shape, positions, "bf16", rng)
+    return spans_ms(layer.shape, store, positions, decode_row(layer.shape, rng), threads)[0]
+
+
+def sdpa_ms(shape: AttentionShape, store: PagedKV, positions: int, row: tuple[np.ndarray, ...]
+            ) -> tuple[float, np.ndarray]:
+    """ms of OpenVINO's ScaledDotProductAttention for the decode row of `spans_ms` (store in f32), and its output
+    [1, 1, h d]. Its keys and values are the store's, laid out [1, kv, N, d] once, outside the timing; the bias and
+    log-scaling are applied as the engine applies them, the bias as an additive mask."""
+    kv, group, d = shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim
+    n = positions + 1
+    q, k, v, rel = row
+    store.write(np.array([0]), np.array([[n - 1]]), k, v)
+    keys, values = (np.ascontiguousarray(x[0].transpose(1, 0, 2, 3).reshape(kv, -1, d)[None, :, :n])
+                    for x in store.read(np.array([0]), 0, n))  # whole blocks: the last may go past n
+    tau = attention.log_scale(np.array([n - 1]), *shape.log_scaling) if shape.log_scaling else np.float32(1)
+    mask = np.zeros((1, shape.heads, n), np.float32)
+    mask[0, :, n - shape.bias_extent:] = (rel[0, 0] * tau)[:, ::-1]  # distance 0 is the last key
+    inputs = {"q": (q[0, 0] * tau).reshape(1, kv, group, d), "k": keys, "v": values,
+              "mask": mask.reshape(1, kv, group, n)}
+    params = [ops.parameter([1, kv, group, d], ov.Type.f32, name="q"),
+              *(ops.parameter([1, kv, -1, d], ov.Type.f32, name=name) for name in "kv"),
+              ops.parameter([1, kv, group, -1], ov.Type.f32, name="mask")]
+    out = ops.scaled_dot_product_attention(*params, ops.constant(np.float32(1 / d)), causal=False)
+    request = ov.Core().compile_model(ov.Model([out], params), "CPU",
+                                      {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    times = []
+    for _ in range(ATTENTION_REPEATS + 1):
+        start = time.perf_counter()
+        request.infer(inputs, share_inputs=True)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[1:]), request.get_output_tensor(0).data.reshape(1, 1, -1)
+
+
+def attention_only(config: InklingConfig, contexts: list[int], rng: np.random.Generator) -> None:
+    layer = next(i for i in range(config.num_hidden_layers) if not config.is_sliding(i))
+    heads, kv_heads, head_dim = config.heads(layer)
+    scaling = (config.log_scaling_n_floor, config.log_scaling_alpha) if config.log_scaling_n_floor else None
+    shape = AttentionShape(heads, kv_heads, head_dim, None, config.rel_extent, scaling)
+    cores = len(os.sched_getaffinity(0))
+    rows = []
+    for n in contexts:
+        row = decode_row(shape, rng)
+        bf16 = [spans_ms(shape, random_store(shape, n, "bf16", rng), n, row, t)[0] for t in sorted(pool_of)]
+        f32_store = random_store(shape, n, "f32", rng)
+        f32 = [spans_ms(shape, f32_store, n, row, t) for t in sorted(pool_of)]
+        openvino_ms, openvino_out = sdpa_ms(shape, f32_store, n, row)
+        rows.append((f"{n:,}", *(f"{t:.2f}" for t in bf16), *(f"{t:.2f}" for t, _ in f32), f"{openvino_ms:.2f}",
+                     f"{np.abs(openvino_out - f32[0][1]).max():.1e}"))
+    threads = [f"{t} thread{'s' * (t > 1)}" for t in sorted(pool_of)]
+    print(format_rows([("context", *(f"spans bf16, {t} ms" for t in threads),
+                        *(f"spans f32, {t} ms" for t in threads), f"OpenVINO SDPA f32 ({cores} cores) ms",
+                        "max |difference|"), *rows]))
+
+
+pool_of = {n: ThreadPoolExecutor(n) for n in {1, len(os.sched_getaffinity(0))}}
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def fit(xs: list[float], ys: list[float], columns) -> np.ndarray:
+    """Least-squares coefficients of ys over the given functions of xs."""
+    return np.linalg.lstsq(np.array([[f(x) for f in columns] for x in xs]), np.array(ys), rcond=None)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model (hidden 256, 16 experts)")
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument("--ttft-max", type=int, default=16384, help="prefill for real up to this many tokens")
+    parser.add_argument("--attention-only", action="store_true", help="one global layer's attention, no model")
+    args = parser.parse_args()
+    contexts = sorted(int(n) for n in args.contexts.split(","))
+    if args.attention_only:
+        print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores\n")
+        attention_only(long_config(args.quick, MAX_POSITIONS), contexts, np.random.default_rng(SEED))
+        return
+    budget = contexts[-1] + DECODE_STEPS + 2
+    config = long_config(args.quick, MAX_POSITIONS)
+    checkpoint = Checkpoint.open(random_checkpoint(config, CHECKPOINT, args.quick, SEED))
+    runtime = RuntimeSpec(precision="bf16", kv_precision="bf16", max_streams=1, context_budget=budget,
+                          row_buckets=(1, 2, 8, 32, PREFILL_CHUNK))
+    engine = Engine(checkpoint, runtime, formats=FORMATS)
+    clock, rng = AttentionClock(), np.random.default_rng(SEED)
+    bandwidth = memory_bandwidth(np.ones(2**27, np.int64))
+    cores = len(os.sched_getaffinity(0))
+    print(f"CPU: {cpu_name()}, {cores} cores; compute {engine.stage.precision}; streaming read "
+          f"{bandwidth / 1e9:.1f} GB/s\n")
+
+    rows, ttft, decode = [], {}, {}
+    for n in contexts:
+        prompt = rng.integers(3, config.vocab_size, n)
+        if n <= args.ttft_max:
+            engine.release(0)
+            start = time.perf_counter()
+            token = int(engine.prefill(0, prompt).argmax())
+            ttft[n] = time.perf_counter() - start
+        else:
+            fill_context(engine, 0, n, rng)
+            token = int(prompt[-1])
+        decode[n], attention_ms = decode_ms(engine, clock, 0, token)
+        fraction = kv_bytes_read(engine, n) / (attention_ms / 1e3) / bandwidth
+        global_layer = next(layer for layer in engine.stage.layers if layer.shape.window is None)
+        alone = [attention_alone_ms(global_layer, n, threads, rng) for threads in sorted(pool_of)]
+        read_ms = 1e3 * n * 2 * global_layer.shape.kv_heads * global_layer.shape.head_dim * 2 / bandwidth
+        rows.append((f"{n:,}", f"{ttft[n]:.1f}" if n in ttft else "-", f"{decode[n]:.1f}", f"{attention_ms:.1f}",
+                     f"{kv_bytes_read(engine, n) / 2**20:.1f}", f"{100 * fraction:.0f}%",
+                     " / ".join(f"{t:.2f}" for t in alone), f"{read_ms:.2f}"))
+    threads = " / ".join(f"{n} thread{'s' * (n > 1)}" for n in sorted(pool_of))
+    print(format_rows([("context", "TTFT s", "decode ms/token", "of which attention ms", "K/V read MiB",
+                        "attention at % of bandwidth", f"one layer alone ms ({threads})", "its K/V read ms"),
+                       *rows]))
+
+    print()
+    c, d = fit(list(decode), list(decode.values()), (lambda x: 1.0, lambda x: x))
+    print(f"decode = c + d N: c = {c:.2f} ms, d = {d * 1e3:.4f} ms per 1k positions")
+    if len(ttft) >= 2:
+        a, b = fit(list(ttft), list(ttft.values()), (lambda x: x, lambda x: x * x))
+        print(f"TTFT = a N + b N^2: a = {a * 1e3:.3f} ms per token, b = {b * 1e9:.3f} s per 1e9 token pairs")
+    growth = [("", "ours", "paper")]
+    for n in (1024, 4096, 65536, 524288):
+        ours_decode = f"{c + d * n:.1f} ms" + ("" if n in decode else " (fit)")
+        ours_ttft = (f"{ttft[n]:.1f} s" if n in ttft else f"{a * n + b * n * n:.0f} s (fit)") if len(ttft) >= 2 \
+            else "-"
+        growth.append((f"decode at {n:,}", ours_decode, f"{PAPER_DECODE_MS[n]:,} ms" if n in PAPER_DECODE_MS else "-"))
+        growth.append((f"TTFT at {n:,}", ours_ttft, f"{PAPER_TTFT_S[n]:,} s" if n in PAPER_TTFT_S else "-"))
+    print(format_rows(growth))
+    first, last = min(decode), max(decode)
+    print(f"\ndecode at {last:,} / at {first:,}: {decode[last] / decode[first]:.2f}x "
+          f"(paper, 64k / 4k: {PAPER_DECODE_MS[65536] / PAPER_DECODE_MS[4096]:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
