@@ -50,7 +50,8 @@ def serve_workload(spec: Spec, workload: WorkloadSpec, prompts: Sequence[tuple[i
             if phase.name == MEASURED:
                 served.levels.append(summarize_level(
                     recorder.records, busy, concurrency=level.concurrency, rate=level.rate,
-                    rejected=len(recorder.rejected), cancelled=len(recorder.cancelled), slo=workload.slo))
+                    rejected=len(recorder.rejected), cancelled=len(recorder.cancelled), slo=workload.slo,
+                    speculation=recorder.speculation))
             on_phase(level.describe, phase.name, recorder.records)
     return served
 
@@ -85,9 +86,10 @@ class PhaseDriver:
         """The requests due by `now` are sent; returns the frames to launch."""
         return self._submit(self._arrivals.due(now), now)
 
-    def complete(self, frame: Frame, sampled: Mapping[int, int], now: float) -> list[Frame]:
-        """A frame's sampled tokens ({request id: token}) came back at `now`; returns the frames to launch."""
-        return self._submit(self._observe(self._policy.complete_frame(frame, sampled), now), now)
+    def complete(self, frame: Frame, tokens: Sequence[int], now: float) -> list[Frame]:
+        """A frame's sampled tokens (one per sampled row, in row order) came back at `now`; returns the frames to
+        launch."""
+        return self._submit(self._observe(self._policy.complete_frame(frame, tokens), now), now)
 
     def replay(self, now: float) -> list[Frame]:
         """The nodes lost every stream's state at `now`: the policy rebuilds them (`Policy.replay`); returns the

@@ -9,7 +9,9 @@ and counts the seconds each node was busy. `summarize_level` turns a phase into 
   "linear" percentile method;
 - goodput (with a workload SLO): the fraction of requests whose TTFT and TPOT both meet it, and those requests per
   second of the phase's wall time;
-- busy: the fraction of the phase's wall time each node spent computing.
+- busy: the fraction of the phase's wall time each node spent computing;
+- speculation: the draft tokens proposed and accepted (their tokens kept), and the mean accepted per verifying step
+  (a stream's drafts in one frame; None without any).
 A level is `concurrency` closed-loop clients, or open-loop arrivals at `rate` requests per second (the other None).
 """
 
@@ -20,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from cascadia.policy import CANCELLED, Event, Finished, Rejected, Request, Token
+from cascadia.policy import CANCELLED, Event, Finished, Rejected, Request, Token, Verified
 from cascadia.spec.dump import dump_spec
 from cascadia.spec.types import SloSpec, Spec
 from cascadia.table import format_rows
@@ -54,6 +56,24 @@ class RequestRecord:
         return (self.t_finish - self.t_first_token) / (self.output_tokens - 1)
 
 
+@attrs.define
+class Speculated:
+    """A phase's speculation: draft tokens proposed and accepted over its verifying steps."""
+
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    def add(self, verified: Verified) -> None:
+        self.proposed += verified.proposed
+        self.accepted += verified.accepted
+        self.steps += 1
+
+    def summary(self) -> dict:
+        return {"proposed": self.proposed, "accepted": self.accepted,
+                "mean_accepted_per_step": self.accepted / self.steps if self.steps else None}
+
+
 class Recorder:
     """Timestamps one phase's requests from the policy's events: the same bookkeeping in both backends."""
 
@@ -64,6 +84,7 @@ class Recorder:
         self._arrivals: dict[int, tuple[Request, float]] = {}
         self._token_times: dict[int, list[float]] = {}
         self._records: list[RequestRecord] = []
+        self.speculation = Speculated()
 
     def arrived(self, request: Request, t: float) -> None:
         self._arrivals[request.id] = (request, t)
@@ -85,6 +106,8 @@ class Recorder:
             elif isinstance(event, Rejected):
                 self._arrivals.pop(event.request_id, None)
                 self.rejected.append(event)
+            elif isinstance(event, Verified):
+                self.speculation.add(event)
 
     @property
     def records(self) -> list[RequestRecord]:
@@ -115,7 +138,7 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
 
 def summarize_level(records: Sequence[RequestRecord], busy_s: Mapping[str, float], *, concurrency: int | None = None,
                     rate: float | None = None, rejected: int = 0, cancelled: int = 0,
-                    slo: SloSpec | None = None) -> dict:
+                    slo: SloSpec | None = None, speculation: Speculated | None = None) -> dict:
     """The summary of one measured phase of a level (`concurrency` clients, or arrivals at `rate` per second);
     `busy_s` holds each node's busy seconds in it."""
     wall = max(r.t_finish for r in records) - min(r.t_arrival for r in records) if records else 0.0
@@ -142,6 +165,7 @@ def summarize_level(records: Sequence[RequestRecord], busy_s: Mapping[str, float
         "tpot_s": _percentiles([r.tpot for r in records if r.tpot is not None]),
         "goodput": goodput,
         "busy": {node: (seconds / wall if wall > 0 else 0.0) for node, seconds in busy_s.items()},
+        "speculation": (speculation or Speculated()).summary(),
     }
 
 
@@ -191,6 +215,7 @@ def format_table(result_: dict) -> str:
     open_loop = any(level.get("rate") is not None for level in levels)
     with_slo = any(level.get("goodput") for level in levels)
     with_rejected = any(level.get("rejected") for level in levels)
+    speculated = any((level.get("speculation") or {}).get("proposed") for level in levels)
     columns = [("streams" if not open_loop else "load", level_label), ("requests", lambda lv: str(lv["requests"])),
                *([("rejected", lambda lv: str(lv["rejected"]))] if with_rejected else []),
                ("tokens", lambda lv: str(lv["output_tokens"])),
@@ -202,9 +227,19 @@ def format_table(result_: dict) -> str:
     if with_slo:
         columns.append(("goodput", lambda lv: "-" if not lv.get("goodput") or lv["goodput"]["fraction"] is None
                         else f"{lv['goodput']['fraction']:.0%}"))
+    if speculated:
+        columns.append(("drafts accepted", _accepted))
     columns.append(("busiest node", _busiest))
     rows = [tuple(name for name, _ in columns)] + [tuple(cell(level) for _, cell in columns) for level in levels]
     return format_rows(rows, left={len(columns) - 1})
+
+
+def _accepted(level: dict) -> str:
+    """"accepted/proposed (mean per step)" of a level's drafts."""
+    drafts = level.get("speculation") or {}
+    if not drafts.get("proposed"):
+        return "-"
+    return f"{drafts['accepted']}/{drafts['proposed']} ({drafts['mean_accepted_per_step']:.2f}/step)"
 
 
 def _busiest(level: dict) -> str:

@@ -5,7 +5,7 @@ adapted to a pipeline):
 
     events = policy.add_request(request)              # a client asks (at any time: admission is continuous)
     frame = policy.next_frame(group)                  # for every group with no frame in flight, after every change
-    events = policy.complete_frame(frame, sampled)    # the last stage's sampled tokens came back
+    events = policy.complete_frame(frame, tokens)     # the last stage's sampled tokens came back, in row order
     events = policy.cancel(request_id)                # a client went away: its slot is free within one frame
     events = policy.replay()                          # a node was replaced: every stream's state is rebuilt
 
@@ -15,6 +15,14 @@ at most one frame in flight, because its next decode rows need the tokens its cu
 one decode row per decoding stream of the group plus at most `prefill_window` prompt rows of the group's streams still
 being prefilled (oldest first), so admitting a long prompt delays the others' next token by one window, never by a
 whole prompt. A stream's first token is sampled from the row of its last prompt position.
+
+Speculation (with a `Speculation`): while the pipeline has idle stages (fewer groups with streams than groups), a
+frame's rows left free in the largest row bucket after its decode and prompt rows carry draft tokens, each draft row
+right after its stream's decode row at the positions that follow, every one sampled. Drafts are accepted up to the
+first whose token differs from the one sampled from the row before it: a draw depends only on the seed and the
+stream's tokens, so each accepted token is the one the stream gets without speculation. The next frame's rows start
+where the stream stands, and every stage rewinds to there (K/V are masked by position; convolution inputs and the
+sampler's history are kept for the positions a rewind can drop).
 
 Memory by need: the global layers' K/V live in blocks of `kv_block` positions from a pool of `kv_blocks` per node
 (the smallest node's bounds them all: every node holds every stream). A request is admitted when a slot and the
@@ -30,16 +38,17 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Sequence
 
 import attrs
 
 from cascadia.sampling import Sampling
 from cascadia.spec.types import RuntimeSpec
+from cascadia.speculation import Drafter, NgramDrafter, Speculation
 
 GREEDY = Sampling()
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL, DECODE, DRAFT = "prefill", "decode", "draft"
 LENGTH, STOP, CANCELLED = "length", "stop", "cancelled"  # why a stream finished
 
 
@@ -61,8 +70,8 @@ class Row:
     slot: int
     request_id: int
     position: int
-    kind: str  # PREFILL or DECODE
-    token: int  # the prompt token, or the stream's last sampled token
+    kind: str  # PREFILL, DECODE or DRAFT
+    token: int  # the prompt token, the stream's last sampled token, or a draft token
     sampled: bool  # the last stage samples a token from this row's logits
     sampling: Sampling = GREEDY  # its stream's
 
@@ -71,10 +80,11 @@ class Row:
 class Frame:
     seq: int  # serial number over the policy's life
     group: int
-    rows: tuple[Row, ...]  # decode rows (by admission order), then prompt rows
+    rows: tuple[Row, ...]  # decode rows (by admission order), each followed by its stream's drafts, then prompt rows
     padded_rows: int  # the row bucket the engine runs; rows beyond len(rows) are padding
-    # the request ids of the sampled rows, in order: made with the frame, as the backend, the policy and the
-    # simulator's costs all read them
+    drafted: bool = False  # some rows are drafts
+    # the request ids of the sampled rows, in order (a speculating stream's once per row): made with the frame, as
+    # the backend, the policy and the simulator's costs all read them
     sampled_ids: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
 
     @sampled_ids.default
@@ -104,6 +114,15 @@ class Token:
 
 
 @attrs.frozen
+class Verified:
+    """A stream's drafts in a frame: how many it proposed, and how many of them gave it their token."""
+
+    request_id: int
+    proposed: int
+    accepted: int
+
+
+@attrs.frozen
 class Finished:
     request_id: int
     slot: int | None  # released: free for the next waiting request (None: cancelled while still waiting)
@@ -111,7 +130,7 @@ class Finished:
     output_tokens: int
 
 
-Event = Rejected | Admitted | Token | Finished
+Event = Rejected | Admitted | Token | Verified | Finished
 
 
 def padded_size(rows: int, buckets: tuple[int, ...]) -> int:
@@ -150,7 +169,8 @@ class _Stream:
 
 class Policy:
     def __init__(self, n_groups: int, max_streams: int, prefill_window: int, row_buckets: tuple[int, ...],
-                 context_budget: int, kv_blocks: int | None = None, kv_block: int = 64) -> None:
+                 context_budget: int, kv_blocks: int | None = None, kv_block: int = 64,
+                 speculation: Speculation | None = None) -> None:
         """`kv_blocks` None: enough for every slot at the context budget (blocks never bound admission)."""
         kv_blocks = max_streams * -(-context_budget // kv_block) if kv_blocks is None else kv_blocks
         for name, value in (("n_groups", n_groups), ("max_streams", max_streams), ("prefill_window", prefill_window),
@@ -162,6 +182,7 @@ class Policy:
         self.n_groups, self.max_streams, self.prefill_window = n_groups, max_streams, prefill_window
         self.row_buckets, self.context_budget = tuple(row_buckets), context_budget
         self.kv_blocks, self.kv_block, self.free_blocks = kv_blocks, kv_block, kv_blocks
+        self.speculation = speculation
         self._waiting: deque[Request] = deque()
         self._free_slots = list(range(max_streams))  # a heap: the lowest free slot goes first
         self._groups: list[list[_Stream]] = [[] for _ in range(n_groups)]  # streams by admission order
@@ -174,10 +195,13 @@ class Policy:
         self._seq = 0
 
     @classmethod
-    def for_runtime(cls, runtime: RuntimeSpec, n_groups: int, kv_blocks: int | None = None) -> Policy:
-        """`kv_blocks`: the pool of the node with the fewest (`Plan.kv_blocks`)."""
+    def for_runtime(cls, runtime: RuntimeSpec, n_groups: int, kv_blocks: int | None = None,
+                    drafter: Drafter | None = None) -> Policy:
+        """The policy `runtime` says. `kv_blocks`: the pool of the node with the fewest (`Plan.kv_blocks`); with
+        `runtime.speculate`, drafts from `drafter` (default: prompt lookup)."""
+        speculation = Speculation(drafter or NgramDrafter(), runtime.max_draft) if runtime.max_draft else None
         return cls(n_groups, runtime.max_streams, runtime.prefill_window, runtime.row_buckets, runtime.context_budget,
-                   kv_blocks, runtime.kv_block)
+                   kv_blocks, runtime.kv_block, speculation)
 
     # ---- state ------------------------------------------------------------------------------------------------
     @property
@@ -231,8 +255,9 @@ class Policy:
             raise ValueError(f"group {group} is not in 0..{self.n_groups - 1}")
         if group in self._in_flight:
             return None
+        decoding = [s for s in self._groups[group] if s.output and not s.replaying]
         rows = [Row(s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True,
-                    s.request.sampling) for s in self._groups[group] if s.output and not s.replaying]
+                    s.request.sampling) for s in decoding]
         window, prefilling = self.prefill_window, self._prefilling[group]
         while window and prefilling:
             s = prefilling[0]
@@ -247,7 +272,12 @@ class Policy:
                 s.replaying = False
         if not rows:
             return None
-        frame = Frame(self._seq, group, tuple(rows), padded_size(len(rows), self.row_buckets))
+        drafted = False
+        if self.speculation is not None and decoding and sum(map(bool, self._groups)) < self.n_groups:
+            undrafted = len(rows)
+            rows = self._with_drafts(rows, decoding)
+            drafted = len(rows) > undrafted
+        frame = Frame(self._seq, group, tuple(rows), padded_size(len(rows), self.row_buckets), drafted)
         self._seq += 1
         self._in_flight[group] = frame
         return frame
@@ -258,26 +288,28 @@ class Policy:
                 if group not in self._in_flight and self._groups[group]  # a group without streams has no rows
                 and (frame := self.next_frame(group)) is not None]
 
-    def complete_frame(self, frame: Frame, sampled: Mapping[int, int]) -> list[Event]:
-        """Take the tokens sampled from a frame's rows ({request id: token}); finish streams, admit waiting ones."""
+    def complete_frame(self, frame: Frame, tokens: Sequence[int]) -> list[Event]:
+        """Take the tokens sampled from a frame's sampled rows, in row order; accept drafts up to the first that
+        differs from the token sampled before it; finish streams, admit waiting ones."""
         in_flight = self._in_flight.get(frame.group)
         if in_flight is not frame and in_flight != frame:  # the same frame, as a rule: no need to compare its rows
             raise ValueError(f"frame {frame.seq} of group {frame.group} is not in flight")
-        expected = frame.sampled_ids
-        if sampled.keys() != set(expected):
-            raise ValueError(f"frame {frame.seq} samples requests {sorted(expected)}, got tokens for {sorted(sampled)}")
+        if len(tokens) != len(frame.sampled_ids):
+            raise ValueError(f"frame {frame.seq} samples {len(frame.sampled_ids)} rows, got {len(tokens)} tokens")
         del self._in_flight[frame.group]
         events: list[Event] = []
-        for request_id in expected:
-            stream, token = self._streams[request_id], sampled[request_id]
-            if request_id in self._cancelling:
-                continue
-            output = stream.output
-            output.append(token)
-            events.append(Token(request_id, token, len(output) - 1))
-            stop = token in stream.request.stop_ids
-            if stop or len(output) == stream.request.max_new_tokens:
-                events.append(self._release(stream, STOP if stop else LENGTH))
+        if not frame.drafted:  # a token per stream: as a rule, and the simulator's every frame, so kept short
+            for request_id, token in zip(frame.sampled_ids, tokens):
+                if request_id not in self._cancelling:
+                    events += self._take(self._streams[request_id], (token,))
+        else:
+            for request_id, drafts, sampled in _by_stream(frame, tokens):
+                if request_id in self._cancelling:
+                    continue
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
+                    accepted += 1
+                events += self._take(self._streams[request_id], sampled[:accepted + 1], len(drafts))
         if self._cancelling:
             cancelled = sorted({row.request_id for row in frame.rows if row.request_id in self._cancelling})
             events += [self._release(self._streams[request_id], CANCELLED) for request_id in cancelled]
@@ -318,6 +350,42 @@ class Policy:
         """K/V blocks a request holds from admission to its end: its prompt and every token it may make."""
         return -(-(len(request.prompt_ids) + request.max_new_tokens) // self.kv_block)
 
+    def _take(self, stream: _Stream, tokens: Sequence[int], proposed: int = 0) -> list[Event]:
+        """A stream's accepted tokens, cut after a stop id or its last token as without speculation."""
+        events: list[Event] = []
+        request, output = stream.request, stream.output
+        finished = None
+        for token in tokens:
+            output.append(token)
+            events.append(Token(request.id, token, len(output) - 1))
+            if token in request.stop_ids or len(output) == request.max_new_tokens:
+                finished = STOP if token in request.stop_ids else LENGTH
+                break
+        if proposed:
+            kept = len(events) - 1  # drafts whose token the stream kept
+            events.append(Verified(request.id, proposed, kept))
+            self.speculation.verified(request.id, proposed, kept)
+        if finished:
+            events.append(self._release(stream, finished))
+        return events
+
+    def _with_drafts(self, rows: list[Row], decoding: list[_Stream]) -> list[Row]:
+        """The decode rows each followed by their stream's drafts, in the rows left free in the largest bucket (in
+        admission order), then the prompt rows."""
+        room = self.row_buckets[-1] - len(rows)
+        if room <= 0:
+            return rows
+        with_drafts = []
+        for row, stream in zip(rows, decoding):  # the decode rows come first, one per decoding stream
+            with_drafts.append(row)
+            left = stream.request.max_new_tokens - len(stream.output) - 1  # tokens after this row's
+            drafts = self.speculation.drafts(stream.request.id, stream.request.prompt_ids, stream.output,
+                                             min(room, left))
+            with_drafts += [Row(row.slot, row.request_id, row.position + 1 + i, DRAFT, token, True, row.sampling)
+                            for i, token in enumerate(drafts)]
+            room -= len(drafts)
+        return with_drafts + rows[len(decoding):]
+
     def _admit(self) -> list[Event]:
         events: list[Event] = []
         while self._waiting and self._free_slots and self._blocks(self._waiting[0]) <= self.free_blocks:
@@ -338,6 +406,20 @@ class Policy:
             self._prefilling[stream.group].remove(stream)
         del self._streams[stream.request.id]
         self._cancelling.discard(stream.request.id)
+        if self.speculation is not None:
+            self.speculation.finished(stream.request.id, stream.request.prompt_ids, stream.output)
         heapq.heappush(self._free_slots, stream.slot)
         self.free_blocks += self._blocks(stream.request)
         return Finished(stream.request.id, stream.slot, reason, len(stream.output))
+
+
+def _by_stream(frame: Frame, tokens: Sequence[int]) -> Iterator[tuple[int, list[int], list[int]]]:
+    """(request id, its drafts, the tokens sampled from its rows) per stream with sampled rows in the frame."""
+    streams: dict[int, tuple[list[int], list[int]]] = {}
+    for row, token in zip((row for row in frame.rows if row.sampled), tokens):
+        drafts, sampled = streams.setdefault(row.request_id, ([], []))
+        if row.kind == DRAFT:
+            drafts.append(row.token)
+        sampled.append(token)
+    for request_id, (drafts, sampled) in streams.items():
+        yield request_id, drafts, sampled

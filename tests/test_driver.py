@@ -14,7 +14,7 @@ def policy(n_groups: int = 2, context_budget: int = 64) -> Policy:
 
 
 def complete(driver: PhaseDriver, frame, now: float):
-    return driver.complete(frame, dict.fromkeys(frame.sampled_ids, TOKEN), now)
+    return driver.complete(frame, [TOKEN] * len(frame.sampled_ids), now)
 
 
 def test_follow_ups_are_sent_as_clients_finish_and_frames_come_for_idle_groups():

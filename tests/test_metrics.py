@@ -4,7 +4,7 @@ import pytest
 
 from cascadia.metrics import SCHEMA, Recorder, RequestRecord, format_table, result, summarize_level
 from cascadia.model_config import InklingConfig
-from cascadia.policy import Admitted, Finished, Rejected, Request, Token
+from cascadia.policy import Admitted, Finished, Rejected, Request, Token, Verified
 from cascadia.spec.types import ClusterSpec, ModelSpec, NodeSpec, Spec
 
 
@@ -42,6 +42,19 @@ def test_level_summary():
     # tpot 1, 2, 4 -> p50 2, p95 and p99 between 2 and 4: 2 + 0.9 * 2, 2 + 0.98 * 2
     assert s["tpot_s"] == {"p50": pytest.approx(2.0), "p95": pytest.approx(3.8), "p99": pytest.approx(3.96)}
     assert s["busy"] == {"a": 0.5, "b": 0.25}
+
+
+def test_speculation_counts_each_verifying_step():
+    rec = Recorder(level=1, phase="measured")
+    rec.arrived(Request(5, (1, 2, 3), 6), 0.0)
+    rec.observe([Token(5, 9, 0)], 1.0)
+    rec.observe([Token(5, 9, 1), Token(5, 9, 2), Token(5, 9, 3), Verified(5, 4, 2)], 2.0)
+    rec.observe([Token(5, 9, 4), Verified(5, 3, 0), Token(5, 9, 5), Finished(5, 0, "length", 6)], 3.0)
+    s = summarize_level(rec.records, {}, concurrency=1, speculation=rec.speculation)
+    assert s["speculation"] == {"proposed": 7, "accepted": 2, "mean_accepted_per_step": 1.0}
+    assert "2/7 (1.00/step)" in format_table({"levels": [s]})
+    assert summarize_level(rec.records, {})["speculation"] == {"proposed": 0, "accepted": 0,
+                                                               "mean_accepted_per_step": None}
 
 
 def test_single_token_requests_have_no_decode_rate():

@@ -68,10 +68,10 @@ def test_single_stream_prefill_then_decode():
     assert shape(f) == (0, 8, [(7, 0, PREFILL, 11, False), (7, 1, PREFILL, 12, False), (7, 2, PREFILL, 13, True)])
     assert f.rows[0] == Row(slot=0, request_id=7, position=0, kind=PREFILL, token=11, sampled=False)
     assert p.next_frame(0) is None  # one frame in flight per group
-    assert p.complete_frame(f, {7: 40}) == [Token(7, 40, 0)]
+    assert p.complete_frame(f, [40]) == [Token(7, 40, 0)]
     f = p.next_frame(0)
     assert shape(f) == (0, 2, [(7, 3, DECODE, 40, True)])
-    assert p.complete_frame(f, {7: 41}) == [Token(7, 41, 1), Finished(7, 0, LENGTH, 2)]
+    assert p.complete_frame(f, [41]) == [Token(7, 41, 1), Finished(7, 0, LENGTH, 2)]
     assert p.done and p.idle and p.next_frame(0) is None
 
 
@@ -79,14 +79,14 @@ def test_long_prompt_is_chunked_while_others_keep_decoding():
     p = policy(prefill_window=4)
     p.add_request(Request(0, (1,), 3))
     f = p.next_frame(0)
-    p.complete_frame(f, {0: 100})
+    p.complete_frame(f, [100])
     p.add_request(Request(1, tuple(range(20, 30)), 1))  # 10 prompt tokens: chunks of 4, 4, 2
     frames = []
     for token in (101, 102):
         frames.append(f := p.next_frame(0))
-        p.complete_frame(f, {0: token})
+        p.complete_frame(f, [token])
     frames.append(f := p.next_frame(0))
-    events = p.complete_frame(f, {1: 555})
+    events = p.complete_frame(f, [555])
     assert [shape(f) for f in frames] == [
         (0, 8, [(0, 1, DECODE, 100, True)] + [(1, i, PREFILL, 20 + i, False) for i in range(4)]),
         (0, 8, [(0, 2, DECODE, 101, True)] + [(1, i, PREFILL, 20 + i, False) for i in range(4, 8)]),
@@ -111,8 +111,8 @@ def test_groups_slots_and_waiting_requests():
     f0, f1 = p.next_frame(0), p.next_frame(1)
     assert [f.group for f in p.in_flight] == [0, 1]
     # group 1 finishes nothing yet; group 0's stream finishes and frees slot 0 for request 2, which joins group 0
-    assert p.complete_frame(f1, {1: 5}) == [Token(1, 5, 0)]
-    assert p.complete_frame(f0, {0: 5}) == [Token(0, 5, 0), Finished(0, 0, LENGTH, 1), Admitted(2, 0, 0)]
+    assert p.complete_frame(f1, [5]) == [Token(1, 5, 0)]
+    assert p.complete_frame(f0, [5]) == [Token(0, 5, 0), Finished(0, 0, LENGTH, 1), Admitted(2, 0, 0)]
     assert shape(p.next_frame(0)) == (0, 2, [(2, 0, PREFILL, 1, True)])
 
 
@@ -120,9 +120,9 @@ def test_new_request_joins_least_populated_group():
     p = policy(n_groups=3, max_streams=8)
     admitted = [e for i in range(5) for e in p.add_request(Request(i, (1,), 3))]
     assert [e.group for e in admitted] == [0, 1, 2, 0, 1]
-    p.complete_frame(p.next_frame(2), {2: 9})
-    p.complete_frame(p.next_frame(2), {2: 9})
-    events = p.complete_frame(p.next_frame(2), {2: 9})
+    p.complete_frame(p.next_frame(2), [9])
+    p.complete_frame(p.next_frame(2), [9])
+    events = p.complete_frame(p.next_frame(2), [9])
     assert events[-1] == Finished(2, 2, LENGTH, 3)
     assert p.add_request(Request(5, (1,), 1)) == [Admitted(5, 2, 2)]  # group 2 is now the emptiest
 
@@ -130,8 +130,8 @@ def test_new_request_joins_least_populated_group():
 def test_stop_token_finishes_early():
     p = policy()
     p.add_request(Request(0, (1,), 10, stop_ids={2}))
-    p.complete_frame(p.next_frame(0), {0: 5})
-    assert p.complete_frame(p.next_frame(0), {0: 2}) == [Token(0, 2, 1), Finished(0, 0, STOP, 2)]
+    p.complete_frame(p.next_frame(0), [5])
+    assert p.complete_frame(p.next_frame(0), [2]) == [Token(0, 2, 1), Finished(0, 0, STOP, 2)]
 
 
 def test_context_budget_rejects_with_reason():
@@ -157,11 +157,11 @@ def test_misuse_is_an_error():
     with pytest.raises(ValueError, match="already added"):
         p.add_request(Request(0, (1,), 2))
     f = p.next_frame(0)
-    with pytest.raises(ValueError, match=r"samples requests \[0\], got tokens for \[\]"):
-        p.complete_frame(f, {})
-    p.complete_frame(f, {0: 1})
+    with pytest.raises(ValueError, match="samples 1 rows, got 0 tokens"):
+        p.complete_frame(f, [])
+    p.complete_frame(f, [1])
     with pytest.raises(ValueError, match="not in flight"):
-        p.complete_frame(f, {0: 1})
+        p.complete_frame(f, [1])
     with pytest.raises(ValueError, match="group 1 is not in 0..0"):
         p.next_frame(1)
     with pytest.raises(ValueError, match="row_buckets"):
@@ -218,7 +218,7 @@ def test_properties(requests, n_groups, max_streams, window, data):
             f = in_flight.pop(data.draw(st.sampled_from(sorted(in_flight))))  # frames return in any order
             for r in f.rows:
                 positions.setdefault(r.request_id, []).append(r.position)
-            observe(p.complete_frame(f, {rid: 7 for rid in f.sampled_ids}))
+            observe(p.complete_frame(f, [7] * len(f.sampled_ids)))
     assert p.idle
     for i, (n, m) in enumerate(requests):
         if n + m > 30:
@@ -232,13 +232,13 @@ def test_decoding_streams_get_a_row_in_every_frame_while_a_prompt_is_admitted():
     p = policy(max_streams=8, prefill_window=8, context_budget=1000)
     for i in range(3):
         p.add_request(Request(i, (1,), 50))
-    p.complete_frame(p.next_frame(0), {0: 1, 1: 1, 2: 1})
+    p.complete_frame(p.next_frame(0), [1, 1, 1])
     p.add_request(Request(3, tuple(range(100)), 1))
     for chunk in range(13):  # 100 prompt rows in windows of 8
         f = p.next_frame(0)
         assert [r.request_id for r in f.rows if r.kind == DECODE] == [0, 1, 2]
         assert sum(r.kind == PREFILL for r in f.rows) == min(8, 100 - 8 * chunk)
-        p.complete_frame(f, {rid: 1 for rid in f.sampled_ids})
+        p.complete_frame(f, [1] * len(f.sampled_ids))
 
 
 # ---- cancellation -------------------------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def test_cancelling_an_idle_stream_frees_its_slot_at_once_for_the_next_waiting_r
     p.add_request(Request(0, (1,), 5))
     p.add_request(Request(1, (2,), 5))
     f = p.next_frame(0)
-    p.complete_frame(f, {0: 9})  # request 0 decodes, nothing in flight
+    p.complete_frame(f, [9])  # request 0 decodes, nothing in flight
     assert p.cancel(0) == [Finished(0, 0, CANCELLED, 1), Admitted(1, 0, 0)]
     assert [r.request_id for r in p.next_frame(0).rows] == [1]
 
@@ -267,7 +267,7 @@ def test_a_stream_cancelled_with_its_rows_in_flight_is_freed_when_that_frame_com
     p.add_request(Request(1, (3,), 5))
     f = p.next_frame(0)
     assert p.cancel(0) == []  # the nodes are still writing its state
-    assert p.complete_frame(f, {0: 9}) == [Finished(0, 0, CANCELLED, 0), Admitted(1, 0, 0)]
+    assert p.complete_frame(f, [9]) == [Finished(0, 0, CANCELLED, 0), Admitted(1, 0, 0)]
     assert p.cancel(0) == []
 
 
@@ -303,7 +303,7 @@ def test_cancels_at_random_moments_free_every_slot_and_silence_the_stream(reques
                 assert not {r.request_id for r in f.rows} & (cancelled_at - set(ended))  # no new rows once cancelled
         if in_flight and (action == "complete" or not pending):
             f = in_flight.pop(data.draw(st.sampled_from(sorted(in_flight))))
-            observe(p.complete_frame(f, {rid: 7 for rid in f.sampled_ids}))
+            observe(p.complete_frame(f, [7] * len(f.sampled_ids)))
     assert p.idle and p.active == 0 and set(ended) == set(range(len(requests)))
     assert all(ended[i] == CANCELLED for i in cancelled_at)
 
@@ -317,7 +317,7 @@ class FakeModel:
         self.tokens: dict[int, list[int]] = {}
 
     def run(self, frame):
-        sampled = {}
+        sampled = []
         for row in frame.rows:
             held = self.tokens.setdefault(row.slot, [])
             if row.position == 0:
@@ -325,7 +325,7 @@ class FakeModel:
             assert row.position == len(held), "a row not at its stream's next position"
             held.append(row.token)
             if row.sampled:
-                sampled[row.request_id] = zlib.crc32(bytes(str(held), "ascii")) % 50
+                sampled.append(zlib.crc32(bytes(str(held), "ascii")) % 50)
         return sampled
 
 
@@ -367,14 +367,14 @@ def test_a_replay_prefills_each_stream_again_then_decodes():
     p = policy(prefill_window=4)
     p.add_request(Request(0, (5, 6, 7), 4))
     first = p.next_frame(0)
-    p.complete_frame(first, {0: 9})
-    p.complete_frame(p.next_frame(0), {0: 8})  # output so far: 9, 8; in flight: the row of 8
+    p.complete_frame(first, [9])
+    p.complete_frame(p.next_frame(0), [8])  # output so far: 9, 8; in flight: the row of 8
     p.next_frame(0)
     assert p.replay() == []
     again = p.next_frame(0)
     assert [(r.position, r.token, r.kind, r.sampled) for r in again.rows] == [
         (0, 5, PREFILL, False), (1, 6, PREFILL, False), (2, 7, PREFILL, False), (3, 9, PREFILL, False)]
-    assert p.complete_frame(again, {}) == []  # no row of it is sampled: the window ended before the last
+    assert p.complete_frame(again, []) == []  # no row of it is sampled: the window ended before the last
     rest = p.next_frame(0)
     assert [(r.position, r.token, r.sampled) for r in rest.rows] == [(4, 8, True)]
-    assert p.complete_frame(rest, {0: 3}) == [Token(0, 3, 2)]
+    assert p.complete_frame(rest, [3]) == [Token(0, 3, 2)]

@@ -254,6 +254,38 @@ def workload_options(command):
     return gathered
 
 
+class Speculate(click.ParamType):
+    """`ngram` or `ngram:MAX_DRAFT` (`cascadia.speculation.parse_speculate`)."""
+
+    name = "ngram[:MAX_DRAFT]"
+
+    def convert(self, value, param, ctx):
+        from cascadia.speculation import parse_speculate
+
+        try:
+            parse_speculate(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
+def speculate_option(command):
+    """--speculate, for the commands that serve or simulate a workload. Apply it with `with_speculation`."""
+    return click.option("--speculate", type=Speculate(),
+                        help="speculative decoding: verify up to MAX_DRAFT (default 4) prompt-lookup drafts per "
+                             "stream as extra rows while stages are idle; the tokens are the same (default: the "
+                             "spec's runtime.speculate, off)")(command)
+
+
+def with_speculation(loaded, speculate: str | None):
+    """The spec with --speculate as its runtime's, when given."""
+    import attrs
+
+    if speculate is None:
+        return loaded
+    return attrs.evolve(loaded, runtime=attrs.evolve(loaded.runtime, speculate=speculate))
+
+
 def emulate_links_option(command):
     """--emulate-links, for the commands that run local nodes."""
     return click.option("--emulate-links", is_flag=True,

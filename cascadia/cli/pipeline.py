@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from cascadia.cli.common import (CpuList, OutputPath, TcpAddress, chosen_plan, emulate_links_option, report_to,
-                                 sampling_options, with_sampling, workload_options, workload_overrides, write_trace,
-                                 writing)
+                                 sampling_options, speculate_option, with_sampling, with_speculation, workload_options,
+                                 workload_overrides, write_trace, writing)
 from cascadia.spec.load import load_spec
 
 
@@ -82,21 +82,22 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
                             "server (e.g. http://127.0.0.1:8000), timed on the client side")
 @click.option("--api-key-file", type=click.File("r"), help="with --url: the server's key (the file's first line)")
 @click.option("--model", help="with --url: the model to ask for (default: the server's only one)")
+@speculate_option
 def run_command(spec: str, plan_path: str | None, checkpoint: str | None, choices: dict, greedy, temperature, top_p,
                 seed, groups, json_path, outputs_path, trace_path, control, tokens, node_timeout, emulate_links, url,
-                api_key_file, model) -> None:
+                api_key_file, model, speculate) -> None:
     """Run the spec's workload through the real pipeline and print throughput and latency per level.
 
     Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
     `cascadia node ... --control ADDRESS` (the last one also with --successor set to the --tokens address). With
     --url the workload goes to a running server through its OpenAI API instead: the load generator for a
     deployment."""
-    loaded = load_spec(spec)
+    loaded = with_speculation(load_spec(spec), speculate)
     workload = with_sampling(workload_overrides(loaded, choices), greedy, temperature, top_p, seed)
     if url is not None:
         pipeline_only = {"--plan": plan_path, "--groups": groups, "--outputs": outputs_path, "--trace": trace_path,
                          "--control": control, "--tokens": tokens, "--node-timeout": node_timeout,
-                         "--emulate-links": emulate_links or None}
+                         "--emulate-links": emulate_links or None, "--speculate": speculate}
         if given := [name for name, value in pipeline_only.items() if value is not None]:
             raise click.UsageError(f"{', '.join(given)}: for the pipeline `run` starts, not with --url")
         _load_and_report(loaded, workload, url, api_key_file, model, checkpoint, json_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import Quantity, TcpAddress, chosen_plan
+from cascadia.cli.common import Quantity, TcpAddress, chosen_plan, speculate_option, with_speculation
 from cascadia.spec.load import load_spec
 
 
@@ -37,10 +37,11 @@ from cascadia.spec.load import load_spec
 @click.option("--replace-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="seconds a lost tcp node may take to come back before its stage is down (open requests fail, "
                    "new ones get 503, until it does)")
+@speculate_option
 def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, port: int, model_name: str | None,
           max_waiting: int | None, api_key_file, max_body: int, shutdown_timeout: float, groups: int | None,
           control: str | None, tokens: str | None, node_timeout: float, stall_timeout: float,
-          replace_timeout: float) -> None:
+          replace_timeout: float, speculate: str | None) -> None:
     """Serve the spec's model with an OpenAI-compatible API (chat and text completions, streamed or not; /v1/models,
     /health, /metrics, and a status page at /) until SIGTERM or Ctrl-C.
 
@@ -62,7 +63,7 @@ def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, p
         if not key:
             raise click.BadParameter("the file's first line is empty", param_hint="--api-key-file")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    loaded = load_spec(spec)
+    loaded = with_speculation(load_spec(spec), speculate)
     runtime = loaded.runtime
     settings = ServeSettings(model_name or loaded.model.name, runtime.context_budget,
                              2 * runtime.max_streams if max_waiting is None else max_waiting, max_body, key)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import click
 
 from cascadia.cli.common import (WORKLOAD_CHOICES, IntList, NodeAtSeconds, OutputPath, chosen_plan,
-                                 emulate_links_option, report_to, workload_options, workload_overrides, write_trace,
-                                 writing)
+                                 emulate_links_option, report_to, speculate_option, with_speculation, workload_options,
+                                 workload_overrides, write_trace, writing)
+from cascadia.sim.drafts import DEFAULT_ACCEPTANCE
 from cascadia.sim.loss import DETECT_S
 from cascadia.spec.load import load_spec
 
@@ -27,9 +28,12 @@ from cascadia.spec.load import load_spec
 @click.option("--detect", "detect_s", type=click.FloatRange(min=0),
               help=f"with --fail: seconds until the loss is known [default: {DETECT_S:g}, serve's --stall-timeout; "
                    "a local node's exit is seen within 0.1]")
+@speculate_option
+@click.option("--acceptance", type=click.FloatRange(0, 1), help="with --speculate: the chance that a draft is "
+              f"accepted once the drafts before it were [default: {DEFAULT_ACCEPTANCE:g}]")
 def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None, checkpoint: str | None,
              choices: dict, groups: int | None, json_path: str | None, plot_path: str | None,
-             trace_path: str | None, loss, detect_s: float) -> None:
+             trace_path: str | None, loss, detect_s: float, speculate: str | None, acceptance: float | None) -> None:
     """Predict throughput and latency of the plan at each level (closed-loop concurrency or open-loop arrival rate)
     with the calibrated simulator. It reads no weights: a checkpoint matters only for the tokenizer of text
     prompts."""
@@ -50,7 +54,8 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     if detect_s is not None and loss is None:
         raise click.UsageError("--detect is the detection time of a loss: give --fail NODE@SECONDS with it")
     report = report_to(json_path, plot_path, trace_path)
-    loaded = load_spec(spec)
+    loaded = with_speculation(load_spec(spec), speculate)
+    acceptance = _acceptance(loaded, acceptance)
     model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
     workload = workload_overrides(loaded, choices)
     loaded = attrs.evolve(loaded, model=model, workload=workload)
@@ -58,7 +63,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
     timings = [] if trace_path else None
     result = run_simulation(loaded, calibration, chosen, groups=groups, timings=timings, loss=loss,
-                            detect_s=DETECT_S if detect_s is None else detect_s)
+                            detect_s=DETECT_S if detect_s is None else detect_s, acceptance=acceptance)
     report(format_table(result))
     if calibration.is_analytic:
         report("(analytic estimate)")
@@ -125,8 +130,11 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
               help="write both timelines here (simulate.json, run.json: Chrome trace JSON) and compare each node's "
                    "compute time per frame")
 @emulate_links_option
+@speculate_option
+@click.option("--acceptance", type=click.FloatRange(0, 1), help="with --speculate: the chance the simulator gives "
+              f"a draft of being accepted once the drafts before it were [default: {DEFAULT_ACCEPTANCE:g}]")
 def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, choices: dict,
-                     groups, repeats, json_path, trace_dir, emulate_links) -> None:
+                     groups, repeats, json_path, trace_dir, emulate_links, speculate, acceptance) -> None:
     """Simulate and run the same workload on the same plan, and print per level and metric the measured and
     predicted values and the error, then each metric's median absolute error; with --trace-dir, each node's compute
     time per frame in both."""
@@ -134,16 +142,24 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
 
     from cascadia.sim.calibration import Calibration
 
-    loaded = load_spec(spec)
+    loaded = with_speculation(load_spec(spec), speculate)
+    acceptance = _acceptance(loaded, acceptance)
     workload = workload_overrides(loaded, choices)
     calibration = Calibration.load(calibration_path)
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
-                         checkpoint, groups, repeats, json_path, emulate_links, trace_dir)
+                         checkpoint, groups, repeats, json_path, emulate_links, trace_dir, acceptance)
+
+
+def _acceptance(loaded, acceptance: float | None) -> float:
+    """--acceptance, which only speculation reads."""
+    if acceptance is not None and not loaded.runtime.max_draft:
+        raise click.UsageError("--acceptance is the simulated drafts' acceptance: give --speculate with it")
+    return DEFAULT_ACCEPTANCE if acceptance is None else acceptance
 
 
 def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = None, groups: int | None = None,
                          repeats: int = 1, json_path: str | None = None, emulate_links: bool = False,
-                         trace_dir: str | None = None) -> None:
+                         trace_dir: str | None = None, acceptance: float = DEFAULT_ACCEPTANCE) -> None:
     """Simulate and run with progress on stderr; print the comparison, write the JSON and the timelines."""
     import json
     from pathlib import Path
@@ -171,7 +187,8 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
         result = validate(loaded, chosen, calibration, repeats=repeats, groups=groups,
                           checkpoint=Path(checkpoint) if checkpoint else None,
                           on_message=lambda node, message: click.echo(describe(node, message), err=True),
-                          on_phase=phase_done, emulate_links=emulate_links, timelines=timelines)
+                          on_phase=phase_done, emulate_links=emulate_links, timelines=timelines,
+                          acceptance=acceptance)
     except ValidationFailed as e:
         write(e.result)
         raise click.ClickException(f"run failed: {e}") from None

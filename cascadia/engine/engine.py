@@ -56,6 +56,7 @@ class StageEngine:
         self.device = pick_device(device)
         self.row_buckets = runtime.row_buckets
         self.max_rows = runtime.largest_bucket
+        self.rewind = runtime.max_draft  # the most positions a stream steps back (its rejected drafts)
         self.context_budget = context_budget = runtime.context_budget
         options = compile_options(device_precision(runtime.precision, self.device), threads)
         total, done = len(layers) + embed + head, 0
@@ -94,13 +95,15 @@ class StageEngine:
                               shape.head_dim, fmt)
             else:
                 kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt)
-            self.states.append(SlotState(kv, cfg.hidden_size, cfg.conv_kernel_size, runtime.max_streams, fmt))
+            self.states.append(SlotState(kv, cfg.hidden_size, cfg.conv_kernel_size, runtime.max_streams, fmt,
+                                         self.rewind))
             advance()
         if head:
             self.final_norm = checkpoint.tensor(FINAL_NORM)
             self.head = compile_block(graphs.projection([_matrix(checkpoint, HEAD, formats.head)], formats.head))
             advance()
         self.lengths = np.zeros(runtime.max_streams, np.int64)  # next position of each slot
+        self.reach = np.zeros(runtime.max_streams, np.int64)  # how far before it the slot's next rows may start
         if warm_up:
             for block in self.blocks:
                 block.warm_up()
@@ -166,16 +169,19 @@ class StageEngine:
         for layer, state in zip(self.layers, self.states):
             x = layer.forward(x, rows, state)
         self.lengths[rows.group_slots] = ends
+        self.reach[rows.group_slots] = rows.counts - 1
         return x
 
-    def rows(self, slots, positions, bucket: int | None = None, lengths: np.ndarray | None = None) -> Rows:
-        """The rows of one call (see `forward`) checked against the slots' `lengths` (default: the engine's own):
-        BatchError, before any state changes, for rows that do not continue their streams, a bucket that is not
-        one of the row buckets, or a stream that would pass the context budget."""
+    def rows(self, slots, positions, bucket: int | None = None, lengths: np.ndarray | None = None,
+             reach: np.ndarray | None = None) -> Rows:
+        """The rows of one call (see `forward`) checked against the slots' `lengths` and `reach` (default: the
+        engine's own): BatchError, before any state changes, for rows that do not continue their streams (or step
+        back further than their state allows), a bucket that is not one of the row buckets, or a stream that would
+        pass the context budget."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         bucket = padded_size(len(slots), self.row_buckets) if bucket is None else bucket
         rows = Rows.build(slots, positions, self.lengths if lengths is None else lengths, self.config.conv_kernel_size,
-                          self.row_buckets, bucket)
+                          self.row_buckets, bucket, self.rewind, self.reach if reach is None else reach)
         ends = rows.positions[rows.starts] + rows.counts
         if ends.max() > self.context_budget:
             slot = int(rows.group_slots[np.argmax(ends)])
@@ -203,7 +209,7 @@ class StageEngine:
         for state in self.states:
             state.release(slot)
         self.pool.release(slot)
-        self.lengths[slot] = 0
+        self.lengths[slot] = self.reach[slot] = 0
 
 
 AUTO = "auto"

@@ -121,15 +121,18 @@ def row_factor(*weights: np.ndarray) -> np.ndarray:
 
 class SlotState:
     """A layer's state for every slot: its keys and values (`kv`: a ring per slot on a sliding layer, blocks of the
-    stage's pool on a global one) and the last K-1 inputs of its short convolutions [slots, K-1, C] (those of k and
-    v side by side: they run as one), all stored in `fmt`. Zero-filled, so pages are only committed as slots fill."""
+    stage's pool on a global one) and the last K-1+rewind inputs of its short convolutions [slots, K-1+rewind, C]
+    (those of k and v side by side: they run as one; `rewind`, the positions a stream may step back, see
+    `cascadia.engine.rows`), all stored in `fmt`. Zero-filled, so pages are only committed as slots fill."""
 
-    def __init__(self, kv: KeyStore, hidden: int, kernel: int, slots: int, fmt: StateFormat = StateFormat()):
+    def __init__(self, kv: KeyStore, hidden: int, kernel: int, slots: int, fmt: StateFormat = StateFormat(),
+                 rewind: int = 0):
         self.kv, self.fmt = kv, fmt
         kv_width = kv.k.shape[1] * kv.k.shape[3]
-        self.conv_kv = fmt.zeros((slots, kernel - 1, 2 * kv_width))
-        self.conv_attn = fmt.zeros((slots, kernel - 1, hidden))
-        self.conv_mlp = fmt.zeros((slots, kernel - 1, hidden))
+        history = kernel - 1 + rewind
+        self.conv_kv = fmt.zeros((slots, history, 2 * kv_width))
+        self.conv_attn = fmt.zeros((slots, history, hidden))
+        self.conv_mlp = fmt.zeros((slots, history, hidden))
 
     @property
     def nbytes(self) -> int:

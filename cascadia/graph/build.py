@@ -44,7 +44,7 @@ def build_graph(model: ModelSpec, runtime: RuntimeSpec) -> nx.DiGraph:
     _add_op(g, EMBEDDING, ends[EMBEDDING], layer=None)
     residual = EMBEDDING
     for layer in range(cfg.num_hidden_layers):
-        convs = costs.conv_state_bytes(model, layer, runtime.kv_precision)
+        convs = costs.conv_state_bytes(model, layer, runtime.kv_precision, runtime.max_draft)
         for kind, op in costs.layer_ops(model, layer).items():
             is_attention = kind == "attention"
             _add_op(g, f"L{layer}.{kind}", op, layer,

@@ -8,7 +8,7 @@ Shapes come from `cascadia.tensors` (the checkpoint layout); bytes from the spec
 - FLOPs are matmul FLOPs (2 per multiply-add); norms, convolutions and activations are left out.
 - K/V and convolution states use the runtime's `kv_precision`, and are counted as the engine allocates them: a
   sliding layer keeps window - 1 + (the largest row bucket) K/V entries. A short convolution of kernel K keeps the
-  previous K - 1 inputs of its channels.
+  previous K - 1 inputs of its channels (K - 1 + MAX_DRAFT with speculation: `cascadia.engine.rows`).
 """
 
 from __future__ import annotations
@@ -129,11 +129,12 @@ def layer_ops(model: ModelSpec, layer: int) -> dict[str, OpCost]:
     return ops
 
 
-def conv_state_bytes(model: ModelSpec, layer: int, kv_precision: str) -> dict[str, int]:
-    """Bytes of the short-convolution states of one stream, by the op kind that owns them."""
+def conv_state_bytes(model: ModelSpec, layer: int, kv_precision: str, rewind: int = 0) -> dict[str, int]:
+    """Bytes of the short-convolution states of one stream, by the op kind that owns them (`rewind`: the positions a
+    speculating stream may step back, whose inputs they keep too)."""
     cfg = model.config
     n_kv, head_dim = cfg.heads(layer)[1:]
-    per_channel = (cfg.conv_kernel_size - 1) * STATE_DTYPE_BYTES[kv_precision]
+    per_channel = (cfg.conv_kernel_size - 1 + rewind) * STATE_DTYPE_BYTES[kv_precision]
     return {"attention": 2 * n_kv * head_dim * per_channel,  # k_sconv and v_sconv
             "attn_sconv": cfg.hidden_size * per_channel, "mlp_sconv": cfg.hidden_size * per_channel}
 
@@ -168,7 +169,7 @@ def layer_costs(model: ModelSpec, runtime: RuntimeSpec = RuntimeSpec()) -> list[
             attn_flops_per_position=4.0 * n_heads * head_dim,  # q.k and p.v, 2 FLOPs per multiply-add each
             kv_bytes_per_position=kv_bytes_per_position(model, layer, kv_precision),
             kv_window=cfg.kv_entries(layer, math.inf, runtime.largest_bucket) if cfg.is_sliding(layer) else None,
-            conv_state_bytes=sum(conv_state_bytes(model, layer, kv_precision).values()),
+            conv_state_bytes=sum(conv_state_bytes(model, layer, kv_precision, runtime.max_draft).values()),
         ))
     return out
 

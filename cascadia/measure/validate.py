@@ -23,6 +23,7 @@ from cascadia.graph.plan import Plan
 from cascadia.metrics import describe_level, level_label
 from cascadia.pipeline.run import RunFailed, run
 from cascadia.sim.calibration import Calibration
+from cascadia.sim.drafts import DEFAULT_ACCEPTANCE
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
 from cascadia.table import format_rows
@@ -117,18 +118,19 @@ class ValidationFailed(NodeError):
 def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1, groups: int | None = None,
              checkpoint: Path | None = None, on_message: Callable = lambda node, message: None,
              on_phase: Callable = lambda level, phase, records: None, emulate_links: bool = False,
-             timelines: dict | None = None) -> dict:
+             timelines: dict | None = None, acceptance: float = DEFAULT_ACCEPTANCE) -> dict:
     """Simulate, then run `repeats` times, the spec's workload on `plan`; the results and their comparison. With
     `emulate_links` the runs go over links shaped to the spec's bandwidths, and so does the simulation. `timelines`:
     a dict that takes each backend's timeline, as (frames, metrics result, clock errors) by name ("simulate", "run";
     "run-1".. with repeats); the comparison then holds each node's per-frame times (`compare_frame_times`).
+    With speculation, the simulated drafts are accepted at `acceptance` (`cascadia.sim.drafts`).
 
     The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts."""
     if emulate_links:
         calibration = _with_emulated_links(calibration, spec, plan)
     traced = timelines is not None
     predicted_frames: list[FrameTiming] | None = [] if traced else None
-    predicted = simulate(spec, calibration, plan, groups=groups, timings=predicted_frames)
+    predicted = simulate(spec, calibration, plan, groups=groups, timings=predicted_frames, acceptance=acceptance)
     runs, measured_frames = [], []
     for i in range(repeats):
         try:

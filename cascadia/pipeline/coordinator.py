@@ -398,8 +398,8 @@ class Flight:
                 log.sent(frame.seq, frame.group, len(frame.rows), frame.padded_rows, self.coordinator.now())
             self.coordinator.send_frame(wire_frame(frame))
 
-    def wait(self, until: float | None = None, wake: Sequence = ()) -> tuple[PolicyFrame, dict[int, int]] | None:
-        """The next frame to come back and its sampled tokens ({request id: token}); None once the coordinator's
+    def wait(self, until: float | None = None, wake: Sequence = ()) -> tuple[PolicyFrame, list[int]] | None:
+        """The next frame to come back and its sampled rows' tokens, in row order; None once the coordinator's
         clock passes `until`, or sooner when one of `wake` becomes readable. No tokens for `stall_s` while frames
         are in flight is an error."""
         coordinator = self.coordinator
@@ -416,7 +416,7 @@ class Flight:
             if self.frames and time.monotonic() - self._progress > coordinator.stall_s:
                 raise coordinator._stall_error()
 
-    def _match(self, tokens: Tokens) -> tuple[PolicyFrame, dict[int, int]] | None:
+    def _match(self, tokens: Tokens) -> tuple[PolicyFrame, list[int]] | None:
         """The frame in flight the tokens complete, and its sampled tokens; None after dropping tokens that cannot be
         a frame's in flight (a stray or forged message: the frame's own may still come)."""
         frame = self.frames.get(tokens.group)
@@ -429,7 +429,7 @@ class Flight:
             del self.frames[tokens.group]
             if (log := self.coordinator.frame_log) is not None:
                 log.done(frame.seq, self.coordinator.now())
-            return frame, dict(zip(frame.sampled_ids, tokens.token_ids.tolist()))
+            return frame, tokens.token_ids.tolist()
         self.coordinator._drop("token socket", stray)
         return None
 

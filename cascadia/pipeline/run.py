@@ -30,6 +30,7 @@ from cascadia.pipeline.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.policy import Policy, padded_size, score_schedule
 from cascadia.spec.dump import write_spec
 from cascadia.spec.types import Spec, WorkloadSpec
+from cascadia.speculation import Drafter
 from cascadia.tokenizer import workload_prompts
 from cascadia.trace import FrameTiming
 from cascadia.workload import Level, Phase, prompt_length_notes
@@ -160,16 +161,17 @@ class Pipeline:
 
     def run(self, workload: WorkloadSpec, prompts: Sequence[tuple[int, ...]] | None = None,
             groups: int | None = None, on_phase: Callable[[str, str, list], None] = lambda level, phase, records: None,
-            trace: bool = False) -> RunResult:
+            trace: bool = False, drafter: Drafter | None = None) -> RunResult:
         """Every concurrency level of `workload` (warm-up and measured phase); `prompts` default to the workload's
         prompts file (text encoded by the checkpoint's tokenizer), or seeded random prompts without one; `groups`
-        (pipeline groups) to one per stage; with `trace`, each frame's timing too.
+        (pipeline groups) to one per stage; with `trace`, each frame's timing too. With `spec.runtime.speculate`,
+        drafts come from `drafter` (default: prompt lookup).
         Raises RunFailed, holding what finished, when the pipeline fails or the run is interrupted (Ctrl-C)."""
         spec = self.spec
         if prompts is None:
             prompts = workload_prompts(workload, self.checkpoint, spec.model.config)
         notes = prompt_length_notes(prompts, workload, spec.runtime) if prompts else []
-        policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages), self.plan.kv_blocks)
+        policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages), self.plan.kv_blocks, drafter)
         served, outputs = Served(), Outputs()
         coordinator = self.coordinator
         coordinator.frame_log = FrameLog(coordinator.nodes) if trace else None

@@ -35,18 +35,23 @@ from cascadia.units import format_bytes
 
 class RowSampler:
     """Draws the token of each sampled row as its stream asks (`cascadia.sampling`), keeping the token history of
-    each slot whose stream samples at random (a greedy stream needs none)."""
+    each slot whose stream samples at random (a greedy stream needs none): the hash of its tokens up to each of its
+    last `rewind` + 1 positions, so that a stream whose drafts were rejected goes on from the position it stands at
+    (`cascadia.policy`)."""
 
-    def __init__(self, slots: int):
-        self._history = np.zeros(slots, np.uint32)  # `extend_history` of each slot's tokens so far
+    def __init__(self, slots: int, rewind: int = 0):
+        self._history = np.zeros((slots, rewind + 1), np.uint32)  # [slot, position % (rewind + 1)]
+        self._rows = np.zeros(0, np.uint32)  # the history up to each row of the frame last observed
 
     def observe(self, frame: Frame) -> None:
         """Take in a frame's rows, in order."""
-        drawn = frame.temperature > 0
-        for slot, position, token in zip(frame.slots[drawn].tolist(), frame.positions[drawn].tolist(),
-                                         frame.token_ids[drawn].tolist()):
-            start = 0 if position == 0 else int(self._history[slot])
-            self._history[slot] = extend_history(start, [token])
+        drawn = np.flatnonzero(frame.temperature > 0)
+        self._rows = np.zeros(len(frame.slots), np.uint32)
+        depth = self._history.shape[1]
+        for i, slot, position, token in zip(drawn.tolist(), frame.slots[drawn].tolist(),
+                                            frame.positions[drawn].tolist(), frame.token_ids[drawn].tolist()):
+            start = 0 if position == 0 else int(self._history[slot, (position - 1) % depth])
+            self._history[slot, position % depth] = self._rows[i] = extend_history(start, [token])
 
     def sample(self, logits: np.ndarray, frame: Frame) -> np.ndarray:
         """One token per sampled row of the frame, from their logits [n, V]."""
@@ -54,8 +59,8 @@ class RowSampler:
         temperature, top_p, seed = frame.temperature[rows], frame.top_p[rows], frame.seed[rows]
         if not temperature.any():
             return np.argmax(logits, axis=1)
-        draws = (Sampling(t, p, s).draw(row, int(self._history[slot])) for row, slot, t, p, s in
-                 zip(logits, frame.slots[rows].tolist(), temperature.tolist(), top_p.tolist(), seed.tolist()))
+        draws = (Sampling(t, p, s).draw(row, int(history)) for row, history, t, p, s in
+                 zip(logits, self._rows[rows].tolist(), temperature.tolist(), top_p.tolist(), seed.tolist()))
         return np.array(list(draws))
 
 
@@ -110,14 +115,15 @@ class EngineStage:
                                f"{cfg.hidden_size}")
         if frame.slots.max() >= len(engine.lengths):
             raise ForeignFrame(f"slot {frame.slots.max()} is not one of the stage's 0..{len(engine.lengths) - 1}")
-        lengths = engine.lengths.copy()
-        lengths[frame.slots[frame.positions == 0]] = 0
+        lengths, reach = engine.lengths.copy(), engine.reach.copy()
+        lengths[frame.slots[frame.positions == 0]] = reach[frame.slots[frame.positions == 0]] = 0
         for rows in self._calls(frame.rows):
             try:
-                checked = engine.rows(frame.slots[rows], frame.positions[rows], self._bucket(frame), lengths)
+                checked = engine.rows(frame.slots[rows], frame.positions[rows], self._bucket(frame), lengths, reach)
             except BatchError as e:
                 raise ForeignFrame(str(e)) from None
             lengths[checked.group_slots] = checked.positions[checked.starts] + checked.counts
+            reach[checked.group_slots] = checked.counts - 1
 
     def _calls(self, n: int) -> Iterator[slice]:
         """Consecutive row ranges of at most the engine's largest bucket (a stream's rows may span two calls: the
@@ -173,7 +179,7 @@ def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, 
         raise CheckpointError(f"{checkpoint}: its config.json describes another model than the spec's: "
                               f"{', '.join(differences[:3])}{more} (checkpoint vs spec)")
     engine = StageEngine.for_stage(spec, stage, opened, threads=threads, progress=progress)
-    sampler = RowSampler(spec.runtime.max_streams) if engine.head is not None else None
+    sampler = RowSampler(spec.runtime.max_streams, engine.rewind) if engine.head is not None else None
     return EngineStage(engine, sampler, with_logits)
 
 

@@ -425,7 +425,7 @@ class PipelineModel:
             if frame.seq in lost:
                 lost.discard(frame.seq)
                 return
-            sampled = dict.fromkeys(frame.sampled_ids, PLACEHOLDER_TOKEN)
+            sampled = [PLACEHOLDER_TOKEN] * len(frame.sampled_ids)
             if recovering is not None and sampled:
                 recovering[0]["first_token_s"] = env.now - recovering[1]
                 recovering = None

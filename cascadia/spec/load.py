@@ -8,7 +8,7 @@ and key path.
                links: {default: {bandwidth: 1gbit, latency: 100us}, pairs: [{between: [pc0, pc1], ...}]}
                reserve: 2GiB                             # kept free on every node
     runtime:   context_budget, max_streams, kv_block, precision, kv_precision, row_buckets, prefill_window,
-               moe_grouped_from
+               moe_grouped_from, speculate
     workload:  concurrency: 1,2,4  requests  prompt_tokens: {uniform: [8, 24]}  output_tokens  greedy ...
     include:   [models/inkling.yaml, clusters/lab.yaml]  # merged first, in order; this file's keys win
 
@@ -36,6 +36,7 @@ from cascadia.spec.types import (DEVICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYP
                                  ModelSpec, NodeSpec, RuntimeSpec, SloSpec, Spec, WeightFormat, WeightFormats,
                                  WorkloadSpec, is_tcp_address)
 from cascadia.spec.yaml_tree import Node, read_document
+from cascadia.speculation import parse_speculate
 from cascadia.units import UnitError, format_bytes, parse_bytes, parse_duration, parse_flops, parse_rate
 from cascadia.workload import misfits
 
@@ -533,6 +534,7 @@ def _runtime(ctx: _Context, node: Node | None) -> RuntimeSpec:
         "row_buckets": fields.take("row_buckets", _buckets),
         "prefill_window": fields.take("prefill_window", _positive_int),
         "moe_grouped_from": fields.take("moe_grouped_from", _grouped_from),
+        "speculate": fields.take("speculate", _speculate),
     }
     fields.finish()
     return RuntimeSpec(**{k: v for k, v in values.items() if v is not None})
@@ -548,6 +550,15 @@ def _grouped_from(value: Any) -> int | str:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
     raise _Invalid(f"expected a row count >= 1, {' or '.join(_GROUPED_WORDS)}, got {shown(value)}")
+
+
+def _speculate(value: Any) -> str:
+    """`ngram` or `ngram:MAX_DRAFT`."""
+    try:
+        parse_speculate(value)
+    except ValueError as e:
+        raise _Invalid(str(e)) from None
+    return str(value)
 
 
 def _length(ctx: _Context, node: Node, path: str) -> LengthSpec | None:

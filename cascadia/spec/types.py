@@ -13,6 +13,7 @@ from pathlib import Path
 import attrs
 
 from cascadia.model_config import InklingConfig
+from cascadia.speculation import parse_speculate
 
 WEIGHT_DTYPES = ("int4", "int8", "f16", "bf16", "f32")
 PRECISIONS = ("f32", "bf16", "f16")
@@ -154,6 +155,13 @@ class RuntimeSpec:
     # MoE calls of at least this many rows (their bucket) run expert-grouped, smaller ones fused; "auto": from the
     # engine's own measurement at start-up; "never": always fused.
     moe_grouped_from: int | str = "never"
+    # "ngram[:MAX_DRAFT]": speculative decoding with prompt-lookup drafts (`cascadia.speculation`); None: off
+    speculate: str | None = attrs.field(default=None, validator=lambda _, __, value: parse_speculate(value))
+
+    @property
+    def max_draft(self) -> int:
+        """The most draft rows a stream's frame carries, and so the most positions a stage rewinds (0: off)."""
+        return parse_speculate(self.speculate)
 
     def blocks_for(self, positions: int) -> int:
         """K/V pool blocks a stream of `positions` positions holds."""

@@ -1,0 +1,140 @@
+"""What speculative decoding buys on a pipeline: tokens/s with and without, and the simulator's prediction beside it.
+
+Scenario: the spec's pipeline (default specs/tiny-local.yaml, its local nodes) serves closed-loop levels of
+STREAMS clients, REQUESTS greedy requests of OUTPUT_TOKENS per phase, on repetitive prompts (a short phrase
+repeated, so that prompt lookup has something to find): fresh ones (a prompt per request), three ways: without
+speculation; with prompt-lookup (n-gram) drafts; and with the replay of the first run's outputs as drafts (every
+draft accepted: the ceiling); then REPEATED prompts over and over, without speculation and with n-gram drafts,
+which then come from the phrase table (the outputs of the requests that finished before). Every speculating run's
+tokens are compared with the run without on the same prompts (the same in f32; bf16 rounding moves with a call's
+rows, so there they may differ).
+Reported per level: decode tokens/s, the speed-up, drafts accepted of proposed, mean accepted per verifying step,
+and, with a calibration (`cascadia calibrate`), the simulator's decode tokens/s and speed-up for the same workload,
+its drafts accepted at the measured acceptance (accepted / proposed; 1 for the replay). Not a test: it prints
+ratios of one machine's runs. Then, for the paper's deployment (specs/inkling-975b-11pc.yaml, analytic), the
+simulator's speed-up against the acceptance rate at 1, 4 and 11 streams.
+
+    python bench/speculate.py [SPEC] [--calibration cal.json] [--max-draft 4] [--paper-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import attrs
+
+from cascadia.graph.planner import plan as make_plan
+from cascadia.pipeline.run import Pipeline
+from cascadia.sim.analytic import analytic_calibration
+from cascadia.sim.calibration import Calibration
+from cascadia.sim.simulate import simulate
+from cascadia.spec.load import load_spec
+from cascadia.speculation import ReplayDrafter
+from cascadia.table import format_rows
+
+ROOT = Path(__file__).parent.parent
+STREAMS = (1, 4)
+REQUESTS = 8
+OUTPUT_TOKENS = 32
+REPEATED = 4
+PAPER_SPEC = ROOT / "specs" / "inkling-975b-11pc.yaml"
+PAPER_STREAMS = (1, 4, 11)
+PAPER_OUTPUT_TOKENS = 64
+ACCEPTANCE = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+def repetitive_prompts(vocab: int, n: int) -> list[tuple[int, ...]]:
+    """A phrase of 3..5 tokens repeated to 16..23 tokens, a different phrase per prompt."""
+    return [tuple(([(11 * i + 7 * j + 1) % vocab for j in range(3 + i % 3)] * 8)[:16 + i % 8]) for i in range(n)]
+
+
+def served(spec, prompts, drafter=None, speculate: str | None = None):
+    """(levels, outputs by prompt) of the spec's workload on its pipeline, speculating as `speculate` says."""
+    spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, speculate=speculate))
+    with Pipeline.start(spec, make_plan(spec)) as pipeline:
+        done = pipeline.run(spec.workload, prompts=prompts, drafter=drafter)
+    return done.result["levels"], {(tuple(line["prompt_ids"]), line["phase"], line["request_id"]): line["output_ids"]
+                                   for line in done.outputs}
+
+
+def by_prompt(outputs: dict) -> dict[tuple[int, ...], list[int]]:
+    return {prompt: tokens for (prompt, _, _), tokens in outputs.items()}
+
+
+def measured(spec, calibration: Calibration | None, max_draft: int) -> None:
+    workload = attrs.evolve(spec.workload, concurrency=STREAMS, requests=REQUESTS, output_tokens=OUTPUT_TOKENS,
+                            greedy=True, prompts_file=None)
+    spec = attrs.evolve(spec, workload=workload)
+    vocab = spec.model.config.output_vocab_size
+    fresh = repetitive_prompts(vocab, 2 * len(STREAMS) * REQUESTS)  # every request of every phase its own
+    repeated = repetitive_prompts(vocab, REPEATED)
+    speculate = f"ngram:{max_draft}"
+    plain, expected = served(spec, fresh)
+    plain_repeated, expected_repeated = served(spec, repeated)
+    runs = {"n-gram": (plain, served(spec, fresh, None, speculate), expected),
+            "replay": (plain, served(spec, fresh, ReplayDrafter(by_prompt(expected)), speculate), expected),
+            "n-gram, repeated prompts": (plain_repeated, served(spec, repeated, None, speculate), expected_repeated)}
+    differ = {name: sum(outputs[key] != reference[key] for key in reference)
+              for name, (_, (_, outputs), reference) in runs.items()}
+    predicted_plain = simulate(spec, calibration)["levels"] if calibration else None
+    rows = [("drafts", "streams", "decode tok/s", "speed-up", "accepted/proposed", "per step", "sim tok/s",
+             "sim speed-up")]
+    for name, levels in (("none", plain), ("none, repeated prompts", plain_repeated)):
+        for i, level in enumerate(levels):
+            rows.append((name, str(level["concurrency"]), f"{level['decode_tokens_per_s']:.1f}", "1.00", "-", "-",
+                         f"{predicted_plain[i]['decode_tokens_per_s']:.1f}" if calibration else "-", "1.00"))
+    for name, (plain, (levels, _), _) in runs.items():
+        for i, level in enumerate(levels):
+            drafts = level["speculation"]
+            acceptance = 1.0 if name == "replay" else drafts["accepted"] / max(drafts["proposed"], 1)
+            sim = "-", "-"
+            if calibration:
+                sped = attrs.evolve(spec, workload=attrs.evolve(workload, concurrency=(level["concurrency"],)),
+                                    runtime=attrs.evolve(spec.runtime, speculate=speculate))
+                rate = simulate(sped, calibration, acceptance=acceptance)["levels"][0]["decode_tokens_per_s"]
+                sim = f"{rate:.1f}", f"{rate / predicted_plain[i]['decode_tokens_per_s']:.2f}"
+            per_step = drafts["mean_accepted_per_step"]
+            rows.append((name, str(level["concurrency"]), f"{level['decode_tokens_per_s']:.1f}",
+                         f"{level['decode_tokens_per_s'] / plain[i]['decode_tokens_per_s']:.2f}",
+                         f"{drafts['accepted']}/{drafts['proposed']}",
+                         "-" if per_step is None else f"{per_step:.2f}", *sim))
+    same = "the same tokens with and without" if not any(differ.values()) else "requests whose tokens differ " \
+        "from the run without: " + ", ".join(f"{name} {n}/{len(expected)}" for name, n in differ.items())
+    print(f"{spec.source}: {REQUESTS} requests of {OUTPUT_TOKENS} greedy tokens per phase, repetitive prompts, up "
+          f"to {max_draft} drafts, {spec.runtime.precision} compute ({same})")
+    print(format_rows(rows))
+
+
+def paper(max_draft: int) -> None:
+    spec = load_spec(PAPER_SPEC)
+    spec = attrs.evolve(spec, workload=attrs.evolve(spec.workload, concurrency=PAPER_STREAMS,
+                                                    output_tokens=PAPER_OUTPUT_TOKENS))
+    calibration = analytic_calibration(spec)
+    plain = [level["decode_tokens_per_s"] for level in simulate(spec, calibration)["levels"]]
+    sped = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, speculate=f"ngram:{max_draft}"))
+    rows = [("acceptance", *(f"{n} streams" for n in PAPER_STREAMS))]
+    for acceptance in ACCEPTANCE:
+        levels = simulate(sped, calibration, acceptance=acceptance)["levels"]
+        rows.append((f"{acceptance:g}", *(f"{level['decode_tokens_per_s'] / base:.2f}x"
+                                          for level, base in zip(levels, plain))))
+    print(f"\n{PAPER_SPEC.name} (analytic): decode speed-up with up to {max_draft} drafts per step, against "
+          f"{', '.join(f'{rate:.2f}' for rate in plain)} tokens/s without")
+    print(format_rows(rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("spec", nargs="?", default=str(ROOT / "specs" / "tiny-local.yaml"))
+    parser.add_argument("--calibration", help="the spec's measured calibration, for the simulator's prediction")
+    parser.add_argument("--max-draft", type=int, default=4)
+    parser.add_argument("--paper-only", action="store_true", help="only the paper deployment's simulated table")
+    args = parser.parse_args()
+    if not args.paper_only:
+        measured(load_spec(args.spec), Calibration.load(args.calibration) if args.calibration else None,
+                 args.max_draft)
+    paper(args.max_draft)
+
+
+if __name__ == "__main__":
+    main()
