@@ -26,7 +26,7 @@ def test_requests_wait_for_kv_blocks_and_one_that_never_fits_is_rejected_with_th
     events = []
     while not any(isinstance(e, Finished) for e in events):
         f = p.next_frame(0)
-        events = p.complete_frame(f, dict.fromkeys(f.sampled_ids, 9))
+        events = p.complete_frame(f, [9] * len(f.sampled_ids))
     assert events[-2:] == [Admitted(1, 0, 0), Admitted(2, 1, 0)] and p.free_blocks == 1
 
 
@@ -37,12 +37,12 @@ def test_a_64k_prompt_enters_in_hundreds_of_frames_while_another_stream_decodes_
     at most one chunk."""
     p = Policy(1, 2, 256, (1, 2, 8, 32, 264), context_budget=70_000, kv_block=64)
     p.add_request(Request(0, (5,), 300))
-    p.complete_frame(f := p.next_frame(0), {0: 1})
+    p.complete_frame(f := p.next_frame(0), [1])
     p.add_request(Request(1, tuple(range(65_536)), 1))
     frames = []
     while len(frames) < 300:
         frames.append(f := p.next_frame(0))
-        events = p.complete_frame(f, dict.fromkeys(f.sampled_ids, 7))
+        events = p.complete_frame(f, [7] * len(f.sampled_ids))
         if any(isinstance(e, Token) and e.request_id == 1 for e in events):
             break
     assert len(frames) == 256
