@@ -17,7 +17,7 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine, StageEngine
 from cascadia.engine.generate import generate
 from cascadia.engine.rows import BatchError
-from cascadia.graph.costs import stage_memory
+from cascadia.graph.costs import layer_costs
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import wire_frame
 from cascadia.pipeline.node import ForeignFrame
@@ -204,10 +204,12 @@ def test_serve_speculates_with_the_same_replies(tmp_path, spec, checkpoint):
 
 
 def test_the_state_the_engine_allocates_is_the_state_the_plan_counts(spec, plain, speculative):
-    layers = range(spec.model.config.num_hidden_layers)
     for stage, speculate in ((plain, None), (speculative, "ngram:4")):
         runtime = attrs.evolve(spec.runtime, speculate=speculate)
-        assert stage_memory(spec.model, runtime, layers, True, True)[1] == stage.engine.state_bytes
+        costs = layer_costs(spec.model, runtime)  # the stage holds every layer
+        slots = runtime.max_streams * sum(c.slot_bytes(runtime.context_budget) for c in costs)
+        pool = stage.engine.pool.blocks * runtime.kv_block * sum(c.pool_bytes_per_position for c in costs)
+        assert slots + pool == stage.engine.state_bytes
 
 
 def test_a_frame_stepping_back_further_than_its_state_allows_is_foreign(speculative):
