@@ -61,12 +61,12 @@ class NodeAtSeconds(click.ParamType):
 
         if isinstance(value, Loss):
             return value
-        node, at, seconds = value.rpartition("@")[0], "@" in value, value.rpartition("@")[2]
+        node, _, seconds = value.rpartition("@")
         try:
             moment = float(seconds)
         except ValueError:
-            moment = -1.0
-        if not at or not node or not moment >= 0:
+            moment = math.nan
+        if not node or not moment >= 0:  # no "@" leaves node empty; NaN fails the comparison
             self.fail(f"{value!r} is not NODE@SECONDS (a node's name and a time, e.g. pc3@20)", param, ctx)
         return Loss(node, moment)
 

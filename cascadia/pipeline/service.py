@@ -226,27 +226,28 @@ class PipelineService:
         if pipeline.local is not None:
             pipeline.replace(node, self._start["node_timeout_s"], self._stopping)
             return
-        try:
-            pipeline.replace(node, self._replace_timeout_s, self._stopping)
+        if self._replaced_within(pipeline, node, self._replace_timeout_s):
             return
-        except NodeLost:
-            raise
-        except PipelineError:
-            if self._stopping.is_set():
-                raise
         reason = f"{stage} is down: no node took it back within {self._replace_timeout_s:g} s"
         self._fail_open(reason)
         self._set_down(f"{reason}; waiting for one", accepting=False)
         while True:
             self._refuse_waiting(reason)
-            try:
-                pipeline.replace(node, DOWN_POLL_S, self._stopping)
+            if self._replaced_within(pipeline, node, DOWN_POLL_S):
                 return
-            except NodeLost:
+
+    def _replaced_within(self, pipeline: Pipeline, node: str, timeout_s: float) -> bool:
+        """Whether a node took `node`'s stage back within `timeout_s`; NodeLost when it was lost again, and the
+        wait's error when we are stopping."""
+        try:
+            pipeline.replace(node, timeout_s, self._stopping)
+            return True
+        except NodeLost:
+            raise
+        except PipelineError:
+            if self._stopping.is_set():
                 raise
-            except PipelineError:
-                if self._stopping.is_set():
-                    raise
+            return False
 
     def _set_down(self, down: str | None, accepting: bool) -> None:
         """What status says while a stage is lost, and whether requests are taken meanwhile."""
