@@ -8,12 +8,14 @@ in turn, ROUNDS times. Reported per stage, medians over the rounds, from the mom
   back          the node started in its place is READY (the status clears)
   first token   the first token after that: the replay (every stream prefilled again) is done
   slower by     the run's wall time against the same requests without a loss
+With --spare the spec gets a spare node beside its own: it takes the lost stage (loading it, its process already
+up), and the lost node, started again holding no stage, stands by for the next loss (the bench waits for it).
 Every stream's tokens are checked against the run without a loss. Not a test: it prints times. With a calibration
 (`cascadia calibrate`: it times each node's restart), the simulator's prediction of the same loss beside them: the
 same requests through `PipelineModel`, the node lost when each stream has made KILL_AFTER tokens there, found after
 the measured detection time.
 
-    python bench/failover.py [SPEC] [--freeze] [--rounds 3] [--calibration cal.json]
+    python bench/failover.py [SPEC] [--freeze] [--spare] [--rounds 3] [--calibration cal.json]
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import statistics
 import threading
 import time
 from pathlib import Path
+
+import attrs
 
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.service import PipelineService
@@ -89,12 +93,13 @@ def node_pid(service: PipelineService, name: str) -> int:
     raise SystemExit(f"no process for node {name}")
 
 
-def one_loss(service: PipelineService, node: str, how: signal.Signals, first_id: int) -> dict[str, float]:
+def one_loss(service: PipelineService, stage: int, how: signal.Signals, first_id: int) -> dict[str, float]:
     streams = Streams(service, first_id)
     while not streams.each_made(KILL_AFTER):
         time.sleep(POLL_S)
+    standing_by = service.status().standing_by
     lost_at = time.monotonic()
-    os.kill(node_pid(service, node), how)
+    os.kill(node_pid(service, service.plan.stages[stage].node), how)
     moments = {}
     while "back" not in moments:
         down = service.status().down
@@ -104,6 +109,8 @@ def one_loss(service: PipelineService, node: str, how: signal.Signals, first_id:
             moments["back"] = time.monotonic()
         time.sleep(POLL_S)
     streams.finished.wait()
+    while len(service.status().standing_by) < len(standing_by):  # the lost node, standing by for the next loss
+        time.sleep(0.1)
     moments["first token"] = min(t for t in streams.times if t > moments["back"])
     moments["outputs"] = streams.outputs()
     moments["wall"] = streams.times[-1] - streams.times[0]
@@ -133,10 +140,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec", nargs="?", default=str(Path(__file__).parent.parent / "specs" / "tiny-local.yaml"))
     parser.add_argument("--freeze", action="store_true", help="SIGSTOP the node instead of killing it")
+    parser.add_argument("--spare", action="store_true", help="a spare node takes each lost stage")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calibration", help="a calibration of this spec, for the simulator's prediction")
     args = parser.parse_args()
     spec = load_spec(args.spec)
+    if args.spare:
+        spare = attrs.evolve(spec.cluster.nodes[0], name="spare")
+        spec = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, spares=(spare,)))
     plan = make_plan(spec)
     calibration = Calibration.load(args.calibration) if args.calibration else None
     service = PipelineService(spec, plan)
@@ -149,16 +160,16 @@ def main() -> None:
         clean.finished.wait()
         reference, clean_wall = clean.outputs(), clean.times[-1] - clean.times[0]
         how = signal.SIGSTOP if args.freeze else signal.SIGKILL
-        rows = [("node", "", "detected ms", "back ms", "first token ms", "slower by", "tokens")]
+        rows = [("stage", "", "detected ms", "back ms", "first token ms", "slower by", "tokens")]
         next_id = STREAMS
-        for stage in plan.stages:
+        for index, stage in enumerate(plan.stages):
             losses = []
             for _ in range(args.rounds):
-                losses.append(one_loss(service, stage.node, how, next_id))
+                losses.append(one_loss(service, index, how, next_id))
                 next_id += STREAMS
             same = all(loss["outputs"] == reference for loss in losses)
             measured = {key: statistics.median(loss[key] for loss in losses) for key in KEYS}
-            rows.append((stage.node, "measured", *(f"{measured[key] * 1e3:.0f}" for key in KEYS),
+            rows.append((str(index), "measured", *(f"{measured[key] * 1e3:.0f}" for key in KEYS),
                          f"{statistics.median(loss['wall'] for loss in losses) / clean_wall:.2f}x",
                          "identical" if same else "DIFFERENT"))
             if calibration is not None:
@@ -166,9 +177,9 @@ def main() -> None:
                 rows.append(("", "predicted", "", *(f"{predicted[key] * 1e3:.0f} "
                                                     f"({predicted[key] / measured[key] - 1:+.0%})"
                                                     for key in KEYS[1:]), "", ""))
-        print(f"{spec.model.name}: {len(plan.stages)} local nodes, {STREAMS} streams of {PROMPT_TOKENS} + "
-              f"{OUTPUT_TOKENS} tokens, {'SIGSTOP' if args.freeze else 'SIGKILL'} after {KILL_AFTER} tokens each, "
-              f"median of {args.rounds}")
+        print(f"{spec.model.name}: {len(plan.stages)} local nodes{' and a spare' if args.spare else ''}, {STREAMS} "
+              f"streams of {PROMPT_TOKENS} + {OUTPUT_TOKENS} tokens, {'SIGSTOP' if args.freeze else 'SIGKILL'} after "
+              f"{KILL_AFTER} tokens each, median of {args.rounds}")
         print(format_rows(rows, left={1}))
     finally:
         service.close()

@@ -43,7 +43,7 @@ class PassThrough:
 
 
 def node_main(settings: NodeSettings) -> None:
-    run_node(settings, lambda progress: PassThrough())
+    run_node(settings, lambda settings, progress: PassThrough())
 
 
 class Bench:

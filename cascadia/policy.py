@@ -242,10 +242,7 @@ class Policy:
                                          f"({request.max_new_tokens}) = {needed} exceeds the context budget "
                                          f"of {self.context_budget} positions")]
         if self._blocks(request) > self.kv_blocks:
-            return [Rejected(request.id, f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                                         f"({request.max_new_tokens}) = {needed} positions need "
-                                         f"{self._blocks(request)} K/V blocks of {self.kv_block}, more than the "
-                                         f"pool's {self.kv_blocks} ({self.kv_blocks * self.kv_block} positions)")]
+            return [self._too_big(request)]
         self._waiting.append(request)
         return self._admit()
 
@@ -332,13 +329,29 @@ class Policy:
             return []
         return [self._release(stream, CANCELLED)] + self._admit()
 
-    def replay(self) -> list[Event]:
+    def fits(self, kv_blocks: int | None) -> bool:
+        """Whether the streams admitted so far fit a pool of `kv_blocks` (a new plan's; None: no pool)."""
+        return kv_blocks is None or self.kv_blocks - self.free_blocks <= kv_blocks
+
+    def replay(self, kv_blocks: int | None = None) -> list[Event]:
         """The nodes lost the streams' state (a node was replaced): forget the frames in flight, and rebuild every
         stream by prefilling its prompt and the tokens it has made so far again, in windows as any prompt, before it
         decodes on. A draw depends only on its stream's seed and tokens, so the tokens that follow are those a run
-        without the loss makes. Streams cancelled with rows in flight are released now."""
+        without the loss makes. Streams cancelled with rows in flight are released now. With `kv_blocks` the pool
+        has that many blocks from now on (a new plan's, which `fits` the streams): waiting requests that never can
+        fit it are rejected."""
         self._in_flight.clear()
         events: list[Event] = [self._release(self._streams[r], CANCELLED) for r in sorted(self._cancelling)]
+        if kv_blocks is not None:
+            if not self.fits(kv_blocks):
+                raise ValueError(f"the streams hold {self.kv_blocks - self.free_blocks} K/V blocks, more than "
+                                 f"{kv_blocks}")
+            self.free_blocks += kv_blocks - self.kv_blocks
+            self.kv_blocks = kv_blocks
+            too_big = [request for request in self._waiting if self._blocks(request) > kv_blocks]
+            for request in too_big:
+                self._waiting.remove(request)
+                events.append(self._too_big(request))
         for group, streams in enumerate(self._groups):
             for stream in streams:
                 stream.prefilled, stream.replaying = 0, bool(stream.output)
@@ -346,6 +359,13 @@ class Policy:
         return events + self._admit()
 
     # ---- internals ----------------------------------------------------------------------------------------------
+    def _too_big(self, request: Request) -> Rejected:
+        needed = len(request.prompt_ids) + request.max_new_tokens
+        return Rejected(request.id, f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
+                                    f"({request.max_new_tokens}) = {needed} positions need {self._blocks(request)} "
+                                    f"K/V blocks of {self.kv_block}, more than the pool's {self.kv_blocks} "
+                                    f"({self.kv_blocks * self.kv_block} positions)")
+
     def _blocks(self, request: Request) -> int:
         """K/V blocks a request holds from admission to its end: its prompt and every token it may make."""
         return -(-(len(request.prompt_ids) + request.max_new_tokens) // self.kv_block)

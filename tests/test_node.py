@@ -1,5 +1,6 @@
 """Node processes on 127.0.0.1 with a tiny test stage; the test plays the coordinator."""
 
+import json
 import logging
 import multiprocessing
 import os
@@ -14,7 +15,7 @@ import zmq
 from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, run_node
 from cascadia.pipeline.transport import (COORDINATOR, Transport, TransportError, free_port, generate_keys, receive,
                                          send, tcp_address)
-from cascadia.pipeline.wire import (COORDINATOR_SENDER, VERSION, Encoder, Error, Frame, Hello, Progress, Ready,
+from cascadia.pipeline.wire import (COORDINATOR_SENDER, VERSION, Assign, Encoder, Error, Frame, Hello, Progress, Ready,
                                     Shutdown, Stats, StatsRequest, Tokens, decode, encode, node_sender)
 
 HIDDEN = 8
@@ -57,7 +58,7 @@ def load_stage(progress, last: bool) -> AddOne:
 
 def node_main(settings: NodeSettings, last: bool, log_path: str) -> None:
     logging.basicConfig(filename=log_path, level=logging.INFO, format="%(levelname)s %(message)s")
-    run_node(settings, lambda progress: load_stage(progress, last))
+    run_node(settings, lambda settings, progress: load_stage(progress, last))
 
 
 def node_via_middleman(settings: NodeSettings, log_path: str, pids) -> None:
@@ -433,7 +434,7 @@ def test_a_node_whose_curve_keys_the_coordinator_refuses_gives_up_naming_it(tmp_
     try:
         with pytest.raises(TransportError, match="no coordinator accepted this node .* within 1 s .*refused the "
                                                  "handshake: do the Curve keys match"):
-            run_node(settings, lambda progress: pytest.fail("must not load a stage"))
+            run_node(settings, lambda settings, progress: pytest.fail("must not load a stage"))
     finally:
         coordinator.transport.close()
 
@@ -442,7 +443,7 @@ def test_port_in_use_is_a_clear_error_and_reported(coordinator):
     (settings,) = coordinator.settings(["late"])
     squatter = coordinator.transport.bind(zmq.PULL, settings.listen, [])
     with pytest.raises(TransportError, match=f"cannot listen on {settings.listen}: address already in use"):
-        run_node(settings, lambda progress: pytest.fail("must not load a stage"))
+        run_node(settings, lambda settings, progress: pytest.fail("must not load a stage"))
     assert coordinator.next_control() == ("late", Hello("late", 0, 1))  # said once the coordinator took it
     node, error = coordinator.next_control()
     assert node == "late" and f"cannot listen on {settings.listen}" in error.text
@@ -458,7 +459,55 @@ def test_unreachable_successor_is_a_clear_error_and_reported(coordinator):
     early.connect(settings.listen)
     early.send_multipart(coordinator.encoder.encode(frame(1, [1])))
     with pytest.raises(TransportError, match=f"{settings.successor.address} unreachable"):
-        run_node(settings, lambda progress: load_stage(progress, last=False))
+        run_node(settings, lambda settings, progress: load_stage(progress, last=False))
     messages = [coordinator.next_control()[1] for _ in range(5)]
     assert isinstance(messages[-1], Error) and f"{settings.successor.address} unreachable" in messages[-1].text
     early.close(linger=0)
+
+
+def placed_as_told(settings: NodeSettings, assign: Assign) -> NodeSettings:
+    """The test's ASSIGN: its plan is the JSON of the settings' fields that place a node."""
+    place = json.loads(assign.plan)
+    return attrs.evolve(settings, sender=node_sender(place["stage"]), first_layer=place["layers"][0],
+                        last_layer=place["layers"][1], successor=Peer(place["next"], assign.successor),
+                        input_peer=place["previous"])
+
+
+def test_a_spare_stands_by_then_takes_the_stage_it_is_assigned_and_its_neighbours_rewire(tmp_path):
+    """a -> b, then b is lost: spare s (no stage, no successor) takes b's stage, a sends to s, s to us; Curve keys
+    in use, so each input accepts only its new predecessor."""
+    keys = tmp_path / "keys"
+    generate_keys(keys, ["a", "b", "s", COORDINATOR])
+    transport = Transport(COORDINATOR, keys, send_timeout_s=TIMEOUT_S)
+    coordinator = Coordinator(transport, nodes=("a", "s", "b"))  # tokens from b, the last, at first
+    a, b = (attrs.evolve(s, assigned=placed_as_told) for s in coordinator.settings(["a", "b"], curve_keys=keys))
+    spare = NodeSettings("s", sender=node_sender(2), first_layer=0, last_layer=-1,
+                         listen=tcp_address("127.0.0.1", free_port()), successor=None,
+                         control=Peer(COORDINATOR, coordinator.control_address), input_peer=None, curve_keys=keys,
+                         poll_s=0.05, assigned=placed_as_told)
+    processes = start_nodes([a, b], tmp_path)
+    try:
+        coordinator.wait_ready([a, b])
+        processes += start_nodes([spare], tmp_path)
+        assert [coordinator.next_control() for _ in range(2)] == [("s", Hello("s", 0, -1)), ("s", Ready("s", 0, -1))]
+        coordinator.connect_first(a)
+        coordinator.push(frame(1, [10]))
+        assert coordinator.next_tokens().token_ids.tolist() == [12]
+        processes[1].kill()
+        transport.allow(coordinator.token_address, ["s"])
+        coordinator.tell("s", Assign(json.dumps({"stage": 1, "layers": [2, 3], "next": COORDINATOR,
+                                                 "previous": "a"}), coordinator.token_address))
+        assert [coordinator.next_control() for _ in range(3)] == [
+            ("s", Progress("s", 1, 2)), ("s", Progress("s", 2, 2)), ("s", Ready("s", 2, 3))]
+        coordinator.tell("a", Assign(json.dumps({"stage": 0, "layers": [0, 1], "next": "s",
+                                                 "previous": COORDINATOR}), spare.listen))
+        assert coordinator.next_control() == ("a", Ready("a", 0, 1))  # its stage kept: nothing loaded
+        coordinator.push(frame(2, [20, 30]))
+        tokens = coordinator.next_tokens()
+        assert (tokens.frame_id, tokens.token_ids.tolist()) == (2, [22, 32])
+        for node in ("a", "s"):
+            coordinator.tell(node, Shutdown())
+    finally:
+        stop(processes)
+        transport.close()
+    assert "s: assigned layers 2..3" in (tmp_path / "s.log").read_text()

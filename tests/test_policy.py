@@ -363,6 +363,20 @@ def test_a_replay_at_any_moment_gives_the_tokens_of_a_run_without_one(requests, 
     assert serve_all(requests, n_groups, max_streams, replay_at, draw) == expected
 
 
+def test_a_replay_onto_a_new_plan_takes_its_pool_and_rejects_what_can_never_fit_it():
+    """Pools of 6 blocks of 8 positions, then of 4 (the survivors of a loss hold more layers each)."""
+    p = Policy(1, 4, 8, (2, 8), context_budget=64, kv_blocks=6, kv_block=8)
+    p.add_request(Request(0, tuple(range(20)), 4))  # 3 blocks
+    p.add_request(Request(1, tuple(range(20)), 20))  # 5 blocks: waits
+    assert (p.fits(3), p.fits(2), p.fits(None)) == (True, False, True)
+    with pytest.raises(ValueError, match="the streams hold 3 K/V blocks, more than 2"):
+        p.replay(2)
+    [rejected] = p.replay(4)
+    assert rejected == Rejected(1, "prompt (20 tokens) + max_new_tokens (20) = 40 positions need 5 K/V blocks of "
+                                   "8, more than the pool's 4 (32 positions)")
+    assert (p.kv_blocks, p.free_blocks, p.waiting, p.active) == (4, 1, 0, 1)
+
+
 def test_a_replay_prefills_each_stream_again_then_decodes():
     p = policy(prefill_window=4)
     p.add_request(Request(0, (5, 6, 7), 4))

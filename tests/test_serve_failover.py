@@ -1,8 +1,9 @@
-"""`cascadia serve` losing a node: the chaos test (kill -9 a stage at a random moment under 24 streaming clients,
-greedy and sampled, each stage in turn; every request completes with the tokens of the single-process engine, but
-for f32 rounding at a sampled draw: `assert_the_engines_texts`), a
-frozen node (SIGSTOP) caught by the stall timeout, tcp nodes whose stage is down until a node comes back, and a
-restarted server taking `--keep-serving` nodes back as they are."""
+"""`cascadia serve` losing a node: the chaos test (3 local nodes and a spare; kill -9 a stage's node at a random
+moment under 24 streaming clients, greedy and sampled, a random stage then each in turn; every request completes
+with the tokens of the single-process engine, but for f32 rounding at a sampled draw: `assert_the_engines_texts`),
+a frozen node (SIGSTOP) caught by the stall timeout and started again, a tcp spare taking a stage and then the
+survivors taking the model over with a new plan, tcp nodes whose stage is down (no spare, no room to re-plan)
+until a node comes back, and a restarted server taking `--keep-serving` nodes back as they are."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import attrs
@@ -25,6 +27,7 @@ from serving import Served, alive
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate
+from cascadia.graph.planner import InfeasiblePlan
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.run import Addresses
 from cascadia.pipeline.transport import free_port, tcp_address
@@ -85,22 +88,22 @@ def metric(url: str, name: str) -> dict:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in families[name].samples}
 
 
-@pytest.fixture
-def server(tmp_path, checkpoint):
-    served = Served(tmp_path, SPEC, checkpoint)
-    yield served
-    nodes = served.children()
-    assert served.stop() == 0
-    assert not any(alive(pid) for pid in nodes), "node processes left behind"
-
-
-def node_pids(served: Served) -> list[int]:
-    """The server's node processes, in stage order (by their --name)."""
+def node_pids(served: Served) -> dict[str, int]:
+    """The server's node processes, by their --name."""
     by_name = {}
     for pid in served.children():
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         by_name[args[args.index(b"--name") + 1].decode()] = pid
-    return [by_name[name] for name in sorted(by_name)]
+    return by_name
+
+
+def stage_nodes(url: str) -> list[str]:
+    """The nodes that serve the stages now, in stage order."""
+    return [stage["node"] for stage in httpx.get(f"{url}/status", timeout=10).json()["stages"]]
+
+
+def standing_by(url: str) -> list[str]:
+    return httpx.get(f"{url}/status", timeout=10).json()["standing_by"]
 
 
 def assert_the_engines_texts(texts: list[str], expected: list[str]) -> None:
@@ -115,23 +118,45 @@ def assert_the_engines_texts(texts: list[str], expected: list[str]) -> None:
     assert sum(texts[i] != expected[i] for i in sampled) <= 1, [i for i in sampled if texts[i] != expected[i]]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_a_node_killed_at_a_random_moment_costs_no_request_and_no_token(server, expected, stage):
-    victim = node_pids(server)[stage]
+def test_a_node_killed_at_a_random_moment_costs_no_request_and_no_token(tmp_path, spec, checkpoint, expected):
+    """Three local nodes and a spare: the node of a stage picked at random is killed at a random moment, then that of
+    each stage in turn. The node standing by takes the stage each time, and the lost one, started again, stands by
+    for the next."""
+    spare = attrs.evolve(spec.cluster.nodes[0], name="spare0")
+    with_spare = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, spares=(spare,)))
+    served = Served(tmp_path, write_spec(with_spare, tmp_path / "spec.yaml"), checkpoint)
+    losses: Counter[str] = Counter()
+    try:
+        for stage in [random.randrange(3), 0, 1, 2]:
+            victim = stage_nodes(served.url)[stage]
+            pid = node_pids(served)[victim]
 
-    async def kill():
-        await asyncio.sleep(random.uniform(0, 0.5))
-        os.kill(victim, signal.SIGKILL)
+            async def kill():
+                await asyncio.sleep(random.uniform(0, 0.5))
+                os.kill(pid, signal.SIGKILL)
 
-    assert_the_engines_texts(asyncio.run(stream_all(server.url, kill)), expected)
-    assert recovered(server.url) == {f"node{stage}": 1}
-    assert not alive(victim) and len(server.children()) == 3  # started again, the lost one gone
+            assert_the_engines_texts(asyncio.run(stream_all(served.url, kill)), expected)
+            losses[victim] += 1
+            assert recovered(served.url) == losses
+            assert not alive(pid)
+            if sum(losses.values()) == 1:
+                assert stage_nodes(served.url)[stage] == "spare0"
+            deadline = time.monotonic() + WAIT_S
+            while standing_by(served.url) != [victim]:
+                assert time.monotonic() < deadline, served.log.read_text()[-2000:]
+                time.sleep(0.2)
+            assert len(served.children()) == 4
+        print(f"recoveries: {metric(served.url, 'cascadia_recovery_seconds')}")
+    finally:
+        nodes = served.children()
+        assert served.stop() == 0
+        assert not any(alive(pid) for pid in nodes), "node processes left behind"
 
 
 def test_a_frozen_node_is_caught_by_the_stall_timeout_and_replaced(tmp_path, checkpoint, expected):
     served = Served(tmp_path, SPEC, checkpoint, "--stall-timeout", "1")
     try:
-        victim = node_pids(served)[1]
+        victim = node_pids(served)["node1"]
 
         async def freeze():
             os.kill(victim, signal.SIGSTOP)
@@ -156,23 +181,28 @@ def recovered(url: str) -> dict[str, int]:
 
 
 class TcpNodes:
-    """The tiny spec's nodes at tcp addresses on 127.0.0.1, each a `cascadia node` process started here (as on its
-    own machine), for a server started with `options`."""
+    """The spec's nodes, and `spares` spares like them, at tcp addresses on 127.0.0.1, each a `cascadia node` process
+    started here (as on its own machine), for a server started with `options`."""
 
-    def __init__(self, tmp_path: Path, spec, checkpoint: Path, *node_options: str):
+    def __init__(self, tmp_path: Path, spec, checkpoint: Path, *node_options: str, spares: int = 0):
         self.tmp_path, self.checkpoint, self.node_options = tmp_path, checkpoint, node_options
-        self.nodes = tuple(attrs.evolve(n, address=tcp_address("127.0.0.1", free_port())) for n in spec.cluster.nodes)
-        remote = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=self.nodes))
+        like = spec.cluster.nodes[0]
+        members = [*spec.cluster.nodes, *(attrs.evolve(like, name=f"spare{i}") for i in range(spares))]
+        self.nodes = tuple(attrs.evolve(n, address=tcp_address("127.0.0.1", free_port())) for n in members)
+        stages = len(spec.cluster.nodes)
+        remote = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=self.nodes[:stages],
+                                                         spares=self.nodes[stages:]))
         self.spec_path = write_spec(remote, tmp_path / "spec.yaml")
         self.plan_path = make_plan(remote).save(tmp_path / "plan.json")
         self.addresses = Addresses.local()
         self.options = ("--plan", str(self.plan_path), "--control", self.addresses.control, "--tokens",
                         self.addresses.tokens)
+        self.last_stage = stages - 1
         self.processes = [self.start(i) for i in range(len(self.nodes))]
 
     def start(self, i: int) -> subprocess.Popen:
         node = self.nodes[i]
-        last = ["--successor", self.addresses.tokens] if i == len(self.nodes) - 1 else []
+        last = ["--successor", self.addresses.tokens] if i == self.last_stage else []
         with (self.tmp_path / f"node{i}.log").open("a") as log:
             return subprocess.Popen([sys.executable, "-m", "cascadia", "node", "--spec", str(self.spec_path),
                                      "--plan", str(self.plan_path), "--name", node.name, "--listen", node.address,
@@ -186,8 +216,31 @@ class TcpNodes:
             process.wait()
 
 
+def with_memory(spec, memory: int):
+    return attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=tuple(
+        attrs.evolve(node, memory_bytes=memory) for node in spec.cluster.nodes)))
+
+
+def tightest(spec):
+    """The spec with the least memory per node (to a KiB) that still holds the model on all its nodes."""
+    low, high = spec.cluster.reserve_bytes, spec.cluster.nodes[0].memory_bytes
+    while high - low > 1024:
+        middle = (low + high) // 2
+        try:
+            make_plan(with_memory(spec, middle))
+            high = middle
+        except InfeasiblePlan:
+            low = middle
+    return with_memory(spec, high)
+
+
 def test_a_tcp_node_lost_for_good_takes_its_stage_down_until_a_node_comes_back(tmp_path, spec, checkpoint,
                                                                                expected):
+    """No spare, and no room on the two nodes left for the model: the stage is down."""
+    spec = tightest(spec)
+    survivors = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=spec.cluster.nodes[::2]))
+    with pytest.raises(InfeasiblePlan):
+        make_plan(survivors)
     tcp = TcpNodes(tmp_path, spec, checkpoint)
     processes, start = tcp.processes, tcp.start
     served = Served(tmp_path, tcp.spec_path, checkpoint, *tcp.options, "--replace-timeout", "2")
@@ -197,7 +250,7 @@ def test_a_tcp_node_lost_for_good_takes_its_stage_down_until_a_node_comes_back(t
                                            stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))
         processes[1].kill()
-        with pytest.raises(openai.APIError, match="node1 \\(layers 2-3\\) is down"):
+        with pytest.raises(openai.APIError, match="node1 \\(layers 2-3\\) is down: .* does not fit the nodes left"):
             list(stream)  # the open request ends with an error event once the replace timeout has passed
         health = httpx.get(f"{served.url}/health", timeout=10)
         assert health.status_code == 503 and "node1 (layers 2-3) is down" in health.json()["detail"]
@@ -239,4 +292,29 @@ def test_a_restarted_server_takes_keep_serving_nodes_back_without_reloading(tmp_
         for i in range(len(tcp.nodes)):
             assert (tmp_path / f"node{i}.log").read_text().count(": ready on ") == 2  # ready for each server
     finally:
+        tcp.kill()
+
+
+def test_a_tcp_spare_takes_a_lost_stage_and_then_the_survivors_take_the_model_over(tmp_path, spec, checkpoint,
+                                                                                  expected):
+    tcp = TcpNodes(tmp_path, spec, checkpoint, spares=1)
+    served = Served(tmp_path, tcp.spec_path, checkpoint, *tcp.options, "--replace-timeout", "1")
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+
+    def killing(node: int, i: int) -> str:
+        """Client i's greedy text, node `node` killed once its first token came."""
+        chunks = iter(client.completions.create(model="tiny", prompt=prompt(i), max_tokens=TOKENS, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        text = next(chunks).choices[0].text
+        tcp.processes[node].kill()
+        return text + "".join(chunk.choices[0].text for chunk in chunks)
+
+    try:
+        assert killing(1, 0) == expected[0]
+        assert stage_nodes(served.url) == ["node0", "spare0", "node2"]
+        assert killing(3, 2) == expected[2]  # no spare left, node1 gone for good: a plan over the two left
+        assert stage_nodes(served.url) == ["node0", "node2"]
+        assert recovered(served.url) == {"node1": 1, "spare0": 1}
+    finally:
+        assert served.stop() == 0
         tcp.kill()

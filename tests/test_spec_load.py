@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cascadia.cli import cli
+from cascadia.graph.planner import plan
 from cascadia.model_config import InklingConfig
 from cascadia.spec.dump import dump_spec, spec_from_hf
 from cascadia.spec.load import SpecError, load_spec
@@ -135,6 +136,21 @@ def test_count_stamps_out_named_nodes(tmp_path):
     assert spec.cluster.link("pc0", "gw") == LinkSpec(312.5e6, 1e-4)
 
 
+def test_spares_stand_apart_from_the_plan_and_round_trip(tmp_path):
+    path = tiny_spec(tmp_path, cluster="""\
+        cluster:
+          nodes: [{name: pc, count: 3, memory: 8GB}]
+          spares: [{name: spare, count: 2, memory: 16GB, threads: 2}]
+    """)
+    spec = load_spec(path)
+    assert [n.name for n in spec.cluster.spares] == ["spare0", "spare1"]
+    assert [n.name for n in spec.cluster.members] == ["pc0", "pc1", "pc2", "spare0", "spare1"]
+    assert spec.cluster.node("spare1").threads == 2
+    assert [stage.node for stage in plan(spec).stages] == ["pc0", "pc1", "pc2"]  # spares hold no stage
+    (tmp_path / "again.yaml").write_text(yaml.safe_dump(dump_spec(spec)))
+    assert load_spec(tmp_path / "again.yaml").cluster == spec.cluster
+
+
 def test_model_formats_config_and_overrides(tmp_path):
     spec = load_spec(write(tmp_path, "s.yaml", CLUSTER + textwrap.dedent("""\
         model:
@@ -211,6 +227,12 @@ BAD = [
      "s.yaml:3: runtime.moe_grouped_from: expected a row count >= 1, auto or never, got 0"),
     ("model: {config: {}}\n" + CLUSTER + "runtime: {moe_grouped_from: sometimes}\n",
      "s.yaml:3: runtime.moe_grouped_from: expected a row count >= 1, auto or never, got 'sometimes'"),
+    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB}], spares: [{name: a, memory: 8GB}]}\n",
+     "s.yaml:2: cluster.spares[0]: name 'a' already used by cluster.nodes[0]"),
+    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB}], spares: [{name: s, memory: 8GB, layers: 2}]}\n",
+     "s.yaml:2: cluster.spares: spare 's' pins `layers`"),
+    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB}], spares: {name: s}}\n",
+     "s.yaml:2: cluster.spares: expected a list of nodes"),
     ("model: {config: {}}\n" + CLUSTER + "worklaod: {}\n", "s.yaml:3: worklaod: unknown key; did you mean 'workload'?"),
     ("model: {config: {}}\n" + CLUSTER + "runtime:\n  max_streams: 2\n  max_streams: 3\n",
      "s.yaml:5: runtime.max_streams: duplicate key (first on line 4)"),

@@ -30,16 +30,19 @@ from cascadia.spec.load import load_spec
 @click.option("--parent-pid", type=int, help="stop when this process is no longer our parent")
 @click.option("--keep-serving", is_flag=True,
               help="serve run after run: when a run ends, keep the compiled stage and wait for the next coordinator")
+@click.option("--standby", is_flag=True,
+              help="hold no stage, whatever the plan says, until the coordinator assigns one (as a spare does)")
 @click.option("--wait-coordinator", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="seconds to wait at start for the coordinator to accept this node (--keep-serving: for ever)")
 def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, successor: str | None,
          checkpoint: str | None, threads: int | None, logits: bool, cpus: tuple[int, ...] | None,
-         parent_pid: int | None, keep_serving: bool, wait_coordinator: float) -> None:
+         parent_pid: int | None, keep_serving: bool, standby: bool, wait_coordinator: float) -> None:
     """Serve one stage of a plan: load its layers, then compute frames until the coordinator says stop.
 
     `cascadia run` starts these itself for `local` nodes; on other machines, start one per node, before or after
     `cascadia run`, with the same spec and plan files. With --keep-serving a node loads once and serves every
-    later run too, until stopped with Ctrl-C."""
+    later run too, until stopped with Ctrl-C. A spare (`cluster.spares`), or a node started with --standby,
+    loads nothing until `cascadia serve` gives it a lost node's stage."""
     import logging
     from pathlib import Path
 
@@ -51,7 +54,7 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     loaded = load_spec(spec_path)
     chosen = load_plan(plan_path, loaded)
-    settings = attrs.evolve(node_settings(loaded, chosen, name, listen, control, successor, parent_pid),
+    settings = attrs.evolve(node_settings(loaded, chosen, name, listen, control, successor, parent_pid, standby),
                             keep_serving=keep_serving, coordinator_wait_s=None if keep_serving else wait_coordinator)
     folder = Path(checkpoint) if checkpoint else loaded.model.checkpoint
     if folder is None:

@@ -6,6 +6,7 @@ import click
 
 from cascadia.cli.common import OutputPath, Quantity, chosen_plan, report_to, writing
 from cascadia.spec.load import load_spec
+from cascadia.units import format_bytes
 
 
 @click.command()
@@ -37,11 +38,14 @@ def graph(spec: str, fmt: str, output: str) -> None:
 def plan(spec: str, json_path: str | None, output: str | None) -> None:
     """Place consecutive layers on the spec's nodes: the fastest split that fits in memory."""
     report = report_to(json_path, output)
-    result = chosen_plan(load_spec(spec), None)
+    loaded = load_spec(spec)
+    result = chosen_plan(loaded, None)
     for path in filter(None, (output, json_path)):
         with writing(path) as f:
             f.write(result.to_json())
-    report(result.table())
+    spares = "".join(f"\nspare {node.name} ({format_bytes(node.memory_bytes)}): holds no stage; `serve` gives it a "
+                     "lost node's" for node in loaded.cluster.spares)
+    report(result.table() + spares)
 
 
 @click.group()

@@ -317,13 +317,22 @@ def load_plan(path: str | Path, spec: Spec) -> Plan:
     """A plan saved by `cascadia plan -o`, checked against the spec it is to run: every layer of its model once, in
     order; the embedding on the first stage and the head on the last; each stage on its own node of the cluster, with
     the memory the planner asks for it. A ValueError names the file and the stage at fault."""
-    saved = Plan.load(path)
-    where = str(path)
-    _check_layers(saved.stages, spec.model.config.num_hidden_layers, where)
-    _check_roles(saved.stages, where)
-    _check_nodes(saved.stages, spec, where)
-    _check_memory(saved.stages, spec, where)
-    return saved
+    return checked_plan(Plan.load(path), spec, str(path))
+
+
+def plan_from_dict(d: object, spec: Spec, where: str) -> Plan:
+    """The plan `Plan.to_dict` wrote (one sent to a node), checked as `load_plan` checks a file; errors name
+    `where`."""
+    return checked_plan(Plan.from_dict(d, where), spec, where)
+
+
+def checked_plan(plan: Plan, spec: Spec, where: str) -> Plan:
+    """`plan`, once checked against `spec` (see `load_plan`)."""
+    _check_layers(plan.stages, spec.model.config.num_hidden_layers, where)
+    _check_roles(plan.stages, where)
+    _check_nodes(plan.stages, spec, where)
+    _check_memory(plan.stages, spec, where)
+    return plan
 
 
 # ---- a plan against its spec: what a run relies on -----------------------------------------------------------------
@@ -355,7 +364,7 @@ def _check_roles(stages: tuple[Stage, ...], where: str) -> None:
 
 
 def _check_nodes(stages: tuple[Stage, ...], spec: Spec, where: str) -> None:
-    names = [node.name for node in spec.cluster.nodes]
+    names = [node.name for node in spec.cluster.members]  # a spare may take a stage
     holder: dict[str, int] = {}  # node -> its stage
     for i, stage in enumerate(stages):
         if stage.node not in names:
@@ -370,7 +379,7 @@ def _check_nodes(stages: tuple[Stage, ...], spec: Spec, where: str) -> None:
 def _check_memory(stages: tuple[Stage, ...], spec: Spec, where: str) -> None:
     """Each stage's weights, the spec's slots, the stage's K/V pool and its node's reserve, counted as the planner
     counts them, fit in the node's memory; the pool holds a stream at the context budget, in the spec's blocks."""
-    by_name = {node.name: node for node in spec.cluster.nodes}
+    by_name = {node.name: node for node in spec.cluster.members}
     nodes = tuple(by_name[stage.node] for stage in stages)
     runtime = spec.runtime
     memory, streams, context = _Memory(spec, nodes), runtime.max_streams, runtime.context_budget

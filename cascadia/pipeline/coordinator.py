@@ -28,8 +28,9 @@ from cascadia.errors import NodeError
 from cascadia.metrics import Recorder
 from cascadia.pipeline.frame_log import FrameLog, NodeClock
 from cascadia.pipeline.transport import COORDINATOR, Transport, TransportError, receive_waiting, send, send_watching
-from cascadia.pipeline.wire import (COORDINATOR_SENDER, Decoder, Encoder, Error, Frame, Hello, Message, Progress, Ready,
-                                    Shutdown, Stats, StatsRequest, Tokens, VersionMismatch, WireError, node_sender)
+from cascadia.pipeline.wire import (COORDINATOR_SENDER, Assign, Decoder, Encoder, Error, Frame, Hello, Message,
+                                    Progress, Ready, Shutdown, Stats, StatsRequest, Tokens, VersionMismatch, WireError,
+                                    node_sender)
 from cascadia.policy import Event, Finished
 from cascadia.policy import Frame as PolicyFrame
 from cascadia.policy import Policy, Rejected, Request, Token
@@ -81,10 +82,13 @@ class Outputs:
 
 class Coordinator:
     def __init__(self, nodes: Sequence[str], control: str, tokens: str, curve_keys=None, stall_s: float = 60.0,
-                 digest: str | None = None):
+                 digest: str | None = None, members: Sequence[str] | None = None):
         """`nodes`: the plan's node names in stage order. `control`, `tokens`: the addresses to bind.
-        `digest`: the settings digest every node's HELLO must carry (`cascadia.pipeline.settings.settings_digest`)."""
+        `digest`: the settings digest every node's HELLO must carry (`cascadia.pipeline.settings.settings_digest`).
+        `members`: every node that may join, in the spec's order (`ClusterSpec.members`, which gives each its control
+        sender id); default: `nodes`. Those outside the plan stand by (`standing_by`) until assigned a stage."""
         self.nodes = list(nodes)
+        self.members = list(members or nodes)
         self.digest = digest
         self.stall_s = stall_s
         # Called while waiting; raises PipelineError when it sees a node gone. Set once the node processes it
@@ -92,7 +96,7 @@ class Coordinator:
         self.watch: Callable[[], None] = lambda: None
         self.transport = Transport(COORDINATOR, curve_keys)
         try:
-            self.control = self.transport.bind(zmq.ROUTER, control, self.nodes)
+            self.control = self.transport.bind(zmq.ROUTER, control, self.members)
             self.tokens = self.transport.bind(zmq.PULL, tokens, self.nodes[-1:])
         except TransportError:
             self.transport.close()
@@ -102,19 +106,19 @@ class Coordinator:
         self.encoder = Encoder(COORDINATOR_SENDER)
         # A decoder per node: a control message is a node's only when it comes under the node's name and sender id.
         self.control_decoders = {node: Decoder(node_sender(i), (Hello, Progress, Ready, Stats, Error))
-                                 for i, node in enumerate(self.nodes)}
+                                 for i, node in enumerate(self.members)}
         self.token_decoder = Decoder(node_sender(len(self.nodes) - 1), (Tokens,))
         self.dropped = 0  # stray or unreadable messages
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.tokens, zmq.POLLIN)
         self._stats: dict[str, Stats] = {}
-        self._stats_owed = dict.fromkeys(self.nodes, 0)  # stats requests not yet answered, by node
-        self._answers = dict.fromkeys(self.nodes, 0)  # stats answers received, by node
-        self._stats_asked: dict[str, deque[float]] = {node: deque() for node in self.nodes}  # ... when each was sent
-        self.clocks = {node: NodeClock() for node in self.nodes}
+        self._stats_owed = dict.fromkeys(self.members, 0)  # stats requests not yet answered, by node
+        self._answers = dict.fromkeys(self.members, 0)  # stats answers received, by node
+        self._stats_asked: dict[str, deque[float]] = {node: deque() for node in self.members}  # ... when each was sent
+        self.clocks = {node: NodeClock() for node in self.members}
         self.frame_log: FrameLog | None = None  # set to keep what `cascadia run --trace` writes
-        self._ready: set[str] = set()
+        self._ready: set[str] = set()  # nodes whose last word was READY (those outside the plan stand by)
         self._last_heard: dict[str, float] = {}  # monotonic time of each starting node's last message
         self.node_cpus: dict[str, tuple[int, ...]] = {}  # the CPUs each node's process runs on, from its HELLO
         self._last_dropped: dict[str, str] = {}  # why each node's last dropped control message was dropped
@@ -139,17 +143,52 @@ class Coordinator:
     def rejoin(self, node: str, timeout_s: float, stop: threading.Event | None = None) -> None:
         """Take `node` back after its loss: forget what its earlier life owed us, and wait for the node started in
         its place (by us, or on its machine) to say HELLO and READY, as at the start; then place its clock."""
+        self._forget(node)
         self._ready.discard(node)
+        self._await_ready(timeout_s, stop)
+        self.sync_clocks()
+
+    def standing_by(self) -> list[str]:
+        """Members outside the plan that said READY (spares, or lost nodes back), in the spec's order."""
+        return [node for node in self.members if node in self._ready and node not in self.nodes]
+
+    def assign(self, nodes: Sequence[str], plan_json: str, addresses: dict[str, str], timeout_s: float,
+               stop: threading.Event | None = None) -> None:
+        """Serve a plan whose stages are on `nodes` (in stage order): each gets an ASSIGN with the plan and its
+        successor's address (`addresses`: where each node's predecessor reaches it; the last sends to our token
+        socket: `tokens_for_nodes`), and we wait for every READY as at the start; then the first node's input is
+        ours. A node keeps a stage it holds and only rewires, so the survivors of a loss answer at once."""
+        self._ready -= set(self.nodes) - set(nodes)  # lost: one that comes back stands by
+        first_before, self.nodes = self.nodes[0], list(nodes)
+        self.token_decoder = Decoder(node_sender(len(nodes) - 1), (Tokens,))
+        self.transport.allow(self.tokens_address, nodes[-1:])
+        for node in self.members:  # those left out of the plan owe nothing any more either
+            self._forget(node)
+        for node, after in zip(nodes, [*nodes[1:], None]):
+            self._ready.discard(node)
+            self._tell(node, Assign(plan_json, self.tokens_for_nodes if after is None else addresses[after]))
+        self._await_ready(timeout_s, stop)
+        if nodes[0] != first_before:
+            self.first.close(linger=0)
+            self.first = self.transport.connect(zmq.PUSH, addresses[nodes[0]], nodes[0])
+        self.sync_clocks()
+
+    @property
+    def tokens_for_nodes(self) -> str:
+        """Our token socket's address as an ASSIGN says it: `*` for our host as the node reaches our control socket
+        (we may have bound every interface)."""
+        return f"tcp://*:{self.tokens_address.rsplit(':', 1)[1]}"
+
+    def _forget(self, node: str) -> None:
+        """What a node's earlier life (or place) owed us: stats requests, its clock."""
         self._last_heard.pop(node, None)
         self._stats_owed[node] = 0
         self._stats_asked[node].clear()
         self.clocks[node] = NodeClock()
-        self._await_ready(timeout_s, stop)
-        self.sync_clocks()
 
     def _await_ready(self, timeout_s: float, stop: threading.Event | None) -> None:
         start = time.monotonic()
-        while len(self._ready) < len(self.nodes):
+        while not self._ready.issuperset(self.nodes):
             self._poll()
             if stop is not None and stop.is_set():
                 raise PipelineError("stopped before every node was ready")
@@ -323,6 +362,9 @@ class Coordinator:
             return
         node, message = received
         match message:
+            case Error() if node not in self.nodes:  # a node standing by: it no longer does
+                log.warning("%s, standing by, failed: %s", node, message.text)
+                self._ready.discard(node)
             case Error():
                 raise PipelineError(f"{node}: {message.text}")
             case Stats():
@@ -351,7 +393,7 @@ class Coordinator:
         or answered a probe sent after SHUTDOWN (a keep-serving node stays for the next run; replies come in order,
         so it has read the SHUTDOWN): closing our sockets at once was seen to drop a queued SHUTDOWN despite the
         linger, leaving a remote node running."""
-        remaining = list(self.nodes)
+        remaining = list(self.members)
         deadline = time.monotonic() + timeout_s
         message: Message = Shutdown()
         while remaining and time.monotonic() < deadline:

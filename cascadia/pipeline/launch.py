@@ -41,13 +41,15 @@ class NodeCommand:
     with_logits: bool = False
 
 
-def node_arguments(command: NodeCommand, name: str, place: NodePlace, successor: str, threads: int | None,
+def node_arguments(command: NodeCommand, name: str, place: NodePlace, successor: str | None, threads: int | None,
                    cpus: Sequence[int]) -> list[str]:
-    """The command line that starts one node (its place's prefix, then `cascadia node ...`) on `cpus`."""
+    """The command line that starts one node (its place's prefix, then `cascadia node ...`) on `cpus`; a spare
+    has no successor."""
     args = [*place.prefix, sys.executable, "-m", "cascadia", "node", "--spec", str(command.spec_path), "--plan",
-            str(command.plan_path), "--name", name, "--listen", place.listen, "--successor", successor, "--control",
-            place.control, "--checkpoint", str(command.checkpoint), "--parent-pid", str(os.getpid()), "--cpus",
-            format_cpus(cpus)]
+            str(command.plan_path), "--name", name, "--listen", place.listen, "--control", place.control,
+            "--checkpoint", str(command.checkpoint), "--parent-pid", str(os.getpid()), "--cpus", format_cpus(cpus)]
+    if successor is not None:
+        args += ["--successor", successor]
     if threads is not None:
         args += ["--threads", str(threads)]
     if command.with_logits:
@@ -56,7 +58,7 @@ def node_arguments(command: NodeCommand, name: str, place: NodePlace, successor:
 
 
 class LocalNodes:
-    """The node processes of one run, in stage order, and the emulated links they run on, if any."""
+    """The node processes of one run, in stage order then the spares, and the emulated links they run on, if any."""
 
     def __init__(self, names: Sequence[str], places: Sequence[NodePlace], logs: Sequence[Path],
                  links: EmulatedLinks | None):
@@ -68,14 +70,15 @@ class LocalNodes:
     @classmethod
     def start(cls, command: NodeCommand, names: Sequence[str], threads: Sequence[int | None],
               cpus: Sequence[Sequence[int]], log_dir: Path, control: str, tokens: str,
-              link_rates: Sequence[float] | None = None) -> LocalNodes:
-        """Start one node per name (stage order), with its thread count and CPUs, reaching the coordinator at
-        `control` and `tokens`: on 127.0.0.1,
+              link_rates: Sequence[float] | None = None, spares: int = 0) -> LocalNodes:
+        """Start one node per name (stage order, then the last `spares` names: spares, which hold no stage), with
+        its thread count and CPUs, reaching the coordinator at `control` and `tokens`: on 127.0.0.1,
         or with `link_rates` (bytes/s from each stage to the next) in network namespaces joined by links shaped to
         them (`cascadia.pipeline.emulated_links`; the coordinator must then bind every interface)."""
         links = None if link_rates is None else EmulatedLinks(link_rates, _port(control), _port(tokens))
         places = links.places if links else loopback_places(len(names), control, tokens)
-        successors = [place.address for place in places[1:]] + [places[-1].tokens]
+        stages = len(names) - spares
+        successors = [place.address for place in places[1:stages]] + [places[stages - 1].tokens] + [None] * spares
         nodes = cls(names, places, [log_dir / f"{name}.log" for name in names], links)
         try:
             for name, place, successor, count, ids in zip(names, places, successors, threads, cpus):
@@ -87,29 +90,39 @@ class LocalNodes:
             raise
         return nodes
 
-    def _spawn(self, index: int, log_mode: str) -> subprocess.Popen:
+    def _spawn(self, index: int, log_mode: str, extra: Sequence[str] = ()) -> subprocess.Popen:
         args, env = self._commands[index]
         with self.logs[index].open(log_mode) as out:
-            return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            return subprocess.Popen([*args, *extra], env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
 
-    def restart(self, name: str) -> None:
-        """Start node `name` again as it was started (its old process killed first, if still there: a frozen node
-        is as lost as a dead one); its log goes on in the same file."""
+    def restart(self, name: str, standby: bool = False) -> None:
+        """Start node `name` again as it was started, or holding no stage (`standby`: another took its stage); its
+        old process is killed first, if still there (a frozen node is as lost as a dead one); its log goes on in the
+        same file."""
         index = self.names.index(name)
-        old = self.processes[index]
-        if old.poll() is None:
-            old.kill()
-            old.wait()
+        self.kill(name)
         with self.logs[index].open("a") as out:
-            out.write(f"\n--- {name} started again after its loss ---\n")
-        self.processes[index] = self._spawn(index, "a")
+            out.write(f"\n--- {name} started again after its loss{', standing by' if standby else ''} ---\n")
+        self.processes[index] = self._spawn(index, "a", ["--standby"] if standby else [])
         self.restarts += 1
 
-    def check(self) -> None:
-        """Raise NodeLost naming the first node process that has exited."""
+    def kill(self, name: str) -> None:
+        """End node `name`'s process, if it still runs (a lost node may only be frozen)."""
+        process = self.processes[self.names.index(name)]
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        """Where each node is reached."""
+        return {name: place.address for name, place in zip(self.names, self.places)}
+
+    def check(self, names: Sequence[str]) -> None:
+        """Raise NodeLost naming the first of `names` (the nodes the pipeline runs on) whose process has exited."""
         for name, process, log in zip(self.names, self.processes, self.logs):
-            if (status := process.poll()) is not None:
+            if name in names and (status := process.poll()) is not None:
                 how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
                 raise NodeLost(name, f"the node process {how}{_tail(log)}")
 

@@ -11,13 +11,20 @@ not at) are logged with their reason, counted, and dropped; the node keeps servi
 closed connections on its input logged, which ZeroMQ handles without a message (it drops a message over the size
 limit with its connection).
 
+A node holds no stage of its own when it is a spare (the plan leaves it out): it loads nothing and waits. An
+ASSIGN from the coordinator gives any node its place in the pipeline (`NodeSettings.assigned` says where, from the
+plan it carries): a spare takes a lost node's stage, every survivor its stage of a new plan, a neighbour of a moved
+stage its new peers. The node rewires its input and successor, loads the stage unless it already holds it, and says
+READY again.
+
 It stops on SHUTDOWN, when the process that started it is gone, or when it loses the coordinator (the control
 connection closes, or ZeroMQ's heartbeats go unanswered: `cascadia.pipeline.transport`), so no node outlives its run;
 it watches for all three even while it waits on a successor that takes nothing (a killed coordinator's token socket).
 With `keep_serving` it serves run after run instead: when a run ends (SHUTDOWN, a lost coordinator, an unreachable
 successor) it keeps its compiled stage, waits for the last coordinator's connection to close and the next one's to
 open, and says HELLO and READY to that. A new run's streams start at position 0, which frees their slots
-(`EngineStage.process`); message sequence numbers start afresh with each coordinator.
+(`EngineStage.process`); message sequence numbers start afresh with each coordinator, and the node goes back to the
+stage it was started with (a new coordinator knows nothing of the last one's ASSIGNs).
 """
 
 from __future__ import annotations
@@ -28,17 +35,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from cascadia.errors import NodeError
+from cascadia.errors import CascadiaError, NodeError
 from cascadia.pipeline.transport import Transport, TransportError, receive_waiting, send, send_watching
-from cascadia.pipeline.wire import (COORDINATOR_SENDER, DEFAULT_MAX_MESSAGE_BYTES, Decoder, Encoder, Error, Frame,
-                                    Hello, Message, Progress, Ready, Received, Shutdown, Stats, StatsRequest, Tokens,
-                                    WireError)
+from cascadia.pipeline.wire import (COORDINATOR_SENDER, DEFAULT_MAX_MESSAGE_BYTES, Assign, Decoder, Encoder, Error,
+                                    Frame, Hello, Message, Progress, Ready, Received, Shutdown, Stats, StatsRequest,
+                                    Tokens, WireError)
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +77,13 @@ class Peer:
 @attrs.frozen
 class NodeSettings:
     name: str
-    sender: int = attrs.field(validator=attrs.validators.gt(COORDINATOR_SENDER))  # on the wire: `wire.node_sender`
+    sender: int = attrs.field(validator=attrs.validators.gt(COORDINATOR_SENDER))  # its stage's: `wire.node_sender`
     first_layer: int
-    last_layer: int  # inclusive
+    last_layer: int  # inclusive; below first_layer: no stage (a spare)
     listen: str  # tcp://HOST:PORT of this node's input
-    successor: Peer  # the next node, or the coordinator's token socket for the last node
+    successor: Peer | None  # the next node, or the coordinator's token socket for the last node; None: a spare
     control: Peer  # the coordinator's control socket
-    input_peer: str  # whose Curve key may connect to the input: the previous stage's node, or the coordinator
+    input_peer: str | None  # whose Curve key may connect to the input: the previous stage's node, or the coordinator
     curve_keys: Path | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     send_timeout_s: float = 10.0  # a successor that accepts nothing for this long is unreachable
@@ -86,11 +93,26 @@ class NodeSettings:
     keep_serving: bool = False  # serve run after run, each with its own coordinator (see the module's text)
     coordinator_wait_s: float | None = 120.0  # how long a starting node waits for a coordinator (None: no limit)
     cpus: tuple[int, ...] = ()  # the CPUs its process may run on, said in HELLO
+    # its sender id on the control channel (its place among the cluster's members); default: its stage's
+    control_sender: int = attrs.field(default=attrs.Factory(lambda self: self.sender, takes_self=True))
+    stage: Any = None  # the plan's stage it serves, for its loader (None: a spare, or a test's node)
+    stage_key: tuple = ()  # what its loaded stage depends on beyond its layers: a change means a reload
+    # the settings for this node's stage of an assigned plan (`Assign`); None: the node cannot be assigned one
+    assigned: Callable[[NodeSettings, Assign], NodeSettings] | None = attrs.field(default=None, eq=False)
 
     @property
     def predecessor(self) -> int:
         """The sender id of whoever sends this node its frames: the previous stage's node, or the coordinator."""
         return self.sender - 1
+
+    @property
+    def holds_stage(self) -> bool:
+        return self.last_layer >= self.first_layer
+
+    @property
+    def stage_identity(self) -> tuple:
+        """What decides whether a stage already loaded serves these settings."""
+        return self.first_layer, self.last_layer, self.stage_key
 
 
 CONTROL_SEND_TIMEOUT_S = 10.0
@@ -117,24 +139,23 @@ _HANDSHAKE_FAILURES = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its Curve key is not th
                        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed"}
 
 
-def run_node(settings: NodeSettings, load_stage: Callable[[ProgressFn], Stage]) -> None:
-    """Serve one stage until told to shut down or orphaned, or (without `keep_serving`) until the coordinator is
-    lost. Raises TransportError (naming the address) when the input address is taken, the successor is unreachable
-    or no coordinator accepts the node in time, and CoordinatorLost; a failure while the coordinator is there is
-    first reported to it."""
+StageLoader = Callable[[NodeSettings, ProgressFn], Stage]  # the stage of a node's settings, loaded
+
+
+def run_node(settings: NodeSettings, load_stage: StageLoader) -> None:
+    """Serve one stage (or stand by, a spare, until assigned one) until told to shut down or orphaned, or (without
+    `keep_serving`) until the coordinator is lost. Raises TransportError (naming the address) when the input address
+    is taken, the successor is unreachable or no coordinator accepts the node in time, and CoordinatorLost; a
+    failure while the coordinator is there is first reported to it."""
     with Transport(settings.name, settings.curve_keys, settings.max_message_bytes,
                    settings.send_timeout_s) as transport:
-        node = _Node(settings, transport)
+        node = _Node(settings, transport, load_stage)
         try:
             node.join(settings.coordinator_wait_s)  # first, so that a failure to open is reported to it
             node.open()
-            stage = load_stage(node.progress)
             while True:
-                if node.in_run:  # the run did not end while the stage loaded
-                    node.tell(Ready(settings.name, settings.first_layer, settings.last_layer))
-                    log.info("%s: ready on %s, layers %d..%d", settings.name, settings.listen,
-                             settings.first_layer, settings.last_layer)
-                    node.serve(stage)
+                node.load()
+                node.serve()
                 node.join(None)
         except NodeStopped as e:
             log.info("%s: stopping: %s", settings.name, e)
@@ -150,9 +171,13 @@ def run_node(settings: NodeSettings, load_stage: Callable[[ProgressFn], Stage]) 
 
 
 class _Node:
-    def __init__(self, settings: NodeSettings, transport: Transport):
-        self.settings = settings
+    def __init__(self, settings: NodeSettings, transport: Transport, load_stage: StageLoader):
+        self.settings = self.started_with = settings
         self.transport = transport
+        self.load_stage = load_stage
+        self.stage: Stage | None = None
+        self.loaded: tuple | None = None  # the `stage_identity` of the settings `stage` was loaded for
+        self.assignment: Assign | None = None  # an ASSIGN not yet taken
         # The control channel comes first, so that a failure to open the others can be reported on it. A node only
         # speaks on it once the coordinator has accepted it (`join`): a send that waits there waits for a busy
         # machine, not for an absent peer, so it gets longer than the successor's timeout.
@@ -166,7 +191,8 @@ class _Node:
         self.data: zmq.Socket | None = None
         self.data_events: zmq.Socket | None = None
         self.successor: zmq.Socket | None = None
-        self.encoder = Encoder(settings.sender)
+        self.control_encoder = Encoder(settings.control_sender)
+        self.encoder = Encoder(settings.sender)  # of the frames and tokens it sends on
         self._new_decoders()
         self.busy_s = 0.0
         self.frames = 0
@@ -175,11 +201,37 @@ class _Node:
 
     def open(self) -> None:
         s = self.settings
-        self.data, self.data_events = self.transport.bind_watched(zmq.PULL, s.listen, [s.input_peer], _INPUT_EVENTS)
-        self.successor = self.transport.connect(zmq.PUSH, s.successor.address, s.successor.name)
+        self.data, self.data_events = self.transport.bind_watched(zmq.PULL, s.listen, _peers(s), _INPUT_EVENTS)
+        if s.successor is not None:
+            self.successor = self.transport.connect(zmq.PUSH, s.successor.address, s.successor.name)
+
+    def rewire(self, settings: NodeSettings) -> None:
+        """Take its place in the pipeline as `settings` say: the predecessor it takes frames from, the successor it
+        sends to, its sender id. Its stage follows (`load`)."""
+        old, self.settings = self.settings, settings
+        if settings.sender != old.sender:  # numbered from now, above anything an earlier holder of the id sent
+            self.encoder = Encoder(settings.sender)
+            self.data_decoder = Decoder(settings.predecessor, (Frame,), settings.max_message_bytes)
+        if self.data is not None and settings.input_peer != old.input_peer:
+            self.transport.allow(settings.listen, _peers(settings))
+        if self.data is not None and settings.successor != old.successor:
+            if self.successor is not None:
+                self.successor.close(linger=0)  # what it held were frames of streams the pipeline replays
+            self.successor = None if settings.successor is None else self.transport.connect(
+                zmq.PUSH, settings.successor.address, settings.successor.name)
+
+    def load(self) -> None:
+        """Hold the stage of its settings: loaded (reporting PROGRESS) unless already held; a spare holds none."""
+        s = self.settings
+        if self.loaded == s.stage_identity:
+            return
+        self.stage = self.loaded = None  # the old stage's memory goes before the new one's comes
+        if s.holds_stage:
+            self.stage = self.load_stage(s, self.progress)
+        self.loaded = s.stage_identity
 
     def tell(self, message: Message) -> None:
-        send(self.control, self.encoder.encode(message))
+        send(self.control, self.control_encoder.encode(message))
 
     def report_failure(self, text: str) -> None:
         log.error("%s: %s", self.settings.name, text)
@@ -206,7 +258,9 @@ class _Node:
             poller.poll(self.settings.poll_s * 1000)
             self._check_parent()
             self._take_control()
+        self.rewire(self.started_with)  # a new coordinator knows nothing of the last one's ASSIGNs
         self._new_decoders()
+        self.assignment = None
         while self.data is not None and receive_waiting(self.data) is not None:
             pass  # a frame of the last run
         self.in_run = True
@@ -216,7 +270,7 @@ class _Node:
     def _new_decoders(self) -> None:
         """Decoders for a new coordinator's run, whose messages are numbered afresh."""
         s = self.settings
-        self.control_decoder = Decoder(COORDINATOR_SENDER, (Shutdown, StatsRequest), s.max_message_bytes)
+        self.control_decoder = Decoder(COORDINATOR_SENDER, (Shutdown, StatsRequest, Assign), s.max_message_bytes)
         self.data_decoder = Decoder(s.predecessor, (Frame,), s.max_message_bytes)
 
     def progress(self, done: int, total: int) -> None:
@@ -226,8 +280,10 @@ class _Node:
             self.tell(Progress(self.settings.name, done, total))
         self._check_parent()
 
-    def serve(self, stage: Stage) -> None:
-        """Serve frames until the run ends (`keep_serving`; otherwise the end of the run raises)."""
+    def serve(self) -> None:
+        """Say READY, then serve frames, and take the stages assigned meanwhile, until the run ends (`keep_serving`;
+        otherwise the end of the run raises)."""
+        self._ready()
         poller = zmq.Poller()
         for sock in (self.control, self.data, self.control_events, self.data_events):
             poller.register(sock, zmq.POLLIN)
@@ -236,13 +292,41 @@ class _Node:
             self._check_parent()
             self._take_control()
             self._watch_input()
-            if self.data in ready and self.in_run and (frames := receive_waiting(self.data)) is not None:
+            if self.assignment is not None and self.in_run:
+                self._take_assignment()
+            elif self.data in ready and self.in_run and (frames := receive_waiting(self.data)) is not None:
                 try:
-                    self._on_data(frames, stage)
+                    self._on_data(frames)
                 except TransportError as e:  # the successor is gone: the coordinator will end the run
                     if not self.settings.keep_serving:
                         raise
                     self._end_run(str(e))
+
+    def _ready(self) -> None:
+        """Say READY, unless the run ended while the stage loaded."""
+        s = self.settings
+        if not self.in_run:
+            return
+        self.tell(Ready(s.name, s.first_layer, s.last_layer))
+        what = f"layers {s.first_layer}..{s.last_layer}" if s.holds_stage else "no stage: a spare standing by"
+        log.info("%s: ready on %s, %s", s.name, s.listen, what)
+
+    def _take_assignment(self) -> None:
+        """Serve the stage an ASSIGN gave: rewired, loaded, READY. One it cannot take is reported, and the node
+        serves on as it was."""
+        assign, self.assignment = self.assignment, None
+        try:
+            if self.settings.assigned is None:
+                raise NodeError("this node cannot be assigned a stage")
+            settings = self.settings.assigned(self.settings, assign)
+        except CascadiaError as e:
+            self.tell(Error(self.settings.name, f"cannot take the assigned stage: {e}"))
+            return
+        log.info("%s: assigned layers %d..%d, sending to %s", settings.name, settings.first_layer,
+                 settings.last_layer, settings.successor.address if settings.successor else "nobody")
+        self.rewire(settings)
+        self.load()
+        self._ready()
 
     def _end_run(self, reason: str, lost: bool = False) -> None:
         """The run is over: stop the node, or (`keep_serving`) go back to waiting for a coordinator."""
@@ -320,12 +404,14 @@ class _Node:
         match received and received.message:
             case Shutdown() if self.in_run or not self.settings.keep_serving:  # else: the last run's, late
                 self._end_run("shutdown requested")
+            case Assign() if self.in_run:
+                self.assignment = received.message  # taken by the serve loop: loading takes a while
             case StatsRequest():
                 self.tell(Stats(self.settings.name, self.busy_s, self.frames, self.rejected, time.monotonic(),
                                 tuple(self.frame_times)))
                 self.frame_times.clear()
 
-    def _on_data(self, frames: list, stage: Stage) -> None:
+    def _on_data(self, frames: list) -> None:
         """A frame through the stage to the successor. Its sequence number is accepted once the stage has taken its
         content: a frame that cannot belong to the run moves nothing on."""
         taken_in = time.monotonic()
@@ -333,9 +419,12 @@ class _Node:
         if received is None:
             return
         frame = received.message
+        if self.stage is None:
+            self._reject("input", f"frame {frame.frame_id}: this node holds no stage")
+            return
         start = time.monotonic()
         try:
-            result = self._process(stage, frame)
+            result = self._process(self.stage, frame)
         except ForeignFrame as e:
             self._reject("input", f"frame {frame.frame_id} cannot belong to this run: {e}")
             return
@@ -359,3 +448,8 @@ class _Node:
             log.exception("%s: frame %d failed", self.settings.name, frame.frame_id)
             self.tell(Error(self.settings.name, f"frame {frame.frame_id}: {type(e).__name__}: {e}"))
             return None
+
+
+def _peers(settings: NodeSettings) -> list[str]:
+    """Whose Curve key may connect to the node's input: its predecessor's (a spare's: nobody's)."""
+    return [] if settings.input_peer is None else [settings.input_peer]

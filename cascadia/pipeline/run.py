@@ -8,6 +8,7 @@ token sequences (`score`) until closed; closing shuts every node down.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -19,7 +20,9 @@ import numpy as np
 from cascadia import host_cpus, metrics
 from cascadia.driver import Served, serve_workload
 from cascadia.errors import CheckpointError, NodeError, PlanError, SpecError
+from cascadia.graph import planner
 from cascadia.graph.plan import Plan
+from cascadia.graph.planner import InfeasiblePlan, checked_plan
 from cascadia.pipeline.coordinator import Coordinator, Outputs, PipelineError
 from cascadia.pipeline.frame_log import FrameLog
 from cascadia.pipeline.launch import LocalNodes, NodeCommand, check_host_memory
@@ -34,6 +37,8 @@ from cascadia.speculation import Drafter
 from cascadia.tokenizer import workload_prompts
 from cascadia.trace import FrameTiming
 from cascadia.workload import Level, Phase, prompt_length_notes
+
+log = logging.getLogger(__name__)
 
 NODE_TIMEOUT_S = 120.0  # a starting node silent for this long is an error
 STALL_S = 60.0  # a running pipeline that returns no tokens for this long is an error
@@ -89,6 +94,7 @@ class Pipeline:
                  checkpoint: Path | None, affinity: tuple[int, ...]):
         """`affinity`: the CPUs the calling thread ran on before the coordinator was pinned, for `close`."""
         self.spec, self.plan, self.checkpoint = spec, plan, checkpoint
+        self.started_plan = plan  # what the nodes were started with; `plan` is what they serve now
         self.coordinator, self.local, self._run_dir, self._affinity = coordinator, local, run_dir, affinity
         self._score_frames = 0
 
@@ -104,19 +110,20 @@ class Pipeline:
         a network namespace of its own, its link to the next shaped to the spec's bandwidth. Remote nodes were
         started with their own options; `addresses` must then be ones they reach. `stop`, set by another thread,
         ends the wait (a PipelineError) and shuts the nodes down."""
-        nodes = {node.name: node for node in spec.cluster.nodes}
+        nodes = {node.name: node for node in spec.cluster.members}
         names = [stage.node for stage in plan.stages]
         if unknown := [name for name in names if name not in nodes]:
             raise PlanError(f"the plan places stages on {', '.join(unknown)}, which the spec's cluster does not have")
-        local = [nodes[name].is_local for name in names]
+        spares = [node.name for node in spec.cluster.members if node.name not in names]
+        local = [nodes[name].is_local for name in names + spares]
         if any(local) and not all(local):
-            raise SpecError("the plan mixes local nodes with tcp ones: a local node listens on 127.0.0.1, which "
+            raise SpecError("the spec mixes local nodes with tcp ones: a local node listens on 127.0.0.1, which "
                              "the others cannot reach; give every node a tcp address, or none")
-        if emulate_links and not (all(local) and addresses is None):
-            raise SpecError("links are emulated between local nodes only, on addresses chosen here")
+        if emulate_links and not (all(local) and addresses is None and not spares):
+            raise SpecError("links are emulated between local nodes only, on addresses chosen here, without spares")
         if all(local):
             check_host_memory(spec, plan)
-            for name in names:
+            for name in names + spares:
                 host_cpus.check(nodes[name].cpus, name)
             addresses = addresses or Addresses.local("0.0.0.0" if emulate_links else LOCALHOST)
         elif addresses is None:
@@ -127,7 +134,8 @@ class Pipeline:
         host_cpus.pin(spec.cluster.coordinator_cpus, "the coordinator")  # before ZeroMQ starts its I/O thread
         try:
             coordinator = Coordinator(names, addresses.control, addresses.tokens, spec.cluster.curve_keys, stall_s,
-                                      digest=settings_digest(spec, plan, with_logits))
+                                      digest=settings_digest(spec, plan, with_logits),
+                                      members=[node.name for node in spec.cluster.members])
         except BaseException:
             host_cpus.restore(affinity)
             raise
@@ -138,11 +146,12 @@ class Pipeline:
                 command = _node_command(spec, plan, Path(run_dir.name), checkpoint, with_logits)
                 rates = [spec.cluster.link(a, b).bandwidth for a, b in zip(names, names[1:])]
                 # a node without CPUs of its own runs where this thread ran before it was pinned
-                local_nodes = LocalNodes.start(command, names, [nodes[name].threads for name in names],
-                                               [nodes[name].cpus or affinity for name in names],
+                everyone = names + spares
+                local_nodes = LocalNodes.start(command, everyone, [nodes[name].threads for name in everyone],
+                                               [nodes[name].cpus or affinity for name in everyone],
                                                Path(run_dir.name), addresses.control, addresses.tokens,
-                                               rates if emulate_links else None)
-                coordinator.watch = local_nodes.check
+                                               rates if emulate_links else None, spares=len(spares))
+                coordinator.watch = lambda: local_nodes.check(coordinator.nodes)
                 first = local_nodes.places[0].address
             else:
                 first = nodes[names[0]].address
@@ -217,10 +226,51 @@ class Pipeline:
 
     def replace(self, node: str, timeout_s: float, stop: threading.Event | None = None) -> None:
         """Take a lost node back: a local one is started again here; a remote one must be started again on its
-        machine. Wait up to `timeout_s` for it to say HELLO and READY (`stop` ends the wait)."""
+        machine. Wait up to `timeout_s` for it to say HELLO and READY (`stop` ends the wait). A node started again
+        knows only the plan it was started with: if stages have moved since, every node is told where they are."""
         if self.local is not None:
             self.local.restart(node)
         self.coordinator.rejoin(node, timeout_s, stop)
+        if self.plan != self.started_plan:
+            self.assign(self.plan, timeout_s, stop)
+
+    def take_over(self, lost: str, timeout_s: float, stop: threading.Event | None = None) -> str | None:
+        """Give a lost node's stage to a node standing by (a spare, or a lost node back), the first whose memory
+        holds the stage as planned; wait up to `timeout_s` for it to load. A lost local node is started again here,
+        holding no stage: a spare for the next loss. The node that took the stage, or None when none stands by."""
+        for spare in self.coordinator.standing_by():
+            moved = attrs.evolve(self.plan, stages=tuple(attrs.evolve(stage, node=spare) if stage.node == lost
+                                                         else stage for stage in self.plan.stages))
+            try:
+                checked_plan(moved, self.spec, f"{spare} in place of {lost}")
+            except PlanError as e:
+                log.warning("%s cannot take %s's stage: %s", spare, lost, e)
+                continue
+            if self.local is not None:  # it may be frozen, not gone: started afresh, it stands by in the spare's place
+                self.local.restart(lost, standby=True)
+            self.assign(moved, timeout_s, stop)
+            return spare
+        return None
+
+    def survivors_plan(self, lost: str) -> Plan:
+        """A plan over the nodes left after `lost` (in their stage order; the spec's `layers` pins were for the whole
+        fleet), from the planner as `cascadia plan` makes one; InfeasiblePlan when the model does not fit them."""
+        survivors = tuple(attrs.evolve(self.spec.cluster.node(stage.node), layers=None)
+                          for stage in self.plan.stages if stage.node != lost)
+        if not survivors:
+            raise InfeasiblePlan(f"no node is left once {lost} is gone")
+        cluster = attrs.evolve(self.spec.cluster, nodes=survivors, spares=())
+        return planner.plan(attrs.evolve(self.spec, cluster=cluster))
+
+    def assign(self, plan: Plan, timeout_s: float, stop: threading.Event | None = None) -> None:
+        """Serve `plan` from now on: each of its nodes takes its stage (`Coordinator.assign`). The plan is the
+        pipeline's as soon as it is told, so that a node lost while loading is lost from it."""
+        if self.local is not None:
+            addresses = self.local.addresses
+        else:
+            addresses = {node.name: node.address for node in self.spec.cluster.members}
+        self.plan = plan
+        self.coordinator.assign([stage.node for stage in plan.stages], plan.to_json(), addresses, timeout_s, stop)
 
     def close(self, timeout_s: float = SHUTDOWN_S) -> None:
         """Shut every node down; kill local ones not gone within `timeout_s`."""

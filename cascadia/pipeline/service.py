@@ -27,7 +27,7 @@ from pathlib import Path
 
 import attrs
 
-from cascadia.errors import CascadiaError, NodeError
+from cascadia.errors import CascadiaError, NodeError, PlanError
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.coordinator import Flight, NodeLost, PipelineError
 from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, Pipeline, describe
@@ -66,6 +66,7 @@ class Status:
     accepting: bool = False  # requests are taken: serving, or recovering (they wait); not while a stage is down
     failures: dict[str, int] = attrs.Factory(dict)  # losses so far, by node
     recoveries_s: tuple[float, ...] = ()  # how long each recovery took, from the loss to serving again
+    standing_by: tuple[str, ...] = ()  # nodes outside the plan, ready to take a lost node's stage (spares)
 
 
 class PipelineService:
@@ -95,6 +96,7 @@ class PipelineService:
         self._accepting = True
         self._failures: Counter[str] = Counter()
         self._recoveries_s: list[float] = []
+        self._standing_by: tuple[str, ...] = ()
         self._thread = threading.Thread(target=self._serve, name="cascadia-pipeline", daemon=True)
         self._thread.start()
 
@@ -123,7 +125,7 @@ class PipelineService:
         with self._lock:
             return Status(self._ready and not self._down, self._loading, self._error, *self._counts,
                           dict(self._busy), dict(self._frames_per_s), self._down, self._ready and self._accepting,
-                          dict(self._failures), tuple(self._recoveries_s))
+                          dict(self._failures), tuple(self._recoveries_s), self._standing_by)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop serving: open requests end with Failed("the server is shutting down"), the nodes are shut down."""
@@ -190,12 +192,12 @@ class PipelineService:
             return not self._recover(pipeline, lost)
 
     def _recover(self, pipeline: Pipeline, lost: NodeLost) -> bool:
-        """Take a lost node's stage back (see the module's text): True once serving again, False when told to stop
-        meanwhile. Requests keep arriving and wait; if a remote node does not come back within the replace timeout,
-        the open ones fail, new ones are refused, and we wait on for it."""
+        """Take a lost node's stage back (`_take_back`): True once serving again, False when told to stop
+        meanwhile. Requests keep arriving and wait, unless the stage goes down: then the open ones fail, new ones
+        are refused, and we wait on for a node to take it."""
         started, attempts = time.monotonic(), 0
         while True:
-            stage = _stage_name(self.plan, lost.node)
+            stage = _stage_name(pipeline.plan, lost.node)
             self._failures[lost.node] += 1
             attempts += 1
             if attempts > MAX_RESTARTS:
@@ -203,7 +205,7 @@ class PipelineService:
             log.warning("%s lost: %s; taking it back", stage, lost)
             self._set_down(f"{stage} lost ({lost}); taking it back", accepting=True)
             try:
-                self._take_back(pipeline, lost.node, stage)
+                kv_blocks = self._take_back(pipeline, lost.node, stage)
                 break
             except NodeLost as again:  # the node started in its place was lost too, or another one
                 lost = again
@@ -212,29 +214,53 @@ class PipelineService:
                     return False
                 raise
         self._last_stats = None  # a restarted node counts from zero
-        self._dispatch(self._policy.replay(), pipeline.coordinator.now())
+        self._dispatch(self._policy.replay(kv_blocks), pipeline.coordinator.now())
         with self._lock:
             self._recoveries_s.append(time.monotonic() - started)
+        self.plan = pipeline.plan  # the stages may have moved: what `status` readers see
         self._set_down(None, accepting=True)
         log.info("%s serves again after %.2f s", stage, self._recoveries_s[-1])
         return True
 
-    def _take_back(self, pipeline: Pipeline, node: str, stage: str) -> None:
-        """A local node is started again here; a remote one must come back on its machine (a `--keep-serving`
-        node's supervisor, or someone, starts it again): after the replace timeout its stage is down until it
-        does."""
+    def _take_back(self, pipeline: Pipeline, node: str, stage: str) -> int | None:
+        """Serve the lost node's stage again, in this order: a node standing by (a spare) takes it; a local node is
+        started again here; a remote one may come back on its machine within the replace timeout (a
+        `--keep-serving` node's supervisor, or someone, starts it again); the survivors take the model over, with a
+        new plan, if it fits them; else the stage is down until a node for it appears. Returns the K/V pool of a new
+        plan (None: the pool is as it was)."""
+        wait_s = self._start["node_timeout_s"]
+        if pipeline.take_over(node, wait_s, self._stopping):
+            return None
         if pipeline.local is not None:
-            pipeline.replace(node, self._start["node_timeout_s"], self._stopping)
-            return
+            pipeline.replace(node, wait_s, self._stopping)
+            return None
         if self._replaced_within(pipeline, node, self._replace_timeout_s):
-            return
-        reason = f"{stage} is down: no node took it back within {self._replace_timeout_s:g} s"
+            return None
+        if (plan := self._survivors_plan(pipeline, node)) is not None:
+            self._set_down(f"{stage} lost; the survivors take the model over", accepting=True)
+            pipeline.assign(plan, wait_s, self._stopping)
+            return plan.kv_blocks
+        reason = (f"{stage} is down: no node took it back within {self._replace_timeout_s:g} s, and the model does "
+                  "not fit the nodes left")
         self._fail_open(reason)
         self._set_down(f"{reason}; waiting for one", accepting=False)
         while True:
             self._refuse_waiting(reason)
-            if self._replaced_within(pipeline, node, DOWN_POLL_S):
-                return
+            if pipeline.take_over(node, wait_s, self._stopping) or self._replaced_within(pipeline, node, DOWN_POLL_S):
+                return None
+
+    def _survivors_plan(self, pipeline: Pipeline, node: str) -> Plan | None:
+        """A plan over the nodes left, if the model and the streams admitted so far fit them."""
+        try:
+            plan = pipeline.survivors_plan(node)
+        except PlanError as e:
+            log.warning("the nodes left cannot take the model over: %s", e)
+            return None
+        if not self._policy.fits(plan.kv_blocks):
+            log.warning("the nodes left cannot take the model over: their K/V pool of %d blocks is smaller than "
+                        "what the streams hold", plan.kv_blocks)
+            return None
+        return plan
 
     def _replaced_within(self, pipeline: Pipeline, node: str, timeout_s: float) -> bool:
         """Whether a node took `node`'s stage back within `timeout_s`; NodeLost when it was lost again, and the
@@ -259,7 +285,7 @@ class PipelineService:
         for request_id, on_event in list(self._listeners.items()):
             on_event(Failed(request_id, reason), 0.0)
         self._listeners.clear()
-        self._policy = Policy.for_runtime(self.spec.runtime, self._policy.n_groups, self.plan.kv_blocks)
+        self._policy = Policy.for_runtime(self.spec.runtime, self._policy.n_groups, self._policy.kv_blocks)
 
     def _refuse_waiting(self, reason: str) -> None:
         """While a stage is down: requests that came fail at once, and stats requests get nothing."""
@@ -305,11 +331,14 @@ class PipelineService:
             pass
 
     def _update_stats(self, coordinator) -> None:
-        """Each node's busy fraction and frames per second, from its counters, every STATS_S."""
+        """Each node's busy fraction and frames per second, from its counters, and the nodes standing by, every
+        STATS_S."""
         now = coordinator.now()
         if self._last_stats is not None and now - self._last_stats[0] < STATS_S:
             return
         stats = coordinator.stats()
+        with self._lock:
+            self._standing_by = tuple(coordinator.standing_by())
         if self._last_stats is not None:
             then, before = self._last_stats
             with self._lock:

@@ -11,6 +11,7 @@ forged frame that cannot belong to the run is dropped by the node, never compute
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -22,12 +23,13 @@ from cascadia.engine.engine import StageEngine
 from cascadia.engine.rows import BatchError
 from cascadia.errors import NodeError, PlanError, SpecError
 from cascadia.graph.plan import Plan, Stage, stage_state_words
+from cascadia.graph.planner import plan_from_dict
 from cascadia.host_cpus import pin
 from cascadia.host_memory import shortfall
 from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, ProgressFn, run_node
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import COORDINATOR
-from cascadia.pipeline.wire import Frame, Tokens, node_sender
+from cascadia.pipeline.wire import Assign, Frame, Tokens, node_sender
 from cascadia.sampling import Sampling, extend_history
 from cascadia.spec.types import Spec
 from cascadia.units import format_bytes
@@ -142,9 +144,44 @@ def find_stage(plan: Plan, name: str) -> tuple[int, Stage]:
 
 
 def node_settings(spec: Spec, plan: Plan, name: str, listen: str, control: str, successor: str | None,
-                  parent_pid: int | None = None) -> NodeSettings:
+                  parent_pid: int | None = None, standby: bool = False) -> NodeSettings:
     """Where node `name` listens and sends. `successor` defaults to the next stage's address in the spec; the last
-    stage sends to the coordinator's token socket, which only the coordinator can say."""
+    stage sends to the coordinator's token socket, which only the coordinator can say. A spare (`cluster.spares`),
+    or any node on `standby`, holds no stage, and sends nowhere, until the coordinator assigns it one."""
+    members = [node.name for node in spec.cluster.members]
+    if name not in members:
+        raise SpecError(f"node {name!r} is not in the spec's cluster (its nodes: {', '.join(members)})")
+    control_sender = node_sender(members.index(name))
+    if standby or name in {spare.name for spare in spec.cluster.spares}:
+        return NodeSettings(name, sender=control_sender, first_layer=0, last_layer=-1, listen=listen,
+                            successor=None, control=Peer(COORDINATOR, control), input_peer=None,
+                            curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid, control_sender=control_sender)
+    return attrs.evolve(NodeSettings(name, sender=node_sender(0), first_layer=0, last_layer=-1, listen=listen,
+                                     successor=None, control=Peer(COORDINATOR, control), input_peer=None,
+                                     curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid,
+                                     control_sender=control_sender),
+                        **_placement(spec, plan, name, successor))
+
+
+def assigned_settings(spec: Spec, settings: NodeSettings, assign: Assign) -> NodeSettings:
+    """A node's settings for its stage of the plan an ASSIGN carries (PlanError for a plan that is not one of
+    the spec's, or gives the node no stage)."""
+    plan = plan_from_dict(_json(assign.plan), spec, "the assigned plan")
+    successor = assign.successor
+    if successor.startswith("tcp://*:"):  # the coordinator's token socket, on the host we reach it on
+        successor = f"{settings.control.address.rsplit(':', 1)[0]}:{successor.rsplit(':', 1)[1]}"
+    return attrs.evolve(settings, **_placement(spec, plan, settings.name, successor))
+
+
+def _json(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"the assigned plan is not JSON: {e}") from None
+
+
+def _placement(spec: Spec, plan: Plan, name: str, successor: str | None) -> dict:
+    """The settings that place node `name` in `plan`'s pipeline (see `node_settings`)."""
     index, stage = find_stage(plan, name)
     if successor is None:
         if index == len(plan.stages) - 1:
@@ -158,9 +195,9 @@ def node_settings(spec: Spec, plan: Plan, name: str, listen: str, control: str, 
         successor = address
     peer = COORDINATOR if index == len(plan.stages) - 1 else plan.stages[index + 1].node
     before = COORDINATOR if index == 0 else plan.stages[index - 1].node
-    return NodeSettings(name, sender=node_sender(index), first_layer=stage.first_layer, last_layer=stage.last_layer,
-                        listen=listen, successor=Peer(peer, successor), control=Peer(COORDINATOR, control),
-                        input_peer=before, curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid)
+    return {"sender": node_sender(index), "first_layer": stage.first_layer, "last_layer": stage.last_layer,
+            "successor": Peer(peer, successor), "input_peer": before, "stage": stage,
+            "stage_key": (stage.roles, stage.kv_blocks, stage.kv_block, stage.weight_bytes, stage.state_bytes)}
 
 
 def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, with_logits: bool,
@@ -187,9 +224,9 @@ def serve_node(spec: Spec, plan: Plan, settings: NodeSettings, checkpoint: Path,
                with_logits: bool, cpus: Sequence[int] | None = None) -> None:
     """Run node `settings.name` until the coordinator shuts it down (see `cascadia.pipeline.node.run_node`), on
     `cpus` (default: the node's in the spec, else where it was started)."""
-    _, stage = find_stage(plan, settings.name)
     cpus = pin(cpus or spec.cluster.node(settings.name).cpus, settings.name, whole_process=True)
-    settings = attrs.evolve(settings, digest=settings_digest(spec, plan, with_logits), cpus=cpus)
-    run_node(settings, lambda progress: load_stage(spec, stage, checkpoint, threads, with_logits,
-                                                   progress))
+    settings = attrs.evolve(settings, digest=settings_digest(spec, plan, with_logits), cpus=cpus,
+                            assigned=lambda settings, assign: assigned_settings(spec, settings, assign))
+    run_node(settings, lambda settings, progress: load_stage(spec, settings.stage, checkpoint, threads, with_logits,
+                                                             progress))
 

@@ -131,6 +131,7 @@ class Transport:
         self._keypair = None if self.curve is None else self.curve.keypair(name)
         self.context = zmq.Context()
         self._authenticator = None
+        self._allowed: dict[str, _AllowedKeys] = {}  # by bound address: whose keys may connect there
         if self.curve is not None:
             if not zmq.has("curve"):
                 raise TransportError("this libzmq was built without CurveZMQ; cannot use curve_keys")
@@ -157,8 +158,8 @@ class Transport:
             sock.curve_publickey, sock.curve_secretkey = self._keypair
             sock.curve_server = True
             sock.zap_domain = address.encode()  # one socket binds an address: its domain is its own
-            self._authenticator.configure_curve_callback(address, _AllowedKeys(
-                {self.curve.public_key(name) for name in senders}))
+            self._allowed[address] = _AllowedKeys({self.curve.public_key(name) for name in senders})
+            self._authenticator.configure_curve_callback(address, self._allowed[address])
         monitor = sock.get_monitor_socket(events) if events else None
         try:
             sock.bind(address)
@@ -167,6 +168,12 @@ class Transport:
             reason = "address already in use" if e.errno == zmq.EADDRINUSE else e.strerror
             raise TransportError(f"cannot listen on {address}: {reason}") from None
         return sock, monitor
+
+    def allow(self, address: str, senders: Sequence[str]) -> None:
+        """From now on, the socket bound to `address` accepts new connections only from `senders` (without keys,
+        from anyone, as before)."""
+        if address in self._allowed:
+            self._allowed[address].keys = {self.curve.public_key(name) for name in senders}
 
     def sent_by(self, frame: zmq.Frame, name: str) -> bool:
         """Whether a message (`frame`, one of its parts) came over a connection made with `name`'s key: a ROUTER's

@@ -17,14 +17,17 @@ Kinds and their buffers (n = header rows, c = header cols):
   ERROR          node utf-8, text utf-8
   STATS          node utf-8, f64 busy seconds + u64 frames + u64 rejected + f64 clock, frame ids u64[k], their
                  times f64[k, 3] (taken in, started, done)
+  ASSIGN         plan utf-8 (JSON, `Plan.to_dict`), successor utf-8 (the address this node sends its results to)
   SHUTDOWN, STATS_REQUEST: none
 
-Every sender numbers its messages. Sender ids follow the pipeline: the coordinator is 0, the node of stage i is
-i + 1, so a node's frames come from the sender just before its own. A socket's `Decoder` accepts only its one sender
-and the kinds that sender sends there, and rejects a number that does not exceed the last one it accepted (a
-duplicate or a reordering), so a replayed or misrouted message never reaches a stage. A sender id is only a claim:
-that the connection is the sender's is for CurveZMQ to say (`cascadia.pipeline.transport`, which lets each socket
-accept only its sender's key); without it a stranger can claim any id.
+Every sender numbers its messages. The coordinator is sender 0. On the data path sender ids follow the pipeline:
+the node of stage i is i + 1, so a node's frames come from the sender just before its own. On the control channel a
+node's id is fixed by its place among the cluster's members (`cluster.nodes`, then `cluster.spares`: the i-th is
+i + 1), so that it stays the same when an ASSIGN moves the node to another stage. A socket's `Decoder` accepts only
+its one sender and the kinds that sender sends there, and rejects a number that does not exceed the last one it
+accepted (a duplicate or a reordering), so a replayed or misrouted message never reaches a stage. A sender id is
+only a claim: that the connection is the sender's is for CurveZMQ to say (`cascadia.pipeline.transport`, which lets
+each socket accept only its sender's key); without it a stranger can claim any id.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import numpy as np
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 7
+VERSION = 8
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -75,6 +78,7 @@ class Kind(enum.IntEnum):
     ERROR = 7
     STATS_REQUEST = 8
     STATS = 9
+    ASSIGN = 10
 
 
 def _vector(values, dtype: np.dtype) -> np.ndarray:
@@ -193,7 +197,17 @@ class Stats:
     # started, done) on its clock, for each frame it computed
 
 
-Message = Frame | Tokens | Hello | Progress | Ready | Shutdown | Error | StatsRequest | Stats
+@attrs.frozen
+class Assign:
+    """The coordinator gives a node its place in the pipeline: a spare takes a lost node's stage, every node its
+    stage of a new plan, a neighbour of a moved stage its new peers. The node serves its stage of `plan` (JSON,
+    `Plan.to_dict`), sends its results to `successor`, and answers READY once it does."""
+
+    plan: str
+    successor: str
+
+
+Message = Frame | Tokens | Hello | Progress | Ready | Shutdown | Error | StatsRequest | Stats | Assign
 
 
 @attrs.frozen
@@ -203,9 +217,10 @@ class Received:
     message: Message
 
 
-def node_sender(stage_index: int) -> int:
-    """The sender id of the node that holds stage `stage_index` (0-based)."""
-    return COORDINATOR_SENDER + 1 + stage_index
+def node_sender(index: int) -> int:
+    """The sender id of the node that holds stage `index` (0-based) on the data path, or of the cluster's
+    `index`-th member on the control channel."""
+    return COORDINATOR_SENDER + 1 + index
 
 
 # --- encoding ---------------------------------------------------------------------------------------------------
@@ -265,6 +280,8 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
                                                        message.clock),
                                            np.array([t[0] for t in message.frame_times], dtype=_U64),
                                            np.array([t[1:] for t in message.frame_times], dtype=_F64).reshape(-1)]
+        case Assign():
+            return Kind.ASSIGN, _Fields(), [_utf8(message.plan), _utf8(message.successor)]
     raise TypeError(f"not a wire message: {message!r}")
 
 
@@ -291,7 +308,7 @@ class Encoder:
 # --- decoding ---------------------------------------------------------------------------------------------------
 
 _BUFFER_COUNTS = {Kind.FRAME: 8, Kind.TOKENS: 3, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
-                  Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4}
+                  Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 2}
 
 
 def _array(buffer: memoryview, dtype: np.dtype, count: int, name: str) -> np.ndarray:
@@ -369,6 +386,8 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             times = _array(b[3], _F64, 3 * len(ids), "frame times").reshape(-1, 3)
             frame_times = tuple((int(i), *map(float, t)) for i, t in zip(ids, times))
             return Stats(_text(b[0], "node"), *_unpack(_STATS, b[1], "stats"), frame_times)
+        case Kind.ASSIGN:
+            return Assign(_text(b[0], "plan"), _text(b[1], "successor"))
 
 
 def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Received:

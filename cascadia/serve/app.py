@@ -405,4 +405,5 @@ def _status(server: Server, busy_s: dict[str, float]) -> dict:
                     "busy": status.busy.get(s.node), "frames_per_s": status.frames_per_s.get(s.node),
                     "busy_s": busy_s.get(s.node)}
                    for s in server.service.plan.stages],
+        "standing_by": list(status.standing_by),
     }

@@ -81,6 +81,7 @@ def dump_spec(spec: Spec) -> dict[str, Any]:
             **({"curve_keys": str(cluster.curve_keys)} if cluster.curve_keys else {}),
             **({"coordinator_cpus": list(cluster.coordinator_cpus)} if cluster.coordinator_cpus else {}),
             "nodes": [_dump_node(node) for node in cluster.nodes],
+            **({"spares": [_dump_node(node) for node in cluster.spares]} if cluster.spares else {}),
             "links": links,
         },
         "runtime": _dump_runtime(spec.runtime),

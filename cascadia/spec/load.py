@@ -498,6 +498,7 @@ def _cluster(ctx: _Context, node: Node) -> ClusterSpec | None:
                    "generate`")
     coordinator_cpus = fields.take("coordinator_cpus", _cpu_list)
     nodes_node = fields.get("nodes", required=True)
+    spares_node = fields.get("spares")
     links_node = fields.get("links")
     fields.finish()
     if nodes_node is None:
@@ -505,19 +506,34 @@ def _cluster(ctx: _Context, node: Node) -> ClusterSpec | None:
     if not isinstance(nodes_node.value, list) or not nodes_node.value:
         ctx.report(nodes_node, "cluster.nodes", "expected a list of nodes ({name, memory, ...})")
         return None
-    nodes: list[NodeSpec] = []
+    if spares_node is not None and not isinstance(spares_node.value, list):
+        ctx.report(spares_node, "cluster.spares", "expected a list of nodes ({name, memory, ...})")
+        spares_node = None
     seen: dict[str, str] = {}  # name or tcp address -> key path of the entry that introduced it
-    for i, entry in enumerate(nodes_node.value):
-        for spec in _nodes(ctx, entry, f"cluster.nodes[{i}]", reserve):
+    nodes = _node_list(ctx, nodes_node, "cluster.nodes", reserve, seen)
+    spares = [] if spares_node is None else _node_list(ctx, spares_node, "cluster.spares", reserve, seen)
+    for spare in spares:
+        if spare.layers is not None:
+            ctx.report(spares_node, "cluster.spares", f"spare {spare.name!r} pins `layers`: a spare holds no stage "
+                                                      "of the plan")
+    default, pairs = _links(ctx, links_node, {n.name for n in nodes + spares})
+    return None if reserve is None else ClusterSpec(tuple(nodes), default, pairs, reserve, curve_keys,
+                                                    coordinator_cpus, tuple(spares))
+
+
+def _node_list(ctx: _Context, node: Node, key: str, reserve: int | None, seen: dict[str, str]) -> list[NodeSpec]:
+    """The nodes of a `nodes:` or `spares:` list; a name or tcp address in `seen` (from the key path that
+    introduced it) is reported."""
+    nodes: list[NodeSpec] = []
+    for i, entry in enumerate(node.value):
+        for spec in _nodes(ctx, entry, f"{key}[{i}]", reserve):
             for label, value in (("name", spec.name), ("address", None if spec.is_local else spec.address)):
                 if value in seen:
-                    ctx.report(entry, f"cluster.nodes[{i}]", f"{label} {value!r} already used by {seen[value]}")
+                    ctx.report(entry, f"{key}[{i}]", f"{label} {value!r} already used by {seen[value]}")
                 elif value is not None:
-                    seen[value] = f"cluster.nodes[{i}]"
+                    seen[value] = f"{key}[{i}]"
             nodes.append(spec)
-    default, pairs = _links(ctx, links_node, {n.name for n in nodes})
-    return None if reserve is None else ClusterSpec(tuple(nodes), default, pairs, reserve, curve_keys,
-                                                    coordinator_cpus)
+    return nodes
 
 
 # ---- runtime and workload ------------------------------------------------------------------------------------------

@@ -128,13 +128,20 @@ class ClusterSpec:
     reserve_bytes: int = 2 * 2**30  # OS, runtime, buffers: kept free on every node
     curve_keys: Path | None = None  # folder of CurveZMQ key files; None = no encryption
     coordinator_cpus: tuple[int, ...] | None = None  # the CPUs the coordinator's thread may run on; None = any
+    # Nodes the plan leaves out: they start, load nothing and stand by to take a lost node's stage (`serve`)
+    spares: tuple[NodeSpec, ...] = ()
+
+    @property
+    def members(self) -> tuple[NodeSpec, ...]:
+        """Every node, the plan's and the spares, in the spec's order (the order gives each its control sender id)."""
+        return self.nodes + self.spares
 
     def node(self, name: str) -> NodeSpec:
-        """The node of that name (a KeyError naming it and the cluster's nodes, for one it lacks)."""
-        for node in self.nodes:
+        """The node (or spare) of that name (a KeyError naming it and the cluster's nodes, for one it lacks)."""
+        for node in self.members:
             if node.name == name:
                 return node
-        raise KeyError(f"no node named {name!r} (the cluster has {', '.join(n.name for n in self.nodes)})")
+        raise KeyError(f"no node named {name!r} (the cluster has {', '.join(n.name for n in self.members)})")
 
     def link(self, a: str, b: str) -> LinkSpec:
         return self.links.get(tuple(sorted((a, b))), self.default_link)
