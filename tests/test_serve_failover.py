@@ -184,8 +184,10 @@ class TcpNodes:
     """The spec's nodes, and `spares` spares like them, at tcp addresses on 127.0.0.1, each a `cascadia node` process
     started here (as on its own machine), for a server started with `options`."""
 
-    def __init__(self, tmp_path: Path, spec, checkpoint: Path, *node_options: str, spares: int = 0):
+    def __init__(self, tmp_path: Path, spec, checkpoint: Path, *node_options: str, spares: int = 0,
+                 spare_checkpoint: Path | None = None):
         self.tmp_path, self.checkpoint, self.node_options = tmp_path, checkpoint, node_options
+        self.spare_checkpoint = spare_checkpoint or checkpoint
         like = spec.cluster.nodes[0]
         members = [*spec.cluster.nodes, *(attrs.evolve(like, name=f"spare{i}") for i in range(spares))]
         self.nodes = tuple(attrs.evolve(n, address=tcp_address("127.0.0.1", free_port())) for n in members)
@@ -203,10 +205,11 @@ class TcpNodes:
     def start(self, i: int) -> subprocess.Popen:
         node = self.nodes[i]
         last = ["--successor", self.addresses.tokens] if i == self.last_stage else []
+        checkpoint = self.checkpoint if i <= self.last_stage else self.spare_checkpoint
         with (self.tmp_path / f"node{i}.log").open("a") as log:
             return subprocess.Popen([sys.executable, "-m", "cascadia", "node", "--spec", str(self.spec_path),
                                      "--plan", str(self.plan_path), "--name", node.name, "--listen", node.address,
-                                     "--control", self.addresses.control, "--checkpoint", str(self.checkpoint),
+                                     "--control", self.addresses.control, "--checkpoint", str(checkpoint),
                                      "--parent-pid", str(os.getpid()), *last, *self.node_options],
                                     stdout=log, stderr=subprocess.STDOUT)
 
@@ -315,6 +318,28 @@ def test_a_tcp_spare_takes_a_lost_stage_and_then_the_survivors_take_the_model_ov
         assert killing(3, 2) == expected[2]  # no spare left, node1 gone for good: a plan over the two left
         assert stage_nodes(served.url) == ["node0", "node2"]
         assert recovered(served.url) == {"node1": 1, "spare0": 1}
+    finally:
+        assert served.stop() == 0
+        tcp.kill()
+
+
+def test_a_spare_that_cannot_load_the_stage_is_lost_in_turn_and_the_survivors_take_the_model_over(
+        tmp_path, spec, checkpoint, expected):
+    (tmp_path / "empty").mkdir()
+    tcp = TcpNodes(tmp_path, spec, checkpoint, spares=1, spare_checkpoint=tmp_path / "empty")
+    served = Served(tmp_path, tcp.spec_path, checkpoint, *tcp.options, "--replace-timeout", "1")
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+        chunks = iter(client.completions.create(model="tiny", prompt=prompt(0), max_tokens=TOKENS, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        text = next(chunks).choices[0].text
+        tcp.processes[1].kill()
+        assert text + "".join(chunk.choices[0].text for chunk in chunks) == expected[0]
+        assert stage_nodes(served.url) == ["node0", "node2"]
+        failures = metric(served.url, "cascadia_node_failures")
+        assert {labels[0][1]: value for (_, labels), value in failures.items()} == {"node1": 1, "spare0": 1}
+        assert metric(served.url, "cascadia_recovery_seconds")[("cascadia_recovery_seconds_count", ())] == 1
+        assert "spare0: CheckpointError" in served.log.read_text()
     finally:
         assert served.stop() == 0
         tcp.kill()

@@ -6,11 +6,12 @@ every group with nothing in flight gets its next frame sent to the first node at
 tokens coming back from the last node complete it. Events are timestamped on arrival with one monotonic clock, and
 recorded with the same `Recorder` as the simulator's.
 
-A failure stops the phase within about a second, naming the node: an ERROR from it, a local node process that
-exited (`watch`), a node whose control connection dropped (found by pinging silent pipelines), or no frame back
-within `stall_s`. A stray message is no failure: the control socket takes only the messages a node of the plan sends
-as itself, the token socket only the last node's TOKENS for a frame in flight; anything else is logged, counted in
-`dropped`, and dropped.
+A failure stops the phase within about a second, naming the node: an ERROR from it (one from a node still loading
+its stage is the node's loss: `serve` may give the stage to another), a local node process that exited (`watch`), a
+node whose control connection dropped (found by pinging silent pipelines), or no frame back within `stall_s`. A
+stray message is no failure: the control socket takes only the messages a node of the cluster sends as itself, the
+token socket only the last node's TOKENS for a frame in flight; anything else is logged, counted in `dropped`, and
+dropped.
 """
 
 from __future__ import annotations
@@ -365,6 +366,8 @@ class Coordinator:
             case Error() if node not in self.nodes:  # a node standing by: it no longer does
                 log.warning("%s, standing by, failed: %s", node, message.text)
                 self._ready.discard(node)
+            case Error() if node not in self._ready:  # it failed to load its stage: another node may take it
+                raise NodeLost(node, message.text)
             case Error():
                 raise PipelineError(f"{node}: {message.text}")
             case Stats():

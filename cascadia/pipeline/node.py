@@ -375,11 +375,12 @@ class _Node:
 
     def _still_in_run(self) -> bool:
         """What a wait on the successor checks: the parent, the control channel (a SHUTDOWN, a lost coordinator:
-        both end the run or the node), the input's connections; whether the run goes on."""
+        both end the run or the node), the input's connections; whether the run goes on with this successor (an
+        ASSIGN gives the message up: the successor it waits on is lost, and its streams are replayed)."""
         self._check_parent()
         self._take_control()
         self._watch_input()
-        return self.in_run
+        return self.in_run and self.assignment is None
 
     def _check_parent(self) -> None:
         parent = self.settings.parent_pid
