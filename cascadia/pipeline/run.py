@@ -102,19 +102,20 @@ class Pipeline:
     def start(cls, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, with_logits: bool = False,
               addresses: Addresses | None = None, node_timeout_s: float = NODE_TIMEOUT_S,
               stall_s: float = STALL_S, on_message: Callable[[str, Message], None] = lambda node, message: None,
-              emulate_links: bool = False, stop: threading.Event | None = None) -> Pipeline:
+              emulate_links: bool = False, stop: threading.Event | None = None, with_spares: bool = False) -> Pipeline:
         """Start (local) or wait for (tcp) the plan's nodes, until every one is READY.
 
         Local nodes read `checkpoint` (default: the spec's), and send the sampled rows' logits back when
         `with_logits` (for `score`); with `emulate_links` each runs in
         a network namespace of its own, its link to the next shaped to the spec's bandwidth. Remote nodes were
         started with their own options; `addresses` must then be ones they reach. `stop`, set by another thread,
-        ends the wait (a PipelineError) and shuts the nodes down."""
+        ends the wait (a PipelineError) and shuts the nodes down. `with_spares` starts the spec's local spares
+        too, to stand by (`serve`: see `take_over`)."""
         nodes = {node.name: node for node in spec.cluster.members}
         names = [stage.node for stage in plan.stages]
         if unknown := [name for name in names if name not in nodes]:
             raise PlanError(f"the plan places stages on {', '.join(unknown)}, which the spec's cluster does not have")
-        spares = [node.name for node in spec.cluster.members if node.name not in names]
+        spares = [node.name for node in spec.cluster.members if node.name not in names] if with_spares else []
         local = [nodes[name].is_local for name in names + spares]
         if any(local) and not all(local):
             raise SpecError("the spec mixes local nodes with tcp ones: a local node listens on 127.0.0.1, which "

@@ -146,7 +146,7 @@ class PipelineService:
     def _serve(self) -> None:
         try:
             pipeline = Pipeline.start(self.spec, self.plan, on_message=self._on_message, stop=self._stopping,
-                                      **self._start)
+                                      with_spares=True, **self._start)
         except CascadiaError as e:
             self._stop(f"the pipeline did not start: {e}")
             return
