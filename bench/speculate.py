@@ -8,18 +8,21 @@ draft accepted: the ceiling); then REPEATED prompts over and over, without specu
 which then come from the phrase table (the outputs of the requests that finished before). Every speculating run's
 tokens are compared with the run without on the same prompts (the same in f32; bf16 rounding moves with a call's
 rows, so there they may differ).
-Reported per level: decode tokens/s, the speed-up, drafts accepted of proposed, mean accepted per verifying step,
-and, with a calibration (`cascadia calibrate`), the simulator's decode tokens/s and speed-up for the same workload,
-its drafts accepted at the measured acceptance (accepted / proposed; 1 for the replay). Not a test: it prints
-ratios of one machine's runs. Then, for the paper's deployment (specs/inkling-975b-11pc.yaml, analytic), the
+Each of ROUNDS rounds runs all five, one after another, so that the machine's load moves them alike; reported per
+level, medians over the rounds: decode tokens/s, the speed-up (each round's against the same round's run without),
+drafts accepted of proposed, mean accepted per verifying step, and, with a calibration (`cascadia calibrate`), the
+simulator's decode tokens/s and speed-up for the same workload, its drafts accepted as the first round's run
+accepted them (its acceptance trace: request by request, step by step). Not a test: it prints ratios of one
+machine's runs. Then, for the paper's deployment (specs/inkling-975b-11pc.yaml, analytic), the
 simulator's speed-up against the acceptance rate at 1, 4 and 11 streams.
 
-    python bench/speculate.py [SPEC] [--calibration cal.json] [--max-draft 4] [--paper-only]
+    python bench/speculate.py [SPEC] [--calibration cal.json] [--max-draft 4] [--rounds 3] [--paper-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 import attrs
@@ -28,6 +31,7 @@ from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.run import Pipeline
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration
+from cascadia.sim.drafts import acceptance_trace
 from cascadia.sim.simulate import simulate
 from cascadia.spec.load import load_spec
 from cascadia.speculation import ReplayDrafter
@@ -50,19 +54,30 @@ def repetitive_prompts(vocab: int, n: int) -> list[tuple[int, ...]]:
 
 
 def served(spec, prompts, drafter=None, speculate: str | None = None):
-    """(levels, outputs by prompt) of the spec's workload on its pipeline, speculating as `speculate` says."""
+    """(levels, outputs by prompt, output lines) of the spec's workload on its pipeline, speculating as `speculate`
+    says."""
     spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, speculate=speculate))
     with Pipeline.start(spec, make_plan(spec)) as pipeline:
         done = pipeline.run(spec.workload, prompts=prompts, drafter=drafter)
-    return done.result["levels"], {(tuple(line["prompt_ids"]), line["phase"], line["request_id"]): line["output_ids"]
-                                   for line in done.outputs}
+    return (done.result["levels"], {(tuple(line["prompt_ids"]), line["phase"], line["request_id"]): line["output_ids"]
+                                    for line in done.outputs}, done.outputs)
 
 
 def by_prompt(outputs: dict) -> dict[tuple[int, ...], list[int]]:
     return {prompt: tokens for (prompt, _, _), tokens in outputs.items()}
 
 
-def measured(spec, calibration: Calibration | None, max_draft: int) -> None:
+def one_round(spec, fresh, repeated, speculate: str) -> dict:
+    """Each run of the scenario once: name -> (levels, outputs by prompt, output lines, the run without's name)."""
+    plain = served(spec, fresh)
+    expected = by_prompt(plain[1])
+    return {"none": (*plain, "none"), "none, repeated prompts": (*served(spec, repeated), "none, repeated prompts"),
+            "n-gram": (*served(spec, fresh, None, speculate), "none"),
+            "replay": (*served(spec, fresh, ReplayDrafter(expected), speculate), "none"),
+            "n-gram, repeated prompts": (*served(spec, repeated, None, speculate), "none, repeated prompts")}
+
+
+def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int) -> None:
     workload = attrs.evolve(spec.workload, concurrency=STREAMS, requests=REQUESTS, output_tokens=OUTPUT_TOKENS,
                             greedy=True, prompts_file=None)
     spec = attrs.evolve(spec, workload=workload)
@@ -70,39 +85,36 @@ def measured(spec, calibration: Calibration | None, max_draft: int) -> None:
     fresh = repetitive_prompts(vocab, 2 * len(STREAMS) * REQUESTS)  # every request of every phase its own
     repeated = repetitive_prompts(vocab, REPEATED)
     speculate = f"ngram:{max_draft}"
-    plain, expected = served(spec, fresh)
-    plain_repeated, expected_repeated = served(spec, repeated)
-    runs = {"n-gram": (plain, served(spec, fresh, None, speculate), expected),
-            "replay": (plain, served(spec, fresh, ReplayDrafter(by_prompt(expected)), speculate), expected),
-            "n-gram, repeated prompts": (plain_repeated, served(spec, repeated, None, speculate), expected_repeated)}
-    differ = {name: sum(outputs[key] != reference[key] for key in reference)
-              for name, (_, (_, outputs), reference) in runs.items()}
+    runs = [one_round(spec, fresh, repeated, speculate) for _ in range(rounds)]
+    first = runs[0]
+    differ = {name: sum(outputs[key] != first[base][1][key] for key in outputs)
+              for name, (_, outputs, _, base) in first.items() if name != base}
     predicted_plain = simulate(spec, calibration)["levels"] if calibration else None
     rows = [("drafts", "streams", "decode tok/s", "speed-up", "accepted/proposed", "per step", "sim tok/s",
              "sim speed-up")]
-    for name, levels in (("none", plain), ("none, repeated prompts", plain_repeated)):
+    for name, (levels, _, lines, base) in first.items():
         for i, level in enumerate(levels):
-            rows.append((name, str(level["concurrency"]), f"{level['decode_tokens_per_s']:.1f}", "1.00", "-", "-",
-                         f"{predicted_plain[i]['decode_tokens_per_s']:.1f}" if calibration else "-", "1.00"))
-    for name, (plain, (levels, _), _) in runs.items():
-        for i, level in enumerate(levels):
-            drafts = level["speculation"]
-            acceptance = 1.0 if name == "replay" else drafts["accepted"] / max(drafts["proposed"], 1)
-            sim = "-", "-"
-            if calibration:
+            rates = [run[name][0][i]["decode_tokens_per_s"] for run in runs]
+            speed_ups = [run[name][0][i]["decode_tokens_per_s"] / run[base][0][i]["decode_tokens_per_s"]
+                         for run in runs]
+            drafts, sim = level["speculation"], ("-", "-")
+            if calibration and name != base:
                 sped = attrs.evolve(spec, workload=attrs.evolve(workload, concurrency=(level["concurrency"],)),
                                     runtime=attrs.evolve(spec.runtime, speculate=speculate))
-                rate = simulate(sped, calibration, acceptance=acceptance)["levels"][0]["decode_tokens_per_s"]
+                trace = acceptance_trace(lines, f"the {name} run")
+                rate = simulate(sped, calibration, acceptance_trace=trace)["levels"][0]["decode_tokens_per_s"]
                 sim = f"{rate:.1f}", f"{rate / predicted_plain[i]['decode_tokens_per_s']:.2f}"
+            elif calibration:
+                sim = f"{predicted_plain[i]['decode_tokens_per_s']:.1f}", "1.00"
             per_step = drafts["mean_accepted_per_step"]
-            rows.append((name, str(level["concurrency"]), f"{level['decode_tokens_per_s']:.1f}",
-                         f"{level['decode_tokens_per_s'] / plain[i]['decode_tokens_per_s']:.2f}",
-                         f"{drafts['accepted']}/{drafts['proposed']}",
+            rows.append((name, str(level["concurrency"]), f"{statistics.median(rates):.1f}",
+                         f"{statistics.median(speed_ups):.2f}",
+                         "-" if name == base else f"{drafts['accepted']}/{drafts['proposed']}",
                          "-" if per_step is None else f"{per_step:.2f}", *sim))
     same = "the same tokens with and without" if not any(differ.values()) else "requests whose tokens differ " \
-        "from the run without: " + ", ".join(f"{name} {n}/{len(expected)}" for name, n in differ.items())
+        "from the run without: " + ", ".join(f"{name} {n}" for name, n in differ.items())
     print(f"{spec.source}: {REQUESTS} requests of {OUTPUT_TOKENS} greedy tokens per phase, repetitive prompts, up "
-          f"to {max_draft} drafts, {spec.runtime.precision} compute ({same})")
+          f"to {max_draft} drafts, {spec.runtime.precision} compute, medians of {rounds} rounds ({same})")
     print(format_rows(rows))
 
 
@@ -128,11 +140,12 @@ def main() -> None:
     parser.add_argument("spec", nargs="?", default=str(ROOT / "specs" / "tiny-local.yaml"))
     parser.add_argument("--calibration", help="the spec's measured calibration, for the simulator's prediction")
     parser.add_argument("--max-draft", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--paper-only", action="store_true", help="only the paper deployment's simulated table")
     args = parser.parse_args()
     if not args.paper_only:
         measured(load_spec(args.spec), Calibration.load(args.calibration) if args.calibration else None,
-                 args.max_draft)
+                 args.max_draft, args.rounds)
     paper(args.max_draft)
 
 

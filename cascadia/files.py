@@ -62,6 +62,18 @@ def read_text(path: str | Path, limit: int, what: str) -> str:
         raise UnreadableFile(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def read_json_lines(path: str | Path, limit: int, what: str) -> list[Any]:
+    """`read_text` parsed as JSON Lines (blank lines skipped); a bad line is named by its number."""
+    values = []
+    for number, line in enumerate(read_text(path, limit, what).splitlines(), 1):
+        if line.strip():
+            try:
+                values.append(json.loads(line))
+            except (ValueError, RecursionError) as e:
+                raise UnreadableFile(f"line {number}: not valid JSON ({e})") from None
+    return values
+
+
 def read_json(path: str | Path, limit: int, what: str) -> Any:
     """`read_text` parsed as JSON."""
     text = read_text(path, limit, what)

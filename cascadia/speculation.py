@@ -95,6 +95,23 @@ class NgramDrafter:
         self._table.append(finished)
 
 
+class RecordedDrafter:
+    """Another drafter, its proposals counted: for each stream, how many drafts it was given at each step it was
+    asked (0: none found), so that a run's acceptance can be replayed in the simulator (`cascadia.sim.drafts`)."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self.proposed: dict[int, list[int]] = {}  # by request id
+
+    def propose(self, request_id: int, prompt: Sequence[int], output: Sequence[int], limit: int) -> Sequence[int]:
+        drafts = self.drafter.propose(request_id, prompt, output, limit)
+        self.proposed.setdefault(request_id, []).append(len(drafts))
+        return drafts
+
+    def finish(self, request_id: int, prompt: Sequence[int], output: Sequence[int]) -> None:
+        self.drafter.finish(request_id, prompt, output)
+
+
 class ReplayDrafter:
     """Proposes what a previous run's stream with the same prompt made next: when the run is the same, every draft
     is accepted (the ceiling of speculation)."""

@@ -1,4 +1,5 @@
-"""Speculation in the simulator: drafts accepted at a seeded rate, verified by the policy as real ones are."""
+"""Speculation in the simulator: drafts accepted at a seeded rate, or as a run's trace says, verified by the policy
+as real ones are."""
 
 import json
 
@@ -7,6 +8,8 @@ from click.testing import CliRunner
 from sim_specs import tiny_spec_yaml
 
 from cascadia.cli import cli
+from cascadia.sim.drafts import REJECTED_TOKEN, TraceDrafter
+from cascadia.sim.model import PLACEHOLDER_TOKEN
 
 
 @pytest.fixture
@@ -40,7 +43,50 @@ def test_the_speed_up_follows_the_acceptance_rate(spec_path, tmp_path):
     assert all(level["output_tokens"] == 3 * 24 for level in off)
 
 
+def trace_file(tmp_path, steps_by_request: dict[int, list[list[int]]]):
+    path = tmp_path / "outputs.jsonl"
+    path.write_text("".join(json.dumps({"request_id": request_id, "output_ids": [], "drafts": steps}) + "\n"
+                            for request_id, steps in steps_by_request.items()))
+    return path
+
+
+def test_a_trace_of_every_draft_accepted_is_acceptance_one_and_one_of_none_found_is_no_speculation(
+        spec_path, tmp_path):
+    """Requests 0..2 are the warm-up of level 1, 3..5 its measured phase, and so on (the workload numbers them)."""
+    speculate = ("--speculate", "ngram:4")
+    all_accepted = trace_file(tmp_path, {r: [[4, 4]] * 24 for r in range(12)})
+    assert simulate(spec_path, tmp_path, *speculate, "--acceptance-trace", str(all_accepted)) == \
+        simulate(spec_path, tmp_path, *speculate, "--acceptance", "1")
+    none_found = trace_file(tmp_path, {r: [[0, 0]] * 24 for r in range(12)})
+    levels = simulate(spec_path, tmp_path, *speculate, "--acceptance-trace", str(none_found))
+    plain = simulate(spec_path, tmp_path)
+    assert [level["decode_tokens_per_s"] for level in levels] == [level["decode_tokens_per_s"] for level in plain]
+    assert levels[0]["speculation"]["proposed"] == 0
+
+
+def test_a_trace_is_replayed_request_by_request_step_by_step():
+    drafter = TraceDrafter({7: [(3, 1), (0, 0), (4, 4)]})
+    assert drafter.propose(7, (), (), 4) == [PLACEHOLDER_TOKEN, REJECTED_TOKEN, REJECTED_TOKEN]
+    assert drafter.propose(7, (), (), 4) == []
+    assert drafter.propose(7, (), (), 2) == [PLACEHOLDER_TOKEN] * 2  # cut to the policy's limit
+    assert drafter.propose(7, (), (), 4) == [] and drafter.propose(8, (), (), 4) == []  # beyond its trace; absent
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"request_id": 0, "output_ids": [1]}\n', "no request holds drafts (was the run made with --speculate?)"),
+    ('{"request_id": 0, "drafts": [[1, 2]]}\n', "line 1: expected a request_id and drafts"),
+    ('{"request_id": 0, "drafts": [[1, 1]]}\nnot json\n', "line 2: not valid JSON"),
+])
+def test_a_bad_acceptance_trace_says_which_line(spec_path, tmp_path, text, message):
+    (tmp_path / "bad.jsonl").write_text(text)
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--speculate", "ngram",
+                                      "--acceptance-trace", str(tmp_path / "bad.jsonl")])
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("options, message", [
+    (["--acceptance-trace", "x.jsonl"], "give --speculate with it"),
+    (["--speculate", "ngram", "--acceptance", "0.5", "--acceptance-trace", "x.jsonl"], "not both"),
     (["--speculate", "ngram:0"], "speculate must be ngram or ngram:MAX_DRAFT"),
     (["--speculate", "eagle"], "speculate must be ngram or ngram:MAX_DRAFT"),
     (["--acceptance", "0.5"], "give --speculate with it"),

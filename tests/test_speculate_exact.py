@@ -180,6 +180,11 @@ def test_the_pipeline_speculates_exactly_at_every_concurrency(spec, plain, specu
     if drafts == "wrong":
         assert speculation[0] == {"proposed": 4 + 7, "accepted": 0, "mean_accepted_per_step": 0}
         assert all(s["accepted"] == 0 for s in speculation)
+    # each request's acceptance trace adds up to its level's counts (the measured phases'; warm-ups count apart)
+    for level, counted in zip(workload.concurrency, speculation):
+        steps = [step for line in done.outputs if line["concurrency"] == level and line["phase"] == "measured"
+                 for step in line["drafts"]]
+        assert (sum(p for p, _ in steps), sum(a for _, a in steps)) == (counted["proposed"], counted["accepted"])
 
 
 def test_serve_speculates_with_the_same_replies(tmp_path, spec, checkpoint):

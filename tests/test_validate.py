@@ -185,3 +185,20 @@ def test_validate_writes_both_timelines_and_compares_each_node_per_frame(spec, c
     assert [line.split()[:3] for line in table[1:-1:2]] == [[node, "compute", f"{frames}/{frames}"]
                                                             for node in ("node0", "node1", "node2")]
     assert table[-1] == f"wrote the timelines to {traces}: run.json, simulate.json"
+
+
+def test_validate_with_speculation_simulates_the_drafts_the_run_accepted(spec, checkpoint, tmp_path):
+    """One stream: the simulated policy asks for drafts at the steps the run's did, and the trace answers as the run's
+    drafter did, so the simulated counts are the measured ones."""
+    cal_path, out, prompts = tmp_path / "cal.json", tmp_path / "validation.json", tmp_path / "prompts.jsonl"
+    calibration(spec, lambda kind, r, x: 1e-4 * r).save(cal_path)
+    prompts.write_text("".join(json.dumps({"ids": [3 + i, 9, 4, 3 + i, 9, 4, 3 + i, 9]}) + "\n" for i in range(4)))
+    result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(cal_path), "--checkpoint",
+                                      str(checkpoint), "--concurrency", "1", "--requests", "2", "--max-new-tokens",
+                                      "12", "--prompts", str(prompts), "--speculate", "ngram:3", "--json", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    measured = saved["measured"][0]["levels"][0]["speculation"]
+    assert measured["proposed"] > 0
+    assert saved["predicted"]["levels"][0]["speculation"] == measured

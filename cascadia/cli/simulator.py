@@ -11,6 +11,8 @@ from cascadia.sim.drafts import DEFAULT_ACCEPTANCE
 from cascadia.sim.loss import DETECT_S
 from cascadia.spec.load import load_spec
 
+MAX_TRACE_BYTES = 256 * 2**20  # an outputs file of a long run
+
 
 @click.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
@@ -31,9 +33,13 @@ from cascadia.spec.load import load_spec
 @speculate_option
 @click.option("--acceptance", type=click.FloatRange(0, 1), help="with --speculate: the chance that a draft is "
               f"accepted once the drafts before it were [default: {DEFAULT_ACCEPTANCE:g}]")
+@click.option("--acceptance-trace", "trace_file", type=click.Path(dir_okay=False),
+              help="with --speculate: accept drafts as the run that wrote this `--outputs` file did, request by "
+                   "request and step by step")
 def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None, checkpoint: str | None,
              choices: dict, groups: int | None, json_path: str | None, plot_path: str | None,
-             trace_path: str | None, loss, detect_s: float, speculate: str | None, acceptance: float | None) -> None:
+             trace_path: str | None, loss, detect_s: float, speculate: str | None, acceptance: float | None,
+             trace_file: str | None) -> None:
     """Predict throughput and latency of the plan at each level (closed-loop concurrency or open-loop arrival rate)
     with the calibrated simulator. It reads no weights: a checkpoint matters only for the tokenizer of text
     prompts."""
@@ -55,6 +61,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
         raise click.UsageError("--detect is the detection time of a loss: give --fail NODE@SECONDS with it")
     report = report_to(json_path, plot_path, trace_path)
     loaded = with_speculation(load_spec(spec), speculate)
+    trace = _acceptance_trace(loaded, trace_file, acceptance)
     acceptance = _acceptance(loaded, acceptance)
     model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
     workload = workload_overrides(loaded, choices)
@@ -63,7 +70,8 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
     timings = [] if trace_path else None
     result = run_simulation(loaded, calibration, chosen, groups=groups, timings=timings, loss=loss,
-                            detect_s=DETECT_S if detect_s is None else detect_s, acceptance=acceptance)
+                            detect_s=DETECT_S if detect_s is None else detect_s, acceptance=acceptance,
+                            acceptance_trace=trace)
     report(format_table(result))
     if calibration.is_analytic:
         report("(analytic estimate)")
@@ -132,7 +140,8 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
 @emulate_links_option
 @speculate_option
 @click.option("--acceptance", type=click.FloatRange(0, 1), help="with --speculate: the chance the simulator gives "
-              f"a draft of being accepted once the drafts before it were [default: {DEFAULT_ACCEPTANCE:g}]")
+              "a draft of being accepted once the drafts before it were [default: as in the first run, request by "
+              "request and step by step]")
 def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, choices: dict,
                      groups, repeats, json_path, trace_dir, emulate_links, speculate, acceptance) -> None:
     """Simulate and run the same workload on the same plan, and print per level and metric the measured and
@@ -143,11 +152,30 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
     from cascadia.sim.calibration import Calibration
 
     loaded = with_speculation(load_spec(spec), speculate)
-    acceptance = _acceptance(loaded, acceptance)
+    _acceptance(loaded, acceptance)
     workload = workload_overrides(loaded, choices)
     calibration = Calibration.load(calibration_path)
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
                          checkpoint, groups, repeats, json_path, emulate_links, trace_dir, acceptance)
+
+
+def _acceptance_trace(loaded, path: str | None, acceptance: float | None) -> dict | None:
+    """--acceptance-trace, read: each request's [proposed, accepted] drafts per step."""
+    from cascadia.files import UnreadableFile, read_json_lines
+    from cascadia.sim.drafts import acceptance_trace
+
+    if path is None:
+        return None
+    if not loaded.runtime.max_draft:
+        raise click.UsageError("--acceptance-trace is the simulated drafts' acceptance: give --speculate with it")
+    if acceptance is not None:
+        raise click.UsageError("give --acceptance or --acceptance-trace, not both")
+    try:
+        return acceptance_trace(read_json_lines(path, MAX_TRACE_BYTES, "an outputs file"), path)
+    except UnreadableFile as e:
+        raise click.ClickException(f"{path}: {e}") from None
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _acceptance(loaded, acceptance: float | None) -> float:
@@ -159,7 +187,7 @@ def _acceptance(loaded, acceptance: float | None) -> float:
 
 def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = None, groups: int | None = None,
                          repeats: int = 1, json_path: str | None = None, emulate_links: bool = False,
-                         trace_dir: str | None = None, acceptance: float = DEFAULT_ACCEPTANCE) -> None:
+                         trace_dir: str | None = None, acceptance: float | None = None) -> None:
     """Simulate and run with progress on stderr; print the comparison, write the JSON and the timelines."""
     import json
     from pathlib import Path

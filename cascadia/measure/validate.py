@@ -23,7 +23,7 @@ from cascadia.graph.plan import Plan
 from cascadia.metrics import describe_level, level_label
 from cascadia.pipeline.run import RunFailed, run
 from cascadia.sim.calibration import Calibration
-from cascadia.sim.drafts import DEFAULT_ACCEPTANCE
+from cascadia.sim.drafts import DEFAULT_ACCEPTANCE, acceptance_trace
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
 from cascadia.table import format_rows
@@ -118,20 +118,23 @@ class ValidationFailed(NodeError):
 def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1, groups: int | None = None,
              checkpoint: Path | None = None, on_message: Callable = lambda node, message: None,
              on_phase: Callable = lambda level, phase, records: None, emulate_links: bool = False,
-             timelines: dict | None = None, acceptance: float = DEFAULT_ACCEPTANCE) -> dict:
+             timelines: dict | None = None, acceptance: float | None = None) -> dict:
     """Simulate, then run `repeats` times, the spec's workload on `plan`; the results and their comparison. With
     `emulate_links` the runs go over links shaped to the spec's bandwidths, and so does the simulation. `timelines`:
     a dict that takes each backend's timeline, as (frames, metrics result, clock errors) by name ("simulate", "run";
     "run-1".. with repeats); the comparison then holds each node's per-frame times (`compare_frame_times`).
-    With speculation, the simulated drafts are accepted at `acceptance` (`cascadia.sim.drafts`).
+    With speculation, the simulated drafts are accepted at `acceptance`, or (None) as the first run's were, request
+    by request and step by step (`cascadia.sim.drafts`).
 
-    The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts."""
+    The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts (with the
+    measured acceptance, it is simulated again after the runs)."""
     if emulate_links:
         calibration = _with_emulated_links(calibration, spec, plan)
     traced = timelines is not None
     predicted_frames: list[FrameTiming] | None = [] if traced else None
-    predicted = simulate(spec, calibration, plan, groups=groups, timings=predicted_frames, acceptance=acceptance)
-    runs, measured_frames = [], []
+    predicted = simulate(spec, calibration, plan, groups=groups, timings=predicted_frames,
+                         acceptance=DEFAULT_ACCEPTANCE if acceptance is None else acceptance)
+    runs, measured_frames, first_outputs = [], [], None
     for i in range(repeats):
         try:
             done = run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
@@ -140,9 +143,14 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
             raise ValidationFailed(str(e), {"schema": SCHEMA, "failed": str(e), "measured": [*runs, e.result],
                                             "predicted": predicted}) from None
         runs.append(done.result)
+        first_outputs = first_outputs or done.outputs
         if traced:
             measured_frames += done.frames
             timelines[f"run-{i + 1}" if repeats > 1 else "run"] = (done.frames, done.result, done.clock_error_s)
+    if spec.runtime.max_draft and acceptance is None:
+        predicted_frames = [] if traced else None
+        predicted = simulate(spec, calibration, plan, groups=groups, timings=predicted_frames,
+                             acceptance_trace=acceptance_trace(first_outputs, "the first run's outputs"))
     result = {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
     if traced:
         timelines["simulate"] = (predicted_frames, predicted, None)

@@ -34,7 +34,8 @@ from cascadia.pipeline.wire import (COORDINATOR_SENDER, Assign, Decoder, Encoder
                                     node_sender)
 from cascadia.policy import Event, Finished
 from cascadia.policy import Frame as PolicyFrame
-from cascadia.policy import Policy, Rejected, Request, Token
+from cascadia.policy import Policy, Rejected, Request, Token, Verified
+from cascadia.speculation import RecordedDrafter
 from cascadia.workload import Arrivals
 
 log = logging.getLogger(__name__)
@@ -58,11 +59,15 @@ class NodeLost(PipelineError):
 
 
 class Outputs:
-    """Each request's prompt and generated tokens, for `--outputs`: what the pipeline computed, request by request."""
+    """Each request's prompt and generated tokens, for `--outputs`: what the pipeline computed, request by request.
+    With `drafts` (the policy's drafter, counted), also each step's drafts: [proposed, accepted] at every step the
+    stream was asked for some, in order (an acceptance trace for `simulate --acceptance-trace`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, drafts: RecordedDrafter | None = None) -> None:
         self.lines: list[dict] = []
         self._open: dict[int, tuple[dict, list[int]]] = {}
+        self._drafts = drafts
+        self._accepted: dict[int, list[int]] = {}  # by request id: each verified step's accepted drafts
 
     def arrived(self, request: Request, recorder: Recorder) -> None:
         line = {"concurrency": recorder.level, "rate": recorder.rate, "phase": recorder.phase, "request_id": request.id,
@@ -73,12 +78,30 @@ class Outputs:
         for event in events:
             if isinstance(event, Token):
                 self._open[event.request_id][1].append(event.token)
+            elif isinstance(event, Verified):
+                self._accepted.setdefault(event.request_id, []).append(event.accepted)
             elif isinstance(event, Finished):
                 line, ids = self._open.pop(event.request_id)
-                self.lines.append({**line, "output_ids": ids, "finish_reason": event.reason})
+                self.lines.append({**line, "output_ids": ids, "finish_reason": event.reason,
+                                   **self._steps(event.request_id)})
             elif isinstance(event, Rejected):
                 line, _ = self._open.pop(event.request_id)
                 self.lines.append({**line, "output_ids": [], "finish_reason": "rejected", "error": event.reason})
+
+
+    def _steps(self, request_id: int) -> dict:
+        """{"drafts": [[proposed, accepted], ...]} of a finished request (nothing without speculation); a step
+        whose frame never came back (the request was cancelled) is left out."""
+        if self._drafts is None:
+            return {}
+        accepted = iter(self._accepted.pop(request_id, []))
+        steps = []
+        for proposed in self._drafts.proposed.pop(request_id, []):
+            if not proposed:
+                steps.append([0, 0])
+            elif (kept := next(accepted, None)) is not None:
+                steps.append([proposed, kept])
+        return {"drafts": steps}
 
 
 class Coordinator:

@@ -33,7 +33,7 @@ from cascadia.pipeline.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.policy import Policy, padded_size, score_schedule
 from cascadia.spec.dump import write_spec
 from cascadia.spec.types import Spec, WorkloadSpec
-from cascadia.speculation import Drafter
+from cascadia.speculation import Drafter, NgramDrafter, RecordedDrafter
 from cascadia.tokenizer import workload_prompts
 from cascadia.trace import FrameTiming
 from cascadia.workload import Level, Phase, prompt_length_notes
@@ -181,8 +181,9 @@ class Pipeline:
         if prompts is None:
             prompts = workload_prompts(workload, self.checkpoint, spec.model.config)
         notes = prompt_length_notes(prompts, workload, spec.runtime) if prompts else []
-        policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages), self.plan.kv_blocks, drafter)
-        served, outputs = Served(), Outputs()
+        recorded = RecordedDrafter(drafter or NgramDrafter()) if spec.runtime.max_draft else None
+        policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages), self.plan.kv_blocks, recorded)
+        served, outputs = Served(), Outputs(recorded)
         coordinator = self.coordinator
         coordinator.frame_log = FrameLog(coordinator.nodes) if trace else None
 

@@ -1,14 +1,17 @@
-"""Speculation in the simulator, which computes no tokens: drafts that are accepted as often as an acceptance rate.
+"""Speculation in the simulator, which computes no tokens: drafts accepted as often as an acceptance rate, or as a
+run's were.
 
 Every token the simulator samples is PLACEHOLDER_TOKEN, so a draft is accepted exactly when it is PLACEHOLDER_TOKEN
 and the drafts before it were. `RateDrafter` proposes each draft as PLACEHOLDER_TOKEN with probability `acceptance`
 (seeded, so a simulation is the same every time), and the policy verifies them as it verifies real ones: a step
-accepts a drafts with probability acceptance^a (1 - acceptance), the last draft aside.
+accepts a drafts with probability acceptance^a (1 - acceptance), the last draft aside. `TraceDrafter` replays a run's
+acceptance trace (`cascadia run --outputs` with speculation: each request's [proposed, accepted] at every step its
+drafter was asked, 0 proposed where it found nothing): the same request's steps, in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -31,3 +34,44 @@ class RateDrafter:
 
     def finish(self, request_id: int, prompt: Sequence[int], output: Sequence[int]) -> None:
         pass
+
+
+Step = tuple[int, int]  # drafts proposed at one step of a stream, and how many of them were accepted
+
+
+class TraceDrafter:
+    """Each request proposes what the traced run's request of the same id proposed at the same step, as many
+    accepted as there (cut to the policy's limit); a request beyond its trace, or absent from it, proposes none."""
+
+    def __init__(self, steps: dict[int, Sequence[Step]]) -> None:
+        self._steps = {request_id: list(reversed(trace)) for request_id, trace in steps.items()}
+
+    def propose(self, request_id: int, prompt: Sequence[int], output: Sequence[int], limit: int) -> list[int]:
+        trace = self._steps.get(request_id)
+        if not trace:
+            return []
+        proposed, accepted = trace.pop()
+        proposed = min(proposed, limit)
+        accepted = min(accepted, proposed)
+        return [PLACEHOLDER_TOKEN] * accepted + [REJECTED_TOKEN] * (proposed - accepted)
+
+    def finish(self, request_id: int, prompt: Sequence[int], output: Sequence[int]) -> None:
+        self._steps.pop(request_id, None)
+
+
+def acceptance_trace(lines: Iterable[dict], where: str) -> dict[int, list[Step]]:
+    """The steps of each request of a run's outputs (`cascadia run --outputs` lines); ValueError naming `where` and
+    the line when a line is no such record or none holds drafts (a run without speculation)."""
+    steps: dict[int, list[Step]] = {}
+    for number, line in enumerate(lines, 1):
+        drafts = line.get("drafts") if isinstance(line, dict) else None
+        if drafts is None:
+            continue
+        if not (isinstance(line.get("request_id"), int) and isinstance(drafts, list) and all(
+                isinstance(step, list) and len(step) == 2 and all(isinstance(n, int) and n >= 0 for n in step)
+                and step[1] <= step[0] for step in drafts)):
+            raise ValueError(f"{where}: line {number}: expected a request_id and drafts [[proposed, accepted], ...]")
+        steps[line["request_id"]] = [tuple(step) for step in drafts]
+    if not steps:
+        raise ValueError(f"{where}: no request holds drafts (was the run made with --speculate?)")
+    return steps

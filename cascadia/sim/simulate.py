@@ -11,7 +11,7 @@ from cascadia.errors import CascadiaError
 from cascadia.graph.plan import Plan
 from cascadia.policy import Policy
 from cascadia.sim.calibration import Calibration
-from cascadia.sim.drafts import DEFAULT_ACCEPTANCE, RateDrafter
+from cascadia.sim.drafts import DEFAULT_ACCEPTANCE, RateDrafter, Step, TraceDrafter
 from cascadia.sim.loss import DETECT_S, Loss, recovery
 from cascadia.sim.model import PipelineModel
 from cascadia.spec.types import Spec
@@ -22,14 +22,15 @@ from cascadia.workload import MEASURED, prompt_length_notes
 
 def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None,
              timings: list[FrameTiming] | None = None, loss: Loss | None = None, detect_s: float = DETECT_S,
-             acceptance: float = DEFAULT_ACCEPTANCE) -> dict:
+             acceptance: float = DEFAULT_ACCEPTANCE, acceptance_trace: dict[int, list[Step]] | None = None) -> dict:
     """Simulate every concurrency level of `spec.workload` (warm-up and measured phase) on `plan`.
 
     `plan` defaults to the planner's; `groups` (pipeline groups) to one per stage. Prompts come from the workload's
     prompts file (text encoded by the checkpoint's tokenizer), or are seeded random ones without one. `timings`: a
     list that takes every frame's way round the pipeline, for a trace. `loss`: a node lost in each level's measured
     phase, found `detect_s` later (`cascadia.sim.loss`); the result then says, per level, what it cost ("losses").
-    With `spec.runtime.speculate`, each draft is accepted with probability `acceptance` (`cascadia.sim.drafts`).
+    With `spec.runtime.speculate`, each draft is accepted with probability `acceptance`, or as in a run's
+    `acceptance_trace` (`cascadia.sim.drafts`).
     """
     if plan is None:
         from cascadia.graph.planner import plan as make_plan
@@ -41,8 +42,8 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     model = PipelineModel(spec, plan, calibration)
     model.timings = timings
     how = recovery(loss, spec, plan.stages, calibration, detect_s) if loss else None
-    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_blocks,
-                                RateDrafter(acceptance, spec.workload.seed))
+    drafter = TraceDrafter(acceptance_trace) if acceptance_trace else RateDrafter(acceptance, spec.workload.seed)
+    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_blocks, drafter)
 
     def run_phase(level, phase, recorder):
         if loss is None or phase.name != MEASURED:
