@@ -3,6 +3,7 @@
 import logging
 import shutil
 import threading
+import time
 
 import pytest
 import zmq
@@ -57,7 +58,7 @@ def transports():
 @pytest.fixture
 def pipeline(transports):
     """A coordinator for nodes a and b, and their stubs (not yet started)."""
-    coordinator = Coordinator(["a", "b"], local_address(), local_address(), stall_s=STALL_S)
+    coordinator = Coordinator(["a", "b"], local_address(), local_address(), stall_s=STALL_S, hung_s=STALL_S)
     stubs = [StubNode(transports, name, coordinator.control_address, node_sender(i)) for i, name in
              enumerate(coordinator.nodes)]
     yield coordinator, stubs
@@ -167,9 +168,12 @@ class StubPipeline(threading.Thread):
     each frame, and the last node's PUSH sends back first tokens no frame in flight has (`forgeries`), then the
     frame's own tokens (each sampled row's token: its slot + 100)."""
 
-    def __init__(self, coordinator: Coordinator, stubs, transports, first: str, silent: tuple[str, ...] = ()):
+    def __init__(self, coordinator: Coordinator, stubs, transports, first: str, silent: tuple[str, ...] = (),
+                 frame_s: float = 0.0):
+        """`frame_s`: how long each frame takes (the thread answers nothing meanwhile, as a computing node)."""
         super().__init__(daemon=True)
         self.coordinator, self.stubs, self.silent = coordinator, [s for s in stubs if s.name not in silent], silent
+        self.frame_s = frame_s
         self.input = transports("a").bind(zmq.PULL, first, [])
         self.tokens = transports("b").connect(zmq.PUSH, coordinator.tokens_address, COORDINATOR)
         self.encoder = Encoder(node_sender(len(stubs) - 1))
@@ -189,6 +193,7 @@ class StubPipeline(threading.Thread):
             for sock, _ in poller.poll(50):
                 message = decode(receive(sock)).message
                 if sock is self.input:
+                    time.sleep(self.frame_s)
                     sampled = message.slots[message.sample]
                     for tokens in [*self.forgeries(message), Tokens(message.frame_id, message.group, sampled,
                                                                     sampled + 100)]:
@@ -207,8 +212,8 @@ def stub_pipeline(pipeline, transports):
     coordinator.wait_ready(first, timeout_s=TIMEOUT_S)
     made = []
 
-    def make(silent: tuple[str, ...] = ()) -> StubPipeline:
-        made.append(StubPipeline(coordinator, stubs, transports, first, silent))
+    def make(silent: tuple[str, ...] = (), frame_s: float = 0.0) -> StubPipeline:
+        made.append(StubPipeline(coordinator, stubs, transports, first, silent, frame_s))
         made[-1].start()
         return made[-1]
 
@@ -238,11 +243,23 @@ def test_tokens_no_frame_in_flight_has_are_dropped_and_the_phase_goes_on(stub_pi
     assert sum(", expected [" in m and "tokens for slots []" in m for m in dropped) == frames
 
 
+def test_a_frame_longer_than_the_stall_timeout_is_no_loss_while_the_nodes_answer_heartbeats(stub_pipeline):
+    """Frames of 4 stall timeouts each, the stubs answering no stats request meanwhile: their heartbeats go on (the
+    I/O thread answers them), so the phase ends with every token."""
+    coordinator, make = stub_pipeline
+    make(frame_s=4 * STALL_S)
+    coordinator.hung_s = 10 * STALL_S
+    policy = Policy(n_groups=1, max_streams=1, prefill_window=4, row_buckets=(1, 2, 4), context_budget=16)
+    outputs = Outputs()
+    coordinator.run_phase(policy, ClosedLoop([Request(0, (1, 2, 3), 2)], 1), 1, Recorder(1, "measured"), outputs)
+    assert [line["output_ids"] for line in outputs.lines] == [[100, 100]]
+
+
 def test_a_stall_names_the_node_that_stopped_answering(stub_pipeline):
     """b is frozen (it answers nothing): the coordinator's pings, one per idle heartbeat, go unanswered."""
     coordinator, make = stub_pipeline
     make(silent=("b",))
-    coordinator.stall_s = 3.5  # long enough for three heartbeats' pings
+    coordinator.hung_s = 3.5  # long enough for three heartbeats' pings
     with pytest.raises(NodeLost, match=r"^b: no tokens came back for 3.5 s; b has not answered its last \d+ stats "
                                        r"requests \(stopped or frozen\?\); frames handled per node: a 0; ") as lost:
         coordinator.next_tokens()

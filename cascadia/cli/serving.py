@@ -32,8 +32,9 @@ from cascadia.spec.load import load_spec
 @click.option("--node-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="seconds a starting node may stay silent")
 @click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
-              help="seconds without tokens, frames in flight, after which a node that answers nothing is lost (a "
-                   "frame that takes longer on a slow machine would count as a loss: raise it there)")
+              help="seconds a node may leave the coordinator's heartbeats unanswered before it is lost (a stopped "
+                   "process, a vanished machine); a node computing a long frame still answers them, for up to "
+                   "60 s without tokens")
 @click.option("--replace-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="seconds a lost tcp node may take to come back before its stage is down (open requests fail, "
                    "new ones get 503, until it does)")

@@ -8,7 +8,9 @@ recorded with the same `Recorder` as the simulator's.
 
 A failure stops the phase within about a second, naming the node: an ERROR from it (one from a node still loading
 its stage is the node's loss: `serve` may give the stage to another), a local node process that exited (`watch`), a
-node whose control connection dropped (found by pinging silent pipelines), or no frame back within `stall_s`. A
+node whose control connection dropped (its heartbeats unanswered for `stall_s`: a stopped process or a vanished
+machine; found by pinging silent pipelines), or no frame back within `hung_s` while every node answers heartbeats
+(a node computes between the stats requests it answers, so one frame may take that long). A
 stray message is no failure: the control socket takes only the messages a node of the cluster sends as itself, the
 token socket only the last node's TOKENS for a frame in flight; anything else is logged, counted in `dropped`, and
 dropped.
@@ -41,6 +43,7 @@ from cascadia.workload import Arrivals
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # how often a waiting coordinator checks that every node is still there
+HUNG_S = 60.0  # the longest a frame may keep a node that answers heartbeats from answering a stats request
 WATCH_S = 0.1  # how often a waiting coordinator checks its local nodes' processes (`watch`)
 CLOCK_EXCHANGES = 5  # stats exchanges with idle nodes that place their clocks on the coordinator's
 
@@ -106,21 +109,23 @@ class Outputs:
 
 class Coordinator:
     def __init__(self, nodes: Sequence[str], control: str, tokens: str, curve_keys=None, stall_s: float = 60.0,
-                 digest: str | None = None, members: Sequence[str] | None = None):
+                 digest: str | None = None, members: Sequence[str] | None = None, hung_s: float = HUNG_S):
         """`nodes`: the plan's node names in stage order. `control`, `tokens`: the addresses to bind.
         `digest`: the settings digest every node's HELLO must carry (`cascadia.pipeline.settings.settings_digest`).
         `members`: every node that may join, in the spec's order (`ClusterSpec.members`, which gives each its control
-        sender id); default: `nodes`. Those outside the plan stand by (`standing_by`) until assigned a stage."""
+        sender id); default: `nodes`. Those outside the plan stand by (`standing_by`) until assigned a stage.
+        `stall_s`: a node whose heartbeats go unanswered this long is lost; `hung_s` (at least `stall_s`): one that
+        answers them but no stats request for this long, while no tokens come back, is lost too."""
         self.nodes = list(nodes)
         self.members = list(members or nodes)
         self.digest = digest
-        self.stall_s = stall_s
+        self.stall_s, self.hung_s = stall_s, max(stall_s, hung_s)
         # Called while waiting; raises PipelineError when it sees a node gone. Set once the node processes it
         # watches are started, which is after this binds the addresses they connect to.
         self.watch: Callable[[], None] = lambda: None
         self.transport = Transport(COORDINATOR, curve_keys)
         try:
-            self.control = self.transport.bind(zmq.ROUTER, control, self.members)
+            self.control = self.transport.bind(zmq.ROUTER, control, self.members, heartbeat_timeout_s=stall_s)
             self.tokens = self.transport.bind(zmq.PULL, tokens, self.nodes[-1:])
         except TransportError:
             self.transport.close()
@@ -255,13 +260,19 @@ class Coordinator:
             raise NodeLost(self.nodes[0], str(e)) from None
 
     def next_tokens(self) -> Tokens:
-        """The next TOKENS from the last node, watching the pipeline while waiting (`stall_s` without them is an
-        error)."""
+        """The next TOKENS from the last node, watching the pipeline while waiting (`check_stall`)."""
         since = time.monotonic()
         while (tokens := self.poll_tokens(HEARTBEAT_S)) is None:
-            if time.monotonic() - since > self.stall_s:
-                raise self._stall_error()
+            self.check_stall(time.monotonic() - since)
         return tokens
+
+    def check_stall(self, stalled_s: float) -> None:
+        """No tokens have come back for `stalled_s` with frames in flight: a node whose control connection dropped
+        is lost (the pings find it); past `hung_s`, the stall is an error (`_stall_error`)."""
+        if stalled_s > self.stall_s and time.monotonic() - self._last_ping >= HEARTBEAT_S:
+            self._ping()
+        if stalled_s > self.hung_s:
+            raise self._stall_error()
 
     def poll_tokens(self, timeout_s: float, wake: Sequence = ()) -> Tokens | None:
         """TOKENS from the last node if some come within `timeout_s`, taking in control messages and checking on the
@@ -292,7 +303,7 @@ class Coordinator:
         known = [(node, self._stats[node]) for node in self.nodes if node in self._stats]  # in stage order
         frames = ", ".join(f"{node} {stats.frames}" for node, stats in known)
         rejected = ", ".join(f"{node} {stats.rejected}" for node, stats in known)
-        return (f"no tokens came back for {self.stall_s:g} s{stopped}; frames handled per node: {frames}; messages "
+        return (f"no tokens came back for {self.hung_s:g} s{stopped}; frames handled per node: {frames}; messages "
                 f"rejected per node: {rejected}; messages dropped by the coordinator: {self.dropped}")
 
     def sync_clocks(self, exchanges: int = CLOCK_EXCHANGES) -> None:
@@ -302,20 +313,27 @@ class Coordinator:
             self.stats()
 
     def stats(self) -> dict[str, Stats]:
-        """Every node's current counters. A node that leaves a request unanswered for `stall_s` is an error: a node
+        """Every node's current counters. A node that leaves a request unanswered for `hung_s` is an error: a node
         answers requests in order, so waiting on for a lost one would wait for ever."""
         self._ping()
         since, answered_before = time.monotonic(), dict(self._answers)
         while owing := [node for node, owed in self._stats_owed.items() if owed]:
-            if time.monotonic() - since > self.stall_s:
+            if time.monotonic() - since > self.hung_s:
                 silent = [node for node in owing if self._answers[node] == answered_before[node]]
                 if silent:
-                    raise NodeLost(silent[0], f"no answer to a stats request within {self.stall_s:g} s (stopped "
+                    raise NodeLost(silent[0], f"no answer to a stats request within {self.hung_s:g} s (stopped "
                                               "or frozen?)")
-                raise PipelineError(f"{', '.join(owing)}: no answer to a stats request within {self.stall_s:g} s")
+                raise PipelineError(f"{', '.join(owing)}: no answer to a stats request within {self.hung_s:g} s")
             if not self._poll():
                 self._ping()
         return {node: self._stats[node] for node in self.nodes}
+
+    def latest_stats(self) -> dict[str, Stats]:
+        """The counters each node of the plan last sent, asking for new ones without waiting for them (a node
+        answers between frames)."""
+        latest = {node: self._stats[node] for node in self.nodes if node in self._stats}
+        self._ping()
+        return latest
 
     # ---- control channel --------------------------------------------------------------------------------------
     def _tell(self, node: str, message: Message) -> None:
@@ -468,8 +486,8 @@ class Flight:
 
     def wait(self, until: float | None = None, wake: Sequence = ()) -> tuple[PolicyFrame, list[int]] | None:
         """The next frame to come back and its sampled rows' tokens, in row order; None once the coordinator's
-        clock passes `until`, or sooner when one of `wake` becomes readable. No tokens for `stall_s` while frames
-        are in flight is an error."""
+        clock passes `until`, or sooner when one of `wake` becomes readable. A stall while frames are in flight is
+        checked (`Coordinator.check_stall`)."""
         coordinator = self.coordinator
         while True:
             timeout = HEARTBEAT_S if until is None else min(HEARTBEAT_S, until - coordinator.now())
@@ -481,8 +499,8 @@ class Flight:
                 return None
             if wake and _readable(wake):
                 return None
-            if self.frames and time.monotonic() - self._progress > coordinator.stall_s:
-                raise coordinator._stall_error()
+            if self.frames:
+                coordinator.check_stall(time.monotonic() - self._progress)
 
     def _match(self, tokens: Tokens) -> tuple[PolicyFrame, list[int]] | None:
         """The frame in flight the tokens complete, and its sampled tokens; None after dropping tokens that cannot be

@@ -38,7 +38,7 @@ from cascadia.spec.types import Spec
 log = logging.getLogger(__name__)
 
 STATS_S = 1.0  # how often the nodes' counters are read for `status`
-STALL_S = 2.0  # a node that holds up the pipeline this long, and answers nothing, is lost
+STALL_S = 2.0  # a node whose heartbeats go unanswered this long (stopped, its machine gone) is lost
 REPLACE_TIMEOUT_S = 60.0  # how long a lost remote node may take to come back before its stage is down
 DOWN_POLL_S = 1.0  # while a stage is down: how often waiting requests are refused between looks for its node
 MAX_RESTARTS = 3  # a local node lost again this often while being started again: the service fails
@@ -331,20 +331,20 @@ class PipelineService:
             pass
 
     def _update_stats(self, coordinator) -> None:
-        """Each node's busy fraction and frames per second, from its counters, and the nodes standing by, every
-        STATS_S."""
+        """Each node's busy fraction and frames per second, from the counters it last sent (asked for anew, not
+        waited for: a node answers between frames, which may be long), and the nodes standing by, every STATS_S."""
         now = coordinator.now()
         if self._last_stats is not None and now - self._last_stats[0] < STATS_S:
             return
-        stats = coordinator.stats()
+        stats = coordinator.latest_stats()
         with self._lock:
             self._standing_by = tuple(coordinator.standing_by())
         if self._last_stats is not None:
             then, before = self._last_stats
+            was = {n: before[n] for n in stats if n in before}
             with self._lock:
-                self._busy = {n: max(0.0, s.busy_s - before[n].busy_s) / (now - then) for n, s in stats.items()}
-                self._frames_per_s = {n: max(0, s.frames - before[n].frames) / (now - then)
-                                      for n, s in stats.items()}
+                self._busy = {n: max(0.0, stats[n].busy_s - s.busy_s) / (now - then) for n, s in was.items()}
+                self._frames_per_s = {n: max(0, stats[n].frames - s.frames) / (now - then) for n, s in was.items()}
         self._last_stats = (now, stats)
 
     def _on_message(self, node: str, message: Message) -> None:

@@ -142,15 +142,21 @@ class Transport:
             self._authenticator = ThreadAuthenticator(self.context)
             self._authenticator.start()
 
-    def bind(self, socket_type: int, address: str, senders: Sequence[str]) -> zmq.Socket:
+    def bind(self, socket_type: int, address: str, senders: Sequence[str],
+             heartbeat_timeout_s: float | None = None) -> zmq.Socket:
         """A socket bound to `address`, the Curve server side when keys are in use, accepting connections only from
-        `senders` (names in the key folder; without keys, from anyone)."""
-        return self.bind_watched(socket_type, address, senders, 0)[0]
+        `senders` (names in the key folder; without keys, from anyone). With `heartbeat_timeout_s` it pings each peer
+        and drops the connection of one that answers nothing for that long: a stopped process, a vanished machine
+        (ZeroMQ's I/O thread answers, so a peer busy in its own code still does)."""
+        return self.bind_watched(socket_type, address, senders, 0, heartbeat_timeout_s)[0]
 
-    def bind_watched(self, socket_type: int, address: str, senders: Sequence[str], events: int
-                     ) -> tuple[zmq.Socket, zmq.Socket | None]:
+    def bind_watched(self, socket_type: int, address: str, senders: Sequence[str], events: int,
+                     heartbeat_timeout_s: float | None = None) -> tuple[zmq.Socket, zmq.Socket | None]:
         """`bind`, with a monitor socket reporting the connections' `events` (none: no monitor)."""
         sock = self._socket(socket_type)
+        if heartbeat_timeout_s is not None:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, round(heartbeat_timeout_s * 250)))  # four pings a timeout
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(heartbeat_timeout_s * 1000))
         if socket_type == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown peer raises instead of vanishing
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a node started again takes its name over from its lost self
