@@ -53,8 +53,8 @@ def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibrati
                            for make, n in alone])
             for n, passes in zip(streams, bursts):
                 passes.append(probe.saturate(n, min(BURST_STEPS, runtime.context_budget)))
-            progress(f"pipeline: pass {sweep + 1}/{PASSES}: {len(alone)} frame shapes alone, bursts of "
-                     f"{', '.join(map(str, streams))} streams at once")
+            bursts_of = f", bursts of {', '.join(map(str, streams))} streams at once" if streams else ""
+            progress(f"pipeline: pass {sweep + 1}/{PASSES}: {len(alone)} frame shapes alone{bursts_of}")
         restarts = {stage.node: restart_time(pipeline, stage.node, progress) for stage in plan.stages}
     calibration = fit_overheads(spec, plan, layers, [AloneFrames.median(passes) for passes in zip(*frames)],
                                 progress)
