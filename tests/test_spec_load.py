@@ -147,6 +147,8 @@ def test_spares_stand_apart_from_the_plan_and_round_trip(tmp_path):
     assert [n.name for n in spec.cluster.members] == ["pc0", "pc1", "pc2", "spare0", "spare1"]
     assert spec.cluster.node("spare1").threads == 2
     assert [stage.node for stage in plan(spec).stages] == ["pc0", "pc1", "pc2"]  # spares hold no stage
+    table = CliRunner().invoke(cli, ["plan", str(path)]).output
+    assert "spare spare1 (16 GB): holds no stage; `serve` gives it a lost node's" in table
     (tmp_path / "again.yaml").write_text(yaml.safe_dump(dump_spec(spec)))
     assert load_spec(tmp_path / "again.yaml").cluster == spec.cluster
 
