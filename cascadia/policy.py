@@ -301,7 +301,9 @@ class Policy:
         if not frame.drafted:  # a token per stream: as a rule, and the simulator's every frame, so kept short
             for request_id, token in zip(frame.sampled_ids, tokens):
                 if request_id not in self._cancelling:
-                    events += self._take(self._streams[request_id], (token,))
+                    stream = self._streams[request_id]
+                    if finished := self._take(stream, token, events):
+                        events.append(self._release(stream, finished))
         else:
             for request_id, drafts, sampled in _by_stream(frame, tokens):
                 if request_id in self._cancelling:
@@ -309,7 +311,7 @@ class Policy:
                 accepted = 0
                 while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
                     accepted += 1
-                events += self._take(self._streams[request_id], sampled[:accepted + 1], len(drafts))
+                self._verify(self._streams[request_id], sampled[:accepted + 1], len(drafts), events)
         if self._cancelling:
             cancelled = sorted({row.request_id for row in frame.rows if row.request_id in self._cancelling})
             events += [self._release(self._streams[request_id], CANCELLED) for request_id in cancelled]
@@ -350,24 +352,25 @@ class Policy:
         """K/V blocks a request holds from admission to its end: its prompt and every token it may make."""
         return -(-(len(request.prompt_ids) + request.max_new_tokens) // self.kv_block)
 
-    def _take(self, stream: _Stream, tokens: Sequence[int], proposed: int = 0) -> list[Event]:
-        """A stream's accepted tokens, cut after a stop id or its last token as without speculation."""
-        events: list[Event] = []
+    def _take(self, stream: _Stream, token: int, events: list[Event]) -> str | None:
+        """A stream's next token, its event added to `events`; why the stream is finished with it (None: it is not).
+        Called once per token, so it makes nothing but the event."""
         request, output = stream.request, stream.output
-        finished = None
-        for token in tokens:
-            output.append(token)
-            events.append(Token(request.id, token, len(output) - 1))
-            if token in request.stop_ids or len(output) == request.max_new_tokens:
-                finished = STOP if token in request.stop_ids else LENGTH
+        output.append(token)
+        events.append(Token(request.id, token, len(output) - 1))
+        if token in request.stop_ids:
+            return STOP
+        return LENGTH if len(output) == request.max_new_tokens else None
+
+    def _verify(self, stream: _Stream, tokens: Sequence[int], proposed: int, events: list[Event]) -> None:
+        """A speculating stream's accepted tokens, cut after a stop id or its last token as without speculation."""
+        for kept, token in enumerate(tokens):  # `kept`: drafts whose token the stream kept
+            if finished := self._take(stream, token, events):
                 break
-        if proposed:
-            kept = len(events) - 1  # drafts whose token the stream kept
-            events.append(Verified(request.id, proposed, kept))
-            self.speculation.verified(request.id, proposed, kept)
+        events.append(Verified(stream.request.id, proposed, kept))
+        self.speculation.verified(stream.request.id, proposed, kept)
         if finished:
             events.append(self._release(stream, finished))
-        return events
 
     def _with_drafts(self, rows: list[Row], decoding: list[_Stream]) -> list[Row]:
         """The decode rows each followed by their stream's drafts, in the rows left free in the largest bucket (in
