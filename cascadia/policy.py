@@ -164,9 +164,10 @@ class _Stream:
     output: list[int] = attrs.Factory(list)
     replaying: bool = False  # its state is being rebuilt (`Policy.replay`): no decode row until that is done
 
-    def token_at(self, position: int) -> int:
+    def tokens(self, start: int, end: int) -> tuple[int, ...]:
+        """Its tokens at positions start..end - 1: its prompt's, then (in a replay) its output's."""
         prompt = self.request.prompt_ids
-        return prompt[position] if position < self.prompt_len else self.output[position - self.prompt_len]
+        return prompt[start:end] if end <= self.prompt_len else (*prompt, *self.output)[start:end]
 
 
 class Policy:
@@ -257,16 +258,16 @@ class Policy:
             raise ValueError(f"group {group} is not in 0..{self.n_groups - 1}")
         if group in self._in_flight:
             return None
-        decoding = [s for s in self._groups[group] if s.output and not s.replaying]
         rows = [Row(s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True,
-                    s.request.sampling) for s in decoding]
+                    s.request.sampling) for s in self._groups[group] if s.output and not s.replaying]
+        decoding = len(rows)  # the decode rows come first, one per decoding stream
         window, prefilling = self.prefill_window, self._prefilling[group]
         while window and prefilling:
             s = prefilling[0]
             target = s.prompt_len + len(s.output)  # the next token is sampled from the row of its last position
             end = min(target, s.prefilled + window)
-            rows += [Row(s.slot, s.request.id, pos, PREFILL, s.token_at(pos), pos == target - 1, s.request.sampling)
-                     for pos in range(s.prefilled, end)]
+            rows += [Row(s.slot, s.request.id, pos, PREFILL, token, pos == target - 1, s.request.sampling)
+                     for pos, token in zip(range(s.prefilled, end), s.tokens(s.prefilled, end))]
             window -= end - s.prefilled
             s.prefilled = end
             if end == target:
@@ -374,22 +375,23 @@ class Policy:
         if finished:
             events.append(self._release(stream, finished))
 
-    def _with_drafts(self, rows: list[Row], decoding: list[_Stream]) -> list[Row]:
-        """The decode rows each followed by their stream's drafts, in the rows left free in the largest bucket (in
-        admission order), then the prompt rows."""
+    def _with_drafts(self, rows: list[Row], decoding: int) -> list[Row]:
+        """The `decoding` decode rows each followed by their stream's drafts, in the rows left free in the largest
+        bucket (in admission order), then the prompt rows."""
         room = self.row_buckets[-1] - len(rows)
         if room <= 0:
             return rows
         with_drafts = []
-        for row, stream in zip(rows, decoding):  # the decode rows come first, one per decoding stream
+        for row in rows[:decoding]:
             with_drafts.append(row)
+            stream = self._streams[row.request_id]
             left = stream.request.max_new_tokens - len(stream.output) - 1  # tokens after this row's
             drafts = self.speculation.drafts(stream.request.id, stream.request.prompt_ids, stream.output,
                                              min(room, left))
             with_drafts += [Row(row.slot, row.request_id, row.position + 1 + i, DRAFT, token, True, row.sampling)
                             for i, token in enumerate(drafts)]
             room -= len(drafts)
-        return with_drafts + rows[len(decoding):]
+        return with_drafts + rows[decoding:]
 
     def _admit(self) -> list[Event]:
         events: list[Event] = []

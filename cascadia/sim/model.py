@@ -381,8 +381,9 @@ class PipelineModel:
         elif self._sharing:
             self.env.process(self._fly(frame, land))
         else:  # a single leg: the frame takes all its hops now and needs no process, only its landing's timeout
-            t = self._enter(self._legs[0], self.frame_costs(frame), self.env.now)
-            self.env.timeout(t - self.env.now).callbacks.append(lambda _: land(frame))
+            now = self.env.now
+            t = self._enter(self._legs[0], self.frame_costs(frame), now)
+            self.env.timeout(t - now).callbacks.append(lambda _: land(frame))
 
     def _fly(self, frame: Frame, land: Callable[[Frame], None]):
         yield from self.carry(frame)
