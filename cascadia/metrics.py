@@ -88,11 +88,12 @@ class Recorder:
 
     def arrived(self, request: Request, t: float) -> None:
         self._arrivals[request.id] = (request, t)
+        self._token_times[request.id] = []  # made here, not looked up with a default for each token
 
     def observe(self, events: Iterable[Event], t: float) -> None:
         for event in events:
             if isinstance(event, Token):
-                self._token_times.setdefault(event.request_id, []).append(t)
+                self._token_times[event.request_id].append(t)
             elif isinstance(event, Finished) and event.reason == CANCELLED:
                 self._arrivals.pop(event.request_id, None)
                 self._token_times.pop(event.request_id, None)
@@ -105,6 +106,7 @@ class Recorder:
                                                    tuple(times)))
             elif isinstance(event, Rejected):
                 self._arrivals.pop(event.request_id, None)
+                self._token_times.pop(event.request_id, None)
                 self.rejected.append(event)
             elif isinstance(event, Verified):
                 self.speculation.add(event)
