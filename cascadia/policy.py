@@ -309,9 +309,10 @@ class Policy:
         del self._in_flight[frame.group]
         events: list[Event] = []
         if not frame.drafted:  # a token per stream: as a rule, and the simulator's every frame, so kept short
+            cancelling, streams = self._cancelling, self._streams
             for request_id, token in zip(frame.sampled_ids, tokens):
-                if request_id not in self._cancelling:
-                    stream = self._streams[request_id]
+                if request_id not in cancelling:
+                    stream = streams[request_id]
                     if finished := self._take(stream, token, events):
                         events.append(self._release(stream, finished))
         else:
@@ -325,7 +326,9 @@ class Policy:
         if self._cancelling:
             cancelled = sorted({row.request_id for row in frame.rows if row.request_id in self._cancelling})
             events += [self._release(self._streams[request_id], CANCELLED) for request_id in cancelled]
-        return events + self._admit()
+        if self._waiting:  # what _admit checks first, without its call for every frame
+            events += self._admit()
+        return events
 
     def cancel(self, request_id: int) -> list[Event]:
         """Stop a request: a waiting one leaves the queue; a stream gives its slot back now, or, when a frame in
@@ -366,11 +369,12 @@ class Policy:
         """A stream's next token, its event added to `events`; why the stream is finished with it (None: it is not).
         Called once per token, so it makes nothing but the event."""
         request, output = stream.request, stream.output
+        index = len(output)
         output.append(token)
-        events.append(_token((request.id, token, len(output) - 1)))
+        events.append(_token((request.id, token, index)))
         if token in request.stop_ids:
             return STOP
-        return LENGTH if len(output) == request.max_new_tokens else None
+        return LENGTH if index + 1 == request.max_new_tokens else None
 
     def _verify(self, stream: _Stream, tokens: Sequence[int], proposed: int, events: list[Event]) -> None:
         """A speculating stream's accepted tokens, cut after a stop id or its last token as without speculation."""
