@@ -381,8 +381,9 @@ class Policy:
         for kept, token in enumerate(tokens):  # `kept`: drafts whose token the stream kept
             if finished := self._take(stream, token, events):
                 break
-        events.append(Verified(stream.request.id, proposed, kept))
-        self.speculation.verified(stream.request.id, proposed, kept)
+        if proposed:  # a stream without drafts in a frame with others' has nothing verified
+            events.append(Verified(stream.request.id, proposed, kept))
+            self.speculation.verified(stream.request.id, proposed, kept)
         if finished:
             events.append(self._release(stream, finished))
 
