@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import attrs
 
 from cascadia.metrics import Recorder, RequestRecord, summarize_level
-from cascadia.policy import Event, Finished, Frame, Policy, Rejected, Request
+from cascadia.policy import Event, Frame, Policy, Request
 from cascadia.spec.types import Spec, WorkloadSpec
 from cascadia.workload import MEASURED, Arrivals, Level, Phase, build_levels, stop_ids
 
@@ -59,7 +59,7 @@ def serve_workload(spec: Spec, workload: WorkloadSpec, prompts: Sequence[tuple[i
 class PhaseDriver:
     def __init__(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder,
                  on_arrived: Callable[[Request], None] = lambda request: None,
-                 on_events: Callable[[list[Event]], None] = lambda events: None) -> None:
+                 on_events: Callable[[list[Event]], None] | None = None) -> None:
         """A phase of `requests` requests, sent as `arrivals` says (`Level.arrivals`). `on_arrived` and `on_events`
         see each request as it is sent and the policy's events after the recorder (e.g. to keep the tokens)."""
         self._policy, self._recorder = policy, recorder
@@ -98,13 +98,13 @@ class PhaseDriver:
 
     def _observe(self, events: list[Event], now: float) -> list[Request]:
         """Record events; the requests sent because requests are done (closed loop)."""
-        self._recorder.observe(events, now)
-        self._on_events(events)
+        ended = self._recorder.observe(events, now)  # the recorder tells them apart: no second look at each event
+        if self._on_events is not None:
+            self._on_events(events)
         follow_ups = []
-        for event in events:
-            if isinstance(event, (Finished, Rejected)):
-                self._left -= 1
-                follow_ups += self._arrivals.done()
+        for _ in range(ended):
+            self._left -= 1
+            follow_ups += self._arrivals.done()
         return follow_ups
 
     def _submit(self, requests: Iterable[Request], now: float) -> list[Frame]:

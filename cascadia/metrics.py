@@ -88,26 +88,34 @@ class Recorder:
 
     def arrived(self, request: Request, t: float) -> None:
         self._arrivals[request.id] = (request, t)
+        self._token_times[request.id] = []  # made here, not looked up with a default for each token
 
-    def observe(self, events: Iterable[Event], t: float) -> None:
+    def observe(self, events: Iterable[Event], t: float) -> int:
+        """Take events that happened at `t`; returns how many requests they ended (finished, cancelled, rejected)."""
+        ended = 0
         for event in events:
             if isinstance(event, Token):
-                self._token_times.setdefault(event.request_id, []).append(t)
+                self._token_times[event.request_id].append(t)
             elif isinstance(event, Finished) and event.reason == CANCELLED:
                 self._arrivals.pop(event.request_id, None)
                 self._token_times.pop(event.request_id, None)
                 self.cancelled.append(event)
+                ended += 1
             elif isinstance(event, Finished):
                 request, t_arrival = self._arrivals.pop(event.request_id)
                 times = self._token_times.pop(event.request_id)
                 self._records.append(RequestRecord(self.level, self.rate, self.phase, request.id,
                                                    len(request.prompt_ids), len(times), t_arrival, times[0], times[-1],
                                                    tuple(times)))
+                ended += 1
             elif isinstance(event, Rejected):
                 self._arrivals.pop(event.request_id, None)
+                self._token_times.pop(event.request_id, None)
                 self.rejected.append(event)
+                ended += 1
             elif isinstance(event, Verified):
                 self.speculation.add(event)
+        return ended
 
     @property
     def records(self) -> list[RequestRecord]:

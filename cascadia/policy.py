@@ -36,9 +36,11 @@ earlier when it samples one of its request's `stop_ids` (EOS, when the workload 
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import attrs
 
@@ -61,10 +63,10 @@ class Request:
     sampling: Sampling = GREEDY  # how its tokens are drawn (the last stage samples each row by its own)
 
 
-# Frames, rows and tokens, made by the hundred thousand in a simulation, keep their fields in a __dict__: attrs fills
-# it directly, where a slotted frozen class takes an object.__setattr__ call per field (a third longer to make one).
-@attrs.frozen(slots=False)
-class Row:
+# Rows and tokens, made by the hundred thousand in a simulation, are named tuples: as immutable, hashable and compared
+# by value as a frozen attrs class, and made in two thirds of its time (a slotted frozen one sets each field with a
+# call of object.__setattr__, a dict class fills a __dict__).
+class Row(NamedTuple):
     """One position of one stream in a frame: what the first stage embeds and where the nodes write its state."""
 
     slot: int
@@ -76,7 +78,9 @@ class Row:
     sampling: Sampling = GREEDY  # its stream's
 
 
-@attrs.frozen(slots=False)  # as Row
+# Frames keep their fields in a __dict__ (attrs fills it directly, where a slotted frozen class calls
+# object.__setattr__ per field), so that their sampled ids are a plain entry made with them.
+@attrs.frozen(slots=False)
 class Frame:
     seq: int  # serial number over the policy's life
     group: int
@@ -106,11 +110,16 @@ class Admitted:
     group: int
 
 
-@attrs.frozen(slots=False)  # as Row
-class Token:
+class Token(NamedTuple):  # as Row
     request_id: int
     token: int
     index: int  # 0 = the first token
+
+
+# How the policy makes its rows and tokens, one per row and one per token: tuple.__new__ of a tuple of all the fields
+# makes the same named tuple without calling the class's Python-level __new__ (which takes a third of the time).
+_row = functools.partial(tuple.__new__, Row)
+_token = functools.partial(tuple.__new__, Token)
 
 
 @attrs.frozen
@@ -162,9 +171,10 @@ class _Stream:
     output: list[int] = attrs.Factory(list)
     replaying: bool = False  # its state is being rebuilt (`Policy.replay`): no decode row until that is done
 
-    def token_at(self, position: int) -> int:
+    def tokens(self, start: int, end: int) -> tuple[int, ...]:
+        """Its tokens at positions start..end - 1: its prompt's, then (in a replay) its output's."""
         prompt = self.request.prompt_ids
-        return prompt[position] if position < self.prompt_len else self.output[position - self.prompt_len]
+        return prompt[start:end] if end <= self.prompt_len else (*prompt, *self.output)[start:end]
 
 
 class Policy:
@@ -252,16 +262,16 @@ class Policy:
             raise ValueError(f"group {group} is not in 0..{self.n_groups - 1}")
         if group in self._in_flight:
             return None
-        decoding = [s for s in self._groups[group] if s.output and not s.replaying]
-        rows = [Row(s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True,
-                    s.request.sampling) for s in decoding]
+        rows = [_row((s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True,
+                      s.request.sampling)) for s in self._groups[group] if s.output and not s.replaying]
+        decoding = len(rows)  # the decode rows come first, one per decoding stream
         window, prefilling = self.prefill_window, self._prefilling[group]
         while window and prefilling:
             s = prefilling[0]
             target = s.prompt_len + len(s.output)  # the next token is sampled from the row of its last position
             end = min(target, s.prefilled + window)
-            rows += [Row(s.slot, s.request.id, pos, PREFILL, s.token_at(pos), pos == target - 1, s.request.sampling)
-                     for pos in range(s.prefilled, end)]
+            rows += [_row((s.slot, s.request.id, pos, PREFILL, token, pos == target - 1, s.request.sampling))
+                     for pos, token in zip(range(s.prefilled, end), s.tokens(s.prefilled, end))]
             window -= end - s.prefilled
             s.prefilled = end
             if end == target:
@@ -296,9 +306,12 @@ class Policy:
         del self._in_flight[frame.group]
         events: list[Event] = []
         if not frame.drafted:  # a token per stream: as a rule, and the simulator's every frame, so kept short
+            cancelling, streams = self._cancelling, self._streams
             for request_id, token in zip(frame.sampled_ids, tokens):
-                if request_id not in self._cancelling:
-                    events += self._take(self._streams[request_id], (token,))
+                if request_id not in cancelling:
+                    stream = streams[request_id]
+                    if finished := self._take(stream, token, events):
+                        events.append(self._release(stream, finished))
         else:
             for request_id, drafts, sampled in _by_stream(frame, tokens):
                 if request_id in self._cancelling:
@@ -306,11 +319,13 @@ class Policy:
                 accepted = 0
                 while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
                     accepted += 1
-                events += self._take(self._streams[request_id], sampled[:accepted + 1], len(drafts))
+                self._verify(self._streams[request_id], sampled[:accepted + 1], len(drafts), events)
         if self._cancelling:
             cancelled = sorted({row.request_id for row in frame.rows if row.request_id in self._cancelling})
             events += [self._release(self._streams[request_id], CANCELLED) for request_id in cancelled]
-        return events + self._admit()
+        if self._waiting:  # what _admit checks first, without its call for every frame
+            events += self._admit()
+        return events
 
     def cancel(self, request_id: int) -> list[Event]:
         """Stop a request: a waiting one leaves the queue; a stream gives its slot back now, or, when a frame in
@@ -370,41 +385,45 @@ class Policy:
         """K/V blocks a request holds from admission to its end: its prompt and every token it may make."""
         return -(-(len(request.prompt_ids) + request.max_new_tokens) // self.kv_block)
 
-    def _take(self, stream: _Stream, tokens: Sequence[int], proposed: int = 0) -> list[Event]:
-        """A stream's accepted tokens, cut after a stop id or its last token as without speculation."""
-        events: list[Event] = []
+    def _take(self, stream: _Stream, token: int, events: list[Event]) -> str | None:
+        """A stream's next token, its event added to `events`; why the stream is finished with it (None: it is not).
+        Called once per token, so it makes nothing but the event."""
         request, output = stream.request, stream.output
-        finished = None
-        for token in tokens:
-            output.append(token)
-            events.append(Token(request.id, token, len(output) - 1))
-            if token in request.stop_ids or len(output) == request.max_new_tokens:
-                finished = STOP if token in request.stop_ids else LENGTH
+        index = len(output)
+        output.append(token)
+        events.append(_token((request.id, token, index)))
+        if token in request.stop_ids:
+            return STOP
+        return LENGTH if index + 1 == request.max_new_tokens else None
+
+    def _verify(self, stream: _Stream, tokens: Sequence[int], proposed: int, events: list[Event]) -> None:
+        """A speculating stream's accepted tokens, cut after a stop id or its last token as without speculation."""
+        for kept, token in enumerate(tokens):  # `kept`: drafts whose token the stream kept
+            if finished := self._take(stream, token, events):
                 break
-        if proposed:
-            kept = len(events) - 1  # drafts whose token the stream kept
-            events.append(Verified(request.id, proposed, kept))
-            self.speculation.verified(request.id, proposed, kept)
+        if proposed:  # a stream without drafts in a frame with others' has nothing verified
+            events.append(Verified(stream.request.id, proposed, kept))
+            self.speculation.verified(stream.request.id, proposed, kept)
         if finished:
             events.append(self._release(stream, finished))
-        return events
 
-    def _with_drafts(self, rows: list[Row], decoding: list[_Stream]) -> list[Row]:
-        """The decode rows each followed by their stream's drafts, in the rows left free in the largest bucket (in
-        admission order), then the prompt rows."""
+    def _with_drafts(self, rows: list[Row], decoding: int) -> list[Row]:
+        """The `decoding` decode rows each followed by their stream's drafts, in the rows left free in the largest
+        bucket (in admission order), then the prompt rows."""
         room = self.row_buckets[-1] - len(rows)
         if room <= 0:
             return rows
         with_drafts = []
-        for row, stream in zip(rows, decoding):  # the decode rows come first, one per decoding stream
+        for row in rows[:decoding]:
             with_drafts.append(row)
+            stream = self._streams[row.request_id]
             left = stream.request.max_new_tokens - len(stream.output) - 1  # tokens after this row's
             drafts = self.speculation.drafts(stream.request.id, stream.request.prompt_ids, stream.output,
                                              min(room, left))
-            with_drafts += [Row(row.slot, row.request_id, row.position + 1 + i, DRAFT, token, True, row.sampling)
+            with_drafts += [_row((row.slot, row.request_id, row.position + 1 + i, DRAFT, token, True, row.sampling))
                             for i, token in enumerate(drafts)]
             room -= len(drafts)
-        return with_drafts + rows[len(decoding):]
+        return with_drafts + rows[decoding:]
 
     def _admit(self) -> list[Event]:
         events: list[Event] = []

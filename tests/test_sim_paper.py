@@ -116,7 +116,8 @@ def test_a_frame_on_hosts_of_their_own_is_one_simpy_event():
 
 def test_python_calls_per_simulated_request_stay_few():
     """The speed check of the simulator: 13,111 calls per simulated request before it was made faster, 4,308 after
-    (Python 3.11, concurrency 8 and 44); a ceiling a quarter above, which a return of what was removed would cross."""
+    (Python 3.11, concurrency 8 and 44), 4,625 once speculation had landed, 3,591 after a second round; a ceiling a
+    tenth above, which a return of what was removed would cross."""
     spec, model, policy = paper_simulator((8, 44))
     calls = 0
 
@@ -127,4 +128,4 @@ def test_python_calls_per_simulated_request_stay_few():
         return busy
 
     served = serve_phases(spec, model, policy, counted)
-    assert len(served.records) == 104 and calls / len(served.records) < 5400
+    assert len(served.records) == 104 and calls / len(served.records) < 3950

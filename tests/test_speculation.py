@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cascadia.policy import DECODE, DRAFT, PREFILL, STOP, Finished, Policy, Request, Token, Verified
+from cascadia.policy import DECODE, DRAFT, LENGTH, PREFILL, STOP, Finished, Policy, Request, Token, Verified
 from cascadia.spec.load import load_spec
 from cascadia.spec.problems import SpecError
 from cascadia.spec.types import RuntimeSpec
@@ -126,6 +126,19 @@ def test_decode_and_prompt_rows_come_before_drafts():
     assert [r.kind for r in p.next_frame(1).rows] == [PREFILL] * 4
     f = p.next_frame(0)
     assert [r.kind for r in f.rows] == [DECODE] + [DRAFT] * 4  # max_draft 4 of the 7 rows left
+
+
+def test_a_stream_without_drafts_in_a_drafted_frame_has_nothing_verified():
+    p = speculating({(0,): [1] * 20})  # stream 2's prompt has no recorded continuation: no drafts
+    for request in (Request(0, (0,), 20), Request(1, (1,), 1), Request(2, (2,), 20)):  # groups 0, 1 and 0
+        p.add_request(request)
+    f0 = p.next_frame(0)
+    assert p.complete_frame(p.next_frame(1), [7]) == [Token(1, 7, 0), Finished(1, 1, LENGTH, 1)]  # group 1 idle
+    p.complete_frame(f0, [1, 1])
+    f = p.next_frame(0)
+    assert layout(f) == [(0, 1, DECODE, 1)] + [(0, i, DRAFT, 1) for i in (2, 3, 4, 5)] + [(2, 1, DECODE, 1)]
+    assert p.complete_frame(f, [1, 1, 1, 1, 1, 3]) == [Token(0, 1, i) for i in (1, 2, 3, 4, 5)] + [
+        Verified(0, 4, 4), Token(2, 3, 1)]
 
 
 # ---- exactness: a stand-in stage that rewinds ----------------------------------------------------------------------

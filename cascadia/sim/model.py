@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 
 import attrs
 import simpy
@@ -29,7 +30,7 @@ from cascadia.errors import PlanError
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
 from cascadia.metrics import Recorder
 from cascadia.model_config import InklingConfig, LayerKind
-from cascadia.policy import Frame, Policy
+from cascadia.policy import Frame, Policy, Row
 from cascadia.sim.calibration import (KIND_AXES, Calibration, CalibrationError, Extrapolations, NodeCalibration,
                                       interpolate)
 from cascadia.sim.loss import Loss, Recovery
@@ -60,11 +61,15 @@ class FrameShape:
     def figures(frame: Frame, window: int) -> tuple[int, int, float, float, int, int]:
         """The shape's fields as a plain tuple: a cheap key for the costs of frames already seen."""
         rows = frame.rows
-        attended = [row.position + 1 for row in rows]
-        n, total = len(attended), sum(attended)
-        sliding = total if max(attended) <= window else sum(min(p, window) for p in attended)
-        return (frame.padded_rows, n, sliding / n, total / n, len({row.request_id for row in rows}),
-                len(frame.sampled_ids))
+        positions = list(map(_position, rows))  # map and itemgetter: no Python call per frame, unlike a comprehension
+        n = len(positions)
+        total = sum(positions) + n  # a row attends its position + 1
+        sliding = total if max(positions) < window else sum(min(p + 1, window) for p in positions)
+        return (frame.padded_rows, n, sliding / n, total / n, len(set(map(_request_id, rows))), len(frame.sampled_ids))
+
+
+# a row's fields by index (rows are named tuples): quicker than by name
+_position, _request_id = (itemgetter(Row._fields.index(field)) for field in ("position", "request_id"))
 
 
 @attrs.frozen
@@ -222,7 +227,7 @@ class Leg:
     """
 
     hops: range  # its exclusive hops, in order
-    charged: tuple[tuple[str, int], ...]  # (node, stage) of the stages whose busy time counts when a frame enters it
+    charged: tuple[tuple[int, int], ...]  # (node index, stage) of the stages whose busy time counts when a frame enters
     shared: int | None  # the hop on a shared host it ends with; None: the last leg, back to stage 0
 
 
@@ -250,6 +255,7 @@ class PipelineModel:
             raise CalibrationError(f"{calibration.source or 'calibration'}: nodes: no entry for "
                                    f"{', '.join(missing)} (has {', '.join(calibration.nodes)})")
         self._names = [s.node for s in plan.stages]
+        self._nodes = list(dict.fromkeys(self._names))  # the stages' nodes, each once
         self.costs, self._cost_index = self._stage_costs(plan, calibration, config)
         host_names = stage_hosts(spec, plan)
         shared = {name: SharedHost(self.env, calibration.hosts.get(name, (1.0,))) for name in shared_hosts(spec, plan)}
@@ -271,7 +277,7 @@ class PipelineModel:
         self._free_at = [0.0] * len(self._latency)  # by hop: when an exclusive hop next falls free
         self._legs = self._split_into_legs()
         self._by_shape: dict[tuple, FrameCosts] = {}  # by FrameShape.figures
-        self.busy = dict.fromkeys(self._names, 0.0)
+        self._busy = [0.0] * len(self._nodes)  # each node's seconds of computing so far (a list: no hashing per frame)
         self.timings: list[FrameTiming] | None = None  # a list: each frame's way round the ring is kept in it
         self._flying: dict[int, list] = {}  # while a loss may come: frames in flight, by seq, as served so far
         self.losses: list[dict] = []  # each simulated loss: when it was seen, when the stage was back, ...
@@ -282,7 +288,7 @@ class PipelineModel:
         stage_at = {hop: stage for stage, hop in enumerate(self._stage_hops)}
         for hop in range(len(self._latency)):
             if hop in stage_at:
-                charged.append((self._names[stage_at[hop]], stage_at[hop]))
+                charged.append((self._nodes.index(self._names[stage_at[hop]]), stage_at[hop]))
             if hop in self._sharing:
                 legs.append(Leg(range(start, hop), tuple(charged), hop))
                 start, charged = hop + 1, []
@@ -341,16 +347,18 @@ class PipelineModel:
     def _enter(self, leg: Leg, costs: FrameCosts, t: float, served: list | None = None) -> float:
         """A frame entering `leg` at `t` counts its stages' busy time and takes its exclusive hops in turn; returns
         when it is through them. `served` (by hop) takes when each hop began and ended serving the frame."""
-        for name, stage in leg.charged:
-            self.busy[name] += costs.stage_s[stage]
+        busy, stage_s = self._busy, costs.stage_s
+        for node, stage in leg.charged:
+            busy[node] += stage_s[stage]
         free_at, latency, hop_s = self._free_at, self._latency, costs.hop_s
         for hop in leg.hops:
-            if free_at[hop] > t:  # max(t, free_at[hop]), without a call per hop
-                t = free_at[hop]
-            free_at[hop] = t + hop_s[hop]
+            start = free_at[hop]
+            if t >= start:  # max(t, free_at[hop]) without a call (t on a tie, as max takes its first)
+                start = t
+            t = start + hop_s[hop]
+            free_at[hop] = t
             if served is not None:
-                served[hop] = (t, free_at[hop])
-            t = free_at[hop]
+                served[hop] = (start, t)
             t += latency[hop]
         return t
 
@@ -381,8 +389,9 @@ class PipelineModel:
         elif self._sharing:
             self.env.process(self._fly(frame, land))
         else:  # a single leg: the frame takes all its hops now and needs no process, only its landing's timeout
-            t = self._enter(self._legs[0], self.frame_costs(frame), self.env.now)
-            self.env.timeout(t - self.env.now).callbacks.append(lambda _: land(frame))
+            now = self.env.now
+            t = self._enter(self._legs[0], self.frame_costs(frame), now)
+            self.env.timeout(t - now).callbacks.append(lambda _: land(frame))
 
     def _fly(self, frame: Frame, land: Callable[[Frame], None]):
         yield from self.carry(frame)
@@ -407,7 +416,7 @@ class PipelineModel:
         With `loss`, its node is lost that long into the phase and recovers as `Recovery` says (`losses`)."""
         env = self.env
         driver = PhaseDriver(policy, arrivals, requests, recorder)
-        busy_before = dict(self.busy)
+        busy_before = list(self._busy)
         drained = env.event()
         lost: set[int] = set()  # frames that never come back: their tokens are made again after the replay
         down = False
@@ -463,4 +472,4 @@ class PipelineModel:
             env.process(arrive())
         if not driver.done:  # else every request was rejected at once
             env.run(until=drained)
-        return {node: self.busy[node] - busy_before[node] for node in self.busy}
+        return {node: after - before for node, after, before in zip(self._nodes, self._busy, busy_before)}
