@@ -12,8 +12,10 @@ per frame, as the engine reads it). For the paper's spec, its measured figures b
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from cascadia.errors import CascadiaError
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.long_prompt import simulate_long_prompt
 from cascadia.spec.load import load_spec
@@ -55,4 +57,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CascadiaError as e:  # a spec or calibration that cannot be read, a spec without hardware figures
+        sys.exit(f"error: {e}")
