@@ -200,3 +200,35 @@ def test_calibrate_refuses_tcp_nodes(spec, checkpoint):
         attrs.evolve(node, address=f"tcp://10.0.0.{i}:5601") for i, node in enumerate(spec.cluster.nodes))))
     with pytest.raises(SpecError, match="calibrate measures local nodes only; node0, node1, node2 have tcp"):
         calibrate_module.calibrate(remote, make_plan(spec), checkpoint)
+
+
+# ---- long contexts -----------------------------------------------------------------------------------------------
+def long_context(spec, budget: int = 1024):
+    return attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, context_budget=budget))
+
+
+def test_the_grid_reaches_a_long_context_budget_at_one_frame_a_point(spec, checkpoint):
+    long = long_context(spec)
+    grid = Grid.of(long, rounds=1)
+    assert grid.points["global"][-1] == 1024 and grid.points["sliding"][-1] == spec.model.config.sliding_window_size
+    stage = make_plan(long).stages[1]  # layers 2 (global) and 3
+    probe = StageProbe(load_stage(long, stage, checkpoint, 1, False, lambda done, total: None),
+                       stage_kinds(stage, long.model.config))
+    assert probe.run(1, 1024, None)["global"][0] > 0  # no prefill: the stream's length is set where the row starts
+    assert probe.engine.lengths[0] == 1024 and probe.engine.pool.held(0) == probe.engine.pool.blocks_for(1024)
+
+
+def test_calibrate_layers_only_measures_the_tables_to_the_budget_without_the_pipeline(checkpoint, tmp_path):
+    spec_file = tmp_path / "long.yaml"
+    spec_file.write_text(SPEC.read_text().replace("hf_config: tiny/config.json",
+                                                  f"hf_config: {SPEC.parent / 'tiny' / 'config.json'}")
+                         .replace("context_budget: 64", "context_budget: 1024"))
+    out = tmp_path / "cal.json"
+    result = CliRunner().invoke(cli, ["calibrate", str(spec_file), "--checkpoint", str(checkpoint), "--rounds", "1",
+                                      "--layers-only", "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    calibration = Calibration.load(out)
+    assert calibration.grid_bounds()["global"]["context"] == [1, 1024]
+    assert calibration.hosts == {} and len(calibration.links) == 3
+    assert all((node.frame_s, node.row_s, node.stream_s, node.restart_s) == (0, 0, 0, None)
+               for node in calibration.nodes.values())

@@ -11,10 +11,13 @@ BANDWIDTH = 1e9
 
 
 def test_rows_cover_every_frame_the_policy_can_make():
-    spec = tiny_spec()  # buckets 2, 4, 8; 8 streams + 4 prompt rows in one group at most
+    spec = tiny_spec()  # buckets 2, 4, 8; 7 decoding streams + 4 prompt rows of the 8th in one group at most
     assert row_grid(spec) == (2, 4, 8, 16)
     runtime = spec.runtime
-    assert padded_size(runtime.max_streams + runtime.prefill_window, runtime.row_buckets) == 16
+    assert padded_size(runtime.max_streams - 1 + runtime.prefill_window, runtime.row_buckets) == 16
+    one_stream = attrs.evolve(spec, runtime=attrs.evolve(runtime, max_streams=1, row_buckets=(1, 2, 8, 32, 256),
+                                                          prefill_window=256))
+    assert row_grid(one_stream) == (1, 2, 8, 32, 256)  # its frames: a decode row, or a prompt window
 
 
 def test_memory_bound_tables_follow_the_bytes():

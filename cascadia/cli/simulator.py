@@ -96,18 +96,22 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
 @click.option("--rounds", type=click.IntRange(min=1),
               help="sweeps of each node's layer grid; each point is their median [default: 10]")
+@click.option("--layers-only", is_flag=True,
+              help="the layer tables and links alone, without the pipeline's overheads and shared cores (zero, as "
+                   "analytic): minutes, not an hour, for a spec with large prefill buckets")
 @click.option("-o", "--output", type=OutputPath(), required=True,
               help="the calibration JSON to write (for `cascadia simulate --calibration`)")
 def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, rounds: int | None,
-                      output: str) -> None:
+                      layers_only: bool, output: str) -> None:
     """Measure what the simulator needs with the real engine and transport on the plan's local nodes: per node and
-    layer kind, time over rows, attended positions and distinct experts; the links; the host overheads; the cores
-    of a shared host."""
+    layer kind, time over rows, attended positions (1, 2, 4 ... up to the spec's context_budget: a stream's length
+    is set where a frame starts, so a long context costs one frame, no prefill) and distinct experts; the links;
+    the host overheads; the cores of a shared host."""
     from cascadia.measure.calibrate import format_calibration
 
     report = report_to(output)
     loaded = load_spec(spec)
-    measured = _calibrate(loaded, chosen_plan(loaded, plan_path), checkpoint, rounds)
+    measured = _calibrate(loaded, chosen_plan(loaded, plan_path), checkpoint, rounds, layers_only)
     with writing(output) as f:
         f.write(measured.to_json())
     report(format_calibration(measured))
@@ -115,14 +119,14 @@ def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, 
         report(f"wrote {output}")
 
 
-def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None = None):
+def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None = None, layers_only: bool = False):
     """The measured calibration, with progress on stderr."""
     from pathlib import Path
 
     from cascadia.measure.calibrate import ROUNDS, calibrate
 
     return calibrate(loaded, chosen, Path(checkpoint) if checkpoint else None, rounds or ROUNDS,
-                     progress=lambda text: click.echo(text, err=True))
+                     progress=lambda text: click.echo(text, err=True), layers_only=layers_only)
 
 
 @click.command("validate")

@@ -5,6 +5,10 @@ under the settings `cascadia run` uses (the same stage construction, thread coun
 2. the links' latency and bandwidth on the real transport (`cascadia.measure.links`);
 3. the real pipeline: each node's level there and what each stream adds, the message overheads, and the speedup
    of hosts that several nodes share (`cascadia.measure.pipeline_probe`, fitted by `cascadia.sim.fit`).
+
+With `layers_only`, 1 and 2 alone: overheads zero and every host one core, as in an analytic calibration. The
+pipeline's frames alone run every shape 40 times at short contexts, which with a large prefill bucket (a long-context
+spec's 256 rows) takes most of an hour, while the tables reach the context budget at one frame per point.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ Progress = Callable[[str], None]
 
 
 def calibrate(spec: Spec, plan: Plan, checkpoint: Path | None = None, rounds: int = ROUNDS,
-              progress: Progress = lambda text: None) -> Calibration:
-    """Measure every node of `plan` (all local), their links and overheads; see the module's description."""
+              progress: Progress = lambda text: None, layers_only: bool = False) -> Calibration:
+    """Measure every node of `plan` (all local), their links and overheads (not with `layers_only`); see the
+    module's description."""
     checkpoint = checkpoint or spec.model.checkpoint
     if checkpoint is None:
         raise CheckpointError("no checkpoint: the spec's model names none; give one (--checkpoint DIR)")
@@ -44,7 +49,7 @@ def calibrate(spec: Spec, plan: Plan, checkpoint: Path | None = None, rounds: in
     links = {(a, b): loopback for a, b in plan.hops() if a != b}
     meta = make_meta(spec, MEASURED, device="; ".join(devices), openvino=ov.get_version())
     layers = Calibration(meta, {name: NodeCalibration(t) for name, t in tables.items()}, links)
-    return measure_pipeline(spec, plan, Path(checkpoint), layers, progress)
+    return layers if layers_only else measure_pipeline(spec, plan, Path(checkpoint), layers, progress)
 
 
 def format_calibration(calibration: Calibration) -> str:
