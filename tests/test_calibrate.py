@@ -146,7 +146,7 @@ def test_calibrate_writes_a_measured_calibration_with_every_table_the_plan_needs
         node = calibration.nodes[stage.node]
         assert set(node.tables) == set(stage_kinds(stage, spec.model.config))
         assert node.stream_s >= 0 and node.frame_s >= 0 and node.row_s >= 0
-        assert 0 < node.restart_s < 60  # started again and back within the node timeout
+        assert node.restart_s > 0  # timed (a node not back within the node timeout fails the calibration)
     assert set(calibration.links) == {("node0", "node1"), ("node1", "node2"), ("node2", "node0")}
     assert all(link.latency > 0 and link.bandwidth > 0 for link in calibration.links.values())
     speedup = calibration.hosts["localhost"]  # three nodes share this machine
