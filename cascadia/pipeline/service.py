@@ -339,10 +339,9 @@ class PipelineService:
         stats = coordinator.latest_stats()
         with self._lock:
             self._standing_by = tuple(coordinator.standing_by())
-        if self._last_stats is not None:
-            then, before = self._last_stats
-            was = {n: before[n] for n in stats if n in before}
-            with self._lock:
+            if self._last_stats is not None:
+                then, before = self._last_stats
+                was = {n: before[n] for n in stats if n in before}
                 self._busy = {n: max(0.0, stats[n].busy_s - s.busy_s) / (now - then) for n, s in was.items()}
                 self._frames_per_s = {n: max(0, stats[n].frames - s.frames) / (now - then) for n, s in was.items()}
         self._last_stats = (now, stats)

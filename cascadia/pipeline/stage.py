@@ -152,15 +152,13 @@ def node_settings(spec: Spec, plan: Plan, name: str, listen: str, control: str, 
     if name not in members:
         raise SpecError(f"node {name!r} is not in the spec's cluster (its nodes: {', '.join(members)})")
     control_sender = node_sender(members.index(name))
+    holding_none = NodeSettings(name, sender=control_sender, first_layer=0, last_layer=-1, listen=listen,
+                                successor=None, control=Peer(COORDINATOR, control), input_peer=None,
+                                curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid,
+                                control_sender=control_sender)
     if standby or name in {spare.name for spare in spec.cluster.spares}:
-        return NodeSettings(name, sender=control_sender, first_layer=0, last_layer=-1, listen=listen,
-                            successor=None, control=Peer(COORDINATOR, control), input_peer=None,
-                            curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid, control_sender=control_sender)
-    return attrs.evolve(NodeSettings(name, sender=node_sender(0), first_layer=0, last_layer=-1, listen=listen,
-                                     successor=None, control=Peer(COORDINATOR, control), input_peer=None,
-                                     curve_keys=spec.cluster.curve_keys, parent_pid=parent_pid,
-                                     control_sender=control_sender),
-                        **_placement(spec, plan, name, successor))
+        return holding_none
+    return attrs.evolve(holding_none, **_placement(spec, plan, name, successor))
 
 
 def assigned_settings(spec: Spec, settings: NodeSettings, assign: Assign) -> NodeSettings:
