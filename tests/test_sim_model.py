@@ -76,6 +76,17 @@ def test_rows_and_streams_are_charged_apart():
     assert [r.ttft for r in pair] == pytest.approx([3 * (4e-6 + 2e-3)] * 2)  # 4 rows of two streams
 
 
+def test_the_head_costs_only_the_rows_it_samples():
+    spec = tiny_spec()  # prefill window 4, row buckets 2, 4, 8
+    cal = calibration(spec, lambda kind, r, x: 1e-3 * r if kind == "head" else 0.0,
+                      links={pair: LinkSpec(1e30, 0.0) for pair in (("n0", "n1"), ("n1", "n2"), ("n2", "n0"))})
+    [record], _, _ = run(spec, cal, [Request(0, tuple(range(1, 13)), 3)], groups=1)
+    # three windows of 4 prompt rows: only the last samples a token, from its last row, padded to 2 rows; so does
+    # each decode row
+    assert record.ttft == pytest.approx(2e-3, rel=1e-9)
+    assert np.diff(record.token_times) == pytest.approx([2e-3, 2e-3], rel=1e-9)
+
+
 def test_decode_slows_as_context_grows_until_the_window():
     spec = tiny_spec()  # sliding window 16
     cal = calibration(spec, lambda kind, r, x: 1e-4 * x if kind in ("sliding", "global") else 0.0,

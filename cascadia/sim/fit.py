@@ -84,7 +84,7 @@ def fit_overheads(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[
     nodes = {}
     for i, stage in enumerate(plan.stages):
         cost = StageCost(f"node {stage.node}", stage_kinds(stage, config), layers.nodes[stage.node], config, layers,
-                         Extrapolations())
+                         Extrapolations(), spec.runtime.row_buckets)
         scale, stream_s = fit_non_negative([[sum(map(cost, f.shapes)) for f in frames],
                                             [sum(s.streams for s in f.shapes) for f in frames]],
                                            [f.busy[i] for f in frames])

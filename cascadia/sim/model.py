@@ -11,7 +11,8 @@ S_k = 1). A link is a capacity-1 resource held for bytes / bandwidth, then the m
 
 A stage's time for a frame is its node's overheads (per frame, per real row, per stream) plus its layers' calibrated
 times at the frame's padded rows: attention at the mean attended positions of the frame's rows (each row attends its
-position + 1, at most a sliding layer's window), MoE at the expected distinct experts touched by the real rows. The
+position + 1, at most a sliding layer's window), MoE at the expected distinct experts touched by the real rows; the
+head at the sampled rows padded to a bucket, as the last stage computes it (none for the middle of a prompt). The
 simulator computes no tokens: every sampled token is PLACEHOLDER_TOKEN and requests run to max_new_tokens. It is
 deterministic: simultaneous events keep SimPy's scheduling order, which depends on nothing random.
 """
@@ -30,7 +31,7 @@ from cascadia.errors import PlanError
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
 from cascadia.metrics import Recorder
 from cascadia.model_config import InklingConfig, LayerKind
-from cascadia.policy import Frame, Policy, Row
+from cascadia.policy import Frame, Policy, Row, padded_size
 from cascadia.sim.calibration import (KIND_AXES, Calibration, CalibrationError, Extrapolations, NodeCalibration,
                                       interpolate)
 from cascadia.sim.loss import Loss, Recovery
@@ -102,11 +103,13 @@ class StageCost:
     """
 
     def __init__(self, nodes: str, kinds: Counter[str], node: NodeCalibration, config: InklingConfig,
-                 calibration: Calibration, extrapolations: Extrapolations) -> None:
+                 calibration: Calibration, extrapolations: Extrapolations, buckets: tuple[int, ...]) -> None:
         self._nodes, self._node, self._calibration, self._log = nodes, node, calibration, extrapolations
         self._top_k, self._experts = config.num_experts_per_tok, config.n_routed_experts
         self._kinds = kinds
+        self._buckets = buckets
         self._fixed: dict[tuple[int, int], float] = {}
+        self._head: dict[int, float] = {}  # by sampled rows
         self._attention: dict[int, list[tuple[int, str, tuple[float, ...], tuple[float, ...]]]] = {}
 
     def _lookup(self, kind: str, rows: int, x: float | None = None) -> float:
@@ -117,7 +120,7 @@ class StageCost:
         return value
 
     def _fixed_time(self, padded: int, rows: int) -> float:
-        """Everything but attention: MLPs, embedding, head, overheads."""
+        """Everything but attention and the head: MLPs, embedding, overheads."""
         total = self._node.frame_s + self._node.row_s * rows
         for kind, count in self._kinds.items():
             if kind == LayerKind.MOE:
@@ -125,9 +128,14 @@ class StageCost:
                 if outside:
                     self._log.note(self._nodes, "routing", f"rows {rows}")
                 total += count * self._lookup(LayerKind.MOE, padded, experts)
-            elif KIND_AXES[kind] is None:
+            elif KIND_AXES[kind] is None and kind != LayerKind.HEAD:
                 total += count * self._lookup(kind, padded)
         return total
+
+    def _head_time(self, sampled: int) -> float:
+        if not sampled or LayerKind.HEAD not in self._kinds:
+            return 0.0
+        return self._lookup(LayerKind.HEAD, padded_size(sampled, self._buckets))
 
     def _attention_columns(self, padded: int) -> list[tuple[int, str, tuple[float, ...], tuple[float, ...]]]:
         columns = []
@@ -146,7 +154,9 @@ class StageCost:
             self._fixed[key] = self._fixed_time(*key)
         if shape.padded_rows not in self._attention:
             self._attention[shape.padded_rows] = self._attention_columns(shape.padded_rows)
-        total = self._fixed[key] + self._node.stream_s * shape.streams
+        if shape.sampled not in self._head:
+            self._head[shape.sampled] = self._head_time(shape.sampled)
+        total = self._fixed[key] + self._head[shape.sampled] + self._node.stream_s * shape.streams
         for count, kind, points, column in self._attention[shape.padded_rows]:
             context = shape.sliding_context if kind == LayerKind.SLIDING else shape.global_context
             value, outside = interpolate(points, column, context)
@@ -256,7 +266,7 @@ class PipelineModel:
                                    f"{', '.join(missing)} (has {', '.join(calibration.nodes)})")
         self._names = [s.node for s in plan.stages]
         self._nodes = list(dict.fromkeys(self._names))  # the stages' nodes, each once
-        self.costs, self._cost_index = self._stage_costs(plan, calibration, config)
+        self.costs, self._cost_index = self._stage_costs(plan, calibration, config, spec.runtime.row_buckets)
         host_names = stage_hosts(spec, plan)
         shared = {name: SharedHost(self.env, calibration.hosts.get(name, (1.0,))) for name in shared_hosts(spec, plan)}
         self.notes: list[str] = []
@@ -295,8 +305,8 @@ class PipelineModel:
         legs.append(Leg(range(start, len(self._latency)), tuple(charged), None))
         return legs
 
-    def _stage_costs(self, plan: Plan, calibration: Calibration,
-                     config: InklingConfig) -> tuple[list[StageCost], list[int]]:
+    def _stage_costs(self, plan: Plan, calibration: Calibration, config: InklingConfig,
+                     buckets: tuple[int, ...]) -> tuple[list[StageCost], list[int]]:
         """One StageCost per distinct (layer kinds, node calibration), and which one each stage uses."""
         where = calibration.source or "calibration"
         groups: list[tuple[Counter[str], NodeCalibration, list[str]]] = []
@@ -313,7 +323,7 @@ class PipelineModel:
             groups[same][2].append(stage.node)
             index.append(same)
         costs = [StageCost(f"node{'s' * (len(names) > 1)} {', '.join(names)}", kinds, node, config, calibration,
-                           self.extrapolations)
+                           self.extrapolations, buckets)
                  for kinds, node, names in groups]
         return costs, index
 
