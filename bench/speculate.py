@@ -8,8 +8,10 @@ draft accepted: the ceiling); then REPEATED prompts over and over, without specu
 which then come from the phrase table (the outputs of the requests that finished before). Every speculating run's
 tokens are compared with the run without on the same prompts (the same in f32; bf16 rounding moves with a call's
 rows, so there they may differ).
-Each of ROUNDS rounds runs all five, one after another, so that the machine's load moves them alike; reported per
-level, medians over the rounds: decode tokens/s, the speed-up (each round's against the same round's run without),
+A run without speculation first warms the machine up and gives the replay its outputs; then each of ROUNDS rounds
+runs all five, one after another (every other round in reverse order), so that the machine's load moves them alike;
+reported per level, medians over the rounds: decode tokens/s, the speed-up (each round's against the same round's run
+without; and the range of the rounds' own: where no drafts were proposed, the machine's noise),
 drafts accepted of proposed, mean accepted per verifying step, and, with a calibration (`cascadia calibrate`), the
 simulator's decode tokens/s and speed-up for the same workload, its drafts accepted as the first round's run
 accepted them (its acceptance trace: request by request, step by step). Not a test: it prints ratios of one
@@ -67,14 +69,20 @@ def by_prompt(outputs: dict) -> dict[tuple[int, ...], list[int]]:
     return {prompt: tokens for (prompt, _, _), tokens in outputs.items()}
 
 
-def one_round(spec, fresh, repeated, speculate: str) -> dict:
-    """Each run of the scenario once: name -> (levels, outputs by prompt, output lines, the run without's name)."""
-    plain = served(spec, fresh)
-    expected = by_prompt(plain[1])
-    return {"none": (*plain, "none"), "none, repeated prompts": (*served(spec, repeated), "none, repeated prompts"),
-            "n-gram": (*served(spec, fresh, None, speculate), "none"),
-            "replay": (*served(spec, fresh, ReplayDrafter(expected), speculate), "none"),
-            "n-gram, repeated prompts": (*served(spec, repeated, None, speculate), "none, repeated prompts")}
+BASES = {"none": "none", "none, repeated prompts": "none, repeated prompts", "n-gram": "none", "replay": "none",
+         "n-gram, repeated prompts": "none, repeated prompts"}  # each run's run without speculation
+
+
+def one_round(spec, fresh, repeated, speculate: str, expected: dict, reverse: bool) -> dict:
+    """Each run of the scenario once, in reverse order when `reverse` (so that a drift of the machine's speed within
+    a round does not favour one side); the replay proposes `expected`: name -> (levels, outputs by prompt, output
+    lines, the run without's name)."""
+    runs = {"none": lambda: served(spec, fresh), "none, repeated prompts": lambda: served(spec, repeated),
+            "n-gram": lambda: served(spec, fresh, None, speculate),
+            "replay": lambda: served(spec, fresh, ReplayDrafter(expected), speculate),
+            "n-gram, repeated prompts": lambda: served(spec, repeated, None, speculate)}
+    done = {name: runs[name]() for name in (reversed(BASES) if reverse else BASES)}
+    return {name: (*done[name], BASES[name]) for name in BASES}
 
 
 def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int) -> None:
@@ -85,13 +93,14 @@ def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int)
     fresh = repetitive_prompts(vocab, 2 * len(STREAMS) * REQUESTS)  # every request of every phase its own
     repeated = repetitive_prompts(vocab, REPEATED)
     speculate = f"ngram:{max_draft}"
-    runs = [one_round(spec, fresh, repeated, speculate) for _ in range(rounds)]
+    expected = by_prompt(served(spec, fresh)[1])  # also warms the machine up before the first round
+    runs = [one_round(spec, fresh, repeated, speculate, expected, bool(i % 2)) for i in range(rounds)]
     first = runs[0]
     differ = {name: sum(outputs[key] != first[base][1][key] for key in outputs)
               for name, (_, outputs, _, base) in first.items() if name != base}
     predicted_plain = simulate(spec, calibration)["levels"] if calibration else None
-    rows = [("drafts", "streams", "decode tok/s", "speed-up", "accepted/proposed", "per step", "sim tok/s",
-             "sim speed-up")]
+    rows = [("drafts", "streams", "decode tok/s", "speed-up", "rounds' speed-ups", "accepted/proposed", "per step",
+             "sim tok/s", "sim speed-up")]
     for name, (levels, _, lines, base) in first.items():
         for i, level in enumerate(levels):
             rates = [run[name][0][i]["decode_tokens_per_s"] for run in runs]
@@ -108,7 +117,7 @@ def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int)
                 sim = f"{predicted_plain[i]['decode_tokens_per_s']:.1f}", "1.00"
             per_step = drafts["mean_accepted_per_step"]
             rows.append((name, str(level["concurrency"]), f"{statistics.median(rates):.1f}",
-                         f"{statistics.median(speed_ups):.2f}",
+                         f"{statistics.median(speed_ups):.2f}", f"{min(speed_ups):.2f}-{max(speed_ups):.2f}",
                          "-" if name == base else f"{drafts['accepted']}/{drafts['proposed']}",
                          "-" if per_step is None else f"{per_step:.2f}", *sim))
     same = "the same tokens with and without" if not any(differ.values()) else "requests whose tokens differ " \
