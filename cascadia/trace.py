@@ -5,9 +5,12 @@ it from its input, started and finished it, when its tokens came back), on the c
 each request by its metrics record. `chrome_trace` lays that out as one process per node and one for the
 coordinator: a node's "compute" track holds a complete event (`"ph": "X"`) per frame it computed, named by the
 frame's group and rows; its "link to NEXT" track the frame's way to the next stage (from the end of its compute to
-the next stage taking it in: the wire, and any wait in the next stage's queue). The coordinator's process holds the
-link into the first stage and each request as an async span from its arrival to its last token.
-`frame_times` gives each node's per-frame compute and onward link times, for comparing two timelines node by node.
+the next stage taking it in: the handling of its message, the wire, and any wait in the next stage's queue). The
+coordinator's process holds the link into the first stage and each request as an async span from its arrival to
+its last token.
+`frame_times` gives each node's per-frame compute and onward link times, for comparing two timelines node by node
+(a link there reaches the next stage's compute, so that it holds the whole of the message's handling: a run's node
+decodes a frame after taking it in).
 """
 
 from __future__ import annotations
@@ -78,12 +81,12 @@ def records_of(result: dict) -> list[RequestRecord]:
 
 def frame_times(frames: Iterable[FrameTiming], nodes: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
     """Per node and frame, in seconds: its "compute" time, and its "link" time (from the end of its compute to the
-    next stage taking the frame in, or, from the last stage, to its tokens reaching the coordinator)."""
+    next stage starting to compute the frame, or, from the last stage, to its tokens reaching the coordinator)."""
     frames = list(frames)
     times = {}
     for i, node in enumerate(nodes):
         ends = np.array([frame.stages[i].end for frame in frames])
-        onward = np.array([frame.stages[i + 1].received if i + 1 < len(nodes) else frame.done for frame in frames])
+        onward = np.array([frame.stages[i + 1].start if i + 1 < len(nodes) else frame.done for frame in frames])
         times[node] = {"compute": ends - np.array([frame.stages[i].start for frame in frames]),
                        "link": onward - ends}
     return times

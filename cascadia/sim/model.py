@@ -79,6 +79,7 @@ class FrameCosts:
 
     stage_s: tuple[float, ...]
     hop_s: tuple[float, ...]
+    handling_s: tuple[float, ...]  # of stage_s: the messages' handling, outside a node's busy count (a trace's link)
 
 
 def message_sizes(shape: FrameShape, hidden: int, stages: int) -> list[int]:
@@ -118,6 +119,10 @@ class StageCost:
             axis = f", {KIND_AXES[kind]} {x:g}" if KIND_AXES[kind] else ""
             self._log.note(self._nodes, kind, f"rows {rows}{axis}")
         return value
+
+    def handling(self, shape: FrameShape) -> float:
+        """The part of the stage's time that handles the frame's messages (per frame and per row)."""
+        return self._node.frame_s + self._node.row_s * shape.rows
 
     def _fixed_time(self, padded: int, rows: int) -> float:
         """Everything but attention and the head: MLPs, embedding, overheads."""
@@ -352,7 +357,8 @@ class PipelineModel:
             hop_s[compute] = time
             if wire is not None:
                 hop_s[wire] = size / link.bandwidth
-        return FrameCosts(stage_s, tuple(hop_s))
+        handling_s = tuple(self.costs[cost].handling(shape) for cost in self._cost_index)
+        return FrameCosts(stage_s, tuple(hop_s), handling_s)
 
     def _enter(self, leg: Leg, costs: FrameCosts, t: float, served: list | None = None) -> float:
         """A frame entering `leg` at `t` counts its stages' busy time and takes its exclusive hops in turn; returns
@@ -409,13 +415,17 @@ class PipelineModel:
 
     def _fly_served(self, frame: Frame, land: Callable[[Frame], None]):
         """`_fly`, keeping when each hop served the frame, and its timing for a trace: a stage takes a frame in as
-        it starts computing it (a node reads its input when it is free: the wait is the link's, as in a run's)."""
+        it starts computing it (a node reads its input when it is free: the wait is the link's, as in a run's), and
+        its compute ends before the messages' handling, which a run's node does outside its compute too (so that
+        in both timelines a link holds the handling, the wire and the wait)."""
         sent, served = self.env.now, [None] * len(self._latency)
         self._flying[frame.seq] = served
         yield from self.carry(frame, served)
         del self._flying[frame.seq]
         if self.timings is not None:
-            stages = tuple(StageTiming(served[hop][0], *served[hop]) for hop in self._stage_hops)
+            handling = self.frame_costs(frame).handling_s
+            stages = tuple(StageTiming(served[hop][0], served[hop][0], served[hop][1] - handled)
+                           for hop, handled in zip(self._stage_hops, handling))
             self.timings.append(FrameTiming(frame.seq, frame.group, len(frame.rows), frame.padded_rows, sent, stages,
                                             self.env.now))
         land(frame)
