@@ -301,6 +301,9 @@ class Policy:
         in_flight = self._in_flight.get(frame.group)
         if in_flight is not frame and in_flight != frame:  # the same frame, as a rule: no need to compare its rows
             raise ValueError(f"frame {frame.seq} of group {frame.group} is not in flight")
+        if isinstance(tokens, dict):  # the interface before speculation: its keys would pass for tokens
+            raise TypeError(f"frame {frame.seq}: complete_frame takes the sampled rows' tokens in row order (a "
+                            f"sequence), not {{request id: token}}")
         if len(tokens) != len(frame.sampled_ids):
             raise ValueError(f"frame {frame.seq} samples {len(frame.sampled_ids)} rows, got {len(tokens)} tokens")
         del self._in_flight[frame.group]

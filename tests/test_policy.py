@@ -159,6 +159,8 @@ def test_misuse_is_an_error():
     f = p.next_frame(0)
     with pytest.raises(ValueError, match="samples 1 rows, got 0 tokens"):
         p.complete_frame(f, [])
+    with pytest.raises(TypeError, match="in row order"):
+        p.complete_frame(f, {0: 1})
     p.complete_frame(f, [1])
     with pytest.raises(ValueError, match="not in flight"):
         p.complete_frame(f, [1])
