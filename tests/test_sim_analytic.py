@@ -28,10 +28,10 @@ def test_memory_bound_tables_follow_the_bytes():
     sliding = layer_costs(spec.model)[0]
     ops = layer_ops(spec.model, 1)  # a MoE layer
     expert = layer_costs(spec.model)[1].expert_bytes
-    # attention: K/V of every row over the attended positions, on top of its weights
+    # attention: one stream's K/V over the attended positions, read once by its rows, on top of its weights
     weights = sum(ops[k].weight_bytes for k in ("input_norm", "attention", "attn_sconv"))
     t, _ = tables["sliding"].lookup(4, 16)
-    assert t == pytest.approx((weights + 4 * 16 * sliding.kv_bytes_per_position) / BANDWIDTH)
+    assert t == pytest.approx((weights + 16 * sliding.kv_bytes_per_position) / BANDWIDTH)
     # MoE: one more distinct expert costs one expert's bytes
     t6, _ = tables["moe"].lookup(8, 6)
     t7, _ = tables["moe"].lookup(8, 7)

@@ -1,4 +1,5 @@
 import json
+from collections import Counter
 from pathlib import Path
 
 import attrs
@@ -10,8 +11,8 @@ from sim_specs import calibration, even_plan, tiny_spec
 from cascadia.metrics import Recorder, format_table, summarize_level
 from cascadia.policy import Policy, Request
 from cascadia.sim.analytic import analytic_calibration
-from cascadia.sim.calibration import CalibrationError
-from cascadia.sim.model import PipelineModel, SharedHost, shared_hosts, stage_hosts
+from cascadia.sim.calibration import CalibrationError, Extrapolations
+from cascadia.sim.model import FrameShape, PipelineModel, SharedHost, StageCost, shared_hosts, stage_hosts
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import LengthSpec, LinkSpec, RuntimeSpec, SloSpec, WorkloadSpec
 from cascadia.workload import ClosedLoop, OpenLoop
@@ -87,6 +88,18 @@ def test_the_head_costs_only_the_rows_it_samples():
     # each decode row
     assert record.ttft == pytest.approx(2e-3, rel=1e-9)
     assert np.diff(record.token_times) == pytest.approx([2e-3, 2e-3], rel=1e-9)
+
+
+def test_rows_of_distinct_streams_each_read_their_own_keys():
+    spec = tiny_spec()  # row buckets 2, 4, 8
+    # a table row is one stream's rows: they read its keys once, so the context adds the same whatever the rows
+    cal = calibration(spec, lambda kind, r, x: 1e-4 * r + 1e-5 * x if kind in ("sliding", "global") else 0.0)
+    cost = StageCost("n0", Counter({"sliding": 1, "global": 1}), cal.nodes["n0"], spec.model.config, cal,
+                     Extrapolations(), spec.runtime.row_buckets)
+    window = FrameShape(padded_rows=4, rows=3, sliding_context=10.0, global_context=10.0, streams=1, sampled=1)
+    decode = attrs.evolve(window, streams=3, sampled=3)  # three streams' decode rows at context 10 on average
+    assert cost(window) == pytest.approx(2 * (1e-4 * 4 + 1e-5 * 10), rel=1e-12)
+    assert cost(decode) == pytest.approx(2 * (1e-4 * 4 + 1e-5 * 10 + 2 * 1e-5 * 10), rel=1e-12)
 
 
 def test_decode_slows_as_context_grows_until_the_window():

@@ -2,11 +2,11 @@
 
 Each table entry is max(bytes read / memory_bandwidth, FLOPs / compute_flops) for one layer and a frame of R rows
 (no compute term on a node without compute_flops):
-- attention (sliding, global) over C attended positions: its weights once, plus every row's K/V over C positions
-  (rows of distinct streams, as decode rows are; with `one_stream`, the K/V once: a frame of one request alone,
-  whose prompt window's rows share their stream's K/V and whose padding rows attend nothing, as in the engine and
-  in a measured table); FLOPs per row for the projections and the relative bias (over its bank of rel_extent
-  distances, whatever the context), plus attention FLOPs per row and position;
+- attention (sliding, global) over C attended positions: its weights once, plus one stream's K/V over C positions,
+  read once by the frame's rows (a table row is R rows of one stream, as a measured table's is; the simulator
+  charges rows of distinct streams, such as decode rows, each its own K/V: `cascadia.sim.model`); FLOPs per row for
+  the projections and the relative bias (over its bank of rel_extent distances, whatever the context), plus
+  attention FLOPs per row and position;
 - moe over D distinct experts touched: router, shared experts and D routed experts' weights, once per frame;
   FLOPs per row for the router, top-k routed and shared experts;
 - dense: the dense MLP's weights once; its FLOPs per row;
@@ -65,9 +65,9 @@ class _Roofline:
 Cost = Callable[[int, int], tuple[float, float]]
 
 
-def kind_costs(spec: Spec, one_stream: bool = False) -> dict[str, tuple[tuple[int, ...], Cost]]:
+def kind_costs(spec: Spec) -> dict[str, tuple[tuple[int, ...], Cost]]:
     """Each layer kind the model has: the grid of its second axis (() for none) and its bytes and FLOPs (attention's
-    K/V read by every row, or once with `one_stream`)."""
+    K/V read once: one stream's rows)."""
     cfg, runtime = spec.model.config, spec.runtime
     costs = layer_costs(spec.model, runtime)
     out: dict[str, tuple[tuple[int, ...], Cost]] = {}
@@ -83,7 +83,7 @@ def kind_costs(spec: Spec, one_stream: bool = False) -> dict[str, tuple[tuple[in
         attended = min(runtime.context_budget, cfg.sliding_window_size if attention == LayerKind.SLIDING else math.inf)
         out[attention] = (_doubling(1, attended),
                           lambda r, c, layer=layer, weights=weights, flops=flops: (
-                              weights + (1 if one_stream else r) * c * layer.kv_bytes_per_position,
+                              weights + c * layer.kv_bytes_per_position,
                               r * (flops + c * layer.attn_flops_per_position)))
     for mlp in (LayerKind.MOE, LayerKind.DENSE):
         if (layer := next((c for c in costs if c.mlp == mlp), None)) is None:
@@ -108,16 +108,16 @@ def _table(rows: tuple[int, ...], points: tuple[int, ...], time: Callable[[int, 
     return Table(rows, points, tuple(tuple(time(r, p) for p in points or (0,)) for r in rows))
 
 
-def analytic_calibration(spec: Spec, one_stream: bool = False) -> Calibration:
+def analytic_calibration(spec: Spec) -> Calibration:
     """Roofline tables for every node of the spec, and its links between consecutive nodes (the ring of stages).
     The tables reach the largest frame of the spec's workload: its most concurrent streams in one group (a grid for
     every slot of a huge `max_streams` would take longer to build than the simulation). Open-loop arrivals may fill
-    every slot. `one_stream`: for a request alone, a frame's rows read their stream's K/V once (see the module)."""
+    every slot."""
     workload = spec.workload
     streams = spec.runtime.max_streams if workload.rate else min(spec.runtime.max_streams, max(workload.concurrency))
     rows = row_grid(spec, streams)
     nodes = spec.cluster.nodes
-    kinds = kind_costs(spec, one_stream)
+    kinds = kind_costs(spec)
     per_node = {}
     for node in nodes:
         roofline = _Roofline(node)

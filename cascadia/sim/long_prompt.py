@@ -46,7 +46,7 @@ def simulate_long_prompt(spec: Spec, calibration: Calibration | None, prompt_tok
     plan for one stream), with `calibration` (None: analytic, from the spec's hardware figures at this budget, its
     K/V read once per frame as the engine reads a lone stream's)."""
     alone, notes = one_stream(spec, prompt_tokens, output_tokens)
-    result = simulate(alone, calibration or analytic_calibration(alone, one_stream=True))
+    result = simulate(alone, calibration or analytic_calibration(alone))
     [level] = result["levels"]
     return LongPrompt(prompt_tokens, level["ttft_s"]["p50"], level["tpot_s"]["p50"],
                       tuple(notes + result["warnings"]))

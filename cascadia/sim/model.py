@@ -11,7 +11,9 @@ S_k = 1). A link is a capacity-1 resource held for bytes / bandwidth, then the m
 
 A stage's time for a frame is its node's overheads (per frame, per real row, per stream) plus its layers' calibrated
 times at the frame's padded rows: attention at the mean attended positions of the frame's rows (each row attends its
-position + 1, at most a sliding layer's window), MoE at the expected distinct experts touched by the real rows; the
+position + 1, at most a sliding layer's window; a table row holds one stream's rows, which read its keys once, so
+each further stream of the frame adds its own keys at the per-position slope of the table's fewest rows), MoE at the
+expected distinct experts touched by the real rows; the
 head at the sampled rows padded to a bucket, as the last stage computes it (none for the middle of a prompt). The
 simulator computes no tokens: every sampled token is PLACEHOLDER_TOKEN and requests run to max_new_tokens. It is
 deterministic: simultaneous events keep SimPy's scheduling order, which depends on nothing random.
@@ -19,6 +21,7 @@ deterministic: simultaneous events keep SimPy's scheduling order, which depends 
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
 from operator import itemgetter
@@ -111,6 +114,10 @@ class StageCost:
         self._buckets = buckets
         self._fixed: dict[tuple[int, int], float] = {}
         self._head: dict[int, float] = {}  # by sampled rows
+        # seconds per attended position of one stream, by attention kind: the slope of its table's fewest rows
+        # along the context (a fit over every point, so that one noisy point does not make it)
+        self._per_position = [_slope(node.tables[kind].points, node.tables[kind].time_s[0])
+                              for kind in (LayerKind.SLIDING, LayerKind.GLOBAL) if kinds.get(kind)]
         self._attention: dict[int, list[tuple[int, str, tuple[float, ...], tuple[float, ...]]]] = {}
 
     def _lookup(self, kind: str, rows: int, x: float | None = None) -> float:
@@ -162,13 +169,22 @@ class StageCost:
         if shape.sampled not in self._head:
             self._head[shape.sampled] = self._head_time(shape.sampled)
         total = self._fixed[key] + self._head[shape.sampled] + self._node.stream_s * shape.streams
-        for count, kind, points, column in self._attention[shape.padded_rows]:
+        others = shape.streams - 1  # a table row is one stream's rows; each other stream reads its own keys too
+        for (count, kind, points, column), per_position in zip(self._attention[shape.padded_rows],
+                                                               self._per_position):
             context = shape.sliding_context if kind == LayerKind.SLIDING else shape.global_context
             value, outside = interpolate(points, column, context)
             if outside:
                 self._log.note(self._nodes, kind, f"context {context:g}")
-            total += count * value
+            total += count * (value + others * per_position * context)
         return total
+
+
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """The least-squares slope of ys over xs, at least zero (a table too noisy to rise gives none)."""
+    if len(xs) < 2:
+        return 0.0
+    return max(0.0, statistics.linear_regression(xs, ys).slope)
 
 
 def stage_hosts(spec: Spec, plan: Plan) -> list[str]:
