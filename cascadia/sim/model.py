@@ -13,8 +13,8 @@ A stage's time for a frame is its node's overheads (per frame, per real row, per
 times at the frame's padded rows: attention at the mean attended positions of the frame's rows (each row attends its
 position + 1, at most a sliding layer's window; a table row holds one stream's rows, which read its keys once, so
 each further stream of the frame adds its own keys at the per-position slope of the table's fewest rows), MoE at the
-expected distinct experts touched by the real rows; the
-head at the sampled rows padded to a bucket, as the last stage computes it (none for the middle of a prompt). The
+expected distinct experts touched by the real rows; the head at the sampled rows padded to a bucket, as the last
+stage computes it (none for the middle of a prompt). The
 simulator computes no tokens: every sampled token is PLACEHOLDER_TOKEN and requests run to max_new_tokens. It is
 deterministic: simultaneous events keep SimPy's scheduling order, which depends on nothing random.
 """
@@ -82,7 +82,6 @@ class FrameCosts:
 
     stage_s: tuple[float, ...]
     hop_s: tuple[float, ...]
-    handling_s: tuple[float, ...]  # of stage_s: the messages' handling, outside a node's busy count (a trace's link)
 
 
 def message_sizes(shape: FrameShape, hidden: int, stages: int) -> list[int]:
@@ -114,11 +113,7 @@ class StageCost:
         self._buckets = buckets
         self._fixed: dict[tuple[int, int], float] = {}
         self._head: dict[int, float] = {}  # by sampled rows
-        # seconds per attended position of one stream, by attention kind: the slope of its table's fewest rows
-        # along the context (a fit over every point, so that one noisy point does not make it)
-        self._per_position = [_slope(node.tables[kind].points, node.tables[kind].time_s[0])
-                              for kind in (LayerKind.SLIDING, LayerKind.GLOBAL) if kinds.get(kind)]
-        self._attention: dict[int, list[tuple[int, str, tuple[float, ...], tuple[float, ...]]]] = {}
+        self._attention: dict[int, list[tuple[int, str, tuple[float, ...], tuple[float, ...], float]]] = {}
 
     def _lookup(self, kind: str, rows: int, x: float | None = None) -> float:
         value, outside = self._node.tables[kind].lookup(rows, x)
@@ -127,13 +122,13 @@ class StageCost:
             self._log.note(self._nodes, kind, f"rows {rows}{axis}")
         return value
 
-    def handling(self, shape: FrameShape) -> float:
-        """The part of the stage's time that handles the frame's messages (per frame and per row)."""
-        return self._node.frame_s + self._node.row_s * shape.rows
+    def handling(self, rows: int) -> float:
+        """The part of the stage's time that handles a frame's messages: per frame and per real row."""
+        return self._node.frame_s + self._node.row_s * rows
 
     def _fixed_time(self, padded: int, rows: int) -> float:
         """Everything but attention and the head: MLPs, embedding, overheads."""
-        total = self._node.frame_s + self._node.row_s * rows
+        total = self.handling(rows)
         for kind, count in self._kinds.items():
             if kind == LayerKind.MOE:
                 experts, outside = self._calibration.distinct_experts(rows, self._top_k, self._experts)
@@ -149,7 +144,10 @@ class StageCost:
             return 0.0
         return self._lookup(LayerKind.HEAD, padded_size(sampled, self._buckets))
 
-    def _attention_columns(self, padded: int) -> list[tuple[int, str, tuple[float, ...], tuple[float, ...]]]:
+    def _attention_columns(self, padded: int) -> list[tuple[int, str, tuple[float, ...], tuple[float, ...], float]]:
+        """Per attention kind: its layers, its context points, its times there at `padded` rows, and one stream's
+        seconds per attended position (the slope of the table's fewest rows along the context: a fit over every
+        point, so that one noisy point does not make it)."""
         columns = []
         for kind in (LayerKind.SLIDING, LayerKind.GLOBAL):
             if count := self._kinds.get(kind):
@@ -157,7 +155,7 @@ class StageCost:
                 column, outside = table.column(padded)
                 if outside:
                     self._log.note(self._nodes, kind, f"rows {padded}")
-                columns.append((count, kind, table.points, column))
+                columns.append((count, kind, table.points, column, _slope(table.points, table.time_s[0])))
         return columns
 
     def __call__(self, shape: FrameShape) -> float:
@@ -170,8 +168,7 @@ class StageCost:
             self._head[shape.sampled] = self._head_time(shape.sampled)
         total = self._fixed[key] + self._head[shape.sampled] + self._node.stream_s * shape.streams
         others = shape.streams - 1  # a table row is one stream's rows; each other stream reads its own keys too
-        for (count, kind, points, column), per_position in zip(self._attention[shape.padded_rows],
-                                                               self._per_position):
+        for count, kind, points, column, per_position in self._attention[shape.padded_rows]:
             context = shape.sliding_context if kind == LayerKind.SLIDING else shape.global_context
             value, outside = interpolate(points, column, context)
             if outside:
@@ -373,8 +370,7 @@ class PipelineModel:
             hop_s[compute] = time
             if wire is not None:
                 hop_s[wire] = size / link.bandwidth
-        handling_s = tuple(self.costs[cost].handling(shape) for cost in self._cost_index)
-        return FrameCosts(stage_s, tuple(hop_s), handling_s)
+        return FrameCosts(stage_s, tuple(hop_s))
 
     def _enter(self, leg: Leg, costs: FrameCosts, t: float, served: list | None = None) -> float:
         """A frame entering `leg` at `t` counts its stages' busy time and takes its exclusive hops in turn; returns
@@ -439,7 +435,7 @@ class PipelineModel:
         yield from self.carry(frame, served)
         del self._flying[frame.seq]
         if self.timings is not None:
-            handling = self.frame_costs(frame).handling_s
+            handling = [self.costs[cost].handling(len(frame.rows)) for cost in self._cost_index]
             stages = tuple(StageTiming(served[hop][0], served[hop][0], served[hop][1] - handled)
                            for hop, handled in zip(self._stage_hops, handling))
             self.timings.append(FrameTiming(frame.seq, frame.group, len(frame.rows), frame.padded_rows, sent, stages,
