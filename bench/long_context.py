@@ -16,10 +16,12 @@ process may use, one stream. Its random checkpoint (bf16) is written once to CHE
   alone     one global layer's attention for one decode row at N, by itself (median of ATTENTION_REPEATS calls):
             on one thread and on the pool of every core, against the time to read its keys and values at that
             bandwidth
-With --attention-only, just one global layer's attention for one decode row at each N, without the model: the
+With --attention-only, just one global layer's attention at each N, without the model: for one decode row, the
 engine's spans (bf16 and f32 K/V, one thread and every thread) against OpenVINO's ScaledDotProductAttention on the
 same f32 keys and values passed in place ([1, kv, N, d]; the query heads of a K/V head as its query rows; the
-bias as an additive mask), with the largest difference between their outputs.
+bias as an additive mask), with the largest difference between their outputs; for a prompt's chunk of
+PREFILL_CHUNK rows at N (bf16 K/V, every thread), the spans alone against the engine's fused far keys (its default
+from FUSED_ROWS rows), with their largest difference relative to the largest output.
 Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the measured N), their predictions at 64k
 and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
 TTFT 22 s at 1k, 110 min at 64k). Not a test: it prints tables.
@@ -198,6 +200,30 @@ def sdpa_ms(shape: AttentionShape, store: PagedKV, positions: int, row: tuple[np
     return 1e3 * statistics.median(times[1:]), request.get_output_tensor(0).data.reshape(1, 1, -1)
 
 
+def prompt_chunk(shape: AttentionShape, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """q, k, v, rel of a chunk of PREFILL_CHUNK prompt rows."""
+    q = rng.standard_normal((1, PREFILL_CHUNK, shape.heads, shape.head_dim), dtype=np.float32)
+    k, v = (rng.standard_normal((1, PREFILL_CHUNK, shape.kv_heads, shape.head_dim), dtype=np.float32) for _ in "kv")
+    return q, k, v, rng.standard_normal((1, PREFILL_CHUNK, shape.heads, shape.bias_extent), dtype=np.float32)
+
+
+def chunk_ms(shape: AttentionShape, store: PagedKV, positions: int, chunk: tuple[np.ndarray, ...], fused: bool
+             ) -> tuple[float, np.ndarray]:
+    """ms of the engine's attention for `chunk` at `positions` over `store` (median of 3), its far keys fused or
+    in spans alone, and its output."""
+    default = attention.FUSED_ROWS
+    attention.FUSED_ROWS = default if fused else PREFILL_CHUNK + 1
+    try:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            out = attention.attend(shape, *chunk, store, np.array([0]), np.array([positions]))
+            times.append(time.perf_counter() - start)
+    finally:
+        attention.FUSED_ROWS = default
+    return 1e3 * statistics.median(times), out
+
+
 def attention_only(config: InklingConfig, contexts: list[int], rng: np.random.Generator) -> None:
     layer = next(i for i in range(config.num_hidden_layers) if not config.is_sliding(i))
     heads, kv_heads, head_dim = config.heads(layer)
@@ -211,12 +237,17 @@ def attention_only(config: InklingConfig, contexts: list[int], rng: np.random.Ge
         f32_store = random_store(shape, n, "f32", rng)
         f32 = [spans_ms(shape, f32_store, n, row, t) for t in sorted(pool_of)]
         openvino_ms, openvino_out = sdpa_ms(shape, f32_store, n, row)
+        chunk_store = random_store(shape, n + PREFILL_CHUNK - 1, "bf16", rng)
+        chunk = prompt_chunk(shape, rng)
+        (spans, spans_out), (fused, fused_out) = (chunk_ms(shape, chunk_store, n, chunk, f) for f in (False, True))
         rows.append((f"{n:,}", *(f"{t:.2f}" for t in bf16), *(f"{t:.2f}" for t, _ in f32), f"{openvino_ms:.2f}",
-                     f"{np.abs(openvino_out - f32[0][1]).max():.1e}"))
+                     f"{np.abs(openvino_out - f32[0][1]).max():.1e}", f"{spans:.0f}", f"{fused:.0f}",
+                     f"{spans / fused:.2f}", f"{np.abs(fused_out - spans_out).max() / np.abs(spans_out).max():.1e}"))
     threads = [f"{t} thread{'s' * (t > 1)}" for t in sorted(pool_of)]
-    print(format_rows([("context", *(f"spans bf16, {t} ms" for t in threads),
+    print(format_rows([("context", *(f"decode row: spans bf16, {t} ms" for t in threads),
                         *(f"spans f32, {t} ms" for t in threads), f"OpenVINO SDPA f32 ({cores} cores) ms",
-                        "max |difference|"), *rows]))
+                        "max |difference|", f"chunk of {PREFILL_CHUNK}: spans ms", "fused ms", "spans / fused",
+                        "relative difference"), *rows]))
 
 
 pool_of = {n: ThreadPoolExecutor(n) for n in {1, len(os.sched_getaffinity(0))}}

@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 
 from cascadia.engine import attention
-from cascadia.engine.attention import SPAN_KEYS
+from cascadia.engine.attention import FUSED_KEYS, FUSED_ROWS, SPAN_KEYS, AttentionShape
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.init_model import init_model
+from cascadia.engine.kv_store import BlockPool, PagedKV
+from cascadia.engine.state_format import StateFormat
 from cascadia.graph.planner import plan as make_plan
 from cascadia.model_config import InklingConfig
 from cascadia.pipeline.run import Pipeline
@@ -60,20 +62,33 @@ def greedy_continuation(engine: Engine, prompt: np.ndarray, n: int, slot: int = 
     return tokens, np.stack(rows)
 
 
-@pytest.mark.parametrize("row_buckets, span_keys", [((1, 2, 8, 16, 24, 32), SPAN_KEYS), ((1, 8, 256), SPAN_KEYS),
-                                                    ((1, 8, 256), 192)],
-                         ids=["chunks-32", "chunks-256", "chunks-256-spans-192"])
+@pytest.mark.parametrize("row_buckets, span_keys, fused_keys", [((1, 2, 8, 16, 24, 32), SPAN_KEYS, FUSED_KEYS),
+                                                                ((1, 8, 256), SPAN_KEYS, FUSED_KEYS),
+                                                                ((1, 8, 256), 192, 128)],
+                         ids=["chunks-32", "chunks-256", "chunks-256-spans-192-fused-128"])
 def test_chunked_prefill_and_greedy_decode_match_transformers(long_checkpoint, reference, row_buckets, span_keys,
-                                                              monkeypatch):
-    """Attention over the global layers' keys in spans of SPAN_KEYS (two spans at the end) and of 192 keys (32
-    spans, 3 blocks each, combined on the thread pool)."""
+                                                              fused_keys, monkeypatch):
+    """Chunks of 32 rows attend in spans alone; chunks of 256 read their far keys fused (in one piece; in pieces
+    of 128 keys, 2 blocks, each folding the ones before into its sink). Spans of SPAN_KEYS (two spans at the end)
+    and of 192 keys (32 spans, 3 blocks each, combined on the thread pool)."""
+    assert 32 < FUSED_ROWS <= 256
     monkeypatch.setattr(attention, "SPAN_KEYS", span_keys)
+    monkeypatch.setattr(attention, "FUSED_KEYS", fused_keys)
+    fused_calls = []
+    fused = attention._fused
+    monkeypatch.setattr(attention, "_fused", lambda *args: fused_calls.append(args[4]) or fused(*args))
     engine = Engine(Checkpoint.open(long_checkpoint), long_runtime(row_buckets=row_buckets), threads=1)
     prompt = reference["prompt_ids"]
     assert_close(engine.score(prompt)[reference["positions"]], reference["prompt_logits"])
     tokens, logits = greedy_continuation(engine, prompt, len(reference["greedy_ids"]), slot=1)
     assert tokens == reference["greedy_ids"].tolist()
     assert_close(logits, reference["greedy_logits"])
+    if max(row_buckets) < FUSED_ROWS:
+        assert not fused_calls
+    else:  # every chunk after the first has far keys, in both global layers, in both prefills (score, then slot 1)
+        chunks = -(-len(prompt) // max(row_buckets))
+        assert len(fused_calls) == 2 * 2 * (chunks - 1)
+        assert (max(fused_calls) > fused_keys) == (fused_keys < FUSED_KEYS)  # several pieces only when asked
 
 
 def test_the_pipeline_matches_transformers_at_long_positions(spec, long_checkpoint, reference):
@@ -88,3 +103,29 @@ def test_the_pipeline_matches_transformers_at_long_positions(spec, long_checkpoi
         logits = pipeline.score(np.r_[prompt, greedy[:-1]], prefill=len(prompt))
     assert_close(logits[reference["positions"]], reference["prompt_logits"])
     assert_close(logits[len(prompt) - 1:], reference["greedy_logits"])
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_fused_far_keys_agree_with_spans_for_streams_at_different_positions(precision, monkeypatch):
+    """Two streams' chunks of 64 rows in one call, at positions 1,000 and 2,600 of a paged store (non-consecutive
+    blocks), log-scaled with a bias bank: fused (in pieces of 512 keys) against the spans alone."""
+    shape = AttentionShape(8, 2, 32, None, 48, (64, 0.4))
+    pool = BlockPool(64, 64, 3)
+    store = PagedKV(pool, shape.kv_heads, shape.head_dim, StateFormat(precision))
+    rng = np.random.default_rng(0)
+    first, slots, n = np.array([1000, 2600]), np.array([2, 0]), 64
+    for start in range(0, 2600, 100):  # interleaved, so that neither stream's blocks lie in a row
+        for slot, length in zip(slots, first):
+            if start < length:
+                at = np.arange(start, min(start + 100, length))[None]
+                pool.grow({int(slot): int(at.max()) + 1})
+                store.write(np.array([slot]), at, *rng.standard_normal((2, 1, at.shape[1], 2, 32), np.float32))
+    pool.grow({int(slot): int(length) + n for slot, length in zip(slots, first)})
+    q = rng.standard_normal((2, n, 8, 32), np.float32) * 3
+    k, v = rng.standard_normal((2, 2, n, 2, 32), np.float32)
+    rel = rng.standard_normal((2, n, 8, 48), np.float32)
+    monkeypatch.setattr(attention, "FUSED_KEYS", 512)
+    fused = attention.attend(shape, q, k, v, rel, store, slots, first)
+    monkeypatch.setattr(attention, "FUSED_ROWS", n + 1)
+    spans = attention.attend(shape, q, k, v, rel, store, slots, first)
+    assert np.abs(fused - spans).max() <= 1e-6 * np.abs(spans).max()

@@ -1,5 +1,5 @@
 """Attention over a stream's keys and values, in spans of keys on a thread pool, with the relative-position bias
-only where it is non-zero.
+only where it is non-zero; a prompt's chunk reads its far keys through OpenVINO's fused attention.
 
 A long context is read once per row of a call: at 64k positions the keys and values of one global layer are
 megabytes, so attention is memory-bound. The keys are cut into spans of SPAN_KEYS entries; each span's scores,
@@ -9,6 +9,17 @@ the softmax of their union (the flash-attention rescaling: each span's sum and o
 The bias bank covers distances 0..X-1 only: spans wholly farther from every row add none, so a stream at 64k
 positions gathers the bias of its last X keys, not of all of them. Log-scaling multiplies the queries and the bank
 at each row's own position.
+
+A chunk of a long prompt (FUSED_ROWS rows of a stream or more, on a global layer) is compute-bound: its scores are
+rows x keys, and numpy's passes over them (scale, max, exponential, sum) cost several times the two matmuls. The
+keys that every row of the chunk sees whole, beyond the bias bank (all but the last few hundred), need neither mask
+nor bias, and OpenVINO's ScaledDotProductAttention computes them without writing the scores out. It returns a
+normalised output, not the softmax's sum, so the spans' part (the nearest keys) enters it as one more key, a sink:
+its score is their log-sum-exp (a column the queries gain, against the sink key's 1 there; the other keys' 0) and
+its value is 1 in a column of its own (the other values' 0). That column of the output is the near part's share of
+the whole softmax, and the other columns are the far keys' part already weighted by theirs: output = far part +
+share x near output, exact to f32 rounding (about 1e-6 of the output against the spans alone). Far keys go in
+pieces of FUSED_KEYS (bounding the copies into that layout), each folding the ones before into its sink.
 
 Shapes: G streams of n rows each, h query heads, kv key/value heads, d head dim, X bias extent, m keys, s a span's.
 """
@@ -21,11 +32,19 @@ from functools import cache
 
 import attrs
 import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
 
+from cascadia.engine.device import compile_options, core
 from cascadia.engine.kv_store import PagedKV, SlotRing
 
 KeyStore = SlotRing | PagedKV
 SPAN_KEYS = 4096  # keys per span: 4096 x 64 dims of f32 keys and values are 2 MiB, about a core's share of L3
+# a stream's rows in a call from which its far keys go through the fused attention: below, copying them into its
+# layout costs more than it saves (measured on a 2-core AMD EPYC: the same at 32 rows, 1.2-1.8x faster at 64, 2.7-3.8x
+# at 256, at 4k-64k positions)
+FUSED_ROWS = 64
+FUSED_KEYS = 32768  # far keys per fused call
 
 
 @attrs.frozen
@@ -60,7 +79,8 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
     a key an earlier row of the same chunk still sees; a global layer's paged store never wraps. Keys are attended
     in entry order (softmax does not care); each key's position, for the mask and the bias, follows from its entry.
     A stream reads the first m entries, m the most any of the G has filled, and masks the entries it has not filled
-    itself."""
+    itself. A prompt's chunk (`FUSED_ROWS` rows or more) on a global layer reads its far keys fused (see the
+    module's text), one stream at a time."""
     streams, n = q.shape[:2]
     positions = first[:, None] + np.arange(n)  # [G, n]
     store.write(slots, positions, k, v)
@@ -72,17 +92,87 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
         q, rel = q * tau, rel * tau
     # Query head i reads kv head i // (h / kv): group the queries of one kv head as rows of one matmul.
     grouped_q = q.transpose(0, 2, 1, 3).reshape(streams, shape.kv_heads, -1, shape.head_dim)  # [G, kv, (h/kv) n, d]
+    far = _far_keys(shape, store, first) if n >= FUSED_ROWS else np.zeros(streams, np.int64)
+    if not far.any():
+        top, total, out = _spans(shape, grouped_q, rel, store, slots, positions, last, ring, filled, 0)
+        out /= total[..., None]
+    else:
+        out = np.concatenate([_fused(shape, grouped_q[g], store, int(slots[g]), int(far[g]),
+                                     *_spans(shape, grouped_q[g, None], rel[g, None], store, slots[g, None],
+                                             positions[g, None], last[g, None], ring, filled[g, None], int(far[g])))
+                              for g in range(streams)])
+    return out.reshape(streams, shape.heads, n, shape.head_dim).transpose(0, 2, 1, 3).reshape(streams, n, -1)
+
+
+def _spans(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store: KeyStore, slots: np.ndarray,
+           positions: np.ndarray, last: np.ndarray, ring: int, filled: np.ndarray, begin: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Entries begin..(the most filled)-1 in spans on the thread pool, combined: the scores' max per row
+    [G, kv, h/kv, n], the sum of exp(score - max) and the unnormalised output [G, kv, h/kv, n, d]."""
     step = SPAN_KEYS if store.span is not None else max(1, SPAN_KEYS // store.pool.block) * store.pool.block
-    spans = [(start, min(start + step, int(filled.max()))) for start in range(0, int(filled.max()), step)]
+    end = int(filled.max())
+    spans = [(start, min(start + step, end)) for start in range(begin, end, step)]
 
     def span(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return _span(shape, grouped_q, rel, store, slots, positions, last, ring, filled, *bounds)
     parts = [span(spans[0])] if len(spans) == 1 else list(_threads().map(span, spans))
-    top = np.maximum.reduce([p[0] for p in parts])  # [G, kv, h/kv, n]
+    top = np.maximum.reduce([p[0] for p in parts])
     weights = [np.exp(p[0] - top) for p in parts]
     total = sum(w * p[1] for w, p in zip(weights, parts))
-    out = sum(w[..., None] * p[2] for w, p in zip(weights, parts)) / total[..., None]  # [G, kv, h/kv, n, d]
-    return out.reshape(streams, shape.heads, n, shape.head_dim).transpose(0, 2, 1, 3).reshape(streams, n, -1)
+    return top, total, sum(w[..., None] * p[2] for w, p in zip(weights, parts))
+
+
+def _far_keys(shape: AttentionShape, store: KeyStore, first: np.ndarray) -> np.ndarray:
+    """[G] entries 0..far-1 of each stream that every one of its rows sees whole, beyond the bias bank (a global
+    layer's positions up to first - bias_extent), in whole blocks; 0 on a sliding layer."""
+    if store.span is not None:
+        return np.zeros(len(first), np.int64)
+    block = store.pool.block
+    return np.maximum(first - shape.bias_extent + 1, 0) // block * block
+
+
+def _fused(shape: AttentionShape, grouped_q: np.ndarray, store: PagedKV, slot: int, far: int, top: np.ndarray,
+           total: np.ndarray, near: np.ndarray) -> np.ndarray:
+    """One stream's attention [1, kv, h/kv, n, d] from the spans' part over its entries far.. (`top`, `total`,
+    `near`: `_spans`' for this stream) and its entries 0..far-1 through the fused attention, a piece at a time
+    (see the module's text)."""
+    kv, d = shape.kv_heads, shape.head_dim
+    queries = grouped_q.shape[1]  # (h/kv) n
+    out = (near / total[..., None]).reshape(kv, queries, d)
+    lse = (top + np.log(total)).reshape(kv, queries)
+    q = np.zeros((1, kv, queries, d + 1), np.float32)
+    q[0, :, :, :d] = grouped_q
+    step = max(1, FUSED_KEYS // store.pool.block) * store.pool.block
+    for start in range(0, far, step):
+        keys, values = store.read(np.array([slot]), start, min(start + step, far))  # [1, b, kv, B, d]
+        blocks, block = keys.shape[1], keys.shape[3]
+        k, v = (np.zeros((1, kv, blocks * block + 1, d + 1), np.float32) for _ in "kv")
+        for padded, stored in ((k, keys), (v, values)):
+            padded[0, :, :-1, :d].reshape(kv, blocks, block, d)[...] = stored[0].transpose(1, 0, 2, 3)
+            padded[0, :, -1, d] = 1  # the sink: key 1 against the queries' log-sum-exp; value 1 in its own column
+        q[0, :, :, d] = lse * d  # the attention scales scores by 1/d
+        piece = _fused_attention(kv, d + 1)(q, k, v)  # [1, kv, (h/kv) n, d + 1]
+        share = piece[0, :, :, d]  # of the keys before this piece
+        out = piece[0, :, :, :d] + share[..., None] * out
+        lse -= np.log(share)
+    return out.reshape(1, kv, shape.heads // kv, -1, d)
+
+
+@cache
+def _fused_attention(kv_heads: int, width: int):
+    """OpenVINO's ScaledDotProductAttention in f32 for q [1, kv, rows, width], k and v [1, kv, keys, width], scores
+    scaled by 1 / (width - 1) (the head dim: see the module's text), on this process's CPUs; a callable of the three
+    arrays returning its output, valid until the next call."""
+    params = [ops.parameter([1, kv_heads, -1, width], ov.Type.f32, name=name) for name in "qkv"]
+    scale = ops.constant(np.float32(1 / (width - 1)))
+    model = ov.Model([ops.scaled_dot_product_attention(*params, scale=scale)], params, "attention")
+    request = core().compile_model(model, "CPU", compile_options("f32", len(os.sched_getaffinity(0)))
+                                   ).create_infer_request()
+
+    def run(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        request.infer({"q": q, "k": k, "v": v}, share_inputs=True)
+        return request.get_output_tensor(0).data
+    return run
 
 
 def _span(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store: KeyStore, slots: np.ndarray,
