@@ -35,6 +35,8 @@ and whether the issue's targets are met: at 1 stream >= 50% of the roofline and 
 
 from __future__ import annotations
 
+import cascadia  # noqa: F401  # isort: skip  first: numpy's BLAS reads its thread count (one) when it loads
+
 import argparse
 import multiprocessing
 import os
@@ -50,7 +52,6 @@ import numpy as np
 import openvino as ov
 from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
-import cascadia  # noqa: F401  before numpy, as in every cascadia command: numpy's BLAS keeps to one thread
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import Compiled, CompiledBlock, compile_options, core, device_precision, runs_as

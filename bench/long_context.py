@@ -31,6 +31,8 @@ TTFT 22 s at 1k, 110 min at 64k). Not a test: it prints tables.
 
 from __future__ import annotations
 
+import cascadia  # noqa: F401  # isort: skip  first: numpy's BLAS reads its thread count (one) when it loads
+
 import argparse
 import os
 import statistics
@@ -44,7 +46,6 @@ import openvino.opset13 as ops
 from engine import memory_bandwidth
 from random_model import FORMATS, QUICK_MID, random_checkpoint
 
-import cascadia  # noqa: F401  before numpy's first BLAS call, as in every cascadia command
 import cascadia.engine.inkling as inkling
 from cascadia.engine import attention
 from cascadia.engine.attention import AttentionShape

@@ -25,6 +25,8 @@ Not a test: it prints a table.
 
 from __future__ import annotations
 
+import cascadia  # noqa: F401  # isort: skip  first: numpy's BLAS reads its thread count (one) when it loads
+
 import argparse
 import multiprocessing
 import os
@@ -40,7 +42,6 @@ import numpy as np
 from random_model import FORMATS as BENCH_FORMATS
 from random_model import MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
-import cascadia  # noqa: F401  before numpy, as in every cascadia command: numpy's BLAS keeps to one thread
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, core, runs_as

@@ -3,7 +3,8 @@
 OpenVINO runs the weight-heavy blocks (`CompiledBlock`s: the q|k|v|r and o projections, the dense SwiGLU or the
 experts) at the engine's precision on compressed weights; everything between them runs here in FP32, as the
 reference keeps it: norms, the four short convolutions with their per-stream states, the router, attention with
-its relative-position bias, residuals, and the FP32 restoration of the MLP's output.
+its relative-position bias (a prompt chunk's far keys through OpenVINO's fused attention, also in FP32: see
+`cascadia.engine.attention`), residuals, and the FP32 restoration of the MLP's output.
 
     DecoderLayer.forward(x [T, H])
       h = input_layernorm(x)
