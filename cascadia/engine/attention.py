@@ -35,6 +35,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from cascadia.engine import scratch
 from cascadia.engine.device import compile_options, core
 from cascadia.engine.kv_store import PagedKV, SlotRing
 
@@ -146,9 +147,11 @@ def _fused(shape: AttentionShape, grouped_q: np.ndarray, store: PagedKV, slot: i
     for start in range(0, far, step):
         keys, values = store.read(np.array([slot]), start, min(start + step, far))  # [1, b, kv, B, d]
         blocks, block = keys.shape[1], keys.shape[3]
-        k, v = (np.zeros((1, kv, blocks * block + 1, d + 1), np.float32) for _ in "kv")
+        k, v = (scratch.array(f"fused {name}", (1, kv, blocks * block + 1, d + 1), np.float32) for name in "kv")
         for padded, stored in ((k, keys), (v, values)):
             padded[0, :, :-1, :d].reshape(kv, blocks, block, d)[...] = stored[0].transpose(1, 0, 2, 3)
+            padded[0, :, :-1, d] = 0
+            padded[0, :, -1] = 0
             padded[0, :, -1, d] = 1  # the sink: key 1 against the queries' log-sum-exp; value 1 in its own column
         q[0, :, :, d] = lse * d  # the attention scales scores by 1/d
         piece = _fused_attention(kv, d + 1)(q, k, v)  # [1, kv, (h/kv) n, d + 1]

@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from cascadia.engine import scratch
 from cascadia.engine.rows import BatchError
 from cascadia.engine.state_format import StateFormat
 
@@ -112,10 +113,16 @@ class PagedKV:
 
     def read(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """The blocks holding positions start..stop-1 of each stream (start a multiple of the block), keys and
-        values [G, blocks, kv, block, d] in f32."""
+        values [G, blocks, kv, block, d] in f32: views of the store, or this thread's `scratch` arrays, valid until
+        its next read."""
         table = self.pool.table(slots, self.pool.blocks_for(stop))[:, start // self.pool.block:]
         first, count = int(table[0, 0]), table.shape[1]
-        if len(slots) == 1 and np.array_equal(table[0], np.arange(first, first + count)):
-            at = slice(first, first + count)  # one stream's blocks in a row (as one stream alone takes them): a view
-            return self.fmt.decode(self.k[None, at]), self.fmt.decode(self.v[None, at])
-        return self.fmt.decode(self.k[table]), self.fmt.decode(self.v[table])
+        shape = table.shape + self.k.shape[1:]
+        out = []
+        for name, stored in (("keys", self.k), ("values", self.v)):
+            if len(slots) == 1 and np.array_equal(table[0], np.arange(first, first + count)):
+                blocks = stored[None, first: first + count]  # one stream's blocks in a row (as one alone takes them)
+            else:
+                blocks = np.take(stored, table, axis=0, out=scratch.array(f"gathered {name}", shape, stored.dtype))
+            out.append(self.fmt.decode(blocks, scratch.array(name, shape, np.float32)))
+        return out[0], out[1]

@@ -25,8 +25,10 @@ class StateFormat:
             return x
         return round_to_bf16(x) if self.precision == "bf16" else x.astype(np.float16)
 
-    def decode(self, stored: np.ndarray) -> np.ndarray:
-        """Stored values as f32 (f32: the same array)."""
+    def decode(self, stored: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Stored values as f32, into `out` (f32 of their shape) if given (f32: the same array, never a copy)."""
         if self.precision == "f32":
             return stored
-        return bf16_to_f32(stored) if self.precision == "bf16" else stored.astype(np.float32)
+        if self.precision == "bf16":
+            return bf16_to_f32(stored, out)
+        return stored.astype(np.float32) if out is None else np.copyto(out, stored) or out
