@@ -117,12 +117,11 @@ class PagedKV:
         its next read."""
         table = self.pool.table(slots, self.pool.blocks_for(stop))[:, start // self.pool.block:]
         first, count = int(table[0, 0]), table.shape[1]
-        shape = table.shape + self.k.shape[1:]
-        out = []
-        for name, stored in (("keys", self.k), ("values", self.v)):
-            if len(slots) == 1 and np.array_equal(table[0], np.arange(first, first + count)):
-                blocks = stored[None, first: first + count]  # one stream's blocks in a row (as one alone takes them)
-            else:
-                blocks = np.take(stored, table, axis=0, out=scratch.array(f"gathered {name}", shape, stored.dtype))
-            out.append(self.fmt.decode(blocks, scratch.array(name, shape, np.float32)))
-        return out[0], out[1]
+        if len(slots) == 1 and np.array_equal(table[0], np.arange(first, first + count)):
+            at = slice(first, first + count)  # one stream's blocks in a row (as one stream alone takes them): views
+            keys, values = self.k[None, at], self.v[None, at]
+        else:
+            shape = table.shape + self.k.shape[1:]
+            keys, values = (np.take(stored, table, axis=0, out=scratch.array(f"gathered {name}", shape, stored.dtype))
+                            for name, stored in (("keys", self.k), ("values", self.v)))
+        return self.fmt.decode(keys, "keys"), self.fmt.decode(values, "values")

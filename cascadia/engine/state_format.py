@@ -7,6 +7,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from cascadia.engine import scratch
 from cascadia.engine.quantize import bf16_to_f32, round_to_bf16
 
 _STORED = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
@@ -25,10 +26,15 @@ class StateFormat:
             return x
         return round_to_bf16(x) if self.precision == "bf16" else x.astype(np.float16)
 
-    def decode(self, stored: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Stored values as f32, into `out` (f32 of their shape) if given (f32: the same array, never a copy)."""
+    def decode(self, stored: np.ndarray, scratch_role: str | None = None) -> np.ndarray:
+        """Stored values as f32 (f32: the same array, never a copy), widened into this thread's `scratch` array for
+        `scratch_role` if one is named (valid until the thread asks for that role again)."""
         if self.precision == "f32":
             return stored
+        out = None if scratch_role is None else scratch.array(scratch_role, stored.shape, np.float32)
         if self.precision == "bf16":
             return bf16_to_f32(stored, out)
-        return stored.astype(np.float32) if out is None else np.copyto(out, stored) or out
+        if out is None:
+            return stored.astype(np.float32)
+        np.copyto(out, stored)
+        return out
