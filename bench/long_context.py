@@ -22,11 +22,16 @@ same f32 keys and values passed in place ([1, kv, N, d]; the query heads of a K/
 bias as an additive mask), with the largest difference between their outputs; for a prompt's chunk of
 PREFILL_CHUNK rows at N (bf16 K/V, every thread), the spans alone against the engine's fused far keys (its default
 from FUSED_ROWS rows), with their largest difference relative to the largest output.
+With --streams 1,2,4,8 --calibration CAL (a calibration of specs/mid-long.yaml), decode steps of G streams together
+at each N (their keys and values written straight into the stores, as beyond --ttft-max) against what the simulator
+charges that frame (`StageCost` of the calibration's node: one stream's table at the frame's padded rows, and each
+further stream's keys and values at the table's per-position slope): a check of that charge on many long streams.
 Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the measured N), their predictions at 64k
 and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
 TTFT 22 s at 1k, 110 min at 64k). Not a test: it prints tables.
 
     python bench/long_context.py [--quick] [--contexts 1024,4096,16384,65536] [--ttft-max 16384] [--attention-only]
+                                 [--streams 1,2,4,8 --calibration CAL]
 """
 
 from __future__ import annotations
@@ -53,7 +58,12 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.kv_store import BlockPool, PagedKV
 from cascadia.engine.state_format import StateFormat
+from cascadia.graph.planner import plan as make_plan
 from cascadia.model_config import InklingConfig
+from cascadia.policy import padded_size
+from cascadia.sim.calibration import Calibration, Extrapolations
+from cascadia.sim.model import FrameShape, StageCost, stage_kinds
+from cascadia.spec.load import load_spec
 from cascadia.spec.types import RuntimeSpec
 from cascadia.table import format_rows
 
@@ -63,6 +73,8 @@ PREFILL_CHUNK = 256
 # specs/mid-long.yaml's model: specs/mid's with max_position_embeddings 1M, so that no context asked rewrites the
 # checkpoint, and `cascadia calibrate specs/mid-long.yaml` measures this bench's checkpoint
 LONG_CONFIG = Path(__file__).parent.parent / "specs" / "mid-long" / "config.json"
+LONG_SPEC = Path(__file__).parent.parent / "specs" / "mid-long.yaml"
+ROW_BUCKETS = (1, 2, 8, 32, PREFILL_CHUNK)  # specs/mid-long.yaml's
 DECODE_STEPS = 12
 ATTENTION_REPEATS = 9
 SEED = 0
@@ -266,23 +278,66 @@ def fit(xs: list[float], ys: list[float], columns) -> np.ndarray:
     return np.linalg.lstsq(np.array([[f(x) for f in columns] for x in xs]), np.array(ys), rcond=None)[0]
 
 
+def streams_against_simulator(checkpoint: Checkpoint, contexts: list[int], counts: list[int], calibration: Path,
+                               rng: np.random.Generator) -> None:
+    config = checkpoint.config
+    spec = load_spec(LONG_SPEC)
+    stage = make_plan(spec).stages[0]
+    calibrated = Calibration.load(calibration)
+    cost = StageCost(stage.node, stage_kinds(stage, config), calibrated.nodes[stage.node], config, calibrated,
+                     Extrapolations(), ROW_BUCKETS)
+    runtime = RuntimeSpec(precision="bf16", kv_precision="bf16", max_streams=max(counts),
+                          context_budget=max(contexts) + 2 * DECODE_STEPS, row_buckets=ROW_BUCKETS)
+    engine = Engine(checkpoint, runtime, formats=FORMATS)
+    rows = []
+    for n in contexts:
+        for slot in range(max(counts)):
+            fill_context(engine, slot, n, rng)
+        for g in counts:
+            slots = list(range(g))
+            engine.step(slots, [3] * g)  # untimed
+            times = []
+            for _ in range(DECODE_STEPS // 2):
+                start = time.perf_counter()
+                engine.step(slots, [3] * g)
+                times.append(time.perf_counter() - start)
+            for slot in slots:  # back to N positions for the next count
+                engine.stage.lengths[slot] = n
+            measured = statistics.median(times)
+            window = config.sliding_window_size
+            predicted = cost(FrameShape(padded_size(g, ROW_BUCKETS), g, float(min(n + 1, window)), float(n + 1), g, g))
+            rows.append((f"{n:,}", str(g), f"{1e3 * measured:.1f}", f"{1e3 * predicted:.1f}",
+                         f"{100 * (predicted / measured - 1):+.0f}%"))
+    print(format_rows([("context", "streams", "decode step ms", "simulator's frame ms", "error"), *rows]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model (hidden 256, 16 experts)")
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--ttft-max", type=int, default=16384, help="prefill for real up to this many tokens")
     parser.add_argument("--attention-only", action="store_true", help="one global layer's attention, no model")
+    parser.add_argument("--streams", help="decode steps of these many streams against the simulator's frame cost")
+    parser.add_argument("--calibration", type=Path, help="with --streams: a calibration of specs/mid-long.yaml")
     args = parser.parse_args()
     contexts = sorted(int(n) for n in args.contexts.split(","))
     if args.attention_only:
         print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores\n")
         attention_only(long_config(args.quick), contexts, np.random.default_rng(SEED))
         return
+    if args.streams:
+        if args.calibration is None or args.quick:
+            parser.error("--streams needs --calibration (of specs/mid-long.yaml, whose model --quick is not)")
+        print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores\n")
+        checkpoint = Checkpoint.open(random_checkpoint(long_config(False), CHECKPOINT, False, SEED))
+        streams_against_simulator(checkpoint, contexts, sorted(int(g) for g in args.streams.split(",")),
+                                  args.calibration, np.random.default_rng(SEED))
+        return
     budget = contexts[-1] + DECODE_STEPS + 2
     config = long_config(args.quick)
     checkpoint = Checkpoint.open(random_checkpoint(config, CHECKPOINT, args.quick, SEED))
     runtime = RuntimeSpec(precision="bf16", kv_precision="bf16", max_streams=1, context_budget=budget,
-                          row_buckets=(1, 2, 8, 32, PREFILL_CHUNK))
+                          row_buckets=ROW_BUCKETS)
     engine = Engine(checkpoint, runtime, formats=FORMATS)
     clock, rng = AttentionClock(), np.random.default_rng(SEED)
     bandwidth = memory_bandwidth(np.ones(2**27, np.int64))
