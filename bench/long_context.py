@@ -166,13 +166,20 @@ def spans_ms(shape: AttentionShape, store: PagedKV, positions: int, row: tuple[n
     default = attention._threads
     attention._threads = lambda: pool_of[threads]
     try:
-        times = []
-        for _ in range(ATTENTION_REPEATS):
-            start = time.perf_counter()
-            out = attention.attend(shape, *row, store, np.array([0]), np.array([positions]))
-            times.append(time.perf_counter() - start)
+        return timed_attend(shape, row, store, positions, ATTENTION_REPEATS)
     finally:
         attention._threads = default
+
+
+def timed_attend(shape: AttentionShape, rows: tuple[np.ndarray, ...], store: PagedKV, positions: int, repeats: int
+                 ) -> tuple[float, np.ndarray]:
+    """The median ms of `repeats` calls of the engine's attention for `rows` (q, k, v, rel of one stream) at
+    `positions` over `store`, and its output."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = attention.attend(shape, *rows, store, np.array([0]), np.array([positions]))
+        times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times), out
 
 
@@ -227,14 +234,9 @@ def chunk_ms(shape: AttentionShape, store: PagedKV, positions: int, chunk: tuple
     default = attention.FUSED_ROWS
     attention.FUSED_ROWS = default if fused else PREFILL_CHUNK + 1
     try:
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            out = attention.attend(shape, *chunk, store, np.array([0]), np.array([positions]))
-            times.append(time.perf_counter() - start)
+        return timed_attend(shape, chunk, store, positions, 3)
     finally:
         attention.FUSED_ROWS = default
-    return 1e3 * statistics.median(times), out
 
 
 def attention_only(config: InklingConfig, contexts: list[int], rng: np.random.Generator) -> None:
