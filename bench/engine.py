@@ -24,6 +24,8 @@ Reported:
               measured bandwidth + the fused 1-row call); the tokens/s that the MoE layers alone would allow at the
               faster path's time per call, a bound on the decode targets that no change elsewhere passes
   dense MLP   the dense layer's MLP as one SwiGLU against the same cut into DENSE_SLICES all-active experts
+  attention input  a layer's input norm, q|k|v|r projection and q's head norm: the norms on the host around a
+              plain projection block against all three in one block (`graphs.attention_input`, what the engine runs)
   memory      peak resident memory (VmHWM) of a fresh process that builds the engine and decodes 32 streams,
               against the formats' weight bytes plus the engine's state (K/V rings, convolution states)
 and whether the issue's targets are met: at 1 stream >= 50% of the roofline and >= 5x the reference; at 32 streams
@@ -52,12 +54,13 @@ import numpy as np
 import openvino as ov
 from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
+from cascadia import tensors as names
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import Compiled, CompiledBlock, compile_options, core, device_precision, runs_as
 from cascadia.engine.engine import Engine
 from cascadia.engine.grouped_moe import GroupedBlock
-from cascadia.engine.inkling import Router
+from cascadia.engine.inkling import Router, head_rms_norm, rms_norm
 from cascadia.engine.layer_build import build_layer
 from cascadia.graph import costs
 from cascadia.model_config import InklingConfig
@@ -228,6 +231,15 @@ class BlockComparison:
         self.dense_layer = stage.layers[dense]
         self.sliced = build_layer(cfg, dense, checkpoint.layer(dense), FORMATS, compile_block, DENSE_SLICES)
         self.hidden = cfg.hidden_size
+        t = checkpoint.layer(moe)
+        qkvr = [t[name] for name in (names.Q_PROJ, names.K_PROJ, names.V_PROJ, names.R_PROJ)]
+        self.projection = compile_block(graphs.projection(qkvr, FORMATS.attention))
+        self.norms, self.q_width, self.eps = (t[names.INPUT_NORM], t[names.Q_NORM]), qkvr[0].shape[0], cfg.rms_norm_eps
+
+    def norms_on_host(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The attention input as the engine computed it before `graphs.attention_input`."""
+        projected = self.projection(rms_norm(x, self.norms[0], self.eps))[0]
+        return head_rms_norm(projected[:, :self.q_width], self.norms[1], self.eps), projected[:, self.q_width:]
 
     def inputs(self, rows: int, seed: int = 0) -> tuple[np.ndarray, ...]:
         """Rows of unit RMS and their routing as both MoE blocks take it."""
@@ -254,7 +266,9 @@ class BlockComparison:
         return {"fused": per_call(lambda x: self.moe_layer.mlp(*x)),
                 "grouped": per_call(lambda x: self.moe_layer.grouped(*x)),
                 "swiglu": per_call(lambda x: self.dense_layer.feed_forward(x[0])),
-                "slices": per_call(lambda x: self.sliced.feed_forward(x[0]))}
+                "slices": per_call(lambda x: self.sliced.feed_forward(x[0])),
+                "norms on host": per_call(lambda x: self.norms_on_host(x[0])),
+                "attention input": per_call(lambda x: self.moe_layer.qkvr(x[0]))}
 
 
 def _seconds(fn) -> float:
@@ -387,6 +401,9 @@ def block_table(model: ModelSpec, rounds: Rounds, blocks: BlockComparison,
     table(("rows", "distinct experts", "MoE fused ms", "MoE grouped ms", "grouped / fused", "engine runs",
            "experts' bytes ms", "bound ms", "best / bound", "dense MLP ms", f"as {DENSE_SLICES} expert slices ms",
            "slices / MLP"), rows)
+    table(("rows", "attention input: norms on host ms", "in one block ms", "one block / host"),
+          [(str(n), f"{ms(n, 'norms on host'):.3f}", f"{ms(n, 'attention input'):.3f}",
+            f"{ms(n, 'attention input') / ms(n, 'norms on host'):.2f}") for n in STREAMS])
     return over, best_s
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
 
-from cascadia.engine.ov_ops import all_experts_index, const, ints, linear, swiglu, swish, tiled_experts, weight
+from cascadia.engine.ov_ops import (all_experts_index, const, ints, linear, rms_norm, swiglu, swish, tiled_experts,
+                                    weight)
 from cascadia.engine.quantize import Quantized
 from cascadia.spec.types import WeightFormat
 
@@ -28,6 +29,21 @@ def projection(weights: Sequence[np.ndarray | Quantized], fmt: WeightFormat) -> 
     w = np.concatenate(weights) if len(weights) > 1 else weights[0]
     x = _rows(w.shape[1])
     return ov.Model([linear(x.output(0), weight(w, fmt))], [x], "projection")
+
+
+def attention_input(qkvr: Sequence[np.ndarray], fmt: WeightFormat, norm: np.ndarray, q_norm: np.ndarray,
+                    eps: float) -> ov.Model:
+    """A decoder layer's rows up to its attention's host part: x [T, H] -> q [T, h d], each head RMS-normalised, and
+    k|v|r [T, 2 kv d + h r], from the input RMSNorm and the q|k|v|r projection as one matmul (k is normalised on the
+    host, after its short convolution)."""
+    w = np.concatenate(qkvr)
+    x = _rows(w.shape[1])
+    projected = linear(rms_norm(x.output(0), norm, eps), weight(w, fmt))
+    q_width, head_dim = qkvr[0].shape[0], q_norm.shape[0]
+    q, rest = ops.variadic_split(projected, const(np.int64(-1)), ints(q_width, -1)).outputs()
+    heads = rms_norm(ops.reshape(q, ints(0, -1, head_dim), True).output(0), q_norm, eps)
+    q = ops.reshape(heads, ints(0, q_width), True)
+    return ov.Model([q.output(0), rest], [x], "attention_input")
 
 
 def swiglu_mlp(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: WeightFormat) -> ov.Model:

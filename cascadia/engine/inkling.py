@@ -1,16 +1,16 @@
 """One Inkling decoder layer on the host, in the order transformers' `modeling_inkling.py` computes it.
 
 OpenVINO runs the weight-heavy blocks (`CompiledBlock`s: the q|k|v|r and o projections, the dense SwiGLU or the
-experts) at the engine's precision on compressed weights; everything between them runs here in FP32, as the
-reference keeps it: norms, the four short convolutions with their per-stream states, the router, attention with
-its relative-position bias (a prompt chunk's far keys through OpenVINO's fused attention, also in FP32: see
-`cascadia.engine.attention`), residuals, and the FP32 restoration of the MLP's output.
+experts) at the engine's precision on compressed weights, the input norm and q's head norm inside the first; what
+lies between the blocks runs here in FP32, as the reference keeps it: the other norms, the four short convolutions
+with their per-stream states, the router, attention with its relative-position bias (a prompt chunk's far keys
+through OpenVINO's fused attention, also in FP32: see `cascadia.engine.attention`), residuals, and the FP32
+restoration of the MLP's output.
 
     DecoderLayer.forward(x [T, H])
-      h = input_layernorm(x)
-      q|k|v|r = qkvr(h)                                   compiled
+      q, k|v|r = q_norm(qkvr(input_layernorm(x)))         compiled; q's norm per head
       k, v = k_sconv(k), v_sconv(v)                       causal, over each stream's last K-1 inputs
-      q, k = q_norm(q), k_norm(k)                         per head
+      k = k_norm(k)                                       per head
       a = attention(q, k, v) + relative bias(r)           over each stream's keys; log-scaled on global layers
       x = x + attn_sconv(o_proj(a))                       compiled o_proj
       h = post_attention_layernorm(x)
@@ -23,6 +23,11 @@ Shapes: T rows of one call (several streams, each at its own positions), n one s
 h query heads, kv key/value heads, d head dim, r d_rel, X a layer's bias extent (distances 0..X-1), m keys
 attended, K convolution kernel, C a convolution's channels, k routed experts per row,
 S shared experts.
+
+What stays on the host, and why: the short convolutions and attention read and write each stream's state (rings,
+blocks, histories), and the router's choice is the host's to steer (calibration times a frame's MoE at a chosen
+number of distinct experts; the expert-grouped path sorts rows by it), so the post-attention norm that feeds it
+stays here too.
 
 FP32 restoration (the paper's scheme for FP16 expert arithmetic; FP16 overflows above 65504): the build divides the
 up projections by A = 2^n (`layer_build.up_divisor`), which divides silu(gate) * up, the down projection and the
@@ -153,16 +158,14 @@ class DecoderLayer:
 
     shape: AttentionShape
     eps: float
-    input_norm: np.ndarray  # [H]
     post_norm: np.ndarray  # [H]
-    q_norm: np.ndarray  # [d]
     k_norm: np.ndarray  # [d]
     rel_bank: np.ndarray  # [r, X]
     conv_kv: np.ndarray  # taps [K, 2 kv d]: k's then v's
     conv_attn: np.ndarray  # taps [K, H]
     conv_mlp: np.ndarray  # taps [K, H]
-    kv_columns: slice  # k then v among the q|k|v|r columns
-    qkvr: CompiledBlock  # [T, H] -> [T, h d + 2 kv d + h r]
+    kv_width: int  # 2 kv d: k's then v's columns, first of the k|v|r output
+    qkvr: CompiledBlock  # x [T, H] -> q [T, h d] (normed, per head), k|v|r [T, 2 kv d + h r] (`graphs.attention_input`)
     o_proj: CompiledBlock  # [T, h d] -> [T, H]
     mlp: CompiledBlock  # dense: [T, H] -> [T, H]; MoE: (x, index, weights, shared weights) -> [T, H]
     up_divisor: float  # A of the FP32 restoration
@@ -181,21 +184,20 @@ class DecoderLayer:
 
     def forward(self, x: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
         """x [T, H], the residual stream of the rows -> after this layer. Updates the rows' slots in `state`."""
-        h = rms_norm(x, self.input_norm, self.eps)
-        attn = self.o_proj(self.attention(h, rows, state), bucket=rows.bucket)[0]
+        attn = self.o_proj(self.attention(x, rows, state), bucket=rows.bucket)[0]
         x = x + short_conv(attn, self.conv_attn, state.conv_attn, rows, state.fmt)
         h = rms_norm(x, self.post_norm, self.eps)
         return x + short_conv(self.feed_forward(h, rows.bucket), self.conv_mlp, state.conv_mlp, rows, state.fmt)
 
-    def attention(self, h: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
-        """h [T, H] -> attention output [T, h d], before o_proj."""
-        qkvr, kv = self.qkvr(h, bucket=rows.bucket)[0], self.kv_columns
-        k, v = np.split(short_conv(qkvr[:, kv], self.conv_kv, state.conv_kv, rows, state.fmt), 2, axis=1)
-        q, r = qkvr[:, :kv.start], qkvr[:, kv.stop:]
-        q, k = head_rms_norm(q, self.q_norm, self.eps), head_rms_norm(k, self.k_norm, self.eps)
+    def attention(self, x: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
+        """x [T, H], the residual stream -> attention output [T, h d], before o_proj."""
+        q, kvr = self.qkvr(x, bucket=rows.bucket)
+        k, v = np.split(short_conv(kvr[:, :self.kv_width], self.conv_kv, state.conv_kv, rows, state.fmt), 2, axis=1)
+        q, r = q.reshape(len(q), self.shape.heads, -1), kvr[:, self.kv_width:]
+        k = head_rms_norm(k, self.k_norm, self.eps)
         v = v.reshape(k.shape)
         rel = r.reshape(len(r), self.shape.heads, -1) @ self.rel_bank  # [T, h, X]: bias per distance
-        out = np.empty((len(h), self.shape.heads * self.shape.head_dim), np.float32)
+        out = np.empty((len(x), self.shape.heads * self.shape.head_dim), np.float32)
         for count in np.unique(rows.counts).tolist():  # streams with as many rows in one call: all decode rows
             groups = np.flatnonzero(rows.counts == count)
             part = rows.starts[groups][:, None] + np.arange(count)  # [G, n] rows of these streams

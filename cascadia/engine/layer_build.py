@@ -47,14 +47,13 @@ def build_layer(cfg: InklingConfig, layer: int, t: Mapping[str, np.ndarray], for
     shape = AttentionShape(heads, kv_heads, head_dim, cfg.sliding_window_size if cfg.is_sliding(layer) else None,
                            cfg.layer_rel_extent(layer), log_scaling)
     qkvr = [t[name] for name in (names.Q_PROJ, names.K_PROJ, names.V_PROJ, names.R_PROJ)]
-    q_width, kv_width = qkvr[0].shape[0], qkvr[1].shape[0]
     post_norm = t[names.POST_NORM]
     common = dict(
-        shape=shape, eps=cfg.rms_norm_eps, input_norm=t[names.INPUT_NORM], post_norm=post_norm,
-        q_norm=t[names.Q_NORM], k_norm=t[names.K_NORM], rel_bank=t[names.REL_BANK],
+        shape=shape, eps=cfg.rms_norm_eps, post_norm=post_norm, k_norm=t[names.K_NORM], rel_bank=t[names.REL_BANK],
         conv_kv=conv_taps(t[names.K_SCONV], t[names.V_SCONV]), conv_attn=conv_taps(t[names.ATTN_SCONV]),
-        conv_mlp=conv_taps(t[names.MLP_SCONV]), kv_columns=slice(q_width, q_width + 2 * kv_width),
-        qkvr=compile(graphs.projection(qkvr, formats.attention)),
+        conv_mlp=conv_taps(t[names.MLP_SCONV]), kv_width=2 * qkvr[1].shape[0],
+        qkvr=compile(graphs.attention_input(qkvr, formats.attention, t[names.INPUT_NORM], t[names.Q_NORM],
+                                            cfg.rms_norm_eps)),
         o_proj=compile(graphs.projection([t[names.O_PROJ]], formats.attention)))
     if cfg.is_dense(layer):
         gate, up, down = t[names.DENSE_GATE], t[names.DENSE_UP], t[names.DENSE_DOWN]

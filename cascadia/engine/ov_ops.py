@@ -70,6 +70,14 @@ def linear(x: ov.Output, w: ov.Output) -> ov.Output:
     return ops.matmul(x, w, False, True).output(0)
 
 
+def rms_norm(x: ov.Output, weight: np.ndarray, eps: float) -> ov.Output:
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis, as `cascadia.engine.inkling.rms_norm` computes it on
+    the host (within f32 rounding), in the form the CPU plugin fuses into one RMS kernel."""
+    mean = ops.reduce_mean(ops.multiply(x, x), ints(-1), True)
+    inverse = ops.divide(const(np.float32(1)), ops.sqrt(ops.add(mean, const(np.float32(eps)))))
+    return ops.multiply(ops.multiply(x, inverse), const(np.asarray(weight, np.float32))).output(0)
+
+
 def swish(x: ov.Output) -> ov.Output:
     """SiLU as a one-input Swish. `opset4.swish(x)` from Python adds a `beta` input, which the MoE matcher rejects."""
     return NodeFactory("opset4").create("Swish", [x]).output(0)
