@@ -73,6 +73,7 @@ def test_chunked_prefill_and_greedy_decode_match_transformers(long_checkpoint, r
     and of 192 keys (32 spans, 3 blocks each, combined on the thread pool)."""
     assert 32 < FUSED_ROWS <= 256
     monkeypatch.setattr(attention, "SPAN_KEYS", span_keys)
+    monkeypatch.setattr(attention, "MIN_SPAN_KEYS", min(attention.MIN_SPAN_KEYS, span_keys))
     monkeypatch.setattr(attention, "FUSED_KEYS", fused_keys)
     fused_calls = []
     fused = attention._fused
@@ -105,27 +106,55 @@ def test_the_pipeline_matches_transformers_at_long_positions(spec, long_checkpoi
     assert_close(logits[len(prompt) - 1:], reference["greedy_logits"])
 
 
-@pytest.mark.parametrize("precision", ["f32", "bf16"])
-def test_fused_far_keys_agree_with_spans_for_streams_at_different_positions(precision, monkeypatch):
-    """Two streams' chunks of 64 rows in one call, at positions 1,000 and 2,600 of a paged store (non-consecutive
-    blocks), log-scaled with a bias bank: fused (in pieces of 512 keys) against the spans alone."""
-    shape = AttentionShape(8, 2, 32, None, 48, (64, 0.4))
+SHAPE = AttentionShape(8, 2, 32, None, 48, (64, 0.4))
+
+
+def scattered_streams(precision: str, first: np.ndarray, slots: np.ndarray, n: int):
+    """A paged store (blocks of 64) holding streams of `first` positions at `slots`, written a hundred positions at a
+    time in turn so that no stream's blocks lie in a row, with blocks for n more; and the q, k, v, rel of n rows
+    of each (SHAPE: log-scaled, a bias bank of 48)."""
     pool = BlockPool(64, 64, 3)
-    store = PagedKV(pool, shape.kv_heads, shape.head_dim, StateFormat(precision))
+    store = PagedKV(pool, SHAPE.kv_heads, SHAPE.head_dim, StateFormat(precision))
     rng = np.random.default_rng(0)
-    first, slots, n = np.array([1000, 2600]), np.array([2, 0]), 64
-    for start in range(0, 2600, 100):  # interleaved, so that neither stream's blocks lie in a row
+    for start in range(0, int(first.max()), 100):
         for slot, length in zip(slots, first):
             if start < length:
                 at = np.arange(start, min(start + 100, length))[None]
                 pool.grow({int(slot): int(at.max()) + 1})
                 store.write(np.array([slot]), at, *rng.standard_normal((2, 1, at.shape[1], 2, 32), np.float32))
     pool.grow({int(slot): int(length) + n for slot, length in zip(slots, first)})
-    q = rng.standard_normal((2, n, 8, 32), np.float32) * 3
-    k, v = rng.standard_normal((2, 2, n, 2, 32), np.float32)
-    rel = rng.standard_normal((2, n, 8, 48), np.float32)
+    q = rng.standard_normal((len(slots), n, 8, 32), np.float32) * 3
+    k, v = rng.standard_normal((2, len(slots), n, 2, 32), np.float32)
+    return store, q, k, v, rng.standard_normal((len(slots), n, 8, 48), np.float32)
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_spans_shared_among_a_calls_streams_agree_with_one_span(precision, monkeypatch):
+    """Decode rows of three streams at 300, 1,000 and 2,600 positions: spans of one block (SPAN_KEYS 192 shared by
+    3 streams), each gathering its entries of every stream, against one span of every entry."""
+    first, slots = np.array([300, 1000, 2600]), np.array([1, 2, 0])
+    store, q, k, v, rel = scattered_streams(precision, first, slots, 1)
+    spans = []
+    span = attention._span
+    monkeypatch.setattr(attention, "_span", lambda *args: spans.append(args[-2:]) or span(*args))
+    monkeypatch.setattr(attention, "SPAN_KEYS", 192)
+    monkeypatch.setattr(attention, "MIN_SPAN_KEYS", 64)
+    shared = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
+    assert sorted(spans) == [(start, min(start + 64, 2601)) for start in range(0, 2601, 64)]  # on two threads
+    monkeypatch.setattr(attention, "SPAN_KEYS", 3 * 4096)
+    whole = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
+    assert spans[-1] == (0, 2601)
+    assert np.abs(shared - whole).max() <= 1e-6 * np.abs(whole).max()
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_fused_far_keys_agree_with_spans_for_streams_at_different_positions(precision, monkeypatch):
+    """Two streams' chunks of 64 rows in one call, at positions 1,000 and 2,600 of a paged store (non-consecutive
+    blocks), log-scaled with a bias bank: fused (in pieces of 512 keys) against the spans alone."""
+    first, slots, n = np.array([1000, 2600]), np.array([2, 0]), 64
+    store, q, k, v, rel = scattered_streams(precision, first, slots, n)
     monkeypatch.setattr(attention, "FUSED_KEYS", 512)
-    fused = attention.attend(shape, q, k, v, rel, store, slots, first)
+    fused = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
     monkeypatch.setattr(attention, "FUSED_ROWS", n + 1)
-    spans = attention.attend(shape, q, k, v, rel, store, slots, first)
+    spans = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
     assert np.abs(fused - spans).max() <= 2e-6 * np.abs(spans).max()  # f32 rounding: 2-6e-7 measured (AVX-512)

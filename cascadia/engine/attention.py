@@ -2,7 +2,8 @@
 only where it is non-zero; a prompt's chunk reads its far keys through OpenVINO's fused attention.
 
 A long context is read once per row of a call: at 64k positions the keys and values of one global layer are
-megabytes, so attention is memory-bound. The keys are cut into spans of SPAN_KEYS entries; each span's scores,
+megabytes, so attention is memory-bound. The keys are cut into spans of SPAN_KEYS entries (shared among the
+streams of a call: a span gathers its entries of every stream at once); each span's scores,
 exponentials and partial output are computed apart (a span's keys stay in cache between the two matmuls), on as
 many threads as this process may use (numpy releases the GIL in matmuls and ufuncs), and the spans are combined as
 the softmax of their union (the flash-attention rescaling: each span's sum and output times exp(its max - the max)).
@@ -41,6 +42,9 @@ from cascadia.engine.kv_store import PagedKV, SlotRing
 
 KeyStore = SlotRing | PagedKV
 SPAN_KEYS = 4096  # keys per span: 4096 x 64 dims of f32 keys and values are 2 MiB, about a core's share of L3
+# (shared among the streams of a call: 8 decode streams at 4k positions each took 2.3-3.3x as long in spans of 4096
+# entries each as in spans of 512, on a 2-core AMD EPYC; 32 streams 2.2-4.7x)
+MIN_SPAN_KEYS = 256  # below, a span's fixed cost outweighs (a sliding layer's ring of 160 entries at 32 streams)
 # a stream's rows in a call from which its far keys go through the fused attention: below, copying them into its
 # layout costs more than it saves (measured on a 2-core AMD EPYC: the same at 32 rows, 1.2-1.8x faster at 64, 2.7-3.8x
 # at 256, at 4k-64k positions)
@@ -110,7 +114,7 @@ def _spans(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store:
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Entries begin..(the most filled)-1 in spans on the thread pool, combined: the scores' max per row
     [G, kv, h/kv, n], the sum of exp(score - max) and the unnormalised output [G, kv, h/kv, n, d]."""
-    step = SPAN_KEYS if store.span is not None else max(1, SPAN_KEYS // store.pool.block) * store.pool.block
+    step = _span_keys(len(slots), 1 if store.span is not None else store.pool.block)
     end = int(filled.max())
     spans = [(start, min(start + step, end)) for start in range(begin, end, step)]
 
@@ -121,6 +125,13 @@ def _spans(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store:
     weights = [np.exp(p[0] - top) for p in parts]
     total = sum(w * p[1] for w, p in zip(weights, parts))
     return top, total, sum(w[..., None] * p[2] for w, p in zip(weights, parts))
+
+
+def _span_keys(streams: int, block: int) -> int:
+    """Entries per span for a call of `streams` streams, in whole blocks: SPAN_KEYS shared among them, so that a
+    span's keys and values, gathered (and widened) for all of them at once, stay about a core's share of L3 and
+    the scratch stays small, however many streams a call holds; at least MIN_SPAN_KEYS."""
+    return max(1, max(MIN_SPAN_KEYS, SPAN_KEYS // streams) // block) * block
 
 
 def _far_keys(shape: AttentionShape, store: KeyStore, first: np.ndarray) -> np.ndarray:
