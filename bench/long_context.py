@@ -19,7 +19,11 @@ process may use, one stream. Its random checkpoint (bf16) is written once to CHE
 With --attention-only, just one global layer's attention at each N, without the model: for one decode row, the
 engine's spans (bf16 and f32 K/V, one thread and every thread) against OpenVINO's ScaledDotProductAttention on the
 same f32 keys and values passed in place ([1, kv, N, d]; the query heads of a K/V head as its query rows; the
-bias as an additive mask), with the largest difference between their outputs; for a prompt's chunk of
+bias as an additive mask), with the largest difference between their outputs; OpenVINO's PagedAttention (the CPU
+kernel openvino-genai serves with, through its experimental Python binding; no bias, so timed against the spans
+on the same keys without bias or log-scaling), with f32 and with bf16 K/V (the plugin runs bf16 K/V only in bf16
+compute, its queries rounded to bf16), with its largest difference from the spans relative to their largest
+output; for a prompt's chunk of
 PREFILL_CHUNK rows at N (bf16 K/V, every thread), the spans alone against the engine's fused far keys (its default
 from FUSED_ROWS rows), with their largest difference relative to the largest output.
 With --streams 1,2,4,8 --calibration CAL (a calibration of specs/mid-long.yaml), decode steps of G streams together
@@ -45,6 +49,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import attrs
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
@@ -220,6 +225,61 @@ def sdpa_ms(shape: AttentionShape, store: PagedKV, positions: int, row: tuple[np
     return 1e3 * statistics.median(times[1:]), request.get_output_tensor(0).data.reshape(1, 1, -1)
 
 
+def paged_attention_ms(shape: AttentionShape, store: PagedKV, positions: int, row: tuple[np.ndarray, ...]
+                       ) -> tuple[float, np.ndarray]:
+    """ms of OpenVINO's PagedAttention for the decode row of `spans_ms` over `store`'s keys and values (in its
+    precision), copied once into the cache layout the plugin asks for, and its output [1, 1, h d]. No bias and no
+    log-scaling: it has neither (only ALiBi slopes)."""
+    from openvino._pyopenvino.op import _PagedAttentionExtension  # experimental: no compatibility promised
+
+    kv, d, bf16 = shape.kv_heads, shape.head_dim, store.fmt.precision == "bf16"
+    q, k, v, _ = row
+    cache_type = ov.Type.bf16 if bf16 else ov.Type.f32
+
+    def parameter(shape_, type_, name):
+        return ops.parameter(shape_, type_, name=name)
+
+    def constant(value, dtype):
+        return ops.constant(np.array(value, dtype))
+
+    inputs = [parameter([-1, shape.heads * d], ov.Type.f32, "q"), parameter([-1, kv * d], ov.Type.f32, "k"),
+              parameter([-1, kv * d], ov.Type.f32, "v"),
+              *(parameter([-1, kv, -1, d], cache_type, name) for name in ("key_cache", "value_cache")),
+              *(parameter([-1], ov.Type.i32, name) for name in ("past", "begins", "blocks", "block_begins")),
+              constant(1 / d, np.float32), constant(0, np.int32), constant([], np.float32),  # scale, window, alibi
+              parameter([], ov.Type.i32, "max_context"), constant(0, np.int32),  # score aggregation
+              constant([], np.int32), constant([], np.int32), constant([], np.float32),  # rotation
+              constant([], np.float32), constant(64, np.int32), constant(8, np.int32),  # xattention
+              constant([], np.float32), constant(0, np.int32),  # sinks, adaptive r-kv
+              *(constant([], np.int32) for _ in range(4)), constant([], np.uint8), constant([], np.int32)]
+    node = _PagedAttentionExtension([x.output(0) for x in inputs])
+    for key, value in (("k_head_size", d), ("num_k_heads", kv), ("v_head_size", d), ("num_v_heads", kv)):
+        node.get_rt_info()[key] = value
+    params = [x for x in inputs if x.get_type_name() == "Parameter"]
+    compiled = ov.Core().compile_model(ov.Model([node.output(0)], params), "CPU", {
+        "INFERENCE_PRECISION_HINT": "bf16" if bf16 else "f32", "KV_CACHE_PRECISION": "bf16" if bf16 else "f32"})
+    block = compiled.input("key_cache").get_partial_shape()[2].get_length()
+    blocks = positions // block + 1  # the decode row's own key and value go into the last
+    request, caches = compiled.create_infer_request(), []  # a bf16 Tensor over a uint16 array does not keep it alive
+    for name, stored in (("key_cache", store.k), ("value_cache", store.v)):  # [blocks, kv, B, d] by position
+        by_position = stored.transpose(0, 2, 1, 3).reshape(-1, kv, d)[:positions]
+        cache = np.zeros((blocks * block, kv, d), stored.dtype)
+        cache[:positions] = by_position
+        cache = np.ascontiguousarray(cache.reshape(blocks, block, kv, d).transpose(0, 2, 1, 3))
+        caches.append(cache)
+        request.set_tensor(name, ov.Tensor(cache, list(cache.shape), cache_type))
+    feed = {"q": q.reshape(1, -1), "k": k.reshape(1, -1), "v": v.reshape(1, -1),
+            "past": np.array([positions], np.int32), "begins": np.array([0, 1], np.int32),
+            "blocks": np.arange(blocks, dtype=np.int32), "block_begins": np.array([0, blocks], np.int32),
+            "max_context": np.array(positions + 1, np.int32)}
+    times = []
+    for _ in range(ATTENTION_REPEATS + 1):
+        start = time.perf_counter()
+        request.infer(feed)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[1:]), request.get_output_tensor(0).data.reshape(1, 1, -1).copy()
+
+
 def prompt_chunk(shape: AttentionShape, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     """q, k, v, rel of a chunk of PREFILL_CHUNK prompt rows."""
     q = rng.standard_normal((1, PREFILL_CHUNK, shape.heads, shape.head_dim), dtype=np.float32)
@@ -245,8 +305,19 @@ def attention_only(config: InklingConfig, contexts: list[int], rng: np.random.Ge
     scaling = (config.log_scaling_n_floor, config.log_scaling_alpha) if config.log_scaling_n_floor else None
     shape = AttentionShape(heads, kv_heads, head_dim, None, config.rel_extent, scaling)
     cores = len(os.sched_getaffinity(0))
-    rows = []
+    plain = attrs.evolve(shape, bias_extent=1, log_scaling=None)  # with a zero bias: what PagedAttention computes
+    rows, kernel_rows = [], []
     for n in contexts:
+        q, k, v, rel = decode_row(plain, rng)
+        plain_row = q, k, v, np.zeros_like(rel)
+        kernel_row = [f"{n:,}"]
+        for precision in ("f32", "bf16"):
+            store = random_store(plain, n, precision, rng)
+            paged, paged_out = paged_attention_ms(plain, store, n, plain_row)
+            spans, spans_out = spans_ms(plain, store, n, plain_row, cores)
+            kernel_row += [f"{spans:.2f}", f"{paged:.2f}",
+                           f"{np.abs(paged_out - spans_out).max() / np.abs(spans_out).max():.1e}"]
+        kernel_rows.append(kernel_row)
         row = decode_row(shape, rng)
         bf16 = [spans_ms(shape, random_store(shape, n, "bf16", rng), n, row, t)[0] for t in sorted(pool_of)]
         f32_store = random_store(shape, n, "f32", rng)
@@ -263,6 +334,11 @@ def attention_only(config: InklingConfig, contexts: list[int], rng: np.random.Ge
                         *(f"spans f32, {t} ms" for t in threads), f"OpenVINO SDPA f32 ({cores} cores) ms",
                         "max |difference|", f"chunk of {PREFILL_CHUNK}: spans ms", "fused ms", "spans / fused",
                         "relative difference"), *rows]))
+    print(f"\nOne decode row without bias or log-scaling, {cores} cores: the engine's spans against OpenVINO's "
+          "PagedAttention (experimental binding), and their relative difference")
+    print(format_rows([("context", *(f"{label} {p} K/V" for p in ("f32", "bf16")
+                                     for label in ("spans ms,", "PagedAttention ms,", "difference,"))),
+                       *kernel_rows]))
 
 
 pool_of = {n: ThreadPoolExecutor(n) for n in {1, len(os.sched_getaffinity(0))}}
