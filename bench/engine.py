@@ -32,7 +32,7 @@ and whether the issue's targets are met: at 1 stream >= 50% of the roofline and 
 >= 35% of the roofline and >= 5x the reference; the MoE at 32 rows within its bound; peak memory <= 1.3 x (weights
 + state). Not a test: it prints tables.
 
-    python bench/engine.py [--quick] [--repeats 5]
+    python bench/engine.py [--quick] [--repeats 5] [--moe-grouped-from never|auto|ROWS]
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from cascadia.engine.engine import Engine
 from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.inkling import Router, head_rms_norm, rms_norm
 from cascadia.engine.layer_build import build_layer
+from cascadia.engine.moe_choice import paths_text
 from cascadia.graph import costs
 from cascadia.model_config import InklingConfig
 from cascadia.spec.types import ModelSpec, RuntimeSpec, WeightFormat
@@ -127,8 +128,8 @@ class CountingRouter:
 
 
 class EngineDecoder:
-    def __init__(self, checkpoint: Checkpoint, prompt_ids: np.ndarray):
-        runtime = RuntimeSpec(precision=PRECISION, max_streams=max(STREAMS),
+    def __init__(self, checkpoint: Checkpoint, prompt_ids: np.ndarray, moe_grouped_from: int | str = "never"):
+        runtime = RuntimeSpec(precision=PRECISION, max_streams=max(STREAMS), moe_grouped_from=moe_grouped_from,
                               context_budget=PROMPT_TOKENS + DECODE_STEPS, row_buckets=STREAMS)
         self.engine = Engine(checkpoint, runtime, formats=FORMATS)
         self.prompts = prompt_ids
@@ -288,7 +289,7 @@ def _process_memory() -> dict[str, int]:
     return values
 
 
-def memory_child(path: str, results) -> None:
+def memory_child(path: str, moe_grouped_from: int | str, results) -> None:
     """In a fresh process: the runtime's own footprint (OpenVINO's CPU plugin loaded by a tiny graph), then the
     bench's engine built and decoding its most streams."""
     tiny = CompiledBlock(graphs.projection([np.ones((8, 8), np.float32)], WeightFormat()), "CPU",
@@ -296,16 +297,16 @@ def memory_child(path: str, results) -> None:
     tiny.warm_up()
     baseline = _process_memory()["VmRSS"]
     checkpoint = Checkpoint.open(path)
-    decoder = EngineDecoder(checkpoint, prompts(checkpoint.config))
+    decoder = EngineDecoder(checkpoint, prompts(checkpoint.config), moe_grouped_from)
     decoder.decode_seconds(max(STREAMS))
     state = decoder.engine.stage.state_bytes
     results.put(_process_memory() | {"baseline": baseline, "state": state})
 
 
-def measure_memory(path: Path) -> dict[str, int]:
+def measure_memory(path: Path, moe_grouped_from: int | str) -> dict[str, int]:
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
-    child = spawn.Process(target=memory_child, args=(str(path), results))
+    child = spawn.Process(target=memory_child, args=(str(path), moe_grouped_from, results))
     child.start()
     out = results.get()
     child.join()
@@ -425,14 +426,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, to check the bench itself")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="rounds; every figure is their median")
+    parser.add_argument("--moe-grouped-from", default="never", type=lambda text: int(text) if text.isdigit() else text,
+                        help="the engine's runtime.moe_grouped_from (default never: the fused MoE at every call size; "
+                             "1: the expert-grouped one alone)")
     args = parser.parse_args()
     config = model_config(QUICK_MODEL if args.quick else MODEL)
     path = random_checkpoint(config, CHECKPOINT, args.quick, SEED)
     load_before = os.getloadavg()
     print("measuring memory in a fresh process ...", flush=True)
-    memory = measure_memory(path)
+    memory = measure_memory(path, args.moe_grouped_from)
     checkpoint = Checkpoint.open(path)
-    engine = EngineDecoder(checkpoint, prompts(config))
+    engine = EngineDecoder(checkpoint, prompts(config), args.moe_grouped_from)
     blocks = BlockComparison(engine.engine, checkpoint)
     try:
         reference = ReferenceDecoder(path, prompts(config))
@@ -454,9 +458,8 @@ def main() -> None:
     fractions = decode_table(model, rounds)
     grouped_from = engine.engine.stage.moe_grouped_from
     moe_over, moe_s = block_table(model, rounds, blocks, grouped_from)
-    print(f"(the two MoE paths agree within {blocks.agreement():.1e} of the largest output; the engine chose "
-          + ("the fused path at every call size)" if grouped_from is None else
-             f"fused below {grouped_from} rows, expert-grouped from {grouped_from})"))
+    print(f"(the two MoE paths agree within {blocks.agreement():.1e} of the largest output; the engine runs "
+          f"{paths_text(grouped_from, STREAMS)})")
     peak = memory_report(model, memory)
 
     moe_layers = sum(not config.is_dense(i) for i in range(config.num_hidden_layers))

@@ -1,5 +1,5 @@
-"""The engine's choice of MoE path per call size: the crossover rule, what each `runtime.moe_grouped_from` builds,
-and that a layer's calls run the path the choice names."""
+"""The engine's choice of MoE path per call size: the crossover rule, what each `runtime.moe_grouped_from` builds (the
+grouped graph alone when it runs every call), and that a layer's calls run the path the choice names."""
 
 from __future__ import annotations
 
@@ -48,6 +48,14 @@ def test_never_builds_no_grouped_block():
 def test_a_row_count_above_the_largest_bucket_builds_no_grouped_block():
     engine = engine_with(16)
     assert engine.stage.moe_grouped_from is None and all(layer.grouped is None for layer in moe_layers(engine))
+
+
+def test_a_row_count_at_the_smallest_bucket_builds_the_grouped_block_alone():
+    engine = engine_with(BUCKETS[0])
+    for layer in moe_layers(engine):
+        assert layer.mlp is None and layer.grouped in layer.blocks()
+        assert all(layer.runs_grouped(b) for b in BUCKETS)
+    assert engine.stage.moe_grouped_from == BUCKETS[0]
 
 
 def test_a_row_count_sends_calls_of_that_many_rows_and_more_to_the_grouped_block(monkeypatch):

@@ -375,3 +375,6 @@ def test_a_node_that_may_build_the_grouped_moe_path_is_planned_with_its_experts_
     for a, b in zip(fused.stages, grouped.stages):
         assert (a.first_layer, a.last_layer) == (b.first_layer, b.last_layer)
         assert b.weight_bytes - a.weight_bytes == sum(experts[a.first_layer:a.last_layer + 1]) > 0
+    smallest = spec.runtime.row_buckets[0]  # every call expert-grouped: that graph alone, the experts once
+    alone = plan(attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, moe_grouped_from=smallest)))
+    assert [s.weight_bytes for s in alone.stages] == [s.weight_bytes for s in fused.stages]

@@ -87,7 +87,7 @@ class StageEngine:
         for i in layers:
             grouped = compile_grouped if self.moe_grouped_from is not None else None
             self.layers.append(build_layer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices,
-                                           grouped))
+                                           grouped, fused="fused" in runtime.moe_paths))
             self._choose_moe_path(self.layers[-1])
             shape = self.layers[-1].shape
             if cfg.is_sliding(i):
@@ -218,10 +218,7 @@ AUTO = "auto"
 def _grouped_setting(runtime: RuntimeSpec) -> int | str | None:
     """`runtime.moe_grouped_from` as the engine starts with it: a row count, AUTO (to measure), or None (fused only,
     also for a count above the largest bucket)."""
-    setting = runtime.moe_grouped_from
-    if setting == "never" or (isinstance(setting, int) and setting > runtime.largest_bucket):
-        return None
-    return setting
+    return runtime.moe_grouped_from if "grouped" in runtime.moe_paths else None
 
 
 def _matrix(checkpoint: Checkpoint, name: str, fmt: WeightFormat) -> np.ndarray | Quantized:

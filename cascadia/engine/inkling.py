@@ -167,7 +167,8 @@ class DecoderLayer:
     kv_width: int  # 2 kv d: k's then v's columns, first of the k|v|r output
     qkvr: CompiledBlock  # x [T, H] -> q [T, h d] (normed, per head), k|v|r [T, 2 kv d + h r] (`graphs.attention_input`)
     o_proj: CompiledBlock  # [T, h d] -> [T, H]
-    mlp: CompiledBlock  # dense: [T, H] -> [T, H]; MoE: (x, index, weights, shared weights) -> [T, H]
+    mlp: CompiledBlock | None  # dense: [T, H] -> [T, H]; MoE: (x, index, weights, shared weights) -> [T, H] (None:
+    # a MoE layer whose every call runs `grouped`)
     up_divisor: float  # A of the FP32 restoration
     router: Router | None = None  # MoE layers
     output_scale: np.ndarray | None = None  # dense layers: the MLP's global_scale [1]
@@ -176,7 +177,7 @@ class DecoderLayer:
     grouped_from: int | None = None  # calls of at least this many rows (their bucket) run `grouped`, not `mlp`
 
     def blocks(self) -> list[Compiled]:
-        return [self.qkvr, self.o_proj, self.mlp] + ([self.grouped] if self.grouped is not None else [])
+        return [block for block in (self.qkvr, self.o_proj, self.mlp, self.grouped) if block is not None]
 
     def runs_grouped(self, bucket: int) -> bool:
         """Whether a call of `bucket` rows runs the expert-grouped MoE."""
@@ -221,7 +222,7 @@ class DecoderLayer:
                 out = self.mlp(h, bucket=bucket)[0]
             return out * np.float32(self.up_divisor) * self.output_scale
         inputs, factor = self.expert_inputs(h)
-        if self.runs_grouped(padded_size(len(h), self.mlp.buckets) if bucket is None else bucket):
+        if self.mlp is None or self.runs_grouped(padded_size(len(h), self.mlp.buckets) if bucket is None else bucket):
             out = self.grouped(*inputs)
         else:
             out = self.mlp(*inputs, bucket=bucket)[0]

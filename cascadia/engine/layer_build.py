@@ -35,11 +35,12 @@ TYPICAL_CEILING_LOG2 = 7
 
 def build_layer(cfg: InklingConfig, layer: int, t: Mapping[str, np.ndarray], formats: WeightFormats,
                 compile: Compile, dense_slices: int | None = None,
-                compile_grouped: Callable[[ov.Model], GroupedBlock] | None = None) -> DecoderLayer:
+                compile_grouped: Callable[[ov.Model], GroupedBlock] | None = None, fused: bool = True) -> DecoderLayer:
     """Layer `layer` from its float32 tensors `t` by name relative to its prefix (`Checkpoint.layer`).
     `dense_slices`: run a dense MLP as that many all-active expert slices through the fused MoE graph.
     `compile_grouped`: also compile a MoE layer's experts expert-grouped (`graphs.moe_grouped`), for the engine to
-    choose between the two by rows (`DecoderLayer.grouped_from`, unset here)."""
+    choose between the two by rows (`DecoderLayer.grouped_from`, unset here); `fused=False` with it: the grouped
+    graph alone (for an engine that runs it at every call size)."""
     heads, kv_heads, head_dim = cfg.heads(layer)
     log_scaling = None
     if not cfg.is_sliding(layer) and cfg.log_scaling_n_floor is not None:
@@ -66,16 +67,17 @@ def build_layer(cfg: InklingConfig, layer: int, t: Mapping[str, np.ndarray], for
                             dense_slices=dense_slices)
     router = Router(t[names.ROUTER], t[names.ROUTER_CORRECTION], cfg.route_scale, t[names.ROUTER_SCALE],
                     cfg.num_experts_per_tok)
-    mlp, grouped, divisor = _moe_blocks(cfg, t, formats, post_norm, compile, compile_grouped)
+    mlp, grouped, divisor = _moe_blocks(cfg, t, formats, post_norm, compile if fused else None, compile_grouped)
     return DecoderLayer(**common, mlp=mlp, up_divisor=divisor, router=router, grouped=grouped)
 
 
 def _moe_blocks(cfg: InklingConfig, t: Mapping[str, np.ndarray], formats: WeightFormats, post_norm: np.ndarray,
-                compile: Compile, compile_grouped: Callable[[ov.Model], GroupedBlock] | None
-                ) -> tuple[CompiledBlock, GroupedBlock | None, float]:
-    """The routed and shared experts as the fused block (and the expert-grouped one, with `compile_grouped`), and
-    their divisor A. Integer formats stream the stacks one expert at a time, twice: A must be known before
-    quantising up / A. Each graph is built and compiled in turn, so that only one holds copies of the weights."""
+                compile: Compile | None, compile_grouped: Callable[[ov.Model], GroupedBlock] | None
+                ) -> tuple[CompiledBlock | None, GroupedBlock | None, float]:
+    """The routed and shared experts as the fused block (with `compile`) and the expert-grouped one (with
+    `compile_grouped`), and their divisor A. Integer formats stream the stacks one expert at a time, twice: A must
+    be known before quantising up / A. Each graph is built and compiled in turn, so that only one holds copies of
+    the weights."""
     width, routed_fmt, shared_fmt = cfg.moe_intermediate_size, formats.routed_experts, formats.shared_experts
 
     def routed() -> Iterator[Chunk]:
@@ -87,16 +89,18 @@ def _moe_blocks(cfg: InklingConfig, t: Mapping[str, np.ndarray], formats: Weight
     divisor = max(up_divisor(*_peak_rows(routed()), post_norm), up_divisor(*_peak_rows(shared()), post_norm))
     routed_weights = _expert_weights(routed(), cfg.n_routed_experts, routed_fmt, divisor)
     shared_weights = _expert_weights(shared(), cfg.n_shared_experts, shared_fmt, divisor)
-    top_k = cfg.num_experts_per_tok
-    fused_model = graphs.moe(routed_weights, routed_fmt, shared_weights, shared_fmt, top_k)
-    if compile_grouped is None:
-        del routed_weights, shared_weights  # the graph holds copies of 4-bit stacks: not twice while it compiles
-        return compile(fused_model), None, divisor
-    fused = compile(fused_model)
-    del fused_model
-    grouped_model = graphs.moe_grouped(routed_weights, routed_fmt, shared_weights, shared_fmt, top_k)
-    del routed_weights, shared_weights
-    return fused, compile_grouped(grouped_model), divisor
+    top_k, fused, grouped = cfg.num_experts_per_tok, None, None
+    if compile is not None:
+        model = graphs.moe(routed_weights, routed_fmt, shared_weights, shared_fmt, top_k)
+        if compile_grouped is None:
+            del routed_weights, shared_weights  # the graph holds copies of 4-bit stacks: not twice while it compiles
+        fused = compile(model)
+        del model
+    if compile_grouped is not None:
+        model = graphs.moe_grouped(routed_weights, routed_fmt, shared_weights, shared_fmt, top_k)
+        del routed_weights, shared_weights
+        grouped = compile_grouped(model)
+    return fused, grouped, divisor
 
 
 def up_divisor(gate: np.ndarray, up: np.ndarray, down: np.ndarray, norm_weight: np.ndarray) -> float:

@@ -27,6 +27,15 @@ def measured_grouped_from(layer: DecoderLayer, buckets: Sequence[int], rounds: i
     return crossover({bucket: _median_seconds(layer, bucket, rounds) for bucket in buckets})
 
 
+def paths_text(grouped_from: int | None, buckets: Sequence[int]) -> str:
+    """Which path runs which calls, in words."""
+    if grouped_from is None:
+        return "fused at every call size"
+    if grouped_from <= min(buckets):
+        return "expert-grouped at every call size"
+    return f"fused below {grouped_from} rows, expert-grouped from {grouped_from}"
+
+
 def crossover(seconds: dict[int, tuple[float, float]]) -> int | None:
     """The smallest bucket from which the grouped path is faster than the fused one by MARGIN at that bucket and
     every larger one (None: not at the largest), from (fused, grouped) seconds per call by bucket."""

@@ -53,7 +53,7 @@ class LayerCost:
     params: int  # all parameters of the layer
     active_params: int  # parameters one token uses (top-k routed + shared experts, or the dense MLP)
     weight_bytes: int  # stored bytes under the spec's formats (scales and zero points included)
-    held_bytes: int  # what the engine holds of them: the experts twice when it may build the grouped MoE path too
+    held_bytes: int  # what the engine holds of them: the experts once per MoE path it builds (`moe_paths`)
     bytes_per_row: int  # weight bytes one decode row reads (attention + router + top-k experts + shared, or dense)
     expert_bytes: int  # bytes of ONE routed expert (0 for dense layers)
     flops_per_row: float  # matmul FLOPs of one row at context 0
@@ -162,7 +162,7 @@ def layer_costs(model: ModelSpec, runtime: RuntimeSpec = RuntimeSpec()) -> list[
             params=sum(op.params for op in ops),
             active_params=sum(op.active_params for op in ops),
             weight_bytes=weight_bytes,
-            held_bytes=weight_bytes + (experts if runtime.moe_grouped_from != "never" else 0),
+            held_bytes=weight_bytes + experts * (len(runtime.moe_paths) - 1),
             bytes_per_row=sum(op.bytes_per_row for op in ops),
             expert_bytes=routed[0].weight_bytes // cfg.n_routed_experts if routed else 0,
             flops_per_row=sum(op.flops_per_row for op in ops),

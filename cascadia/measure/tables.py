@@ -27,6 +27,7 @@ import attrs
 import numpy as np
 
 from cascadia.engine.device import core
+from cascadia.engine.moe_choice import paths_text
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import load_plan
 from cascadia.host_cpus import pin
@@ -92,9 +93,7 @@ def tables_worker(argv: Sequence[str]) -> None:
                             lambda done, total: say(progress=f"compiled {done}/{total} blocks"))
         engine = loaded.engine
         device = f"{engine.device} {core().get_property(engine.device, 'FULL_DEVICE_NAME')}"
-        grouped_from = engine.moe_grouped_from
-        say(progress="MoE fused at every call size" if grouped_from is None else
-            f"MoE fused below {grouped_from} rows, expert-grouped from {grouped_from}")
+        say(progress=f"MoE {paths_text(engine.moe_grouped_from, engine.row_buckets)}")
         probe = StageProbe(loaded, stage_kinds(stage, spec.model.config))
         tables = probe.tables(Grid.of(spec, int(rounds)), lambda text: say(progress=text))
         say(tables={kind: attrs.asdict(table) for kind, table in tables.items()}, device=device)

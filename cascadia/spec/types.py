@@ -175,6 +175,18 @@ class RuntimeSpec:
         return -(-positions // self.kv_block)
 
     @property
+    def moe_paths(self) -> tuple[str, ...]:
+        """The MoE graphs a stage builds: "fused" unless every call runs the expert-grouped one (`moe_grouped_from`
+        a row count at or below the smallest bucket), "grouped" where some call may run it ("auto", or a row count
+        up to the largest bucket)."""
+        setting = self.moe_grouped_from
+        if setting == "never" or (isinstance(setting, int) and setting > self.largest_bucket):
+            return ("fused",)
+        if isinstance(setting, int) and setting <= self.row_buckets[0]:
+            return ("grouped",)
+        return ("fused", "grouped")
+
+    @property
     def largest_bucket(self) -> int:
         """The most rows of one engine call (a larger frame runs as several calls of this many)."""
         return self.row_buckets[-1]
