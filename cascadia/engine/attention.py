@@ -42,7 +42,7 @@ from cascadia.engine.kv_store import PagedKV, SlotRing
 
 KeyStore = SlotRing | PagedKV
 SPAN_KEYS = 4096  # keys per span: 4096 x 64 dims of f32 keys and values are 2 MiB, about a core's share of L3
-# (shared among the streams of a call: 8 decode streams at 4k positions each took 2.3-3.3x as long in spans of 4096
+# (shared among the streams of a call: 8 decode streams at 4k positions each took 2.1-3.3x as long in spans of 4096
 # entries each as in spans of 512, on a 2-core AMD EPYC; 32 streams 2.2-4.7x)
 MIN_SPAN_KEYS = 256  # below, a span's fixed cost outweighs (a sliding layer's ring of 160 entries at 32 streams)
 # a stream's rows in a call from which its far keys go through the fused attention: below, copying them into its
