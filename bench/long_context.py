@@ -61,7 +61,7 @@ from cascadia.engine import attention
 from cascadia.engine.attention import AttentionShape
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
-from cascadia.engine.kv_store import BlockPool, PagedKV
+from cascadia.engine.kv_store import PagedKV
 from cascadia.engine.state_format import StateFormat
 from cascadia.graph.planner import plan as make_plan
 from cascadia.model_config import InklingConfig
@@ -147,9 +147,8 @@ def kv_bytes_read(engine: Engine, positions: int) -> int:
 
 def random_store(shape: AttentionShape, positions: int, precision: str, rng: np.random.Generator) -> PagedKV:
     """A paged store holding `positions` + 1 positions of one stream, all but the last random."""
-    pool = BlockPool(-(-(positions + 1) // 64), 64, 1)
-    pool.grow({0: positions + 1})
-    store = PagedKV(pool, shape.kv_heads, shape.head_dim, StateFormat(precision))
+    store = PagedKV.alone(-(-(positions + 1) // 64), 64, 1, shape.kv_heads, shape.head_dim, StateFormat(precision))
+    store.pool.grow({0: positions + 1})
     for start in range(0, positions, 4096):
         at = np.arange(start, min(positions, start + 4096))[None]
         store.write(np.array([0]), at, *(rng.standard_normal((1, at.shape[1], shape.kv_heads, shape.head_dim),

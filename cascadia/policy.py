@@ -24,11 +24,12 @@ stream's tokens, so each accepted token is the one the stream gets without specu
 where the stream stands, and every stage rewinds to there (K/V are masked by position; convolution inputs and the
 sampler's history are kept for the positions a rewind can drop).
 
-Memory by need: the global layers' K/V live in blocks of `kv_block` positions from a pool of `kv_blocks` per node
-(the smallest node's bounds them all: every node holds every stream). A request is admitted when a slot and the
-blocks for its prompt plus `max_new_tokens` are free (held until it finishes, so that a stream never runs out
-mid-way), otherwise it waits, in arrival order. Requests whose prompt plus `max_new_tokens` exceeds the context
-budget, or needs more blocks than the pool holds, are rejected with a reason, never truncated: truncation would
+Memory by need: K/V live in blocks from a pool per node (`KVPool`): a stream holds a few for its sliding layers'
+rings and, on a node with global layers, one per `kv_block` positions. Every node holds every stream, so a request
+is admitted when a slot is free and every node's pool has the blocks for its prompt plus `max_new_tokens` (held until
+it finishes, so that a stream never runs out mid-way), otherwise it waits, in arrival order. Requests whose prompt
+plus `max_new_tokens` exceeds the context budget, or needs more blocks than some pool holds, are rejected with a
+reason, never truncated: truncation would
 silently change what the client asked for. A stream finishes after `max_new_tokens` tokens, or
 earlier when it samples one of its request's `stop_ids` (EOS, when the workload says `stop_at_eos`).
 """
@@ -177,21 +178,39 @@ class _Stream:
         return prompt[start:end] if end <= self.prompt_len else (*prompt, *self.output)[start:end]
 
 
+@attrs.frozen
+class KVPool:
+    """A node's K/V pool as admission counts it: `blocks` in all, of which a stream holds `ring_blocks` for its
+    sliding layers' rings and, where `paged` (the node has global layers), one per `kv_block` positions."""
+
+    blocks: int
+    ring_blocks: int = 0
+    paged: bool = True
+
+    def stream_blocks(self, positions: int, kv_block: int) -> int:
+        return self.ring_blocks + (-(-positions // kv_block) if self.paged else 0)
+
+
 class Policy:
     def __init__(self, n_groups: int, max_streams: int, prefill_window: int, row_buckets: tuple[int, ...],
-                 context_budget: int, kv_blocks: int | None = None, kv_block: int = 64,
+                 context_budget: int, kv_pools: Sequence[KVPool] | None = None, kv_block: int = 64,
                  speculation: Speculation | None = None) -> None:
-        """`kv_blocks` None: enough for every slot at the context budget (blocks never bound admission)."""
-        kv_blocks = max_streams * -(-context_budget // kv_block) if kv_blocks is None else kv_blocks
+        """`kv_pools`: every node's (None: one with enough for every slot at the context budget, so that blocks
+        never bound admission)."""
         for name, value in (("n_groups", n_groups), ("max_streams", max_streams), ("prefill_window", prefill_window),
-                            ("context_budget", context_budget), ("kv_blocks", kv_blocks), ("kv_block", kv_block)):
+                            ("context_budget", context_budget), ("kv_block", kv_block)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if kv_pools is None:
+            kv_pools = (KVPool(max_streams * -(-context_budget // kv_block)),)
+        if any(pool.blocks < 1 for pool in kv_pools):
+            raise ValueError(f"every K/V pool needs at least one block, got {kv_pools}")
         if not row_buckets or list(row_buckets) != sorted(set(row_buckets)) or row_buckets[0] < 1:
             raise ValueError(f"row_buckets must be increasing positive sizes, got {row_buckets}")
         self.n_groups, self.max_streams, self.prefill_window = n_groups, max_streams, prefill_window
         self.row_buckets, self.context_budget = tuple(row_buckets), context_budget
-        self.kv_blocks, self.kv_block, self.free_blocks = kv_blocks, kv_block, kv_blocks
+        self.kv_pools, self.kv_block = tuple(kv_pools), kv_block
+        self.held_blocks = [0] * len(self.kv_pools)  # by pool, what the admitted streams hold
         self.speculation = speculation
         self._waiting: deque[Request] = deque()
         self._free_slots = list(range(max_streams))  # a heap: the lowest free slot goes first
@@ -205,13 +224,13 @@ class Policy:
         self._seq = 0
 
     @classmethod
-    def for_runtime(cls, runtime: RuntimeSpec, n_groups: int, kv_blocks: int | None = None,
+    def for_runtime(cls, runtime: RuntimeSpec, n_groups: int, kv_pools: Sequence[KVPool] | None = None,
                     drafter: Drafter | None = None) -> Policy:
-        """The policy `runtime` says. `kv_blocks`: the pool of the node with the fewest (`Plan.kv_blocks`); with
-        `runtime.speculate`, drafts from `drafter` (default: prompt lookup)."""
+        """The policy `runtime` says. `kv_pools`: the nodes' (`Plan.kv_pools`); with `runtime.speculate`, drafts
+        from `drafter` (default: prompt lookup)."""
         speculation = Speculation(drafter or NgramDrafter(), runtime.max_draft) if runtime.max_draft else None
         return cls(n_groups, runtime.max_streams, runtime.prefill_window, runtime.row_buckets, runtime.context_budget,
-                   kv_blocks, runtime.kv_block, speculation)
+                   kv_pools, runtime.kv_block, speculation)
 
     # ---- state ------------------------------------------------------------------------------------------------
     @property
@@ -251,8 +270,8 @@ class Policy:
             return [Rejected(request.id, f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
                                          f"({request.max_new_tokens}) = {needed} exceeds the context budget "
                                          f"of {self.context_budget} positions")]
-        if self._blocks(request) > self.kv_blocks:
-            return [self._too_big(request)]
+        if (too_big := self._too_big(request)) is not None:
+            return [too_big]
         self._waiting.append(request)
         return self._admit()
 
@@ -347,29 +366,28 @@ class Policy:
             return []
         return [self._release(stream, CANCELLED)] + self._admit()
 
-    def fits(self, kv_blocks: int | None) -> bool:
-        """Whether the streams admitted so far fit a pool of `kv_blocks` (a new plan's; None: no pool)."""
-        return kv_blocks is None or self.kv_blocks - self.free_blocks <= kv_blocks
+    def fits(self, kv_pools: Sequence[KVPool]) -> bool:
+        """Whether the streams admitted so far fit `kv_pools` (a new plan's)."""
+        return all(held <= pool.blocks for pool, held in zip(kv_pools, self._holdings(kv_pools)))
 
-    def replay(self, kv_blocks: int | None = None) -> list[Event]:
+    def replay(self, kv_pools: Sequence[KVPool] | None = None) -> list[Event]:
         """The nodes lost the streams' state (a node was replaced): forget the frames in flight, and rebuild every
         stream by prefilling its prompt and the tokens it has made so far again, in windows as any prompt, before it
         decodes on. A draw depends only on its stream's seed and tokens, so the tokens that follow are those a run
-        without the loss makes. Streams cancelled with rows in flight are released now. With `kv_blocks` the pool
-        has that many blocks from now on (a new plan's, which `fits` the streams): waiting requests that never can
-        fit it are rejected."""
+        without the loss makes. Streams cancelled with rows in flight are released now. With `kv_pools` the nodes
+        have those pools from now on (a new plan's, which `fits` the streams): waiting requests that never can fit
+        them are rejected."""
         self._in_flight.clear()
         events: list[Event] = [self._release(self._streams[r], CANCELLED) for r in sorted(self._cancelling)]
-        if kv_blocks is not None:
-            if not self.fits(kv_blocks):
-                raise ValueError(f"the streams hold {self.kv_blocks - self.free_blocks} K/V blocks, more than "
-                                 f"{kv_blocks}")
-            self.free_blocks += kv_blocks - self.kv_blocks
-            self.kv_blocks = kv_blocks
-            too_big = [request for request in self._waiting if self._blocks(request) > kv_blocks]
-            for request in too_big:
-                self._waiting.remove(request)
-                events.append(self._too_big(request))
+        if kv_pools is not None:
+            if not self.fits(kv_pools):
+                raise ValueError(f"the streams hold {self._holdings(kv_pools)} K/V blocks, more than the pools' "
+                                 f"{[pool.blocks for pool in kv_pools]}")
+            self.kv_pools, self.held_blocks = tuple(kv_pools), self._holdings(kv_pools)
+            for request in list(self._waiting):
+                if (too_big := self._too_big(request)) is not None:
+                    self._waiting.remove(request)
+                    events.append(too_big)
         for group, streams in enumerate(self._groups):
             for stream in streams:
                 stream.prefilled, stream.replaying = 0, bool(stream.output)
@@ -377,16 +395,34 @@ class Policy:
         return events + self._admit()
 
     # ---- internals ----------------------------------------------------------------------------------------------
-    def _too_big(self, request: Request) -> Rejected:
+    def _too_big(self, request: Request) -> Rejected | None:
+        """The rejection of a request more than some node's whole pool can hold; None if every pool can."""
         needed = len(request.prompt_ids) + request.max_new_tokens
-        return Rejected(request.id, f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                                    f"({request.max_new_tokens}) = {needed} positions need {self._blocks(request)} "
-                                    f"K/V blocks of {self.kv_block}, more than the pool's {self.kv_blocks} "
-                                    f"({self.kv_blocks * self.kv_block} positions)")
+        for pool, blocks in zip(self.kv_pools, self._blocks(request)):
+            if blocks > pool.blocks:
+                rings = f" (with {pool.ring_blocks} for its rings)" if pool.ring_blocks else ""
+                room = f" ({(pool.blocks - pool.ring_blocks) * self.kv_block} positions)" if pool.paged else ""
+                return Rejected(request.id, f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
+                                            f"({request.max_new_tokens}) = {needed} positions need {blocks} K/V "
+                                            f"blocks of {self.kv_block}{rings}, more than a node's pool of "
+                                            f"{pool.blocks}{room}")
+        return None
 
-    def _blocks(self, request: Request) -> int:
-        """K/V blocks a request holds from admission to its end: its prompt and every token it may make."""
-        return -(-(len(request.prompt_ids) + request.max_new_tokens) // self.kv_block)
+    def _blocks(self, request: Request, kv_pools: Sequence[KVPool] | None = None) -> list[int]:
+        """K/V blocks a request holds in each pool from admission to its end: its rings', and its prompt's and
+        every token's it may make."""
+        positions = len(request.prompt_ids) + request.max_new_tokens
+        return [pool.stream_blocks(positions, self.kv_block) for pool in kv_pools or self.kv_pools]
+
+    def _holdings(self, kv_pools: Sequence[KVPool]) -> list[int]:
+        """What the admitted streams would hold in each of `kv_pools`."""
+        held = [0] * len(kv_pools)
+        for stream in self._streams.values():
+            held = [h + b for h, b in zip(held, self._blocks(stream.request, kv_pools))]
+        return held
+
+    def _has_room(self, request: Request) -> bool:
+        return all(h + b <= pool.blocks for pool, h, b in zip(self.kv_pools, self.held_blocks, self._blocks(request)))
 
     def _take(self, stream: _Stream, token: int, events: list[Event]) -> str | None:
         """A stream's next token, its event added to `events`; why the stream is finished with it (None: it is not).
@@ -430,9 +466,9 @@ class Policy:
 
     def _admit(self) -> list[Event]:
         events: list[Event] = []
-        while self._waiting and self._free_slots and self._blocks(self._waiting[0]) <= self.free_blocks:
+        while self._waiting and self._free_slots and self._has_room(self._waiting[0]):
             request = self._waiting.popleft()
-            self.free_blocks -= self._blocks(request)
+            self.held_blocks = [h + b for h, b in zip(self.held_blocks, self._blocks(request))]
             slot = heapq.heappop(self._free_slots)
             group = min(range(self.n_groups), key=lambda g: (len(self._groups[g]), g))
             stream = _Stream(request, slot, group, len(request.prompt_ids))
@@ -451,7 +487,7 @@ class Policy:
         if self.speculation is not None:
             self.speculation.finished(stream.request.id, stream.request.prompt_ids, stream.output)
         heapq.heappush(self._free_slots, stream.slot)
-        self.free_blocks += self._blocks(stream.request)
+        self.held_blocks = [h - b for h, b in zip(self.held_blocks, self._blocks(stream.request))]
         return Finished(stream.request.id, stream.slot, reason, len(stream.output))
 
 

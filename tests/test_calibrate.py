@@ -215,7 +215,8 @@ def test_the_grid_reaches_a_long_context_budget_at_one_frame_a_point(spec, check
     probe = StageProbe(load_stage(long, stage, checkpoint, 1, False, lambda done, total: None),
                        stage_kinds(stage, long.model.config))
     assert probe.run(1, 1024, None)["global"][0] > 0  # no prefill: the stream's length is set where the row starts
-    assert probe.engine.lengths[0] == 1024 and probe.engine.pool.held(0) == probe.engine.pool.blocks_for(1024)
+    pool = probe.engine.pool
+    assert probe.engine.lengths[0] == 1024 and pool.held(0) == pool.layout.stream_blocks(1024)
 
 
 def test_calibrate_layers_only_measures_the_tables_to_the_budget_without_the_pipeline(checkpoint, tmp_path):

@@ -100,13 +100,14 @@ def test_release_starts_a_fresh_stream(case):
 
 
 def test_sliding_rings_wrap_exactly():
-    """150 positions: with rows of at most 32 per call, the window-8 layers keep a 39-entry ring that wraps
-    several times; an engine allowed 160 rows per call sees the whole sequence in one unwrapped call. Same logits."""
+    """150 positions: with rows of at most 32 per call, the window-8 layers keep a ring of at least 39 entries (in
+    whole pool blocks: 64 here) that wraps; an engine allowed 160 rows per call sees the whole sequence in one
+    unwrapped call. Same logits."""
     checkpoint = Checkpoint.open(FIXTURES / "base")
     ids = np.random.default_rng(2).integers(0, 256, 150)
     wrapped = Engine(checkpoint, RuntimeSpec(precision="f32", max_streams=1, context_budget=150))
     whole = Engine(checkpoint, RuntimeSpec(precision="f32", max_streams=1, context_budget=150, row_buckets=(8, 160)))
-    assert wrapped.stage.states[0].kv.k.shape[2] == 39 and whole.stage.states[0].kv.k.shape[2] == 150
+    assert 39 <= wrapped.stage.states[0].kv.span < 150 <= whole.stage.states[0].kv.span
     expected = whole.score(ids)
     np.testing.assert_allclose(wrapped.score(ids, prefill=50), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
@@ -136,22 +137,24 @@ def test_rows_must_continue_their_streams(case):
 
 
 def test_streams_take_pool_blocks_as_they_grow_and_give_them_back():
-    """A pool of 6 blocks of 8 positions shared by 4 slots: streams take blocks as they pass each multiple of 8,
-    rows the pool cannot hold are refused before any state changes, and a released stream's blocks serve the next
-    (its logits those of a fresh engine)."""
+    """A pool of 18 blocks shared by 4 slots: a stream takes 6 for its two sliding layers' rings (39 entries each,
+    16 a block) when it starts, and one more as it passes each multiple of 8 positions; rows the pool cannot hold
+    are refused before any state changes, and a released stream's blocks serve the next (its logits those of a
+    fresh engine)."""
     checkpoint = Checkpoint.open(FIXTURES / "base")
     ref = dict(np.load(FIXTURES / "base" / "reference.npz"))
     runtime = RuntimeSpec(precision="f32", max_streams=4, context_budget=64, kv_block=8)
-    engine = Engine(checkpoint, runtime, kv_blocks=6)
+    engine = Engine(checkpoint, runtime, kv_blocks=18)
     pool = engine.stage.pool
-    engine.prefill(0, ref["ids"][:17])  # 3 blocks
-    engine.prefill(1, ref["mixed_a_ids"][:8])  # 1 block
-    assert (pool.held(0), pool.held(1), pool.free) == (3, 1, 2)
-    with pytest.raises(BatchError, match="the K/V pool has 2 free blocks of 8 positions, these rows need 3 more"):
+    assert (pool.layout.ring_blocks, pool.layout.ring_entries_per_block) == (6, 16)
+    engine.prefill(0, ref["ids"][:17])  # 3 blocks and the rings
+    engine.prefill(1, ref["mixed_a_ids"][:8])  # 1 block and the rings
+    assert (pool.held(0), pool.held(1), pool.free) == (9, 7, 2)
+    with pytest.raises(BatchError, match="the K/V pool has 2 free blocks of 8 positions, these rows need 9 more"):
         engine.step([2] * 17, ref["mixed_b_ids"][:17])
     assert engine.stage.lengths[2] == 0 and pool.free == 2
     engine.release(0)
-    assert pool.free == 5
-    assert_close(engine.prefill(2, ref["ids"][:25]), ref["prefill_logits"][24])  # 4 blocks, 3 of them slot 0's
+    assert pool.free == 11
+    assert_close(engine.prefill(2, ref["ids"][:25]), ref["prefill_logits"][24])  # 10 blocks, 9 of them slot 0's
     assert_close(engine.step([1], ref["mixed_a_ids"][8:9])[0], ref["mixed_a_logits"][8])  # its second block
     assert pool.free == 0

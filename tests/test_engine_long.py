@@ -17,7 +17,7 @@ from cascadia.engine.attention import FUSED_KEYS, FUSED_ROWS, SPAN_KEYS, Attenti
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.init_model import init_model
-from cascadia.engine.kv_store import BlockPool, PagedKV
+from cascadia.engine.kv_store import PagedKV
 from cascadia.engine.state_format import StateFormat
 from cascadia.graph.planner import plan as make_plan
 from cascadia.model_config import InklingConfig
@@ -113,16 +113,15 @@ def scattered_streams(precision: str, first: np.ndarray, slots: np.ndarray, n: i
     """A paged store (blocks of 64) holding streams of `first` positions at `slots`, written a hundred positions at a
     time in turn so that no stream's blocks lie in a row, with blocks for n more; and the q, k, v, rel of n rows
     of each (SHAPE: log-scaled, a bias bank of 48)."""
-    pool = BlockPool(64, 64, 3)
-    store = PagedKV(pool, SHAPE.kv_heads, SHAPE.head_dim, StateFormat(precision))
+    store = PagedKV.alone(64, 64, 3, SHAPE.kv_heads, SHAPE.head_dim, StateFormat(precision))
     rng = np.random.default_rng(0)
     for start in range(0, int(first.max()), 100):
         for slot, length in zip(slots, first):
             if start < length:
                 at = np.arange(start, min(start + 100, length))[None]
-                pool.grow({int(slot): int(at.max()) + 1})
+                store.pool.grow({int(slot): int(at.max()) + 1})
                 store.write(np.array([slot]), at, *rng.standard_normal((2, 1, at.shape[1], 2, 32), np.float32))
-    pool.grow({int(slot): int(length) + n for slot, length in zip(slots, first)})
+    store.pool.grow({int(slot): int(length) + n for slot, length in zip(slots, first)})
     q = rng.standard_normal((len(slots), n, 8, 32), np.float32) * 3
     k, v = rng.standard_normal((2, len(slots), n, 2, 32), np.float32)
     return store, q, k, v, rng.standard_normal((len(slots), n, 8, 48), np.float32)
@@ -158,3 +157,26 @@ def test_fused_far_keys_agree_with_spans_for_streams_at_different_positions(prec
     monkeypatch.setattr(attention, "FUSED_ROWS", n + 1)
     spans = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
     assert np.abs(fused - spans).max() <= 2e-6 * np.abs(spans).max()  # f32 rounding: 2-6e-7 measured (AVX-512)
+
+
+def test_gathering_a_few_blocks_of_a_large_pool_copies_only_them():
+    """A global layer's keys and values are a strided view of the pool (every block holds every layer's part), and
+    np.take copies a strided source whole before it gathers: scattered blocks are gathered from one contiguous array
+    of all the parts, so reading 4 blocks of a 256 MiB pool allocates about them, never the pool."""
+    import tracemalloc
+
+    store = PagedKV.alone(2048, 64, 2, 4, 64, StateFormat("f32"))  # 2048 blocks of 128 KiB
+    assert not store.k.flags.c_contiguous
+    store.pool.grow({0: 64})
+    store.pool.grow({1: 64})
+    store.pool.grow({0: 128, 1: 128})  # each slot's two blocks apart
+    rng = np.random.default_rng(0)
+    for slot in (0, 1):
+        store.write(np.array([slot]), np.arange(128)[None], *rng.standard_normal((2, 1, 128, 4, 64), np.float32))
+    tracemalloc.start()
+    keys, values = store.read(np.array([0, 1]), 0, 128)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert keys.shape == (2, 2, 4, 64, 64) and peak < 4 * 2**20
+    table = store.pool.table(np.array([1]), 2)[0]
+    np.testing.assert_array_equal(keys[1], store.k[table])

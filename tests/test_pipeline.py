@@ -460,9 +460,9 @@ def test_bad_prompts_and_a_missing_checkpoint_fail_before_any_node_starts(spec, 
 
 
 def huge_state_spec(spec):
-    """Nodes that claim 100 TB each, and 2 * 10^7 streams of the model's 1,024 positions: slots of 328 GB on the
-    first node, and on the others what the slots leave as the K/V pool, which the planner places (each node claims
-    room for it) but no machine running these tests has."""
+    """Nodes that claim 100 TB each, and 2 * 10^7 streams of the model's 1,024 positions: on every node what the
+    slots leave as the K/V pool (the streams' rings among it), which the planner places (each node claims room for
+    it) but no machine running these tests has."""
     nodes = tuple(attrs.evolve(n, memory_bytes=100 * 10**12) for n in spec.cluster.nodes)
     return attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=nodes),
                         runtime=attrs.evolve(spec.runtime, max_streams=2 * 10**7, context_budget=1024))
@@ -471,7 +471,7 @@ def huge_state_spec(spec):
 def test_local_nodes_beyond_this_machines_memory_are_refused_before_any_starts(spec, checkpoint):
     before = child_processes()
     huge = huge_state_spec(spec)
-    with pytest.raises(PipelineError, match=r"^the plan's 3 local nodes need 200 TB together \(node0 328 GB, node1 "
+    with pytest.raises(PipelineError, match=r"^the plan's 3 local nodes need 300 TB together \(node0 90.9 TiB, node1 "
                                             r"100 TB, node2 100 TB: weights, 20000000 streams' slots and the K/V "
                                             r"pools\) but this machine has .+ available \(.+\)$"):
         Pipeline.start(huge, make_plan(huge), checkpoint=checkpoint, node_timeout_s=TIMEOUT_S)
@@ -483,7 +483,8 @@ def test_a_node_checks_its_own_machines_memory_before_it_loads(spec, tmp_path):
     huge = huge_state_spec(spec)
     stage = make_plan(huge).stages[1]
     with pytest.raises(NodeError, match=r"^node1: its stage needs 100 TB \(weights 611 kB, state 100 TB: 20000000 "
-                                        r"streams' slots and a K/V pool of 6,090,698,991 blocks of 64 positions\) "
+                                        r"streams' slots and a K/V pool of 6,097,886,491 blocks of 64 positions \(1 a "
+                                        r"stream's rings\)\) "
                                         r"but this machine has .+ available"):
         load_stage(huge, stage, tmp_path / "nowhere", 1, False, lambda done, total: None)
 

@@ -77,9 +77,12 @@ def everything_on_node0(d):
     (drop_key, "stages[1].node is missing"),
     (set_stage(1, "est_time_s", True), "stages[1].est_time_s must be a number, not true"),
     (lambda d: d.update(stages=[]), "stages is empty"),
-    (lambda d: d.update(version=1), "plan version 1 is not 2"),
-    (everything_on_node0, "stages[0] has no K/V pool, where the spec needs blocks of 64 positions for at least 64: "
-                          "plan again for this spec"),
+    (lambda d: d.update(version=1), "plan version 1 is not 3"),
+    (everything_on_node0, "stages[0] has a K/V pool of 25 blocks of 64 positions (2 a stream's rings), where the "
+                          "spec needs blocks of 64 positions (3 a stream's rings), at least 25 (8 streams' rings, one "
+                          "stream at 64 positions): plan again for this spec"),
+    (set_stage(0, "ring_blocks", -1), "stages[0] has a K/V pool of 25 blocks of 64 positions (-1 a stream's rings)"),
+    (set_stage(0, "paged", 1), "stages[0].paged must be true or false, not 1"),
     (set_stage(1, "kv_blocks", 10**6), "stages[1] needs 15.32 GiB on node node1 (weights 597.07 KiB, state 15.26 "
                                        "GiB: 8 streams' slots and a K/V pool of 1,000,000 blocks of 64 positions"),
     (set_stage(1, "kv_block", 32), "stages[1] has a K/V pool of "),
@@ -100,8 +103,7 @@ def test_a_plan_that_is_not_an_object(spec_path, tmp_path):
 
 def test_a_plan_saved_for_fewer_streams_does_not_fit_once_max_streams_grows(spec_path, saved):
     spec_path.write_text(SPEC.replace("max_streams: 8", "max_streams: 64"))
-    with pytest.raises(PlanError,
-                       match=r"stages\[0\] needs 65.56 MiB .* state 1.00 MiB: 64 streams' slots and no K/V pool"):
+    with pytest.raises(PlanError, match=r"stages\[0\] has a K/V pool of 25 blocks .* at least 128 \(64 streams' rings"):
         load_plan(saved, load_spec(spec_path))
 
 

@@ -9,10 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 import cascadia.cli
-from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops, least_state_bytes
+from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops, least_state_bytes, pool_layout
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import InfeasiblePlan, RooflineStageTime, min_max_split, plan, stage_roles
 from cascadia.model_config import InklingConfig
+from cascadia.policy import KVPool
 from cascadia.spec.load import load_spec
 from cascadia.spec.types import (ClusterSpec, LinkSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat,
                                  WeightFormats)
@@ -193,23 +194,28 @@ def test_papers_deployment_context_grows_8_kib_per_position_per_node():
     costs = layer_costs(paper_spec().model)[middle.first_layer:middle.last_layer + 1]
     sliding = [c for c in costs if c.kv_window]
     assert len(costs) - len(sliding) == 1  # one global layer per six
-    # beyond the sliding layers' entries (the window's last 511 keys and a call's 32 rows) only the global layer's K/V
-    # grows: 8 KiB per position (f32), in blocks of 64 positions
-    fixed = sum(c.conv_state_bytes for c in costs) + sum(c.kv_bytes_per_position * c.kv_window for c in sliding)
+    # the pool's blocks hold 64 positions of the global layer's K/V, 8 KiB each (f32), or as many entries of a
+    # sliding layer's ring as fit: a stream's ring keeps the window's last 511 keys and a call's 32 rows
+    block = 64 * 8 * 2**10
     room = middle.free_bytes + middle.state_bytes
-    assert middle.kv_blocks == (room - fixed) // (64 * 8 * 2**10)
-    assert middle.max_positions_per_stream == middle.positions_one_stream == 64 * middle.kv_blocks
+    assert middle.kv_blocks == (room - sum(c.conv_state_bytes for c in costs)) // block
+    ring_entry = sliding[0].kv_bytes_per_position  # of one layer
+    assert middle.ring_blocks == len(sliding) * math.ceil(543 / (block // ring_entry))
+    one_stream = 64 * (middle.kv_blocks - middle.ring_blocks)
+    assert middle.max_positions_per_stream == middle.positions_one_stream == one_stream
     assert middle.max_positions_per_stream > 512 * 2**10  # the paper: 512k positions per stream fit
 
 
 def test_a_stream_may_reach_the_whole_pool_when_the_others_are_short():
-    """176 slots and a context budget of 256k: every node keeps each slot's own state and one stream's 256k
-    positions of K/V; the rest of its memory is pool, shared by the streams as they grow."""
+    """176 slots and a context budget of 256k: every node keeps each slot's convolution states, and pool blocks for
+    every slot's rings and one stream's 256k positions of K/V; the rest of its memory is pool too, shared by the
+    streams as they start and grow."""
     p = plan(paper_spec(max_streams=176, context_budget=256 * 1024))
-    pool = p.kv_blocks
-    assert pool == min(s.kv_blocks for s in p.stages) and pool * 64 >= 256 * 1024
-    assert all(s.max_positions_per_stream == s.kv_blocks // 176 * 64 for s in p.stages)
-    with pytest.raises(InfeasiblePlan, match="176 streams' slots and K/V for one stream of 524288 positions"):
+    assert p.kv_pools == tuple(KVPool(s.kv_blocks, s.ring_blocks) for s in p.stages)
+    for s in p.stages:
+        assert s.kv_blocks >= 176 * s.ring_blocks + 4096 and s.positions_one_stream >= 256 * 1024
+        assert s.max_positions_per_stream == (s.kv_blocks // 176 - s.ring_blocks) * 64
+    with pytest.raises(InfeasiblePlan, match="176 streams' slots and rings, and one stream's K/V at 524288 positions"):
         plan(paper_spec(max_streams=176, context_budget=512 * 1024))
 
 
@@ -224,15 +230,17 @@ def test_the_pool_takes_what_weights_slots_and_reserve_leave_in_whole_blocks():
         runtime, streams = spec.runtime, spec.runtime.max_streams
         for s, node in zip(p.stages, spec.cluster.nodes):
             costs = layer_costs(spec.model, runtime)[s.first_layer:s.last_layer + 1]
-            slots = streams * sum(c.slot_bytes(runtime.context_budget) for c in costs)
-            block = runtime.kv_block * sum(c.pool_bytes_per_position for c in costs)
+            slots = streams * sum(c.conv_state_bytes for c in costs)
+            layout = pool_layout(costs, runtime)
             room = node.memory_bytes - s.weight_bytes - spec.cluster.reserve_bytes - slots
-            if s.kv_blocks is None:
+            assert s.kv_blocks == room // layout.block_bytes and s.ring_blocks == layout.ring_blocks
+            assert s.state_bytes == slots + s.kv_blocks * layout.block_bytes
+            assert s.kv_blocks >= layout.least_blocks(streams, runtime.context_budget)
+            if not layout.paged:
                 assert all(c.kv_window for c in costs) and s.max_positions_per_stream is None
             else:
-                assert s.kv_blocks == room // block and s.state_bytes == slots + s.kv_blocks * block
                 assert s.positions_one_stream >= runtime.context_budget
-                assert s.max_positions_per_stream == s.kv_blocks // streams * runtime.kv_block
+                assert s.max_positions_per_stream == max(0, s.kv_blocks // streams - s.ring_blocks) * runtime.kv_block
             checked += 1
     assert checked > 20
 
@@ -256,14 +264,14 @@ def test_infeasible_plan_names_the_node_and_what_would_fit():
     with pytest.raises(InfeasiblePlan) as info:
         plan(spec)
     message = str(info.value)
-    assert "node pc1 is short of memory by 5.77 GiB" in message
-    assert "state 17.01 GiB: 400 streams' slots and K/V for one stream of 1024 positions" in message
-    assert "max_streams 264, or context_budget 354, or 2 more nodes like pc0 (61.20 GiB each, 13 in all)" in message
+    assert "node pc1 is short of memory by 5.80 GiB" in message
+    assert "state 17.04 GiB: 400 streams' slots and rings, and one stream's K/V at 1024 positions" in message
+    assert "max_streams 263, or context_budget 352, or 2 more nodes like pc0 (61.20 GiB each, 13 in all)" in message
     # each suggestion is the edge of what fits
     runtime = spec.runtime
-    plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, max_streams=264)))
-    plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, context_budget=354)))
-    for too_much in (attrs.evolve(runtime, max_streams=265), attrs.evolve(runtime, context_budget=355)):
+    plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, max_streams=263)))
+    plan(attrs.evolve(spec, runtime=attrs.evolve(runtime, context_budget=352)))
+    for too_much in (attrs.evolve(runtime, max_streams=264), attrs.evolve(runtime, context_budget=353)):
         with pytest.raises(InfeasiblePlan):
             plan(attrs.evolve(spec, runtime=too_much))
     for extra, fits in ((1, False), (2, True)):

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cascadia.policy import (CANCELLED, DECODE, LENGTH, PREFILL, STOP, Admitted, Finished, Policy, Rejected, Request,
-                             Row, Token, padded_size)
+from cascadia.policy import (CANCELLED, DECODE, LENGTH, PREFILL, STOP, Admitted, Finished, KVPool, Policy, Rejected,
+                             Request, Row, Token, padded_size)
 
 
 def policy(n_groups=1, max_streams=4, prefill_window=8, row_buckets=(2, 8), context_budget=64):
@@ -13,21 +13,29 @@ def policy(n_groups=1, max_streams=4, prefill_window=8, row_buckets=(2, 8), cont
 
 
 def test_requests_wait_for_kv_blocks_and_one_that_never_fits_is_rejected_with_the_numbers():
-    """A pool of 5 blocks of 8 positions for 4 slots: a request holds the blocks of its prompt + max_new_tokens
-    from admission to its end; the next waits (in order, though a slot is free) until they are given back."""
-    p = Policy(1, 4, 8, (2, 8), context_budget=64, kv_blocks=5, kv_block=8)
-    assert p.add_request(Request(0, tuple(range(20)), 4)) == [Admitted(0, 0, 0)]  # 24 positions: 3 blocks
-    assert p.add_request(Request(1, tuple(range(10)), 7)) == []  # 17: 3 blocks, 2 free
+    """Two nodes' pools for 4 slots: 9 blocks with global layers (a stream holds 2 for its rings and one per 8
+    positions), 6 without (2 for its rings). A request holds the blocks of its prompt + max_new_tokens from admission
+    to its end; the next waits (in order, though a slot is free) until they are given back."""
+    p = Policy(1, 4, 8, (2, 8), context_budget=64, kv_pools=[KVPool(9, 2), KVPool(6, 2, paged=False)], kv_block=8)
+    assert p.add_request(Request(0, tuple(range(20)), 4)) == [Admitted(0, 0, 0)]  # 24 positions: 3 blocks and rings
+    assert p.add_request(Request(1, tuple(range(10)), 7)) == []  # 17: 3 blocks and rings, 4 free
     assert p.add_request(Request(2, (1,), 1)) == []  # behind request 1
-    assert (p.free_blocks, p.waiting) == (2, 2)
-    [rejected] = p.add_request(Request(3, tuple(range(40)), 10))
-    assert rejected == Rejected(3, "prompt (40 tokens) + max_new_tokens (10) = 50 positions need 7 K/V blocks of 8, "
-                                   "more than the pool's 5 (40 positions)")
+    assert (p.held_blocks, p.waiting) == ([5, 2], 2)
+    [rejected] = p.add_request(Request(3, tuple(range(48)), 10))
+    assert rejected == Rejected(3, "prompt (48 tokens) + max_new_tokens (10) = 58 positions need 10 K/V blocks of "
+                                   "8 (with 2 for its rings), more than a node's pool of 9 (56 positions)")
     events = []
     while not any(isinstance(e, Finished) for e in events):
         f = p.next_frame(0)
         events = p.complete_frame(f, [9] * len(f.sampled_ids))
-    assert events[-2:] == [Admitted(1, 0, 0), Admitted(2, 1, 0)] and p.free_blocks == 1
+    assert events[-2:] == [Admitted(1, 0, 0), Admitted(2, 1, 0)] and p.held_blocks == [8, 4]
+
+
+def test_a_node_without_global_layers_bounds_the_streams_by_their_rings():
+    """A pool of 5 blocks where each stream's rings take 2: two streams at once, however short."""
+    p = Policy(1, 4, 8, (2, 8), context_budget=64, kv_pools=[KVPool(5, 2, paged=False)], kv_block=8)
+    events = [e for i in range(3) for e in p.add_request(Request(i, (1,), 1))]
+    assert events == [Admitted(0, 0, 0), Admitted(1, 1, 0)] and p.waiting == 1
 
 
 def test_a_64k_prompt_enters_in_hundreds_of_frames_while_another_stream_decodes_in_every_one():
@@ -367,16 +375,16 @@ def test_a_replay_at_any_moment_gives_the_tokens_of_a_run_without_one(requests, 
 
 def test_a_replay_onto_a_new_plan_takes_its_pool_and_rejects_what_can_never_fit_it():
     """Pools of 6 blocks of 8 positions, then of 4 (the survivors of a loss hold more layers each)."""
-    p = Policy(1, 4, 8, (2, 8), context_budget=64, kv_blocks=6, kv_block=8)
+    p = Policy(1, 4, 8, (2, 8), context_budget=64, kv_pools=[KVPool(6)], kv_block=8)
     p.add_request(Request(0, tuple(range(20)), 4))  # 3 blocks
     p.add_request(Request(1, tuple(range(20)), 20))  # 5 blocks: waits
-    assert (p.fits(3), p.fits(2), p.fits(None)) == (True, False, True)
-    with pytest.raises(ValueError, match="the streams hold 3 K/V blocks, more than 2"):
-        p.replay(2)
-    [rejected] = p.replay(4)
+    assert (p.fits([KVPool(3)]), p.fits([KVPool(2)]), p.fits([KVPool(3, 1)]), p.fits([])) == (True, False, False, True)
+    with pytest.raises(ValueError, match=r"the streams hold \[3\] K/V blocks, more than the pools' \[2\]"):
+        p.replay([KVPool(2)])
+    [rejected] = p.replay([KVPool(4)])
     assert rejected == Rejected(1, "prompt (20 tokens) + max_new_tokens (20) = 40 positions need 5 K/V blocks of "
-                                   "8, more than the pool's 4 (32 positions)")
-    assert (p.kv_blocks, p.free_blocks, p.waiting, p.active) == (4, 1, 0, 1)
+                                   "8, more than a node's pool of 4 (32 positions)")
+    assert (p.kv_pools, p.held_blocks, p.waiting, p.active) == ((KVPool(4),), [3], 0, 1)
 
 
 def test_a_replay_prefills_each_stream_again_then_decodes():

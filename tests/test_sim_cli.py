@@ -181,7 +181,7 @@ def test_a_runtime_no_node_can_hold_is_refused_by_the_plan_before_any_table(spec
     result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--concurrency", "1"])
     assert result.exit_code == 1
     assert result.stderr.startswith(f"Error: {spec_path}: no plan fits. node node")
-    assert f"{streams} streams' slots and K/V for one stream of 64 positions" in result.stderr
+    assert f"{streams} streams' slots and rings, and one stream's K/V at 64 positions" in result.stderr
 
 
 def test_slots_the_workload_never_fills_cost_the_simulation_nothing(spec_path):

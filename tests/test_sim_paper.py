@@ -82,7 +82,7 @@ def paper_simulator(concurrency: tuple[int, ...]) -> tuple[Spec, PipelineModel, 
     spec = load_spec(PAPER_SPEC)
     spec = attrs.evolve(spec, workload=attrs.evolve(spec.workload, concurrency=concurrency))
     the_plan = plan(spec)
-    policy = Policy.for_runtime(spec.runtime, len(the_plan.stages), the_plan.kv_blocks)
+    policy = Policy.for_runtime(spec.runtime, len(the_plan.stages), the_plan.kv_pools)
     return spec, PipelineModel(spec, the_plan, analytic_calibration(spec)), policy
 
 

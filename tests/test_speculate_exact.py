@@ -17,7 +17,7 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine, StageEngine
 from cascadia.engine.generate import generate
 from cascadia.engine.rows import BatchError
-from cascadia.graph.costs import layer_costs
+from cascadia.graph.costs import layer_costs, pool_layout
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import wire_frame
 from cascadia.pipeline.node import ForeignFrame
@@ -212,8 +212,8 @@ def test_the_state_the_engine_allocates_is_the_state_the_plan_counts(spec, plain
     for stage, speculate in ((plain, None), (speculative, "ngram:4")):
         runtime = attrs.evolve(spec.runtime, speculate=speculate)
         costs = layer_costs(spec.model, runtime)  # the stage holds every layer
-        slots = runtime.max_streams * sum(c.slot_bytes(runtime.context_budget) for c in costs)
-        pool = stage.engine.pool.blocks * runtime.kv_block * sum(c.pool_bytes_per_position for c in costs)
+        slots = runtime.max_streams * sum(c.conv_state_bytes for c in costs)
+        pool = stage.engine.pool.blocks * pool_layout(costs, runtime).block_bytes
         assert slots + pool == stage.engine.state_bytes
 
 

@@ -38,9 +38,9 @@ import openvino.opset13 as ops
 
 from cascadia.engine import scratch
 from cascadia.engine.device import compile_options, core
-from cascadia.engine.kv_store import PagedKV, SlotRing
+from cascadia.engine.kv_store import PagedKV, PagedRing
 
-KeyStore = SlotRing | PagedKV
+KeyStore = PagedRing | PagedKV
 SPAN_KEYS = 4096  # keys per span: 4096 x 64 dims of f32 keys and values are 2 MiB, about a core's share of L3
 # (shared among the streams of a call: 8 decode streams at 4k positions each took 2.1-3.3x as long in spans of 4096
 # entries each as in spans of 512, on a 2-core AMD EPYC; 32 streams 2.2-4.7x)

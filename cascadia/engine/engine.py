@@ -1,8 +1,9 @@
 """The resident Inkling engine: `StageEngine` serves a run of consecutive layers (one pipeline stage, optionally
 with the embedding and the head), `Engine` is all of them in one process.
 
-Streams live in slots. A slot holds, per layer, the stream's keys and values (a ring on a sliding layer, blocks of
-the stage's K/V pool on a global one, taken as the stream grows) and its four short-convolution states, and the
+Streams live in slots. A slot holds, per layer, the stream's keys and values in blocks of the stage's K/V pool (a
+ring of a few on a sliding layer, taken when the stream starts; on a global one, taken as it grows) and its four
+short-convolution states, and the
 stage remembers each slot's length (its next position), so rows that do not continue their stream, or that the pool
 has no room for, are refused before any state changes. Rows of different streams at different positions share one
 call; a slot's rows in a call are consecutive and at consecutive positions (one decode row, or a prefill chunk).
@@ -19,7 +20,7 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, device_precision, pick_device
 from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.inkling import DecoderLayer, SlotState, rms_norm
-from cascadia.engine.kv_store import BlockPool, PagedKV, SlotRing
+from cascadia.engine.kv_store import BlockPool, PagedKV, PagedRing
 from cascadia.engine.layer_build import build_layer
 from cascadia.engine.moe_choice import measured_grouped_from
 from cascadia.engine.quantize import Quantized, quantize_stacks
@@ -28,9 +29,10 @@ from cascadia.engine.state_format import StateFormat
 from cascadia.errors import RequestError
 from cascadia.graph.plan import EMBED as EMBED_ROLE
 from cascadia.graph.plan import HEAD as HEAD_ROLE
+from cascadia.graph.costs import layer_costs, pool_layout
 from cascadia.graph.plan import Stage
 from cascadia.policy import padded_size, score_schedule
-from cascadia.spec.types import RuntimeSpec, Spec, WeightFormat, WeightFormats
+from cascadia.spec.types import ModelSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats
 from cascadia.tensors import EMBED, EMBED_NORM, FINAL_NORM, HEAD
 
 ProgressFn = Callable[[int, int], None]  # (parts built, parts to build): embedding, each layer, head
@@ -43,8 +45,8 @@ class StageEngine:
                  kv_blocks: int | None = None):
         """Compile the stage's graphs (one per weight block, dynamic rows) and allocate its slots, as `runtime`
         says: compute `precision`, `max_streams` slots of at most `context_budget` positions, states stored in
-        `kv_precision` (computed with in f32), calls padded to `row_buckets`. The global layers' keys and values take
-        blocks of `kv_block` positions from a pool of `kv_blocks` (None: enough for every slot at the budget).
+        `kv_precision` (computed with in f32), calls padded to `row_buckets`. Keys and values take blocks from a
+        pool of `kv_blocks` (`PoolLayout`; None: enough for every slot at the budget).
         `formats`: how weights are stored. `dense_slices`: run dense MLPs as that many all-active expert slices.
         `warm_up`: run every graph at every bucket once now, so that first requests are not slow. MoE calls of at
         least `moe_grouped_from` rows run expert-grouped (`cascadia.engine.moe_choice`; "auto" is measured here and
@@ -81,8 +83,9 @@ class StageEngine:
             advance()
         self.layers, self.states = [], []
         fmt = StateFormat(runtime.kv_precision)
-        self.pool = BlockPool(kv_blocks or runtime.max_streams * runtime.blocks_for(context_budget), runtime.kv_block,
-                              runtime.max_streams)
+        layout = pool_layout(layer_costs(ModelSpec(cfg, formats), runtime)[layers.start:layers.stop], runtime)
+        self.pool = BlockPool(kv_blocks or runtime.max_streams * layout.stream_blocks(context_budget), layout,
+                              runtime.max_streams) if layout else None
         self.moe_grouped_from = _grouped_setting(runtime)
         for i in layers:
             grouped = compile_grouped if self.moe_grouped_from is not None else None
@@ -91,8 +94,8 @@ class StageEngine:
             self._choose_moe_path(self.layers[-1])
             shape = self.layers[-1].shape
             if cfg.is_sliding(i):
-                kv = SlotRing(runtime.max_streams, shape.kv_heads, cfg.kv_entries(i, context_budget, self.max_rows),
-                              shape.head_dim, fmt)
+                kv = PagedRing(self.pool, sum(map(cfg.is_sliding, layers[:len(self.states)])), shape.kv_heads,
+                               shape.head_dim, fmt)
             else:
                 kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt)
             self.states.append(SlotState(kv, cfg.hidden_size, cfg.conv_kernel_size, runtime.max_streams, fmt,
@@ -137,9 +140,9 @@ class StageEngine:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of the per-stream state allocated: sliding rings and convolution histories of every slot, the K/V
-        pool (committed as it is written)."""
-        return sum(state.nbytes for state in self.states)
+        """Bytes of the per-stream state allocated: the convolution histories of every slot and the K/V pool
+        (committed as it is written)."""
+        return sum(state.nbytes for state in self.states) + (self.pool.arena.nbytes if self.pool else 0)
 
     @property
     def precision(self) -> str:
@@ -165,7 +168,8 @@ class StageEngine:
         if x.shape != (len(rows.slots), self.config.hidden_size):
             raise BatchError(f"hidden rows must be [{len(rows.slots)}, {self.config.hidden_size}] (one per slot and "
                              f"position), got {list(x.shape)}")
-        self.pool.grow(dict(zip(rows.group_slots.tolist(), ends.tolist())))
+        if self.pool:
+            self.pool.grow(dict(zip(rows.group_slots.tolist(), ends.tolist())))
         for layer, state in zip(self.layers, self.states):
             x = layer.forward(x, rows, state)
         self.lengths[rows.group_slots] = ends
@@ -208,7 +212,8 @@ class StageEngine:
         """Forget a slot's stream; its next rows start at position 0."""
         for state in self.states:
             state.release(slot)
-        self.pool.release(slot)
+        if self.pool:
+            self.pool.release(slot)
         self.lengths[slot] = self.reach[slot] = 0
 
 

@@ -126,10 +126,11 @@ def row_factor(*weights: np.ndarray) -> np.ndarray:
 
 
 class SlotState:
-    """A layer's state for every slot: its keys and values (`kv`: a ring per slot on a sliding layer, blocks of the
-    stage's pool on a global one) and the last K-1+rewind inputs of its short convolutions [slots, K-1+rewind, C]
-    (those of k and v side by side: they run as one; `rewind`, the positions a stream may step back, see
-    `cascadia.engine.rows`), all stored in `fmt`. Zero-filled, so pages are only committed as slots fill."""
+    """A layer's state for every slot: its keys and values (`kv`: a ring of the stage's pool's blocks per stream on a
+    sliding layer, blocks of it on a global one) and the last K-1+rewind inputs of its short convolutions
+    [slots, K-1+rewind, C] (those of k and v side by side: they run as one; `rewind`, the positions a stream
+    may step back, see `cascadia.engine.rows`), all stored in `fmt`. Zero-filled, so pages are only committed as
+    slots fill."""
 
     def __init__(self, kv: KeyStore, hidden: int, kernel: int, slots: int, fmt: StateFormat = StateFormat(),
                  rewind: int = 0):
@@ -142,7 +143,8 @@ class SlotState:
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes + sum(a.nbytes for a in (self.conv_kv, self.conv_attn, self.conv_mlp))
+        """Of the convolution states (the keys and values are the stage's pool's)."""
+        return sum(a.nbytes for a in (self.conv_kv, self.conv_attn, self.conv_mlp))
 
     def release(self, slot: int) -> None:
         """Ready a slot for a new stream. Stale K/V need no clearing: a stream only reads entries it wrote (its

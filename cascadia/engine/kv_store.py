@@ -1,13 +1,15 @@
-"""Where a layer keeps its streams' keys and values, in the runtime's `kv_precision` (`StateFormat`).
+"""Where a stage keeps its streams' keys and values, in the runtime's `kv_precision` (`StateFormat`): blocks of one
+pool per stage (`BlockPool`, cut as `cascadia.graph.costs.PoolLayout` says), lent to the streams that need them, so
+that memory goes to the streams that are live and long, not to a preallocated context per slot.
 
-A sliding layer needs only its window's last keys: each slot has a ring of them (`SlotRing`), a fixed size whatever
-the context. A global layer needs every key of its stream: those live in fixed-size blocks of positions taken from
-the stage's `BlockPool` as the stream grows and given back when it is released (`PagedKV`), so that memory goes to
-the streams that are long, not to a preallocated context per slot. Arrays are zero-filled: pages are committed as
-they are written.
+A global layer needs every key of its stream: a stream takes a block as it passes each `kv_block` positions
+(`PagedKV`). A sliding layer needs only its window's last keys: a stream takes a ring of a few blocks when it starts,
+whatever its length (`PagedRing`). A block is either, and each layer's keys and values are a view of its own bytes
+of every block. Both give back their blocks when the stream is released. The pool is zero-filled: pages are
+committed as they are written.
 
-Both read a stream's entries start..stop-1 back as keys and values [kv, stop - start, d], entry e holding some
-position p, e = p % span (span: the ring's length; a paged stream never wraps).
+Both read a stream's entries start..stop-1 back as keys and values, entry e holding some position p, e = p % span
+(span: the ring's length; a paged stream never wraps).
 """
 
 from __future__ import annotations
@@ -20,44 +22,85 @@ import numpy as np
 from cascadia.engine import scratch
 from cascadia.engine.rows import BatchError
 from cascadia.engine.state_format import StateFormat
+from cascadia.graph.costs import PoolLayout
 
 
 class BlockPool:
-    """`blocks` blocks of `block` positions for the global layers of one stage, lent to `slots` streams. One table
-    serves every global layer: a slot's i-th block holds its positions i * block .. (i + 1) * block - 1 in each."""
+    """`blocks` blocks of `layout.block_bytes` bytes for the attention layers of one stage, lent to `slots` streams.
+    A slot's global table serves every global layer (its i-th block holds its positions i * block ..
+    (i + 1) * block - 1 in each); its ring table every sliding layer."""
 
-    def __init__(self, blocks: int, block: int, slots: int):
-        if blocks < 1 or block < 1:
-            raise ValueError(f"a K/V pool needs at least one block of at least one position, got {blocks} x {block}")
-        self.blocks, self.block = blocks, block
+    def __init__(self, blocks: int, layout: PoolLayout, slots: int):
+        if blocks < 1:
+            raise ValueError(f"a K/V pool needs at least one block, got {blocks}")
+        self.blocks, self.layout, self.block = blocks, layout, layout.kv_block
+        self.arena = np.zeros((blocks, layout.block_bytes), np.uint8)
+        self._taken = 0  # bytes of each block given to the global layers' views
+        self._ring_views: tuple[np.ndarray, np.ndarray] | None = None
         self._free = list(range(blocks))  # a heap: the lowest free block goes first, so runs are reproducible
         self._tables: list[list[int]] = [[] for _ in range(slots)]
+        self._rings: list[list[int]] = [[] for _ in range(slots)]
 
     @property
     def free(self) -> int:
         return len(self._free)
 
     def held(self, slot: int) -> int:
-        return len(self._tables[slot])
+        return len(self._tables[slot]) + len(self._rings[slot])
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.block)
 
+    def _view(self, start: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """[blocks, *shape] of `dtype` from byte `start` of every block: a view of the pool."""
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        if start + size > self.layout.block_bytes:
+            raise ValueError(f"{size} bytes from byte {start} of a block do not fit the pool's blocks of "
+                             f"{self.layout.block_bytes}")
+        return self.arena[:, start:start + size].view(dtype).reshape(self.blocks, *shape, copy=False)
+
+    def global_view(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+        """A global layer's keys or values: the bytes of every block no global layer has yet, and their place in
+        `parts`."""
+        out = self._view(self._taken, dtype, shape)
+        size = out[0].nbytes
+        if self._taken % size or self.layout.block_bytes % size:
+            raise ValueError(f"a global layer's {size} bytes a block do not divide the pool's blocks of "
+                             f"{self.layout.block_bytes} from byte {self._taken}")
+        self._taken += size
+        return out, (self._taken - size) // size
+
+    def parts(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The pool as [blocks x n, *shape]: block b's part p at b * n + p, one contiguous array (np.take copies a
+        strided source whole before it gathers)."""
+        return self.arena.view(dtype).reshape(-1, *shape)
+
+    def ring_views(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of a block lent to a ring, the same for every sliding layer (a block serves one)."""
+        if self._ring_views is None:
+            keys = self._view(0, dtype, shape)
+            self._ring_views = keys, self._view(keys[0].nbytes, dtype, shape)
+        return self._ring_views
+
     def grow(self, ends: dict[int, int]) -> None:
-        """Give each slot the blocks for its positions 0..end-1; BatchError, before any change, when the pool has
-        too few free blocks for all of them."""
-        wanted = {slot: self.blocks_for(end) - self.held(slot) for slot, end in ends.items()}
-        needed = sum(max(0, n) for n in wanted.values())
+        """Give each slot its rings' blocks and the blocks for its positions 0..end-1; BatchError, before any
+        change, when the pool has too few free blocks for all of them."""
+        layout = self.layout
+        rings = {slot: 0 if self._rings[slot] else layout.ring_blocks for slot in ends}
+        wanted = {slot: self.blocks_for(end) - len(self._tables[slot]) if layout.paged else 0
+                  for slot, end in ends.items()}
+        needed = sum(max(0, n) for n in wanted.values()) + sum(rings.values())
         if needed > self.free:
             raise BatchError(f"the K/V pool has {self.free} free blocks of {self.block} positions, these rows need "
                              f"{needed} more")
         for slot, n in wanted.items():
             self._tables[slot] += [heapq.heappop(self._free) for _ in range(n)]
+            self._rings[slot] += [heapq.heappop(self._free) for _ in range(rings[slot])]
 
     def release(self, slot: int) -> None:
-        for block in self._tables[slot]:
+        for block in self._tables[slot] + self._rings[slot]:
             heapq.heappush(self._free, block)
-        self._tables[slot] = []
+        self._tables[slot], self._rings[slot] = [], []
 
     def table(self, slots: np.ndarray, n: int) -> np.ndarray:
         """[G, n] the first n blocks of each slot's table (0 past a slot's own: entries its stream never reads)."""
@@ -67,27 +110,43 @@ class BlockPool:
             out[g, : len(own)] = own
         return out
 
+    def ring_table(self, slots: np.ndarray) -> np.ndarray:
+        """[G, ring blocks] each slot's ring blocks, in ring order."""
+        return np.array([self._rings[slot] for slot in slots.tolist()], np.int64).reshape(len(slots), -1)
 
-class SlotRing:
-    """A sliding layer's keys and values: per slot a ring [kv, span, d] (entry p % span holds position p)."""
 
-    def __init__(self, slots: int, kv_heads: int, span: int, head_dim: int, fmt: StateFormat):
-        self.fmt, self.span = fmt, span
-        self.k, self.v = fmt.zeros((slots, kv_heads, span, head_dim)), fmt.zeros((slots, kv_heads, span, head_dim))
+class PagedRing:
+    """The keys and values of a stage's `index`-th sliding layer in its pool: each stream's ring of `span` entries
+    (entry p % span holds position p) in its ring blocks for the layer, `per_block` entries of [kv, d] a block."""
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+    def __init__(self, pool: BlockPool, index: int, kv_heads: int, head_dim: int, fmt: StateFormat):
+        self.pool, self.fmt = pool, fmt
+        layout = pool.layout
+        self.per_block, blocks = layout.ring_entries_per_block, layout.ring_layer_blocks
+        self.span, self._blocks = self.per_block * blocks, slice(index * blocks, (index + 1) * blocks)
+        self.k, self.v = pool.ring_views(fmt.dtype, (kv_heads, self.per_block, head_dim))
+
+    def _table(self, slots: np.ndarray) -> np.ndarray:
+        return self.pool.ring_table(slots)[:, self._blocks]
 
     def write(self, slots: np.ndarray, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """k, v [G, n, kv, d] of stream g at positions[g] [G, n]."""
-        self.k[slots[:, None], :, positions % self.span] = self.fmt.encode(k)
-        self.v[slots[:, None], :, positions % self.span] = self.fmt.encode(v)
+        """k, v [G, n, kv, d] of stream g at positions[g] [G, n]; the pool has already given the slots their rings."""
+        entries = positions % self.span
+        ids = np.take_along_axis(self._table(slots), entries // self.per_block, 1)
+        self.k[ids, :, entries % self.per_block] = self.fmt.encode(k)
+        self.v[ids, :, entries % self.per_block] = self.fmt.encode(v)
 
     def read(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Entries start..stop-1 of each stream's ring, keys and values [G, 1, kv, stop - start, d] in f32."""
-        return (self.fmt.decode(self.k[slots, None, :, start:stop]),
-                self.fmt.decode(self.v[slots, None, :, start:stop]))
+        first = start // self.per_block
+        ids = self._table(slots)[:, first:-(-stop // self.per_block)]  # [G, b]
+
+        def entries(stored: np.ndarray) -> np.ndarray:
+            blocks = stored[ids]  # [G, b, kv, per, d]
+            joined = blocks.transpose(0, 2, 1, 3, 4).reshape(len(slots), 1, blocks.shape[2], -1, blocks.shape[4])
+            offset = first * self.per_block
+            return self.fmt.decode(joined[:, :, :, start - offset:stop - offset])
+        return entries(self.k), entries(self.v)
 
 
 class PagedKV:
@@ -97,15 +156,18 @@ class PagedKV:
 
     def __init__(self, pool: BlockPool, kv_heads: int, head_dim: int, fmt: StateFormat):
         self.pool, self.fmt = pool, fmt
-        shape = (pool.blocks, kv_heads, pool.block, head_dim)
-        self.k, self.v = fmt.zeros(shape), fmt.zeros(shape)
+        shape = (kv_heads, pool.block, head_dim)
+        (self.k, self._k_part), (self.v, self._v_part) = (pool.global_view(fmt.dtype, shape) for _ in "kv")
+        self._parts = pool.parts(fmt.dtype, shape)
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+    @classmethod
+    def alone(cls, blocks: int, block: int, slots: int, kv_heads: int, head_dim: int, fmt: StateFormat) -> PagedKV:
+        """One global layer in a pool of its own (attention timed or checked by itself)."""
+        layout = PoolLayout.of(2 * kv_heads * head_dim * fmt.dtype.itemsize, 0, 0, 0, block)
+        return cls(BlockPool(blocks, layout, slots), kv_heads, head_dim, fmt)
 
     def write(self, slots: np.ndarray, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """As `SlotRing.write`; the pool has already given the slots blocks for these positions."""
+        """As `PagedRing.write`; the pool has already given the slots blocks for these positions."""
         block = self.pool.block
         ids = np.take_along_axis(self.pool.table(slots, int(positions.max()) // block + 1), positions // block, 1)
         self.k[ids, :, positions % block] = self.fmt.encode(k)
@@ -121,7 +183,8 @@ class PagedKV:
             at = slice(first, first + count)  # one stream's blocks in a row (as one stream alone takes them): views
             keys, values = self.k[None, at], self.v[None, at]
         else:
-            shape = table.shape + self.k.shape[1:]
-            keys, values = (np.take(stored, table, axis=0, out=scratch.array(f"gathered {name}", shape, stored.dtype))
-                            for name, stored in (("keys", self.k), ("values", self.v)))
+            shape, n = table.shape + self.k.shape[1:], len(self._parts) // self.pool.blocks
+            keys, values = (np.take(self._parts, table * n + part, axis=0,
+                                    out=scratch.array(f"gathered {name}", shape, self.k.dtype))
+                            for name, part in (("keys", self._k_part), ("values", self._v_part)))
         return self.fmt.decode(keys, "keys"), self.fmt.decode(values, "values")

@@ -17,8 +17,13 @@ _STORED = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 class StateFormat:
     precision: str = attrs.field(default="f32", validator=attrs.validators.in_(tuple(_STORED)))
 
+    @property
+    def dtype(self) -> np.dtype:
+        """How values are stored."""
+        return np.dtype(_STORED[self.precision])
+
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
-        return np.zeros(shape, _STORED[self.precision])
+        return np.zeros(shape, self.dtype)
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         """f32 values as stored (f32: the same array)."""

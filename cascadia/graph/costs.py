@@ -69,15 +69,15 @@ class LayerCost:
         """K/V and convolution state of one stream of `context` positions."""
         return self.kv_bytes_per_position * self.kv_positions(context) + self.conv_state_bytes
 
-    def slot_bytes(self, context: int) -> int:
-        """What every slot holds, however long its stream: the convolution states and, on a sliding layer, its K/V
-        ring (for a context budget of `context`)."""
-        return self.state_bytes(context) - self.pool_bytes_per_position * context
-
     @property
     def pool_bytes_per_position(self) -> int:
         """K/V bytes a stream takes from the stage's pool per position: a global layer's (0 on a sliding one)."""
         return self.kv_bytes_per_position if self.kv_window is None else 0
+
+    @property
+    def ring_bytes_per_entry(self) -> int:
+        """K/V bytes of one entry of a sliding layer's ring (0 on a global one)."""
+        return 0 if self.kv_window is None else self.kv_bytes_per_position
 
 
 @attrs.frozen
@@ -217,12 +217,67 @@ def state_bytes(costs: list[LayerCost], context: int) -> int:
     return sum(c.state_bytes(context) for c in costs)
 
 
+@attrs.frozen
+class PoolLayout:
+    """How a stage's K/V pool is cut (`cascadia.engine.kv_store.BlockPool`). A block holds `kv_block` positions of
+    every global layer's keys and values, or, lent to a ring, `ring_entries_per_block` entries of one sliding
+    layer's (every sliding layer's entry has the same size): `block_bytes`, a whole number of the first so that
+    each global layer's part of every block can be gathered as one array, holds at least one of the second.
+    A stream holds `ring_layer_blocks` blocks for its ring on each of the `sliding_layers` whatever its length, and
+    on a stage with global layers (`paged`) a block per `kv_block` positions."""
+
+    block_bytes: int
+    kv_block: int
+    paged: bool
+    sliding_layers: int
+    ring_entries_per_block: int  # 0: no sliding layer
+    ring_layer_blocks: int  # of one layer's ring
+
+    @property
+    def ring_blocks(self) -> int:
+        """Of all of a stream's rings."""
+        return self.sliding_layers * self.ring_layer_blocks
+
+    @classmethod
+    def of(cls, global_bytes: int, ring_entry_bytes: int, sliding_layers: int, ring_entries: int,
+           kv_block: int) -> PoolLayout | None:
+        """From the K+V bytes of one position over the stage's global layers, and of one ring entry of one sliding
+        layer; None for a stage with neither."""
+        if not global_bytes and not sliding_layers:
+            return None
+        if global_bytes:
+            block_bytes = global_bytes * kv_block * max(1, -(-ring_entry_bytes // (global_bytes * kv_block)))
+        else:
+            block_bytes = ring_entry_bytes * kv_block
+        per_block = block_bytes // ring_entry_bytes if sliding_layers else 0
+        return cls(block_bytes, kv_block, global_bytes > 0, sliding_layers, per_block,
+                   -(-ring_entries // per_block) if per_block else 0)
+
+    def stream_blocks(self, positions: int) -> int:
+        """Blocks one stream of `positions` positions holds."""
+        return self.ring_blocks + (-(-positions // self.kv_block) if self.paged else 0)
+
+    def least_blocks(self, streams: int, context: int) -> int:
+        """What a plan asks of the pool: rings for `streams` streams at once, one of which reaches `context`."""
+        return self.stream_blocks(context) + (streams - 1) * self.ring_blocks
+
+
+def pool_layout(costs: list[LayerCost], runtime: RuntimeSpec) -> PoolLayout | None:
+    """The K/V pool of a stage of these layers (None: no attention state to pool)."""
+    sliding = [c for c in costs if c.kv_window is not None]
+    if len({(c.ring_bytes_per_entry, c.kv_window) for c in sliding}) > 1:
+        raise ValueError("sliding layers whose ring entries differ in size or number cannot share a pool's blocks")
+    entries = sliding[0].kv_positions(runtime.context_budget) if sliding else 0
+    return PoolLayout.of(sum(c.pool_bytes_per_position for c in costs),
+                         sliding[0].ring_bytes_per_entry if sliding else 0, len(sliding), entries, runtime.kv_block)
+
+
 def least_state_bytes(costs: list[LayerCost], runtime: RuntimeSpec) -> int:
-    """The least state a stage of these layers must be able to hold: every slot's own (`LayerCost.slot_bytes`) for
-    `runtime.max_streams` slots, and K/V pool blocks for one stream at the context budget."""
-    context = runtime.context_budget
-    return (runtime.max_streams * sum(c.slot_bytes(context) for c in costs)
-            + runtime.blocks_for(context) * runtime.kv_block * sum(c.pool_bytes_per_position for c in costs))
+    """The least state a stage of these layers must be able to hold: every slot's convolution states for
+    `runtime.max_streams` slots, and K/V pool blocks for their rings and for one stream at the context budget."""
+    layout = pool_layout(costs, runtime)
+    pool = layout.least_blocks(runtime.max_streams, runtime.context_budget) * layout.block_bytes if layout else 0
+    return runtime.max_streams * sum(c.conv_state_bytes for c in costs) + pool
 
 
 def stage_memory(model: ModelSpec, runtime: RuntimeSpec, layers: range, embed: bool, head: bool) -> tuple[int, int]:

@@ -13,10 +13,11 @@ import attrs
 
 from cascadia.errors import PlanError
 from cascadia.files import UnreadableFile, read_json
+from cascadia.policy import KVPool
 from cascadia.table import format_rows
 from cascadia.units import binary_unit
 
-PLAN_VERSION = 2  # 2: stages name their K/V pool
+PLAN_VERSION = 3  # 2: stages name their K/V pool; 3: the pool holds the sliding layers' rings too
 MAX_PLAN_FILE_BYTES = 16 * 1024**2  # a stage takes about 300 bytes
 # Roles a stage holds: its decoder layers, and the embedding or head at the ends of the pipeline.
 EMBED = "embed"  # token embedding and admission (first stage)
@@ -37,13 +38,15 @@ class Stage:
     last_layer: int  # inclusive
     roles: tuple[str, ...]  # "embed", "layers", "head"
     weight_bytes: int
-    state_bytes: int  # every slot's own state (convolutions, sliding rings) and the K/V pool
+    state_bytes: int  # every slot's own state (convolutions) and the K/V pool
     free_bytes: int  # memory left after weights, state and reserve (less than a block)
     # context per stream when max_streams streams share the pool alike; None = any (only sliding-window K/V)
     max_positions_per_stream: int | None
     est_time_s: float  # estimated time of one decode row through this stage
-    kv_blocks: int | None = None  # the K/V pool's blocks (of the global layers); None = no global layer, no pool
-    kv_block: int = 64  # positions per block
+    kv_blocks: int | None = None  # the K/V pool's blocks (`PoolLayout`); None = no attention layer, no pool
+    kv_block: int = 64  # positions of the global layers per block
+    ring_blocks: int = 0  # blocks a stream holds for its sliding layers' rings, however long it is
+    paged: bool = True  # the stage has global layers: a stream also takes a block per kv_block positions
 
     @property
     def layers(self) -> range:
@@ -52,7 +55,12 @@ class Stage:
     @property
     def positions_one_stream(self) -> int | None:
         """The longest context one stream alone could reach in the pool; None = any."""
-        return None if self.kv_blocks is None else self.kv_blocks * self.kv_block
+        return None if self.kv_blocks is None or not self.paged else (self.kv_blocks - self.ring_blocks) * self.kv_block
+
+    @property
+    def kv_pool(self) -> KVPool | None:
+        """The pool as admission counts it."""
+        return None if self.kv_blocks is None else KVPool(self.kv_blocks, self.ring_blocks, self.paged)
 
 
 @attrs.frozen
@@ -69,7 +77,7 @@ class Plan:
             "stages": [
                 {"node": s.node, "layers": [s.first_layer, s.last_layer], "roles": list(s.roles),
                  "weight_bytes": s.weight_bytes, "state_bytes": s.state_bytes, "free_bytes": s.free_bytes,
-                 "kv_blocks": s.kv_blocks, "kv_block": s.kv_block,
+                 "kv_blocks": s.kv_blocks, "kv_block": s.kv_block, "ring_blocks": s.ring_blocks, "paged": s.paged,
                  "max_positions_per_stream": s.max_positions_per_stream, "est_time_s": s.est_time_s}
                 for s in self.stages
             ],
@@ -94,10 +102,9 @@ class Plan:
                    bottleneck_s=float(field("bottleneck_s", _NUMBER)), cost_source=field("cost_source", str))
 
     @property
-    def kv_blocks(self) -> int | None:
-        """The smallest pool of any stage (every node holds every stream): what admission counts; None = no pool."""
-        pools = [s.kv_blocks for s in self.stages if s.kv_blocks is not None]
-        return min(pools) if pools else None
+    def kv_pools(self) -> tuple[KVPool, ...]:
+        """Every stage's pool (every node holds every stream): what admission counts."""
+        return tuple(s.kv_pool for s in self.stages if s.kv_pool is not None)
 
     def hops(self) -> list[tuple[str, str]]:
         """(node, the next stage's node) for every stage, the last with the first's: where each stage sends its rows
@@ -148,8 +155,8 @@ class Plan:
 
 def stage_state_words(streams: int, stage: Stage) -> str:
     """A stage's state in words, for messages: "16 streams' slots and a K/V pool of 1,024 blocks of 64 positions"."""
-    pool = "no K/V pool" if stage.kv_blocks is None else f"a K/V pool of {stage.kv_blocks:,} blocks of " \
-                                                           f"{stage.kv_block} positions"
+    pool = "no K/V pool" if stage.kv_blocks is None else \
+        f"a K/V pool of {stage.kv_blocks:,} blocks of {stage.kv_block} positions ({stage.ring_blocks} a stream's rings)"
     return f"{streams} streams' slots and {pool}"
 
 
@@ -166,12 +173,13 @@ def ring_pairs(items: Sequence[T]) -> list[tuple[T, T]]:
 _NUMBER = (int, float)
 _INT_OR_NULL = (int, type(None))
 _KIND_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", _NUMBER: "a number",
-               _INT_OR_NULL: "an integer or null"}
+               _INT_OR_NULL: "an integer or null", bool: "true or false"}
 
 
 def _typed(value: object, kind: type | tuple[type, ...], label: str):
-    """`value` if it is of `kind` (JSON's true and false count as no number), else a ValueError naming `label`."""
-    if isinstance(value, bool) or not isinstance(value, kind):
+    """`value` if it is of `kind` (JSON's true and false count as no number, and only they as bool), else a
+    ValueError naming `label`."""
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
         raise PlanError(f"{label} must be {_KIND_NAMES[kind]}, not {json.dumps(value)}")
     return value
 
@@ -194,6 +202,6 @@ def _stage_from_dict(d: object, label: str) -> Stage:
     return Stage(node=field("node", str), first_layer=first, last_layer=last, roles=roles,
                  weight_bytes=field("weight_bytes", int), state_bytes=field("state_bytes", int),
                  free_bytes=field("free_bytes", int), kv_blocks=field("kv_blocks", _INT_OR_NULL),
-                 kv_block=field("kv_block", int),
+                 kv_block=field("kv_block", int), ring_blocks=field("ring_blocks", int), paged=field("paged", bool),
                  max_positions_per_stream=field("max_positions_per_stream", _INT_OR_NULL),
                  est_time_s=float(field("est_time_s", _NUMBER)))

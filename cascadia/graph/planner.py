@@ -2,9 +2,10 @@
 
 The layers are cut into one contiguous stage per node, in the cluster's node order; the first stage also holds the
 embedding, the last the final norm and head. A stage fits when its weights, the state of its `runtime.max_streams`
-slots (convolution states, sliding layers' K/V rings), the global layers' K/V for one stream of
-`runtime.context_budget` positions, and the node's reserve fit in its `memory_bytes`. What is left becomes the node's
-K/V pool, in blocks of `runtime.kv_block` positions, shared by its streams as they grow. Among the partitions
+slots (convolution states), the K/V of one stream of `runtime.context_budget` positions (its sliding layers'
+rings and its global layers' blocks), and the node's reserve fit in its `memory_bytes`. What is left becomes the
+node's K/V pool (`PoolLayout`), shared by its streams: each takes blocks for its rings when it starts and a block of
+`runtime.kv_block` positions of the global layers as it grows. Among the partitions
 that fit, the planner takes the one whose slowest stage is fastest, and among those the one whose fullest node is
 least full. Both are exact dynamic programs over (stage, last layer).
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cascadia.errors import PlanError
-from cascadia.graph.costs import embedding_cost, head_cost, layer_costs
+from cascadia.graph.costs import PoolLayout, embedding_cost, head_cost, layer_costs
 from cascadia.graph.plan import EMBED, HEAD, LAYERS, Plan, Stage, ring_pairs, stage_state_words
 from cascadia.spec.types import NodeSpec, Spec
 from cascadia.units import binary_unit
@@ -94,25 +95,23 @@ class RooflineStageTime:
 
 class _Memory:
     """Bytes a stage needs on its node: weights, state for the streams, reserve (running sums over layers, since
-    the dynamic programs ask for every stage). State is every slot's own (`LayerCost.slot_bytes`) plus pool blocks
-    for one stream at the context."""
+    the dynamic programs ask for every stage). State is every slot's convolution states plus the K/V pool's blocks
+    for every slot's rings and one stream's global K/V at the context (`PoolLayout.least_blocks`)."""
 
     def __init__(self, spec: Spec, nodes: tuple[NodeSpec, ...]) -> None:
         self.spec, self.nodes = spec, nodes
         self.costs = layer_costs(spec.model, spec.runtime)
         self._weights = [0, *itertools.accumulate(c.held_bytes for c in self.costs)]
+        self._slot = [0, *itertools.accumulate(c.conv_state_bytes for c in self.costs)]
         self._pool = [0, *itertools.accumulate(c.pool_bytes_per_position for c in self.costs)]
+        self._sliding = [0, *itertools.accumulate(c.kv_window is not None for c in self.costs)]
+        sliding = [c for c in self.costs if c.kv_window is not None]
+        self._window, self._entry = (sliding[0].kv_window, sliding[0].ring_bytes_per_entry) if sliding else (0, 0)
         ends = {EMBED: embedding_cost(spec.model).weight_bytes, HEAD: head_cost(spec.model).weight_bytes}
         self._all_weights = self._weights[-1] + sum(ends.values())
         self._end_weights = [sum(size for role, size in ends.items() if role in stage_roles(j, len(nodes)))
                              for j in range(len(nodes))]
         self._reserves = [spec.cluster.reserve(node) for node in nodes]
-        self._slot: dict[int, list[int]] = {}  # context -> running sum of per-slot state over layers
-
-    def _slot_sums(self, context: int) -> list[int]:
-        if context not in self._slot:
-            self._slot[context] = [0, *itertools.accumulate(c.slot_bytes(context) for c in self.costs)]
-        return self._slot[context]
 
     def all_weights(self) -> int:
         return self._all_weights
@@ -120,19 +119,24 @@ class _Memory:
     def weights(self, stage: int, first: int, last: int) -> int:
         return self._weights[last + 1] - self._weights[first] + self._end_weights[stage]
 
-    def slot_state(self, first: int, last: int, context: int) -> int:
-        """Of one slot."""
-        sums = self._slot_sums(context)
-        return sums[last + 1] - sums[first]
+    def slot_state(self, first: int, last: int) -> int:
+        """Of one slot: its convolution states."""
+        return self._slot[last + 1] - self._slot[first]
 
-    def block_bytes(self, first: int, last: int) -> int:
-        """Of one pool block: the global layers' K/V of `kv_block` positions."""
-        return (self._pool[last + 1] - self._pool[first]) * self.spec.runtime.kv_block
+    def layout(self, first: int, last: int, context: int) -> PoolLayout | None:
+        """The stage's K/V pool, for a context budget of `context` (None: no attention state)."""
+        return PoolLayout.of(self._pool[last + 1] - self._pool[first], self._entry,
+                             self._sliding[last + 1] - self._sliding[first], min(context, self._window),
+                             self.spec.runtime.kv_block)
+
+    def least_pool(self, first: int, last: int, streams: int, context: int) -> int:
+        """Pool bytes for `streams` streams' rings, one of which reaches `context` positions."""
+        layout = self.layout(first, last, context)
+        return layout.least_blocks(streams, context) * layout.block_bytes if layout else 0
 
     def state(self, first: int, last: int, streams: int, context: int) -> int:
-        """Slots for `streams` streams, pool blocks for one of `context` positions."""
-        blocks = self.spec.runtime.blocks_for(context)
-        return streams * self.slot_state(first, last, context) + blocks * self.block_bytes(first, last)
+        """Slots for `streams` streams, pool blocks for their rings and one of `context` positions."""
+        return streams * self.slot_state(first, last) + self.least_pool(first, last, streams, context)
 
     def reserve(self, stage: int) -> int:
         return self._reserves[stage]
@@ -142,10 +146,7 @@ class _Memory:
 
     def shortfall(self, streams: int, context: int) -> Callable[[int, int, int], float]:
         """Score of a stage for `min_max_split`: bytes it needs beyond its node's memory (<= 0 when it fits);
-        math.inf for a stage whose length breaks its node's `layers` pin. Inlined from `need`: it is called for
-        every candidate stage."""
-        weights, slot, pool = self._weights, self._slot_sums(context), self._pool
-        one_stream = self.spec.runtime.blocks_for(context) * self.spec.runtime.kv_block
+        math.inf for a stage whose length breaks its node's `layers` pin."""
         fixed = [ends + reserve - node.memory_bytes
                  for ends, reserve, node in zip(self._end_weights, self._reserves, self.nodes)]
         pins = [node.layers for node in self.nodes]
@@ -153,8 +154,8 @@ class _Memory:
         def score(j: int, a: int, b: int) -> float:
             if pins[j] is not None and b - a + 1 != pins[j]:
                 return math.inf
-            return (weights[b + 1] - weights[a] + streams * (slot[b + 1] - slot[a])
-                    + one_stream * (pool[b + 1] - pool[a]) + fixed[j])
+            return (self._weights[b + 1] - self._weights[a] + streams * (self._slot[b + 1] - self._slot[a])
+                    + self.least_pool(a, b, streams, context) + fixed[j])
         return score
 
     def fits(self, streams: int, context: int) -> bool:
@@ -248,7 +249,7 @@ def _infeasible_message(spec: Spec, memory: _Memory, firsts: list[int]) -> str:
 
 
 def _state_words(streams: int, context: int) -> str:
-    return f"{streams} streams' slots and K/V for one stream of {context} positions"
+    return f"{streams} streams' slots and rings, and one stream's K/V at {context} positions"
 
 
 def _check_pins(nodes: tuple[NodeSpec, ...], n_layers: int) -> None:
@@ -297,15 +298,18 @@ def plan(spec: Spec, stage_time: StageTime | None = None, cost_source: str = "cu
     stages = []
     for j, (first, end) in enumerate(zip(firsts, [*firsts[1:], n_layers])):
         last, node = end - 1, nodes[j]
-        weights, slots = memory.weights(j, first, last), streams * memory.slot_state(first, last, context)
+        weights, slots = memory.weights(j, first, last), streams * memory.slot_state(first, last)
         room_for_pool = node.memory_bytes - weights - memory.reserve(j) - slots
-        block = memory.block_bytes(first, last)
-        blocks = room_for_pool // block if block else None  # None: no global layer, no pool
-        state = slots + (blocks or 0) * block
+        layout = memory.layout(first, last, context)
+        blocks = room_for_pool // layout.block_bytes if layout else None  # None: no attention layer, no pool
+        state = slots + (blocks * layout.block_bytes if layout else 0)
+        each = None if layout is None or not layout.paged else \
+            max(0, blocks // streams - layout.ring_blocks) * runtime.kv_block
         stages.append(Stage(node=node.name, first_layer=first, last_layer=last, roles=stage_roles(j, n_nodes),
                             weight_bytes=weights, state_bytes=state, free_bytes=room_for_pool + slots - state,
                             kv_blocks=blocks, kv_block=runtime.kv_block,
-                            max_positions_per_stream=None if blocks is None else blocks // streams * runtime.kv_block,
+                            ring_blocks=layout.ring_blocks if layout else 0, paged=bool(layout and layout.paged),
+                            max_positions_per_stream=each,
                             est_time_s=time_of(j, first, last)))
     ends = embedding_cost(spec.model).params + head_cost(spec.model).params
     return Plan(stages=tuple(stages), total_params=sum(c.params for c in memory.costs) + ends,
@@ -386,15 +390,20 @@ def _check_memory(stages: tuple[Stage, ...], spec: Spec, where: str) -> None:
     again = "plan again for this spec (`cascadia plan SPEC -o FILE`)"
     for i, (stage, node) in enumerate(zip(stages, nodes)):
         first, last = stage.first_layer, stage.last_layer
-        pooled = memory.block_bytes(first, last) > 0
-        if pooled and (stage.kv_blocks is None or stage.kv_block != runtime.kv_block
-                       or stage.kv_blocks < runtime.blocks_for(context)):
+        layout = memory.layout(first, last, context)
+        expected = None if layout is None else (layout.ring_blocks, layout.paged)
+        if (None if stage.kv_blocks is None else (stage.ring_blocks, stage.paged)) != expected \
+                or (layout and (stage.kv_block != runtime.kv_block
+                                or stage.kv_blocks < layout.least_blocks(streams, context))):
             pool = ("no K/V pool" if stage.kv_blocks is None else
-                    f"a K/V pool of {stage.kv_blocks} blocks of {stage.kv_block} positions")
-            raise PlanError(f"{where}: stages[{i}] has {pool}, where the spec needs blocks of {runtime.kv_block} "
-                            f"positions for at least {context}: {again}")
-        state = streams * memory.slot_state(first, last, context) + (stage.kv_blocks or 0) * pooled * \
-            memory.block_bytes(first, last)
+                    f"a K/V pool of {stage.kv_blocks} blocks of {stage.kv_block} positions ({stage.ring_blocks} a "
+                    f"stream's rings)")
+            wanted = ("no K/V pool" if layout is None else
+                      f"blocks of {runtime.kv_block} positions ({layout.ring_blocks} a stream's rings), at least "
+                      f"{layout.least_blocks(streams, context)} ({streams} streams' rings, one stream at {context} "
+                      "positions)")
+            raise PlanError(f"{where}: stages[{i}] has {pool}, where the spec needs {wanted}: {again}")
+        state = streams * memory.slot_state(first, last) + (stage.kv_blocks * layout.block_bytes if layout else 0)
         need = memory.weights(i, first, last) + state + memory.reserve(i)
         if need > node.memory_bytes:
             raise PlanError(

@@ -182,7 +182,7 @@ class Pipeline:
             prompts = workload_prompts(workload, self.checkpoint, spec.model.config)
         notes = prompt_length_notes(prompts, workload, spec.runtime) if prompts else []
         recorded = RecordedDrafter(drafter or NgramDrafter()) if spec.runtime.max_draft else None
-        policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages), self.plan.kv_blocks, recorded)
+        policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages), self.plan.kv_pools, recorded)
         served, outputs = Served(), Outputs(recorded)
         coordinator = self.coordinator
         coordinator.frame_log = FrameLog(coordinator.nodes) if trace else None

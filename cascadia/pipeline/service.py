@@ -32,7 +32,7 @@ from cascadia.graph.plan import Plan
 from cascadia.pipeline.coordinator import Flight, NodeLost, PipelineError
 from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, Pipeline, describe
 from cascadia.pipeline.wire import Message
-from cascadia.policy import Event, Finished, Policy, Rejected, Request
+from cascadia.policy import Event, Finished, KVPool, Policy, Rejected, Request
 from cascadia.spec.types import Spec
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class PipelineService:
         self._start = {"checkpoint": checkpoint, "addresses": addresses, "node_timeout_s": node_timeout_s,
                        "stall_s": stall_s}
         self._replace_timeout_s = replace_timeout_s
-        self._policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_blocks)
+        self._policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_pools)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._wake_reader.setblocking(False)
@@ -205,7 +205,7 @@ class PipelineService:
             log.warning("%s lost: %s; taking it back", stage, lost)
             self._set_down(f"{stage} lost ({lost}); taking it back", accepting=True)
             try:
-                kv_blocks = self._take_back(pipeline, lost.node, stage)
+                kv_pools = self._take_back(pipeline, lost.node, stage)
                 break
             except NodeLost as again:  # the node started in its place was lost too, or another one
                 lost = again
@@ -214,7 +214,7 @@ class PipelineService:
                     return False
                 raise
         self._last_stats = None  # a restarted node counts from zero
-        self._dispatch(self._policy.replay(kv_blocks), pipeline.coordinator.now())
+        self._dispatch(self._policy.replay(kv_pools), pipeline.coordinator.now())
         with self._lock:
             self._recoveries_s.append(time.monotonic() - started)
         self.plan = pipeline.plan  # the stages may have moved: what `status` readers see
@@ -222,12 +222,12 @@ class PipelineService:
         log.info("%s serves again after %.2f s", stage, self._recoveries_s[-1])
         return True
 
-    def _take_back(self, pipeline: Pipeline, node: str, stage: str) -> int | None:
+    def _take_back(self, pipeline: Pipeline, node: str, stage: str) -> tuple[KVPool, ...] | None:
         """Serve the lost node's stage again, in this order: a node standing by (a spare) takes it; a local node is
         started again here; a remote one may come back on its machine within the replace timeout (a
         `--keep-serving` node's supervisor, or someone, starts it again); the survivors take the model over, with a
-        new plan, if it fits them; else the stage is down until a node for it appears. Returns the K/V pool of a new
-        plan (None: the pool is as it was)."""
+        new plan, if it fits them; else the stage is down until a node for it appears. Returns the K/V pools of a new
+        plan (None: the pools are as they were)."""
         wait_s = self._start["node_timeout_s"]
         if pipeline.take_over(node, wait_s, self._stopping):
             return None
@@ -239,7 +239,7 @@ class PipelineService:
         if (plan := self._survivors_plan(pipeline, node)) is not None:
             self._set_down(f"{stage} lost; the survivors take the model over", accepting=True)
             pipeline.assign(plan, wait_s, self._stopping)
-            return plan.kv_blocks
+            return plan.kv_pools
         reason = (f"{stage} is down: no node took it back within {self._replace_timeout_s:g} s, and the model does "
                   "not fit the nodes left")
         self._fail_open(reason)
@@ -256,9 +256,9 @@ class PipelineService:
         except PlanError as e:
             log.warning("the nodes left cannot take the model over: %s", e)
             return None
-        if not self._policy.fits(plan.kv_blocks):
-            log.warning("the nodes left cannot take the model over: their K/V pool of %d blocks is smaller than "
-                        "what the streams hold", plan.kv_blocks)
+        if not self._policy.fits(plan.kv_pools):
+            log.warning("the nodes left cannot take the model over: their K/V pools (%s) are smaller than what the "
+                        "streams hold", ", ".join(f"{p.blocks} blocks" for p in plan.kv_pools))
             return None
         return plan
 
@@ -285,7 +285,7 @@ class PipelineService:
         for request_id, on_event in list(self._listeners.items()):
             on_event(Failed(request_id, reason), 0.0)
         self._listeners.clear()
-        self._policy = Policy.for_runtime(self.spec.runtime, self._policy.n_groups, self._policy.kv_blocks)
+        self._policy = Policy.for_runtime(self.spec.runtime, self._policy.n_groups, self._policy.kv_pools)
 
     def _refuse_waiting(self, reason: str) -> None:
         """While a stage is down: requests that came fail at once, and stats requests get nothing."""

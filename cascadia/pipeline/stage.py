@@ -195,7 +195,8 @@ def _placement(spec: Spec, plan: Plan, name: str, successor: str | None) -> dict
     before = COORDINATOR if index == 0 else plan.stages[index - 1].node
     return {"sender": node_sender(index), "first_layer": stage.first_layer, "last_layer": stage.last_layer,
             "successor": Peer(peer, successor), "input_peer": before, "stage": stage,
-            "stage_key": (stage.roles, stage.kv_blocks, stage.kv_block, stage.weight_bytes, stage.state_bytes)}
+            "stage_key": (stage.roles, stage.kv_blocks, stage.kv_block, stage.ring_blocks, stage.weight_bytes,
+                          stage.state_bytes)}
 
 
 def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, with_logits: bool,

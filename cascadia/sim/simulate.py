@@ -43,7 +43,7 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     model.timings = timings
     how = recovery(loss, spec, plan.stages, calibration, detect_s) if loss else None
     drafter = TraceDrafter(acceptance_trace) if acceptance_trace else RateDrafter(acceptance, spec.workload.seed)
-    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_blocks, drafter)
+    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_pools, drafter)
 
     def run_phase(level, phase, recorder):
         if loss is None or phase.name != MEASURED:
