@@ -3,10 +3,10 @@ with the embedding and the head), `Engine` is all of them in one process.
 
 Streams live in slots. A slot holds, per layer, the stream's keys and values in blocks of the stage's K/V pool (a
 ring of a few on a sliding layer, taken when the stream starts; on a global one, taken as it grows) and its four
-short-convolution states, and the
-stage remembers each slot's length (its next position), so rows that do not continue their stream, or that the pool
-has no room for, are refused before any state changes. Rows of different streams at different positions share one
-call; a slot's rows in a call are consecutive and at consecutive positions (one decode row, or a prefill chunk).
+short-convolution states, and the stage remembers each slot's length (its next position), so rows that do not
+continue their stream, or that the pool has no room for, are refused before any state changes. Rows of different
+streams at different positions share one call; a slot's rows in a call are consecutive and at consecutive positions
+(one decode row, or a prefill chunk).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from cascadia.engine.quantize import Quantized, quantize_stacks
 from cascadia.engine.rows import BatchError, Rows
 from cascadia.engine.state_format import StateFormat
 from cascadia.errors import RequestError
+from cascadia.graph.costs import layer_costs, pool_layout
 from cascadia.graph.plan import EMBED as EMBED_ROLE
 from cascadia.graph.plan import HEAD as HEAD_ROLE
-from cascadia.graph.costs import layer_costs, pool_layout
 from cascadia.graph.plan import Stage
 from cascadia.policy import padded_size, score_schedule
 from cascadia.spec.types import ModelSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats
@@ -94,8 +94,8 @@ class StageEngine:
             self._choose_moe_path(self.layers[-1])
             shape = self.layers[-1].shape
             if cfg.is_sliding(i):
-                kv = PagedRing(self.pool, sum(map(cfg.is_sliding, layers[:len(self.states)])), shape.kv_heads,
-                               shape.head_dim, fmt)
+                place = sum(map(cfg.is_sliding, layers[:len(self.states)]))  # among the stage's sliding layers
+                kv = PagedRing(self.pool, place, shape.kv_heads, shape.head_dim, fmt)
             else:
                 kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt)
             self.states.append(SlotState(kv, cfg.hidden_size, cfg.conv_kernel_size, runtime.max_streams, fmt,
