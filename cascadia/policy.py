@@ -188,7 +188,13 @@ class KVPool:
     paged: bool = True
 
     def stream_blocks(self, positions: int, kv_block: int) -> int:
-        return self.ring_blocks + (-(-positions // kv_block) if self.paged else 0)
+        return stream_blocks(positions, kv_block, self.ring_blocks, self.paged)
+
+
+def stream_blocks(positions: int, kv_block: int, ring_blocks: int, paged: bool) -> int:
+    """Blocks a stream of `positions` positions holds in a node's pool: its rings', and where the node has global
+    layers (`paged`) one per `kv_block` positions. The one rule the planner, the engine and admission share."""
+    return ring_blocks + (-(-positions // kv_block) if paged else 0)
 
 
 class Policy:
@@ -412,7 +418,8 @@ class Policy:
         """K/V blocks a request holds in each pool from admission to its end: its rings', and its prompt's and
         every token's it may make."""
         positions = len(request.prompt_ids) + request.max_new_tokens
-        return [pool.stream_blocks(positions, self.kv_block) for pool in kv_pools or self.kv_pools]
+        return [pool.stream_blocks(positions, self.kv_block)
+                for pool in (self.kv_pools if kv_pools is None else kv_pools)]
 
     def _holdings(self, kv_pools: Sequence[KVPool]) -> list[int]:
         """What the admitted streams would hold in each of `kv_pools`."""

@@ -39,14 +39,14 @@ class BlockPool:
         self._ring_views: tuple[np.ndarray, np.ndarray] | None = None
         self._free = list(range(blocks))  # a heap: the lowest free block goes first, so runs are reproducible
         self._tables: list[list[int]] = [[] for _ in range(slots)]
-        self._rings: list[list[int]] = [[] for _ in range(slots)]
+        self._rings = np.full((slots, layout.ring_blocks), -1, np.int64)  # each slot's ring blocks (-1: none yet)
 
     @property
     def free(self) -> int:
         return len(self._free)
 
     def held(self, slot: int) -> int:
-        return len(self._tables[slot]) + len(self._rings[slot])
+        return len(self._tables[slot]) + len(self._ring_blocks(slot))
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.block)
@@ -86,7 +86,7 @@ class BlockPool:
         """Give each slot its rings' blocks and the blocks for its positions 0..end-1; BatchError, before any
         change, when the pool has too few free blocks for all of them."""
         layout = self.layout
-        rings = {slot: 0 if self._rings[slot] else layout.ring_blocks for slot in ends}
+        rings = {slot: 0 if self._ring_blocks(slot) else layout.ring_blocks for slot in ends}
         wanted = {slot: self.blocks_for(end) - len(self._tables[slot]) if layout.paged else 0
                   for slot, end in ends.items()}
         needed = sum(max(0, n) for n in wanted.values()) + sum(rings.values())
@@ -95,12 +95,18 @@ class BlockPool:
                              f"{needed} more")
         for slot, n in wanted.items():
             self._tables[slot] += [heapq.heappop(self._free) for _ in range(n)]
-            self._rings[slot] += [heapq.heappop(self._free) for _ in range(rings[slot])]
+            if rings[slot]:
+                self._rings[slot] = [heapq.heappop(self._free) for _ in range(rings[slot])]
+
+    def _ring_blocks(self, slot: int) -> list[int]:
+        """The blocks the slot holds for its rings: all of them, or none."""
+        return [block for block in self._rings[slot].tolist() if block >= 0]
 
     def release(self, slot: int) -> None:
-        for block in self._tables[slot] + self._rings[slot]:
+        for block in self._tables[slot] + self._ring_blocks(slot):
             heapq.heappush(self._free, block)
-        self._tables[slot], self._rings[slot] = [], []
+        self._tables[slot] = []
+        self._rings[slot] = -1
 
     def table(self, slots: np.ndarray, n: int) -> np.ndarray:
         """[G, n] the first n blocks of each slot's table (0 past a slot's own: entries its stream never reads)."""
@@ -112,7 +118,7 @@ class BlockPool:
 
     def ring_table(self, slots: np.ndarray) -> np.ndarray:
         """[G, ring blocks] each slot's ring blocks, in ring order."""
-        return np.array([self._rings[slot] for slot in slots.tolist()], np.int64).reshape(len(slots), -1)
+        return self._rings[slots]
 
 
 class PagedRing:

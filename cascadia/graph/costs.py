@@ -19,6 +19,7 @@ import attrs
 
 from cascadia import tensors
 from cascadia.model_config import LayerKind
+from cascadia.policy import stream_blocks
 from cascadia.spec.types import ModelSpec, RuntimeSpec
 
 STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
@@ -255,7 +256,7 @@ class PoolLayout:
 
     def stream_blocks(self, positions: int) -> int:
         """Blocks one stream of `positions` positions holds."""
-        return self.ring_blocks + (-(-positions // self.kv_block) if self.paged else 0)
+        return stream_blocks(positions, self.kv_block, self.ring_blocks, self.paged)
 
     def least_blocks(self, streams: int, context: int) -> int:
         """What a plan asks of the pool: rings for `streams` streams at once, one of which reaches `context`."""

@@ -104,7 +104,7 @@ class Plan:
     @property
     def kv_pools(self) -> tuple[KVPool, ...]:
         """Every stage's pool (every node holds every stream): what admission counts."""
-        return tuple(s.kv_pool for s in self.stages if s.kv_pool is not None)
+        return tuple(pool for s in self.stages if (pool := s.kv_pool) is not None)
 
     def hops(self) -> list[tuple[str, str]]:
         """(node, the next stage's node) for every stage, the last with the first's: where each stage sends its rows
