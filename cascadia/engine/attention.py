@@ -3,13 +3,13 @@ only where it is non-zero; a prompt's chunk reads its far keys through OpenVINO'
 
 A long context is read once per row of a call: at 64k positions the keys and values of one global layer are
 megabytes, so attention is memory-bound. The keys are cut into spans of SPAN_KEYS entries (shared among the
-streams of a call: a span gathers its entries of every stream at once); each span's scores,
-exponentials and partial output are computed apart (a span's keys stay in cache between the two matmuls), on as
-many threads as this process may use (numpy releases the GIL in matmuls and ufuncs), and the spans are combined as
-the softmax of their union (the flash-attention rescaling: each span's sum and output times exp(its max - the max)).
-The bias bank covers distances 0..X-1 only: spans wholly farther from every row add none, so a stream at 64k
-positions gathers the bias of its last X keys, not of all of them. Log-scaling multiplies the queries and the bank
-at each row's own position.
+streams of a call); each span's scores, exponentials and partial output are computed apart, on as many threads as
+this process may use, and the spans are combined as the softmax of their union (the flash-attention rescaling: each
+span's sum and output times exp(its max - the max)). A global layer's span is computed by a compiled kernel
+(`paged_kernel`) straight from the pool's blocks, which releases the GIL; a sliding layer's ring (a few hundred
+entries) in numpy, which releases it in matmuls and ufuncs. The bias bank covers distances 0..X-1 only: the kernel
+adds it to a row's last X keys alone, and the ring's spans gather it. Log-scaling multiplies the queries and the
+bank at each row's own position.
 
 A chunk of a long prompt (FUSED_ROWS rows of a stream or more, on a global layer) is compute-bound: its scores are
 rows x keys, and numpy's passes over them (scale, max, exponential, sum) cost several times the two matmuls. The
@@ -36,7 +36,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from cascadia.engine import scratch
+from cascadia.engine import paged_kernel, scratch
 from cascadia.engine.device import compile_options, core
 from cascadia.engine.kv_store import PagedKV, PagedRing
 
@@ -96,7 +96,8 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
         tau = log_scale(positions, *shape.log_scaling)[:, :, None, None]  # [G, n, 1, 1]
         q, rel = q * tau, rel * tau
     # Query head i reads kv head i // (h / kv): group the queries of one kv head as rows of one matmul.
-    grouped_q = q.transpose(0, 2, 1, 3).reshape(streams, shape.kv_heads, -1, shape.head_dim)  # [G, kv, (h/kv) n, d]
+    grouped_q = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(streams, shape.kv_heads, -1, shape.head_dim))
+    rel = np.ascontiguousarray(rel)  # both as the kernel is compiled for: [G, kv, (h/kv) n, d] and [G, n, h, X]
     far = _far_keys(shape, store, first) if n >= FUSED_ROWS else np.zeros(streams, np.int64)
     if not far.any():
         top, total, out = _spans(shape, grouped_q, rel, store, slots, positions, last, ring, filled, 0)
@@ -192,40 +193,36 @@ def _fused_attention(kv_heads: int, width: int):
 def _span(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store: KeyStore, slots: np.ndarray,
           positions: np.ndarray, last: np.ndarray, ring: int, filled: np.ndarray, start: int, stop: int
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Entries start..stop-1 of every stream (and any more the store returns with them: past stop, they are past
-    every stream's filled entries): the scores' max per row [G, kv, h/kv, n] (0 where a row sees none of them),
-    the sum of exp(score - max) [G, kv, h/kv, n] and the unnormalised output [G, kv, h/kv, n, d].
-
-    Keys come as b runs of B entries [G, b, kv, B, d] (a paged store's blocks, without copying them into one
-    run), scores as [G, b, kv, h/kv, n, B]. A span that every row sees whole, beyond the bias bank (most of a long
-    context), needs neither mask nor bias."""
+    """Entries start..stop-1 of every stream: the scores' max per row [G, kv, h/kv, n] (0 where a row sees none of
+    them), the sum of exp(score - max) [G, kv, h/kv, n] and the unnormalised output [G, kv, h/kv, n, d]. A global
+    layer's blocks through the compiled kernel, where they lie in the pool; a sliding layer's ring (a few hundred
+    entries) in numpy."""
     streams, n = positions.shape
     kv_heads, group = shape.kv_heads, shape.heads // shape.kv_heads
-    keys, values = store.read(slots, start, stop)
-    runs, run = keys.shape[1], keys.shape[3]
-    scores = (grouped_q[:, None] @ keys.transpose(0, 1, 2, 4, 3)).reshape(streams, runs, kv_heads, group, n, run)
+    if store.span is None:
+        keys, values, table = store.blocks(slots, start, stop)
+        top, total = np.empty((2, streams, kv_heads, group * n), np.float32)
+        out = np.empty(grouped_q.shape, np.float32)
+        paged_kernel.span(grouped_q, keys, values, table, start, positions, rel, np.float32(1 / shape.head_dim), top,
+                          total, out)
+        return top.reshape(streams, kv_heads, group, n), total.reshape(streams, kv_heads, group, n), out.reshape(
+            streams, kv_heads, group, n, shape.head_dim)
+    keys, values = (x[:, 0] for x in store.read(slots, start, stop))  # [G, kv, s, d]
+    scores = (grouped_q @ keys.transpose(0, 1, 3, 2)).reshape(streams, kv_heads, group, n, -1)
     scores *= np.float32(1 / shape.head_dim)  # q and k are RMS-normalised: 1/d, not 1/sqrt(d)
-    # the least distance from a row to a key: a paged store's entries are positions, a ring's wrap (take 0)
-    nearest = int(positions[:, 0].min()) - (start + runs * run - 1) if store.span is None else 0
-    if shape.window is not None or nearest < shape.bias_extent:
-        entries = start + np.arange(runs * run)
-        key_positions = last[:, None] - (last[:, None] - entries) % ring  # [G, s]
-        distance = positions[:, :, None] - key_positions[:, None, :]  # [G, n, s]
-
-        def by_run(x: np.ndarray) -> np.ndarray:  # [G, n, ..., s] -> [G, b, ..., n, B]
-            x = x.reshape(*x.shape[:-1], runs, run)
-            return np.moveaxis(x, (1, -2), (-2, 1))
-        if nearest < shape.bias_extent:
-            in_bank = (distance >= 0) & (distance < shape.bias_extent)
-            bias = np.take_along_axis(rel, np.clip(distance, 0, shape.bias_extent - 1)[:, :, None, :], axis=3)
-            bias = np.where(in_bank[:, :, None], bias, np.float32(0))  # [G, n, h, s]
-            scores += by_run(bias.reshape(streams, n, kv_heads, group, -1))
-        allowed = (distance >= 0) & (entries < filled[:, None])[:, None, :]
-        if shape.window is not None:
-            allowed &= distance < shape.window
-        scores = np.where(by_run(allowed[:, :, None, None]), scores, -np.inf)
-    top = scores.max(axis=(1, 5), keepdims=True)
+    entries = start + np.arange(keys.shape[2])
+    key_positions = last[:, None] - (last[:, None] - entries) % ring  # [G, s]: a ring's entries wrap
+    distance = positions[:, :, None] - key_positions[:, None, :]  # [G, n, s]
+    in_bank = (distance >= 0) & (distance < shape.bias_extent)
+    bias = np.take_along_axis(rel, np.clip(distance, 0, shape.bias_extent - 1)[:, :, None, :], axis=3)
+    bias = np.where(in_bank[:, :, None], bias, np.float32(0))  # [G, n, h, s]
+    scores += bias.reshape(streams, n, kv_heads, group, -1).transpose(0, 2, 3, 1, 4)
+    allowed = (distance >= 0) & (entries < filled[:, None])[:, None, :]
+    if shape.window is not None:
+        allowed &= distance < shape.window
+    scores = np.where(allowed[:, None, None], scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
     top[np.isneginf(top)] = 0  # a row that sees none of these keys: every exponential below is 0
     exps = np.exp(scores - top)
-    out = (exps.reshape(streams, runs, kv_heads, group * n, run) @ values).sum(axis=1)
-    return top[:, 0, ..., 0], exps.sum(axis=(1, 5)), out.reshape(streams, kv_heads, group, n, shape.head_dim)
+    out = exps.reshape(streams, kv_heads, group * n, -1) @ values
+    return top[..., 0], exps.sum(axis=-1), out.reshape(streams, kv_heads, group, n, shape.head_dim)

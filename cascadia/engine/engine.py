@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cascadia.engine import graphs
+from cascadia.engine import graphs, paged_kernel
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, device_precision, pick_device
 from cascadia.engine.grouped_moe import GroupedBlock
@@ -110,6 +110,8 @@ class StageEngine:
         if warm_up:
             for block in self.blocks:
                 block.warm_up()
+            if any(isinstance(state.kv, PagedKV) for state in self.states):
+                paged_kernel.warm_up(fmt.dtype)
 
     def _choose_moe_path(self, layer: DecoderLayer) -> None:
         """Settle `moe_grouped_from` on the first MoE layer when it is "auto" (measured on that layer's blocks),

@@ -179,6 +179,14 @@ class PagedKV:
         self.k[ids, :, positions % block] = self.fmt.encode(k)
         self.v[ids, :, positions % block] = self.fmt.encode(v)
 
+    def blocks(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Keys and values where they lie: the pool as [parts, kv, block, d] in the stored format, from this layer's
+        keys and from its values, and [G, b] the parts holding positions start..stop-1 of each stream (start a
+        multiple of the block) in both."""
+        table = self.pool.table(slots, self.pool.blocks_for(stop))[:, start // self.pool.block:]
+        n = len(self._parts) // self.pool.blocks
+        return self._parts[self._k_part:], self._parts[self._v_part:], table * n
+
     def read(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """The blocks holding positions start..stop-1 of each stream (start a multiple of the block), keys and
         values [G, blocks, kv, block, d] in f32: views of the store, or this thread's `scratch` arrays, valid until

@@ -1,0 +1,199 @@
+"""One span of a global layer's attention, computed block by block straight from the K/V pool by a compiled kernel.
+
+A decode row reads every key and value of its stream once and does four multiply-adds with each (four query heads
+share a K/V head), so its attention should run at the memory's speed. numpy cannot: a span of 4,096 keys is 256
+matmuls of 4 x 64 by 64 x 64 (one per block and K/V head), each paying a call's fixed cost, and bf16 keys are widened
+into a copy before they are multiplied. This kernel (numba, compiled on first use and cached on disk) walks a span's
+blocks where they lie in the pool: for each block and K/V head it widens the keys and values into a small buffer
+that stays in cache, scores them, folds them into a running softmax (the flash-attention rescaling) and accumulates
+the output, so each stored byte is read from memory once. It releases the GIL, so the spans run on the attention
+thread pool as numpy's do.
+
+Each row's keys are a prefix of the block: a global layer's entry e is position e, and a row at position p sees
+entries <= p; the relative bias is added where the distance is below its bank's extent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+_HALF_REBIAS = np.float32(2.0 ** 112)  # 2^(127 - 15): a half's exponent bits, shifted, as a float32's
+
+# Reassociation lets the compiler vectorise the sums; no "fast" flag that assumes finite values, as a row's running
+# maximum starts at -inf.
+_FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+
+def _as_f32(stored: np.ndarray, buffer: np.ndarray) -> np.ndarray:
+    """A block's [entries, d] keys or values as f32: the block itself, or widened into `buffer`."""
+    raise NotImplementedError("compiled only: see the overload below")
+
+
+@overload(_as_f32)
+def _as_f32_of(stored, buffer):
+    if stored.dtype == types.float32:
+        return lambda stored, buffer: stored
+    if stored.dtype == types.uint16:  # bf16 bit patterns: the top half of a float32
+        def widen_bf16(stored, buffer):
+            bits = buffer.view(np.uint32)
+            for j in range(stored.shape[0]):
+                for t in range(stored.shape[1]):
+                    bits[j, t] = np.uint32(stored[j, t]) << 16
+            return buffer
+        return widen_bf16
+
+    if stored.dtype == types.int16:  # IEEE half bit patterns (numba has no float16 on the CPU)
+        def widen_f16(stored, buffer):
+            bits = buffer.view(np.uint32)
+            for j in range(stored.shape[0]):  # exponent and mantissa moved into a float32's place ...
+                for t in range(stored.shape[1]):
+                    bits[j, t] = np.uint32(stored[j, t] & 0x7FFF) << 13
+            for j in range(stored.shape[0]):  # ... rebiased (15 -> 127) by a product, which normalises subnormals
+                for t in range(stored.shape[1]):
+                    buffer[j, t] *= _HALF_REBIAS
+            for j in range(stored.shape[0]):
+                for t in range(stored.shape[1]):
+                    bits[j, t] |= np.uint32(stored[j, t] & 0x8000) << 16
+            return buffer
+        return widen_f16
+    raise TypeError(f"no widening of {stored.dtype} keys to f32")
+
+
+@numba.njit(nogil=True, fastmath=_FAST, cache=True)
+def _score(q: np.ndarray, keys: np.ndarray, count: int, scale: np.float32, scores: np.ndarray) -> None:
+    """scores[:count] = (keys[:count] . q) * scale, four keys at a time (each query load serves four of them)."""
+    d = q.shape[0]
+    whole = count - count % 4
+    for j in range(0, whole, 4):
+        a0 = a1 = a2 = a3 = np.float32(0)
+        for t in range(d):
+            a0 += q[t] * keys[j, t]
+            a1 += q[t] * keys[j + 1, t]
+            a2 += q[t] * keys[j + 2, t]
+            a3 += q[t] * keys[j + 3, t]
+        scores[j], scores[j + 1], scores[j + 2], scores[j + 3] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
+    for j in range(whole, count):
+        a = np.float32(0)
+        for t in range(d):
+            a += q[t] * keys[j, t]
+        scores[j] = a * scale
+
+
+@numba.njit(nogil=True, fastmath=_FAST, cache=True)
+def _accumulate(weights: np.ndarray, values: np.ndarray, count: int, out: np.ndarray) -> None:
+    """out += weights[:count] @ values[:count], four values at a time (one pass over `out` for four of them)."""
+    d = out.shape[0]
+    whole = count - count % 4
+    for j in range(0, whole, 4):
+        w0, w1, w2, w3 = weights[j], weights[j + 1], weights[j + 2], weights[j + 3]
+        for t in range(d):
+            out[t] += w0 * values[j, t] + w1 * values[j + 1, t] + w2 * values[j + 2, t] + w3 * values[j + 3, t]
+    for j in range(whole, count):
+        w = weights[j]
+        for t in range(d):
+            out[t] += w * values[j, t]
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HIGH, _LN2_LOW = np.float32(0.693145751953125), np.float32(1.428606765330187e-06)  # ln 2 = high + low, high exact
+_EXP = tuple(np.float32(1 / math.factorial(i)) for i in range(8))  # e^r, Taylor to degree 7
+
+
+@numba.njit(nogil=True, fastmath=_FAST - {"reassoc"}, cache=True)  # reassociating would undo the split of ln 2
+def _exp_shifted(scores: np.ndarray, count: int, shift: np.float32, powers: np.ndarray) -> None:
+    """scores[:count] = exp(scores[:count] - shift) (scores <= shift), in loops the compiler vectorises (a call to the
+    C library's expf per score cost as much as the rest of a block): e^x = 2^k e^r, k the nearest integer to
+    x log2(e), r = x - k ln 2 (|r| <= ln(2) / 2, with ln 2 in two parts so that r keeps its bits), e^r a polynomial
+    of degree 7 (within 1e-8 of it), 2^k added to the result's exponent bits. Below e^-87 (about a float32's least
+    normal) a score counts as e^-87: nothing beside the maximum's 1."""
+    for j in range(count):
+        x = max(scores[j] - shift, np.float32(-87))
+        k = np.floor(x * _LOG2E + np.float32(0.5))
+        r = (x - k * _LN2_HIGH) - k * _LN2_LOW
+        c = _EXP
+        scores[j] = c[0] + r * (c[1] + r * (c[2] + r * (c[3] + r * (c[4] + r * (c[5] + r * (c[6] + r * c[7]))))))
+        powers[j] = np.int32(k) << 23
+    bits = scores.view(np.int32)
+    for j in range(count):
+        bits[j] += powers[j]
+
+
+def span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray, first_entry: int,
+         positions: np.ndarray, rel: np.ndarray, scale: np.float32, top: np.ndarray, total: np.ndarray,
+         out: np.ndarray) -> None:
+    """`_span` (below) on keys and values stored as f32, bf16 bits (uint16) or f16, the last passed as their bits."""
+    if keys.dtype == np.float16:
+        keys, values = keys.view(np.int16), values.view(np.int16)
+    _span(q, keys, values, table, first_entry, positions, rel, scale, top, total, out)
+
+
+@numba.njit(nogil=True, fastmath=_FAST, cache=True)
+def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray, first_entry: int,
+         positions: np.ndarray, rel: np.ndarray, scale: np.float32, top: np.ndarray, total: np.ndarray,
+         out: np.ndarray) -> None:
+    """Attention of G streams' rows over their blocks `table` [G, b] of a global layer, block i of stream g holding
+    its entries first_entry + i B ..: q [G, kv, (h/kv) n, d] (query head j of K/V head k's rows at j n ..), keys and
+    values [pool parts, kv, B, d] (f32, bf16 bits in uint16, f16 bits in int16), rows' positions [G, n], rel
+    [G, n, h, X] (bias per distance, already log-scaled). Writes the scores' max per row [G, kv, (h/kv) n] (0 where
+    a row sees none of these keys), the sum of exp(score - max) and the unnormalised output [G, kv, (h/kv) n, d]."""
+    streams, kv_heads, rows, d = q.shape
+    block = keys.shape[2]
+    n = positions.shape[1]
+    group, extent = rows // n, rel.shape[3]
+    scores, powers = np.empty(block, np.float32), np.empty(block, np.int32)
+    key_buffer, value_buffer = np.empty((block, d), np.float32), np.empty((block, d), np.float32)
+    top[:] = -np.inf
+    total[:] = 0
+    out[:] = 0
+    for g in range(streams):
+        last = positions[g, n - 1]
+        for i in range(table.shape[1]):
+            base = first_entry + i * block
+            if base > last:
+                break
+            for h in range(kv_heads):
+                block_keys = _as_f32(keys[table[g, i], h], key_buffer)
+                block_values = _as_f32(values[table[g, i], h], value_buffer)
+                for r in range(rows):
+                    row = r % n
+                    position = positions[g, row]
+                    count = min(block, position - base + 1)  # the row sees entries base .. position
+                    if count <= 0:
+                        continue
+                    _score(q[g, h, r], block_keys, count, scale, scores)
+                    for j in range(max(0, position - base - extent + 1), count):  # within the bias bank
+                        scores[j] += rel[g, row, h * group + r // n, position - base - j]
+                    best = top[g, h, r]
+                    for j in range(count):
+                        best = max(best, scores[j])
+                    if best > top[g, h, r]:  # rescale what the row has so far to the new maximum
+                        shrink = np.exp(top[g, h, r] - best)
+                        total[g, h, r] *= shrink
+                        out[g, h, r] *= shrink
+                        top[g, h, r] = best
+                    _exp_shifted(scores, count, best, powers)
+                    added = np.float32(0)
+                    for j in range(count):
+                        added += scores[j]
+                    total[g, h, r] += added
+                    _accumulate(scores, block_values, count, out[g, h, r])
+    for g in range(streams):
+        for h in range(kv_heads):
+            for r in range(rows):
+                if total[g, h, r] == 0:
+                    top[g, h, r] = 0
+
+
+def warm_up(stored: np.dtype) -> None:
+    """Compile (or load from the disk cache) the kernel for keys and values stored as `stored`, now: a first
+    compile takes seconds, and holds the GIL, so that a node would not answer its heartbeats mid-request."""
+    q = np.zeros((1, 1, 1, 8), np.float32)
+    keys = np.zeros((1, 1, 4, 8), stored)
+    top, total, out = np.empty((1, 1, 1), np.float32), np.empty((1, 1, 1), np.float32), np.empty_like(q)
+    span(q, keys, keys, np.zeros((1, 1), np.int64), 0, np.zeros((1, 1), np.int64), np.zeros((1, 1, 1, 1), np.float32),
+         np.float32(1), top, total, out)
