@@ -10,8 +10,9 @@ import pytest
 
 from cascadia.engine import attention, paged_kernel
 from cascadia.engine.attention import AttentionShape, log_scale
-from cascadia.engine.kv_store import PagedKV
+from cascadia.engine.kv_store import BlockPool, PagedKV, PagedRing
 from cascadia.engine.state_format import StateFormat
+from cascadia.graph.costs import PoolLayout
 
 SHAPE = AttentionShape(8, 2, 24, None, 40, (64, 0.4))  # 4 query heads a K/V head, head dim not a multiple of 8
 BLOCK = 16
@@ -20,17 +21,19 @@ BLOCK = 16
 def dense_attention(shape: AttentionShape, q: np.ndarray, rel: np.ndarray, keys: np.ndarray, values: np.ndarray,
                     first: int) -> np.ndarray:
     """One stream's n rows at first.. over its keys and values [positions, kv, d] (the rows' own included), in
-    float64: q [n, h, d], rel [n, h, X] -> [n, h d]."""
+    float64, a sliding layer's window applied: q [n, h, d], rel [n, h, X] -> [n, h d]."""
     n, heads, d = q.shape
     positions = first + np.arange(n)
-    tau = log_scale(positions, *shape.log_scaling).astype(np.float64)[:, None, None]
+    scaling = shape.log_scaling
+    tau = (log_scale(positions, *scaling) if scaling else np.ones(n)).astype(np.float64)[:, None, None]
     group = heads // shape.kv_heads
     k, v = (np.repeat(x.astype(np.float64), group, axis=1) for x in (keys, values))  # [m, h, d]
     scores = np.einsum("nhd,mhd->nhm", q * tau, k) / d
     distance = positions[:, None] - np.arange(len(keys))[None, :]  # [n, m]
     bias = np.take_along_axis(rel * tau, np.clip(distance, 0, shape.bias_extent - 1)[:, None, :], axis=2)
     scores += np.where((distance >= 0) & (distance < shape.bias_extent), 1.0, 0.0)[:, None, :] * bias
-    scores = np.where(distance[:, None, :] >= 0, scores, -np.inf)
+    seen = (distance >= 0) & (distance < (shape.window or len(keys)))
+    scores = np.where(seen[:, None, :], scores, -np.inf)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     return np.einsum("nhm,mhd->nhd", weights, v).reshape(n, -1)
@@ -70,25 +73,56 @@ def test_streams_on_scattered_blocks_match_a_dense_softmax(precision, rows, monk
         assert np.abs(out[g] - expected).max() <= 2e-6 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_sliding_layers_wrapped_rings_match_a_dense_softmax_in_its_window(precision, rows):
+    """Three streams' rings of 32 entries (blocks of 8; window 24, bias bank 40) at 10, 31 and 300 positions: one
+    not yet full, one about to wrap, one wrapped nine times; decode rows and 5-row chunks."""
+    shape = AttentionShape(8, 2, 24, 24, 40, None)
+    fmt = StateFormat(precision)
+    entry_bytes = 2 * shape.kv_heads * shape.head_dim * fmt.dtype.itemsize
+    layout = PoolLayout.of(0, entry_bytes, 1, shape.window - 1 + rows, 8)
+    ring = PagedRing(BlockPool(3 * layout.ring_blocks, layout, 3), 0, shape.kv_heads, shape.head_dim, fmt)
+    first, slots = np.array([10, 31, 300]), np.array([1, 2, 0])
+    ring.pool.grow({int(slot): 1 for slot in slots})
+    rng = np.random.default_rng(2)
+    history = rng.standard_normal((2, 3, 300 + rows, shape.kv_heads, shape.head_dim), np.float32)
+    for g, slot in enumerate(slots):
+        for start in range(0, int(first[g]), 7):
+            at = np.arange(start, min(start + 7, first[g]))[None]
+            ring.write(np.array([slot]), at, history[0, g][at[0]][None], history[1, g][at[0]][None])
+    q = rng.standard_normal((3, rows, shape.heads, shape.head_dim), np.float32) * 3
+    rel = rng.standard_normal((3, rows, shape.heads, shape.bias_extent), np.float32)
+    new = np.stack([history[:, g, first[g]:first[g] + rows] for g in range(3)], axis=1)  # [2, G, n, kv, d]
+    out = attention.attend(shape, q, new[0], new[1], rel, ring, slots, first)
+    stored = fmt.decode(fmt.encode(history))  # what the ring holds: rounded to its format
+    for g in range(3):
+        end = int(first[g]) + rows
+        expected = dense_attention(shape, q[g], rel[g], stored[0, g, :end], stored[1, g, :end], int(first[g]))
+        assert np.abs(out[g] - expected).max() <= 2e-6 * np.abs(expected).max()
+
+
 def test_a_row_that_sees_none_of_a_spans_keys_gets_nothing_from_it():
     """Rows at positions 3 and 4 against a span of entries 16..31: the scores' max 0, the sum 0, the output 0."""
     q = np.ones((1, 1, 2, 8), np.float32)
     keys = np.ones((4, 1, 16, 8), np.float32)
     top, total = np.full((2, 1, 1, 2), 7, np.float32)
     out = np.full(q.shape, 7, np.float32)
-    paged_kernel.span(q, keys, keys, np.array([[1]]), 16, np.array([[3, 4]]), np.zeros((1, 2, 1, 4), np.float32),
+    paged_kernel.span(q, keys, keys, np.array([[1]]), 16, 0, 0, np.array([[3, 4]]), np.zeros((1, 2, 1, 4), np.float32),
                       np.float32(1), top, total, out)
     assert not top.any() and not total.any() and not out.any()
 
 
 def test_the_exponential_is_within_float32_rounding_of_numpys():
     """e^(x - max) for x from 120 below the max to the max itself: within 1.5e-7 relative (numpy's own float32
-    exponential is within 1 ulp); below e^-87 the kernel counts e^-87."""
-    x = np.linspace(-120, 0, 100_000, dtype=np.float32)
+    exponential is within 1 ulp); below e^-87, and for a masked key's -inf, 0."""
+    x = np.r_[np.linspace(-120, 0, 100_000, dtype=np.float32), np.float32(-np.inf)]
     scores = x.copy()
     paged_kernel._exp_shifted(scores, len(x), np.float32(0), np.empty(len(x), np.int32))
-    expected = np.exp(np.maximum(x.astype(np.float64), -87))
-    assert np.abs(scores / expected - 1).max() <= 1.5e-7  # 7e-8 measured; numpy's float32 exp 1.9e-7
+    kept = x > -87
+    expected = np.exp(x[kept].astype(np.float64))
+    assert np.abs(scores[kept] / expected - 1).max() <= 1.5e-7  # 7e-8 measured; numpy's float32 exp 1.9e-7
+    assert not scores[~kept].any()
 
 
 @pytest.mark.parametrize("stored", ["f16", "bf16"])

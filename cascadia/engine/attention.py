@@ -5,11 +5,10 @@ A long context is read once per row of a call: at 64k positions the keys and val
 megabytes, so attention is memory-bound. The keys are cut into spans of SPAN_KEYS entries (shared among the
 streams of a call); each span's scores, exponentials and partial output are computed apart, on as many threads as
 this process may use, and the spans are combined as the softmax of their union (the flash-attention rescaling: each
-span's sum and output times exp(its max - the max)). A global layer's span is computed by a compiled kernel
-(`paged_kernel`) straight from the pool's blocks, which releases the GIL; a sliding layer's ring (a few hundred
-entries) in numpy, which releases it in matmuls and ufuncs. The bias bank covers distances 0..X-1 only: the kernel
-adds it to a row's last X keys alone, and the ring's spans gather it. Log-scaling multiplies the queries and the
-bank at each row's own position.
+span's sum and output times exp(its max - the max)). A span is computed by a compiled kernel (`paged_kernel`)
+straight from the pool's blocks, a global layer's or a sliding layer's ring's, and releases the GIL. The bias bank
+covers distances 0..X-1 only: the kernel adds it to a row's last X keys alone. Log-scaling multiplies the queries
+and the bank at each row's own position.
 
 A chunk of a long prompt (FUSED_ROWS rows of a stream or more, on a global layer) is compute-bound: its scores are
 rows x keys, and numpy's passes over them (scale, max, exponential, sum) cost several times the two matmuls. The
@@ -41,10 +40,9 @@ from cascadia.engine.device import compile_options, core
 from cascadia.engine.kv_store import PagedKV, PagedRing
 
 KeyStore = PagedRing | PagedKV
-SPAN_KEYS = 4096  # keys per span: 4096 x 64 dims of f32 keys and values are 2 MiB, about a core's share of L3
-# (shared among the streams of a call: 8 decode streams at 4k positions each took 2.1-3.3x as long in spans of 4096
-# entries each as in spans of 512, on a 2-core AMD EPYC; 32 streams 2.2-4.7x)
-MIN_SPAN_KEYS = 256  # below, a span's fixed cost outweighs (a sliding layer's ring of 160 entries at 32 streams)
+SPAN_KEYS = 4096  # keys per span (one task of the thread pool), shared among the streams of a call: a call of many
+# streams still splits into spans for every thread, each a few MiB of keys and values
+MIN_SPAN_KEYS = 256  # below, a span's fixed cost (its Python call, its share of the merge) outweighs
 # a stream's rows in a call from which its far keys go through the fused attention: below, copying them into its
 # layout costs more than it saves (measured on a 2-core AMD EPYC: the same at 32 rows, 1.2-1.8x faster at 64, 2.7-3.8x
 # at 256, at 4k-64k positions)
@@ -89,9 +87,6 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
     streams, n = q.shape[:2]
     positions = first[:, None] + np.arange(n)  # [G, n]
     store.write(slots, positions, k, v)
-    last = first + n - 1
-    ring = store.span or int(last.max()) + 1
-    filled = np.minimum(ring, last + 1)
     if shape.log_scaling is not None:
         tau = log_scale(positions, *shape.log_scaling)[:, :, None, None]  # [G, n, 1, 1]
         q, rel = q * tau, rel * tau
@@ -100,27 +95,26 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
     rel = np.ascontiguousarray(rel)  # both as the kernel is compiled for: [G, kv, (h/kv) n, d] and [G, n, h, X]
     far = _far_keys(shape, store, first) if n >= FUSED_ROWS else np.zeros(streams, np.int64)
     if not far.any():
-        top, total, out = _spans(shape, grouped_q, rel, store, slots, positions, last, ring, filled, 0)
+        top, total, out = _spans(shape, grouped_q, rel, store, slots, positions, 0)
         out /= total[..., None]
     else:
         out = np.concatenate([_fused(shape, grouped_q[g], store, int(slots[g]), int(far[g]),
                                      *_spans(shape, grouped_q[g, None], rel[g, None], store, slots[g, None],
-                                             positions[g, None], last[g, None], ring, filled[g, None], int(far[g])))
+                                             positions[g, None], int(far[g])))
                               for g in range(streams)])
     return out.reshape(streams, shape.heads, n, shape.head_dim).transpose(0, 2, 1, 3).reshape(streams, n, -1)
 
 
 def _spans(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store: KeyStore, slots: np.ndarray,
-           positions: np.ndarray, last: np.ndarray, ring: int, filled: np.ndarray, begin: int
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           positions: np.ndarray, begin: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Entries begin..(the most filled)-1 in spans on the thread pool, combined: the scores' max per row
     [G, kv, h/kv, n], the sum of exp(score - max) and the unnormalised output [G, kv, h/kv, n, d]."""
-    step = _span_keys(len(slots), 1 if store.span is not None else store.pool.block)
-    end = int(filled.max())
+    step = _span_keys(len(slots), store.pool.block if store.span is None else store.per_block)
+    end = int(positions.max()) + 1 if store.span is None else min(store.span, int(positions.max()) + 1)
     spans = [(start, min(start + step, end)) for start in range(begin, end, step)]
 
     def span(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return _span(shape, grouped_q, rel, store, slots, positions, last, ring, filled, *bounds)
+        return _span(shape, grouped_q, rel, store, slots, positions, *bounds)
     parts = [span(spans[0])] if len(spans) == 1 else list(_threads().map(span, spans))
     top = np.maximum.reduce([p[0] for p in parts])
     weights = [np.exp(p[0] - top) for p in parts]
@@ -130,8 +124,7 @@ def _spans(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store:
 
 def _span_keys(streams: int, block: int) -> int:
     """Entries per span for a call of `streams` streams, in whole blocks: SPAN_KEYS shared among them, so that a
-    span's keys and values, gathered (and widened) for all of them at once, stay about a core's share of L3 and
-    the scratch stays small, however many streams a call holds; at least MIN_SPAN_KEYS."""
+    span's work stays about the same however many streams a call holds; at least MIN_SPAN_KEYS."""
     return max(1, max(MIN_SPAN_KEYS, SPAN_KEYS // streams) // block) * block
 
 
@@ -191,38 +184,16 @@ def _fused_attention(kv_heads: int, width: int):
 
 
 def _span(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store: KeyStore, slots: np.ndarray,
-          positions: np.ndarray, last: np.ndarray, ring: int, filled: np.ndarray, start: int, stop: int
-          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Entries start..stop-1 of every stream: the scores' max per row [G, kv, h/kv, n] (0 where a row sees none of
-    them), the sum of exp(score - max) [G, kv, h/kv, n] and the unnormalised output [G, kv, h/kv, n, d]. A global
-    layer's blocks through the compiled kernel, where they lie in the pool; a sliding layer's ring (a few hundred
-    entries) in numpy."""
+          positions: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Entries start..stop-1 of every stream, through the compiled kernel from the blocks where they lie: the
+    scores' max per row [G, kv, h/kv, n] (0 where a row sees none of them), the sum of exp(score - max)
+    [G, kv, h/kv, n] and the unnormalised output [G, kv, h/kv, n, d]."""
     streams, n = positions.shape
     kv_heads, group = shape.kv_heads, shape.heads // shape.kv_heads
-    if store.span is None:
-        keys, values, table = store.blocks(slots, start, stop)
-        top, total = np.empty((2, streams, kv_heads, group * n), np.float32)
-        out = np.empty(grouped_q.shape, np.float32)
-        paged_kernel.span(grouped_q, keys, values, table, start, positions, rel, np.float32(1 / shape.head_dim), top,
-                          total, out)
-        return top.reshape(streams, kv_heads, group, n), total.reshape(streams, kv_heads, group, n), out.reshape(
-            streams, kv_heads, group, n, shape.head_dim)
-    keys, values = (x[:, 0] for x in store.read(slots, start, stop))  # [G, kv, s, d]
-    scores = (grouped_q @ keys.transpose(0, 1, 3, 2)).reshape(streams, kv_heads, group, n, -1)
-    scores *= np.float32(1 / shape.head_dim)  # q and k are RMS-normalised: 1/d, not 1/sqrt(d)
-    entries = start + np.arange(keys.shape[2])
-    key_positions = last[:, None] - (last[:, None] - entries) % ring  # [G, s]: a ring's entries wrap
-    distance = positions[:, :, None] - key_positions[:, None, :]  # [G, n, s]
-    in_bank = (distance >= 0) & (distance < shape.bias_extent)
-    bias = np.take_along_axis(rel, np.clip(distance, 0, shape.bias_extent - 1)[:, :, None, :], axis=3)
-    bias = np.where(in_bank[:, :, None], bias, np.float32(0))  # [G, n, h, s]
-    scores += bias.reshape(streams, n, kv_heads, group, -1).transpose(0, 2, 3, 1, 4)
-    allowed = (distance >= 0) & (entries < filled[:, None])[:, None, :]
-    if shape.window is not None:
-        allowed &= distance < shape.window
-    scores = np.where(allowed[:, None, None], scores, -np.inf)
-    top = scores.max(axis=-1, keepdims=True)
-    top[np.isneginf(top)] = 0  # a row that sees none of these keys: every exponential below is 0
-    exps = np.exp(scores - top)
-    out = exps.reshape(streams, kv_heads, group * n, -1) @ values
-    return top[..., 0], exps.sum(axis=-1), out.reshape(streams, kv_heads, group, n, shape.head_dim)
+    keys, values, table = store.blocks(slots, start, stop)
+    top, total = np.empty((2, streams, kv_heads, group * n), np.float32)
+    out = np.empty(grouped_q.shape, np.float32)
+    paged_kernel.span(grouped_q, keys, values, table, start, store.span or 0, shape.window or 0, positions, rel,
+                      np.float32(1 / shape.head_dim), top, total, out)  # q and k are RMS-normalised: 1/d
+    return (top.reshape(streams, kv_heads, group, n), total.reshape(streams, kv_heads, group, n),
+            out.reshape(streams, kv_heads, group, n, shape.head_dim))

@@ -142,17 +142,10 @@ class PagedRing:
         self.k[ids, :, entries % self.per_block] = self.fmt.encode(k)
         self.v[ids, :, entries % self.per_block] = self.fmt.encode(v)
 
-    def read(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Entries start..stop-1 of each stream's ring, keys and values [G, 1, kv, stop - start, d] in f32."""
-        first = start // self.per_block
-        ids = self._table(slots)[:, first:-(-stop // self.per_block)]  # [G, b]
-
-        def entries(stored: np.ndarray) -> np.ndarray:
-            blocks = stored[ids]  # [G, b, kv, per, d]
-            joined = blocks.transpose(0, 2, 1, 3, 4).reshape(len(slots), 1, blocks.shape[2], -1, blocks.shape[4])
-            offset = first * self.per_block
-            return self.fmt.decode(joined[:, :, :, start - offset:stop - offset])
-        return entries(self.k), entries(self.v)
+    def blocks(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As `PagedKV.blocks`, for entries start..stop-1 of each stream's ring (start a multiple of `per_block`):
+        [blocks, kv, per_block, d] views and [G, b] the ring's blocks holding them."""
+        return self.k, self.v, self._table(slots)[:, start // self.per_block:-(-stop // self.per_block)]
 
 
 class PagedKV:
@@ -180,12 +173,9 @@ class PagedKV:
         self.v[ids, :, positions % block] = self.fmt.encode(v)
 
     def blocks(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Keys and values where they lie: the pool as [parts, kv, block, d] in the stored format, from this layer's
-        keys and from its values, and [G, b] the parts holding positions start..stop-1 of each stream (start a
-        multiple of the block) in both."""
-        table = self.pool.table(slots, self.pool.blocks_for(stop))[:, start // self.pool.block:]
-        n = len(self._parts) // self.pool.blocks
-        return self._parts[self._k_part:], self._parts[self._v_part:], table * n
+        """Keys and values where they lie, [blocks, kv, block, d] views of the pool in the stored format, and
+        [G, b] the blocks holding positions start..stop-1 of each stream (start a multiple of the block)."""
+        return self.k, self.v, self.pool.table(slots, self.pool.blocks_for(stop))[:, start // self.pool.block:]
 
     def read(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """The blocks holding positions start..stop-1 of each stream (start a multiple of the block), keys and

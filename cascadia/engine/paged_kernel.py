@@ -1,16 +1,17 @@
-"""One span of a global layer's attention, computed block by block straight from the K/V pool by a compiled kernel.
+"""One span of a layer's attention, computed block by block straight from the K/V pool by a compiled kernel.
 
 A decode row reads every key and value of its stream once and does four multiply-adds with each (four query heads
 share a K/V head), so its attention should run at the memory's speed. numpy cannot: a span of 4,096 keys is 256
 matmuls of 4 x 64 by 64 x 64 (one per block and K/V head), each paying a call's fixed cost, and bf16 keys are widened
-into a copy before they are multiplied. This kernel (numba, compiled on first use and cached on disk) walks a span's
-blocks where they lie in the pool: for each block and K/V head it widens the keys and values into a small buffer
-that stays in cache, scores them, folds them into a running softmax (the flash-attention rescaling) and accumulates
-the output, so each stored byte is read from memory once. It releases the GIL, so the spans run on the attention
-thread pool as numpy's do.
+into a copy before they are multiplied. This kernel (numba, compiled when an engine warms up and cached on disk)
+walks a span's blocks where they lie in the pool: for each block and K/V head it widens the keys and values into a
+small buffer that stays in cache, scores them, folds them into a running softmax (the flash-attention rescaling) and
+accumulates the output, so each stored byte is read from memory once. It releases the GIL, so the spans run on the
+attention thread pool.
 
-Each row's keys are a prefix of the block: a global layer's entry e is position e, and a row at position p sees
-entries <= p; the relative bias is added where the distance is below its bank's extent.
+A global layer's entry e is position e, so a row at position p sees a prefix of each block, and most blocks whole
+and beyond the relative bias's bank; a sliding layer's ring holds the latest position with each entry's remainder,
+and a row sees those within its window. Masked keys score -inf, whose exponential is 0.
 """
 
 from __future__ import annotations
@@ -101,86 +102,123 @@ def _accumulate(weights: np.ndarray, values: np.ndarray, count: int, out: np.nda
 
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HIGH, _LN2_LOW = np.float32(0.693145751953125), np.float32(1.428606765330187e-06)  # ln 2 = high + low, high exact
+_FLUSHED = np.int32(-(2**31))  # in place of 2^k: the result is 0
 _EXP = tuple(np.float32(1 / math.factorial(i)) for i in range(8))  # e^r, Taylor to degree 7
 
 
 @numba.njit(nogil=True, fastmath=_FAST - {"reassoc"}, cache=True)  # reassociating would undo the split of ln 2
 def _exp_shifted(scores: np.ndarray, count: int, shift: np.float32, powers: np.ndarray) -> None:
-    """scores[:count] = exp(scores[:count] - shift) (scores <= shift), in loops the compiler vectorises (a call to the
-    C library's expf per score cost as much as the rest of a block): e^x = 2^k e^r, k the nearest integer to
-    x log2(e), r = x - k ln 2 (|r| <= ln(2) / 2, with ln 2 in two parts so that r keeps its bits), e^r a polynomial
-    of degree 7 (within 1e-8 of it), 2^k added to the result's exponent bits. Below e^-87 (about a float32's least
-    normal) a score counts as e^-87: nothing beside the maximum's 1."""
+    """scores[:count] = exp(scores[:count] - shift) (scores <= shift, -inf for a masked key), in loops the compiler
+    vectorises (a call to the C library's expf per score cost as much as the rest of a block): e^x = 2^k e^r, k the
+    nearest integer to x log2(e), r = x - k ln 2 (|r| <= ln(2) / 2, with ln 2 in two parts so that r keeps its bits),
+    e^r a polynomial of degree 7 (within 1e-8 of it), 2^k added to the result's exponent bits. Below e^-87 (about a
+    float32's least normal) the result is 0, as it is for a masked key."""
     for j in range(count):
-        x = max(scores[j] - shift, np.float32(-87))
+        x = scores[j] - shift
+        kept = x > np.float32(-87)
+        x = max(x, np.float32(-87))
         k = np.floor(x * _LOG2E + np.float32(0.5))
         r = (x - k * _LN2_HIGH) - k * _LN2_LOW
         c = _EXP
         scores[j] = c[0] + r * (c[1] + r * (c[2] + r * (c[3] + r * (c[4] + r * (c[5] + r * (c[6] + r * c[7]))))))
-        powers[j] = np.int32(k) << 23
+        powers[j] = np.int32(k) << 23 if kept else _FLUSHED
     bits = scores.view(np.int32)
     for j in range(count):
-        bits[j] += powers[j]
-
-
-def span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray, first_entry: int,
-         positions: np.ndarray, rel: np.ndarray, scale: np.float32, top: np.ndarray, total: np.ndarray,
-         out: np.ndarray) -> None:
-    """`_span` (below) on keys and values stored as f32, bf16 bits (uint16) or f16, the last passed as their bits."""
-    if keys.dtype == np.float16:
-        keys, values = keys.view(np.int16), values.view(np.int16)
-    _span(q, keys, values, table, first_entry, positions, rel, scale, top, total, out)
+        bits[j] = bits[j] + powers[j] if powers[j] != _FLUSHED else 0
 
 
 @numba.njit(nogil=True, fastmath=_FAST, cache=True)
-def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray, first_entry: int,
-         positions: np.ndarray, rel: np.ndarray, scale: np.float32, top: np.ndarray, total: np.ndarray,
+def _mask_and_bias(scores: np.ndarray, key_positions: np.ndarray, count: int, position: int, reach: int,
+                   bias: np.ndarray) -> bool:
+    """For a row at `position`: -inf where a key is not seen (unwritten, after the row, or `reach` or more before
+    it), the bias per distance added where it is within the bank; whether the row sees any of the keys."""
+    seen = False
+    for j in range(count):
+        distance = position - key_positions[j]
+        if key_positions[j] < 0 or distance < 0 or distance >= reach:
+            scores[j] = -np.inf
+        else:
+            seen = True
+            if distance < bias.shape[0]:
+                scores[j] += bias[distance]
+    return seen
+
+
+@numba.njit(nogil=True, fastmath=_FAST, cache=True)
+def _fold(scores: np.ndarray, count: int, r: int, top: np.ndarray, total: np.ndarray, out: np.ndarray,
+          powers: np.ndarray) -> None:
+    """Fold row r's scores[:count] of a block into its running softmax (top[r], total[r], out[r]): rescale what it
+    has to a new maximum, and leave exp(score - max) in scores, the weights of the block's values."""
+    best = top[r]
+    for j in range(count):
+        best = max(best, scores[j])
+    if best > top[r]:
+        shrink = np.exp(top[r] - best)
+        total[r] *= shrink
+        out[r] *= shrink
+        top[r] = best
+    _exp_shifted(scores, count, best, powers)
+    added = np.float32(0)
+    for j in range(count):
+        added += scores[j]
+    total[r] += added
+
+
+def span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray, first_entry: int, ring: int,
+         window: int, positions: np.ndarray, rel: np.ndarray, scale: np.float32, top: np.ndarray, total: np.ndarray,
          out: np.ndarray) -> None:
-    """Attention of G streams' rows over their blocks `table` [G, b] of a global layer, block i of stream g holding
-    its entries first_entry + i B ..: q [G, kv, (h/kv) n, d] (query head j of K/V head k's rows at j n ..), keys and
-    values [pool parts, kv, B, d] (f32, bf16 bits in uint16, f16 bits in int16), rows' positions [G, n], rel
-    [G, n, h, X] (bias per distance, already log-scaled). Writes the scores' max per row [G, kv, (h/kv) n] (0 where
-    a row sees none of these keys), the sum of exp(score - max) and the unnormalised output [G, kv, (h/kv) n, d]."""
+    """`_span` (below) on keys and values stored as f32, bf16 bits (uint16) or f16, the last passed as their bits;
+    the small arrays made contiguous, as the kernel is compiled (at warm-up) for them."""
+    if keys.dtype == np.float16:
+        keys, values = keys.view(np.int16), values.view(np.int16)
+    _span(np.ascontiguousarray(q), keys, values, np.ascontiguousarray(table, np.int64), first_entry, ring, window,
+          np.ascontiguousarray(positions, np.int64), np.ascontiguousarray(rel), scale, top, total, out)
+
+
+@numba.njit(nogil=True, fastmath=_FAST, cache=True)
+def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray, first_entry: int, ring: int,
+          window: int, positions: np.ndarray, rel: np.ndarray, scale: np.float32, top: np.ndarray, total: np.ndarray,
+          out: np.ndarray) -> None:
+    """Attention of G streams' rows over their blocks `table` [G, b] of one layer, block i of stream g holding its
+    entries first_entry + i B ..: q [G, kv, (h/kv) n, d] (query head j of K/V head k's rows at j n ..), keys and
+    values [blocks, kv, B, d] (f32, bf16 bits in uint16, f16 bits in int16), rows' positions [G, n], rel
+    [G, n, h, X] (bias per distance, already log-scaled). A global layer's entry e holds position e (`ring` 0); a
+    sliding layer's ring of `ring` entries holds at entry e the latest position p <= the stream's last row's with
+    p % ring = e (none yet where p < 0). A row at position p sees keys at p - window < k <= p (`window` 0: k <= p).
+    Writes the scores' max per row [G, kv, (h/kv) n] (0 where a row sees none of these keys), the sum of
+    exp(score - max) and the unnormalised output [G, kv, (h/kv) n, d]."""
     streams, kv_heads, rows, d = q.shape
     block = keys.shape[2]
     n = positions.shape[1]
     group, extent = rows // n, rel.shape[3]
     scores, powers = np.empty(block, np.float32), np.empty(block, np.int32)
+    key_positions = np.empty(block, np.int64)
     key_buffer, value_buffer = np.empty((block, d), np.float32), np.empty((block, d), np.float32)
     top[:] = -np.inf
     total[:] = 0
     out[:] = 0
     for g in range(streams):
         last = positions[g, n - 1]
+        reach = window if window > 0 else last + 1
         for i in range(table.shape[1]):
             base = first_entry + i * block
-            if base > last:
+            count = block if ring else min(block, last - base + 1)  # a global layer's entries past `last`: unwritten
+            if count <= 0:
                 break
+            for j in range(count):
+                key_positions[j] = last - (last - base - j) % ring if ring else base + j
             for h in range(kv_heads):
-                block_keys = _as_f32(keys[table[g, i], h], key_buffer)
-                block_values = _as_f32(values[table[g, i], h], value_buffer)
+                block_keys = _as_f32(np.ascontiguousarray(keys[table[g, i], h]), key_buffer)
+                block_values = _as_f32(np.ascontiguousarray(values[table[g, i], h]), value_buffer)
                 for r in range(rows):
                     row = r % n
                     position = positions[g, row]
-                    count = min(block, position - base + 1)  # the row sees entries base .. position
-                    if count <= 0:
-                        continue
                     _score(q[g, h, r], block_keys, count, scale, scores)
-                    for j in range(max(0, position - base - extent + 1), count):  # within the bias bank
-                        scores[j] += rel[g, row, h * group + r // n, position - base - j]
-                    best = top[g, h, r]
-                    for j in range(count):
-                        best = max(best, scores[j])
-                    if best > top[g, h, r]:  # rescale what the row has so far to the new maximum
-                        shrink = np.exp(top[g, h, r] - best)
-                        total[g, h, r] *= shrink
-                        out[g, h, r] *= shrink
-                        top[g, h, r] = best
-                    _exp_shifted(scores, count, best, powers)
-                    added = np.float32(0)
-                    for j in range(count):
-                        added += scores[j]
-                    total[g, h, r] += added
+                    # a global layer's block that the row sees whole and beyond the bias bank needs neither
+                    if (ring or position - (base + count - 1) < extent) and not _mask_and_bias(
+                            scores, key_positions, count, position, reach, rel[g, row, h * group + r // n]):
+                        continue
+                    _fold(scores, count, r, top[g, h], total[g, h], out[g, h], powers)
                     _accumulate(scores, block_values, count, out[g, h, r])
     for g in range(streams):
         for h in range(kv_heads):
@@ -193,7 +231,7 @@ def warm_up(stored: np.dtype) -> None:
     """Compile (or load from the disk cache) the kernel for keys and values stored as `stored`, now: a first
     compile takes seconds, and holds the GIL, so that a node would not answer its heartbeats mid-request."""
     q = np.zeros((1, 1, 1, 8), np.float32)
-    keys = np.zeros((1, 1, 4, 8), stored)
+    keys = np.zeros((2, 1, 4, 8), stored)[::2]  # a pool's layer views are strided
     top, total, out = np.empty((1, 1, 1), np.float32), np.empty((1, 1, 1), np.float32), np.empty_like(q)
-    span(q, keys, keys, np.zeros((1, 1), np.int64), 0, np.zeros((1, 1), np.int64), np.zeros((1, 1, 1, 1), np.float32),
-         np.float32(1), top, total, out)
+    span(q, keys, keys, np.zeros((1, 1), np.int64), 0, 0, 0, np.zeros((1, 1), np.int64),
+         np.zeros((1, 1, 1, 1), np.float32), np.float32(1), top, total, out)
