@@ -11,9 +11,9 @@ covers distances 0..X-1 only: the kernel adds it to a row's last X keys alone. L
 and the bank at each row's own position.
 
 A chunk of a long prompt (FUSED_ROWS rows of a stream or more, on a global layer) is compute-bound: its scores are
-rows x keys, and numpy's passes over them (scale, max, exponential, sum) cost several times the two matmuls. The
-keys that every row of the chunk sees whole, beyond the bias bank (all but the last few hundred), need neither mask
-nor bias, and OpenVINO's ScaledDotProductAttention computes them without writing the scores out. It returns a
+rows x keys, which the kernel computes a row at a time. The keys that every row of the chunk sees whole, beyond the
+bias bank (all but the last few hundred), need neither mask nor bias, and OpenVINO's ScaledDotProductAttention
+computes them as blocked matrix products, without writing the scores out. It returns a
 normalised output, not the softmax's sum, so the spans' part (the nearest keys) enters it as one more key, a sink:
 its score is their log-sum-exp (a column the queries gain, against the sink key's 1 there; the other keys' 0) and
 its value is 1 in a column of its own (the other values' 0). That column of the output is the near part's share of

@@ -48,7 +48,7 @@ def _as_f32_of(stored, buffer):
             return buffer
         return widen_bf16
 
-    if stored.dtype == types.int16:  # IEEE half bit patterns (numba has no float16 on the CPU)
+    if stored.dtype == types.int16:  # IEEE half bit patterns (numba has no float16 on the CPU); finite ones exactly
         def widen_f16(stored, buffer):
             bits = buffer.view(np.uint32)
             for j in range(stored.shape[0]):  # exponent and mantissa moved into a float32's place ...
