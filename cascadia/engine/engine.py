@@ -110,7 +110,7 @@ class StageEngine:
         if warm_up:
             for block in self.blocks:
                 block.warm_up()
-            if any(isinstance(state.kv, PagedKV) for state in self.states):
+            if self.states:  # every attention layer's spans, a global layer's or a ring's, go through the kernel
                 paged_kernel.warm_up(fmt.dtype)
 
     def _choose_moe_path(self, layer: DecoderLayer) -> None:
