@@ -8,8 +8,9 @@ whatever its length (`PagedRing`). A block is either, and each layer's keys and 
 of every block. Both give back their blocks when the stream is released. The pool is zero-filled: pages are
 committed as they are written.
 
-Both read a stream's entries start..stop-1 back as keys and values, entry e holding some position p, e = p % span
-(span: the ring's length; a paged stream never wraps).
+Both give the attention kernel a stream's entries start..stop-1 where they lie (`blocks`), entry e holding some
+position p, e = p % span (span: the ring's length; a paged stream never wraps); a global layer's can also be
+gathered into f32 arrays (`PagedKV.read`, for OpenVINO's fused attention).
 """
 
 from __future__ import annotations
