@@ -105,8 +105,7 @@ class _Memory:
         self._slot = [0, *itertools.accumulate(c.conv_state_bytes for c in self.costs)]
         self._pool = [0, *itertools.accumulate(c.pool_bytes_per_position for c in self.costs)]
         self._sliding = [0, *itertools.accumulate(c.kv_window is not None for c in self.costs)]
-        sliding = [c for c in self.costs if c.kv_window is not None]
-        self._window, self._entry = (sliding[0].kv_window, sliding[0].ring_bytes_per_entry) if sliding else (0, 0)
+        self._sliding_cost = next((c for c in self.costs if c.kv_window is not None), None)  # all alike
         ends = {EMBED: embedding_cost(spec.model).weight_bytes, HEAD: head_cost(spec.model).weight_bytes}
         self._all_weights = self._weights[-1] + sum(ends.values())
         self._end_weights = [sum(size for role, size in ends.items() if role in stage_roles(j, len(nodes)))
@@ -125,9 +124,10 @@ class _Memory:
 
     def layout(self, first: int, last: int, context: int) -> PoolLayout | None:
         """The stage's K/V pool, for a context budget of `context` (None: no attention state)."""
-        return PoolLayout.of(self._pool[last + 1] - self._pool[first], self._entry,
-                             self._sliding[last + 1] - self._sliding[first], min(context, self._window),
-                             self.spec.runtime.kv_block)
+        sliding = self._sliding_cost
+        return PoolLayout.of(self._pool[last + 1] - self._pool[first], sliding.ring_bytes_per_entry if sliding else 0,
+                             self._sliding[last + 1] - self._sliding[first],
+                             sliding.kv_positions(context) if sliding else 0, self.spec.runtime.kv_block)
 
     def least_pool(self, first: int, last: int, streams: int, context: int) -> int:
         """Pool bytes for `streams` streams' rings, one of which reaches `context` positions."""
