@@ -139,5 +139,8 @@ def test_every_finite_16_bit_value_widens_exactly(stored):
 
     @numba.njit
     def widen(stored: np.ndarray) -> np.ndarray:
-        return paged_kernel._as_f32(stored, np.empty(stored.shape, np.float32)).copy()
-    np.testing.assert_array_equal(widen(bits[finite].reshape(-1, 2)).reshape(-1), exact[finite])
+        out = np.empty(stored.shape, np.float32)
+        for i in range(len(stored)):
+            out[i] = paged_kernel._widen(stored[i])
+        return out
+    np.testing.assert_array_equal(widen(bits[finite]), exact[finite])

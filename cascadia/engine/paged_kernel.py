@@ -4,9 +4,10 @@ A decode row reads every key and value of its stream once and does four multiply
 share a K/V head), so its attention should run at the memory's speed. numpy cannot: a span of 4,096 keys is 256
 matmuls of 4 x 64 by 64 x 64 (one per block and K/V head), each paying a call's fixed cost, and bf16 keys are widened
 into a copy before they are multiplied. This kernel (numba, compiled when an engine warms up and cached on disk)
-walks a span's blocks where they lie in the pool: for each block and K/V head it widens the keys and values into a
-small buffer that stays in cache, scores them, folds them into a running softmax (the flash-attention rescaling) and
-accumulates the output, so each stored byte is read from memory once. It releases the GIL, so the spans run on the
+walks a span's blocks where they lie in the pool: for each block and K/V head it scores the keys, folds the scores
+into a running softmax (the flash-attention rescaling) and accumulates the values into the output, widening each
+stored element to f32 in a register as it multiplies it (a block widened into a buffer first cost a quarter more),
+so each stored byte is read from memory once. It releases the GIL, so the spans run on the
 attention thread pool.
 
 A global layer's entry e is position e, so a row at position p sees a prefix of each block, and most blocks whole
@@ -20,8 +21,9 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 _HALF_REBIAS = np.float32(2.0 ** 112)  # 2^(127 - 15): a half's exponent bits, shifted, as a float32's
 
@@ -30,39 +32,32 @@ _HALF_REBIAS = np.float32(2.0 ** 112)  # 2^(127 - 15): a half's exponent bits, s
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
-def _as_f32(stored: np.ndarray, buffer: np.ndarray) -> np.ndarray:
-    """A block's [entries, d] keys or values as f32: the block itself, or widened into `buffer`."""
+@intrinsic
+def _f32_of_bits(typingctx, bits):
+    """The float32 whose bit pattern is `bits` (a uint32)."""
+    return types.float32(types.uint32), lambda context, builder, signature, args: builder.bitcast(
+        args[0], ir.FloatType())
+
+
+def _widen(stored):
+    """One stored key or value element as f32."""
     raise NotImplementedError("compiled only: see the overload below")
 
 
-@overload(_as_f32)
-def _as_f32_of(stored, buffer):
-    if stored.dtype == types.float32:
-        return lambda stored, buffer: stored
-    if stored.dtype == types.uint16:  # bf16 bit patterns: the top half of a float32
-        def widen_bf16(stored, buffer):
-            bits = buffer.view(np.uint32)
-            for j in range(stored.shape[0]):
-                for t in range(stored.shape[1]):
-                    bits[j, t] = np.uint32(stored[j, t]) << 16
-            return buffer
-        return widen_bf16
-
-    if stored.dtype == types.int16:  # IEEE half bit patterns (numba has no float16 on the CPU); finite ones exactly
-        def widen_f16(stored, buffer):
-            bits = buffer.view(np.uint32)
-            for j in range(stored.shape[0]):  # exponent and mantissa moved into a float32's place ...
-                for t in range(stored.shape[1]):
-                    bits[j, t] = np.uint32(stored[j, t] & 0x7FFF) << 13
-            for j in range(stored.shape[0]):  # ... rebiased (15 -> 127) by a product, which normalises subnormals
-                for t in range(stored.shape[1]):
-                    buffer[j, t] *= _HALF_REBIAS
-            for j in range(stored.shape[0]):
-                for t in range(stored.shape[1]):
-                    bits[j, t] |= np.uint32(stored[j, t] & 0x8000) << 16
-            return buffer
+@overload(_widen, inline="always")
+def _widen_of(stored):
+    if stored == types.float32:
+        return lambda stored: stored
+    if stored == types.uint16:  # bf16 bit patterns: the top half of a float32
+        return lambda stored: _f32_of_bits(np.uint32(stored) << np.uint32(16))
+    if stored == types.int16:  # IEEE half bit patterns (numba has no float16 on the CPU); finite ones exactly
+        def widen_f16(stored):
+            # exponent and mantissa moved into a float32's place, rebiased (15 -> 127) by a product, which
+            # normalises subnormals; then the sign
+            magnitude = _f32_of_bits(np.uint32(stored & np.int16(0x7FFF)) << np.uint32(13)) * _HALF_REBIAS
+            return magnitude if stored >= 0 else -magnitude
         return widen_f16
-    raise TypeError(f"no widening of {stored.dtype} keys to f32")
+    raise TypeError(f"no widening of {stored} keys to f32")
 
 
 @numba.njit(nogil=True, fastmath=_FAST, cache=True)
@@ -73,15 +68,15 @@ def _score(q: np.ndarray, keys: np.ndarray, count: int, scale: np.float32, score
     for j in range(0, whole, 4):
         a0 = a1 = a2 = a3 = np.float32(0)
         for t in range(d):
-            a0 += q[t] * keys[j, t]
-            a1 += q[t] * keys[j + 1, t]
-            a2 += q[t] * keys[j + 2, t]
-            a3 += q[t] * keys[j + 3, t]
+            a0 += q[t] * _widen(keys[j, t])
+            a1 += q[t] * _widen(keys[j + 1, t])
+            a2 += q[t] * _widen(keys[j + 2, t])
+            a3 += q[t] * _widen(keys[j + 3, t])
         scores[j], scores[j + 1], scores[j + 2], scores[j + 3] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
     for j in range(whole, count):
         a = np.float32(0)
         for t in range(d):
-            a += q[t] * keys[j, t]
+            a += q[t] * _widen(keys[j, t])
         scores[j] = a * scale
 
 
@@ -93,11 +88,12 @@ def _accumulate(weights: np.ndarray, values: np.ndarray, count: int, out: np.nda
     for j in range(0, whole, 4):
         w0, w1, w2, w3 = weights[j], weights[j + 1], weights[j + 2], weights[j + 3]
         for t in range(d):
-            out[t] += w0 * values[j, t] + w1 * values[j + 1, t] + w2 * values[j + 2, t] + w3 * values[j + 3, t]
+            out[t] += (w0 * _widen(values[j, t]) + w1 * _widen(values[j + 1, t]) + w2 * _widen(values[j + 2, t])
+                       + w3 * _widen(values[j + 3, t]))
     for j in range(whole, count):
         w = weights[j]
         for t in range(d):
-            out[t] += w * values[j, t]
+            out[t] += w * _widen(values[j, t])
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -193,7 +189,6 @@ def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray
     group, extent = rows // n, rel.shape[3]
     scores, powers = np.empty(block, np.float32), np.empty(block, np.int32)
     key_positions = np.empty(block, np.int64)
-    key_buffer, value_buffer = np.empty((block, d), np.float32), np.empty((block, d), np.float32)
     top[:] = -np.inf
     total[:] = 0
     out[:] = 0
@@ -208,8 +203,8 @@ def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray
             for j in range(count):
                 key_positions[j] = last - (last - base - j) % ring if ring else base + j
             for h in range(kv_heads):
-                block_keys = _as_f32(np.ascontiguousarray(keys[table[g, i], h]), key_buffer)
-                block_values = _as_f32(np.ascontiguousarray(values[table[g, i], h]), value_buffer)
+                block_keys = np.ascontiguousarray(keys[table[g, i], h])
+                block_values = np.ascontiguousarray(values[table[g, i], h])
                 for r in range(rows):
                     row = r % n
                     position = positions[g, row]
