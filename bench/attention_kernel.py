@@ -25,6 +25,7 @@ import statistics
 import time
 
 import numpy as np
+from engine import memory_bandwidth
 
 from cascadia.engine import paged_kernel
 from cascadia.host_cpus import describe, identity
@@ -61,19 +62,6 @@ class Case:
         return time.perf_counter() - start
 
 
-def streaming_read() -> float:
-    """Bytes/s of the sum of a 1 GiB array on this thread, best of 3."""
-    data = np.ones(2**30 // 8)
-    best = min(_seconds(data.sum) for _ in range(3))
-    return data.nbytes / best
-
-
-def _seconds(work) -> float:
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="4096,16384,65536")
@@ -85,7 +73,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for stored in STORED.values():
         paged_kernel.warm_up(stored)
-    bandwidth = streaming_read()
+    bandwidth = memory_bandwidth(np.ones(2**30 // 8), every_core=False)
     print(f"{describe(identity())}; streaming read {bandwidth / 1e9:.1f} GB/s on one thread; "
           f"medians of {args.repeats} calls")
     cases = [("cached", 1, 1024), *(("global", 1, n) for n in contexts),

@@ -92,12 +92,13 @@ def prompts(config: InklingConfig) -> np.ndarray:
     return np.random.default_rng(SEED).integers(3, config.vocab_size, (max(STREAMS), PROMPT_TOKENS))
 
 
-def memory_bandwidth(data: np.ndarray) -> float:
-    """Bytes/s of a streaming read: the sum of `data` on one thread and split over every core, best of 3 each."""
+def memory_bandwidth(data: np.ndarray, every_core: bool = True) -> float:
+    """Bytes/s of a streaming read: the sum of `data` on one thread and (`every_core`) split over every core, best of
+    3 each."""
     cores = os.cpu_count() or 1
     chunks = np.array_split(data, cores)
     with ThreadPoolExecutor(cores) as pool:
-        readers = (lambda: data.sum(), lambda: list(pool.map(np.sum, chunks)))
+        readers = (lambda: data.sum(), lambda: list(pool.map(np.sum, chunks)))[:2 if every_core else 1]
         best = min(_seconds(read) for read in readers for _ in range(3))
     return data.nbytes / best
 
