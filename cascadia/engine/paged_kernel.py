@@ -183,7 +183,7 @@ def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray
     p % ring = e (none yet where p < 0). A row at position p sees keys at p - window < k <= p (`window` 0: k <= p).
     Writes the scores' max per row [G, kv, (h/kv) n] (0 where a row sees none of these keys), the sum of
     exp(score - max) and the unnormalised output [G, kv, (h/kv) n, d]."""
-    streams, kv_heads, rows, d = q.shape
+    streams, kv_heads, rows = q.shape[:3]
     block = keys.shape[2]
     n = positions.shape[1]
     group, extent = rows // n, rel.shape[3]
