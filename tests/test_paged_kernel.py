@@ -144,3 +144,19 @@ def test_every_finite_16_bit_value_widens_exactly(stored):
             out[i] = paged_kernel._widen(stored[i])
         return out
     np.testing.assert_array_equal(widen(bits[finite]), exact[finite])
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_warm_up_compiles_the_kernel_a_pools_views_call(precision):
+    """After `warm_up`, attention over a pool's strided layer views finds its compiled kernel: no compile (seconds,
+    holding the GIL) on a node's first request."""
+    fmt = StateFormat(precision)
+    paged_kernel.warm_up(fmt.dtype)
+    compiled = len(paged_kernel._span.signatures)
+    store = PagedKV.alone(4, BLOCK, 1, SHAPE.kv_heads, SHAPE.head_dim, fmt)
+    store.pool.grow({0: 3})
+    q = np.ones((1, 1, SHAPE.heads, SHAPE.head_dim), np.float32)
+    k = np.ones((1, 1, SHAPE.kv_heads, SHAPE.head_dim), np.float32)
+    rel = np.zeros((1, 1, SHAPE.heads, SHAPE.bias_extent), np.float32)
+    attention.attend(SHAPE, q, k, k, rel, store, np.array([0]), np.array([2]))
+    assert len(paged_kernel._span.signatures) == compiled

@@ -226,7 +226,7 @@ def warm_up(stored: np.dtype) -> None:
     """Compile (or load from the disk cache) the kernel for keys and values stored as `stored`, now: a first
     compile takes seconds, and holds the GIL, so that a node would not answer its heartbeats mid-request."""
     q = np.zeros((1, 1, 1, 8), np.float32)
-    keys = np.zeros((2, 1, 4, 8), stored)[::2]  # a pool's layer views are strided
+    keys = np.zeros((2, 2, 1, 4, 8), stored)[:, 0]  # strided over two blocks, as a pool's layer views are
     top, total, out = np.empty((1, 1, 1), np.float32), np.empty((1, 1, 1), np.float32), np.empty_like(q)
     span(q, keys, keys, np.zeros((1, 1), np.int64), 0, 0, 0, np.zeros((1, 1), np.int64),
          np.zeros((1, 1, 1, 1), np.float32), np.float32(1), top, total, out)
