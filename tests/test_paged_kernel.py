@@ -15,6 +15,7 @@ from cascadia.engine.state_format import StateFormat
 from cascadia.graph.costs import PoolLayout
 
 SHAPE = AttentionShape(8, 2, 24, None, 40, (64, 0.4))  # 4 query heads a K/V head, head dim not a multiple of 8
+THREE_A_HEAD = AttentionShape(6, 2, 24, None, 40, (64, 0.4))  # 3 rows a K/V head and decode row
 BLOCK = 16
 
 
@@ -41,17 +42,19 @@ def dense_attention(shape: AttentionShape, q: np.ndarray, rel: np.ndarray, keys:
 
 @pytest.mark.parametrize("precision", ["f32", "bf16", "f16"])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_streams_on_scattered_blocks_match_a_dense_softmax(precision, rows, monkeypatch):
+@pytest.mark.parametrize("shape", [SHAPE, THREE_A_HEAD], ids=["4 a K/V head", "3 a K/V head"])
+def test_streams_on_scattered_blocks_match_a_dense_softmax(precision, rows, shape, monkeypatch):
     """Three streams at 37, 300 and 1,000 positions (their last blocks partly filled), blocks interleaved as streams
     that grow together take them, in spans of 3 blocks on the thread pool: decode rows, and 5 rows of a chunk (each
-    row sees a different prefix of the last block). Within 2e-6 of the largest output (f32 rounding)."""
+    row sees a different prefix of the last block); 4 and 3 query heads a K/V head (the kernel takes query rows in
+    fours: 3 leaves the last four short). Within 2e-6 of the largest output (f32 rounding)."""
     monkeypatch.setattr(attention, "SPAN_KEYS", 3 * BLOCK * 3)
     monkeypatch.setattr(attention, "MIN_SPAN_KEYS", BLOCK)
     first, slots = np.array([37, 300, 1000]), np.array([2, 0, 1])
     fmt = StateFormat(precision)
-    store = PagedKV.alone(3 * (1000 + rows) // BLOCK + 6, BLOCK, 3, SHAPE.kv_heads, SHAPE.head_dim, fmt)
+    store = PagedKV.alone(3 * (1000 + rows) // BLOCK + 6, BLOCK, 3, shape.kv_heads, shape.head_dim, fmt)
     rng = np.random.default_rng(1)
-    history = rng.standard_normal((3, 1000, SHAPE.kv_heads, SHAPE.head_dim), np.float32)
+    history = rng.standard_normal((3, 1000, shape.kv_heads, shape.head_dim), np.float32)
     for start in range(0, 1000, 50):
         for g, slot in enumerate(slots):
             at = np.arange(start, min(start + 50, first[g]))[None]
@@ -62,14 +65,14 @@ def test_streams_on_scattered_blocks_match_a_dense_softmax(precision, rows, monk
     store.pool.grow({int(slot): int(first[g]) + rows for g, slot in enumerate(slots)})
     table = store.pool.table(slots[2:], 1000 // BLOCK)[0]
     assert not np.array_equal(table, table[0] + np.arange(len(table)))  # not in a row
-    q = rng.standard_normal((3, rows, SHAPE.heads, SHAPE.head_dim), np.float32) * 3
-    k, v = rng.standard_normal((2, 3, rows, SHAPE.kv_heads, SHAPE.head_dim), np.float32)
-    rel = rng.standard_normal((3, rows, SHAPE.heads, SHAPE.bias_extent), np.float32)
-    out = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
+    q = rng.standard_normal((3, rows, shape.heads, shape.head_dim), np.float32) * 3
+    k, v = rng.standard_normal((2, 3, rows, shape.kv_heads, shape.head_dim), np.float32)
+    rel = rng.standard_normal((3, rows, shape.heads, shape.bias_extent), np.float32)
+    out = attention.attend(shape, q, k, v, rel, store, slots, first)
     for g, slot in enumerate(slots):
         keys, values = store.read(slots[g:g + 1], 0, int(first[g]) + rows)  # as stored: [1, b, kv, B, d]
-        keys, values = (x[0].transpose(0, 2, 1, 3).reshape(-1, SHAPE.kv_heads, SHAPE.head_dim) for x in (keys, values))
-        expected = dense_attention(SHAPE, q[g], rel[g], keys[:first[g] + rows], values[:first[g] + rows], int(first[g]))
+        keys, values = (x[0].transpose(0, 2, 1, 3).reshape(-1, shape.kv_heads, shape.head_dim) for x in (keys, values))
+        expected = dense_attention(shape, q[g], rel[g], keys[:first[g] + rows], values[:first[g] + rows], int(first[g]))
         assert np.abs(out[g] - expected).max() <= 2e-6 * np.abs(expected).max()
 
 

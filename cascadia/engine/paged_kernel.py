@@ -4,11 +4,11 @@ A decode row reads every key and value of its stream once and does four multiply
 share a K/V head), so its attention should run at the memory's speed. numpy cannot: a span of 4,096 keys is 256
 matmuls of 4 x 64 by 64 x 64 (one per block and K/V head), each paying a call's fixed cost, and bf16 keys are widened
 into a copy before they are multiplied. This kernel (numba, compiled when an engine warms up and cached on disk)
-walks a span's blocks where they lie in the pool: for each block and K/V head it scores the keys, folds the scores
-into a running softmax (the flash-attention rescaling) and accumulates the values into the output, widening each
-stored element to f32 in a register as it multiplies it (a block widened into a buffer first cost a quarter more),
-so each stored byte is read from memory once. It releases the GIL, so the spans run on the
-attention thread pool.
+walks a span's blocks where they lie in the pool: for each block and K/V head it scores the keys against four
+query rows at a time (each key and value loaded serves four rows), folds each row's scores into its running softmax
+(the flash-attention rescaling) and accumulates the values into the outputs, widening each stored element to f32 in
+a register as it multiplies it (a block widened into a buffer first cost a quarter more), so each stored byte is read
+from memory once. It releases the GIL, so the spans run on the attention thread pool.
 
 A global layer's entry e is position e, so a row at position p sees a prefix of each block, and most blocks whole
 and beyond the relative bias's bank; a sliding layer's ring holds the latest position with each entry's remainder,
@@ -53,47 +53,79 @@ def _widen_of(stored):
     if stored == types.int16:  # IEEE half bit patterns (numba has no float16 on the CPU); finite ones exactly
         def widen_f16(stored):
             # exponent and mantissa moved into a float32's place, rebiased (15 -> 127) by a product, which
-            # normalises subnormals; then the sign
+            # normalises subnormals; then the sign, copied (a branch here made numba warn when it compiled)
             magnitude = _f32_of_bits(np.uint32(stored & np.int16(0x7FFF)) << np.uint32(13)) * _HALF_REBIAS
-            return magnitude if stored >= 0 else -magnitude
+            return np.copysign(magnitude, np.float32(stored))
         return widen_f16
     raise TypeError(f"no widening of {stored} keys to f32")
 
 
 @numba.njit(nogil=True, fastmath=_FAST, cache=True)
-def _score(q: np.ndarray, keys: np.ndarray, count: int, scale: np.float32, scores: np.ndarray) -> None:
-    """scores[:count] = (keys[:count] . q) * scale, four keys at a time (each query load serves four of them)."""
-    d = q.shape[0]
+def _score(q0: np.ndarray, q1: np.ndarray, q2: np.ndarray, q3: np.ndarray, keys: np.ndarray, count: int,
+           scale: np.float32, s0: np.ndarray, s1: np.ndarray, s2: np.ndarray, s3: np.ndarray) -> None:
+    """s_r[:count] = (keys[:count] . q_r) * scale for four query rows, four keys at a time: each key load serves
+    four rows, each query load four keys (sixteen sums in registers; one row at a time cost a quarter more)."""
+    d = q0.shape[0]
     whole = count - count % 4
     for j in range(0, whole, 4):
+        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0)
+        a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0)
+        for t in range(d):
+            k0, k1, k2, k3 = _widen(keys[j, t]), _widen(keys[j + 1, t]), _widen(keys[j + 2, t]), _widen(keys[j + 3, t])
+            a00 += q0[t] * k0
+            a01 += q0[t] * k1
+            a02 += q0[t] * k2
+            a03 += q0[t] * k3
+            a10 += q1[t] * k0
+            a11 += q1[t] * k1
+            a12 += q1[t] * k2
+            a13 += q1[t] * k3
+            a20 += q2[t] * k0
+            a21 += q2[t] * k1
+            a22 += q2[t] * k2
+            a23 += q2[t] * k3
+            a30 += q3[t] * k0
+            a31 += q3[t] * k1
+            a32 += q3[t] * k2
+            a33 += q3[t] * k3
+        s0[j], s0[j + 1], s0[j + 2], s0[j + 3] = a00 * scale, a01 * scale, a02 * scale, a03 * scale
+        s1[j], s1[j + 1], s1[j + 2], s1[j + 3] = a10 * scale, a11 * scale, a12 * scale, a13 * scale
+        s2[j], s2[j + 1], s2[j + 2], s2[j + 3] = a20 * scale, a21 * scale, a22 * scale, a23 * scale
+        s3[j], s3[j + 1], s3[j + 2], s3[j + 3] = a30 * scale, a31 * scale, a32 * scale, a33 * scale
+    for j in range(whole, count):
         a0 = a1 = a2 = a3 = np.float32(0)
         for t in range(d):
-            a0 += q[t] * _widen(keys[j, t])
-            a1 += q[t] * _widen(keys[j + 1, t])
-            a2 += q[t] * _widen(keys[j + 2, t])
-            a3 += q[t] * _widen(keys[j + 3, t])
-        scores[j], scores[j + 1], scores[j + 2], scores[j + 3] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
-    for j in range(whole, count):
-        a = np.float32(0)
-        for t in range(d):
-            a += q[t] * _widen(keys[j, t])
-        scores[j] = a * scale
+            k = _widen(keys[j, t])
+            a0 += q0[t] * k
+            a1 += q1[t] * k
+            a2 += q2[t] * k
+            a3 += q3[t] * k
+        s0[j], s1[j], s2[j], s3[j] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
 
 
 @numba.njit(nogil=True, fastmath=_FAST, cache=True)
-def _accumulate(weights: np.ndarray, values: np.ndarray, count: int, out: np.ndarray) -> None:
-    """out += weights[:count] @ values[:count], four values at a time (one pass over `out` for four of them)."""
-    d = out.shape[0]
-    whole = count - count % 4
-    for j in range(0, whole, 4):
-        w0, w1, w2, w3 = weights[j], weights[j + 1], weights[j + 2], weights[j + 3]
+def _accumulate(w0: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray, values: np.ndarray, count: int,
+                o0: np.ndarray, o1: np.ndarray, o2: np.ndarray, o3: np.ndarray) -> None:
+    """o_r += w_r[:count] @ values[:count] for four rows, two values at a time: each value load serves four rows,
+    each load and store of an output two values."""
+    d = o0.shape[0]
+    whole = count - count % 2
+    for j in range(0, whole, 2):
+        w00, w01, w10, w11 = w0[j], w0[j + 1], w1[j], w1[j + 1]
+        w20, w21, w30, w31 = w2[j], w2[j + 1], w3[j], w3[j + 1]
         for t in range(d):
-            out[t] += (w0 * _widen(values[j, t]) + w1 * _widen(values[j + 1, t]) + w2 * _widen(values[j + 2, t])
-                       + w3 * _widen(values[j + 3, t]))
+            v0, v1 = _widen(values[j, t]), _widen(values[j + 1, t])
+            o0[t] += w00 * v0 + w01 * v1
+            o1[t] += w10 * v0 + w11 * v1
+            o2[t] += w20 * v0 + w21 * v1
+            o3[t] += w30 * v0 + w31 * v1
     for j in range(whole, count):
-        w = weights[j]
         for t in range(d):
-            out[t] += w * _widen(values[j, t])
+            v = _widen(values[j, t])
+            o0[t] += w0[j] * v
+            o1[t] += w1[j] * v
+            o2[t] += w2[j] * v
+            o3[t] += w3[j] * v
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -187,8 +219,10 @@ def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray
     block = keys.shape[2]
     n = positions.shape[1]
     group, extent = rows // n, rel.shape[3]
-    scores, powers = np.empty(block, np.float32), np.empty(block, np.int32)
-    key_positions = np.empty(block, np.int64)
+    # rows go through a block in fours; where the last four are short, the last row stands in for the missing ones
+    # with its weights zeroed, so they add nothing to it
+    scores = np.zeros((rows + 3 - (rows + 3) % 4, block), np.float32)
+    powers, key_positions = np.empty(block, np.int32), np.empty(block, np.int64)
     top[:] = -np.inf
     total[:] = 0
     out[:] = 0
@@ -205,16 +239,26 @@ def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray
             for h in range(kv_heads):
                 block_keys = np.ascontiguousarray(keys[table[g, i], h])
                 block_values = np.ascontiguousarray(values[table[g, i], h])
-                for r in range(rows):
-                    row = r % n
-                    position = positions[g, row]
-                    _score(q[g, h, r], block_keys, count, scale, scores)
-                    # a global layer's block that the row sees whole and beyond the bias bank needs neither
-                    if (ring or position - (base + count - 1) < extent) and not _mask_and_bias(
-                            scores, key_positions, count, position, reach, rel[g, row, h * group + r // n]):
-                        continue
-                    _fold(scores, count, r, top[g, h], total[g, h], out[g, h], powers)
-                    _accumulate(scores, block_values, count, out[g, h, r])
+                qs, outs = q[g, h], out[g, h]
+                for c in range(0, rows, 4):
+                    r1, r2, r3 = min(c + 1, rows - 1), min(c + 2, rows - 1), min(c + 3, rows - 1)
+                    _score(qs[c], qs[r1], qs[r2], qs[r3], block_keys, count, scale, scores[c], scores[c + 1],
+                           scores[c + 2], scores[c + 3])
+                    seeing = 0
+                    for r in range(c, min(c + 4, rows)):
+                        row = r % n
+                        position = positions[g, row]
+                        # a global layer's block that the row sees whole and beyond the bias bank needs neither
+                        if (ring or position - (base + count - 1) < extent) and not _mask_and_bias(
+                                scores[r], key_positions, count, position, reach, rel[g, row, h * group + r // n]):
+                            scores[r, :count] = 0
+                            continue
+                        seeing += 1
+                        _fold(scores[r], count, r, top[g, h], total[g, h], outs, powers)
+                    if seeing:
+                        scores[rows:c + 4, :count] = 0
+                        _accumulate(scores[c], scores[c + 1], scores[c + 2], scores[c + 3], block_values, count,
+                                    outs[c], outs[r1], outs[r2], outs[r3])
     for g in range(streams):
         for h in range(kv_heads):
             for r in range(rows):
