@@ -19,6 +19,7 @@ Key folder layout (made by `generate_keys`, named by `ClusterSpec.curve_keys`):
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import socket
@@ -49,10 +50,35 @@ class TransportError(NodeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago (for tests and local nodes)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that was free on `host` a moment ago and that this process has not handed out before (for tests
+    and local nodes). It lies below the kernel's ephemeral range where there is room: a port from that range can be
+    taken between choosing and binding it by any outgoing connection, even by a peer's connection to itself (TCP's
+    simultaneous open, when it connects before the listener is up)."""
+    first, end = _FIRST_PORT, _ephemeral_ports()[0]
+    for _ in range(1000):
+        with socket.socket() as s:
+            try:
+                s.bind((host, random.randrange(first, end) if end - first >= 1000 else 0))
+            except OSError:  # taken: draw again
+                continue
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise TransportError(f"no free TCP port on {host}")
+
+
+_FIRST_PORT = 10000  # below: the ports services commonly listen on
+_handed_out: set[int] = set()
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; elsewhere the IANA range)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def tcp_address(host: str, port: int) -> str:
