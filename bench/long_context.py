@@ -30,12 +30,14 @@ With --streams 1,2,4,8 --calibration CAL (a calibration of specs/mid-long.yaml),
 at each N (their keys and values written straight into the stores, as beyond --ttft-max) against what the simulator
 charges that frame (`StageCost` of the calibration's node: one stream's table at the frame's padded rows, and each
 further stream's keys and values at the table's per-position slope): a check of that charge on many long streams.
+--kv-block sets the engine's positions per K/V block (runtime.kv_block; default specs/mid-long.yaml's), and the
+alone column's.
 Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the measured N), their predictions at 64k
 and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
 TTFT 22 s at 1k, 110 min at 64k). Not a test: it prints tables.
 
-    python bench/long_context.py [--quick] [--contexts 1024,4096,16384,65536] [--ttft-max 16384] [--attention-only]
-                                 [--streams 1,2,4,8 --calibration CAL]
+    python bench/long_context.py [--quick] [--contexts 1024,4096,16384,65536] [--ttft-max 16384] [--kv-block 64]
+                                 [--attention-only] [--streams 1,2,4,8 --calibration CAL]
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ LONG_CONFIG = Path(__file__).parent.parent / "specs" / "mid-long" / "config.json
 LONG_SPEC = Path(__file__).parent.parent / "specs" / "mid-long.yaml"
 ROW_BUCKETS = (1, 2, 8, 32, PREFILL_CHUNK)  # specs/mid-long.yaml's
 DECODE_STEPS = 12
+KV_BLOCK = RuntimeSpec().kv_block  # the runtime's default: the --attention-only stores'
 ATTENTION_REPEATS = 9
 SEED = 0
 PAPER_DECODE_MS = {4096: 54, 65536: 216, 524288: 1496}
@@ -145,9 +148,12 @@ def kv_bytes_read(engine: Engine, positions: int) -> int:
     return total
 
 
-def random_store(shape: AttentionShape, positions: int, precision: str, rng: np.random.Generator) -> PagedKV:
-    """A paged store holding `positions` + 1 positions of one stream, all but the last random."""
-    store = PagedKV.alone(-(-(positions + 1) // 64), 64, 1, shape.kv_heads, shape.head_dim, StateFormat(precision))
+def random_store(shape: AttentionShape, positions: int, precision: str, rng: np.random.Generator,
+                 block: int = KV_BLOCK) -> PagedKV:
+    """A paged store of `block` positions a block holding `positions` + 1 positions of one stream, all but the
+    last random."""
+    store = PagedKV.alone(-(-(positions + 1) // block), block, 1, shape.kv_heads, shape.head_dim,
+                          StateFormat(precision))
     store.pool.grow({0: positions + 1})
     for start in range(0, positions, 4096):
         at = np.arange(start, min(positions, start + 4096))[None]
@@ -187,10 +193,11 @@ def timed_attend(shape: AttentionShape, rows: tuple[np.ndarray, ...], store: Pag
     return 1e3 * statistics.median(times), out
 
 
-def attention_alone_ms(layer: inkling.DecoderLayer, positions: int, threads: int, rng: np.random.Generator) -> float:
-    """ms of `layer`'s attention for one decode row at `positions` (keys and values random, in bf16), on a pool of
-    `threads` threads."""
-    store = random_store(layer.shape, positions, "bf16", rng)
+def attention_alone_ms(layer: inkling.DecoderLayer, positions: int, threads: int, rng: np.random.Generator,
+                       block: int) -> float:
+    """ms of `layer`'s attention for one decode row at `positions` (keys and values random, in bf16, `block`
+    positions a block), on a pool of `threads` threads."""
+    store = random_store(layer.shape, positions, "bf16", rng, block)
     return spans_ms(layer.shape, store, positions, decode_row(layer.shape, rng), threads)[0]
 
 
@@ -364,7 +371,8 @@ def streams_against_simulator(checkpoint: Checkpoint, contexts: list[int], count
     cost = StageCost(stage.node, stage_kinds(stage, config), calibrated.nodes[stage.node], config, calibrated,
                      Extrapolations(), ROW_BUCKETS)
     runtime = RuntimeSpec(precision="bf16", kv_precision="bf16", max_streams=max(counts),
-                          context_budget=max(contexts) + 2 * DECODE_STEPS, row_buckets=ROW_BUCKETS)
+                          context_budget=max(contexts) + 2 * DECODE_STEPS, row_buckets=ROW_BUCKETS,
+                          kv_block=spec.runtime.kv_block)
     engine = Engine(checkpoint, runtime, formats=FORMATS)
     rows = []
     for n in contexts:
@@ -394,6 +402,8 @@ def main() -> None:
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--ttft-max", type=int, default=16384, help="prefill for real up to this many tokens")
     parser.add_argument("--attention-only", action="store_true", help="one global layer's attention, no model")
+    parser.add_argument("--kv-block", type=int, default=load_spec(LONG_SPEC).runtime.kv_block,
+                        help="positions a K/V block (runtime.kv_block; default specs/mid-long.yaml's)")
     parser.add_argument("--streams", help="decode steps of these many streams against the simulator's frame cost")
     parser.add_argument("--calibration", type=Path, help="with --streams: a calibration of specs/mid-long.yaml")
     args = parser.parse_args()
@@ -414,7 +424,7 @@ def main() -> None:
     config = long_config(args.quick)
     checkpoint = Checkpoint.open(random_checkpoint(config, CHECKPOINT, args.quick, SEED))
     runtime = RuntimeSpec(precision="bf16", kv_precision="bf16", max_streams=1, context_budget=budget,
-                          row_buckets=ROW_BUCKETS)
+                          row_buckets=ROW_BUCKETS, kv_block=args.kv_block)
     engine = Engine(checkpoint, runtime, formats=FORMATS)
     clock, rng = AttentionClock(), np.random.default_rng(SEED)
     bandwidth = memory_bandwidth(np.ones(2**27, np.int64))
@@ -436,7 +446,7 @@ def main() -> None:
         decode[n], attention_ms = decode_ms(engine, clock, 0, token)
         fraction = kv_bytes_read(engine, n) / (attention_ms / 1e3) / bandwidth
         global_layer = next(layer for layer in engine.stage.layers if layer.shape.window is None)
-        alone = [attention_alone_ms(global_layer, n, threads, rng) for threads in sorted(pool_of)]
+        alone = [attention_alone_ms(global_layer, n, threads, rng, args.kv_block) for threads in sorted(pool_of)]
         read_ms = 1e3 * n * 2 * global_layer.shape.kv_heads * global_layer.shape.head_dim * 2 / bandwidth
         rows.append((f"{n:,}", f"{ttft[n]:.1f}" if n in ttft else "-", f"{decode[n]:.1f}", f"{attention_ms:.1f}",
                      f"{kv_bytes_read(engine, n) / 2**20:.1f}", f"{100 * fraction:.0f}%",
