@@ -58,7 +58,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     for _ in range(1000):
         with socket.socket() as s:
             try:
-                s.bind((host, random.randrange(first, end) if end - first >= 1000 else 0))
+                s.bind((host, _draw.randrange(first, end) if end - first >= 1000 else 0))
             except OSError:  # taken: draw again
                 continue
             port = s.getsockname()[1]
@@ -70,6 +70,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 _FIRST_PORT = 10000  # below: the ports services commonly listen on
 _handed_out: set[int] = set()
+_draw = random.SystemRandom()  # the OS's randomness: no seed that processes could share, so no shared sequence
 
 
 def _ephemeral_ports() -> tuple[int, int]:
