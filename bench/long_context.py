@@ -36,7 +36,7 @@ Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the me
 and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
 TTFT 22 s at 1k, 110 min at 64k). Not a test: it prints tables.
 
-    python bench/long_context.py [--quick] [--contexts 1024,4096,16384,65536] [--ttft-max 16384] [--kv-block 64]
+    python bench/long_context.py [--quick] [--contexts 1024,4096,16384,65536] [--ttft-max 16384] [--kv-block 256]
                                  [--attention-only] [--streams 1,2,4,8 --calibration CAL]
 """
 

@@ -42,7 +42,7 @@ def keys(tmp_path_factory):
 def test_free_ports_are_distinct_and_outside_the_kernels_ephemeral_range():
     """A port the kernel may give an outgoing connection, or one handed out twice, lets a node's listener lose its
     port between choosing and binding (CI saw it: two links' ends, "address already in use")."""
-    ports = [free_port() for _ in range(300)]  # drawn at random from ~20k ports, 300 repeat one 6 times in 7
+    ports = [free_port() for _ in range(300)]  # from ~20k ports at random, 300 draws repeat one 6 times in 7
     assert len(set(ports)) == len(ports)
     low, high = _ephemeral_ports()
     assert not any(low <= port <= high for port in ports)

@@ -18,6 +18,7 @@ Key folder layout (made by `generate_keys`, named by `ClusterSpec.curve_keys`):
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -73,6 +74,7 @@ _handed_out: set[int] = set()
 _draw = random.SystemRandom()  # the OS's randomness: no seed that processes could share, so no shared sequence
 
 
+@functools.cache  # read once a process, not on every port
 def _ephemeral_ports() -> tuple[int, int]:
     """The kernel's range for the local ports of outgoing connections (Linux; elsewhere the IANA range)."""
     try:
