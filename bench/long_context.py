@@ -264,7 +264,8 @@ def paged_attention_ms(shape: AttentionShape, store: PagedKV, positions: int, ro
     params = [x for x in inputs if x.get_type_name() == "Parameter"]
     compiled = ov.Core().compile_model(ov.Model([node.output(0)], params), "CPU", {
         "INFERENCE_PRECISION_HINT": "bf16" if bf16 else "f32", "KV_CACHE_PRECISION": "bf16" if bf16 else "f32"})
-    block = compiled.input("key_cache").get_partial_shape()[2].get_length()
+    block = compiled.input("key_cache").get_partial_shape()[2]
+    block = block.get_length() if block.is_static else 32  # left open (f32 on a CPU without bf16): its default
     blocks = positions // block + 1  # the decode row's own key and value go into the last
     request, caches = compiled.create_infer_request(), []  # a bf16 Tensor over a uint16 array does not keep it alive
     for name, stored in (("key_cache", store.k), ("value_cache", store.v)):  # [blocks, kv, B, d] by position
