@@ -14,8 +14,9 @@ from cascadia.engine.kv_store import BlockPool, PagedKV, PagedRing
 from cascadia.engine.state_format import StateFormat
 from cascadia.graph.costs import PoolLayout
 
-SHAPE = AttentionShape(8, 2, 24, None, 40, (64, 0.4))  # 4 query heads a K/V head, head dim not a multiple of 8
-THREE_A_HEAD = AttentionShape(6, 2, 24, None, 40, (64, 0.4))  # 3 rows a K/V head and decode row
+SHAPE = AttentionShape(8, 2, 24, None, 40, (64, 0.4))  # 4 query heads a K/V head, head dim not a power of two
+THREE_A_HEAD = AttentionShape(6, 2, 12, None, 40, (64, 0.4))  # 3 rows a K/V head and decode row; dim not 8's multiple
+WIDE = AttentionShape(8, 2, 64, None, 40, (64, 0.4))  # specs/mid's head dim: whole vectors, no remainder
 BLOCK = 16
 
 
@@ -42,7 +43,7 @@ def dense_attention(shape: AttentionShape, q: np.ndarray, rel: np.ndarray, keys:
 
 @pytest.mark.parametrize("precision", ["f32", "bf16", "f16"])
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("shape", [SHAPE, THREE_A_HEAD], ids=["4 a K/V head", "3 a K/V head"])
+@pytest.mark.parametrize("shape", [SHAPE, THREE_A_HEAD, WIDE], ids=["4 a K/V head", "3 a K/V head", "head dim 64"])
 def test_streams_on_scattered_blocks_match_a_dense_softmax(precision, rows, shape, monkeypatch):
     """Three streams at 37, 300 and 1,000 positions (their last blocks partly filled), blocks interleaved as streams
     that grow together take them, in spans of 3 blocks on the thread pool: decode rows, and 5 rows of a chunk (each
