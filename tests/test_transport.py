@@ -6,8 +6,8 @@ import zmq
 from click.testing import CliRunner
 
 from cascadia.cli import cli
-from cascadia.pipeline.transport import (Transport, TransportError, _ephemeral_ports, free_port, generate_keys, receive,
-                                         send, tcp_address)
+from cascadia.pipeline.transport import (_FIRST_PORT, Transport, TransportError, _ephemeral_ports, free_port,
+                                         generate_keys, receive, send, tcp_address)
 from cascadia.pipeline.wire import Encoder, Frame, Shutdown, decode
 
 NO_DELIVERY_WAIT_MS = 500  # how long a refused client is given to (wrongly) get a message through
@@ -45,7 +45,8 @@ def test_free_ports_are_distinct_and_outside_the_kernels_ephemeral_range():
     ports = [free_port() for _ in range(300)]  # from ~20k ports at random, 300 draws repeat one 6 times in 7
     assert len(set(ports)) == len(ports)
     low, high = _ephemeral_ports()
-    assert not any(low <= port <= high for port in ports)
+    if low - _FIRST_PORT >= 1000:  # room below the range (Linux's default starts at 32768); else the kernel picks
+        assert not any(low <= port <= high for port in ports)
 
 
 def test_frame_crosses_a_push_pull_hop(transports, address):
