@@ -11,7 +11,8 @@ from click.testing import CliRunner
 from sim_specs import calibration
 
 from cascadia.cli import cli
-from cascadia.measure.validate import METRICS, SCHEMA, compare, compare_frame_times, format_comparison
+from cascadia.measure.validate import (METRICS, SCHEMA, compare, compare_frame_times, compare_phase_frame_times,
+                                      format_comparison, frames_by_phase)
 from cascadia.pipeline.run import RunFailed, RunResult
 from cascadia.trace import FrameTiming, StageTiming
 
@@ -102,6 +103,37 @@ def test_per_frame_times_of_both_backends_node_by_node():
     assert lines[-1].split() == ["link", "to", "coordinator", "3/1", "20.00", "20.00", "5.00", "5.00", "-75.0%"]
 
 
+def _request(level, phase, arrival, finish):
+    return {"level": level, "rate": None, "phase": phase, "t_arrival": arrival, "t_finish": finish}
+
+
+def test_frames_go_to_the_phase_they_were_sent_in_and_each_runs_phases_are_compared():
+    """Two phases of one level and one of another, their requests overlapping within a phase; a frame sent between
+    phases belongs to none. Per phase of each run, a node's compute against the same phase simulated."""
+    requests = [_request(1, "warmup", 0.0, 1.0), _request(1, "warmup", 0.5, 1.5), _request(1, "measured", 2.0, 3.0),
+                _request(4, "warmup", 4.0, 5.0)]
+    frames = [attrs.evolve(_frame(i, (0.0, 0.0, 0.001 * (i + 1)), done=0.0), sent=sent)
+              for i, sent in enumerate([0.0, 1.4, 1.7, 2.5, 4.5, 5.5])]
+    grouped = frames_by_phase(frames, requests)
+    assert {key: [f.frame_id for f in group] for key, group in grouped.items()} == {
+        (1, None, "warmup"): [0, 1], (1, None, "measured"): [3], (4, None, "warmup"): [4]}
+    assert list(grouped) == [(1, None, "warmup"), (1, None, "measured"), (4, None, "warmup")]  # as they ran
+    simulated = [attrs.evolve(_frame(9, (0.0, 0.0, 0.002), done=0.0), sent=sent) for sent in (0.2, 2.2)]
+    phases = compare_phase_frame_times([(frames, {"requests": requests})] * 2, simulated,
+                                       {"requests": requests[:3]}, ["a"])
+    assert [(p["run"], p["concurrency"], p["phase"]) for p in phases] == [
+        (run, level, phase) for run in (1, 2) for level, phase in ((1, "warmup"), (1, "measured"), (4, "warmup"))]
+    compute = [p["frame_times"]["a"]["compute"] for p in phases[:3]]
+    assert [c["measured"]["p50"] for c in compute] == pytest.approx([0.0015, 0.004, 0.005])
+    assert [c["predicted"]["frames"] for c in compute] == [1, 1, 0]  # nothing simulated in the last phase
+    lines = format_comparison(compare([MEASURED], PREDICTED) | {"phase_frame_times": phases}).splitlines()
+    table = lines[lines.index("compute per frame by phase (ms, p50; frames measured/predicted)") + 1:]
+    assert table[0].split() == ["run", "streams", "phase", "frames", "a", "measured", "a", "predicted", "a", "error"]
+    assert table[1].split() == ["1", "1", "warmup", "2/1", "1.50", "2.00", "+33.3%"]
+    assert table[3].split() == ["1", "4", "warmup", "1/0", "5.00", "-", "-"]
+    assert len(table) == 7
+
+
 # ---- against the real pipeline -----------------------------------------------------------------------------------
 def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_path):
     cal_path, out = tmp_path / "cal.json", tmp_path / "validation.json"
@@ -182,9 +214,13 @@ def test_validate_writes_both_timelines_and_compares_each_node_per_frame(spec, c
     lines = result.stdout.splitlines()
     table = lines[lines.index("per frame (ms; frames measured/predicted)") + 1:]
     frames = len(computed[0])
-    assert [line.split()[:3] for line in table[1:-1:2]] == [[node, "compute", f"{frames}/{frames}"]
-                                                            for node in ("node0", "node1", "node2")]
-    assert table[-1] == f"wrote the timelines to {traces}: run.json, simulate.json"
+    table = table[:table.index("")]
+    assert [line.split()[:3] for line in table[1::2]] == [[node, "compute", f"{frames}/{frames}"]
+                                                          for node in ("node0", "node1", "node2")]
+    phases = lines[lines.index("compute per frame by phase (ms, p50; frames measured/predicted)") + 2:]
+    assert [line.split()[:3] for line in phases[:-1]] == [["1", "1", "warmup"], ["1", "1", "measured"]]
+    assert sum(int(line.split()[3].split("/")[0]) for line in phases[:-1]) == frames  # every frame in a phase
+    assert phases[-1] == f"wrote the timelines to {traces}: run.json, simulate.json"
 
 
 def test_validate_with_speculation_simulates_the_drafts_the_run_accepted(spec, checkpoint, tmp_path):

@@ -6,11 +6,13 @@ on a machine shared with other work its speed wanders by tens of percent from mi
 a few runs is what it typically does. Per concurrency level and metric, error = (predicted - measured) / measured,
 with the median over the runs as measured, and the runs' spread = (largest - smallest) / median: an error smaller
 than the spread says little about the model. Per metric, the median of the absolute errors and of the spreads over
-the levels. With timelines, per node the per-frame compute time of both (median and p95), to see where they part.
+the levels. With timelines, per node the per-frame compute and link times of both (median and p95), over all the
+runs, and each node's compute phase by phase of each run: to see where they part, and when.
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -107,6 +109,36 @@ def compare_frame_times(measured: Sequence[FrameTiming], predicted: Sequence[Fra
                    for part in ("compute", "link")} for node in nodes}
 
 
+def frames_by_phase(frames: Sequence[FrameTiming], requests: Sequence[dict]) -> dict[tuple, list[FrameTiming]]:
+    """A timeline's frames by the phase they were sent in, as (concurrency, rate, phase) in the order the phases ran:
+    a phase spans its first request's arrival to its last one's finish (a backend's frames and requests share its
+    clock)."""
+    spans: dict[tuple, tuple[float, float]] = {}
+    for r in requests:
+        key = (r["level"], r["rate"], r["phase"])
+        first, last = spans.get(key, (r["t_arrival"], r["t_finish"]))
+        spans[key] = (min(first, r["t_arrival"]), max(last, r["t_finish"]))
+    ordered = sorted(spans.items(), key=lambda item: item[1][0])
+    starts = [start for _, (start, _) in ordered]
+    grouped: dict[tuple, list[FrameTiming]] = {key: [] for key, _ in ordered}
+    for frame in frames:
+        i = bisect.bisect_right(starts, frame.sent) - 1
+        if i >= 0 and frame.sent <= ordered[i][1][1]:
+            grouped[ordered[i][0]].append(frame)
+    return grouped
+
+
+def compare_phase_frame_times(runs: Sequence[tuple[Sequence[FrameTiming], dict]], predicted: Sequence[FrameTiming],
+                              predicted_result: dict, nodes: Sequence[str]) -> list[dict]:
+    """`compare_frame_times` phase by phase of each run (its frames and result), against the same phase simulated:
+    where a run's speed moved from one phase to the next, the phases say when."""
+    simulated = frames_by_phase(predicted, predicted_result["requests"])
+    return [{"run": i, "concurrency": key[0], "rate": key[1], "phase": key[2],
+             "frame_times": compare_frame_times(measured, simulated.get(key, []), nodes)}
+            for i, (frames, result) in enumerate(runs, 1)
+            for key, measured in frames_by_phase(frames, result["requests"]).items()]
+
+
 class ValidationFailed(NodeError):
     """A run failed; `result` holds the prediction and the runs so far, the failed one's partial result last."""
 
@@ -134,7 +166,7 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
     predicted_frames: list[FrameTiming] | None = [] if traced else None
     predicted = simulate(spec, calibration, plan, groups=groups, timings=predicted_frames,
                          acceptance=DEFAULT_ACCEPTANCE if acceptance is None else acceptance)
-    runs, measured_frames, first_outputs = [], [], None
+    runs, run_timelines, first_outputs = [], [], None
     for i in range(repeats):
         try:
             done = run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
@@ -145,7 +177,7 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
         runs.append(done.result)
         first_outputs = first_outputs or done.outputs
         if traced:
-            measured_frames += done.frames
+            run_timelines.append((done.frames, done.result))
             timelines[f"run-{i + 1}" if repeats > 1 else "run"] = (done.frames, done.result, done.clock_error_s)
     if spec.runtime.max_draft and acceptance is None:
         predicted_frames = [] if traced else None
@@ -154,8 +186,10 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
     result = {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
     if traced:
         timelines["simulate"] = (predicted_frames, predicted, None)
-        result["frame_times"] = compare_frame_times(measured_frames, predicted_frames,
-                                                    [stage.node for stage in plan.stages])
+        nodes = [stage.node for stage in plan.stages]
+        result["frame_times"] = compare_frame_times([f for frames, _ in run_timelines for f in frames],
+                                                    predicted_frames, nodes)
+        result["phase_frame_times"] = compare_phase_frame_times(run_timelines, predicted_frames, predicted, nodes)
     return result
 
 
@@ -191,6 +225,23 @@ def format_frame_times(frame_times: dict) -> str:
     return "per frame (ms; frames measured/predicted)\n" + format_rows(rows, left={0, 1})
 
 
+def format_phase_frame_times(phases: list[dict]) -> str:
+    """`compare_phase_frame_times` as a table: per run and phase, each node's compute per frame, p50 in ms."""
+    nodes = list(phases[0]["frame_times"]) if phases else []
+    rows = [("run", "streams", "phase", "frames", *(f"{node} {what}" for node in nodes
+                                                  for what in ("measured", "predicted", "error")))]
+    for phase in phases:
+        figures = []
+        for node in nodes:
+            real, model = (phase["frame_times"][node]["compute"][side] for side in ("measured", "predicted"))
+            error = (model["p50"] - real["p50"]) / real["p50"] if real["p50"] and model["p50"] is not None else None
+            figures += [_shown(real["p50"], 1e3), _shown(model["p50"], 1e3), _percent(error, "+")]
+        counts = phase["frame_times"][nodes[0]]["compute"]
+        rows.append((str(phase["run"]), level_label(phase), phase["phase"],
+                     f"{counts['measured']['frames']}/{counts['predicted']['frames']}", *figures))
+    return "compute per frame by phase (ms, p50; frames measured/predicted)\n" + format_rows(rows, left={2})
+
+
 def format_comparison(comparison: dict) -> str:
     """Per level and metric: measured, the runs' spread, predicted, error; then each metric's median spread (with
     several runs) and median absolute error."""
@@ -209,5 +260,7 @@ def format_comparison(comparison: dict) -> str:
                                                 for name, e in comparison["median_abs_error"].items()))
     if "frame_times" in comparison:
         lines.append("\n" + format_frame_times(comparison["frame_times"]))
+    if comparison.get("phase_frame_times"):
+        lines.append("\n" + format_phase_frame_times(comparison["phase_frame_times"]))
     return "\n".join(lines)
 
