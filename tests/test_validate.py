@@ -109,7 +109,8 @@ def _request(level, phase, arrival, finish):
 
 def test_frames_go_to_the_phase_they_were_sent_in_and_each_runs_phases_are_compared():
     """Two phases of one level and one of another, their requests overlapping within a phase; a frame sent between
-    phases belongs to none. Per phase of each run, a node's compute against the same phase simulated."""
+    phases belongs to none, one sent as a phase ends and the next begins (as simulated phases meet) to the next.
+    Per phase of each run, a node's compute against the same phase simulated."""
     requests = [_request(1, "warmup", 0.0, 1.0), _request(1, "warmup", 0.5, 1.5), _request(1, "measured", 2.0, 3.0),
                 _request(4, "warmup", 4.0, 5.0)]
     frames = [attrs.evolve(_frame(i, (0.0, 0.0, 0.001 * (i + 1)), done=0.0), sent=sent)
@@ -118,6 +119,10 @@ def test_frames_go_to_the_phase_they_were_sent_in_and_each_runs_phases_are_compa
     assert {key: [f.frame_id for f in group] for key, group in grouped.items()} == {
         (1, None, "warmup"): [0, 1], (1, None, "measured"): [3], (4, None, "warmup"): [4]}
     assert list(grouped) == [(1, None, "warmup"), (1, None, "measured"), (4, None, "warmup")]  # as they ran
+    meeting = [_request(None, "warmup", 0.0, 1.0) | {"rate": 2.0}, _request(None, "measured", 1.0, 2.0) | {"rate": 2.0}]
+    assert {key: [f.frame_id for f in group] for key, group in frames_by_phase(frames[:3], meeting).items()} == {
+        (None, 2.0, "warmup"): [0], (None, 2.0, "measured"): [1, 2]}
+    assert frames_by_phase([attrs.evolve(frames[0], sent=1.0)], meeting)[(None, 2.0, "measured")]  # sent at 1.0
     simulated = [attrs.evolve(_frame(9, (0.0, 0.0, 0.002), done=0.0), sent=sent) for sent in (0.2, 2.2)]
     phases = compare_phase_frame_times([(frames, {"requests": requests})] * 2, simulated,
                                        {"requests": requests[:3]}, ["a"])
@@ -219,7 +224,7 @@ def test_validate_writes_both_timelines_and_compares_each_node_per_frame(spec, c
                                                           for node in ("node0", "node1", "node2")]
     phases = lines[lines.index("compute per frame by phase (ms, p50; frames measured/predicted)") + 2:]
     assert [line.split()[:3] for line in phases[:-1]] == [["1", "1", "warmup"], ["1", "1", "measured"]]
-    assert sum(int(line.split()[3].split("/")[0]) for line in phases[:-1]) == frames  # every frame in a phase
+    assert [sum(int(line.split()[3].split("/")[side]) for line in phases[:-1]) for side in (0, 1)] == [frames] * 2
     assert phases[-1] == f"wrote the timelines to {traces}: run.json, simulate.json"
 
 

@@ -140,7 +140,7 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
               help="write both results and the errors here (after a failed run: the prediction and the runs so far)")
 @click.option("--trace-dir", type=click.Path(file_okay=False, writable=True),
               help="write both timelines here (simulate.json, run.json: Chrome trace JSON) and compare each node's "
-                   "compute time per frame")
+                   "time per frame, over the runs and phase by phase of each")
 @emulate_links_option
 @speculate_option
 @click.option("--acceptance", type=click.FloatRange(0, 1), help="with --speculate: the chance the simulator gives "

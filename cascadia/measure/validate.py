@@ -112,7 +112,8 @@ def compare_frame_times(measured: Sequence[FrameTiming], predicted: Sequence[Fra
 def frames_by_phase(frames: Sequence[FrameTiming], requests: Sequence[dict]) -> dict[tuple, list[FrameTiming]]:
     """A timeline's frames by the phase they were sent in, as (concurrency, rate, phase) in the order the phases ran:
     a phase spans its first request's arrival to its last one's finish (a backend's frames and requests share its
-    clock)."""
+    clock). Phases run one after another: a frame sent as one ends and the next begins is the next one's. A phase
+    none of whose requests finished (all rejected) has no span, and its frames none."""
     spans: dict[tuple, tuple[float, float]] = {}
     for r in requests:
         key = (r["level"], r["rate"], r["phase"])
@@ -154,7 +155,8 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
     """Simulate, then run `repeats` times, the spec's workload on `plan`; the results and their comparison. With
     `emulate_links` the runs go over links shaped to the spec's bandwidths, and so does the simulation. `timelines`:
     a dict that takes each backend's timeline, as (frames, metrics result, clock errors) by name ("simulate", "run";
-    "run-1".. with repeats); the comparison then holds each node's per-frame times (`compare_frame_times`).
+    "run-1".. with repeats); the comparison then holds each node's per-frame times (`compare_frame_times`), over
+    all the runs and phase by phase of each (`compare_phase_frame_times`).
     With speculation, the simulated drafts are accepted at `acceptance`, or (None) as the first run's were, request
     by request and step by step (`cascadia.sim.drafts`).
 
@@ -210,6 +212,11 @@ def _percent(value: float | None, sign: str = "") -> str:
     return "-" if value is None else f"{value:{sign}.1%}"
 
 
+def _p50_error(real: dict, model: dict) -> float | None:
+    """The predicted median's relative error against the measured one (figures of `compare_frame_times`)."""
+    return (model["p50"] - real["p50"]) / real["p50"] if real["p50"] and model["p50"] is not None else None
+
+
 def format_frame_times(frame_times: dict) -> str:
     """`compare_frame_times` as a table: per node, its compute and its link onward, ms per frame."""
     onward = [*list(frame_times)[1:], "coordinator"]
@@ -217,7 +224,7 @@ def format_frame_times(frame_times: dict) -> str:
     for i, (node, parts) in enumerate(frame_times.items()):
         for part, both in parts.items():
             real, model = both["measured"], both["predicted"]
-            error = (model["p50"] - real["p50"]) / real["p50"] if real["p50"] and model["p50"] is not None else None
+            error = _p50_error(real, model)
             what = "compute" if part == "compute" else f"link to {onward[i]}"
             rows.append((node if part == "compute" else "", what, f"{real['frames']}/{model['frames']}",
                          _shown(real["p50"], 1e3), _shown(real["p95"], 1e3), _shown(model["p50"], 1e3),
@@ -234,7 +241,7 @@ def format_phase_frame_times(phases: list[dict]) -> str:
         figures = []
         for node in nodes:
             real, model = (phase["frame_times"][node]["compute"][side] for side in ("measured", "predicted"))
-            error = (model["p50"] - real["p50"]) / real["p50"] if real["p50"] and model["p50"] is not None else None
+            error = _p50_error(real, model)
             figures += [_shown(real["p50"], 1e3), _shown(model["p50"], 1e3), _percent(error, "+")]
         counts = phase["frame_times"][nodes[0]]["compute"]
         rows.append((str(phase["run"]), level_label(phase), phase["phase"],
