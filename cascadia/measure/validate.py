@@ -65,6 +65,11 @@ def _spread(values: Sequence[float | None]) -> float | None:
     return (max(known) - min(known)) / middle if len(known) > 1 and middle else None
 
 
+def _error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured; None when either is missing or the measured one is zero."""
+    return (predicted - measured) / measured if measured and predicted is not None else None
+
+
 def compare(runs: Sequence[dict], predicted: dict) -> dict:
     """Per level and metric the measured value (the median over the runs that have one), the runs' spread, the
     predicted value and the relative error (None when either is missing or the measured one is zero); per metric
@@ -82,7 +87,7 @@ def compare(runs: Sequence[dict], predicted: dict) -> dict:
             values = [_value(by_level[load], keys) for by_level in run_levels]
             real, spread = _median(values), _spread(values)
             model = _value(predicted_levels[load], keys)
-            error = (model - real) / real if real and model is not None else None
+            error = _error(model, real)
             if error is not None:
                 errors[name].append(abs(error))
             if spread is not None:
@@ -212,11 +217,6 @@ def _percent(value: float | None, sign: str = "") -> str:
     return "-" if value is None else f"{value:{sign}.1%}"
 
 
-def _p50_error(real: dict, model: dict) -> float | None:
-    """The predicted median's relative error against the measured one (figures of `compare_frame_times`)."""
-    return (model["p50"] - real["p50"]) / real["p50"] if real["p50"] and model["p50"] is not None else None
-
-
 def format_frame_times(frame_times: dict) -> str:
     """`compare_frame_times` as a table: per node, its compute and its link onward, ms per frame."""
     onward = [*list(frame_times)[1:], "coordinator"]
@@ -224,7 +224,7 @@ def format_frame_times(frame_times: dict) -> str:
     for i, (node, parts) in enumerate(frame_times.items()):
         for part, both in parts.items():
             real, model = both["measured"], both["predicted"]
-            error = _p50_error(real, model)
+            error = _error(model["p50"], real["p50"])
             what = "compute" if part == "compute" else f"link to {onward[i]}"
             rows.append((node if part == "compute" else "", what, f"{real['frames']}/{model['frames']}",
                          _shown(real["p50"], 1e3), _shown(real["p95"], 1e3), _shown(model["p50"], 1e3),
@@ -241,7 +241,7 @@ def format_phase_frame_times(phases: list[dict]) -> str:
         figures = []
         for node in nodes:
             real, model = (phase["frame_times"][node]["compute"][side] for side in ("measured", "predicted"))
-            error = _p50_error(real, model)
+            error = _error(model["p50"], real["p50"])
             figures += [_shown(real["p50"], 1e3), _shown(model["p50"], 1e3), _percent(error, "+")]
         counts = phase["frame_times"][nodes[0]]["compute"]
         rows.append((str(phase["run"]), level_label(phase), phase["phase"],
