@@ -215,6 +215,11 @@ def level_label(level: dict) -> str:
     return f"{level['rate']:g}/s" if level.get("rate") is not None else str(level["concurrency"])
 
 
+def load_heading(levels: Iterable[dict]) -> str:
+    """The heading over `level_label`s: "streams" for concurrency levels, "load" once any is an arrival rate."""
+    return "load" if any(level.get("rate") is not None for level in levels) else "streams"
+
+
 def format_table(result_: dict) -> str:
     """The level summaries as an aligned plain-text table. Open-loop levels (arrival rates) add the p99 columns,
     rejected requests a column of their count, and a workload SLO a goodput column (the fraction of requests
@@ -224,7 +229,7 @@ def format_table(result_: dict) -> str:
     with_slo = any(level.get("goodput") for level in levels)
     with_rejected = any(level.get("rejected") for level in levels)
     speculated = any((level.get("speculation") or {}).get("proposed") for level in levels)
-    columns = [("streams" if not open_loop else "load", level_label), ("requests", lambda lv: str(lv["requests"])),
+    columns = [(load_heading(levels), level_label), ("requests", lambda lv: str(lv["requests"])),
                *([("rejected", lambda lv: str(lv["rejected"]))] if with_rejected else []),
                ("tokens", lambda lv: str(lv["output_tokens"])),
                ("decode tok/s", lambda lv: _rate(lv["decode_tokens_per_s"])),

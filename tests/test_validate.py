@@ -12,7 +12,7 @@ from sim_specs import calibration
 
 from cascadia.cli import cli
 from cascadia.measure.validate import (METRICS, SCHEMA, compare, compare_frame_times, compare_phase_frame_times,
-                                      format_comparison, frames_by_phase)
+                                      format_comparison, format_phase_frame_times, frames_by_phase)
 from cascadia.pipeline.run import RunFailed, RunResult
 from cascadia.trace import FrameTiming, StageTiming
 
@@ -82,6 +82,14 @@ def test_the_comparison_table():
     assert two[-2].startswith("median spread of the runs: decode tok/s 0.0%")
 
 
+def test_open_loop_levels_are_headed_load_not_streams():
+    def at_rate(result):
+        return {"levels": [lv | {"concurrency": None, "rate": 0.5 * (i + 1)} for i, lv in enumerate(result["levels"])]}
+    lines = format_comparison(compare([at_rate(MEASURED)], at_rate(PREDICTED))).splitlines()
+    assert lines[0].split() == ["load", "metric", "measured", "spread", "predicted", "error"]
+    assert lines[1].split() == ["0.5/s", "decode", "tok/s", "100.00", "-", "110.00", "+10.0%"]
+
+
 def _frame(i, *stages, done):
     return FrameTiming(i, 0, 1, 1, 0.0, tuple(StageTiming(*stage) for stage in stages), done)
 
@@ -137,6 +145,9 @@ def test_frames_go_to_the_phase_they_were_sent_in_and_each_runs_phases_are_compa
     assert table[1].split() == ["1", "1", "warmup", "2/1", "1.50", "2.00", "+33.3%"]
     assert table[3].split() == ["1", "4", "warmup", "1/0", "5.00", "-", "-"]
     assert len(table) == 7
+    at_rate = [p | {"concurrency": None, "rate": 2.0} for p in phases[:1]]
+    table = format_phase_frame_times(at_rate).splitlines()
+    assert table[1].split()[:4] == ["run", "load", "phase", "frames"] and table[2].split()[:3] == ["1", "2/s", "warmup"]
 
 
 # ---- against the real pipeline -----------------------------------------------------------------------------------

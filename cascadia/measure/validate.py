@@ -22,7 +22,7 @@ import numpy as np
 
 from cascadia.errors import NodeError
 from cascadia.graph.plan import Plan
-from cascadia.metrics import describe_level, level_label
+from cascadia.metrics import describe_level, level_label, load_heading
 from cascadia.pipeline.run import RunFailed, run
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.drafts import DEFAULT_ACCEPTANCE, acceptance_trace
@@ -235,7 +235,7 @@ def format_frame_times(frame_times: dict) -> str:
 def format_phase_frame_times(phases: list[dict]) -> str:
     """`compare_phase_frame_times` as a table: per run and phase, each node's compute per frame, p50 in ms."""
     nodes = list(phases[0]["frame_times"]) if phases else []
-    rows = [("run", "streams", "phase", "frames", *(f"{node} {what}" for node in nodes
+    rows = [("run", load_heading(phases), "phase", "frames", *(f"{node} {what}" for node in nodes
                                                   for what in ("measured", "predicted", "error")))]
     for phase in phases:
         figures = []
@@ -252,7 +252,7 @@ def format_phase_frame_times(phases: list[dict]) -> str:
 def format_comparison(comparison: dict) -> str:
     """Per level and metric: measured, the runs' spread, predicted, error; then each metric's median spread (with
     several runs) and median absolute error."""
-    rows = [("streams", "metric", "measured", "spread", "predicted", "error")]
+    rows = [(load_heading(comparison["levels"]), "metric", "measured", "spread", "predicted", "error")]
     for level in comparison["levels"]:
         for i, (name, (_, unit, scale)) in enumerate(METRICS.items()):
             m = level["metrics"][name]
