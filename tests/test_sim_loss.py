@@ -11,7 +11,7 @@ from cascadia.cli import cli
 from cascadia.metrics import Recorder
 from cascadia.policy import Policy, Request
 from cascadia.sim.calibration import CalibrationError
-from cascadia.sim.loss import Loss, Recovery, recovery
+from cascadia.sim.loss import Loss, Recovery, format_losses, recovery
 from cascadia.sim.model import PipelineModel
 from cascadia.spec.types import LinkSpec
 from cascadia.workload import ClosedLoop
@@ -95,6 +95,9 @@ def test_simulate_fail_shows_the_dip_and_what_the_loss_cost(tmp_path):
     assert lines[-3].split() == ["streams", "lost", "at", "s", "found", "after", "s", "back", "after", "s", "first",
                                  "token", "after", "s"]
     assert lines[-2].split()[:4] == ["1", "node1", "0.02", "0.10"]
+    at_rate = [loss | {"concurrency": None, "rate": 2.0} for loss in after["losses"]]
+    assert format_losses(at_rate).splitlines()[1].split()[:4] == ["2/s", "node1", "0.02", "0.10"]
+    assert format_losses(at_rate).split()[0] == "load"
 
 
 @pytest.mark.parametrize("args, message", [

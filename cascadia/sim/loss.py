@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 
 from cascadia.graph.plan import Stage
-from cascadia.metrics import level_label
+from cascadia.metrics import level_label, load_heading
 from cascadia.sim.calibration import Calibration, CalibrationError
 from cascadia.spec.types import Spec
 from cascadia.table import format_rows
@@ -52,7 +52,7 @@ def recovery(loss: Loss, spec: Spec, stages: tuple[Stage, ...], calibration: Cal
 
 def format_losses(losses: list[dict]) -> str:
     """What each level's loss cost, in seconds from the loss: found, the stage back, the first token after."""
-    rows = [("streams", "lost", "at s", "found after s", "back after s", "first token after s")]
+    rows = [(load_heading(losses), "lost", "at s", "found after s", "back after s", "first token after s")]
     for loss in losses:
         first = loss["first_token_s"]
         rows.append((level_label(loss), loss["node"], f"{loss['at_s']:g}", f"{loss['detected_s']:.2f}",
