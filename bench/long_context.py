@@ -34,7 +34,9 @@ further stream's keys and values at the table's per-position slope): a check of 
 alone column's.
 Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the measured N), their predictions at 64k
 and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
-TTFT 22 s at 1k, 110 min at 64k). Not a test: it prints tables.
+TTFT 22 s at 1k, 110 min at 64k); last, issue 15's decode target: decode at the longest context minus at the
+shortest, against twice the time to read the longest's K/V at the run's streaming read. Not a test: it prints
+tables.
 
     python bench/long_context.py [--quick] [--contexts 1024,4096,16384,65536] [--ttft-max 16384] [--kv-block 256]
                                  [--attention-only] [--streams 1,2,4,8 --calibration CAL]
@@ -474,6 +476,13 @@ def main() -> None:
     first, last = min(decode), max(decode)
     print(f"\ndecode at {last:,} / at {first:,}: {decode[last] / decode[first]:.2f}x "
           f"(paper, 64k / 4k: {PAPER_DECODE_MS[65536] / PAPER_DECODE_MS[4096]:.1f}x)")
+    if last > first:
+        bound = 2 * 1e3 * kv_bytes_read(engine, last) / bandwidth
+        growth_ms = decode[last] - decode[first]
+        verdict = "met" if growth_ms <= bound else f"not met: {growth_ms / bound:.2f}x the bound"
+        print(f"issue 15's target: decode at {last:,} minus at {first:,} = {growth_ms:.1f} ms, at most twice the time "
+              f"to read its {kv_bytes_read(engine, last) / 2**20:.1f} MiB of K/V at {bandwidth / 1e9:.1f} GB/s = "
+              f"{bound:.1f} ms: {verdict}")
 
 
 if __name__ == "__main__":
