@@ -2,8 +2,8 @@
 
 Scenario: specs/mid's model (hidden 1024; 8 layers, three sliding (window 128) to one global, twice; K/V heads 4 of
 64 dims; bias extent 256, log-scaling from position 64) in specs/mid-pinned.yaml's formats and precisions (experts
-int4 g32, the rest int8; bf16 compute and bf16 K/V, f32 on a CPU without bf16), one process on every core this
-process may use, one stream. Its random checkpoint (bf16) is written once to CHECKPOINT.
+int4 g32, the rest int8; bf16 compute, f32 on a CPU without bf16; bf16 K/V, or --kv-precision's), one process on
+every core this process may use, one stream. Its random checkpoint (bf16) is written once to CHECKPOINT.
   TTFT      seconds to prefill N prompt tokens (chunks of PREFILL_CHUNK rows) and take the first token's logits,
             N up to --ttft-max (default 16k; a 64k prefill takes long on a small machine)
   decode    ms per greedy decode step of the stream at context N: median of DECODE_STEPS steps after a warm-up.
@@ -31,7 +31,8 @@ at each N (their keys and values written straight into the stores, as beyond --t
 charges that frame (`StageCost` of the calibration's node: one stream's table at the frame's padded rows, and each
 further stream's keys and values at the table's per-position slope): a check of that charge on many long streams.
 --kv-block sets the engine's positions per K/V block (runtime.kv_block; default specs/mid-long.yaml's), and the
-alone column's.
+alone column's; --kv-precision how the engine and the alone column store K/V (runtime.kv_precision; default
+specs/mid-long.yaml's bf16; the runtime's own default and the paper spec's is f32).
 Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the measured N), their predictions at 64k
 and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
 TTFT 22 s at 1k, 110 min at 64k); last, issue 15's decode target: decode at the longest context minus at the
@@ -196,10 +197,10 @@ def timed_attend(shape: AttentionShape, rows: tuple[np.ndarray, ...], store: Pag
 
 
 def attention_alone_ms(layer: inkling.DecoderLayer, positions: int, threads: int, rng: np.random.Generator,
-                       block: int) -> float:
-    """ms of `layer`'s attention for one decode row at `positions` (keys and values random, in bf16, `block`
-    positions a block), on a pool of `threads` threads."""
-    store = random_store(layer.shape, positions, "bf16", rng, block)
+                       block: int, precision: str) -> float:
+    """ms of `layer`'s attention for one decode row at `positions` (keys and values random, stored in `precision`,
+    `block` positions a block), on a pool of `threads` threads."""
+    store = random_store(layer.shape, positions, precision, rng, block)
     return spans_ms(layer.shape, store, positions, decode_row(layer.shape, rng), threads)[0]
 
 
@@ -407,6 +408,8 @@ def main() -> None:
     parser.add_argument("--attention-only", action="store_true", help="one global layer's attention, no model")
     parser.add_argument("--kv-block", type=int, default=load_spec(LONG_SPEC).runtime.kv_block,
                         help="positions a K/V block (runtime.kv_block; default specs/mid-long.yaml's)")
+    parser.add_argument("--kv-precision", choices=("bf16", "f16", "f32"), default="bf16",
+                        help="how the engine stores K/V (runtime.kv_precision; default specs/mid-long.yaml's)")
     parser.add_argument("--streams", help="decode steps of these many streams against the simulator's frame cost")
     parser.add_argument("--calibration", type=Path, help="with --streams: a calibration of specs/mid-long.yaml")
     args = parser.parse_args()
@@ -426,14 +429,14 @@ def main() -> None:
     budget = contexts[-1] + DECODE_STEPS + 2
     config = long_config(args.quick)
     checkpoint = Checkpoint.open(random_checkpoint(config, CHECKPOINT, args.quick, SEED))
-    runtime = RuntimeSpec(precision="bf16", kv_precision="bf16", max_streams=1, context_budget=budget,
+    runtime = RuntimeSpec(precision="bf16", kv_precision=args.kv_precision, max_streams=1, context_budget=budget,
                           row_buckets=ROW_BUCKETS, kv_block=args.kv_block)
     engine = Engine(checkpoint, runtime, formats=FORMATS)
     clock, rng = AttentionClock(), np.random.default_rng(SEED)
     bandwidth = memory_bandwidth(np.ones(2**27, np.int64))
     cores = len(os.sched_getaffinity(0))
-    print(f"CPU: {cpu_name()}, {cores} cores; compute {engine.stage.precision}; streaming read "
-          f"{bandwidth / 1e9:.1f} GB/s\n")
+    print(f"CPU: {cpu_name()}, {cores} cores; compute {engine.stage.precision}, {args.kv_precision} K/V; "
+          f"streaming read {bandwidth / 1e9:.1f} GB/s\n")
 
     rows, ttft, decode = [], {}, {}
     for n in contexts:
@@ -449,7 +452,8 @@ def main() -> None:
         decode[n], attention_ms = decode_ms(engine, clock, 0, token)
         fraction = kv_bytes_read(engine, n) / (attention_ms / 1e3) / bandwidth
         global_layer = next(layer for layer in engine.stage.layers if layer.shape.window is None)
-        alone = [attention_alone_ms(global_layer, n, threads, rng, args.kv_block) for threads in sorted(pool_of)]
+        alone = [attention_alone_ms(global_layer, n, threads, rng, args.kv_block, args.kv_precision)
+                 for threads in sorted(pool_of)]
         read_ms = 1e3 * n * 2 * global_layer.shape.kv_heads * global_layer.shape.head_dim * 2 / bandwidth
         rows.append((f"{n:,}", f"{ttft[n]:.1f}" if n in ttft else "-", f"{decode[n]:.1f}", f"{attention_ms:.1f}",
                      f"{kv_bytes_read(engine, n) / 2**20:.1f}", f"{100 * fraction:.0f}%",
