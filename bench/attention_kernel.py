@@ -32,7 +32,7 @@ import statistics
 import time
 
 import numpy as np
-from engine import memory_bandwidth
+from engine import memory_bandwidth, wall_seconds
 
 from cascadia.engine import paged_kernel
 from cascadia.host_cpus import describe, identity
@@ -76,14 +76,8 @@ def gemm_flops() -> float:
     two GEMM_SIZE-square f32 matrices that stay in the caches, best of 5 rounds of 10."""
     a, b = np.random.default_rng(1).standard_normal((2, GEMM_SIZE, GEMM_SIZE), dtype=np.float32)
     a @ b
-    best = min(_timed(lambda: [a @ b for _ in range(10)]) for _ in range(5)) / 10
+    best = min(wall_seconds(lambda: [a @ b for _ in range(10)]) for _ in range(5)) / 10
     return 2 * GEMM_SIZE**3 / best
-
-
-def _timed(work) -> float:
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
 
 
 def main() -> None:

@@ -99,7 +99,7 @@ def memory_bandwidth(data: np.ndarray, every_core: bool = True) -> float:
     chunks = np.array_split(data, cores)
     with ThreadPoolExecutor(cores) as pool:
         readers = (lambda: data.sum(), lambda: list(pool.map(np.sum, chunks)))[:2 if every_core else 1]
-        best = min(_seconds(read) for read in readers for _ in range(3))
+        best = min(wall_seconds(read) for read in readers for _ in range(3))
     return data.nbytes / best
 
 
@@ -142,7 +142,7 @@ class EngineDecoder:
     def decode_seconds(self, streams: int) -> float:
         """Prefill `streams` fresh streams, then time DECODE_STEPS greedy steps of all of them together."""
         tokens = self._prefill(streams)
-        return _seconds(lambda: self._decode(tokens))
+        return wall_seconds(lambda: self._decode(tokens))
 
     def blocks_alone_seconds(self, streams: int) -> float:
         """The compiled blocks of DECODE_STEPS decode steps of `streams` streams, replayed back to back with the
@@ -165,7 +165,7 @@ class EngineDecoder:
         finally:
             for cls, run in runs.items():
                 cls.__call__ = run
-        return _seconds(lambda: [block(*inputs, **options) for block, inputs, options in calls])
+        return wall_seconds(lambda: [block(*inputs, **options) for block, inputs, options in calls])
 
     def _prefill(self, streams: int) -> np.ndarray:
         """Fresh streams in slots 0.. with their prompts; their first tokens."""
@@ -263,7 +263,7 @@ class BlockComparison:
         inputs = [self.inputs(rows, seed) for seed in range(BLOCK_CALLS)]
 
         def per_call(call) -> float:
-            return _seconds(lambda: [call(x) for x in inputs]) / BLOCK_CALLS
+            return wall_seconds(lambda: [call(x) for x in inputs]) / BLOCK_CALLS
 
         return {"fused": per_call(lambda x: self.moe_layer.mlp(*x)),
                 "grouped": per_call(lambda x: self.moe_layer.grouped(*x)),
@@ -273,7 +273,8 @@ class BlockComparison:
                 "attention input": per_call(lambda x: self.moe_layer.qkvr(x[0]))}
 
 
-def _seconds(fn) -> float:
+def wall_seconds(fn) -> float:
+    """Wall seconds `fn()` takes."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
