@@ -215,9 +215,14 @@ def level_label(level: dict) -> str:
     return f"{level['rate']:g}/s" if level.get("rate") is not None else str(level["concurrency"])
 
 
+def has_rates(levels: Iterable[dict]) -> bool:
+    """Whether any of the level summaries is open-loop (an arrival rate, not a concurrency)."""
+    return any(level.get("rate") is not None for level in levels)
+
+
 def load_heading(levels: Iterable[dict]) -> str:
     """The heading over `level_label`s: "streams" for concurrency levels, "load" once any is an arrival rate."""
-    return "load" if any(level.get("rate") is not None for level in levels) else "streams"
+    return "load" if has_rates(levels) else "streams"
 
 
 def format_table(result_: dict) -> str:
@@ -225,7 +230,7 @@ def format_table(result_: dict) -> str:
     rejected requests a column of their count, and a workload SLO a goodput column (the fraction of requests
     meeting it, rejected ones counted as missing it)."""
     levels = result_["levels"]
-    open_loop = any(level.get("rate") is not None for level in levels)
+    open_loop = has_rates(levels)
     with_slo = any(level.get("goodput") for level in levels)
     with_rejected = any(level.get("rejected") for level in levels)
     speculated = any((level.get("speculation") or {}).get("proposed") for level in levels)
