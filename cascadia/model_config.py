@@ -52,15 +52,45 @@ MAX_LAYERS = 10_000
 MAX_CONFIG_FILE_BYTES = 1024**2
 
 
+# The models Cascadia runs, by the `model_type` their config names (transformers picks a config's class by it) and
+# by the classes its `architectures` lists: Inkling's multimodal checkpoint and its text model.
+MODEL_TYPES = ("inkling", "inkling_text")
+ARCHITECTURES = ("InklingForConditionalGeneration", "InklingForCausalLM")
+
+
 class ConfigError(CascadiaError):
     """A model configuration that cannot describe a valid Inkling text model."""
 
+    exit_status = 2  # as a spec's problems: the input is at fault, not the machine
 
-def text_fields(raw: Any) -> dict[str, Any]:
+
+class UnsupportedModel(ConfigError):
+    """A config of a model Cascadia does not run (another family), refused before any of its fields is read."""
+
+
+def check_model_type(raw: dict[str, Any], required: bool) -> None:
+    """Refuse a config whose `model_type` or `architectures` names a model Cascadia does not run; with `required`
+    (a config.json, as transformers requires), one that names neither. Checked before any field is read, so that
+    another family's config is never read as Inkling's defaults."""
+    supported = f"(supported: {', '.join(MODEL_TYPES)})"
+    model_type, architectures = raw.get("model_type"), raw.get("architectures")
+    if model_type is not None and model_type not in MODEL_TYPES:
+        raise UnsupportedModel(f"model_type {shown(model_type)} is not supported {supported}")
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and any(name in ARCHITECTURES for name in architectures)):
+        raise UnsupportedModel(f"architectures {shown(architectures)} names no supported model "
+                               f"(supported: {', '.join(ARCHITECTURES)})")
+    if required and model_type is None and architectures is None:
+        raise UnsupportedModel(f"model_type missing (a config.json names its model's type; {supported[1:]}")
+
+
+def text_fields(raw: Any, model_type_required: bool = False) -> dict[str, Any]:
     """The text model's keys of a transformers config: its `text_config` (a multimodal config) or its top level,
-    with `mtp_config`'s layer count as `num_mtp_layers` unless the text config sets that (as transformers does)."""
+    with `mtp_config`'s layer count as `num_mtp_layers` unless the text config sets that (as transformers does).
+    Refuses a config of another model first (`check_model_type`)."""
     if not isinstance(raw, dict):
         raise ConfigError("expected a JSON object")
+    check_model_type(raw, model_type_required)
     for key in ("text_config", "mtp_config"):
         if raw.get(key) is not None and not isinstance(raw[key], dict):
             raise ConfigError(f"{key}: expected a JSON object")
@@ -77,9 +107,11 @@ def read_text_fields(path: str | Path) -> tuple[dict[str, Any], Path]:
     if path.is_dir():
         path = path / "config.json"
     try:
-        return text_fields(read_json(path, MAX_CONFIG_FILE_BYTES, "a model config")), path
-    except (ConfigError, UnreadableFile) as e:
+        return text_fields(read_json(path, MAX_CONFIG_FILE_BYTES, "a model config"), model_type_required=True), path
+    except UnreadableFile as e:
         raise ConfigError(f"{path}: {e}") from None
+    except ConfigError as e:
+        raise type(e)(f"{path}: {e}") from None
 
 
 @attrs.frozen(kw_only=True)
@@ -164,7 +196,7 @@ class InklingConfig:
         try:
             return cls.from_hf_dict(fields)
         except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+            raise type(e)(f"{path}: {e}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A `config.json` body that transformers' `InklingTextConfig` reads back to the same model."""

@@ -3,6 +3,7 @@ as a bug, with the way to see its traceback."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,21 @@ def test_debug_lets_the_traceback_through(monkeypatch, how):
 def test_a_real_spec_still_plans():
     assert real_load_spec(TINY).model.name == "tiny"
     assert CliRunner().invoke(cli, ["plan", TINY]).exit_code == 0
+
+
+@pytest.mark.parametrize("command", [["score", "{ckpt}", "--ids", "{ids}", "--out", "{out}"],
+                                     ["generate", "{ckpt}", "--ids", "1,2"], ["init-model", "{ckpt}", "{out}"]])
+def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path, command):
+    """A Llama checkpoint is not read as Inkling (it used to fail on a missing `embed_norm` tensor)."""
+    ckpt = tmp_path / "llama"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                  "hidden_size": 64, "num_hidden_layers": 2}))
+    (ckpt / "model.safetensors").write_bytes(b"")
+    (tmp_path / "ids.json").write_text("[1, 2, 3]")
+    paths = {"ckpt": ckpt, "ids": tmp_path / "ids.json", "out": tmp_path / "out"}
+    result = CliRunner().invoke(cli, [part.format(**paths) for part in command])
+    assert result.exit_code == 2
+    assert result.output == (f"Error: {ckpt}/config.json: model_type 'llama' is not supported "
+                             "(supported: inkling, inkling_text)\n")
+    assert not (tmp_path / "out").exists()

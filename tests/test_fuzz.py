@@ -30,7 +30,7 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import StageEngine
 from cascadia.errors import CheckpointError, RequestError, SpecError
 from cascadia.graph.planner import plan as make_plan
-from cascadia.model_config import FIELD_TYPES, ConfigError, InklingConfig
+from cascadia.model_config import FIELD_TYPES, ConfigError, InklingConfig, UnsupportedModel
 from cascadia.pipeline.node import ForeignFrame
 from cascadia.pipeline.stage import EngineStage, RowSampler
 from cascadia.pipeline.wire import (DEFAULT_MAX_MESSAGE_BYTES, Decoder, Frame, Hello, Progress, Ready, Received,
@@ -147,7 +147,8 @@ TINY_FIELDS = json.loads(TINY_CONFIG.read_text())
 
 
 @FUZZ
-@given(changes=st.dictionaries(st.sampled_from(sorted(FIELD_TYPES) + ["text_config", "mtp_config"]), JUNK,
+@given(changes=st.dictionaries(st.sampled_from(sorted(FIELD_TYPES) + ["text_config", "mtp_config", "model_type",
+                                                                      "architectures"]), JUNK,
                                min_size=1, max_size=4), raw=st.binary(max_size=30), as_raw=st.booleans())
 def test_config_files_give_configs_or_config_errors_only(tmp_path_factory, changes, raw, as_raw):
     folder = tmp_path_factory.mktemp("config", numbered=True)
@@ -165,7 +166,7 @@ def test_config_files_give_configs_or_config_errors_only(tmp_path_factory, chang
                     assert type(value) is float and np.isfinite(value), field.name
                 elif field.type in ("int", "bool", "str"):
                     assert type(value).__name__ == field.type, field.name
-        with pytest.raises(CheckpointError):  # no weights: refused, whatever the config says
+        with pytest.raises((CheckpointError, UnsupportedModel)):  # no weights: refused, whatever the config says
             Checkpoint.open(folder)
 
 

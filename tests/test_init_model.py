@@ -173,7 +173,7 @@ def test_cli_errors_are_messages(tmp_path):
     runner = CliRunner()
     (tmp_path / "bad.json").write_text("{")
     result = runner.invoke(cli, ["init-model", str(tmp_path / "bad.json"), str(tmp_path / "out")])
-    assert result.exit_code == 1 and "bad.json: not valid JSON" in result.output
+    assert result.exit_code == 2 and "bad.json: not valid JSON" in result.output
     assert isinstance(result.exception, SystemExit)  # a message, not a traceback
     result = runner.invoke(cli, ["init-model", str(tmp_path / "bad.json"), str(tmp_path / "out"), "--dtype", "f8"])
     assert result.exit_code == 2 and "'f8' is not one of" in result.output

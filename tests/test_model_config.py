@@ -5,7 +5,7 @@ import pytest
 
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.errors import CheckpointError
-from cascadia.model_config import ConfigError, InklingConfig
+from cascadia.model_config import ConfigError, InklingConfig, UnsupportedModel
 
 
 def test_defaults_follow_transformers_layer_pattern():
@@ -57,7 +57,7 @@ def test_invalid_configs_name_the_field(raw, needle):
     (None, "is a folder, not a file"),
     (b"\xff{}", "not UTF-8 text"),
     (b"[" * 100_000, "not valid JSON"),
-    (b'{"mtp_config": 1}', "mtp_config: expected a JSON object"),
+    (b'{"model_type": "inkling", "mtp_config": 1}', "mtp_config: expected a JSON object"),
 ], ids=["folder", "not utf-8", "nested too deeply", "mtp_config not an object"])
 def test_unreadable_config_files_name_the_file(tmp_path, content, problem):
     path = tmp_path / "config.json"
@@ -94,7 +94,7 @@ WRONG_FIELDS = [
 
 @pytest.mark.parametrize("field, problem", WRONG_FIELDS, ids=[next(iter(f)) for f, _ in WRONG_FIELDS])
 def test_every_field_of_a_config_file_is_checked_naming_file_and_key(tmp_path, field, problem):
-    (tmp_path / "config.json").write_text(json.dumps(field))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "inkling_text"} | field))
     with pytest.raises(ConfigError, match=f"^{tmp_path}/config.json: {problem}$"):
         InklingConfig.from_file(tmp_path)
     with pytest.raises(CheckpointError, match=f"^{tmp_path}/config.json: {problem}$"):
@@ -119,3 +119,40 @@ def test_a_config_file_over_the_size_limit_is_refused_unread(tmp_path):
         f.truncate(64 * 1024**3)  # sparse: 64 GiB that would fill memory if read
     with pytest.raises(ConfigError, match=r"config.json: 64 GiB: holds more than the 1 MiB a model config may hold"):
         InklingConfig.from_file(tmp_path)
+
+
+# ---- which model a config describes --------------------------------------------------------------------------------
+OTHER_MODELS = [
+    ({"model_type": "gpt2", "n_layer": 12, "n_embd": 768}, "model_type 'gpt2' is not supported "
+                                                            r"\(supported: inkling, inkling_text\)"),
+    ({"model_type": "llama", "hidden_size": "junk"}, "model_type 'llama' is not supported"),  # before any field
+    ({"architectures": ["LlamaForCausalLM"]}, r"architectures \['LlamaForCausalLM'\] names no supported model"),
+    ({"model_type": "inkling_text", "architectures": "InklingForCausalLM"}, "architectures 'InklingForCausalLM'"),
+    ({"model_type": "llava", "text_config": {"model_type": "inkling_text"}}, "model_type 'llava' is not supported"),
+    ({"hidden_size": 64}, r"model_type missing \(a config.json names its model's type; supported: inkling"),
+]
+
+
+@pytest.mark.parametrize("raw, problem", OTHER_MODELS, ids=["gpt2", "llama with junk", "architectures only",
+                                                            "architectures not a list", "multimodal", "unnamed"])
+def test_a_config_of_another_model_is_refused_by_name_before_its_fields(tmp_path, raw, problem):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModel, match=f"^{tmp_path}/config.json: {problem}"):
+        InklingConfig.from_file(tmp_path)
+    with pytest.raises(UnsupportedModel, match=f"^{tmp_path}/config.json: {problem}"):
+        Checkpoint.open(tmp_path)  # not a fault of the checkpoint's files: no CheckpointError
+    assert UnsupportedModel.exit_status == 2
+
+
+@pytest.mark.parametrize("named", [{"model_type": "inkling_text"}, {"model_type": "inkling"},
+                                   {"architectures": ["InklingForCausalLM"]},
+                                   {"architectures": ["InklingForConditionalGeneration"]}])
+def test_inkling_is_known_by_its_model_type_or_architectures(tmp_path, named):
+    (tmp_path / "config.json").write_text(json.dumps(named | {"hidden_size": 64}))
+    assert InklingConfig.from_file(tmp_path).hidden_size == 64
+
+
+def test_a_config_dict_need_not_name_its_model_but_may_not_name_another():
+    assert InklingConfig.from_hf_dict({"hidden_size": 64}).hidden_size == 64  # a spec's inline config
+    with pytest.raises(UnsupportedModel, match="^model_type 'qwen3_moe' is not supported"):
+        InklingConfig.from_hf_dict({"model_type": "qwen3_moe", "hidden_size": 64})

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import textwrap
 import threading
 from pathlib import Path
@@ -175,7 +176,7 @@ def test_model_formats_config_and_overrides(tmp_path):
 def test_multimodal_hf_config_with_mtp(tmp_path):
     text = json.loads(TINY_CONFIG.read_text())
     del text["num_mtp_layers"]  # as in transformers, a text config's own value (even null) wins over mtp_config
-    write(tmp_path, "ckpt/config.json", json.dumps({"text_config": text, "mtp_config": {"num_nextn_predict_layers": 1},
+    write(tmp_path, "ckpt/config.json", json.dumps({"model_type": "inkling", "text_config": text, "mtp_config": {"num_nextn_predict_layers": 1},
                                                    "vision_config": {}}))
     spec = load_spec(write(tmp_path, "s.yaml", "model: {hf_config: ckpt}\n" + CLUSTER))
     assert spec.model.config.num_mtp_layers == 1 and spec.model.config.hidden_size == 64
@@ -315,7 +316,7 @@ def test_hf_config_problems_name_the_config_file_and_key(tmp_path, field, value,
 
 def test_hf_config_that_is_a_folder_or_not_an_object(tmp_path):
     (tmp_path / "ckpt" / "config.json").mkdir(parents=True)
-    write(tmp_path, "list.json", json.dumps({"text_config": [1]}))
+    write(tmp_path, "list.json", json.dumps({"model_type": "inkling", "text_config": [1]}))
     found = problems(write(tmp_path, "s.yaml", CLUSTER + "model: {hf_config: ckpt}\n"))
     assert found == [f"{tmp_path}/s.yaml:2: model.hf_config: {tmp_path}/ckpt/config.json: is a folder, not a file"]
     found = problems(write(tmp_path, "s.yaml", CLUSTER + "model: {hf_config: list.json}\n"))
@@ -516,6 +517,51 @@ def test_cli_from_hf_writes_a_spec_that_validates(tmp_path):
     assert len(spec.cluster.nodes) == 3 and spec.cluster.nodes[0].memory_bytes == 16 * 2**30
     assert spec.cluster.default_link.bandwidth == 1.25e9
     assert spec.model.formats == PAPER_FORMATS
+
+
+@pytest.mark.parametrize("output", ["spec.yaml", "-"])
+def test_cli_from_hf_of_another_model_writes_nothing(tmp_path, output):
+    write(tmp_path, "gpt2/config.json", json.dumps({"model_type": "gpt2", "n_layer": 12, "n_embd": 768}))
+    result = CliRunner().invoke(cli, ["spec", "from-hf", str(tmp_path / "gpt2"), "--nodes", "2", "--memory", "64GiB",
+                                      "-o", output if output == "-" else str(tmp_path / output)])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (f"Error: {tmp_path}/gpt2/config.json: model_type 'gpt2' is not supported "
+                             "(supported: inkling, inkling_text)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
+
+
+@pytest.mark.parametrize("output", ["spec.yaml", "-"])
+def test_cli_from_hf_validates_before_it_writes(tmp_path, output, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["spec", "from-hf", str(SPECS / "tiny"), "--nodes", "2", "--memory", "64B",
+                                      "-o", output])
+    assert result.exit_code == 2 and result.stdout == ""
+    shown_as = "<stdout>" if output == "-" else output
+    assert result.stderr.splitlines() == [
+        f"Error: the spec for {SPECS / 'tiny'} is not valid; nothing was written:",
+        f"{shown_as}:15: cluster.nodes[0].memory: 64 B leaves nothing beyond the reserve of 2 GiB"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_spec_of_another_model_is_refused_at_its_line(tmp_path):
+    write(tmp_path, "llama.json", json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    assert problems(write(tmp_path, "s.yaml", CLUSTER + "model: {hf_config: llama.json}\n")) == [
+        f"{tmp_path}/s.yaml:2: model.hf_config: {tmp_path}/llama.json: model_type 'llama' is not supported "
+        "(supported: inkling, inkling_text)"]
+    assert problems(write(tmp_path, "t.yaml", CLUSTER + "model:\n  config:\n    model_type: qwen3_moe\n")) == [
+        f"{tmp_path}/t.yaml:4: model.config.model_type: model_type 'qwen3_moe' is not supported "
+        "(supported: inkling, inkling_text)"]
+
+
+def test_the_paper_specs_figures_are_the_plans():
+    """The comment of specs/inkling-975b-11pc.yaml quotes `cascadia plan`'s positions: they must be what it shows."""
+    text = (SPECS / "inkling-975b-11pc.yaml").read_text()
+    quoted = re.search(r"shows it: ([\d,]+) positions for one stream, ([\d,]+) for each of (\d+)\)", text)
+    assert quoted is not None
+    stages = plan(load_spec(SPECS / "inkling-975b-11pc.yaml")).stages
+    one, each, streams = (int(group.replace(",", "")) for group in quoted.groups())
+    assert (one, each) == (min(s.positions_one_stream for s in stages), min(s.max_positions_per_stream for s in stages))
+    assert streams == load_spec(SPECS / "inkling-975b-11pc.yaml").runtime.max_streams
 
 
 def test_spec_from_hf_names_nearby_configs_relatively(tmp_path):

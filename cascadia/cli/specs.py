@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from cascadia.cli.common import OutputPath, Quantity, chosen_plan, report_to, writing
+from cascadia.errors import SpecError
 from cascadia.spec.load import load_spec
 from cascadia.units import format_bytes
 
@@ -104,13 +105,19 @@ def spec_from_hf(config: str, nodes: int, memory: int, bandwidth: float, latency
     from cascadia.spec.dump import summarize
     from cascadia.spec.types import LinkSpec
 
-    body = make_spec(config, os.path.dirname(os.path.abspath(output)), nodes, memory, LinkSpec(bandwidth, latency))
+    where = "<stdout>" if output == "-" else output  # a spec on standard output reads paths from this folder
+    body = make_spec(config, os.path.dirname(os.path.abspath(where)), nodes, memory, LinkSpec(bandwidth, latency))
     header = (f"# Written by `cascadia spec from-hf {config}`: a start. Check the weight formats, add\n"
               "# memory_bandwidth and compute per node for analytic estimates, and shape the workload.\n")
+    text = header + yaml.safe_dump(body, sort_keys=False, width=120, default_flow_style=None)
+    try:
+        written = load_spec(where, text=text)  # validated before it is written: nothing is written on failure
+    except SpecError as e:
+        raise SpecError([f"the spec for {config} is not valid; nothing was written:", *e.problems]) from None
     with writing(output) as f:
-        f.write(header + yaml.safe_dump(body, sort_keys=False, width=120, default_flow_style=None))
+        f.write(text)
     if output != "-":
-        click.echo(f"wrote {output}: {summarize(load_spec(output))}")
+        click.echo(f"wrote {output}: {summarize(written)}")
 
 
 @click.group()

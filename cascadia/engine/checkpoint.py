@@ -22,7 +22,7 @@ import numpy as np
 from cascadia.engine.quantize import bf16_to_f32
 from cascadia.errors import CheckpointError, shown
 from cascadia.files import UnreadableFile, read_json, regular_file_size
-from cascadia.model_config import ConfigError, InklingConfig
+from cascadia.model_config import ConfigError, InklingConfig, UnsupportedModel
 from cascadia.tensors import (MTP_PREFIX, all_tensors, canonical_name, embedding_tensors, head_tensors, layer_prefix,
                               layer_tensors)
 
@@ -135,6 +135,8 @@ class Checkpoint:
         path = Path(path)
         try:
             config = InklingConfig.from_file(path / "config.json")
+        except UnsupportedModel:
+            raise  # not a fault of the checkpoint: a model Cascadia does not run
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
         headers = {}

@@ -657,11 +657,12 @@ def _check_workload_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, wor
 
 
 # ---- entry points --------------------------------------------------------------------------------------------------
-def load_spec(path: str | Path) -> Spec:
-    """Read, merge includes, validate. Raises `SpecError` listing every problem; never anything else."""
+def load_spec(path: str | Path, text: str | None = None) -> Spec:
+    """Read, merge includes, validate. Raises `SpecError` listing every problem; never anything else. `text`: the
+    spec's contents, validated as if read from `path` (a spec checked before it is written there)."""
     path = Path(path)
     ctx = _Context()
-    root = read_document(path, ctx.problems)
+    root = read_document(path, ctx.problems, text=text)
     if root is None:
         raise SpecError(ctx.problems)
     fields = _Fields(ctx, root, "")

@@ -101,9 +101,9 @@ class _Composer:
         return out
 
 
-def _compose(path: Path, problems: list[Problem]) -> Node:
+def _compose(path: Path, problems: list[Problem], text: str | None = None) -> Node:
     try:
-        text = read_text(path, MAX_SPEC_FILE_BYTES, "a spec file")
+        text = read_text(path, MAX_SPEC_FILE_BYTES, "a spec file") if text is None else text
     except UnreadableFile as e:
         raise _Unreadable(str(e)) from None
     loader = None
@@ -136,10 +136,11 @@ def _merge(base: Node, over: Node) -> Node:
 
 
 def read_document(path: Path, problems: list[Problem], chain: tuple[str, ...] = (),
-                   cited_at: Node | None = None) -> Node | None:
-    """The file's mapping with its includes merged in; None (with a problem recorded) when it cannot be read."""
+                   cited_at: Node | None = None, text: str | None = None) -> Node | None:
+    """The file's mapping with its includes merged in; None (with a problem recorded) when it cannot be read.
+    `text`: the file's contents, read as if from `path` (a spec not yet written there)."""
     try:
-        root = _compose(path, problems)
+        root = _compose(path, problems, text)
     except _Unreadable as e:
         if cited_at is None:
             problems.append(Problem(path, e.line, "", str(e)))
