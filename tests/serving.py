@@ -66,3 +66,16 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds `text` (a run's node processes name its temporary folder)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace") and alive(int(cmdline.parent.name)):
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import zmq
 from click.testing import CliRunner
+from serving import processes_naming
 
 from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
@@ -544,22 +545,6 @@ def test_ctrl_c_shuts_every_node_down_and_keeps_what_finished(spec, plan, checkp
     assert [(r["phase"], r["output_tokens"]) for r in failed.value.result["requests"]] == [(WARMUP, 3)] * 2
     assert [o["finish_reason"] for o in failed.value.outputs] == ["length"] * 2
     assert failed.value.result["warnings"] == ["the run was interrupted"]
-
-
-def processes_naming(text: str) -> list[int]:
-    """Live processes whose command line holds `text` (a run's node processes name its temporary folder)."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if text in cmdline.read_bytes().decode(errors="replace") and not process_is_zombie(cmdline.parent):
-                pids.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return pids
-
-
-def process_is_zombie(proc: Path) -> bool:
-    return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_sigterm_stops_a_run_as_ctrl_c_does(checkpoint, tmp_path):

@@ -9,8 +9,9 @@ Each request's events (`policy.Event`: admitted, tokens, finished or rejected) g
 with, called on the service thread with the coordinator's clock; the callback must hand them on and return.
 
 The thread also starts the nodes (local ones) or waits for them (tcp ones), so the caller can answer "loading" in
-the meantime; `status` says where it stands. If the pipeline fails, every open request gets a `Failed` event and the
-service stops (`status().error` says why).
+the meantime; `status` says where it stands, and `start_error` what kept the pipeline from starting (a missing or
+corrupt checkpoint, a taken port), for the caller to stop on. If the pipeline fails, every open request gets a
+`Failed` event and the service stops (`status().error` says why).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class PipelineService:
         self._listeners: dict[int, OnEvent] = {}  # open requests, on the service thread only
         self._lock = threading.Lock()  # guards what `status` reads
         self._loading, self._error, self._ready = "starting", None, False
+        self._start_error: BaseException | None = None
         self._counts = (0, 0)  # streams running, requests waiting
         self._stopping = threading.Event()
         self._busy: dict[str, float] = {}
@@ -127,6 +129,12 @@ class PipelineService:
                           dict(self._busy), dict(self._frames_per_s), self._down, self._ready and self._accepting,
                           dict(self._failures), tuple(self._recoveries_s), self._standing_by)
 
+    @property
+    def start_error(self) -> BaseException | None:
+        """What kept the pipeline from starting (a `CascadiaError`, or a bug's exception), unless it was stopped."""
+        with self._lock:
+            return self._start_error
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop serving: open requests end with Failed("the server is shutting down"), the nodes are shut down."""
         self._stopping.set()
@@ -148,11 +156,11 @@ class PipelineService:
             pipeline = Pipeline.start(self.spec, self.plan, on_message=self._on_message, stop=self._stopping,
                                       with_spares=True, **self._start)
         except CascadiaError as e:
-            self._stop(f"the pipeline did not start: {e}")
+            self._start_failed(e, f"the pipeline did not start: {e}")
             return
         except Exception as e:  # a bug: still one line for the status, and the traceback in the log
             log.exception("the pipeline did not start")
-            self._stop(f"the pipeline did not start: {type(e).__name__}: {e}")
+            self._start_failed(e, f"the pipeline did not start: {type(e).__name__}: {e}")
             return
         with self._lock:
             self._ready, self._loading = True, ""
@@ -351,6 +359,12 @@ class PipelineService:
         log.info(text)
         with self._lock:
             self._loading = text
+
+    def _start_failed(self, error: BaseException, reason: str) -> None:
+        if not self._stopping.is_set():  # else stopped while starting, as asked: no error
+            with self._lock:
+                self._start_error = error
+        self._stop(reason)
 
     def _stop(self, reason: str) -> None:
         """The service has stopped: every open request fails with `reason`."""

@@ -1,5 +1,9 @@
 """`cascadia serve`: the pipeline service and the HTTP app under uvicorn, until SIGTERM or Ctrl-C.
 
+It listens on its HTTP address before any node starts, so that a taken port is one error and starts nothing; a
+pipeline that cannot start (a missing or corrupt checkpoint, a taken control port) stops the server with that
+pipeline's error, as `cascadia run` gives it. A node lost after the pipeline started is the failover's business.
+
 Shutting down, in order: new requests get 503 at once; the open ones may finish for up to `shutdown_timeout_s`;
 then those still open are cancelled (their streams end with finish reason "cancelled"); uvicorn closes the
 connections; the service shuts the nodes down (local node processes stop, and are killed if they do not), so no
@@ -10,13 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
 import uvicorn
 
+from cascadia.errors import NodeError
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.service import PipelineService
 from cascadia.serve.app import Server, ServeSettings, build_app
@@ -42,13 +50,28 @@ def serve(spec: Spec, plan: Plan, settings: ServeSettings, *, host: str = "127.0
             no_chat = f"{checkpoint}/{TOKENIZER_CONFIG_FILE} is missing"
     elif checkpoint is not None:
         no_chat = f"{checkpoint}/{TOKENIZER_FILE} is missing"
-    service = PipelineService(spec, plan, checkpoint=checkpoint, **pipeline)
-    server = Server(service, settings, tokenizer, chat, no_chat)
+    listener = _listen(host, port)
     try:
-        _Uvicorn(server, shutdown_timeout_s, uvicorn.Config(build_app(server), host=host, port=port, log_level="info",
-                                                           timeout_graceful_shutdown=5)).run()
+        service = PipelineService(spec, plan, checkpoint=checkpoint, **pipeline)
+        server = Server(service, settings, tokenizer, chat, no_chat)
+        try:
+            _Uvicorn(server, shutdown_timeout_s, uvicorn.Config(build_app(server), log_level="info",
+                                                               timeout_graceful_shutdown=5)).run([listener])
+        finally:
+            service.close()
     finally:
-        service.close()
+        listener.close()
+    if service.start_error is not None:
+        raise service.start_error
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The HTTP server's socket, bound and listening; a `NodeError` naming the address when it cannot be."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        reason = "address already in use" if e.errno == errno.EADDRINUSE else os.strerror(e.errno) if e.errno else e
+        raise NodeError(f"cannot listen on http://{host}:{port}: {reason}") from None
 
 
 class _Uvicorn(uvicorn.Server):
@@ -76,6 +99,10 @@ class _Uvicorn(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s): it also stops when the pipeline could not start, as nothing can be served."""
+        return self.cascadia.service.start_error is not None or await super().on_tick(counter)
 
     def handle_exit(self, sig, frame) -> None:
         if self.cascadia.draining or self._loop is None:
