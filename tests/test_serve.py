@@ -213,6 +213,19 @@ BAD = [
     ({"content": b"{" + b" " * 70000 + b"}"}, 413, "over the limit of 65536 bytes"),
     ({"content": iter([b"{", b" " * 70000, b"}"])}, 413, "over the limit of 65536 bytes"),  # chunked, no length
 ]
+# Lone UTF-16 surrogates, as json.dumps writes badly decoded text: in every text field, and in a key.
+SURROGATE = "messages.0.content: a lone UTF-16 surrogate (U+D800 at character 0) is not text"
+BAD += [({"content": json.dumps(body).encode()}, 400, message) for body, message in [
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, SURROGATE),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "ok \udfff"}]}]},
+     "messages.0.content.0.text: a lone UTF-16 surrogate (U+DFFF at character 3) is not text"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "a\udc80"}]}, "messages.0.name: a lone UTF-16"),
+    ({"messages": MESSAGES, "stop": ["fine", "\ud83d"]}, "stop.1: a lone UTF-16 surrogate (U+D83D at character 0)"),
+    ({"messages": MESSAGES, "stop": "\ud83d"}, "stop: a lone UTF-16 surrogate"),
+    ({"messages": MESSAGES, "model": "tiny\ud800"}, "model: a lone UTF-16 surrogate (U+D800 at character 4)"),
+    ({"messages": MESSAGES, "user": "\ud800"}, "user: a lone UTF-16 surrogate"),
+    ({"messages": MESSAGES, "\ud800": 1}, "a key of the body: a lone UTF-16 surrogate"),
+]]
 
 
 @pytest.mark.parametrize("request_kwargs, code, message", BAD)
@@ -223,6 +236,21 @@ def test_bad_requests_get_an_openai_error_and_a_4xx(server, request_kwargs, code
     assert response.status_code == code, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"]
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_400_counted_as_rejected(server):
+    def rejected() -> float:
+        families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text)
+        samples = next(f for f in families if f.name == "cascadia_requests_rejected").samples
+        return sum(s.value for s in samples if s.labels["reason"] == "invalid_request" and s.name.endswith("_total"))
+
+    before = rejected()
+    response = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"prompt": "caf\udce9"}).encode(),
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": "prompt: a lone UTF-16 surrogate (U+DCE9 at character 3) is not "
+                                        "text", "type": "invalid_request_error", "param": "prompt", "code": None}
+    assert rejected() == before + 1
 
 
 def test_the_context_length_error_has_its_openai_code(client):

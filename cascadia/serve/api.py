@@ -5,7 +5,9 @@ Supported: chat and text completions, streamed (server-sent events) or not; `max
 `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (up to 4 strings), `stream_options.include_usage`,
 `user`; and, as vLLM does, `ignore_eos` (keep going past the end-of-sequence token). A completion's prompt is text
 or a list of token ids. Refused with a clear message: `n` > 1, tools and functions, log-probabilities, penalties,
-response formats, `best_of`, `echo`, `suffix`.
+response formats, `best_of`, `echo`, `suffix`. Text anywhere in a request, keys included, must be Unicode that
+UTF-8 can carry: a lone UTF-16 surrogate (`"\\ud800"`, which JSON allows and badly decoded text produces) is
+refused, naming where it is, before any field is read.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4
 # Fields of the OpenAI API this server knows and refuses, with why (any other unknown field: "unknown parameter").
@@ -27,6 +30,29 @@ UNSUPPORTED = {
     "parallel_tool_calls": "tool calls are not supported", "modalities": "only text is supported",
     "audio": "only text is supported", "prediction": "predicted outputs are not supported",
 }
+
+
+def lone_surrogate(body: object) -> tuple[str | None, str] | None:
+    """The first text of a JSON body (a value, or a key) that holds a lone UTF-16 surrogate: the parameter it is
+    (None for a key) and a message naming where and which; None when there is none. No UTF-8 can carry a lone
+    surrogate: neither the tokenizer nor a reply could."""
+    pending = [(None, "", body)]  # a walk of its own, not recursion: a body may nest deeper than Python recurses
+    while pending:
+        param, where, value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return param, f"{where}: a lone UTF-16 surrogate (U+{ord(value[e.start]):04X} at character " \
+                              f"{e.start}) is not text"
+        elif isinstance(value, (dict, list)):
+            items = list(value.items() if isinstance(value, dict) else enumerate(value))
+            for key, item in reversed(items):  # in the body's order
+                inner = f"{param}.{key}" if param else str(key)
+                pending.append((inner, inner, item))
+                if isinstance(key, str):
+                    pending.append((None, f"a key of {param or 'the body'}", key))
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -49,6 +75,14 @@ class _Generation(BaseModel):
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     user: str | None = None
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, body):
+        if (found := lone_surrogate(body)) is not None:
+            param, message = found
+            raise PydanticCustomError("lone_surrogate", "{message}", {"message": message, "param": param})
+        return body
 
     @field_validator("stop")
     @classmethod

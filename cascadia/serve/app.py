@@ -384,6 +384,8 @@ def _validation_error(e: RequestValidationError) -> ApiError:
         return ApiError(400, f"{where[-1]}: {UNSUPPORTED[where[-1]]} by this server", "unsupported", param=param)
     if problem.get("type") == "extra_forbidden":
         return ApiError(400, f"unknown parameter {param!r}", "invalid_request", param=param)
+    if problem.get("type") == "lone_surrogate":
+        return ApiError(400, problem["msg"], "invalid_request", param=problem["ctx"]["param"])
     if problem.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON ({problem.get('msg')})", "invalid_request")
     if param == "n":
