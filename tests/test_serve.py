@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -332,3 +333,31 @@ def test_the_server_stops_on_sigterm_and_leaves_no_process(tmp_path, checkpoint,
     client.close()
     assert served.process.wait(60) == 0
     assert len(nodes) == 3 and not any(alive(pid) for pid in nodes)
+
+
+def test_a_second_signal_ends_open_streams_with_an_error_and_exits_1(tmp_path, checkpoint):
+    """Ctrl-C twice under load: every open stream ends with an error event, one line says so, exit status 1."""
+    served = Served(tmp_path, SPEC, checkpoint, "--stall-timeout", "600")
+    nodes = served.children()
+    opened = [stream_open(served.url, 55) for _ in range(3)]
+    streams = [response.iter_lines() for _, response in opened]
+    for lines in streams:
+        next(line for line in lines if line.startswith("data:"))
+    for pid in nodes:  # the pipeline stands still: no stream can finish before the second signal
+        os.kill(pid, signal.SIGSTOP)
+    served.process.send_signal(signal.SIGINT)
+    wait_for(lambda: httpx.get(f"{served.url}/health", timeout=10).status_code == 503)  # draining
+    served.process.send_signal(signal.SIGINT)
+    for lines in streams:
+        last = [line for line in lines if line.startswith("data:")][-1]
+        assert json.loads(last[5:])["error"]["message"] == "the server was stopped before the request finished"
+    for client, _ in opened:
+        client.close()
+    for pid in nodes:  # going on, they stop when told (else they are killed after SHUTDOWN_S)
+        os.kill(pid, signal.SIGCONT)
+    assert served.process.wait(60) == 1
+    log = served.log.read_text()
+    assert log.splitlines()[-1] == "Error: stopped at once by a second signal: 3 open requests ended with an error"
+    assert "Traceback" not in log
+    assert len(nodes) == 3 and not any(alive(pid) for pid in nodes)
+

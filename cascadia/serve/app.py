@@ -44,6 +44,7 @@ KEEP_ALIVE_S = 5  # an SSE comment line this often keeps a paused stream's conne
 RATE_WINDOW_S = 60  # tokens/s on the page: over this many seconds
 RETRY_AFTER_S = 1
 _WAKE = object()  # put in a request's event queue to end its wait
+_STOPPED = object()  # put there when the server stops at once: the request ends with an error
 
 
 @attrs.frozen
@@ -81,8 +82,11 @@ class Generation:
         self._first_token: float | None = None
 
     def on_event(self, event, t: float) -> None:
-        """From the service thread: hand the event to the request's loop."""
-        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        """From the service thread: hand the event to the request's loop (none once the server has stopped)."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server stopped, and no one waits for this request
+            pass
 
     async def pieces(self) -> AsyncIterator[str]:
         """Each generated token's text (maybe ""); at the end `finish_reason` is set, and `rest` holds the text held
@@ -91,6 +95,9 @@ class Generation:
             event = await self._events.get()
             if event is _WAKE:  # cancelled here: `finish_reason` is set
                 continue
+            if event is _STOPPED:
+                self._end("error")
+                raise ApiError(503, "the server was stopped before the request finished", "stopped", "server_error")
             if isinstance(event, Admitted):
                 self.admitted = True
                 self.server.waiting -= 1
@@ -116,6 +123,12 @@ class Generation:
             self.server.service.cancel(self.stream.id)
             self._end("cancelled")
             self._events.put_nowait(_WAKE)
+
+    def stop(self) -> None:
+        """The server stops at once: the request ends with a 503 error (a stream with an error event)."""
+        if self.finish_reason is None:
+            self.server.service.cancel(self.stream.id)
+            self._events.put_nowait(_STOPPED)
 
     def _on_token(self) -> None:
         now = time.perf_counter()

@@ -7,7 +7,9 @@ pipeline's error, as `cascadia run` gives it. A node lost after the pipeline sta
 Shutting down, in order: new requests get 503 at once; the open ones may finish for up to `shutdown_timeout_s`;
 then those still open are cancelled (their streams end with finish reason "cancelled"); uvicorn closes the
 connections; the service shuts the nodes down (local node processes stop, and are killed if they do not), so no
-process is left behind. A second signal skips the wait.
+process is left behind. A second signal skips the wait: the open requests end at once with an error (a stream with
+an error event), and the command then fails (exit status 1) saying how many; a third one stops without waiting for
+them to be told.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import uvicorn
 
-from cascadia.errors import NodeError
+from cascadia.errors import CascadiaError, NodeError
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.service import PipelineService
 from cascadia.serve.app import Server, ServeSettings, build_app
@@ -55,14 +57,18 @@ def serve(spec: Spec, plan: Plan, settings: ServeSettings, *, host: str = "127.0
         service = PipelineService(spec, plan, checkpoint=checkpoint, **pipeline)
         server = Server(service, settings, tokenizer, chat, no_chat)
         try:
-            _Uvicorn(server, shutdown_timeout_s, uvicorn.Config(build_app(server), log_level="info",
-                                                               timeout_graceful_shutdown=5)).run([listener])
+            uv = _Uvicorn(server, shutdown_timeout_s, uvicorn.Config(build_app(server), log_level="info",
+                                                                    timeout_graceful_shutdown=5))
+            uv.run([listener])
         finally:
             service.close()
     finally:
         listener.close()
     if service.start_error is not None:
         raise service.start_error
+    if uv.stopped_at_once is not None:
+        raise CascadiaError(f"stopped at once by a second signal: {uv.stopped_at_once} open requests ended with an "
+                            "error")
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -81,6 +87,7 @@ class _Uvicorn(uvicorn.Server):
         super().__init__(config)
         self.cascadia, self.shutdown_timeout_s = server, shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.stopped_at_once: int | None = None  # after a second signal: how many requests it ended
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -105,13 +112,23 @@ class _Uvicorn(uvicorn.Server):
         return self.cascadia.service.start_error is not None or await super().on_tick(counter)
 
     def handle_exit(self, sig, frame) -> None:
-        if self.cascadia.draining or self._loop is None:
-            self.should_exit = self.force_exit = True  # a second signal: at once
+        if self._loop is None or self.stopped_at_once is not None:  # not serving yet, or a third signal
+            self.should_exit = self.force_exit = True
+            return
+        if self.cascadia.draining:  # a second signal
+            self.stopped_at_once = len(self.cascadia.open)
+            self._loop.call_soon_threadsafe(self._stop_at_once)
             return
         self.cascadia.draining = True
         log.info("shutting down: %d open requests may finish for up to %g s", len(self.cascadia.open),
                  self.shutdown_timeout_s)
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    def _stop_at_once(self) -> None:
+        log.warning("stopping at once: %d open requests end with an error", len(self.cascadia.open))
+        for generation in list(self.cascadia.open.values()):
+            generation.stop()
+        self.should_exit = True  # uvicorn then lets the responses send their error (timeout_graceful_shutdown)
 
     async def _drain(self) -> None:
         deadline = self._loop.time() + self.shutdown_timeout_s
