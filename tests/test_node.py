@@ -82,6 +82,7 @@ class Coordinator:
         self.tokens = transport.bind(zmq.PULL, self.token_address, nodes[-1:])
         self.encoder = Encoder(COORDINATOR_SENDER)
         self.first: zmq.Socket | None = None
+        self.routes: dict[str, bytes] = {}  # each node's control connection, as the ROUTER knows it
 
     def settings(self, names: list[str], **extra) -> list[NodeSettings]:
         listens = [tcp_address("127.0.0.1", free_port()) for _ in names]
@@ -97,12 +98,15 @@ class Coordinator:
         self.first = self.transport.connect(zmq.PUSH, settings.listen, settings.name)
 
     def next_control(self) -> tuple[str, object]:
+        """The sender (with Curve keys the owner of its connection's key: its DEALER gives no name) and message."""
         assert self.control.poll(TIMEOUT_S * 1000), "no control message"
-        node, *frames = receive(self.control)
-        return node.bytes.decode(), decode(frames).message
+        route, *frames = receive(self.control)
+        node = self.transport.key_owner(frames[0]) or route.bytes.decode()
+        self.routes[node] = route.bytes
+        return node, decode(frames).message
 
     def tell(self, node: str, message) -> None:
-        send(self.control, [node.encode(), *self.encoder.encode(message)])
+        send(self.control, [self.routes.get(node, node.encode()), *self.encoder.encode(message)])
 
     def push(self, frame: Frame) -> None:
         send(self.first, self.encoder.encode(frame))
@@ -251,7 +255,7 @@ def test_a_key_of_the_folder_that_does_not_send_there_is_refused_and_logged(pipe
 def test_a_control_message_from_another_sender_is_rejected(pipeline):
     coordinator, _, tmp_path = pipeline
     rejected_before = coordinator.stats("b").rejected
-    send(coordinator.control, [b"b", *encode(Shutdown(), 5, FAR_AHEAD)])
+    send(coordinator.control, [coordinator.routes["b"], *encode(Shutdown(), 5, FAR_AHEAD)])
     assert coordinator.stats("b").rejected == rejected_before + 1  # b is still serving, and still hears us
     assert (f"b: rejected a message on its control socket: Shutdown from sender 5; only sender {COORDINATOR_SENDER} "
             "sends here") in (tmp_path / "b.log").read_text()

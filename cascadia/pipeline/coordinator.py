@@ -151,6 +151,7 @@ class Coordinator:
         self._last_heard: dict[str, float] = {}  # monotonic time of each starting node's last message
         self.node_cpus: dict[str, tuple[int, ...]] = {}  # the CPUs each node's process runs on, from its HELLO
         self._last_dropped: dict[str, str] = {}  # why each node's last dropped control message was dropped
+        self._routes: dict[str, bytes] = {}  # each node's control connection: the ROUTER's id of its latest
         self._on_message: Callable[[str, Message], None] = lambda node, message: None
         self._clock0 = time.perf_counter()
         self._last_ping = 0.0
@@ -338,7 +339,7 @@ class Coordinator:
     # ---- control channel --------------------------------------------------------------------------------------
     def _tell(self, node: str, message: Message) -> None:
         try:
-            send(self.control, [node.encode(), *self.encoder.encode(message)])
+            send(self.control, [self._routes.get(node, node.encode()), *self.encoder.encode(message)])
         except TransportError:
             raise NodeLost(node, "lost its control connection (the node stopped or its machine is unreachable)") \
                 from None
@@ -372,15 +373,24 @@ class Coordinator:
 
     def _control_message(self, message_frames: list) -> tuple[str, Message] | None:
         """The node that sent a control message, and the message; None after dropping it. A plan node's message in
-        another protocol version is no stray message: VersionMismatch is raised."""
+        another protocol version is no stray message: VersionMismatch is raised.
+
+        Without Curve keys a node is the name its connection gives; with them, the owner of the key its connection
+        was made with: our nodes give no name then (the ROUTER numbers their connections, from a zero byte, which no
+        chosen name may start with), so a connection that names itself is an impostor's, whatever name it takes."""
         identity, *frames = message_frames
-        node = identity.bytes.decode(errors="replace")
+        if self.transport.curve is None:
+            node = identity.bytes.decode(errors="replace")
+        else:
+            node = self.transport.key_owner(frames[0]) if frames else None
+            if not identity.bytes.startswith(b"\0"):
+                claimed = identity.bytes.decode(errors="replace")
+                self._drop("control socket", f"refused a connection naming itself {claimed!r} with {node}'s Curve key")
+                return None
         if node not in self.control_decoders:
             self._drop("control socket", f"from {node!r}, which is not a node of the plan")
             return None
-        if frames and not self.transport.sent_by(frames[0], node):
-            self._drop("control socket", f"from {node!r} over a connection made with another node's Curve key")
-            return None
+        self._routes[node] = identity.bytes
         try:
             return node, self.control_decoders[node].decode(frames).message
         except VersionMismatch:

@@ -5,8 +5,10 @@ is the coordinator's token socket); the coordinator binds a ROUTER for control a
 named after itself. The binding side is the Curve server, and a client must know the public key of the server it
 connects to. With keys, each bound socket accepts only the peers that send there, by their public keys in the key
 folder's `public/` directory: a node's input only the previous stage's node (the first's: the coordinator), the
-token socket only the last node, the control socket only the plan's nodes, each under its own name (`sent_by`).
-Anyone else's handshake is refused, whichever key of the folder it holds.
+token socket only the last node, the control socket only the members, each under its own name. Anyone else's
+handshake is refused, whichever key of the folder it holds. On the control socket (a ROUTER) a peer is known by the
+key it made its connection with (`key_owner`, from ZAP's User-Id), never by a name it gives itself: with keys the
+DEALERs give none, the ROUTER numbers their connections, and a connection that names itself is an impostor's.
 
 Without keys nothing is authenticated or encrypted: whoever reaches a port can read what passes and send what a
 peer would (see the README's security paragraph).
@@ -161,6 +163,7 @@ class Transport:
         self.context = zmq.Context()
         self._authenticator = None
         self._allowed: dict[str, _AllowedKeys] = {}  # by bound address: whose keys may connect there
+        self._key_owners: dict[str, str] = {}  # Z85 public key -> its name in the folder, as they are looked up
         if self.curve is not None:
             if not zmq.has("curve"):
                 raise TransportError("this libzmq was built without CurveZMQ; cannot use curve_keys")
@@ -188,7 +191,9 @@ class Transport:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(heartbeat_timeout_s * 1000))
         if socket_type == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown peer raises instead of vanishing
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a node started again takes its name over from its lost self
+            # Without keys a node started again takes its name over from its lost self (with keys a peer has no name
+            # of its own choosing: see the module's text).
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self._keypair is not None:
             sock.curve_publickey, sock.curve_secretkey = self._keypair
             sock.curve_server = True
@@ -210,16 +215,22 @@ class Transport:
         if address in self._allowed:
             self._allowed[address].keys = {self.curve.public_key(name) for name in senders}
 
-    def sent_by(self, frame: zmq.Frame, name: str) -> bool:
-        """Whether a message (`frame`, one of its parts) came over a connection made with `name`'s key: a ROUTER's
-        peer names itself, and a peer holding another key of the folder could take another's name. Without keys,
-        every message passes."""
+    def key_owner(self, frame: zmq.Frame) -> str | None:
+        """The name whose Curve key made the connection a message (`frame`, one of its parts) came over, from ZAP's
+        User-Id (the key in Z85); None without keys, or for a key under no name of the folder."""
         if self.curve is None:
-            return True
+            return None
         try:
-            return frame.get("User-Id") == self.curve.public_key(name).decode()
-        except (zmq.ZMQError, TransportError):  # no such property, or no key under that name
-            return False
+            key = frame.get("User-Id")
+        except zmq.ZMQError:  # no such property: not over a Curve connection
+            return None
+        if key not in self._key_owners:
+            for path in self.curve.public_dir.glob("*.key"):
+                try:
+                    self._key_owners[self.curve.public_key(path.stem).decode()] = path.stem
+                except TransportError:  # an unreadable key file names no one
+                    continue
+        return self._key_owners.get(key)
 
     def connect(self, socket_type: int, address: str, peer: str) -> zmq.Socket:
         """A socket connected to `address`, where `peer` (a name in the key folder) listens. Messages are queued
@@ -236,7 +247,7 @@ class Transport:
         sock.setsockopt(zmq.SNDTIMEO, round((send_timeout_s or self.send_timeout_s) * 1000))
         sock.setsockopt(zmq.HEARTBEAT_IVL, round(HEARTBEAT_S * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(HEARTBEAT_TIMEOUT_S * 1000))
-        if socket_type == zmq.DEALER:
+        if socket_type == zmq.DEALER and self._keypair is None:  # with keys the ROUTER knows us by our key
             sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
         if self._keypair is not None:
             sock.curve_publickey, sock.curve_secretkey = self._keypair
