@@ -141,16 +141,51 @@ def test_a_node_killed_at_a_random_moment_costs_no_request_and_no_token(tmp_path
             assert not alive(pid)
             if sum(losses.values()) == 1:
                 assert stage_nodes(served.url)[stage] == "spare0"
-            deadline = time.monotonic() + WAIT_S
-            while standing_by(served.url) != [victim]:
-                assert time.monotonic() < deadline, served.log.read_text()[-2000:]
-                time.sleep(0.2)
+            wait_until(lambda: standing_by(served.url) == [victim], served)
             assert len(served.children()) == 4
         print(f"recoveries: {metric(served.url, 'cascadia_recovery_seconds')}")
     finally:
         nodes = served.children()
         assert served.stop() == 0
         assert not any(alive(pid) for pid in nodes), "node processes left behind"
+
+
+def test_a_spare_killed_while_standing_by_is_started_again_and_takes_the_next_loss(tmp_path, spec, checkpoint,
+                                                                                  expected):
+    """A node standing by is supervised as a stage's node is: killed, it is reaped, logged, counted (fewer standing
+    by meanwhile) and started again to stand by; the next loss then goes to it."""
+    spare = attrs.evolve(spec.cluster.nodes[0], name="spare0")
+    with_spare = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, spares=(spare,)))
+    served = Served(tmp_path, write_spec(with_spare, tmp_path / "spec.yaml"), checkpoint)
+    try:
+        wait_until(lambda: standing_by(served.url) == ["spare0"], served)
+        first = node_pids(served)["spare0"]
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: metric(served.url, "cascadia_standby_losses").get(
+            ("cascadia_standby_losses_total", (("node", "spare0"),))) == 1, served)
+        assert not Path(f"/proc/{first}").exists()  # reaped, not left a zombie
+        assert "spare0, standing by, was lost: the node process was killed by signal 9" in served.log.read_text()
+        wait_until(lambda: standing_by(served.url) == ["spare0"], served)  # started again, and ready
+        assert node_pids(served)["spare0"] != first
+        assert metric(served.url, "cascadia_nodes_standing_by") == {("cascadia_nodes_standing_by", ()): 1.0}
+        victim = node_pids(served)["node1"]
+
+        async def kill():
+            os.kill(victim, signal.SIGKILL)
+
+        assert_the_engines_texts(asyncio.run(stream_all(served.url, kill)), expected)
+        assert stage_nodes(served.url) == ["node0", "spare0", "node2"] and recovered(served.url) == {"node1": 1}
+    finally:
+        nodes = served.children()
+        assert served.stop() == 0
+        assert not any(alive(pid) for pid in nodes), "node processes left behind"
+
+
+def wait_until(condition, served: Served) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, served.log.read_text()[-2000:]
+        time.sleep(0.2)
 
 
 def test_a_frozen_node_is_caught_by_the_stall_timeout_and_replaced(tmp_path, checkpoint, expected):

@@ -182,6 +182,11 @@ class Coordinator:
         """Members outside the plan that said READY (spares, or lost nodes back), in the spec's order."""
         return [node for node in self.members if node in self._ready and node not in self.nodes]
 
+    def stand_down(self, node: str) -> None:
+        """A node standing by is gone: it stands by no more (until it says READY again, started anew)."""
+        self._ready.discard(node)
+        self._forget(node)
+
     def assign(self, nodes: Sequence[str], plan_json: str, addresses: dict[str, str], timeout_s: float,
                stop: threading.Event | None = None) -> None:
         """Serve a plan whose stages are on `nodes` (in stage order): each gets an ASSIGN with the plan and its

@@ -119,12 +119,14 @@ class LocalNodes:
         """Where each node is reached."""
         return {name: place.address for name, place in zip(self.names, self.places)}
 
-    def check(self, names: Sequence[str]) -> None:
-        """Raise NodeLost naming the first of `names` (the nodes the pipeline runs on) whose process has exited."""
+    def ended(self) -> list[tuple[str, str]]:
+        """Each node whose process has ended (and is reaped by this look), with how: its exit and its log's end."""
+        out = []
         for name, process, log in zip(self.names, self.processes, self.logs):
-            if name in names and (status := process.poll()) is not None:
+            if (status := process.poll()) is not None:
                 how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
-                raise NodeLost(name, f"the node process {how}{_tail(log)}")
+                out.append((name, f"the node process {how}{_tail(log)}"))
+        return out
 
     def stop(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for every process to end (after SHUTDOWN), then kill the rest; remove the

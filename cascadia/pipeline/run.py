@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from cascadia.errors import CheckpointError, NodeError, PlanError, SpecError
 from cascadia.graph import planner
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import InfeasiblePlan, checked_plan
-from cascadia.pipeline.coordinator import Coordinator, Outputs, PipelineError
+from cascadia.pipeline.coordinator import Coordinator, NodeLost, Outputs, PipelineError
 from cascadia.pipeline.frame_log import FrameLog
 from cascadia.pipeline.launch import LocalNodes, NodeCommand, check_host_memory
 from cascadia.pipeline.places import LOCALHOST
@@ -45,6 +46,7 @@ STALL_S = 60.0  # a running pipeline that returns no tokens for this long is an 
 SHUTDOWN_S = 10.0  # how long nodes may take to stop after SHUTDOWN before local ones are killed
 # ... after a failure, when a node may sit in a send to a dead one for its whole send timeout: kill sooner
 AFTER_FAILURE_S = 2.0
+MAX_STANDBY_LOSSES = 3  # a local node standing by whose process ends this often is not started again
 
 
 class RunFailed(NodeError):
@@ -97,6 +99,7 @@ class Pipeline:
         self.started_plan = plan  # what the nodes were started with; `plan` is what they serve now
         self.coordinator, self.local, self._run_dir, self._affinity = coordinator, local, run_dir, affinity
         self._score_frames = 0
+        self.standby_losses: Counter[str] = Counter()  # local nodes lost while standing by, by name
 
     @classmethod
     def start(cls, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, with_logits: bool = False,
@@ -152,12 +155,13 @@ class Pipeline:
                                                [nodes[name].cpus or affinity for name in everyone],
                                                Path(run_dir.name), addresses.control, addresses.tokens,
                                                rates if emulate_links else None, spares=len(spares))
-                coordinator.watch = lambda: local_nodes.check(coordinator.nodes)
                 first = local_nodes.places[0].address
             else:
                 first = nodes[names[0]].address
             pipeline = cls(spec, plan, coordinator, local_nodes, run_dir, checkpoint or spec.model.checkpoint,
                            affinity)
+            if local_nodes is not None:
+                coordinator.watch = pipeline._watch_local
         except BaseException:
             _close(coordinator, local_nodes, run_dir, affinity, AFTER_FAILURE_S)
             raise
@@ -273,6 +277,25 @@ class Pipeline:
             addresses = {node.name: node.address for node in self.spec.cluster.members}
         self.plan = plan
         self.coordinator.assign([stage.node for stage in plan.stages], plan.to_json(), addresses, timeout_s, stop)
+
+    def _watch_local(self) -> None:
+        """The coordinator's look at the local node processes while it waits: a stage holder's that has ended is
+        lost (NodeLost); a node standing by whose process has ended stands by no more, and is started again to stand
+        by, as a lost stage holder is (until it has been lost MAX_STANDBY_LOSSES times), so that the next loss finds
+        it."""
+        for node, how in self.local.ended():
+            if node in self.coordinator.nodes:
+                raise NodeLost(node, how)
+            if self.standby_losses[node] == MAX_STANDBY_LOSSES:
+                continue  # given up on, and said so
+            self.standby_losses[node] += 1
+            self.coordinator.stand_down(node)
+            if self.standby_losses[node] == MAX_STANDBY_LOSSES:
+                log.error("%s, standing by, was lost %d times, the last: %s; it is not started again", node,
+                          MAX_STANDBY_LOSSES, how)
+                continue
+            log.warning("%s, standing by, was lost: %s; started again to stand by", node, how)
+            self.local.restart(node, standby=True)
 
     def close(self, timeout_s: float = SHUTDOWN_S) -> None:
         """Shut every node down; kill local ones not gone within `timeout_s`."""

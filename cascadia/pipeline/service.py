@@ -68,6 +68,7 @@ class Status:
     failures: dict[str, int] = attrs.Factory(dict)  # losses so far, by node
     recoveries_s: tuple[float, ...] = ()  # how long each recovery took, from the loss to serving again
     standing_by: tuple[str, ...] = ()  # nodes outside the plan, ready to take a lost node's stage (spares)
+    standby_losses: dict[str, int] = attrs.Factory(dict)  # nodes lost while standing by, by node
 
 
 class PipelineService:
@@ -97,6 +98,7 @@ class PipelineService:
         self._down: str | None = None
         self._accepting = True
         self._failures: Counter[str] = Counter()
+        self._standby_losses: Counter[str] = Counter()
         self._recoveries_s: list[float] = []
         self._standing_by: tuple[str, ...] = ()
         self._thread = threading.Thread(target=self._serve, name="cascadia-pipeline", daemon=True)
@@ -127,7 +129,8 @@ class PipelineService:
         with self._lock:
             return Status(self._ready and not self._down, self._loading, self._error, *self._counts,
                           dict(self._busy), dict(self._frames_per_s), self._down, self._ready and self._accepting,
-                          dict(self._failures), tuple(self._recoveries_s), self._standing_by)
+                          dict(self._failures), tuple(self._recoveries_s), self._standing_by,
+                          dict(self._standby_losses))
 
     @property
     def start_error(self) -> BaseException | None:
@@ -195,7 +198,7 @@ class PipelineService:
                         self._launch(flight)  # the pipeline busy again before the tokens go to the HTTP side
                     finally:  # ... and they go even when the launch finds a node lost: the policy counts them made
                         self._dispatch(events, coordinator.now())
-                self._update_stats(coordinator)
+                self._update_stats(pipeline)
         except NodeLost as lost:
             return not self._recover(pipeline, lost)
 
@@ -338,15 +341,18 @@ class PipelineService:
         except BlockingIOError:
             pass
 
-    def _update_stats(self, coordinator) -> None:
+    def _update_stats(self, pipeline: Pipeline) -> None:
         """Each node's busy fraction and frames per second, from the counters it last sent (asked for anew, not
-        waited for: a node answers between frames, which may be long), and the nodes standing by, every STATS_S."""
+        waited for: a node answers between frames, which may be long), the nodes standing by and those lost while
+        they did, every STATS_S."""
+        coordinator = pipeline.coordinator
         now = coordinator.now()
         if self._last_stats is not None and now - self._last_stats[0] < STATS_S:
             return
         stats = coordinator.latest_stats()
         with self._lock:
             self._standing_by = tuple(coordinator.standing_by())
+            self._standby_losses = Counter(pipeline.standby_losses)
             if self._last_stats is not None:
                 then, before = self._last_stats
                 was = {n: before[n] for n in stats if n in before}

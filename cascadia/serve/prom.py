@@ -59,6 +59,13 @@ class _Live:
         for node, count in status.failures.items():
             failures.add_metric([node], count)
         yield failures
+        yield GaugeMetricFamily("cascadia_nodes_standing_by", "Nodes ready to take a lost node's stage (spares); "
+                                "fewer than the spec's spares: reduced redundancy", value=len(status.standing_by))
+        standby_losses = CounterMetricFamily("cascadia_standby_losses", "Nodes lost while standing by (a local one is "
+                                             "started again to stand by)", labels=["node"])
+        for node, count in status.standby_losses.items():
+            standby_losses.add_metric([node], count)
+        yield standby_losses
         recoveries = SummaryMetricFamily("cascadia_recovery_seconds", "From a node's loss to serving again",
                                          count_value=len(status.recoveries_s), sum_value=sum(status.recoveries_s))
         yield recoveries
