@@ -223,6 +223,24 @@ def stub_pipeline(pipeline, transports):
         thread.join(TIMEOUT_S)
 
 
+def test_our_frames_go_to_the_first_stages_new_holder_even_when_the_assign_is_cut_short(transports):
+    """The first stage given to a node found lost while it is told (a spare whose process died): the frames of the
+    serving that follows (once a node for the stage is back in that place) go to the stage's holder as assigned,
+    not to its previous one."""
+    coordinator = Coordinator(["a", "b"], local_address(), local_address(), stall_s=STALL_S, hung_s=STALL_S,
+                              members=["a", "b", "c"])
+    try:
+        for i, name in enumerate("ab"):
+            StubNode(transports, name, coordinator.control_address, node_sender(i)).start()
+        coordinator.wait_ready(local_address(), timeout_s=TIMEOUT_S)
+        addresses = {"a": local_address(), "b": local_address(), "c": local_address()}
+        with pytest.raises(NodeLost, match="^c: lost its control connection"):
+            coordinator.assign(["c", "b"], "{}", addresses, timeout_s=TIMEOUT_S)
+        assert coordinator.first.getsockopt(zmq.LAST_ENDPOINT).decode() == addresses["c"]
+    finally:
+        coordinator.close()
+
+
 def test_tokens_no_frame_in_flight_has_are_dropped_and_the_phase_goes_on(stub_pipeline, caplog):
     """The forged frame's tokens (frame 999999), tokens under another group, for other slots: each is logged and
     counted, and the phase ends with every request's real tokens."""

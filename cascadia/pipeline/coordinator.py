@@ -192,20 +192,22 @@ class Coordinator:
         """Serve a plan whose stages are on `nodes` (in stage order): each gets an ASSIGN with the plan and its
         successor's address (`addresses`: where each node's predecessor reaches it; the last sends to our token
         socket: `tokens_for_nodes`), and we wait for every READY as at the start; then the first node's input is
-        ours. A node keeps a stage it holds and only rewires, so the survivors of a loss answer at once."""
+        ours, from the moment they are told (a loss during the wait must not leave our frames going to the stage's
+        previous holder). A node keeps a stage it holds and only rewires, so the survivors of a loss answer at
+        once."""
         self._ready -= set(self.nodes) - set(nodes)  # lost: one that comes back stands by
         first_before, self.nodes = self.nodes[0], list(nodes)
         self.token_decoder = Decoder(node_sender(len(nodes) - 1), (Tokens,))
         self.transport.allow(self.tokens_address, nodes[-1:])
         for node in self.members:  # those left out of the plan owe nothing any more either
             self._forget(node)
+        if nodes[0] != first_before:
+            self.first.close(linger=0)
+            self.first = self.transport.connect(zmq.PUSH, addresses[nodes[0]], nodes[0])
         for node, after in zip(nodes, [*nodes[1:], None]):
             self._ready.discard(node)
             self._tell(node, Assign(plan_json, self.tokens_for_nodes if after is None else addresses[after]))
         self._await_ready(timeout_s, stop)
-        if nodes[0] != first_before:
-            self.first.close(linger=0)
-            self.first = self.transport.connect(zmq.PUSH, addresses[nodes[0]], nodes[0])
         self.sync_clocks()
 
     @property
