@@ -227,7 +227,7 @@ def test_our_frames_go_to_the_first_stages_new_holder_even_when_the_assign_is_cu
     """The first stage given to a node found lost while it is told (a spare whose process died): the frames of the
     serving that follows (once a node for the stage is back in that place) go to the stage's holder as assigned,
     not to its previous one."""
-    coordinator = Coordinator(["a", "b"], local_address(), local_address(), stall_s=STALL_S, hung_s=STALL_S,
+    coordinator = Coordinator(["a", "b"], local_address(), local_address(), stall_s=TIMEOUT_S, hung_s=TIMEOUT_S,
                               members=["a", "b", "c"])
     try:
         for i, name in enumerate("ab"):
@@ -290,7 +290,7 @@ def test_a_member_key_cannot_take_another_nodes_name(tmp_path, transports, caplo
     key it used; a keeps its connection and b is not made a's."""
     generate_keys(tmp_path / "keys", ["a", "b", COORDINATOR])
     coordinator = Coordinator(["a", "b"], local_address(), local_address(), curve_keys=tmp_path / "keys",
-                              stall_s=STALL_S, hung_s=STALL_S)
+                              stall_s=TIMEOUT_S, hung_s=TIMEOUT_S)  # the stubs answer when they can
     try:
         stubs = [StubNode(transports_with_keys(transports, name, tmp_path / "keys"), name,
                           coordinator.control_address, node_sender(i)) for i, name in enumerate("ab")]
