@@ -22,11 +22,11 @@ CASES = ("base", "sharded", "bf16_unpadded")
 
 
 def small_config(**over) -> dict:
-    return dict(model_type="inkling_text", vocab_size=64, hidden_size=16, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
-                mlp_layer_types=["dense", "sparse"], num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=8, sliding_window_size=4,
-                rel_extent=6, d_rel=2, intermediate_size=24, moe_intermediate_size=8, n_routed_experts=4,
-                num_experts_per_tok=2) | over
+    return dict(model_type="inkling_text", vocab_size=64, hidden_size=16, num_hidden_layers=2,
+                layer_types=["hybrid_sliding", "hybrid"], mlp_layer_types=["dense", "sparse"], num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, swa_num_attention_heads=2, swa_num_key_value_heads=1,
+                swa_head_dim=8, sliding_window_size=4, rel_extent=6, d_rel=2, intermediate_size=24,
+                moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2) | over
 
 
 def write_checkpoint(path: Path, raw_config: dict, tensors: dict[str, np.ndarray]) -> Path:
@@ -135,7 +135,8 @@ def test_multimodal_checkpoint_maps_the_language_model_prefix(tmp_path):
     stored["model.vision_tower.patch.weight"] = np.zeros((3, 3), np.float32)
     stored["model.audio_tower.norm.weight"] = np.zeros(3, np.float32)
     stored["model.mtp.0.fc.weight"] = np.ones((2, 5), np.float32)
-    ckpt = Checkpoint.open(write_checkpoint(tmp_path, {"model_type": "inkling", "text_config": raw, "vision_config": {}}, stored))
+    multimodal = {"model_type": "inkling", "text_config": raw, "vision_config": {}}
+    ckpt = Checkpoint.open(write_checkpoint(tmp_path, multimodal, stored))
     ckpt.validate(embed=True, head=True)
     assert ckpt.names() == sorted(tensors)
     assert ckpt.mtp_names() == ["model.mtp.0.fc.weight"]

@@ -1,7 +1,6 @@
 """The coordinator against stub nodes: DEALERs that say what a node says, and a PUSH playing the last node."""
 
 import logging
-import shutil
 import threading
 import time
 
@@ -10,7 +9,8 @@ import zmq
 
 from cascadia.metrics import Recorder
 from cascadia.pipeline.coordinator import Coordinator, NodeLost, Outputs, PipelineError
-from cascadia.pipeline.transport import COORDINATOR, CurveKeys, Transport, free_port, generate_keys, receive, send, tcp_address
+from cascadia.pipeline.transport import (COORDINATOR, CurveKeys, Transport, free_port, generate_keys, receive, send,
+                                         tcp_address)
 from cascadia.pipeline.wire import (VERSION, Encoder, Error, Frame, Hello, Progress, Ready, Stats, StatsRequest, Tokens,
                                     decode, encode, node_sender)
 from cascadia.policy import Policy, Request

@@ -332,6 +332,27 @@ def test_a_restarted_server_takes_keep_serving_nodes_back_without_reloading(tmp_
         tcp.kill()
 
 
+def test_a_tcp_spare_lost_while_standing_by_is_noticed_and_stands_by_again_once_back(tmp_path, spec, checkpoint):
+    """A spare on another machine is not started here: its loss (its connection gone) is logged and counted, it
+    stands by no more, and it stands by again once started again there."""
+    tcp = TcpNodes(tmp_path, spec, checkpoint, spares=1)
+    served = Served(tmp_path, tcp.spec_path, checkpoint, *tcp.options)
+    try:
+        wait_until(lambda: standing_by(served.url) == ["spare0"], served)
+        tcp.processes[3].kill()
+        tcp.processes[3].wait()
+        wait_until(lambda: standing_by(served.url) == [], served)
+        assert metric(served.url, "cascadia_standby_losses") == {
+            ("cascadia_standby_losses_total", (("node", "spare0"),)): 1.0}
+        assert metric(served.url, "cascadia_nodes_standing_by") == {("cascadia_nodes_standing_by", ()): 0.0}
+        assert "spare0, standing by, was lost: lost its control connection" in served.log.read_text()
+        tcp.processes[3] = tcp.start(3)
+        wait_until(lambda: standing_by(served.url) == ["spare0"], served)
+    finally:
+        assert served.stop() == 0
+        tcp.kill()
+
+
 def test_a_tcp_spare_takes_a_lost_stage_and_then_the_survivors_take_the_model_over(tmp_path, spec, checkpoint,
                                                                                   expected):
     tcp = TcpNodes(tmp_path, spec, checkpoint, spares=1)

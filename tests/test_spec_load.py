@@ -176,8 +176,8 @@ def test_model_formats_config_and_overrides(tmp_path):
 def test_multimodal_hf_config_with_mtp(tmp_path):
     text = json.loads(TINY_CONFIG.read_text())
     del text["num_mtp_layers"]  # as in transformers, a text config's own value (even null) wins over mtp_config
-    write(tmp_path, "ckpt/config.json", json.dumps({"model_type": "inkling", "text_config": text, "mtp_config": {"num_nextn_predict_layers": 1},
-                                                   "vision_config": {}}))
+    write(tmp_path, "ckpt/config.json", json.dumps({"model_type": "inkling", "text_config": text, "vision_config": {},
+                                                   "mtp_config": {"num_nextn_predict_layers": 1}}))
     spec = load_spec(write(tmp_path, "s.yaml", "model: {hf_config: ckpt}\n" + CLUSTER))
     assert spec.model.config.num_mtp_layers == 1 and spec.model.config.hidden_size == 64
 

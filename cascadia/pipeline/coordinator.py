@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 
 import zmq
@@ -58,7 +58,7 @@ class NodeLost(PipelineError):
 
     def __init__(self, node: str, reason: str) -> None:
         super().__init__(f"{node}: {reason}")
-        self.node = node
+        self.node, self.reason = node, reason
 
 
 class Outputs:
@@ -152,6 +152,7 @@ class Coordinator:
         self.node_cpus: dict[str, tuple[int, ...]] = {}  # the CPUs each node's process runs on, from its HELLO
         self._last_dropped: dict[str, str] = {}  # why each node's last dropped control message was dropped
         self._routes: dict[str, bytes] = {}  # each node's control connection: the ROUTER's id of its latest
+        self.standby_losses: Counter[str] = Counter()  # nodes lost while they stood by
         self._on_message: Callable[[str, Message], None] = lambda node, message: None
         self._clock0 = time.perf_counter()
         self._last_ping = 0.0
@@ -182,8 +183,11 @@ class Coordinator:
         """Members outside the plan that said READY (spares, or lost nodes back), in the spec's order."""
         return [node for node in self.members if node in self._ready and node not in self.nodes]
 
-    def stand_down(self, node: str) -> None:
-        """A node standing by is gone: it stands by no more (until it says READY again, started anew)."""
+    def stand_down(self, node: str, reason: str) -> None:
+        """A node standing by is gone (`reason`: how it was found so): logged and counted, it stands by no more,
+        until it says READY again, started anew."""
+        log.warning("%s, standing by, was lost: %s", node, reason)
+        self.standby_losses[node] += 1
         self._ready.discard(node)
         self._forget(node)
 
@@ -352,12 +356,18 @@ class Coordinator:
                 from None
 
     def _ping(self) -> None:
-        """Ask every node for its stats: sending to a node whose control connection dropped fails at once."""
+        """Ask every node for its stats: sending to a node whose control connection dropped fails at once. Those
+        standing by are asked too, owing nothing: one whose connection dropped stands by no more (`stand_down`)."""
         self._last_ping = time.monotonic()
         for node in self.nodes:
             self._stats_asked[node].append(self.now())  # before it goes: the node answers after this
             self._tell(node, StatsRequest())
             self._stats_owed[node] += 1
+        for node in self.standing_by():
+            try:
+                self._tell(node, StatsRequest())
+            except NodeLost as lost:
+                self.stand_down(node, lost.reason)
 
     def _poll(self, timeout_s: float = HEARTBEAT_S, wake: Sequence = ()) -> dict:
         """Wait up to `timeout_s` (at most WATCH_S) for input (or one of `wake` to be readable) and take in one

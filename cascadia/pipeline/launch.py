@@ -22,7 +22,7 @@ import attrs
 from cascadia.graph.plan import Plan
 from cascadia.host_cpus import format_cpus
 from cascadia.host_memory import shortfall
-from cascadia.pipeline.coordinator import NodeLost, PipelineError
+from cascadia.pipeline.coordinator import PipelineError
 from cascadia.pipeline.emulated_links import EmulatedLinks
 from cascadia.pipeline.places import NodePlace, loopback_places
 from cascadia.spec.types import Spec

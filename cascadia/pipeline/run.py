@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -99,7 +98,6 @@ class Pipeline:
         self.started_plan = plan  # what the nodes were started with; `plan` is what they serve now
         self.coordinator, self.local, self._run_dir, self._affinity = coordinator, local, run_dir, affinity
         self._score_frames = 0
-        self.standby_losses: Counter[str] = Counter()  # local nodes lost while standing by, by name
 
     @classmethod
     def start(cls, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, with_logits: bool = False,
@@ -283,18 +281,17 @@ class Pipeline:
         lost (NodeLost); a node standing by whose process has ended stands by no more, and is started again to stand
         by, as a lost stage holder is (until it has been lost MAX_STANDBY_LOSSES times), so that the next loss finds
         it."""
+        losses = self.coordinator.standby_losses
         for node, how in self.local.ended():
             if node in self.coordinator.nodes:
                 raise NodeLost(node, how)
-            if self.standby_losses[node] == MAX_STANDBY_LOSSES:
+            if losses[node] == MAX_STANDBY_LOSSES:
                 continue  # given up on, and said so
-            self.standby_losses[node] += 1
-            self.coordinator.stand_down(node)
-            if self.standby_losses[node] == MAX_STANDBY_LOSSES:
-                log.error("%s, standing by, was lost %d times, the last: %s; it is not started again", node,
-                          MAX_STANDBY_LOSSES, how)
+            self.coordinator.stand_down(node, how)
+            if losses[node] == MAX_STANDBY_LOSSES:
+                log.error("%s was lost %d times while standing by; it is not started again", node, losses[node])
                 continue
-            log.warning("%s, standing by, was lost: %s; started again to stand by", node, how)
+            log.info("%s started again to stand by", node)
             self.local.restart(node, standby=True)
 
     def close(self, timeout_s: float = SHUTDOWN_S) -> None:

@@ -352,7 +352,7 @@ class PipelineService:
         stats = coordinator.latest_stats()
         with self._lock:
             self._standing_by = tuple(coordinator.standing_by())
-            self._standby_losses = Counter(pipeline.standby_losses)
+            self._standby_losses = Counter(coordinator.standby_losses)
             if self._last_stats is not None:
                 then, before = self._last_stats
                 was = {n: before[n] for n in stats if n in before}
