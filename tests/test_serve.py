@@ -205,7 +205,8 @@ BAD = [
     ({"content": b"{not json"}, 400, "not valid JSON"),
     ({"json": {"messages": MESSAGES, "bogus": 1}}, 400, "unknown parameter 'bogus'"),
     ({"json": {"messages": MESSAGES, "n": 2}}, 400, "only one choice"),
-    ({"json": {"messages": MESSAGES, "tools": []}}, 400, "tool calls are not supported"),
+    ({"json": {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}}, 400,
+     "tools: tool calls are not supported by this server"),
     ({"json": {"messages": MESSAGES, "temperature": 5}}, 400, "temperature"),
     ({"json": {"messages": []}}, 400, "messages"),
     ({"json": {"messages": MESSAGES, "max_tokens": 500}}, 400, "exceeds the context length of 64 positions"),
@@ -252,6 +253,58 @@ def test_a_lone_surrogate_in_a_prompt_is_a_400_counted_as_rejected(server):
     assert response.json()["error"] == {"message": "prompt: a lone UTF-16 surrogate (U+DCE9 at character 3) is not "
                                         "text", "type": "invalid_request_error", "param": "prompt", "code": None}
     assert rejected() == before + 1
+
+
+# What chat front ends and SDK wrappers send on every request: defaults of fields this server does not serve, and
+# fields that cannot change the tokens. Each is accepted, and the reply is the one without them.
+AS_DEFAULTS = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": 0,
+               "logit_bias": {}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+               "response_format": {"type": "text"}, "n": 1, "top_k": -1, "min_p": 0, "repetition_penalty": 1.0,
+               "min_tokens": 0, "skip_special_tokens": True, "metadata": {"run": "a"}, "store": False,
+               "service_tier": "auto", "cache_prompt": True, "user": "someone", "seed": None, "modalities": ["text"],
+               "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"}
+
+
+def test_defaults_and_fields_without_effect_are_accepted(server, reference):
+    greedy, chat_ids, _ = reference
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body | AS_DEFAULTS, headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == greedy(chat_ids(MESSAGES), 8)[0]
+    completion = {"prompt": [4, 5, 6], "max_tokens": 4, "temperature": 0, "echo": False, "best_of": 1, "suffix": None}
+    response = httpx.post(f"{server.url}/v1/completions", json=completion, headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == greedy([4, 5, 6], 4)[0]
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("logprobs", True), ("top_logprobs", 2),
+                                          ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
+                                          ("top_k", 40), ("repetition_penalty", 1.1), ("min_tokens", 3),
+                                          ("skip_special_tokens", False), ("tool_choice", "required"),
+                                          ("presence_penalty", False)])
+def test_what_this_server_does_not_serve_is_refused_by_name(server, field, value):
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, field: value},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}: ") and "by this server" in \
+        error["message"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, reference):
+    greedy, _, _ = reference
+    chunks = list(client.completions.create(model="tiny", prompt=[7, 8, 9], max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == greedy([7, 8, 9], 6, stop=False)[0]
+    counted = [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) for c in chunks]
+    assert counted[:6] == [(3, n, 3 + n) for n in range(1, 7)]  # one chunk a token, each counting it
+    assert counted[6:] == [(3, 6, 9)] * 2  # the finish, and the usage chunk of include_usage (no choices)
+    assert chunks[-1].choices == []
+    alone = list(client.completions.create(model="tiny", prompt=[7, 8, 9], max_tokens=2, temperature=0, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert alone and all(c.usage is None for c in alone)  # as vLLM: only beside include_usage
 
 
 def test_the_context_length_error_has_its_openai_code(client):

@@ -2,34 +2,67 @@
 (an unknown one is an error, not ignored), the response and stream-chunk bodies, and OpenAI-style error bodies.
 
 Supported: chat and text completions, streamed (server-sent events) or not; `max_tokens` (chat also
-`max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (up to 4 strings), `stream_options.include_usage`,
-`user`; and, as vLLM does, `ignore_eos` (keep going past the end-of-sequence token). A completion's prompt is text
-or a list of token ids. Refused with a clear message: `n` > 1, tools and functions, log-probabilities, penalties,
-response formats, `best_of`, `echo`, `suffix`. Text anywhere in a request, keys included, must be Unicode that
-UTF-8 can carry: a lone UTF-16 surrogate (`"\\ud800"`, which JSON allows and badly decoded text produces) is
-refused, naming where it is, before any field is read.
+`max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (up to 4 strings), `stream_options.include_usage`
+and, as vLLM does, `stream_options.continuous_usage_stats` (usage on every chunk), `ignore_eos` (keep going past the
+end-of-sequence token) and, for chat, `chat_template_kwargs` (more variables for the chat template) and
+`reasoning_effort` (one more). A completion's prompt is text or a list of token ids. Fields that cannot change the
+tokens are accepted and ignored (`user`, `metadata`, `store`, `service_tier`, `cache_prompt`). A field this server
+does not serve (`UNSUPPORTED`: tools, log-probabilities, penalties, response formats, ...) is accepted when its value
+asks for the default behaviour (`presence_penalty: 0`, `tools: []`, `logprobs: false`; null too), as clients send on
+every request, and refused by name with any other value (docs/openai-fields.md has the whole table). Text anywhere
+in a request, keys included, must be Unicode that UTF-8 can carry: a lone UTF-16 surrogate (`"\\ud800"`, which JSON
+allows and badly decoded text produces) is refused, naming where it is, before any field is read.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4
-# Fields of the OpenAI API this server knows and refuses, with why (any other unknown field: "unknown parameter").
-UNSUPPORTED = {
-    "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
-    "functions": "function calls are not supported", "function_call": "function calls are not supported",
-    "logprobs": "log-probabilities are not supported", "top_logprobs": "log-probabilities are not supported",
-    "logit_bias": "logit_bias is not supported", "response_format": "response formats are not supported",
-    "presence_penalty": "penalties are not supported", "frequency_penalty": "penalties are not supported",
-    "best_of": "best_of is not supported", "echo": "echo is not supported", "suffix": "suffix is not supported",
-    "parallel_tool_calls": "tool calls are not supported", "modalities": "only text is supported",
-    "audio": "only text is supported", "prediction": "predicted outputs are not supported",
+# Fields of the OpenAI API (and of vLLM and llama-server) this server does not serve: why, and the values that ask
+# for what it does anyway, accepted (null always is). Any other unknown field is refused as an unknown parameter.
+UNSUPPORTED: dict[str, tuple[str, tuple]] = {
+    "tools": ("tool calls are not supported", ([],)),
+    "tool_choice": ("tool calls are not supported", ("none", "auto")),  # with no tools, neither calls one
+    "parallel_tool_calls": ("tool calls are not supported", (True, False)),  # nothing to call in parallel
+    "functions": ("function calls are not supported", ([],)),
+    "function_call": ("function calls are not supported", ("none", "auto")),
+    "logprobs": ("log-probabilities are not supported", (False,)),
+    "top_logprobs": ("log-probabilities are not supported", (0,)),
+    "logit_bias": ("logit_bias is not supported", ({},)),
+    "response_format": ("response formats are not supported", ({"type": "text"},)),
+    "presence_penalty": ("penalties are not supported", (0,)),
+    "frequency_penalty": ("penalties are not supported", (0,)),
+    "repetition_penalty": ("penalties are not supported", (1,)),
+    "top_k": ("top_k is not supported", (-1, 0)),  # vLLM's "no limit"
+    "min_p": ("min_p is not supported", (0,)),
+    "min_tokens": ("min_tokens is not supported", (0,)),
+    "best_of": ("best_of is not supported", (1,)),
+    "echo": ("echo is not supported", (False,)),
+    "suffix": ("suffix is not supported", ("",)),
+    "skip_special_tokens": ("special tokens are always left out of the text", (True,)),
+    "modalities": ("only text is supported", (["text"],)),
+    "audio": ("only text is supported", ()),
+    "prediction": ("predicted outputs are not supported", ()),
 }
+# Fields that cannot change the tokens: accepted, and ignored.
+IGNORED = ("metadata", "store", "service_tier", "cache_prompt")
+
+
+def _asks_for_default(value: object, defaults: tuple) -> bool:
+    """Whether `value` is one of `defaults`, of the same kind: 0 and 0.0 alike, but false is not 0."""
+    def same(a: object, b: object) -> bool:
+        if isinstance(a, bool) or isinstance(b, bool):
+            return type(a) is type(b) and a == b
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a == b
+        return type(a) is type(b) and a == b
+
+    return value is None or any(same(value, default) for default in defaults)
 
 
 def lone_surrogate(body: object) -> tuple[str | None, str] | None:
@@ -58,6 +91,7 @@ def lone_surrogate(body: object) -> tuple[str | None, str] | None:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
 class _Generation(BaseModel):
@@ -78,11 +112,19 @@ class _Generation(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _text_is_unicode(cls, body):
+    def _what_clients_send(cls, body):
+        """Text that is Unicode; the fields this server does not serve, accepted when they ask for the default and
+        refused by name otherwise; the fields that cannot change the tokens, dropped."""
         if (found := lone_surrogate(body)) is not None:
             param, message = found
             raise PydanticCustomError("lone_surrogate", "{message}", {"message": message, "param": param})
-        return body
+        if not isinstance(body, dict):
+            return body
+        for name, (why, defaults) in UNSUPPORTED.items():
+            if name in body and not _asks_for_default(body[name], defaults):
+                raise PydanticCustomError("unsupported", "{message}", {"message": f"{name}: {why} by this server",
+                                                                       "param": name})
+        return {key: value for key, value in body.items() if key not in UNSUPPORTED and key not in IGNORED}
 
     @field_validator("stop")
     @classmethod
@@ -98,6 +140,11 @@ class _Generation(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        """vLLM's `continuous_usage_stats`, which it serves only beside `include_usage`."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
@@ -123,6 +170,25 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # More variables for the chat template, as vLLM takes them (Qwen3's `enable_thinking`, say).
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # one more variable, for templates that read it
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_messages(cls, value):
+        if value is not None and "messages" in value:
+            raise ValueError("may not replace the messages")
+        return value
+
+    def template_variables(self) -> dict[str, Any]:
+        """The chat template's variables from the request, as vLLM makes them: `chat_template_kwargs`, and
+        `reasoning_effort` with `enable_thinking` unless "none" (the kwargs' own `enable_thinking` wins)."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables["reasoning_effort"] = self.reasoning_effort
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return variables
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -170,15 +236,18 @@ class Reply:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return self._head() | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
-        """A stream chunk: a piece of text (None: none, as in the last chunk, which names the finish reason)."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
+              usage_so_far: dict | None = None) -> dict:
+        """A stream chunk: a piece of text (None: none, as in the last chunk, which names the finish reason), with
+        the usage so far when asked for on every chunk (`continuous_usage_stats`)."""
+        extra = {} if usage_so_far is None else {"usage": usage_so_far}
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else \
                 ({} if text is None else {"content": text})
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-            return self._head(".chunk") | {"choices": [choice]}
+            return self._head(".chunk") | {"choices": [choice]} | extra
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._head() | {"choices": [choice]}
+        return self._head() | {"choices": [choice]} | extra
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return self._head(".chunk" if self.chat else "") | {"choices": [],

@@ -35,7 +35,7 @@ from cascadia.policy import CANCELLED, LENGTH, STOP, Admitted, Finished, Rejecte
 from cascadia.policy import Request as StreamRequest
 from cascadia.policy import Token
 from cascadia.sampling import Sampling
-from cascadia.serve.api import UNSUPPORTED, ChatRequest, CompletionRequest, Reply, error_body
+from cascadia.serve.api import ChatRequest, CompletionRequest, Reply, error_body, usage
 from cascadia.serve.chat import ChatTemplate
 from cascadia.serve.prom import CONTENT_TYPE, Metrics
 from cascadia.serve.text import TextStream
@@ -168,7 +168,8 @@ class Server:
             if self.chat is None or self.tokenizer is None:
                 raise ApiError(400, f"chat completions need a chat template: {self.no_chat}; use /v1/completions",
                                "invalid_request", param="messages")
-            text = self.chat.render([{"role": m.role, "content": m.text} for m in body.messages])
+            text = self.chat.render([{"role": m.role, "content": m.text} for m in body.messages],
+                                    body.template_variables())
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         if isinstance(body.prompt, list):
             return body.prompt
@@ -349,7 +350,7 @@ async def _respond(server: Server, body: ChatRequest | CompletionRequest, reques
     reply = Reply(chat, generation.id, server.settings.model_name)
     prompt_tokens = len(generation.stream.prompt_ids)
     if body.stream:
-        return EventSourceResponse(_stream(generation, reply, body.include_usage, prompt_tokens), ping=KEEP_ALIVE_S)
+        return EventSourceResponse(_stream(generation, reply, body, prompt_tokens), ping=KEEP_ALIVE_S)
     collect = asyncio.ensure_future(_collect(generation))
     try:
         while not collect.done():
@@ -367,21 +368,26 @@ async def _collect(generation: Generation) -> str:
     return "".join([piece async for piece in generation.pieces()]) + generation.rest
 
 
-async def _stream(generation: Generation, reply: Reply, include_usage: bool, prompt_tokens: int):
+async def _stream(generation: Generation, reply: Reply, body: ChatRequest | CompletionRequest, prompt_tokens: int):
     """The server-sent events of a streamed completion: a chat's first names the role, then one per token, and the
-    last the finish reason (with any held-back text), so that a client can time each token by its chunk. A client
-    that goes away cancels its stream (this generator is closed, and `finally` runs)."""
+    last the finish reason (with any held-back text), so that a client can time each token by its chunk; each with
+    the usage so far when `continuous_usage_stats` asks, and a usage chunk at the end when `include_usage` does. A
+    client that goes away cancels its stream (this generator is closed, and `finally` runs)."""
+    def chunk(text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+        so_far = usage(prompt_tokens, generation.tokens) if body.usage_on_every_chunk else None
+        return {"data": json.dumps(reply.chunk(text, finish_reason, first, so_far))}
+
     try:
         if reply.chat:
-            yield {"data": json.dumps(reply.chunk("", first=True))}
+            yield chunk("", first=True)
         try:
             async for piece in generation.pieces():
-                yield {"data": json.dumps(reply.chunk(piece))}
+                yield chunk(piece)
         except ApiError as e:
             yield {"data": json.dumps(e.body)}
             return
-        yield {"data": json.dumps(reply.chunk(generation.rest or None, generation.finish_reason))}
-        if include_usage:
+        yield chunk(generation.rest or None, generation.finish_reason)
+        if body.include_usage:
             yield {"data": json.dumps(reply.usage_chunk(prompt_tokens, generation.tokens))}
         yield {"data": "[DONE]"}
     finally:
@@ -393,8 +399,8 @@ def _validation_error(e: RequestValidationError) -> ApiError:
     problem = e.errors()[0]
     where = [str(part) for part in problem.get("loc", ()) if part != "body"]
     param = ".".join(where) or None
-    if problem.get("type") == "extra_forbidden" and where and where[-1] in UNSUPPORTED:
-        return ApiError(400, f"{where[-1]}: {UNSUPPORTED[where[-1]]} by this server", "unsupported", param=param)
+    if problem.get("type") == "unsupported":
+        return ApiError(400, problem["msg"], "unsupported", param=problem["ctx"]["param"])
     if problem.get("type") == "extra_forbidden":
         return ApiError(400, f"unknown parameter {param!r}", "invalid_request", param=param)
     if problem.get("type") == "lone_surrogate":

@@ -5,8 +5,9 @@ variables but call no Python it was not given."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -42,11 +43,12 @@ class ChatTemplate:
                     if key.endswith("_token") and isinstance(value, str)}
         return cls(config["chat_template"], specials, str(path))
 
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
-        """The prompt text of a chat, ready for the assistant's reply."""
+    def render(self, messages: Sequence[dict[str, str]], variables: Mapping[str, Any] | None = None) -> str:
+        """The prompt text of a chat, ready for the assistant's reply; `variables`: more for the template (a
+        request's `chat_template_kwargs`), which may set any but `messages` and `add_generation_prompt` (as vLLM)."""
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=True,
-                                         **self._special_tokens)
+            return self._template.render({**self._special_tokens, **(variables or {}), "add_generation_prompt": True,
+                                          "messages": list(messages)})
         except jinja2.TemplateError as e:  # the template's own raise_exception, or a sandbox refusal
             raise RequestError(f"the chat template ({self.where}) refused these messages: {e}") from None
 

@@ -1,0 +1,44 @@
+"""A chat template renders the messages with the variables a request adds (`chat_template_kwargs`), as vLLM passes
+them: Qwen3's `enable_thinking`, say."""
+
+import pytest
+
+from cascadia.errors import RequestError
+from cascadia.serve.api import ChatRequest
+from cascadia.serve.chat import ChatTemplate
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not enable_thinking %}"
+            "<think></think>{% endif %}{% endif %}{% if reasoning_effort is defined %}[{{ reasoning_effort }}]"
+            "{% endif %}")
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_a_requests_variables_reach_the_template():
+    template = ChatTemplate(TEMPLATE, {"bos_token": "<s>"}, "test")
+    assert template.render(MESSAGES) == "<s><user>hi<assistant>"
+    assert template.render(MESSAGES, {"enable_thinking": False}) == "<s><user>hi<assistant><think></think>"
+    assert template.render(MESSAGES, {"reasoning_effort": "low"}) == "<s><user>hi<assistant>[low]"
+    # they may set any variable (as vLLM lets them), the special tokens included ...
+    assert template.render(MESSAGES, {"bos_token": ""}) == "<user>hi<assistant>"
+    # ... but the messages are the request's own, and the reply's turn is always opened
+    assert template.render(MESSAGES, {"messages": [{"role": "x", "content": "y"}], "add_generation_prompt": False}) \
+        == "<s><user>hi<assistant>"
+
+
+def test_a_template_that_refuses_is_a_request_error():
+    template = ChatTemplate("{{ raise_exception('no system messages') }}", {}, "test")
+    with pytest.raises(RequestError, match="refused these messages: no system messages"):
+        template.render(MESSAGES)
+
+
+@pytest.mark.parametrize("body, variables", [
+    ({}, {}),
+    ({"reasoning_effort": "low"}, {"reasoning_effort": "low", "enable_thinking": True}),
+    ({"reasoning_effort": "none"}, {"reasoning_effort": "none", "enable_thinking": False}),
+    ({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False, "x": 1}},
+     {"reasoning_effort": "high", "enable_thinking": False, "x": 1}),
+])
+def test_a_chat_requests_template_variables_are_vllms(body, variables):
+    request = ChatRequest(messages=MESSAGES, **body)
+    assert request.template_variables() == variables
