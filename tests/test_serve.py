@@ -54,6 +54,18 @@ def one_slot(tmp_path_factory, checkpoint):
 
 
 @pytest.fixture(scope="module")
+def roomy(tmp_path_factory, checkpoint):
+    """A server whose streams hold the tiny model's whole context (1,024 positions), as benchmarks' prompts need."""
+    folder = tmp_path_factory.mktemp("serve-roomy")
+    spec = folder / "roomy.yaml"
+    spec.write_text(f"include: {SPEC}\nruntime: {{context_budget: 1024, max_streams: 4}}\n"
+                    "workload: {concurrency: [1]}\n")
+    served = Served(folder, spec, checkpoint)
+    yield served
+    assert served.stop() == 0
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
 
@@ -305,6 +317,35 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, refe
     alone = list(client.completions.create(model="tiny", prompt=[7, 8, 9], max_tokens=2, temperature=0, stream=True,
                                            stream_options={"continuous_usage_stats": True}))
     assert alone and all(c.usage is None for c in alone)  # as vLLM: only beside include_usage
+
+
+CLIENT_REQUESTS = sorted((Path(__file__).parent / "fixtures" / "client_requests").glob("*.json"))
+
+
+@pytest.mark.parametrize("recorded", CLIENT_REQUESTS, ids=lambda path: path.stem)
+def test_the_bodies_real_clients_send_are_answered_in_shapes_they_parse(roomy, recorded):
+    """openai, LangChain, guidellm and aiperf, as recorded (tests/fixtures/client_requests/README.md): a 200, and a
+    reply in the types of the openai client (strictly, but for the completion chunks' null finish reason, which
+    OpenAI's own streams send too and its client reads without validating)."""
+    body = json.loads(recorded.read_text())
+    chat = "messages" in body
+    response = httpx.post(f"{roomy.url}/v1/{'chat/completions' if chat else 'completions'}", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    if not body.get("stream"):
+        reply = (openai.types.chat.ChatCompletion if chat else openai.types.Completion).model_validate(response.json())
+        assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
+        return
+    events = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    if chat:
+        chunks = [openai.types.chat.ChatCompletionChunk.model_validate(c).model_dump() for c in chunks]
+    assert all(c["object"] == ("chat.completion.chunk" if chat else "text_completion") for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] in ("stop", "length")
+    if body.get("stream_options", {}).get("include_usage"):
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    if body.get("stream_options", {}).get("continuous_usage_stats"):  # guidellm's: usage on every chunk
+        assert all(c["usage"] is not None for c in chunks)
 
 
 def test_the_context_length_error_has_its_openai_code(client):
