@@ -54,13 +54,12 @@ def one_slot(tmp_path_factory, checkpoint):
 
 
 @pytest.fixture(scope="module")
-def roomy(tmp_path_factory, checkpoint):
-    """A server whose streams hold the tiny model's whole context (1,024 positions), as benchmarks' prompts need."""
-    folder = tmp_path_factory.mktemp("serve-roomy")
-    spec = folder / "roomy.yaml"
-    spec.write_text(f"include: {SPEC}\nruntime: {{context_budget: 1024, max_streams: 4}}\n"
-                    "workload: {concurrency: [1]}\n")
-    served = Served(folder, spec, checkpoint)
+def quick_start(tmp_path_factory, checkpoint):
+    """The README's server (specs/tiny-serve.yaml): its streams hold the tiny model's whole context, 1,024
+    positions, as the prompts of clients and serving benchmarks need; it says so as it starts."""
+    served = Served(tmp_path_factory.mktemp("serve-quick-start"), SPEC.parent / "tiny-serve.yaml", checkpoint)
+    assert ("serving tiny: 1,024 positions a stream (runtime.context_budget; the model's whole context), 16 streams "
+            "at once") in served.log.read_text()
     yield served
     assert served.stop() == 0
 
@@ -323,13 +322,14 @@ CLIENT_REQUESTS = sorted((Path(__file__).parent / "fixtures" / "client_requests"
 
 
 @pytest.mark.parametrize("recorded", CLIENT_REQUESTS, ids=lambda path: path.stem)
-def test_the_bodies_real_clients_send_are_answered_in_shapes_they_parse(roomy, recorded):
+def test_the_bodies_real_clients_send_are_answered_in_shapes_they_parse(quick_start, recorded):
     """openai, LangChain, guidellm and aiperf, as recorded (tests/fixtures/client_requests/README.md): a 200, and a
     reply in the types of the openai client (strictly, but for the completion chunks' null finish reason, which
     OpenAI's own streams send too and its client reads without validating)."""
     body = json.loads(recorded.read_text())
     chat = "messages" in body
-    response = httpx.post(f"{roomy.url}/v1/{'chat/completions' if chat else 'completions'}", json=body, timeout=60)
+    response = httpx.post(f"{quick_start.url}/v1/{'chat/completions' if chat else 'completions'}", json=body,
+                          timeout=60)
     assert response.status_code == 200, response.text
     if not body.get("stream"):
         reply = (openai.types.chat.ChatCompletion if chat else openai.types.Completion).model_validate(response.json())
@@ -346,6 +346,37 @@ def test_the_bodies_real_clients_send_are_answered_in_shapes_they_parse(roomy, r
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
     if body.get("stream_options", {}).get("continuous_usage_stats"):  # guidellm's: usage on every chunk
         assert all(c["usage"] is not None for c in chunks)
+
+
+def test_the_api_is_described_at_openapi_json_and_docs(server):
+    described = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize"} <= \
+        set(described["paths"])
+    assert "messages" in described["components"]["schemas"]["ChatRequest"]["properties"]
+    page = httpx.get(f"{server.url}/docs", timeout=10)
+    assert page.status_code == 200 and "swagger" in page.text.lower()
+
+
+def test_tokenize_and_detokenize_as_vllm_and_llama_server_serve_them(server, reference):
+    _, chat_ids, tokenizer = reference
+    text = "A fleet of ordinary computers"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids  # what /v1/completions feeds the model
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server.url}{path}", json=body, timeout=10)
+
+    assert post("/tokenize", {"model": "tiny", "prompt": text}).json() == {"count": len(ids), "max_model_len": 64,
+                                                                          "tokens": ids}
+    assert post("/tokenize", {"content": text}).json()["tokens"] == ids  # llama-server's field
+    assert post("/tokenize", {"messages": MESSAGES}).json()["tokens"] == chat_ids(MESSAGES)
+    assert post("/detokenize", {"tokens": ids}).json() == {"prompt": text, "content": text}
+    for path, body, code, message in [("/tokenize", {}, 400, "give one of prompt, content or messages, not none"),
+                                      ("/tokenize", {"prompt": "a", "content": "b"}, 400, "not prompt and content"),
+                                      ("/tokenize", {"prompt": "a", "model": "x"}, 404, "no model named 'x'"),
+                                      ("/detokenize", {"tokens": [10**6]}, 400, "token id 1000000 is beyond"),
+                                      ("/detokenize", {"tokens": [-1]}, 400, "token ids are integers >= 0")]:
+        response = post(path, body)
+        assert response.status_code == code and message in response.json()["error"]["message"], response.text
 
 
 def test_the_context_length_error_has_its_openai_code(client):

@@ -94,11 +94,24 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
-class _Generation(BaseModel):
-    """What chat and text completions share."""
+class _Request(BaseModel):
+    """What every request body shares: no unknown field, and text that is Unicode (`lone_surrogate`)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, body):
+        if (found := lone_surrogate(body)) is not None:
+            param, message = found
+            raise PydanticCustomError("lone_surrogate", "{message}", {"message": message, "param": param})
+        return body
+
+
+class _Generation(_Request):
+    """What chat and text completions share."""
+
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -113,12 +126,9 @@ class _Generation(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _what_clients_send(cls, body):
-        """Text that is Unicode; the fields this server does not serve, accepted when they ask for the default and
-        refused by name otherwise; the fields that cannot change the tokens, dropped."""
-        if (found := lone_surrogate(body)) is not None:
-            param, message = found
-            raise PydanticCustomError("lone_surrogate", "{message}", {"message": message, "param": param})
-        if not isinstance(body, dict):
+        """The fields this server does not serve, accepted when they ask for the default and refused by name
+        otherwise; the fields that cannot change the tokens, dropped."""
+        if not isinstance(body, dict) or lone_surrogate(body) is not None:  # refused by `_text_is_unicode`
             return body
         for name, (why, defaults) in UNSUPPORTED.items():
             if name in body and not _asks_for_default(body[name], defaults):
@@ -203,6 +213,41 @@ class CompletionRequest(_Generation):
         if not value:
             raise ValueError("the prompt is empty")
         if isinstance(value, list) and min(value) < 0:
+            raise ValueError("token ids are integers >= 0")
+        return value
+
+
+class TokenizeRequest(_Request):
+    """`POST /tokenize`: text as vLLM (`prompt`) or llama-server (`content`) sends it, or a chat's `messages` (as
+    the chat template renders them). Special tokens are added only when asked (`add_special_tokens`, llama-server's
+    `add_special`): by default the ids are those the completion endpoints feed the model."""
+
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_special: bool | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        given = [name for name in ("prompt", "content", "messages") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give one of prompt, content or messages, not {' and '.join(given) or 'none'}")
+        if self.add_special is not None:
+            self.add_special_tokens = self.add_special
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """`POST /detokenize`: token ids back to text, special tokens kept."""
+
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, value):
+        if value and min(value) < 0:
             raise ValueError("token ids are integers >= 0")
         return value
 

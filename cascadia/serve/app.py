@@ -29,13 +29,15 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 from tokenizers import Tokenizer
 
+from cascadia import __version__
 from cascadia.errors import CascadiaError
 from cascadia.pipeline.service import Failed, PipelineService
 from cascadia.policy import CANCELLED, LENGTH, STOP, Admitted, Finished, Rejected
 from cascadia.policy import Request as StreamRequest
 from cascadia.policy import Token
 from cascadia.sampling import Sampling
-from cascadia.serve.api import ChatRequest, CompletionRequest, Reply, error_body, usage
+from cascadia.serve.api import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, Reply, TokenizeRequest,
+                                error_body, usage)
 from cascadia.serve.chat import ChatTemplate
 from cascadia.serve.prom import CONTENT_TYPE, Metrics
 from cascadia.serve.text import TextStream
@@ -165,18 +167,37 @@ class Server:
 
     def prompt(self, body: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(body, ChatRequest):
-            if self.chat is None or self.tokenizer is None:
-                raise ApiError(400, f"chat completions need a chat template: {self.no_chat}; use /v1/completions",
-                               "invalid_request", param="messages")
-            text = self.chat.render([{"role": m.role, "content": m.text} for m in body.messages],
-                                    body.template_variables())
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        if isinstance(body.prompt, list):
-            return body.prompt
+            return self.chat_ids(body.messages, body.template_variables())
+        return body.prompt if isinstance(body.prompt, list) else self.text_ids(body.prompt, "prompt")
+
+    def chat_ids(self, messages: list[ChatMessage], variables: dict, add_generation_prompt: bool = True) -> list[int]:
+        """A chat's token ids, as the chat template renders it (special tokens in the text, none added)."""
+        if self.chat is None or self.tokenizer is None:
+            raise ApiError(400, f"chat messages need a chat template: {self.no_chat}; use /v1/completions",
+                           "invalid_request", param="messages")
+        text = self.chat.render([{"role": m.role, "content": m.text} for m in messages], variables,
+                                add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def text_ids(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer_for(param).encode(text, add_special_tokens=add_special_tokens).ids
+
+    def tokenizer_for(self, param: str) -> Tokenizer:
         if self.tokenizer is None:
-            raise ApiError(400, "text prompts need the checkpoint's tokenizer.json; give token ids", "invalid_request",
-                           param="prompt")
-        return self.tokenizer.encode(body.prompt, add_special_tokens=False).ids
+            raise ApiError(400, "text needs the checkpoint's tokenizer.json; give token ids", "invalid_request",
+                           param=param)
+        return self.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise ApiError(404, f"no model named {model!r}; this server serves {self.settings.model_name!r}",
+                           "invalid_request", param="model", code="model_not_found")
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.service.spec.model.config.vocab_size
+        if ids and max(ids) >= vocab:
+            raise ApiError(400, f"token id {max(ids)} is beyond the vocabulary (0..{vocab - 1})", "invalid_request",
+                           param=param)
 
     def start(self, body: ChatRequest | CompletionRequest) -> Generation:
         """Check a request against the model and the queue, and submit it."""
@@ -186,17 +207,12 @@ class Server:
                 (status.down or status.error or f"loading ({status.loading})")
             raise ApiError(503, f"not serving: {why}", "unavailable", "server_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
-        if body.model is not None and body.model != self.settings.model_name:
-            raise ApiError(404, f"no model named {body.model!r}; this server serves {self.settings.model_name!r}",
-                           "invalid_request", param="model", code="model_not_found")
+        self.check_model(body.model)
         prompt = self.prompt(body)
         budget = self.settings.context_budget
         if not prompt:
             raise ApiError(400, "the prompt has no tokens", "invalid_request", param="prompt")
-        vocab = self.service.spec.model.config.vocab_size
-        if max(prompt) >= vocab:
-            raise ApiError(400, f"token id {max(prompt)} is beyond the vocabulary (0..{vocab - 1})",
-                           "invalid_request", param="prompt")
+        self.check_ids(prompt, "prompt")
         wanted = body.wanted_tokens()
         if len(prompt) + (wanted or 1) > budget:
             raise ApiError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({wanted or 1}) exceeds the "
@@ -262,7 +278,8 @@ class BodyLimit:
 
 
 def build_app(server: Server) -> FastAPI:
-    app = FastAPI(title="cascadia serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="cascadia serve", version=__version__, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.server = server
 
     @app.exception_handler(ApiError)
@@ -315,6 +332,23 @@ def build_app(server: Server) -> FastAPI:
             raise ApiError(404, f"no open request {completion_id!r}", "not_found", param="id")
         generation.cancel()
         return {"id": completion_id, "cancelled": True}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        server.check_model(body.model)
+        if body.messages is not None:
+            ids = server.chat_ids(body.messages, {}, body.add_generation_prompt)
+        else:
+            ids = server.text_ids(body.prompt if body.prompt is not None else body.content, "prompt",
+                                  body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": server.settings.context_budget, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        server.check_model(body.model)
+        server.check_ids(body.tokens, "tokens")
+        text = server.tokenizer_for("tokens").decode(body.tokens, skip_special_tokens=False)
+        return {"prompt": text, "content": text}  # vLLM's key, and llama-server's
 
     @app.get("/v1/models")
     async def models():

@@ -43,12 +43,14 @@ class ChatTemplate:
                     if key.endswith("_token") and isinstance(value, str)}
         return cls(config["chat_template"], specials, str(path))
 
-    def render(self, messages: Sequence[dict[str, str]], variables: Mapping[str, Any] | None = None) -> str:
-        """The prompt text of a chat, ready for the assistant's reply; `variables`: more for the template (a
-        request's `chat_template_kwargs`), which may set any but `messages` and `add_generation_prompt` (as vLLM)."""
+    def render(self, messages: Sequence[dict[str, str]], variables: Mapping[str, Any] | None = None,
+               add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat, ready for the assistant's reply (unless `add_generation_prompt` is false);
+        `variables`: more for the template (a request's `chat_template_kwargs`), which may set any but `messages`
+        and `add_generation_prompt` (as vLLM)."""
         try:
-            return self._template.render({**self._special_tokens, **(variables or {}), "add_generation_prompt": True,
-                                          "messages": list(messages)})
+            return self._template.render({**self._special_tokens, **(variables or {}),
+                                          "add_generation_prompt": add_generation_prompt, "messages": list(messages)})
         except jinja2.TemplateError as e:  # the template's own raise_exception, or a sandbox refusal
             raise RequestError(f"the chat template ({self.where}) refused these messages: {e}") from None
 

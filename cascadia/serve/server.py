@@ -53,6 +53,7 @@ def serve(spec: Spec, plan: Plan, settings: ServeSettings, *, host: str = "127.0
     elif checkpoint is not None:
         no_chat = f"{checkpoint}/{TOKENIZER_FILE} is missing"
     listener = _listen(host, port)
+    log.info("%s", context_line(spec))
     try:
         service = PipelineService(spec, plan, checkpoint=checkpoint, **pipeline)
         server = Server(service, settings, tokenizer, chat, no_chat)
@@ -69,6 +70,14 @@ def serve(spec: Spec, plan: Plan, settings: ServeSettings, *, host: str = "127.0
     if uv.stopped_at_once is not None:
         raise CascadiaError(f"stopped at once by a second signal: {uv.stopped_at_once} open requests ended with an "
                             "error")
+
+
+def context_line(spec: Spec) -> str:
+    """What a stream holds, said at the start: a prompt plus its reply beyond it is refused."""
+    runtime, model = spec.runtime, spec.model.config.max_position_embeddings
+    held = "the model's whole context" if runtime.context_budget >= model else f"the model holds {model:,}"
+    return (f"serving {spec.model.name}: {runtime.context_budget:,} positions a stream (runtime.context_budget; "
+            f"{held}), {runtime.max_streams} streams at once")
 
 
 def _listen(host: str, port: int) -> socket.socket:
