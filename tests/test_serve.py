@@ -379,6 +379,46 @@ def test_tokenize_and_detokenize_as_vllm_and_llama_server_serve_them(server, ref
         assert response.status_code == code and message in response.json()["error"]["message"], response.text
 
 
+def test_the_responses_api_gives_the_chat_endpoints_tokens(client, reference):
+    """`client.responses.create`, whole and streamed: the instructions and input are the chat's messages."""
+    greedy, chat_ids, _ = reference
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    expected = greedy(chat_ids(messages), 6)[0]
+    whole = client.responses.create(model="tiny", instructions="Be brief.", input="Hello!", max_output_tokens=6,
+                                    temperature=0, store=False)
+    assert whole.output_text == expected and whole.id.startswith("resp_")
+    assert whole.status in ("completed", "incomplete") and whole.usage.input_tokens == len(chat_ids(messages))
+    assert (whole.status == "incomplete") == (whole.usage.output_tokens == 6)
+    items = [{"role": "system", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello!"}]}]
+    events = list(client.responses.create(model="tiny", input=items, max_output_tokens=6, temperature=0,
+                                          stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] == ("response.incomplete" if whole.status == "incomplete" else "response.completed")
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert "".join(deltas) == expected == events[-1].response.output_text
+    assert [event.sequence_number for event in events] == list(range(1, len(events) + 1))
+    with client.responses.stream(model="tiny", input="Hello!", instructions="Be brief.", max_output_tokens=6,
+                                 temperature=0) as stream:  # the SDK's helper, which rebuilds the response as it goes
+        helped = [event for event in stream]
+    assert "".join(e.delta for e in helped if e.type == "response.output_text.delta") == expected
+    assert [e.type for e in helped] == kinds
+
+
+def test_the_responses_api_refuses_what_it_does_not_serve_by_name(server):
+    for body, message in [({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id: responses are "
+                                                                               "not stored by this server"),
+                          ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, "tools: tool calls"),
+                          ({"input": [{"role": "tool", "content": "x"}]}, "input"),
+                          ({"input": "hi", "max_output_tokens": 500}, "exceeds the context length of 64")]:
+        response = httpx.post(f"{server.url}/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                              timeout=30)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
 def test_the_context_length_error_has_its_openai_code(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt=[1] * 60, max_tokens=10)
@@ -465,6 +505,10 @@ def test_a_second_signal_ends_open_streams_with_an_error_and_exits_1(tmp_path, c
     served = Served(tmp_path, SPEC, checkpoint, "--stall-timeout", "600")
     nodes = served.children()
     opened = [stream_open(served.url, 55) for _ in range(3)]
+    responses = httpx.Client(timeout=60)  # and a streamed response of the Responses API
+    opened.append((responses, responses.send(responses.build_request(
+        "POST", f"{served.url}/v1/responses", json={"input": "Hi", "max_output_tokens": 30, "stream": True}),
+        stream=True)))
     streams = [response.iter_lines() for _, response in opened]
     for lines in streams:
         next(line for line in lines if line.startswith("data:"))
@@ -473,16 +517,18 @@ def test_a_second_signal_ends_open_streams_with_an_error_and_exits_1(tmp_path, c
     served.process.send_signal(signal.SIGINT)
     wait_for(lambda: httpx.get(f"{served.url}/health", timeout=10).status_code == 503)  # draining
     served.process.send_signal(signal.SIGINT)
-    for lines in streams:
+    for lines in streams[:3]:
         last = [line for line in lines if line.startswith("data:")][-1]
         assert json.loads(last[5:])["error"]["message"] == "the server was stopped before the request finished"
+    last = json.loads([line for line in streams[3] if line.startswith("data:")][-1][5:])
+    assert (last["type"], last["message"]) == ("error", "the server was stopped before the request finished")
     for client, _ in opened:
         client.close()
     for pid in nodes:  # going on, they stop when told (else they are killed after SHUTDOWN_S)
         os.kill(pid, signal.SIGCONT)
     assert served.process.wait(60) == 1
     log = served.log.read_text()
-    assert log.splitlines()[-1] == "Error: stopped at once by a second signal: 3 open requests ended with an error"
+    assert log.splitlines()[-1] == "Error: stopped at once by a second signal: 4 open requests ended with an error"
     assert "Traceback" not in log
     assert len(nodes) == 3 and not any(alive(pid) for pid in nodes)
 

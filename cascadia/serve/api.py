@@ -17,7 +17,7 @@ allows and badly decoded text produces) is refused, naming where it is, before a
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -94,23 +94,36 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
-class _Request(BaseModel):
-    """What every request body shares: no unknown field, and text that is Unicode (`lone_surrogate`)."""
+class RequestBody(BaseModel):
+    """What every request body shares: no unknown field; text that is Unicode (`lone_surrogate`); the fields of its
+    API this server does not serve (`UNSERVED`), accepted when they ask for the default and refused by name
+    otherwise; the fields that cannot change the tokens (`IGNORING`), dropped."""
 
     model_config = ConfigDict(extra="forbid")
+    UNSERVED: ClassVar[dict[str, tuple[str, tuple]]] = {}
+    IGNORING: ClassVar[tuple[str, ...]] = ()
     model: str | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _text_is_unicode(cls, body):
+    def _what_clients_send(cls, body):
         if (found := lone_surrogate(body)) is not None:
             param, message = found
             raise PydanticCustomError("lone_surrogate", "{message}", {"message": message, "param": param})
-        return body
+        if not isinstance(body, dict):
+            return body
+        for name, (why, defaults) in cls.UNSERVED.items():
+            if name in body and not _asks_for_default(body[name], defaults):
+                raise PydanticCustomError("unsupported", "{message}", {"message": f"{name}: {why} by this server",
+                                                                       "param": name})
+        return {key: value for key, value in body.items() if key not in cls.UNSERVED and key not in cls.IGNORING}
 
 
-class _Generation(_Request):
+class _Generation(RequestBody):
     """What chat and text completions share."""
+
+    UNSERVED: ClassVar[dict[str, tuple[str, tuple]]] = UNSUPPORTED
+    IGNORING: ClassVar[tuple[str, ...]] = IGNORED
 
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -122,19 +135,6 @@ class _Generation(_Request):
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     user: str | None = None
     ignore_eos: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _what_clients_send(cls, body):
-        """The fields this server does not serve, accepted when they ask for the default and refused by name
-        otherwise; the fields that cannot change the tokens, dropped."""
-        if not isinstance(body, dict) or lone_surrogate(body) is not None:  # refused by `_text_is_unicode`
-            return body
-        for name, (why, defaults) in UNSUPPORTED.items():
-            if name in body and not _asks_for_default(body[name], defaults):
-                raise PydanticCustomError("unsupported", "{message}", {"message": f"{name}: {why} by this server",
-                                                                       "param": name})
-        return {key: value for key, value in body.items() if key not in UNSUPPORTED and key not in IGNORED}
 
     @field_validator("stop")
     @classmethod
@@ -217,7 +217,7 @@ class CompletionRequest(_Generation):
         return value
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     """`POST /tokenize`: text as vLLM (`prompt`) or llama-server (`content`) sends it, or a chat's `messages` (as
     the chat template renders them). Special tokens are added only when asked (`add_special_tokens`, llama-server's
     `add_special`): by default the ids are those the completion endpoints feed the model."""
@@ -239,7 +239,7 @@ class TokenizeRequest(_Request):
         return self
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     """`POST /detokenize`: token ids back to text, special tokens kept."""
 
     tokens: list[int]

@@ -40,6 +40,7 @@ from cascadia.serve.api import (ChatMessage, ChatRequest, CompletionRequest, Det
                                 error_body, usage)
 from cascadia.serve.chat import ChatTemplate
 from cascadia.serve.prom import CONTENT_TYPE, Metrics
+from cascadia.serve.responses import ResponseBody, ResponsesRequest, response_status, response_usage
 from cascadia.serve.text import TextStream
 
 KEEP_ALIVE_S = 5  # an SSE comment line this often keeps a paused stream's connection open (a node is replaced)
@@ -199,8 +200,9 @@ class Server:
             raise ApiError(400, f"token id {max(ids)} is beyond the vocabulary (0..{vocab - 1})", "invalid_request",
                            param=param)
 
-    def start(self, body: ChatRequest | CompletionRequest) -> Generation:
-        """Check a request against the model and the queue, and submit it."""
+    def start(self, body: ChatRequest | CompletionRequest, id_prefix: str | None = None) -> Generation:
+        """Check a request against the model and the queue, and submit it (its id: `id_prefix` and a random part,
+        by default the prefix of its endpoint's objects)."""
         status = self.service.status()
         if self.draining or not status.accepting:
             why = "the server is shutting down" if self.draining else \
@@ -227,8 +229,8 @@ class Server:
         sampling = Sampling(body.temperature, body.top_p, seed) if body.temperature else Sampling()
         stream = StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt),
                                () if body.ignore_eos else config.eos_ids, sampling)
-        prefix = "chatcmpl" if isinstance(body, ChatRequest) else "cmpl"
-        generation = Generation(self, stream, f"{prefix}-{secrets.token_hex(12)}", body.stop_strings)
+        prefix = id_prefix or ("chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-")
+        generation = Generation(self, stream, f"{prefix}{secrets.token_hex(12)}", body.stop_strings)
         self.open[generation.id] = generation
         self.waiting += 1
         self.service.submit(stream, generation.on_event)
@@ -325,6 +327,17 @@ def build_app(server: Server) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         return await _respond(server, body, request, chat=False)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        generation = server.start(body.as_chat(), id_prefix="resp_")
+        reply = ResponseBody(body, generation.id, server.settings.model_name)
+        prompt_tokens = len(generation.stream.prompt_ids)
+        if body.stream:
+            return EventSourceResponse(_response_events(generation, reply, prompt_tokens), ping=KEEP_ALIVE_S)
+        text = await _collected(generation, request)
+        return reply.response(response_status(generation.finish_reason), text,
+                              response_usage(prompt_tokens, generation.tokens))
+
     @app.post("/v1/cancel/{completion_id}")
     async def cancel(completion_id: str):
         generation = server.open.get(completion_id)
@@ -385,17 +398,22 @@ async def _respond(server: Server, body: ChatRequest | CompletionRequest, reques
     prompt_tokens = len(generation.stream.prompt_ids)
     if body.stream:
         return EventSourceResponse(_stream(generation, reply, body, prompt_tokens), ping=KEEP_ALIVE_S)
+    text = await _collected(generation, request)
+    return reply.whole(text, generation.finish_reason, prompt_tokens, generation.tokens)
+
+
+async def _collected(generation: Generation, request: Request) -> str:
+    """The whole text of a request answered at once; a client that goes away meanwhile cancels it."""
     collect = asyncio.ensure_future(_collect(generation))
     try:
         while not collect.done():
             await asyncio.wait({collect}, timeout=0.25)
             if not collect.done() and await request.is_disconnected():
                 generation.cancel()
-        text = await collect
+        return await collect
     finally:
         collect.cancel()
         generation.cancel()
-    return reply.whole(text, generation.finish_reason, prompt_tokens, generation.tokens)
 
 
 async def _collect(generation: Generation) -> str:
@@ -424,6 +442,38 @@ async def _stream(generation: Generation, reply: Reply, body: ChatRequest | Comp
         if body.include_usage:
             yield {"data": json.dumps(reply.usage_chunk(prompt_tokens, generation.tokens))}
         yield {"data": "[DONE]"}
+    finally:
+        generation.cancel()
+
+
+async def _response_events(generation: Generation, reply: ResponseBody, prompt_tokens: int):
+    """A streamed response's typed events (see `cascadia.serve.responses`); a failure is an `error` event, and the
+    stream ends there. A client that goes away cancels its request, as for a chat stream."""
+    try:
+        yield reply.event("response.created", response=reply.response("in_progress"))
+        yield reply.event("response.in_progress", response=reply.response("in_progress"))
+        yield reply.event("response.output_item.added", output_index=0, item=reply.message("in_progress", None))
+        yield reply.text_event("response.content_part.added", part=reply.part(""))
+        pieces = []
+        try:
+            async for piece in generation.pieces():
+                if piece:
+                    pieces.append(piece)
+                    yield reply.text_event("response.output_text.delta", delta=piece, logprobs=[])
+        except ApiError as e:
+            error = e.body["error"]
+            yield reply.event("error", code=error["code"], message=error["message"], param=error["param"])
+            return
+        if generation.rest:
+            pieces.append(generation.rest)
+            yield reply.text_event("response.output_text.delta", delta=generation.rest, logprobs=[])
+        text = "".join(pieces)
+        yield reply.text_event("response.output_text.done", text=text, logprobs=[])
+        yield reply.text_event("response.content_part.done", part=reply.part(text))
+        yield reply.event("response.output_item.done", output_index=0, item=reply.message("completed", text))
+        status = response_status(generation.finish_reason)
+        yield reply.event("response.completed" if status == "completed" else "response.incomplete",
+                          response=reply.response(status, text, response_usage(prompt_tokens, generation.tokens)))
     finally:
         generation.cancel()
 
