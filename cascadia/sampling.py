@@ -58,7 +58,10 @@ def greedy(logits: np.ndarray) -> int:
 
 
 def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_p: float = 1.0) -> int:
-    scaled = logits.astype(np.float64) / temperature
+    with np.errstate(over="ignore"):
+        scaled = logits.astype(np.float64) / temperature
+    if not np.isfinite(scaled).all():  # a temperature so near 0 that the logits overflow: its limit, greedy
+        return greedy(logits)
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")

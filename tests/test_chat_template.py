@@ -42,3 +42,9 @@ def test_a_template_that_refuses_is_a_request_error():
 def test_a_chat_requests_template_variables_are_vllms(body, variables):
     request = ChatRequest(messages=MESSAGES, **body)
     assert request.template_variables() == variables
+
+
+def test_a_requests_variables_may_not_replace_the_templates_functions():
+    template = ChatTemplate("{% set ns = namespace(n=0) %}{{ ns.n }}", {}, "test")
+    with pytest.raises(RequestError, match="^chat_template_kwargs: may not replace the chat template's own namespace"):
+        template.render(MESSAGES, {"namespace": 1})  # would call 1(): a TypeError, no fault of the checkpoint

@@ -63,6 +63,14 @@ def test_seeded_sampling_depends_on_seed_and_history_only_and_top_p_narrows():
         Sampling(temperature=1.0, top_p=0.0)
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-300])
+def test_a_temperature_too_small_to_divide_by_is_its_limit_greedy(temperature):
+    """Found by schemathesis: a request's temperature of 5e-324 put NaN into the draw and failed the pipeline."""
+    logits = np.array([0.5, 3.0, -1.0, 2.9], np.float32)
+    assert sample(logits, np.random.default_rng(0), temperature) == 1
+    assert Sampling(temperature, 0.5, 7).draw(logits, 0) == 1
+
+
 def test_score_logits_log_prob_and_perplexity():
     logits = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8], [1 / 3, 1 / 3, 1 / 3]]))
     result = score_logits(logits, [0, 1, 2])

@@ -25,6 +25,7 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise CheckpointError(f"{where}: chat_template: not a valid Jinja2 template ({e})") from None
         self._special_tokens = special_tokens
+        self._own_names = frozenset(environment.globals)  # range, namespace, raise_exception, ...
         self.where = where
 
     @classmethod
@@ -47,7 +48,9 @@ class ChatTemplate:
                add_generation_prompt: bool = True) -> str:
         """The prompt text of a chat, ready for the assistant's reply (unless `add_generation_prompt` is false);
         `variables`: more for the template (a request's `chat_template_kwargs`), which may set any but `messages`
-        and `add_generation_prompt` (as vLLM)."""
+        and `add_generation_prompt` (as vLLM), and not the template's own functions (`range`, `namespace`, ...)."""
+        if taken := sorted(self._own_names.intersection(variables or {})):
+            raise RequestError(f"chat_template_kwargs: may not replace the chat template's own {', '.join(taken)}")
         try:
             return self._template.render({**self._special_tokens, **(variables or {}),
                                           "add_generation_prompt": add_generation_prompt, "messages": list(messages)})

@@ -15,7 +15,7 @@ import secrets
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cascadia.serve.api import ChatMessage, ChatRequest, RequestBody
 
@@ -66,6 +66,13 @@ class ResponsesRequest(RequestBody):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)  # as vLLM takes it
     stream: bool = False
+
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("give at least one message")
+        return value
 
     def as_chat(self) -> ChatRequest:
         """The chat request that gives this response's tokens."""
