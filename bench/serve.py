@@ -57,13 +57,14 @@ def spec(config: InklingConfig, checkpoint: Path, max_streams: int) -> Spec:
 
 
 class Server:
-    """`cascadia serve` on 127.0.0.1 with the given spec and plan files, until `stop`."""
+    """`cascadia serve` on 127.0.0.1 with the given spec (and plan file, or one planned now), until `stop`."""
 
-    def __init__(self, spec_path: Path, plan_path: Path, log: Path) -> None:
+    def __init__(self, spec_path: Path, plan_path: Path | None, log: Path) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
+        plan = [] if plan_path is None else ["--plan", str(plan_path)]
         with log.open("w") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "cascadia", "serve", str(spec_path), "--plan", str(plan_path), "--port",
+                [sys.executable, "-m", "cascadia", "serve", str(spec_path), *plan, "--port",
                  self.url.rsplit(":", 1)[1]], stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_S
         while not self._healthy():
