@@ -285,14 +285,14 @@ class Pipeline:
         for node, how in self.local.ended():
             if node in self.coordinator.nodes:
                 raise NodeLost(node, how)
-            if losses[node] == MAX_STANDBY_LOSSES:
+            if losses[node] >= MAX_STANDBY_LOSSES:
                 continue  # given up on, and said so
             self.coordinator.stand_down(node, how)
-            if losses[node] == MAX_STANDBY_LOSSES:
+            if losses[node] < MAX_STANDBY_LOSSES:
+                log.info("%s started again to stand by", node)
+                self.local.restart(node, standby=True)
+            else:
                 log.error("%s was lost %d times while standing by; it is not started again", node, losses[node])
-                continue
-            log.info("%s started again to stand by", node)
-            self.local.restart(node, standby=True)
 
     def close(self, timeout_s: float = SHUTDOWN_S) -> None:
         """Shut every node down; kill local ones not gone within `timeout_s`."""

@@ -56,11 +56,8 @@ IGNORED = ("metadata", "store", "service_tier", "cache_prompt")
 def _asks_for_default(value: object, defaults: tuple) -> bool:
     """Whether `value` is one of `defaults`, of the same kind: 0 and 0.0 alike, but false is not 0."""
     def same(a: object, b: object) -> bool:
-        if isinstance(a, bool) or isinstance(b, bool):
-            return type(a) is type(b) and a == b
-        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-            return a == b
-        return type(a) is type(b) and a == b
+        numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+        return a == b and (numbers or type(a) is type(b))
 
     return value is None or any(same(value, default) for default in defaults)
 
@@ -234,9 +231,11 @@ class TokenizeRequest(RequestBody):
         given = [name for name in ("prompt", "content", "messages") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"give one of prompt, content or messages, not {' and '.join(given) or 'none'}")
-        if self.add_special is not None:
-            self.add_special_tokens = self.add_special
         return self
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special is None else self.add_special
 
 
 class DetokenizeRequest(RequestBody):

@@ -353,7 +353,7 @@ def build_app(server: Server) -> FastAPI:
             ids = server.chat_ids(body.messages, {}, body.add_generation_prompt)
         else:
             ids = server.text_ids(body.prompt if body.prompt is not None else body.content, "prompt",
-                                  body.add_special_tokens)
+                                  body.adds_special_tokens)
         return {"count": len(ids), "max_model_len": server.settings.context_budget, "tokens": ids}
 
     @app.post("/detokenize")
