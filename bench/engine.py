@@ -54,7 +54,7 @@ import numpy as np
 import openvino as ov
 from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
 
-from cascadia import tensors as names
+from cascadia.models import inkling as names
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import Compiled, CompiledBlock, compile_options, core, device_precision, runs_as
@@ -64,7 +64,7 @@ from cascadia.engine.inkling import Router, head_rms_norm, rms_norm
 from cascadia.engine.layer_build import build_layer
 from cascadia.engine.moe_choice import paths_text
 from cascadia.graph import costs
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import ModelSpec, RuntimeSpec, WeightFormat
 from cascadia.table import format_rows
 

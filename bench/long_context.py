@@ -69,7 +69,7 @@ from cascadia.engine.engine import Engine
 from cascadia.engine.kv_store import PagedKV
 from cascadia.engine.state_format import StateFormat
 from cascadia.graph.planner import plan as make_plan
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.policy import padded_size
 from cascadia.sim.calibration import Calibration, Extrapolations
 from cascadia.sim.model import FrameShape, StageCost, stage_kinds

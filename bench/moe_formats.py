@@ -48,7 +48,7 @@ from cascadia.engine.device import CompiledBlock, compile_options, core, runs_as
 from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.layer_build import build_layer
 from cascadia.graph import costs
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import ModelSpec, WeightFormat, WeightFormats
 from cascadia.table import format_rows
 

@@ -26,7 +26,7 @@ import attrs
 from random_model import FORMATS, mid_config, random_checkpoint
 
 from cascadia.graph.planner import plan as make_plan
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.pipeline.run import run
 from cascadia.spec.types import ClusterSpec, LengthSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WorkloadSpec
 from cascadia.table import format_rows

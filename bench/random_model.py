@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cascadia.engine.init_model import init_model
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import WeightFormat, WeightFormats
 
 # config.json keys over specs/tiny's config: hidden 1024; 8 layers, the first dense, the others 64 experts top-6 plus

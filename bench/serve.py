@@ -30,7 +30,7 @@ import httpx
 from random_model import FORMATS, mid_config, random_checkpoint
 
 from cascadia.graph.planner import plan as make_plan
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.pipeline.run import run
 from cascadia.pipeline.transport import free_port
 from cascadia.serve.load import Target, run_url

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cascadia.errors import CheckpointError
 from cascadia.files import UnreadableFile, read_text
-from cascadia.model_config import InklingConfig
+from cascadia.models.base import ModelConfig
 from cascadia.spec.types import WorkloadSpec
 from cascadia.workload import load_prompts
 
@@ -54,7 +54,7 @@ class TokenizerError(CheckpointError):
     """A tokenizer that cannot be built for a model, or a tokenizer file that cannot be read."""
 
 
-def special_tokens(cfg: InklingConfig) -> list[str]:
+def special_tokens(cfg: ModelConfig) -> list[str]:
     """Special tokens in id order: bos, eos and pad at their config ids, reserved tokens filling the gaps."""
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     named = {cfg.bos_token_id: "<|bos|>", cfg.pad_token_id: "<|pad|>"}
@@ -64,7 +64,7 @@ def special_tokens(cfg: InklingConfig) -> list[str]:
     return [placed.get(i, f"<|reserved_{i}|>") for i in range(count)]
 
 
-def tokenizer_config(cfg: InklingConfig) -> dict[str, str]:
+def tokenizer_config(cfg: ModelConfig) -> dict[str, str]:
     """The `tokenizer_config.json` of a random checkpoint: its special tokens and `CHAT_TEMPLATE`."""
     specials = special_tokens(cfg)
     eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) and cfg.eos_token_id else cfg.eos_token_id
@@ -73,7 +73,7 @@ def tokenizer_config(cfg: InklingConfig) -> dict[str, str]:
         "chat_template": CHAT_TEMPLATE}
 
 
-def build_tokenizer(cfg: InklingConfig) -> Tokenizer:
+def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
     """Train the tokenizer for a model; at most `cfg.output_vocab_size` entries (fewer when the text runs out of
     merges). Raises TokenizerError when the vocabulary cannot even hold the bytes and the special tokens."""
     specials = special_tokens(cfg)
@@ -102,7 +102,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise TokenizerError(f"{path}: cannot read a tokenizer ({e})") from None
 
 
-def workload_prompts(workload: WorkloadSpec, checkpoint: Path | None, config: InklingConfig
+def workload_prompts(workload: WorkloadSpec, checkpoint: Path | None, config: ModelConfig
                      ) -> list[tuple[int, ...]] | None:
     """The prompts of the workload's file (None without one), their ids checked against the model's vocabulary;
     {"text": ...} lines are encoded with the checkpoint's tokenizer.json, read at the first such line."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from cascadia.errors import CascadiaError, RequestError
 from cascadia.files import UnreadableFile, read_text
-from cascadia.model_config import InklingConfig
+from cascadia.models.base import ModelConfig
 from cascadia.policy import Request
 from cascadia.sampling import Sampling
 from cascadia.spec.types import LengthSpec, RuntimeSpec, SloSpec, WorkloadSpec
@@ -215,7 +215,7 @@ class OpenLoop:
         return self._start + self._offsets[self._sent] if self._sent < len(self._requests) else None
 
 
-def stop_ids(workload: WorkloadSpec, config: InklingConfig) -> frozenset[int]:
+def stop_ids(workload: WorkloadSpec, config: ModelConfig) -> frozenset[int]:
     """The tokens that end a request early: the model's EOS ids when the workload says `stop_at_eos`, else none (a
     benchmark's requests keep their lengths)."""
     return config.eos_ids if workload.stop_at_eos else frozenset()

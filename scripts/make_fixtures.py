@@ -26,7 +26,7 @@ from transformers import DynamicCache, InklingForCausalLM
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
 from cascadia.engine.init_model import random_weights
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 
 S, G = "hybrid_sliding", "hybrid"
 SEQ_LEN = 40  # > sliding window and > rel_extent in every case
@@ -89,7 +89,7 @@ LONG_SAMPLED = 48  # prompt positions whose full-forward logits are kept (beside
 def build_model(hf: dict, seed: int) -> InklingForCausalLM:
     model = InklingForCausalLM(InklingTextConfig(**hf, attn_implementation="eager"))
     weights = {name: torch.from_numpy(w) for name, w in random_weights(InklingConfig.from_hf_dict(hf), seed)}
-    model.load_state_dict(weights, strict=True)  # also proves cascadia.tensors names every parameter
+    model.load_state_dict(weights, strict=True)  # also proves cascadia.models.inkling names every parameter
     return model.float().eval()
 
 

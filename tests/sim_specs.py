@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cascadia.graph.plan import Plan, Stage, ring_pairs
 from cascadia.graph.planner import stage_roles
-from cascadia.model_config import InklingConfig
+from cascadia.models import read_config
 from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration, NodeCalibration, Table, make_meta
 from cascadia.spec.types import ClusterSpec, LinkSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WorkloadSpec
 
@@ -43,7 +43,7 @@ def tiny_spec(n_nodes: int = 3, host: str | None = None, runtime: RuntimeSpec | 
               workload: WorkloadSpec | None = None, bandwidth: float | None = 1e9) -> Spec:
     nodes = tuple(NodeSpec(f"n{i}", memory_bytes=GIB, memory_bandwidth=bandwidth, compute_flops=1e12, host=host)
                   for i in range(n_nodes))
-    return Spec(ModelSpec(InklingConfig.from_file(TINY_CONFIG), name="tiny"),
+    return Spec(ModelSpec(read_config(TINY_CONFIG), name="tiny"),
                 ClusterSpec(nodes, default_link=LinkSpec(bandwidth=1e8, latency=1e-4)),
                 runtime or RuntimeSpec(context_budget=64, max_streams=8, row_buckets=(2, 4, 8), prefill_window=4),
                 workload or WorkloadSpec())

@@ -12,10 +12,10 @@ from sim_specs import even_plan, tiny_spec
 from cascadia.engine.checkpoint import Checkpoint, CheckpointError
 from cascadia.engine.init_model import random_tensor
 from cascadia.engine.quantize import round_to_bf16
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.pipeline.stage import load_stage
-from cascadia.tensors import (EMBED, HEAD, all_tensors, canonical_name, embedding_tensors, head_tensors, layer_prefix,
-                              layer_tensors)
+from cascadia.models.inkling import all_tensors, canonical_name, embedding_tensors, head_tensors, layer_tensors
+from cascadia.models.names import EMBED, HEAD, layer_prefix
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded")
@@ -39,7 +39,7 @@ def write_checkpoint(path: Path, raw_config: dict, tensors: dict[str, np.ndarray
 
 def full_tensors(raw_config: dict) -> dict[str, np.ndarray]:
     cfg = InklingConfig.from_hf_dict(raw_config)
-    return {name: random_tensor(1, name, shape) for name, (shape, _) in all_tensors(cfg).items()}
+    return {name: random_tensor(cfg, 1, name, shape) for name, (shape, _) in all_tensors(cfg).items()}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -55,14 +55,14 @@ def test_f32_fixture_values_are_the_seeded_random_weights(case):
     # scripts/make_fixtures.py loads random_weights(seed 0) into transformers and saves: values come back exactly
     ckpt = Checkpoint.open(FIXTURES / case)
     for name, (shape, _) in all_tensors(ckpt.config).items():
-        np.testing.assert_array_equal(ckpt.tensor(name), random_tensor(0, name, shape), err_msg=name)
+        np.testing.assert_array_equal(ckpt.tensor(name), random_tensor(ckpt.config, 0, name, shape), err_msg=name)
 
 
 def test_bf16_fixture_reads_as_the_values_torch_rounded():
     ckpt = Checkpoint.open(FIXTURES / "bf16_unpadded")
     kept_f32 = 0
     for name, (shape, _) in all_tensors(ckpt.config).items():
-        drawn = random_tensor(0, name, shape)
+        drawn = random_tensor(ckpt.config, 0, name, shape)
         got = ckpt.tensor(name)
         assert got.dtype == np.float32 and got.shape == shape
         if np.array_equal(got, drawn):  # transformers keeps convolutions and routing corrections in F32

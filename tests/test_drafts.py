@@ -22,7 +22,7 @@ from cascadia.engine.generate import generate
 from cascadia.engine.quantize import quantize
 from cascadia.sampling import Sampling
 from cascadia.spec.types import ClusterSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats
-from cascadia.tensors import HEAD
+from cascadia.models.names import HEAD
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"

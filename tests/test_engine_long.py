@@ -20,7 +20,7 @@ from cascadia.engine.init_model import init_model
 from cascadia.engine.kv_store import PagedKV
 from cascadia.engine.state_format import StateFormat
 from cascadia.graph.planner import plan as make_plan
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.pipeline.run import Pipeline
 from cascadia.spec.types import RuntimeSpec
 

@@ -17,9 +17,10 @@ from cascadia.engine.init_model import random_tensor
 from cascadia.engine.inkling import rms_norm, row_factor
 from cascadia.engine.layer_build import build_layer
 from cascadia.engine.quantize import group_size, quantize
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats
-from cascadia.tensors import layer_prefix, layer_tensors
+from cascadia.models.inkling import layer_tensors
+from cascadia.models.names import layer_prefix
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BUCKETS = (2, 8, 16, 24, 32)
@@ -139,7 +140,7 @@ def overflowing_dense_layer() -> tuple[InklingConfig, dict[str, np.ndarray]]:
     cfg = InklingConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, layer_types=("hybrid",),
                         mlp_layer_types=("dense",), num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                         intermediate_size=128)
-    tensors = {name: random_tensor(0, layer_prefix(0) + name, shape) for name, (shape, _) in
+    tensors = {name: random_tensor(cfg, 0, layer_prefix(0) + name, shape) for name, (shape, _) in
                layer_tensors(cfg, 0).items()}
     tensors["post_attention_layernorm.weight"] *= np.float32(300)
     return cfg, tensors

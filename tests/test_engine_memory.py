@@ -16,7 +16,7 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, runs_as
 from cascadia.graph.planner import plan as make_plan
 from cascadia.spec.types import ClusterSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats
-from cascadia.tensors import EMBED, HEAD
+from cascadia.models.names import EMBED, HEAD
 
 FIXTURES = Path(__file__).parent / "fixtures"
 OUT, IN = 4096, 2048  # 32 MiB of f32 weights: far above the noise of a process's resident memory

@@ -30,7 +30,9 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import StageEngine
 from cascadia.errors import CheckpointError, RequestError, SpecError
 from cascadia.graph.planner import plan as make_plan
-from cascadia.model_config import FIELD_TYPES, ConfigError, InklingConfig, UnsupportedModel
+from cascadia.models import read_config
+from cascadia.models.base import ConfigError, UnsupportedModel
+from cascadia.models.inkling import FIELD_TYPES, InklingConfig
 from cascadia.pipeline.node import ForeignFrame
 from cascadia.pipeline.stage import EngineStage, RowSampler
 from cascadia.pipeline.wire import (DEFAULT_MAX_MESSAGE_BYTES, Decoder, Frame, Hello, Progress, Ready, Received,
@@ -156,7 +158,7 @@ def test_config_files_give_configs_or_config_errors_only(tmp_path_factory, chang
     path.write_bytes(raw if as_raw else json.dumps(TINY_FIELDS | changes).encode())
     with no_hang():
         try:
-            config = InklingConfig.from_file(folder)
+            config = read_config(folder)
         except ConfigError as e:
             assert str(e).startswith(f"{path}: ")
         else:  # every value of the type its field says

@@ -5,10 +5,10 @@ import attrs
 import networkx as nx
 import pytest
 
-from cascadia import tensors
+from cascadia.models import inkling
 from cascadia.graph.build import build_graph, graph_totals, render
 from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, state_bytes
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import ModelSpec, RuntimeSpec, WeightFormat, WeightFormats
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "param_counts.json").read_text())["configs"]
@@ -43,7 +43,7 @@ def test_parameter_counts_match_transformers(name):
 @pytest.mark.parametrize("name", sorted(n for n in FIXTURE if "shapes" in FIXTURE[n]))
 def test_tensor_shapes_match_transformers(name):
     cfg = InklingConfig.from_hf_dict(FIXTURE[name]["config"])
-    shapes = {tensor: list(shape) for tensor, (shape, _) in tensors.all_tensors(cfg).items()}
+    shapes = {tensor: list(shape) for tensor, (shape, _) in inkling.all_tensors(cfg).items()}
     assert shapes == FIXTURE[name]["shapes"]
 
 

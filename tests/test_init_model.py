@@ -9,8 +9,8 @@ import cascadia.engine.init_model as init_module
 from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.init_model import init_model, random_tensor
-from cascadia.model_config import InklingConfig
-from cascadia.tensors import all_tensors
+from cascadia.models.inkling import InklingConfig
+from cascadia.models.inkling import all_tensors
 from cascadia.tokenizer import TokenizerError, build_tokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -43,7 +43,7 @@ def test_checkpoint_opens_validates_and_holds_the_seeded_weights(tmp_path):
     assert ckpt.config == cfg
     ckpt.validate(embed=True, head=True)
     for name, (shape, _) in all_tensors(cfg).items():
-        np.testing.assert_array_equal(ckpt.tensor(name), random_tensor(7, name, shape), err_msg=name)
+        np.testing.assert_array_equal(ckpt.tensor(name), random_tensor(cfg, 7, name, shape), err_msg=name)
     assert report.weight_bytes == sum(4 * np.prod(shape) for shape, _ in all_tensors(cfg).values())
 
 
@@ -94,7 +94,7 @@ def test_sharded_write_replaces_an_older_checkpoint(tmp_path):
     ckpt = Checkpoint.open(tmp_path)
     ckpt.validate(embed=True, head=True)
     name, (shape, _) = next(iter(all_tensors(cfg).items()))
-    np.testing.assert_array_equal(ckpt.tensor(name), random_tensor(4, name, shape))
+    np.testing.assert_array_equal(ckpt.tensor(name), random_tensor(cfg, 4, name, shape))
     init_model(cfg, tmp_path, seed=5)  # back to one file: no shard or index of the old one may survive
     assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from cascadia.metrics import SCHEMA, Recorder, RequestRecord, format_table, result, summarize_level
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.policy import Admitted, Finished, Rejected, Request, Token, Verified
 from cascadia.spec.types import ClusterSpec, ModelSpec, NodeSpec, Spec
 

@@ -12,7 +12,8 @@ import cascadia.cli
 from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, layer_ops, least_state_bytes, pool_layout
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import InfeasiblePlan, RooflineStageTime, min_max_split, plan, stage_roles
-from cascadia.model_config import InklingConfig
+from cascadia.models import read_config
+from cascadia.models.inkling import InklingConfig
 from cascadia.policy import KVPool
 from cascadia.spec.load import load_spec
 from cascadia.spec.types import (ClusterSpec, LinkSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat,
@@ -26,7 +27,7 @@ INT8_ROW_ASYM = WeightFormat("int8", symmetric=False)
 
 def paper_spec(max_streams: int = 176, context_budget: int = 1024, bandwidth: float | None = 120e9) -> Spec:
     """The paper's deployment: 11 PCs of 61.2 GiB on gigabit Ethernet, experts int4 g32, attention and head int8."""
-    cfg = (InklingConfig.from_file(PAPER_CONFIG) if PAPER_CONFIG.exists()
+    cfg = (read_config(PAPER_CONFIG) if PAPER_CONFIG.exists()
            else InklingConfig.from_hf_dict({"dense_mlp_idx": 2, "unpadded_vocab_size": 200058}))
     formats = WeightFormats(routed_experts=INT4_G32_ASYM, shared_experts=INT4_G32_ASYM, dense_mlp=INT4_G32_ASYM,
                             attention=INT8_ROW_ASYM, head=INT8_ROW_ASYM, embedding=INT8_ROW_ASYM)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cascadia.model_config import LayerKind
+from cascadia.models.base import LayerKind
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.long_prompt import one_stream, simulate_long_prompt
 from cascadia.spec.load import load_spec

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from cascadia.cli import cli
 from cascadia.graph.planner import plan
-from cascadia.model_config import InklingConfig
+from cascadia.models import read_config
+from cascadia.models.inkling import InklingConfig
 from cascadia.spec.dump import dump_spec, spec_from_hf
 from cascadia.spec.load import SpecError, load_spec
 from cascadia.spec.types import PAPER_FORMATS, LengthSpec, LinkSpec, WeightFormat
@@ -53,7 +54,7 @@ def test_ready_specs_load_and_dump_round_trips(path, tmp_path):
 def test_paper_deployment():
     spec = load_spec(SPECS / "inkling-975b-11pc.yaml")
     cfg = spec.model.config
-    assert cfg == InklingConfig.from_file(SPECS / "inkling-975b" / "config.json")
+    assert cfg == read_config(SPECS / "inkling-975b" / "config.json")
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.output_vocab_size) == (66, 6144, 201024, 200058)
     assert [i for i in range(66) if cfg.is_dense(i)] == [0, 1]
     assert [n.name for n in spec.cluster.nodes] == [f"pc{i}" for i in range(11)]

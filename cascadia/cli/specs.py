@@ -155,14 +155,14 @@ def init_model_command(source: str, out_dir: str, seed: int, dtype: str, force: 
     from cascadia.engine.checkpoint import INDEX_FILE, SINGLE_FILE
     from cascadia.engine.init_model import init_model
     from cascadia.errors import CheckpointError
-    from cascadia.model_config import InklingConfig
+    from cascadia.models import read_config
 
     held = [name for name in ("config.json", SINGLE_FILE, INDEX_FILE) if (Path(out_dir) / name).exists()]
     if held and not force:
         raise CheckpointError(f"{out_dir}: already holds a checkpoint ({', '.join(held)}); give --force to replace "
                               "it")
 
-    config = load_spec(source).model.config if source.endswith((".yaml", ".yml")) else InklingConfig.from_file(source)
+    config = load_spec(source).model.config if source.endswith((".yaml", ".yml")) else read_config(source)
     report = init_model(config, out_dir, seed=seed, dtype=dtype, progress=click.echo)
     tokenizer = f", tokenizer.json ({report.tokenizer_size} tokens)" if report.tokenizer_size else ""
     click.echo(f"wrote {out_dir}: config.json, {len(report.weight_files)} safetensors file(s) "

@@ -25,6 +25,7 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import check_request
 from cascadia.errors import CheckpointError
+from cascadia.models.base import config_differences
 from cascadia.spec.types import Spec, WeightFormat
 from cascadia.workload import stop_ids
 
@@ -144,7 +145,7 @@ def capture_deployed(spec: Spec, checkpoint: Checkpoint, prompts: Sequence[tuple
     `max_new_tokens` (ending at EOS when the spec's workload says `stop_at_eos`), with what its head reads; and
     the deployed path as it ran (precision, device, head format, CPU)."""
     cfg = checkpoint.config
-    if differences := cfg.differences(spec.model.config):
+    if differences := config_differences(cfg, spec.model.config):
         more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
         raise CheckpointError(f"{checkpoint.path}: its config.json describes another model than {spec.source}'s: "
                               f"{', '.join(differences[:3])}{more} (checkpoint vs spec)")

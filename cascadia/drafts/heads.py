@@ -14,7 +14,7 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, device_precision
 from cascadia.engine.quantize import Quantized, quantize_stacks
 from cascadia.spec.types import WeightFormat
-from cascadia.tensors import HEAD
+from cascadia.models.names import HEAD
 
 FULL, REDUCED = "full", "reduced"  # vocabularies
 F32, DEPLOYED, INT4 = "f32", "deployed", "int4"  # weights

@@ -1,4 +1,4 @@
-"""Read an Inkling text checkpoint (config.json + safetensors, single file or sharded) lazily, as float32 numpy.
+"""Read a text checkpoint of any family (config.json + safetensors, single file or sharded) lazily, as float32 numpy.
 
 A node reads only the tensors of its own layers: opening reads config.json and the shard index (or the single
 file's JSON header), a shard's header is parsed the first time one of its tensors is asked for, and tensor data are
@@ -22,9 +22,9 @@ import numpy as np
 from cascadia.engine.quantize import bf16_to_f32
 from cascadia.errors import CheckpointError, shown
 from cascadia.files import UnreadableFile, read_json, regular_file_size
-from cascadia.model_config import ConfigError, InklingConfig, UnsupportedModel
-from cascadia.tensors import (MTP_PREFIX, all_tensors, canonical_name, embedding_tensors, head_tensors, layer_prefix,
-                              layer_tensors)
+from cascadia.models import family, read_config
+from cascadia.models.base import ConfigError, ModelConfig, UnsupportedModel
+from cascadia.models.names import layer_prefix
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -121,20 +121,21 @@ def _counts(value: object) -> bool:
 class Checkpoint:
     """One checkpoint directory. Use `Checkpoint.open(path)`."""
 
-    def __init__(self, path: Path, config: InklingConfig, listing: Path, files: dict[str, tuple[Path, str]],
+    def __init__(self, path: Path, config: ModelConfig, listing: Path, files: dict[str, tuple[Path, str]],
                  headers: dict[Path, _Header]):
         self.path = path
         self.config = config
         self._listing = listing  # the file that says which tensors exist (index or single file)
         self._files = files  # canonical name -> (file, stored name)
         self._headers = headers  # safetensors headers parsed so far
-        self._expected = all_tensors(config)  # canonical name -> (shape, group)
+        self._family = family(config)
+        self._expected = self._family.all_tensors(config)  # canonical name -> (shape, group)
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
         path = Path(path)
         try:
-            config = InklingConfig.from_file(path / "config.json")
+            config = read_config(path / "config.json")
         except UnsupportedModel:
             raise  # not a fault of the checkpoint: a model Cascadia does not run
         except ConfigError as e:
@@ -152,21 +153,21 @@ class Checkpoint:
             raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE}")
         files = {}
         for name, file in stored.items():
-            if (canonical := canonical_name(name)) is not None:
+            if (canonical := family(config).canonical_name(name)) is not None:
                 files[canonical] = (file, name)
         return cls(path, config, listing, files, headers)
 
     # ---- listing ------------------------------------------------------------------------------------------
     def names(self) -> list[str]:
         """Text-model tensors present (canonical names), multi-token-prediction ones excluded."""
-        return sorted(n for n in self._files if not n.startswith(MTP_PREFIX))
+        return sorted(n for n in self._files if not self._is_mtp(n))
 
     def mtp_names(self) -> list[str]:
-        return sorted(n for n in self._files if n.startswith(MTP_PREFIX))
+        return sorted(n for n in self._files if self._is_mtp(n))
 
     # ---- reading ------------------------------------------------------------------------------------------
     def tensor(self, name: str) -> np.ndarray:
-        """One tensor as float32, its shape checked against `cascadia.tensors` (`model.mtp.*` come unchecked)."""
+        """One tensor as float32, its shape checked against the family's (`model.mtp.*` come unchecked)."""
         file, entry = self._checked_entry(name)
         return self._read_finite(name, file, entry, 0, entry.shape[0] if entry.shape else 1)
 
@@ -182,23 +183,23 @@ class Checkpoint:
             yield self._read_finite(name, file, entry, first, min(per, entry.shape[0] - first))
 
     def layer(self, layer: int) -> LayerTensors:
-        """One decoder layer's tensors, by name relative to its prefix (as `cascadia.tensors.layer_tensors`), each
+        """One decoder layer's tensors, by name relative to its prefix (as the family's `layer_tensors`), each
         read when first asked for."""
         return LayerTensors(self, layer_prefix(layer), self._layer_tensors(layer).keys())
 
     def embedding(self) -> dict[str, np.ndarray]:
-        return {name: self.tensor(name) for name in embedding_tensors(self.config)}
+        return {name: self.tensor(name) for name in self._family.embedding_tensors(self.config)}
 
     def head(self) -> dict[str, np.ndarray]:
-        return {name: self.tensor(name) for name in head_tensors(self.config)}
+        return {name: self.tensor(name) for name in self._family.head_tensors(self.config)}
 
     def validate(self, layers: Iterable[int] | None = None, embed: bool = False, head: bool = False) -> None:
         """Check presence, shape and dtype of the given layers (None: every layer) and, if asked, of the embedding
         and the head, from the safetensors headers alone: no tensor data is read."""
-        names = list(embedding_tensors(self.config)) if embed else []
+        names = list(self._family.embedding_tensors(self.config)) if embed else []
         for layer in range(self.config.num_hidden_layers) if layers is None else layers:
             names += [layer_prefix(layer) + rel for rel in self._layer_tensors(layer)]
-        names += list(head_tensors(self.config)) if head else []
+        names += list(self._family.head_tensors(self.config)) if head else []
         for name in names:
             self._checked_entry(name)
 
@@ -207,13 +208,17 @@ class Checkpoint:
         if not 0 <= layer < self.config.num_hidden_layers:
             raise CheckpointError(f"{self.path}: layer {layer} out of range (the model has "
                                   f"{self.config.num_hidden_layers} layers)")
-        return layer_tensors(self.config, layer)
+        return self._family.layer_tensors(self.config, layer)
+
+    def _is_mtp(self, name: str) -> bool:
+        return name.startswith(self._family.MTP_PREFIX)
 
     def _checked_entry(self, name: str) -> tuple[Path, _Entry]:
         """Where a tensor's bytes are, after checking everything that can be checked without reading them."""
         expected = self._expected[name][0] if name in self._expected else None
-        if expected is None and not name.startswith(MTP_PREFIX):
-            raise CheckpointError(f"{self.path}: {name!r} is not a tensor of the Inkling text model")
+        if expected is None and not self._is_mtp(name):
+            raise CheckpointError(f"{self.path}: {name!r} is not a tensor of the {type(self.config).__name__} "
+                                  "text model")
 
         def fail(file: Path, problem: str) -> CheckpointError:
             shape = f"expected shape {expected}" if expected else "shape not checked"

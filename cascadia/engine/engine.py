@@ -33,7 +33,8 @@ from cascadia.graph.plan import HEAD as HEAD_ROLE
 from cascadia.graph.plan import Stage
 from cascadia.policy import padded_size, score_schedule
 from cascadia.spec.types import ModelSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats
-from cascadia.tensors import EMBED, EMBED_NORM, FINAL_NORM, HEAD
+from cascadia.models.inkling import EMBED_NORM
+from cascadia.models.names import EMBED, FINAL_NORM, HEAD
 
 ProgressFn = Callable[[int, int], None]  # (parts built, parts to build): embedding, each layer, head
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 import openvino as ov
 
-from cascadia import tensors as names
+from cascadia.models import inkling as names
 from cascadia.engine import graphs
 from cascadia.engine.attention import AttentionShape
 from cascadia.engine.checkpoint import LayerTensors
@@ -25,7 +25,7 @@ from cascadia.engine.device import CompiledBlock
 from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.inkling import DecoderLayer, Router, conv_taps
 from cascadia.engine.quantize import quantize_stacks
-from cascadia.model_config import InklingConfig
+from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import WeightFormat, WeightFormats
 
 Compile = Callable[[ov.Model], CompiledBlock]

@@ -1,14 +1,17 @@
-"""What each part of an Inkling model costs: parameters, stored bytes, bytes and FLOPs per decode row, state.
+"""What each part of a model costs: parameters, stored bytes, bytes and FLOPs per decode row, state.
 
-Shapes come from `cascadia.tensors` (the checkpoint layout); bytes from the spec's weight formats. Conventions:
+Shapes come from the model's family (`cascadia.models`: the checkpoint layout); bytes from the spec's weight
+formats. Conventions:
 - `params` counts every stored tensor, as transformers builds it (the LM head has `vocab_size` rows).
 - Bytes and FLOPs of the head use the rows the checkpoint stores and the logits produced: `unpadded_vocab_size`.
 - Small tensors (norms, convolution weights, the router, the relative-bias bank) are stored in f32 whatever the
   format; the router is f32 because routing is computed in FP32.
-- FLOPs are matmul FLOPs (2 per multiply-add); norms, convolutions and activations are left out.
+- FLOPs are matmul FLOPs (2 per multiply-add): 2 per weight of each matrix, plus those the family names on f32
+  vectors (`extra_row_flops`); norms, convolutions and activations are left out.
 - K/V and convolution states use the runtime's `kv_precision`, and are counted as the engine allocates them: a
   sliding layer keeps window - 1 + (the largest row bucket) K/V entries. A short convolution of kernel K keeps the
-  previous K - 1 inputs of its channels (K - 1 + MAX_DRAFT with speculation: `cascadia.engine.rows`).
+  previous K - 1 inputs of its channels (K - 1 + MAX_DRAFT with speculation: `cascadia.engine.rows`), where the
+  family has them.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import math
 
 import attrs
 
-from cascadia import tensors
-from cascadia.model_config import LayerKind
+from cascadia.models import family
+from cascadia.models.base import LayerKind
+from cascadia.models import names
 from cascadia.policy import stream_blocks
 from cascadia.spec.types import ModelSpec, RuntimeSpec
 
@@ -26,7 +30,7 @@ STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 VECTOR_BYTES = 4  # small tensors are f32
 ACTIVATION_BYTES = 4  # FP32 per element between ops
 
-# Op kinds of a decoder layer, in dataflow order; each checkpoint tensor belongs to one (`tensors.op_kind`).
+# Op kinds of a decoder layer, in dataflow order; each checkpoint tensor belongs to one (a family's `op_kind`).
 LAYER_KINDS = ("input_norm", "attention", "attn_sconv", "post_norm", "router", "routed_experts", "shared_experts",
                "dense_mlp", "mlp_sconv")
 # Op kinds outside the decoder layers.
@@ -93,7 +97,7 @@ class EndCost:
 
 def _tensor_bytes(model: ModelSpec, shape: tuple[int, ...], group: str) -> int:
     """Stored bytes of a tensor; stacked matrices ([n, rows, cols]) are quantised matrix by matrix."""
-    if group == tensors.VECTOR:
+    if group == names.VECTOR:
         return math.prod(shape) * VECTOR_BYTES
     fmt = getattr(model.formats, group)
     *stack, rows, cols = shape
@@ -106,21 +110,18 @@ def _matmul_flops(shape: tuple[int, ...]) -> float:
 
 def layer_ops(model: ModelSpec, layer: int) -> dict[str, OpCost]:
     """The costs of each op kind present in a decoder layer, in dataflow order."""
-    cfg = model.config
-    by_kind: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
-    for name, (shape, group) in tensors.layer_tensors(cfg, layer).items():
-        by_kind.setdefault(tensors.op_kind(name), []).append((name, shape, group))
-    n_heads = cfg.heads(layer)[0]
+    cfg, fam = model.config, family(model.config)
+    by_kind: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    for name, (shape, group) in fam.layer_tensors(cfg, layer).items():
+        by_kind.setdefault(fam.op_kind(name), []).append((shape, group))
+    extra_flops = fam.extra_row_flops(cfg, layer)
     ops = {}
     for kind in (k for k in LAYER_KINDS if k in by_kind):
         entries = by_kind[kind]
-        params = sum(math.prod(shape) for _, shape, _ in entries)
-        weight_bytes = sum(_tensor_bytes(model, shape, group) for _, shape, group in entries)
-        flops = sum(_matmul_flops(shape) for name, shape, group in entries
-                    if group != tensors.VECTOR or name == tensors.ROUTER)  # the router: a matmul in f32
-        if kind == "attention":
-            # every row mixes its relative states with the whole bias bank: [heads, d_rel] @ [d_rel, rel_extent]
-            flops += 2.0 * n_heads * cfg.d_rel * cfg.layer_rel_extent(layer)
+        params = sum(math.prod(shape) for shape, _ in entries)
+        weight_bytes = sum(_tensor_bytes(model, shape, group) for shape, group in entries)
+        flops = sum(_matmul_flops(shape) for shape, group in entries if group != names.VECTOR)
+        flops += extra_flops.get(kind, 0.0)
         active, row_bytes = params, weight_bytes
         if kind == "routed_experts":
             # one row reads top_k of the n_routed_experts stacked experts
@@ -132,12 +133,11 @@ def layer_ops(model: ModelSpec, layer: int) -> dict[str, OpCost]:
 
 def conv_state_bytes(model: ModelSpec, layer: int, kv_precision: str, rewind: int = 0) -> dict[str, int]:
     """Bytes of the short-convolution states of one stream, by the op kind that owns them (`rewind`: the positions a
-    speculating stream may step back, whose inputs they keep too)."""
-    cfg = model.config
-    n_kv, head_dim = cfg.heads(layer)[1:]
-    per_channel = (cfg.conv_kernel_size - 1 + rewind) * STATE_DTYPE_BYTES[kv_precision]
-    return {"attention": 2 * n_kv * head_dim * per_channel,  # k_sconv and v_sconv
-            "attn_sconv": cfg.hidden_size * per_channel, "mlp_sconv": cfg.hidden_size * per_channel}
+    speculating stream may step back, whose inputs they keep too); none for a family without them."""
+    cfg, fam = model.config, family(model.config)
+    channels = fam.conv_state_channels(cfg, layer)
+    per_channel = (fam.conv_history(cfg) + rewind) * STATE_DTYPE_BYTES[kv_precision] if channels else 0
+    return {kind: n * per_channel for kind, n in channels.items()}
 
 
 def kv_bytes_per_position(model: ModelSpec, layer: int, kv_precision: str) -> int:
@@ -147,7 +147,7 @@ def kv_bytes_per_position(model: ModelSpec, layer: int, kv_precision: str) -> in
 
 def layer_costs(model: ModelSpec, runtime: RuntimeSpec = RuntimeSpec()) -> list[LayerCost]:
     """Every decoder layer's costs, with its state as the engine keeps it under `runtime` (`kv_precision`; a
-    sliding layer's entries depend on the largest row bucket: `InklingConfig.kv_entries`)."""
+    sliding layer's entries depend on the largest row bucket: the config's `kv_entries`)."""
     cfg, kv_precision = model.config, runtime.kv_precision
     out = []
     for layer in range(cfg.num_hidden_layers):
@@ -181,16 +181,19 @@ def end_ops(model: ModelSpec) -> dict[str, OpCost]:
     The whole embedding table counts as active (the usual convention: 41.06B active for Inkling), though a row
     reads only its own table row. The head's bytes and FLOPs count the stored rows (`output_vocab_size`).
     """
-    cfg = model.config
+    cfg, fam = model.config, family(model.config)
     hidden, vector = cfg.hidden_size, cfg.hidden_size * VECTOR_BYTES
-    embed_shape = tensors.embedding_tensors(cfg)[tensors.EMBED][0]
-    head_shape = tensors.head_tensors(cfg)[tensors.HEAD][0]
-    embed_params, head_params = math.prod(embed_shape) + hidden, math.prod(head_shape)
+    embedding = fam.embedding_tensors(cfg)
+    embed_shape, head_shape = embedding[names.EMBED][0], fam.head_tensors(cfg)[names.HEAD][0]
+    # beside the table, f32 vectors (Inkling's embedding norm), read whole by every row
+    vectors = sum(math.prod(shape) for name, (shape, _) in embedding.items() if name != names.EMBED)
+    embed_params, head_params = math.prod(embed_shape) + vectors, math.prod(head_shape)
     head_bytes = model.formats.head.matrix_bytes(cfg.output_vocab_size, hidden)
     return {
         EMBEDDING: OpCost(EMBEDDING, embed_params, embed_params,
-                          weight_bytes=_tensor_bytes(model, embed_shape, "embedding") + vector,
-                          bytes_per_row=model.formats.embedding.matrix_bytes(1, hidden) + vector, flops_per_row=0.0),
+                          weight_bytes=_tensor_bytes(model, embed_shape, "embedding") + vectors * VECTOR_BYTES,
+                          bytes_per_row=model.formats.embedding.matrix_bytes(1, hidden) + vectors * VECTOR_BYTES,
+                          flops_per_row=0.0),
         FINAL_NORM: OpCost(FINAL_NORM, hidden, hidden, vector, vector, 0.0),
         HEAD: OpCost(HEAD, head_params, head_params, head_bytes, head_bytes,
                      flops_per_row=_matmul_flops((cfg.output_vocab_size, hidden))),

@@ -32,7 +32,7 @@ from cascadia.graph.plan import Plan
 from cascadia.graph.planner import load_plan
 from cascadia.host_cpus import pin
 from cascadia.measure.workers import CalibrationFailed, Worker, say
-from cascadia.model_config import LayerKind
+from cascadia.models.base import LayerKind
 from cascadia.pipeline.launch import thread_env
 from cascadia.pipeline.stage import EngineStage, find_stage, load_stage
 from cascadia.pipeline.wire import Frame

@@ -26,6 +26,7 @@ from cascadia.graph.plan import Plan, Stage, stage_state_words
 from cascadia.graph.planner import plan_from_dict
 from cascadia.host_cpus import pin
 from cascadia.host_memory import shortfall
+from cascadia.models.base import config_differences
 from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, ProgressFn, run_node
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import COORDINATOR
@@ -209,7 +210,7 @@ def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, 
                         f"{format_bytes(weights, digits=3)}, state {format_bytes(state, digits=3)}: "
                         f"{stage_state_words(spec.runtime.max_streams, stage)}) {short}")
     opened = Checkpoint.open(checkpoint)
-    if differences := opened.config.differences(spec.model.config):
+    if differences := config_differences(opened.config, spec.model.config):
         more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
         # The spec is not named: `run` hands its nodes a temporary copy of it.
         raise CheckpointError(f"{checkpoint}: its config.json describes another model than the spec's: "

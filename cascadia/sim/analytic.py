@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from cascadia.graph.costs import ACTIVATION_BYTES, embedding_cost, head_cost, layer_costs, layer_ops
 from cascadia.graph.plan import ring_pairs
-from cascadia.model_config import LayerKind
+from cascadia.models.base import LayerKind
 from cascadia.policy import padded_size
 from cascadia.sim.calibration import ANALYTIC, Calibration, CalibrationError, NodeCalibration, Table, make_meta
 from cascadia.spec.types import NodeSpec, Spec

@@ -41,7 +41,7 @@ import attrs
 from cascadia import __version__, host_cpus
 from cascadia.errors import CalibrationError
 from cascadia.files import UnreadableFile, read_json
-from cascadia.model_config import InklingConfig, LayerKind
+from cascadia.models.base import LayerKind, ModelConfig
 from cascadia.spec.types import LinkSpec, Spec
 
 FORMAT = "cascadia.calibration/2"
@@ -66,7 +66,7 @@ def uniform_distinct_experts(rows: float, top_k: int, n_experts: int) -> float:
     return n_experts * (1.0 - (1.0 - top_k / n_experts) ** rows)
 
 
-def model_dims(config: InklingConfig) -> dict[str, int]:
+def model_dims(config: ModelConfig) -> dict[str, int]:
     """The model figures a calibration is only valid for."""
     return {"hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
             "intermediate_size": config.intermediate_size, "moe_intermediate_size": config.moe_intermediate_size,

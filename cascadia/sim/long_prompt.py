@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from cascadia.model_config import InklingConfig
+from cascadia.models import config_from_hf_dict
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
@@ -32,7 +32,7 @@ def one_stream(spec: Spec, prompt_tokens: int, output_tokens: int) -> tuple[Spec
     config, notes = spec.model.config, []
     if budget > config.max_position_embeddings:
         notes.append(f"max_position_embeddings raised from {config.max_position_embeddings:,} to {budget:,}")
-        config = InklingConfig.from_hf_dict(config.to_hf_dict() | {"max_position_embeddings": budget})
+        config = config_from_hf_dict(config.to_hf_dict() | {"max_position_embeddings": budget})
     runtime = attrs.evolve(spec.runtime, max_streams=1, context_budget=budget)
     workload = override(spec.workload, concurrency=(1,), requests=1, output_tokens=output_tokens,
                         prompt_tokens=prompt_tokens)

@@ -33,7 +33,7 @@ from cascadia.driver import PhaseDriver
 from cascadia.errors import PlanError
 from cascadia.graph.plan import EMBED, HEAD, Plan, Stage
 from cascadia.metrics import Recorder
-from cascadia.model_config import InklingConfig, LayerKind
+from cascadia.models.base import LayerKind, ModelConfig
 from cascadia.policy import Frame, Policy, Row, padded_size
 from cascadia.sim.calibration import (KIND_AXES, Calibration, CalibrationError, Extrapolations, NodeCalibration,
                                       interpolate)
@@ -90,7 +90,7 @@ def message_sizes(shape: FrameShape, hidden: int, stages: int) -> list[int]:
     return [frame_bytes(shape.rows, hidden)] * (stages - 1) + [tokens_bytes(shape.sampled)]
 
 
-def stage_kinds(stage: Stage, config: InklingConfig) -> Counter[str]:
+def stage_kinds(stage: Stage, config: ModelConfig) -> Counter[str]:
     """How many layers of each kind a stage computes per frame (embedding and head count as one each)."""
     kinds = Counter(config.attention_kind(i) for i in stage.layers)
     kinds.update(config.mlp_kind(i) for i in stage.layers)
@@ -105,7 +105,7 @@ class StageCost:
     notes: "node A" or "nodes A, B").
     """
 
-    def __init__(self, nodes: str, kinds: Counter[str], node: NodeCalibration, config: InklingConfig,
+    def __init__(self, nodes: str, kinds: Counter[str], node: NodeCalibration, config: ModelConfig,
                  calibration: Calibration, extrapolations: Extrapolations, buckets: tuple[int, ...]) -> None:
         self._nodes, self._node, self._calibration, self._log = nodes, node, calibration, extrapolations
         self._top_k, self._experts = config.num_experts_per_tok, config.n_routed_experts
@@ -323,7 +323,7 @@ class PipelineModel:
         legs.append(Leg(range(start, len(self._latency)), tuple(charged), None))
         return legs
 
-    def _stage_costs(self, plan: Plan, calibration: Calibration, config: InklingConfig,
+    def _stage_costs(self, plan: Plan, calibration: Calibration, config: ModelConfig,
                      buckets: tuple[int, ...]) -> tuple[list[StageCost], list[int]]:
         """One StageCost per distinct (layer kinds, node calibration), and which one each stage uses."""
         where = calibration.source or "calibration"

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import yaml
 
-from cascadia.model_config import InklingConfig
+from cascadia.models import read_config
 from cascadia.spec.types import (PAPER_FORMATS, TENSOR_GROUPS, LinkSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat,
                                  WeightFormats, WorkloadSpec)
 from cascadia.units import format_bytes, format_duration, format_flops, format_rate
@@ -112,11 +112,12 @@ def spec_from_hf(config_path: str | Path, out_dir: str | Path, nodes: int, memor
     """A starting spec for a transformers config (or checkpoint folder) on `nodes` alike machines.
 
     `out_dir` is where the spec will be saved: a config inside it is named by a relative path (the folder can move
-    as a whole), any other by its absolute path. Raises `ConfigError` for a config that is not a valid Inkling.
+    as a whole), any other by its absolute path. Raises `ConfigError` for a config that is no valid model of a
+    supported family.
     """
     config_path = Path(config_path)
     folder = config_path if config_path.is_dir() else config_path.parent
-    InklingConfig.from_file(config_path)
+    read_config(config_path)
     has_weights = any(folder.glob("*.safetensors"))
 
     def written(path: Path) -> str:

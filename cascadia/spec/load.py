@@ -24,13 +24,14 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import attrs
 
 from cascadia.host_cpus import parse_cpus
-from cascadia.model_config import (ALIASES, FIELD_TYPES, ConfigError, FieldTypeError, InklingConfig, conform,
-                                   read_text_fields)
+from cascadia.models import family_of, read_fields
+from cascadia.models.base import ConfigError, FieldTypeError, ModelConfig, conform
 from cascadia.spec.problems import Problem, SpecError, shown
 from cascadia.spec.types import (DEVICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYPES, ClusterSpec, LengthSpec, LinkSpec,
                                  ModelSpec, NodeSpec, RuntimeSpec, SloSpec, Spec, WeightFormat, WeightFormats,
@@ -261,38 +262,38 @@ def _address(value: Any) -> str:
 _CONFIG_METADATA = {"model_type", "architectures"}  # in every config.json; harmless inline
 
 
-def _config_values(fields: dict[str, Any], report: Callable[[str, str], None],
+def _config_values(fields: dict[str, Any], types: dict[str, Any], report: Callable[[str, str], None],
                    check_unknown: bool, numeric_text: bool) -> dict[str, Any] | None:
-    """Config fields conformed to their types (`model_config.conform`; `numeric_text`: for YAML, which reads `1e-3`
-    as text), or None; each problem goes to `report(key, message)`.
+    """Config fields conformed to `types`, their family's (`models.base.conform`; `numeric_text`: for YAML, which
+    reads `1e-3` as text), or None; each problem goes to `report(key, message)`.
 
     None when a field is wrong, rather than the others alone: a dropped field would come back as its default
     and set off problems of its own (a default 66 layers against a 6-entry layer_types).
     """
     out, valid = {}, True
     for key, value in fields.items():
-        if key not in FIELD_TYPES:
+        if key not in types:
             if check_unknown and key not in _CONFIG_METADATA:
-                hint = difflib.get_close_matches(key, list(FIELD_TYPES), n=1)
+                hint = difflib.get_close_matches(key, list(types), n=1)
                 report(key, "unknown model config key" + (f"; did you mean {hint[0]!r}?" if hint else ""))
                 valid = False
             out[key] = value
             continue
         try:
-            out[key] = conform(value, FIELD_TYPES[key], numeric_text)
+            out[key] = conform(value, types[key], numeric_text)
         except FieldTypeError as e:
             report(key, str(e))
             valid = False
     return out if valid else None
 
 
-def _read_hf_config(ctx: _Context, node: Node) -> tuple[dict[str, Any], Path] | None:
-    """The text-model fields of the config.json that `node` names (see `model_config.read_text_fields`), and that
+def _read_hf_config(ctx: _Context, node: Node) -> tuple[ModuleType, dict[str, Any], Path] | None:
+    """The family and text-model fields of the config.json that `node` names (see `models.read_fields`), and that
     file; problems name the file and the key, reported at `node`."""
     if ctx.parse(node, "model.hf_config", _text) is None:
         return None
     try:
-        fields, path = read_text_fields(os.path.normpath(node.file.parent / node.value))
+        fam, fields, path = read_fields(os.path.normpath(node.file.parent / node.value))
     except ConfigError as e:
         ctx.report(node, "model.hf_config", str(e))
         return None
@@ -300,21 +301,34 @@ def _read_hf_config(ctx: _Context, node: Node) -> tuple[dict[str, Any], Path] | 
     def report(key: str, message: str) -> None:
         ctx.report(node, "model.hf_config", f"{path}: {key}: {message}")
 
-    values = _config_values(fields, report, check_unknown=False, numeric_text=False)
-    return None if values is None else (values, path)
+    values = _config_values(fields, fam.FIELD_TYPES, report, check_unknown=False, numeric_text=False)
+    return None if values is None else (fam, values, path)
 
 
-def _mapping_values(ctx: _Context, node: Node, path: str) -> dict[str, Any] | None:
-    """Inline config fields (`model.config`, `model.overrides`), each checked at its own line."""
+def _inline_family(ctx: _Context, node: Node, path: str) -> ModuleType | None:
+    """The family an inline mapping of config fields names by its `model_type` (Inkling's when it names none)."""
     if not isinstance(node.value, dict):
         ctx.report(node, path, f"expected a mapping of config fields, got {shown(node.plain())}")
         return None
-    return _config_values({k: v.plain() for k, v in node.value.items()},
+    try:
+        return family_of({key: value.plain() for key, value in node.value.items() if key in _CONFIG_METADATA})
+    except ConfigError as e:
+        key = next(key for key in ("model_type", "architectures") if key in node.value)
+        ctx.report(node.value[key], f"{path}.{key}", str(e))
+        return None
+
+
+def _mapping_values(ctx: _Context, node: Node, path: str, fam: ModuleType) -> dict[str, Any] | None:
+    """Inline config fields (`model.config`, `model.overrides`) of family `fam`, each checked at its own line."""
+    if not isinstance(node.value, dict):
+        ctx.report(node, path, f"expected a mapping of config fields, got {shown(node.plain())}")
+        return None
+    return _config_values({k: v.plain() for k, v in node.value.items()}, fam.FIELD_TYPES,
                           lambda key, message: ctx.report(node.value[key], f"{path}.{key}", message),
                           check_unknown=True, numeric_text=True)
 
 
-def _inkling_config(ctx: _Context, model: Node, fields: _Fields) -> InklingConfig | None:
+def _model_config(ctx: _Context, model: Node, fields: _Fields) -> ModelConfig | None:
     hf_node, inline_node, overrides_node = fields.get("hf_config"), fields.get("config"), fields.get("overrides")
     if hf_node is not None and inline_node is not None:
         ctx.report(inline_node, "model.config", "give model.hf_config or model.config, not both")
@@ -323,16 +337,23 @@ def _inkling_config(ctx: _Context, model: Node, fields: _Fields) -> InklingConfi
         ctx.report(model, "model", "missing hf_config (path of a transformers config.json) or config (inline fields)")
         return None
     if inline_node is not None:
-        base, source = _mapping_values(ctx, inline_node, "model.config"), None
+        fam, source = _inline_family(ctx, inline_node, "model.config"), None
+        base = None if fam is None else _mapping_values(ctx, inline_node, "model.config", fam)
     else:
-        base, source = _read_hf_config(ctx, hf_node) or (None, None)
-    overrides = {} if overrides_node is None else _mapping_values(ctx, overrides_node, "model.overrides")
+        fam, base, source = _read_hf_config(ctx, hf_node) or (None, None, None)
+    if fam is None:
+        return None
+    overrides = {} if overrides_node is None else _mapping_values(ctx, overrides_node, "model.overrides", fam)
     if base is None or overrides is None:
         return None
+    if overrides.get("model_type", fam.MODEL_TYPES[0]) not in fam.MODEL_TYPES:
+        ctx.report(overrides_node.value["model_type"], "model.overrides.model_type",
+                   "an override cannot change the model's family")
+        return None
     # An override under an alias (sliding_window) must beat the base's proper name (sliding_window_size).
-    merged = {**base, **{ALIASES.get(key, key): value for key, value in overrides.items()}}
+    merged = {**base, **{fam.ALIASES.get(key, key): value for key, value in overrides.items()}}
     try:
-        return InklingConfig.from_hf_dict(merged)
+        return fam.Config.from_hf_dict(merged)
     except ConfigError as e:
         for message in str(e).split("; "):
             # A message starts with the field it is about: point at the line that set that field.
@@ -390,7 +411,7 @@ def _model(ctx: _Context, node: Node) -> ModelSpec | None:
     name = fields.take("name", _node_name)
     checkpoint = fields.path_value("checkpoint")
     formats = _weight_formats(ctx, fields.get("formats"))
-    config = _inkling_config(ctx, node, fields) if isinstance(node.value, dict) else None
+    config = _model_config(ctx, node, fields) if isinstance(node.value, dict) else None
     fields.finish()
     if config is None:
         return None

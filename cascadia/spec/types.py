@@ -12,7 +12,7 @@ from pathlib import Path
 
 import attrs
 
-from cascadia.model_config import InklingConfig
+from cascadia.models.base import ModelConfig
 from cascadia.speculation import parse_speculate
 
 WEIGHT_DTYPES = ("int4", "int8", "f16", "bf16", "f32")
@@ -73,7 +73,7 @@ PAPER_FORMATS = WeightFormats(routed_experts=_INT4_G32_ASYM, shared_experts=_INT
 
 @attrs.frozen
 class ModelSpec:
-    config: InklingConfig
+    config: ModelConfig
     formats: WeightFormats = WeightFormats()
     checkpoint: Path | None = None  # resolved against the spec file's folder
     name: str = "inkling"

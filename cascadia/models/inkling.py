@@ -1,96 +1,44 @@
-"""The Inkling text-model configuration, read from a Hugging Face `config.json`.
+"""The Inkling family: its text model's configuration, read from a Hugging Face `config.json`, and every tensor of
+its checkpoints.
 
-Mirrors transformers' `InklingTextConfig` (the definition of correct): same field names, same defaults, same
-derivation of `layer_types` and `mlp_layer_types`. Only the text model is described; vision and audio keys are
-ignored. Everything else in Cascadia (graph, planner, engine, simulator) reads the model through this class.
+The configuration mirrors transformers' `InklingTextConfig` (the definition of correct): same field names, same
+defaults, same derivation of `layer_types` and `mlp_layer_types`. Only the text model is described; vision and audio
+keys are ignored. Tensor names are as transformers' `save_pretrained` writes them, shapes as `modeling_inkling.py`
+builds them, each with its weight-format group and the dataflow op it belongs to.
 """
 
 from __future__ import annotations
 
-import enum
-import math
 import typing
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
+import numpy as np
 
-from cascadia.errors import CascadiaError, shown
-from cascadia.files import UnreadableFile, read_json
+from cascadia.models.base import MAX_LAYERS, ConfigError, LayerKind, conform_fields
+from cascadia.models.names import EMBED, FINAL_NORM, HEAD, VECTOR, layer_prefix
+
+# The `model_type`s of Inkling's configs (transformers picks a config's class by it) and the classes an
+# `architectures` list may name: the multimodal checkpoint and its text model.
+MODEL_TYPES = ("inkling", "inkling_text")
+ARCHITECTURES = ("InklingForConditionalGeneration", "InklingForCausalLM")
 
 # transformers' layer type names, in `layer_types` and `mlp_layer_types`
 HF_SLIDING, HF_GLOBAL, HF_DENSE, HF_SPARSE = "hybrid_sliding", "hybrid", "dense", "sparse"
 
-
-class LayerKind(str, enum.Enum):
-    """The kinds of work the parts of the model do, one name for the graph, the planner, the engine, calibration and
-    the simulator: a decoder layer's attention half (sliding or global) and its MLP half (MoE or dense), and the
-    two ends of the pipeline (the embedding; the head with the final norm and sampling)."""
-
-    SLIDING = "sliding"
-    GLOBAL = "global"
-    MOE = "moe"
-    DENSE = "dense"
-    EMBEDDING = "embedding"
-    HEAD = "head"
-
-    def __str__(self) -> str:
-        return self.value
-
-
 # Keys a checkpoint may use for a field (transformers' `attribute_map`).
-_ALIASES = {
+ALIASES = {
     "sliding_window": "sliding_window_size",
     "num_local_experts": "n_routed_experts",
     "sconv_kernel_size": "conv_kernel_size",
     "model_max_length": "max_position_embeddings",
     "embedding_multiplier": "logits_mup_width_multiplier",
 }
-# Most num_hidden_layers: per-layer lists are built from it, and a typo like 1e12 layers must fail, not hang.
-MAX_LAYERS = 10_000
-# Inkling's config.json takes 3 KiB; a file of more is not a model config (a checkpoint named by mistake).
-MAX_CONFIG_FILE_BYTES = 1024**2
 
 
-# The models Cascadia runs, by the `model_type` their config names (transformers picks a config's class by it) and
-# by the classes its `architectures` lists: Inkling's multimodal checkpoint and its text model.
-MODEL_TYPES = ("inkling", "inkling_text")
-ARCHITECTURES = ("InklingForConditionalGeneration", "InklingForCausalLM")
-
-
-class ConfigError(CascadiaError):
-    """A model configuration that cannot describe a valid Inkling text model."""
-
-    exit_status = 2  # as a spec's problems: the input is at fault, not the machine
-
-
-class UnsupportedModel(ConfigError):
-    """A config of a model Cascadia does not run (another family), refused before any of its fields is read."""
-
-
-def check_model_type(raw: dict[str, Any], required: bool) -> None:
-    """Refuse a config whose `model_type` or `architectures` names a model Cascadia does not run; with `required`
-    (a config.json, as transformers requires), one that names neither. Checked before any field is read, so that
-    another family's config is never read as Inkling's defaults."""
-    supported = f"(supported: {', '.join(MODEL_TYPES)})"
-    model_type, architectures = raw.get("model_type"), raw.get("architectures")
-    if model_type is not None and model_type not in MODEL_TYPES:
-        raise UnsupportedModel(f"model_type {shown(model_type)} is not supported {supported}")
-    if architectures is not None and not (isinstance(architectures, list)
-                                          and any(name in ARCHITECTURES for name in architectures)):
-        raise UnsupportedModel(f"architectures {shown(architectures)} names no supported model "
-                               f"(supported: {', '.join(ARCHITECTURES)})")
-    if required and model_type is None and architectures is None:
-        raise UnsupportedModel(f"model_type missing (a config.json names its model's type; {supported[1:]}")
-
-
-def text_fields(raw: Any, model_type_required: bool = False) -> dict[str, Any]:
+def text_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """The text model's keys of a transformers config: its `text_config` (a multimodal config) or its top level,
-    with `mtp_config`'s layer count as `num_mtp_layers` unless the text config sets that (as transformers does).
-    Refuses a config of another model first (`check_model_type`)."""
-    if not isinstance(raw, dict):
-        raise ConfigError("expected a JSON object")
-    check_model_type(raw, model_type_required)
+    with `mtp_config`'s layer count as `num_mtp_layers` unless the text config sets that (as transformers does)."""
     for key in ("text_config", "mtp_config"):
         if raw.get(key) is not None and not isinstance(raw[key], dict):
             raise ConfigError(f"{key}: expected a JSON object")
@@ -100,22 +48,10 @@ def text_fields(raw: Any, model_type_required: bool = False) -> dict[str, Any]:
     return fields
 
 
-def read_text_fields(path: str | Path) -> tuple[dict[str, Any], Path]:
-    """`text_fields` of a `config.json` (or of the one in folder `path`), and the file read. Raises `ConfigError`
-    naming the file for one that cannot be read."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        return text_fields(read_json(path, MAX_CONFIG_FILE_BYTES, "a model config"), model_type_required=True), path
-    except UnreadableFile as e:
-        raise ConfigError(f"{path}: {e}") from None
-    except ConfigError as e:
-        raise type(e)(f"{path}: {e}") from None
-
-
 @attrs.frozen(kw_only=True)
 class InklingConfig:
+    model_type: ClassVar[str] = "inkling_text"
+
     vocab_size: int = 201024
     unpadded_vocab_size: int | None = None
     hidden_size: int = 6144
@@ -163,10 +99,10 @@ class InklingConfig:
         """Build from a transformers config dict: the text config, or the multimodal top level. Every key that sets
         a field is checked for its type first (`conform_fields`; no number may come as text, as a JSON file would
         not write it); keys of other parts of the model are ignored."""
-        d, problems = conform_fields(text_fields(raw))
+        d, problems = conform_fields(text_fields(raw), FIELD_TYPES)
         if problems:
             raise ConfigError("; ".join(problems))
-        for alias, name in _ALIASES.items():
+        for alias, name in ALIASES.items():
             if alias in d:
                 d.setdefault(name, d.pop(alias))
         if d.get("dense_intermediate_size") is not None:
@@ -189,15 +125,6 @@ class InklingConfig:
         kwargs["mlp_layer_types"] = tuple(kwargs["mlp_layer_types"])
         return cls(**kwargs)
 
-    @classmethod
-    def from_file(cls, path: str | Path) -> InklingConfig:
-        """Build from a `config.json`, or from the one in folder `path`."""
-        fields, path = read_text_fields(path)
-        try:
-            return cls.from_hf_dict(fields)
-        except ConfigError as e:
-            raise type(e)(f"{path}: {e}") from None
-
     def to_hf_dict(self) -> dict[str, Any]:
         """A `config.json` body that transformers' `InklingTextConfig` reads back to the same model."""
         d = attrs.asdict(self)
@@ -210,7 +137,7 @@ class InklingConfig:
     # ---- validation ---------------------------------------------------------------------------------------
     def problems(self) -> list[str]:
         """What makes these values no Inkling text model, each message starting with the field it is about."""
-        _, out = conform_fields(attrs.asdict(self, recurse=False))
+        _, out = conform_fields(attrs.asdict(self, recurse=False), FIELD_TYPES)
         if out:
             return out
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -263,15 +190,6 @@ class InklingConfig:
             out.append(f"eos_token_id {bad[0]!r} lies outside the vocabulary (0..{self.output_vocab_size - 1})")
         return out
 
-    def differences(self, other: InklingConfig) -> list[str]:
-        """`FIELD MINE vs OTHERS` for each field that differs, in field order (long values shortened)."""
-        def shown(value: Any) -> str:
-            text = repr(value)
-            return text if len(text) <= 40 else text[:37] + "..."
-
-        pairs = ((f.name, getattr(self, f.name), getattr(other, f.name)) for f in attrs.fields(InklingConfig))
-        return [f"{name} {shown(mine)} vs {shown(theirs)}" for name, mine, theirs in pairs if mine != theirs]
-
     # ---- per-layer geometry -------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == HF_SLIDING
@@ -316,64 +234,172 @@ class InklingConfig:
 
 
 # ---- field types ---------------------------------------------------------------------------------------------------
-# Keys a model config may hold, with their types: InklingConfig's fields, the checkpoint aliases of some, and the
-# keys transformers derives fields from.
-FIELD_TYPES: dict[str, Any] = typing.get_type_hints(InklingConfig)
-FIELD_TYPES.update({alias: FIELD_TYPES[name] for alias, name in _ALIASES.items()})
+# Keys a config may hold, with their types: InklingConfig's fields, the checkpoint aliases of some, and the keys
+# transformers derives fields from.
+_HINTS = typing.get_type_hints(InklingConfig)
+FIELD_TYPES: dict[str, Any] = {f.name: _HINTS[f.name] for f in attrs.fields(InklingConfig)}
+FIELD_TYPES.update({alias: FIELD_TYPES[name] for alias, name in ALIASES.items()})
 FIELD_TYPES.update({"local_layer_ids": list[int] | None, "dense_mlp_idx": int | None,
                     "dense_intermediate_size": int | None})  # null: not given
-ALIASES = dict(_ALIASES)
+Config = InklingConfig
 
 
-class FieldTypeError(ValueError):
-    """A config value of the wrong type; the message says what was expected."""
+# ---- checkpoint tensors ------------------------------------------------------------------------------------------
+EMBED_NORM = "model.embed_tokens.embed_norm.weight"
+MTP_PREFIX = "model.mtp."  # multi-token-prediction layers: listed apart, not part of the text model's forward
+_IGNORED_PREFIXES = ("model.vision_tower.", "model.audio_tower.")
+_MULTIMODAL_TEXT_PREFIX = "model.language_model."
+
+# Names within a decoder layer (after `layer_prefix`), by module of InklingDecoderLayer.
+INPUT_NORM = "input_layernorm.weight"
+POST_NORM = "post_attention_layernorm.weight"
+Q_PROJ, K_PROJ, V_PROJ, R_PROJ, O_PROJ = (f"self_attn.{p}_proj.weight" for p in "qkvro")
+K_SCONV, V_SCONV = "self_attn.k_sconv.conv1d.weight", "self_attn.v_sconv.conv1d.weight"
+Q_NORM, K_NORM = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
+REL_BANK = "self_attn.rel_logits_proj.proj"  # [d_rel, extent]: bias profiles over backward distance
+ATTN_SCONV, MLP_SCONV = "attn_sconv.conv1d.weight", "mlp_sconv.conv1d.weight"
+DENSE_GATE, DENSE_UP, DENSE_DOWN = (f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+DENSE_SCALE = "mlp.global_scale"
+ROUTER, ROUTER_SCALE, ROUTER_CORRECTION = "mlp.gate.weight", "mlp.gate.global_scale", "mlp.gate.e_score_correction_bias"
+EXPERTS_GATE_UP, EXPERTS_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+SHARED_GATE, SHARED_UP, SHARED_DOWN = (f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down"))
+
+# The dataflow op each layer tensor belongs to, by name prefix (the first that matches: "mlp.gate." before the
+# dense "mlp."). The op kinds, in dataflow order, are `cascadia.graph.costs.LAYER_KINDS`.
+_OP_PREFIXES = (
+    ("input_layernorm.", "input_norm"),
+    ("post_attention_layernorm.", "post_norm"),
+    ("self_attn.", "attention"),
+    ("attn_sconv.", "attn_sconv"),
+    ("mlp_sconv.", "mlp_sconv"),
+    ("mlp.gate.", "router"),
+    ("mlp.experts.", "routed_experts"),
+    ("mlp.shared_experts.", "shared_experts"),
+    ("mlp.", "dense_mlp"),
+)
+# transformers' `_keep_in_fp32_modules_strict` for Inkling: these stay float32 in a bf16 checkpoint.
+_KEPT_F32 = ("sconv.conv1d.weight", "e_score_correction_bias", "gate.global_scale")
 
 
-def describe_type(hint: Any) -> str:
-    if typing.get_origin(hint) in (typing.Union, type(int | None)):
-        return " or ".join(describe_type(arg) for arg in typing.get_args(hint))
-    if typing.get_origin(hint) in (list, tuple):
-        return "a list of " + {int: "integers", str: "text values"}[typing.get_args(hint)[0]]
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "text", type(None): "null"}
-    return names.get(hint, getattr(hint, "__name__", str(hint)))
+def layer_tensors(cfg: InklingConfig, layer: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name relative to the layer prefix: (shape, group)} for one decoder layer."""
+    n_heads, n_kv, head_dim = cfg.heads(layer)
+    hidden, kernel = cfg.hidden_size, cfg.conv_kernel_size
+    kv_width = n_kv * head_dim
+    out: dict[str, tuple[tuple[int, ...], str]] = {
+        INPUT_NORM: ((hidden,), VECTOR),
+        POST_NORM: ((hidden,), VECTOR),
+        Q_PROJ: ((n_heads * head_dim, hidden), "attention"),
+        K_PROJ: ((kv_width, hidden), "attention"),
+        V_PROJ: ((kv_width, hidden), "attention"),
+        R_PROJ: ((n_heads * cfg.d_rel, hidden), "attention"),
+        O_PROJ: ((hidden, n_heads * head_dim), "attention"),
+        K_SCONV: ((kv_width, 1, kernel), VECTOR),
+        V_SCONV: ((kv_width, 1, kernel), VECTOR),
+        Q_NORM: ((head_dim,), VECTOR),
+        K_NORM: ((head_dim,), VECTOR),
+        REL_BANK: ((cfg.d_rel, cfg.layer_rel_extent(layer)), VECTOR),
+        ATTN_SCONV: ((hidden, 1, kernel), VECTOR),
+        MLP_SCONV: ((hidden, 1, kernel), VECTOR),
+    }
+    if cfg.is_dense(layer):
+        width = cfg.intermediate_size
+        out |= {
+            DENSE_GATE: ((width, hidden), "dense_mlp"),
+            DENSE_UP: ((width, hidden), "dense_mlp"),
+            DENSE_DOWN: ((hidden, width), "dense_mlp"),
+            DENSE_SCALE: ((1,), VECTOR),
+        }
+    else:
+        n_exp, n_shared, width = cfg.n_routed_experts, cfg.n_shared_experts, cfg.moe_intermediate_size
+        out |= {
+            ROUTER: ((n_exp + n_shared, hidden), VECTOR),  # routing is computed in FP32
+            ROUTER_SCALE: ((1,), VECTOR),
+            ROUTER_CORRECTION: ((n_exp,), VECTOR),
+            EXPERTS_GATE_UP: ((n_exp, 2 * width, hidden), "routed_experts"),
+            EXPERTS_DOWN: ((n_exp, hidden, width), "routed_experts"),
+            SHARED_GATE: ((n_shared, width, hidden), "shared_experts"),
+            SHARED_UP: ((n_shared, width, hidden), "shared_experts"),
+            SHARED_DOWN: ((n_shared, hidden, width), "shared_experts"),
+        }
+    return out
 
 
-def conform(value: Any, hint: Any, numeric_text: bool = False) -> Any:
-    """`value` as type `hint` (an int widened to float, a list for a tuple), or raise FieldTypeError. A bool is no
-    number; `numeric_text` takes "1e-3" for a number too (YAML reads `1e-3`, without a dot, as text)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, type(int | None)):
-        for arg in typing.get_args(hint):
-            try:
-                return conform(value, arg, numeric_text)
-            except FieldTypeError:
-                pass
-    elif origin in (list, tuple) and isinstance(value, (list, tuple)):
-        try:
-            return [conform(item, typing.get_args(hint)[0], numeric_text) for item in value]
-        except FieldTypeError:
-            pass
-    elif hint is float:
-        if numeric_text and isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    elif isinstance(hint, type) and isinstance(value, hint) and (hint is bool or not isinstance(value, bool)):
-        return value
-    raise FieldTypeError(f"expected {describe_type(hint)}, got {shown(value)}")
+def embedding_tensors(cfg: InklingConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {EMBED: ((cfg.vocab_size, cfg.hidden_size), "embedding"), EMBED_NORM: ((cfg.hidden_size,), VECTOR)}
 
 
-def conform_fields(fields: dict[str, Any], numeric_text: bool = False) -> tuple[dict[str, Any], list[str]]:
-    """`fields` with each known key's value conformed to its type (`conform`), and a "KEY: expected ..., got ..."
-    problem for each that is not; other keys are kept as they are."""
-    out, problems = dict(fields), []
-    for key, value in fields.items():
-        if key in FIELD_TYPES:
-            try:
-                out[key] = conform(value, FIELD_TYPES[key], numeric_text)
-            except FieldTypeError as e:
-                problems.append(f"{key}: {e}")
-    return out, problems
+def head_tensors(cfg: InklingConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Final norm and LM head. transformers always builds a `vocab_size`-row head; logits beyond
+    `unpadded_vocab_size` are dropped after the matmul."""
+    return {FINAL_NORM: ((cfg.hidden_size,), VECTOR), HEAD: ((cfg.vocab_size, cfg.hidden_size), "head")}
+
+
+def all_tensors(cfg: InklingConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every text-model tensor by full checkpoint name."""
+    out = dict(embedding_tensors(cfg))
+    for layer in range(cfg.num_hidden_layers):
+        out |= {layer_prefix(layer) + k: v for k, v in layer_tensors(cfg, layer).items()}
+    out |= head_tensors(cfg)
+    return out
+
+
+def op_kind(name: str) -> str:
+    """The dataflow op of a layer tensor, from its name relative to the layer prefix (e.g. `Q_PROJ`: "attention")."""
+    for prefix, kind in _OP_PREFIXES:
+        if name.startswith(prefix):
+            return kind
+    raise KeyError(f"no op kind for layer tensor {name!r}")
+
+
+def canonical_name(stored: str) -> str | None:
+    """The text-model name of a stored tensor (as this module spells it), or None for tensors Cascadia ignores.
+    Multimodal checkpoints keep the text model under `model.language_model.`."""
+    if stored.startswith(_IGNORED_PREFIXES):
+        return None
+    if stored.startswith(_MULTIMODAL_TEXT_PREFIX):
+        return "model." + stored.removeprefix(_MULTIMODAL_TEXT_PREFIX)
+    return stored
+
+
+def kept_f32(name: str) -> bool:
+    """Whether a bf16 checkpoint stores this tensor in float32 anyway (as transformers saves Inkling)."""
+    return name.endswith(_KEPT_F32)
+
+
+# ---- what a tensor holds, for drawing random ones ------------------------------------------------------------------
+def random_values(name: str, shape: tuple[int, ...], noise: np.ndarray) -> np.ndarray:
+    """Standard normal noise turned into values of the named tensor, by its role (`cascadia.engine.init_model`):
+    norm weights and global scales near 1; the short convolutions a perturbation (they add to a residual); routing
+    corrections small next to sigmoid scores; matrices N(0, 1/fan_in), where a matrix [..., out, in] sums over its
+    last axis, except the relative-bias bank, applied as `relative_states @ bank`, which sums over its first."""
+    if name.endswith(("norm.weight", "global_scale")):
+        return 1 + np.float32(0.1) * noise
+    if name.endswith("conv1d.weight"):
+        return np.float32(0.1) * noise
+    if name.endswith(ROUTER_CORRECTION.rsplit(".", 1)[1]):
+        return np.float32(0.05) * noise
+    fan_in = shape[0] if name.endswith(REL_BANK) else shape[-1]
+    return noise / np.float32(np.sqrt(fan_in))
+
+
+# ---- costs that are no weight matmul (`cascadia.graph.costs` counts 2 FLOPs per weight of the others) -------------
+def extra_row_flops(cfg: InklingConfig, layer: int) -> dict[str, float]:
+    """Matmul FLOPs one decode row spends on f32 vectors, by op kind: the relative-bias bank, which every row mixes
+    with its relative states ([heads, d_rel] @ [d_rel, extent]), and the router, computed in FP32."""
+    out = {"attention": 2.0 * cfg.heads(layer)[0] * cfg.d_rel * cfg.layer_rel_extent(layer)}
+    if not cfg.is_dense(layer):
+        out["router"] = 2.0 * (cfg.n_routed_experts + cfg.n_shared_experts) * cfg.hidden_size
+    return out
+
+
+def conv_history(cfg: InklingConfig) -> int:
+    """Inputs a short convolution keeps per channel and stream (its kernel's K - 1)."""
+    return cfg.conv_kernel_size - 1
+
+
+def conv_state_channels(cfg: InklingConfig, layer: int) -> dict[str, int]:
+    """Channels of a layer's short convolutions, by the op kind that owns them."""
+    n_kv, head_dim = cfg.heads(layer)[1:]
+    return {"attention": 2 * n_kv * head_dim,  # k_sconv and v_sconv
+            "attn_sconv": cfg.hidden_size, "mlp_sconv": cfg.hidden_size}
