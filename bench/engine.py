@@ -60,8 +60,8 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import Compiled, CompiledBlock, compile_options, core, device_precision, runs_as
 from cascadia.engine.engine import Engine
 from cascadia.engine.grouped_moe import GroupedBlock
-from cascadia.engine.inkling import Router, head_rms_norm, rms_norm
-from cascadia.engine.layer_build import build_layer
+from cascadia.engine.families.inkling import Router, build_layer
+from cascadia.engine.layers import head_rms_norm, rms_norm
 from cascadia.engine.moe_choice import paths_text
 from cascadia.graph import costs
 from cascadia.models.inkling import InklingConfig

@@ -61,7 +61,7 @@ import openvino.opset13 as ops
 from engine import memory_bandwidth
 from random_model import FORMATS, QUICK_MID, random_checkpoint
 
-import cascadia.engine.inkling as inkling
+import cascadia.engine.families.inkling as inkling
 from cascadia.engine import attention
 from cascadia.engine.attention import AttentionShape
 from cascadia.engine.checkpoint import Checkpoint

@@ -46,7 +46,7 @@ from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, core, runs_as
 from cascadia.engine.grouped_moe import GroupedBlock
-from cascadia.engine.layer_build import build_layer
+from cascadia.engine.families.inkling import build_layer
 from cascadia.graph import costs
 from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import ModelSpec, WeightFormat, WeightFormats

@@ -7,7 +7,7 @@ import numpy as np
 
 from cascadia.engine import graphs
 from cascadia.engine.device import CompiledBlock, compile_options
-from cascadia.engine.inkling import head_rms_norm, rms_norm
+from cascadia.engine.layers import head_rms_norm, rms_norm
 from cascadia.spec.types import WeightFormat
 
 H, HEADS, KV, D, R, EPS = 64, 4, 2, 16, 8, 1e-6

@@ -14,7 +14,7 @@ from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.grouped_moe import GroupedBlock
-from cascadia.engine.inkling import Routing
+from cascadia.engine.layers import Routing
 from cascadia.errors import SpecError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.measure import calibrate as calibrate_module

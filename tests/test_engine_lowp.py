@@ -14,8 +14,8 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, runs_as
 from cascadia.engine.engine import Engine
 from cascadia.engine.init_model import random_tensor
-from cascadia.engine.inkling import rms_norm, row_factor
-from cascadia.engine.layer_build import build_layer
+from cascadia.engine.families.inkling import build_layer
+from cascadia.engine.layers import rms_norm, row_factor
 from cascadia.engine.quantize import group_size, quantize
 from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats

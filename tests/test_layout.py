@@ -9,6 +9,8 @@
 - `serve/` (the HTTP front end) reaches the model only through `pipeline/`: neither `engine/`, `sim/` nor `measure/`;
 - the policy, driver, workload, metrics, graph, spec and models modules import no OpenVINO, ZeroMQ, SimPy or HTTP
   stack, not even through other Cascadia modules;
+- a family's modules (`models/inkling.py`, `engine/families/inkling.py`, ...) are imported only within `models/`
+  and `engine/families/`: everything else reaches a model through `family(config)` and `host_layers(config)`;
 - no module imports itself back through others (imports inside functions count too).
 """
 
@@ -35,6 +37,8 @@ FORBIDDEN = {
     "cascadia.serve": ("cascadia.engine", "cascadia.sim", "cascadia.measure", "cascadia.cli"),
 }
 ENGINE_BRIDGE = "cascadia.pipeline.stage"  # the one pipeline module that may import the engine
+FAMILY_PACKAGES = ("cascadia.models", "cascadia.engine.families")
+SHARED_BY_FAMILIES = ("cascadia.models.base", "cascadia.models.names")
 
 
 def module_names(package: Path = PACKAGE) -> dict[str, Path]:
@@ -83,6 +87,9 @@ def violations(graph: nx.DiGraph) -> list[str]:
                 found.append(f"{source} imports {target}")
         if within(source, "cascadia.pipeline") and within(target, "cascadia.engine") and source != ENGINE_BRIDGE:
             found.append(f"{source} imports {target}: only {ENGINE_BRIDGE} bridges into the engine")
+        if (any(target.startswith(package + ".") for package in FAMILY_PACKAGES) and target not in SHARED_BY_FAMILIES
+                and not any(within(source, package) for package in FAMILY_PACKAGES)):
+            found.append(f"{source} imports {target}: a family is reached through its config")
     for source in graph.nodes:
         if any(within(source, pure) for pure in PURE):
             reached = nx.descendants(graph, source) & HEAVY
@@ -105,6 +112,8 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
         "pipeline/stage.py": "from cascadia.engine import core\n",
         "sim/__init__.py": "", "sim/model.py": "import simpy\nfrom cascadia import policy\n",
         "policy.py": "from cascadia.sim import model\n",
+        "models/__init__.py": "from cascadia.models import llama\n", "models/llama.py": "", "models/base.py": "",
+        "graph.py": "from cascadia.models import llama\nfrom cascadia.models import base\n",
     }
     for name, text in files.items():
         (tmp_path / "cascadia" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -113,6 +122,9 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     assert "cascadia.engine.core imports cascadia.pipeline.wire" in found
     assert any(f.startswith("cascadia.pipeline.wire imports cascadia.engine.core: only") for f in found)
     assert not any(f.startswith("cascadia.pipeline.stage imports") for f in found)  # the bridge may
+    assert "cascadia.graph imports cascadia.models.llama: a family is reached through its config" in found
+    assert not any(f.startswith(("cascadia.graph imports cascadia.models.base", "cascadia.models imports"))
+                   for f in found)
     assert "cascadia.policy reaches simpy" in found
     assert any(set(f.split(" -> ")) == {"cascadia.policy", "cascadia.sim.model"} for f in found)
 

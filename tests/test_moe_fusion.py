@@ -15,7 +15,8 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, _pad_rows, compile_options
 from cascadia.engine.engine import Engine
 from cascadia.engine.grouped_moe import GroupedBlock
-from cascadia.engine.layer_build import build_layer, up_divisor
+from cascadia.engine.families.inkling import build_layer
+from cascadia.engine.layer_build import up_divisor
 from cascadia.engine.quantize import quantize
 from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats
 

@@ -1,12 +1,13 @@
-"""The resident Inkling engine: `StageEngine` serves a run of consecutive layers (one pipeline stage, optionally
-with the embedding and the head), `Engine` is all of them in one process.
+"""The resident engine, for every family: `StageEngine` serves a run of consecutive layers (one pipeline stage,
+optionally with the embedding and the head), `Engine` is all of them in one process. Each family's layers run as
+its module of `cascadia.engine.families` builds them.
 
 Streams live in slots. A slot holds, per layer, the stream's keys and values in blocks of the stage's K/V pool (a
-ring of a few on a sliding layer, taken when the stream starts; on a global one, taken as it grows) and its four
-short-convolution states, and the stage remembers each slot's length (its next position), so rows that do not
-continue their stream, or that the pool has no room for, are refused before any state changes. Rows of different
-streams at different positions share one call; a slot's rows in a call are consecutive and at consecutive positions
-(one decode row, or a prefill chunk).
+ring of a few on a sliding layer, taken when the stream starts; on a global one, taken as it grows) and whatever
+else its family keeps (Inkling: four short-convolution states), and the stage remembers each slot's length (its
+next position), so rows that do not continue their stream, or that the pool has no room for, are refused before any
+state changes. Rows of different streams at different positions share one call; a slot's rows in a call are
+consecutive and at consecutive positions (one decode row, or a prefill chunk).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from cascadia.engine import graphs, paged_kernel
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, device_precision, pick_device
 from cascadia.engine.grouped_moe import GroupedBlock
-from cascadia.engine.inkling import DecoderLayer, SlotState, rms_norm
+from cascadia.engine.families import host_layers
 from cascadia.engine.kv_store import BlockPool, PagedKV, PagedRing
-from cascadia.engine.layer_build import build_layer
+from cascadia.engine.layers import rms_norm
 from cascadia.engine.moe_choice import measured_grouped_from
 from cascadia.engine.quantize import Quantized, quantize_stacks
 from cascadia.engine.rows import BatchError, Rows
@@ -32,9 +33,9 @@ from cascadia.graph.plan import EMBED as EMBED_ROLE
 from cascadia.graph.plan import HEAD as HEAD_ROLE
 from cascadia.graph.plan import Stage
 from cascadia.policy import padded_size, score_schedule
-from cascadia.spec.types import ModelSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats
-from cascadia.models.inkling import EMBED_NORM
+from cascadia.models import family
 from cascadia.models.names import EMBED, FINAL_NORM, HEAD
+from cascadia.spec.types import ModelSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats
 
 ProgressFn = Callable[[int, int], None]  # (parts built, parts to build): embedding, each layer, head
 
@@ -56,6 +57,8 @@ class StageEngine:
         if len(layers) and not (0 <= layers[0] and layers[-1] < cfg.num_hidden_layers and layers.step == 1):
             raise ValueError(f"layers must be consecutive within 0..{cfg.num_hidden_layers - 1}, got {layers}")
         self.layer_ids = layers
+        self.host = host = host_layers(cfg)
+        self.conv_kernel = family(cfg).conv_history(cfg) + 1  # 1: a family without short convolutions
         self.device = pick_device(device)
         self.row_buckets = runtime.row_buckets
         self.max_rows = runtime.largest_bucket
@@ -80,7 +83,8 @@ class StageEngine:
         if embed:
             self.embedding = compile_block(graphs.embedding(_matrix(checkpoint, EMBED, formats.embedding),
                                                             formats.embedding))
-            self.embed_norm = checkpoint.tensor(EMBED_NORM)
+            self.embed_tensors = {name: checkpoint.tensor(name) for name in family(cfg).embedding_tensors(cfg)
+                                  if name != EMBED}
             advance()
         self.layers, self.states = [], []
         fmt = StateFormat(runtime.kv_precision)
@@ -90,8 +94,8 @@ class StageEngine:
         self.moe_grouped_from = _grouped_setting(runtime)
         for i in layers:
             grouped = compile_grouped if self.moe_grouped_from is not None else None
-            self.layers.append(build_layer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices,
-                                           grouped, fused="fused" in runtime.moe_paths))
+            self.layers.append(host.build_layer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices,
+                                                grouped, fused="fused" in runtime.moe_paths))
             self._choose_moe_path(self.layers[-1])
             shape = self.layers[-1].shape
             if cfg.is_sliding(i):
@@ -99,8 +103,7 @@ class StageEngine:
                 kv = PagedRing(self.pool, place, shape.kv_heads, shape.head_dim, fmt)
             else:
                 kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt)
-            self.states.append(SlotState(kv, cfg.hidden_size, cfg.conv_kernel_size, runtime.max_streams, fmt,
-                                         self.rewind))
+            self.states.append(host.slot_state(cfg, kv, runtime.max_streams, fmt, self.rewind))
             advance()
         if head:
             self.final_norm = checkpoint.tensor(FINAL_NORM)
@@ -114,7 +117,7 @@ class StageEngine:
             if self.states:  # every attention layer's spans, a global layer's or a ring's, go through the kernel
                 paged_kernel.warm_up(fmt.dtype)
 
-    def _choose_moe_path(self, layer: DecoderLayer) -> None:
+    def _choose_moe_path(self, layer) -> None:
         """Settle `moe_grouped_from` on the first MoE layer when it is "auto" (measured on that layer's blocks),
         and give a MoE layer the expert-grouped block only where some call size uses it."""
         if layer.grouped is None:
@@ -153,14 +156,14 @@ class StageEngine:
         return self.blocks[0].precision
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        """Token ids [T] -> normalised embeddings [T, H] (the first stage's input)."""
+        """Token ids [T] -> the first layer's input [T, H] (the embedding table's rows, as the family treats them)."""
         if self.embedding is None:
             raise RuntimeError("this stage was built without the embedding")
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         vocab = self.config.vocab_size
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise RequestError(f"token ids must lie in 0..{vocab - 1}, got {ids.min()}..{ids.max()}")
-        return rms_norm(self.embedding(ids)[0], self.embed_norm, self.config.rms_norm_eps)
+        return self.host.embedded(self.config, self.embedding(ids)[0], self.embed_tensors)
 
     def forward(self, hidden: np.ndarray, slots, positions, bucket: int | None = None) -> np.ndarray:
         """Rows [T, H] of several streams, each at its own position, through this stage's layers, every block
@@ -187,7 +190,7 @@ class StageEngine:
         pass the context budget."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         bucket = padded_size(len(slots), self.row_buckets) if bucket is None else bucket
-        rows = Rows.build(slots, positions, self.lengths if lengths is None else lengths, self.config.conv_kernel_size,
+        rows = Rows.build(slots, positions, self.lengths if lengths is None else lengths, self.conv_kernel,
                           self.row_buckets, bucket, self.rewind, self.reach if reach is None else reach)
         ends = rows.positions[rows.starts] + rows.counts
         if ends.max() > self.context_budget:
@@ -201,12 +204,13 @@ class StageEngine:
     head_input_observer: Callable[[np.ndarray], None] | None = None
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """Final norm, division by the muP width multiplier, head; only the unpadded vocabulary [T, V]."""
+        """Final norm, the family's head input (Inkling's: divided by the muP width multiplier), head; only the
+        unpadded vocabulary [T, V]."""
         if self.head is None:
             raise RuntimeError("this stage was built without the head")
         cfg = self.config
         h = rms_norm(np.asarray(hidden, dtype=np.float32), self.final_norm, cfg.rms_norm_eps)
-        head_input = h / np.float32(cfg.logits_mup_width_multiplier)
+        head_input = self.host.head_input(cfg, h)
         if self.head_input_observer is not None:
             self.head_input_observer(head_input)
         return self.head(head_input)[0][:, : cfg.output_vocab_size]

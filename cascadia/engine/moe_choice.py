@@ -12,16 +12,28 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-from cascadia.engine.inkling import DecoderLayer
+from cascadia.engine.device import CompiledBlock
+from cascadia.engine.grouped_moe import GroupedBlock
 
 ROUNDS = 5  # timed calls of each path at each bucket; the medians decide
 MARGIN = 0.1  # grouped must be this much faster, so that noise does not flip a near tie from one start to the next
 
 
-def measured_grouped_from(layer: DecoderLayer, buckets: Sequence[int], rounds: int = ROUNDS) -> int | None:
+class MoeLayer(Protocol):
+    """What the choice reads of a MoE layer of any family: its two paths and the inputs its router gives them."""
+
+    post_norm: np.ndarray  # [H]
+    mlp: CompiledBlock  # fused
+    grouped: GroupedBlock
+
+    def expert_inputs(self, h: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]: ...
+
+
+def measured_grouped_from(layer: MoeLayer, buckets: Sequence[int], rounds: int = ROUNDS) -> int | None:
     """`crossover` of the two paths of `layer` timed at every bucket on rows of unit RMS routed by the layer's
     router, the paths called in turn."""
     return crossover({bucket: _median_seconds(layer, bucket, rounds) for bucket in buckets})
@@ -48,7 +60,7 @@ def crossover(seconds: dict[int, tuple[float, float]]) -> int | None:
     return grouped_from
 
 
-def _median_seconds(layer: DecoderLayer, rows: int, rounds: int) -> tuple[float, float]:
+def _median_seconds(layer: MoeLayer, rows: int, rounds: int) -> tuple[float, float]:
     """Median seconds per call of the fused and the grouped path on `rows` rows, new rows (so a new routing) in
     every round, as in decoding: the grouped graph's shapes follow the routing, and a change of shapes costs it
     time (measured up to 1.8x its time on repeated inputs, on bench/engine.py's model). One untimed call each

@@ -71,7 +71,7 @@ def linear(x: ov.Output, w: ov.Output) -> ov.Output:
 
 
 def rms_norm(x: ov.Output, weight: np.ndarray, eps: float) -> ov.Output:
-    """weight * x / sqrt(mean(x^2) + eps) over the last axis, as `cascadia.engine.inkling.rms_norm` computes it on
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis, as `cascadia.engine.layers.rms_norm` computes it on
     the host (within f32 rounding), in the form the CPU plugin fuses into one RMS kernel."""
     mean = ops.reduce_mean(ops.multiply(x, x), ints(-1), True)
     inverse = ops.divide(const(np.float32(1)), ops.sqrt(ops.add(mean, const(np.float32(eps)))))

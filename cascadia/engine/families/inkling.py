@@ -1,4 +1,5 @@
-"""One Inkling decoder layer on the host, in the order transformers' `modeling_inkling.py` computes it.
+"""One Inkling decoder layer on the host, in the order transformers' `modeling_inkling.py` computes it, and its
+build from a checkpoint's tensors.
 
 OpenVINO runs the weight-heavy blocks (`CompiledBlock`s: the q|k|v|r and o projections, the dense SwiGLU or the
 experts) at the engine's precision on compressed weights, the input norm and q's head norm inside the first; what
@@ -31,46 +32,33 @@ stays here too.
 
 FP32 restoration (the paper's scheme for FP16 expert arithmetic; FP16 overflows above 65504): the build divides the
 up projections by A = 2^n (`layer_build.up_divisor`), which divides silu(gate) * up, the down projection and the
-MLP's output by A; per row, the routing weights are divided by F = 2^ceil(log2 max(1, sum |w|)) (`row_factor`), so
-the weighted sum of expert outputs is no larger than the largest expert output. The host multiplies by A * F in
-FP32: exact in every precision, short of underflow.
+MLP's output by A; per row, the routing weights are divided by F = 2^ceil(log2 max(1, sum |w|))
+(`layers.row_factor`), so the weighted sum of expert outputs is no larger than the largest expert output. The host
+multiplies by A * F in FP32: exact in every precision, short of underflow.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import attrs
 import numpy as np
 
+from cascadia.engine import graphs
 from cascadia.engine.attention import AttentionShape, KeyStore, attend
 from cascadia.engine.device import Compiled, CompiledBlock
 from cascadia.engine.grouped_moe import GroupedBlock
+from cascadia.engine.layer_build import Chunk, Compile, CompileGrouped, moe_blocks, stack_chunks, swiglu_block
+from cascadia.engine.layers import Routing, head_rms_norm, log_sigmoid, rms_norm, row_factor, softmax
 from cascadia.engine.rows import Rows
 from cascadia.engine.state_format import StateFormat
+from cascadia.models import inkling as names
+from cascadia.models.inkling import InklingConfig
 from cascadia.policy import padded_size
+from cascadia.spec.types import WeightFormats
 
 
-# ---- norms, softmax, short convolutions ----------------------------------------------------------------------------
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """weight * x / sqrt(mean(x^2) + eps) over the last axis (the mean as np.mean takes it, sum / n, without its
-    per-call overhead: a decode step makes dozens of these calls on single rows)."""
-    variance = np.square(x).sum(axis=-1, keepdims=True) / np.float32(x.shape[-1])
-    return weight * (x / np.sqrt(variance + np.float32(eps)))
-
-
-def head_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """Per-head RMSNorm of rows [T, heads * d] -> [T, heads, d]."""
-    return rms_norm(x.reshape(x.shape[0], -1, weight.shape[0]), weight, eps)
-
-
-def log_sigmoid(x: np.ndarray) -> np.ndarray:
-    return np.minimum(x, 0) - np.log1p(np.exp(-np.abs(x)))
-
-
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
-
-
+# ---- short convolutions -------------------------------------------------------------------------------------------
 def short_conv(y: np.ndarray, taps: np.ndarray, states: np.ndarray, rows: Rows,
                fmt: StateFormat = StateFormat()) -> np.ndarray:
     """Depthwise causal convolution over each stream's history, plus the residual: y + conv(y), y [T, C].
@@ -89,13 +77,6 @@ def conv_taps(*weights: np.ndarray) -> np.ndarray:
 
 
 # ---- the router --------------------------------------------------------------------------------------------------
-@attrs.frozen
-class Routing:
-    index: np.ndarray  # [T, k] int32 routed experts of each row
-    weights: np.ndarray  # [T, k] their weights
-    shared_weights: np.ndarray  # [T, S] weights of the shared experts
-
-
 @attrs.frozen(eq=False)
 class Router:
     """Logits in FP32 over routed then shared experts (so close scores do not tie before top-k); selection by top-k
@@ -117,12 +98,6 @@ class Router:
         chosen = np.concatenate([routed[np.arange(len(h))[:, None], index], logits[:, n_routed:]], axis=1)
         weights = softmax(log_sigmoid(chosen), axis=1) * (np.float32(self.route_scale) * self.global_scale)
         return Routing(index.astype(np.int32), weights[:, : self.top_k], weights[:, self.top_k:])
-
-
-def row_factor(*weights: np.ndarray) -> np.ndarray:
-    """F [T, 1] = 2^ceil(log2 max(1, sum |w|)) over all of a row's routing weights (see the module's text)."""
-    total = sum(np.abs(w).sum(axis=1, keepdims=True) for w in weights)
-    return np.exp2(np.ceil(np.log2(np.maximum(total, 1)))).astype(np.float32)
 
 
 class SlotState:
@@ -229,3 +204,65 @@ class DecoderLayer:
         else:
             out = self.mlp(*inputs, bucket=bucket)[0]
         return out * (np.float32(self.up_divisor) * factor)
+
+
+# ---- the build from a checkpoint's tensors ----------------------------------------------------------------------
+def build_layer(cfg: InklingConfig, layer: int, t: Mapping[str, np.ndarray], formats: WeightFormats,
+                compile: Compile, dense_slices: int | None = None, compile_grouped: CompileGrouped | None = None,
+                fused: bool = True) -> DecoderLayer:
+    """Layer `layer` from its float32 tensors `t` by name relative to its prefix (`Checkpoint.layer`): the host
+    weights it keeps in FP32 and the blocks it compiles (`cascadia.engine.layer_build` says what the arguments
+    do)."""
+    heads, kv_heads, head_dim = cfg.heads(layer)
+    log_scaling = None
+    if not cfg.is_sliding(layer) and cfg.log_scaling_n_floor is not None:
+        log_scaling = (cfg.log_scaling_n_floor, cfg.log_scaling_alpha)
+    shape = AttentionShape(heads, kv_heads, head_dim, cfg.sliding_window_size if cfg.is_sliding(layer) else None,
+                           cfg.layer_rel_extent(layer), log_scaling)
+    qkvr = [t[name] for name in (names.Q_PROJ, names.K_PROJ, names.V_PROJ, names.R_PROJ)]
+    post_norm = t[names.POST_NORM]
+    common = dict(
+        shape=shape, eps=cfg.rms_norm_eps, post_norm=post_norm, k_norm=t[names.K_NORM], rel_bank=t[names.REL_BANK],
+        conv_kv=conv_taps(t[names.K_SCONV], t[names.V_SCONV]), conv_attn=conv_taps(t[names.ATTN_SCONV]),
+        conv_mlp=conv_taps(t[names.MLP_SCONV]), kv_width=2 * qkvr[1].shape[0],
+        qkvr=compile(graphs.attention_input(qkvr, formats.attention, t[names.INPUT_NORM], t[names.Q_NORM],
+                                            cfg.rms_norm_eps)),
+        o_proj=compile(graphs.projection([t[names.O_PROJ]], formats.attention)))
+    if cfg.is_dense(layer):
+        mlp, divisor = swiglu_block(t[names.DENSE_GATE], t[names.DENSE_UP], t[names.DENSE_DOWN], post_norm,
+                                    formats.dense_mlp, compile, dense_slices)
+        return DecoderLayer(**common, mlp=mlp, up_divisor=divisor, output_scale=t[names.DENSE_SCALE],
+                            dense_slices=dense_slices)
+    router = Router(t[names.ROUTER], t[names.ROUTER_CORRECTION], cfg.route_scale, t[names.ROUTER_SCALE],
+                    cfg.num_experts_per_tok)
+    width = cfg.moe_intermediate_size
+
+    def routed(per: int | None) -> Iterator[Chunk]:
+        for gate_up, down in zip(stack_chunks(t, names.EXPERTS_GATE_UP, per), stack_chunks(t, names.EXPERTS_DOWN, per),
+                                 strict=True):
+            yield gate_up[:, :width], gate_up[:, width:], down
+
+    def shared(per: int | None) -> Iterator[Chunk]:
+        return zip(*(stack_chunks(t, name, per) for name in (names.SHARED_GATE, names.SHARED_UP, names.SHARED_DOWN)),
+                   strict=True)
+
+    mlp, grouped, divisor = moe_blocks(routed, cfg.n_routed_experts, shared, cfg.n_shared_experts,
+                                       cfg.num_experts_per_tok, formats, post_norm, compile if fused else None,
+                                       compile_grouped)
+    return DecoderLayer(**common, mlp=mlp, up_divisor=divisor, router=router, grouped=grouped)
+
+
+# ---- the ends of the model and the state of a stream ------------------------------------------------------------
+def embedded(cfg: InklingConfig, x: np.ndarray, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The embedding table's rows x [T, H] -> the first layer's input: normed by the embedding norm."""
+    return rms_norm(x, tensors[names.EMBED_NORM], cfg.rms_norm_eps)
+
+
+def head_input(cfg: InklingConfig, h: np.ndarray) -> np.ndarray:
+    """The final norm's output h [T, H] -> the LM head's input: divided by the muP width multiplier."""
+    return h / np.float32(cfg.logits_mup_width_multiplier)
+
+
+def slot_state(cfg: InklingConfig, kv: KeyStore, slots: int, fmt: StateFormat, rewind: int) -> SlotState:
+    """A layer's state for `slots` streams: its keys and values in `kv`, and its short convolutions' histories."""
+    return SlotState(kv, cfg.hidden_size, cfg.conv_kernel_size, slots, fmt, rewind)

@@ -1,0 +1,25 @@
+"""Each family's layer on the host, one module per family (`cascadia.models` describes the model; these run it),
+chosen by the family module a config belongs to. A module holds:
+
+- `build_layer(cfg, layer, tensors, formats, compile, dense_slices, compile_grouped, fused)`: a decoder layer (its
+  FP32 host weights and compiled blocks) whose `forward(x, rows, state)` computes it in the reference's order;
+- `slot_state(cfg, kv, slots, fmt, rewind)`: a layer's per-stream state, keys and values in `kv` and whatever else
+  the family keeps (`nbytes`, `release(slot)`);
+- `embedded(cfg, x, tensors)` and `head_input(cfg, h)`: what the family does between the embedding table and the
+  first layer, and between the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from cascadia import models
+from cascadia.engine.families import inkling
+
+HOST_LAYERS: dict[ModuleType, ModuleType] = {models.inkling: inkling}
+
+
+def host_layers(config: Any) -> ModuleType:
+    """The module that runs the layers of a config's family."""
+    return HOST_LAYERS[models.family(config)]
