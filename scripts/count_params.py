@@ -1,10 +1,12 @@
-"""Write tests/fixtures/param_counts.json: parameter counts of transformers' InklingForCausalLM per op kind.
+"""Write tests/fixtures/param_counts.json: parameter counts per op kind of transformers' InklingForCausalLM and
+LlamaForCausalLM, for the released sizes and for small configurations of odd shapes.
 
 Reference tooling, run by a developer (needs torch and transformers, `pip install -e .[dev]`), never by the tests:
     python scripts/count_params.py
 The models are built on the meta device, so even the full 947B-parameter configuration takes no memory. Counts
-cover every stored tensor (the state dict: parameters and persistent buffers such as the router's correction bias).
-The small configurations also record every tensor's shape.
+cover every stored tensor (the state dict: parameters and persistent buffers such as the router's correction bias;
+a tied head is stored once, as the embedding). The small configurations also record every tensor's shape, and each
+Llama its RoPE as transformers reads it (`rope_parameters`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,19 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
 from transformers.models.inkling.modeling_inkling import InklingForCausalLM
 
-from cascadia.graph.costs import EMBEDDING, FINAL_NORM, HEAD, layer_kind
+from cascadia.graph.costs import EMBEDDING, FINAL_NORM, HEAD
+from cascadia.models import config_from_hf_dict, family
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "param_counts.json"
+LLAMA_31 = {"model_type": "llama", "vocab_size": 128256, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+            "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
 
 CONFIGS = {
     # the released model
@@ -49,10 +58,53 @@ CONFIGS = {
         "conv_kernel_size": 3, "intermediate_size": 64, "moe_intermediate_size": 8, "n_routed_experts": 6,
         "num_experts_per_tok": 2, "n_shared_experts": 3, "dense_mlp_idx": 2,
     },
+    # Llama 3.1 as released (Meta's config.json files)
+    "llama-3.1-8b": LLAMA_31 | {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32},
+    "llama-3.1-70b": LLAMA_31 | {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                                 "num_attention_heads": 64},
+    # grouped-query attention, head_dim not hidden / heads, biases, a tied head; transformers 5's RoPE keys
+    "llama_small_odd": {
+        "model_type": "llama", "vocab_size": 300, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 3,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 12, "attention_bias": True,
+        "mlp_bias": True, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 2.0, "original_max_position_embeddings": 64},
+    },
+    # every default but the sizes: as many key/value heads as query heads, head_dim hidden / heads; linear RoPE
+    # under its older key
+    "llama_small_plain": {
+        "model_type": "llama", "vocab_size": 250, "hidden_size": 32, "intermediate_size": 56, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "rope_scaling": {"type": "linear", "factor": 2.0},
+    },
 }
 
 
-def tensor_kind(name: str) -> str:
+def count(raw: dict, with_shapes: bool) -> dict:
+    if raw.get("model_type") == "llama":
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+        build = LlamaForCausalLM
+    else:
+        config, build = InklingTextConfig(**raw), InklingForCausalLM
+    with torch.device("meta"):
+        model = build(config)
+    ours = config_from_hf_dict(raw)
+    by_kind: dict[str, int] = {}
+    shapes = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue  # the embedding's own tensor: saved once
+        kind = tensor_kind(ours, name)
+        by_kind[kind] = by_kind.get(kind, 0) + tensor.numel()
+        shapes[name] = list(tensor.shape)
+    out = {"config": raw, "total": sum(by_kind.values()), "params_by_kind": dict(sorted(by_kind.items()))}
+    if with_shapes:
+        out["shapes"] = shapes
+    if raw.get("model_type") == "llama":
+        out["rope_parameters"] = dict(config.rope_parameters)
+    return out
+
+
+def tensor_kind(config, name: str) -> str:
     if name.startswith("model.embed_tokens."):
         return EMBEDDING
     if name == "model.norm.weight":
@@ -61,25 +113,12 @@ def tensor_kind(name: str) -> str:
         return HEAD
     prefix, layer, rest = name.split(".", 3)[1:]  # "model.layers.<i>.<rest>"
     assert prefix == "layers", name
-    return layer_kind(rest)
-
-
-def count(raw: dict, with_shapes: bool) -> dict:
-    with torch.device("meta"):
-        model = InklingForCausalLM(InklingTextConfig(**raw))
-    by_kind: dict[str, int] = {}
-    shapes = {}
-    for name, tensor in model.state_dict().items():
-        by_kind[tensor_kind(name)] = by_kind.get(tensor_kind(name), 0) + tensor.numel()
-        shapes[name] = list(tensor.shape)
-    out = {"config": raw, "total": sum(by_kind.values()), "params_by_kind": dict(sorted(by_kind.items()))}
-    if with_shapes:
-        out["shapes"] = shapes
-    return out
+    return family(config).op_kind(rest)
 
 
 def main() -> None:
-    configs = {name: count(raw, with_shapes=name != "inkling") for name, raw in CONFIGS.items()}
+    configs = {name: count(raw, with_shapes=name.startswith("small") or name.startswith("llama_small"))
+               for name, raw in CONFIGS.items()}
     body = {"generated_by": "scripts/count_params.py", "transformers": transformers.__version__, "configs": configs}
     OUT.write_text(json.dumps(body, indent=1) + "\n")
     for name, c in configs.items():

@@ -59,16 +59,17 @@ def test_a_real_spec_still_plans():
 @pytest.mark.parametrize("command", [["score", "{ckpt}", "--ids", "{ids}", "--out", "{out}"],
                                      ["generate", "{ckpt}", "--ids", "1,2"], ["init-model", "{ckpt}", "{out}"]])
 def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path, command):
-    """A Llama checkpoint is not read as Inkling (it used to fail on a missing `embed_norm` tensor)."""
-    ckpt = tmp_path / "llama"
+    """A checkpoint of a family Cascadia does not know is not read as Inkling (a Llama one used to fail on a missing
+    `embed_norm` tensor)."""
+    ckpt = tmp_path / "qwen"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
                                                   "hidden_size": 64, "num_hidden_layers": 2}))
     (ckpt / "model.safetensors").write_bytes(b"")
     (tmp_path / "ids.json").write_text("[1, 2, 3]")
     paths = {"ckpt": ckpt, "ids": tmp_path / "ids.json", "out": tmp_path / "out"}
     result = CliRunner().invoke(cli, [part.format(**paths) for part in command])
     assert result.exit_code == 2
-    assert result.output == (f"Error: {ckpt}/config.json: model_type 'llama' is not supported "
-                             "(supported: inkling, inkling_text)\n")
+    assert result.output == (f"Error: {ckpt}/config.json: model_type 'qwen3_moe' is not supported "
+                             "(supported: inkling, inkling_text, llama)\n")
     assert not (tmp_path / "out").exists()

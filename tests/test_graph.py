@@ -5,7 +5,7 @@ import attrs
 import networkx as nx
 import pytest
 
-from cascadia.models import inkling
+from cascadia.models import config_from_hf_dict, family
 from cascadia.graph.build import build_graph, graph_totals, render
 from cascadia.graph.costs import embedding_cost, head_cost, layer_costs, state_bytes
 from cascadia.models.inkling import InklingConfig
@@ -33,7 +33,7 @@ def small_model(**overrides) -> ModelSpec:
 @pytest.mark.parametrize("name", sorted(FIXTURE))
 def test_parameter_counts_match_transformers(name):
     expected = FIXTURE[name]
-    g = build_graph(ModelSpec(InklingConfig.from_hf_dict(expected["config"])), RuntimeSpec())
+    g = build_graph(ModelSpec(config_from_hf_dict(expected["config"])), RuntimeSpec())
     totals = graph_totals(g)
     counted = {kind: n for kind, n in totals.params_by_kind.items() if n}
     assert counted == expected["params_by_kind"]
@@ -42,8 +42,8 @@ def test_parameter_counts_match_transformers(name):
 
 @pytest.mark.parametrize("name", sorted(n for n in FIXTURE if "shapes" in FIXTURE[n]))
 def test_tensor_shapes_match_transformers(name):
-    cfg = InklingConfig.from_hf_dict(FIXTURE[name]["config"])
-    shapes = {tensor: list(shape) for tensor, (shape, _) in inkling.all_tensors(cfg).items()}
+    cfg = config_from_hf_dict(FIXTURE[name]["config"])
+    shapes = {tensor: list(shape) for tensor, (shape, _) in family(cfg).all_tensors(cfg).items()}
     assert shapes == FIXTURE[name]["shapes"]
 
 

@@ -126,9 +126,12 @@ def test_a_config_file_over_the_size_limit_is_refused_unread(tmp_path):
 # ---- which model a config describes --------------------------------------------------------------------------------
 OTHER_MODELS = [
     ({"model_type": "gpt2", "n_layer": 12, "n_embd": 768}, "model_type 'gpt2' is not supported "
-                                                            r"\(supported: inkling, inkling_text\)"),
-    ({"model_type": "llama", "hidden_size": "junk"}, "model_type 'llama' is not supported"),  # before any field
-    ({"architectures": ["LlamaForCausalLM"]}, r"architectures \['LlamaForCausalLM'\] names no supported model"),
+                                                            r"\(supported: inkling, inkling_text, llama\)"),
+    ({"model_type": "qwen3_moe", "hidden_size": "junk"}, "model_type 'qwen3_moe' is not supported"),  # before any field
+    ({"architectures": ["Qwen3MoeForCausalLM"]}, r"architectures \['Qwen3MoeForCausalLM'\] names no supported model"),
+    ({"model_type": "llama", "architectures": ["InklingForCausalLM"]}, r"architectures \['InklingForCausalLM'\] "
+                                                                       r"names no supported model \(supported: "
+                                                                       r"LlamaForCausalLM\)"),
     ({"model_type": "inkling_text", "architectures": "InklingForCausalLM"}, "architectures 'InklingForCausalLM'"),
     ({"model_type": "llava", "text_config": {"model_type": "inkling_text"}}, "model_type 'llava' is not supported"),
     ({"hidden_size": 64}, r"model_type missing \(a config.json names its model's type; supported: inkling"),
@@ -136,7 +139,8 @@ OTHER_MODELS = [
 ]
 
 
-@pytest.mark.parametrize("raw, problem", OTHER_MODELS, ids=["gpt2", "llama with junk", "architectures only",
+@pytest.mark.parametrize("raw, problem", OTHER_MODELS, ids=["gpt2", "qwen3_moe with junk", "architectures only",
+                                                            "architectures of another family",
                                                             "architectures not a list", "multimodal", "unnamed",
                                                             "model_type not text"])
 def test_a_config_of_another_model_is_refused_by_name_before_its_fields(tmp_path, raw, problem):

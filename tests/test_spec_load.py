@@ -527,7 +527,7 @@ def test_cli_from_hf_of_another_model_writes_nothing(tmp_path, output):
                                       "-o", output if output == "-" else str(tmp_path / output)])
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr == (f"Error: {tmp_path}/gpt2/config.json: model_type 'gpt2' is not supported "
-                             "(supported: inkling, inkling_text)\n")
+                             "(supported: inkling, inkling_text, llama)\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
 
 
@@ -545,13 +545,13 @@ def test_cli_from_hf_validates_before_it_writes(tmp_path, output, monkeypatch):
 
 
 def test_a_spec_of_another_model_is_refused_at_its_line(tmp_path):
-    write(tmp_path, "llama.json", json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    assert problems(write(tmp_path, "s.yaml", CLUSTER + "model: {hf_config: llama.json}\n")) == [
-        f"{tmp_path}/s.yaml:2: model.hf_config: {tmp_path}/llama.json: model_type 'llama' is not supported "
-        "(supported: inkling, inkling_text)"]
+    write(tmp_path, "gemma.json", json.dumps({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]}))
+    assert problems(write(tmp_path, "s.yaml", CLUSTER + "model: {hf_config: gemma.json}\n")) == [
+        f"{tmp_path}/s.yaml:2: model.hf_config: {tmp_path}/gemma.json: model_type 'gemma3' is not supported "
+        "(supported: inkling, inkling_text, llama)"]
     assert problems(write(tmp_path, "t.yaml", CLUSTER + "model:\n  config:\n    model_type: qwen3_moe\n")) == [
         f"{tmp_path}/t.yaml:4: model.config.model_type: model_type 'qwen3_moe' is not supported "
-        "(supported: inkling, inkling_text)"]
+        "(supported: inkling, inkling_text, llama)"]
 
 
 def test_the_paper_specs_figures_are_the_plans():

@@ -1,10 +1,10 @@
-"""The dataflow graph of an Inkling model: one node per op with its costs, edges carrying the tensors between ops.
+"""The dataflow graph of a model: one node per op with its costs, edges carrying the tensors between ops.
 
 Nodes: "embedding"; per layer "L{i}.{kind}" for the kinds in `costs.LAYER_KINDS` that the layer has; "final_norm",
-"head", "sampler". Small ops are folded into their neighbours: the attention node holds the q/k/v/r/o projections,
-the k/v short convolutions, the q/k norms and the relative-position bias; each residual addition is folded into
-the short convolution before it (`attn_sconv` and `mlp_sconv` output the updated residual stream). Activations
-between ops travel in FP32. The sampled token's way back to the embedding is left out, so the graph is acyclic.
+"head", "sampler". Small ops are folded into their neighbours, as the family says (its `layer_flows`: Inkling's
+attention node holds the q/k/v/r/o projections, the k/v short convolutions, the q/k norms and the relative-position
+bias). Activations between ops travel in FP32. The sampled token's way back to the embedding is left out, so the
+graph is acyclic.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import networkx as nx
 
 from cascadia.graph import costs
 from cascadia.graph.costs import ACTIVATION_BYTES, EMBEDDING, FINAL_NORM, HEAD, SAMPLER, OpCost
+from cascadia.models import family
 from cascadia.spec.types import ModelSpec, RuntimeSpec
-
-ROUTING_BYTES = 8  # per selected expert: an f32 weight and an int32 index
 
 FORMATS = ("json", "dot")
 
@@ -55,25 +54,12 @@ def build_graph(model: ModelSpec, runtime: RuntimeSpec) -> nx.DiGraph:
                     if is_attention and cfg.is_sliding(layer) else None)
 
         def n(kind: str) -> str:
-            return f"L{layer}.{kind}"
+            return residual if kind == "in" else f"L{layer}.{kind}"
 
-        flow(residual, n("input_norm"), "residual")
-        flow(n("input_norm"), n("attention"), "normed")
-        flow(n("attention"), n("attn_sconv"), "attn_out")
-        flow(residual, n("attn_sconv"), "residual")
-        flow(n("attn_sconv"), n("post_norm"), "residual")
-        flow(n("attn_sconv"), n("mlp_sconv"), "residual")
-        if cfg.is_dense(layer):
-            flow(n("post_norm"), n("dense_mlp"), "normed")
-            flow(n("dense_mlp"), n("mlp_sconv"), "mlp_out")
-        else:
-            for kind in ("router", "routed_experts", "shared_experts"):
-                flow(n("post_norm"), n(kind), "normed")
-            flow(n("router"), n("routed_experts"), "routing", cfg.num_experts_per_tok * ROUTING_BYTES)
-            flow(n("router"), n("shared_experts"), "shared_gammas", cfg.n_shared_experts * ACTIVATION_BYTES)
-            flow(n("routed_experts"), n("mlp_sconv"), "routed_out")
-            flow(n("shared_experts"), n("mlp_sconv"), "shared_out")
-        residual = n("mlp_sconv")
+        flows, output = family(cfg).layer_flows(cfg, layer)
+        for src, dst, tensor, size in flows:
+            flow(n(src), n(dst), tensor, hidden if size is None else size)
+        residual = n(output)
 
     _add_op(g, FINAL_NORM, ends[FINAL_NORM], layer=None)
     _add_op(g, HEAD, ends[HEAD], layer=None)

@@ -125,7 +125,7 @@ def layer_ops(model: ModelSpec, layer: int) -> dict[str, OpCost]:
         active, row_bytes = params, weight_bytes
         if kind == "routed_experts":
             # one row reads top_k of the n_routed_experts stacked experts
-            k, n = cfg.num_experts_per_tok, cfg.n_routed_experts
+            n, k = cfg.routed_experts
             active, row_bytes, flops = params // n * k, weight_bytes // n * k, flops / n * k
         ops[kind] = OpCost(kind, params, active, weight_bytes, row_bytes, flops)
     return ops
@@ -165,7 +165,7 @@ def layer_costs(model: ModelSpec, runtime: RuntimeSpec = RuntimeSpec()) -> list[
             weight_bytes=weight_bytes,
             held_bytes=weight_bytes + experts * (len(runtime.moe_paths) - 1),
             bytes_per_row=sum(op.bytes_per_row for op in ops),
-            expert_bytes=routed[0].weight_bytes // cfg.n_routed_experts if routed else 0,
+            expert_bytes=routed[0].weight_bytes // cfg.routed_experts[0] if routed else 0,
             flops_per_row=sum(op.flops_per_row for op in ops),
             attn_flops_per_position=4.0 * n_heads * head_dim,  # q.k and p.v, 2 FLOPs per multiply-add each
             kv_bytes_per_position=kv_bytes_per_position(model, layer, kv_precision),
@@ -184,10 +184,11 @@ def end_ops(model: ModelSpec) -> dict[str, OpCost]:
     cfg, fam = model.config, family(model.config)
     hidden, vector = cfg.hidden_size, cfg.hidden_size * VECTOR_BYTES
     embedding = fam.embedding_tensors(cfg)
-    embed_shape, head_shape = embedding[names.EMBED][0], fam.head_tensors(cfg)[names.HEAD][0]
+    embed_shape, head = embedding[names.EMBED][0], fam.head_tensors(cfg).get(names.HEAD)
     # beside the table, f32 vectors (Inkling's embedding norm), read whole by every row
     vectors = sum(math.prod(shape) for name, (shape, _) in embedding.items() if name != names.EMBED)
-    embed_params, head_params = math.prod(embed_shape) + vectors, math.prod(head_shape)
+    # a tied head is the embedding's table, counted there; its stage still holds (and reads) it in the head's format
+    embed_params, head_params = math.prod(embed_shape) + vectors, math.prod(head[0]) if head else 0
     head_bytes = model.formats.head.matrix_bytes(cfg.output_vocab_size, hidden)
     return {
         EMBEDDING: OpCost(EMBEDDING, embed_params, embed_params,

@@ -9,6 +9,7 @@ started again, as `cascadia serve` does after its loss, and timed until it is re
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -90,7 +91,7 @@ class PipelineProbe:
                      for slot, position, token in zip(slots, positions, tokens))
         frame = Frame(self.frame_id, group, rows, padded_size(len(rows), self.spec.runtime.row_buckets))
         self.coordinator.send_frame(wire_frame(frame))
-        return FrameShape.of(frame, self.spec.model.config.sliding_window_size)
+        return FrameShape.of(frame, self.spec.model.config.sliding_window or math.inf)
 
     def alone(self, frames: Sequence[Rows]) -> AloneFrames:
         """Frames one after the other, each sent as soon as the one before is back, as a single stream's are: their

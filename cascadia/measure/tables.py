@@ -198,7 +198,7 @@ class StageProbe:
 
     def tables(self, grid: Grid, progress: Progress) -> dict[str, Table]:
         """This stage's kinds on the grid: medians over the rounds (and over the stage's layers of a kind)."""
-        top_k = self.engine.config.num_experts_per_tok
+        top_k = self.engine.config.routed_experts[1]
         attention = (LayerKind.SLIDING, LayerKind.GLOBAL)
         contexts = sorted({c for kind in attention if kind in self.kinds for c in grid.points[kind]} or {1})
         moe = LayerKind.MOE

@@ -7,7 +7,8 @@ keys), its checkpoint tensors (`layer_tensors`, `embedding_tensors`, `head_tenso
 `canonical_name`, `kept_f32`, `MTP_PREFIX`), what those tensors hold (`random_values`, the draw of a random
 checkpoint), and the costs that are no weight matmul (`extra_row_flops`, `conv_history`, `conv_state_channels`).
 Everything downstream reads a model through `family(config)`; what every `Config` answers is
-`cascadia.models.base.ModelConfig`.
+`cascadia.models.base.ModelConfig`; `layer_flows` gives the tensors a layer's ops pass each other, for the
+dataflow graph.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from types import ModuleType
 from typing import Any
 
 from cascadia.errors import shown
-from cascadia.models import inkling
+from cascadia.models import inkling, llama
 from cascadia.models.base import ConfigError, UnsupportedModel, read_config_json
 
-FAMILIES: dict[str, ModuleType] = {model_type: inkling for model_type in inkling.MODEL_TYPES}
+FAMILIES: dict[str, ModuleType] = {model_type: module for module in (inkling, llama)
+                                   for model_type in module.MODEL_TYPES}
 # A config that names no model_type (a spec's inline fields, written before there was a second family).
 UNNAMED_DEFAULT = inkling
 

@@ -59,6 +59,12 @@ class ModelConfig(typing.Protocol):
     @property
     def eos_ids(self) -> frozenset[int]: ...
 
+    @property
+    def routed_experts(self) -> tuple[int, int]: ...  # (routed experts, chosen per row); (0, 0): no MoE layer
+
+    @property
+    def sliding_window(self) -> int | None: ...  # keys a sliding layer attends to; None: no sliding layer
+
     def attention_kind(self, layer: int) -> LayerKind: ...  # SLIDING or GLOBAL
 
     def mlp_kind(self, layer: int) -> LayerKind: ...  # DENSE or MOE

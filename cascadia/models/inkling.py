@@ -232,6 +232,15 @@ class InklingConfig:
         """Logits actually produced: the head's unpadded rows when the checkpoint says so."""
         return self.unpadded_vocab_size or self.vocab_size
 
+    @property
+    def routed_experts(self) -> tuple[int, int]:
+        """(routed experts, chosen per row)."""
+        return self.n_routed_experts, self.num_experts_per_tok
+
+    @property
+    def sliding_window(self) -> int:
+        return self.sliding_window_size
+
 
 # ---- field types ---------------------------------------------------------------------------------------------------
 # Keys a config may hold, with their types: InklingConfig's fields, the checkpoint aliases of some, and the keys
@@ -403,3 +412,29 @@ def conv_state_channels(cfg: InklingConfig, layer: int) -> dict[str, int]:
     n_kv, head_dim = cfg.heads(layer)[1:]
     return {"attention": 2 * n_kv * head_dim,  # k_sconv and v_sconv
             "attn_sconv": cfg.hidden_size, "mlp_sconv": cfg.hidden_size}
+
+
+# ---- the dataflow between a layer's ops (`cascadia.graph.build`) -----------------------------------------------
+ROUTING_BYTES = 8  # per selected expert: an f32 weight and an int32 index
+ACTIVATION_BYTES = 4  # f32
+
+
+def layer_flows(cfg: InklingConfig, layer: int) -> tuple[list[tuple[str, str, str, int | None]], str]:
+    """The tensors a layer's ops pass each other, as (from, to, tensor, bytes per row; None: a hidden row in f32),
+    "in" the residual stream coming in; and the op whose output is the residual stream going out. Each residual
+    addition is folded into the short convolution before it (`attn_sconv` and `mlp_sconv` output the updated
+    residual stream); the attention op holds the projections, the k/v short convolutions, the q/k norms and the
+    relative-position bias."""
+    flows: list[tuple[str, str, str, int | None]] = [
+        ("in", "input_norm", "residual", None), ("input_norm", "attention", "normed", None),
+        ("attention", "attn_sconv", "attn_out", None), ("in", "attn_sconv", "residual", None),
+        ("attn_sconv", "post_norm", "residual", None), ("attn_sconv", "mlp_sconv", "residual", None)]
+    if cfg.is_dense(layer):
+        flows += [("post_norm", "dense_mlp", "normed", None), ("dense_mlp", "mlp_sconv", "mlp_out", None)]
+    else:
+        flows += [("post_norm", kind, "normed", None) for kind in ("router", "routed_experts", "shared_experts")]
+        flows += [("router", "routed_experts", "routing", cfg.num_experts_per_tok * ROUTING_BYTES),
+                  ("router", "shared_experts", "shared_gammas", cfg.n_shared_experts * ACTIVATION_BYTES),
+                  ("routed_experts", "mlp_sconv", "routed_out", None),
+                  ("shared_experts", "mlp_sconv", "shared_out", None)]
+    return flows, "mlp_sconv"

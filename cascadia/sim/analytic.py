@@ -80,7 +80,7 @@ def kind_costs(spec: Spec) -> dict[str, tuple[tuple[int, ...], Cost]]:
             continue
         ops = ops_of(layer.layer, attention_half=True)
         weights, flops = sum(op.weight_bytes for op in ops), sum(op.flops_per_row for op in ops)
-        attended = min(runtime.context_budget, cfg.sliding_window_size if attention == LayerKind.SLIDING else math.inf)
+        attended = min(runtime.context_budget, cfg.sliding_window if attention == LayerKind.SLIDING else math.inf)
         out[attention] = (_doubling(1, attended),
                           lambda r, c, layer=layer, weights=weights, flops=flops: (
                               weights + c * layer.kv_bytes_per_position,
@@ -94,7 +94,7 @@ def kind_costs(spec: Spec) -> dict[str, tuple[tuple[int, ...], Cost]]:
         if mlp == LayerKind.DENSE:
             out[LayerKind.DENSE] = ((), lambda r, _, unrouted=unrouted, flops=flops: (unrouted, r * flops))
         else:
-            out[LayerKind.MOE] = (_doubling(cfg.num_experts_per_tok, cfg.n_routed_experts),
+            out[LayerKind.MOE] = (_doubling(cfg.routed_experts[1], cfg.routed_experts[0]),
                                   lambda r, d, unrouted=unrouted, flops=flops, expert=layer.expert_bytes: (
                                       unrouted + d * expert, r * flops))
     embed, head = embedding_cost(spec.model), head_cost(spec.model)

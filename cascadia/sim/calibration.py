@@ -67,11 +67,13 @@ def uniform_distinct_experts(rows: float, top_k: int, n_experts: int) -> float:
 
 
 def model_dims(config: ModelConfig) -> dict[str, int]:
-    """The model figures a calibration is only valid for."""
+    """The model figures a calibration is only valid for (0: a width the model does not have, as a dense model's
+    experts')."""
+    experts, top_k = config.routed_experts
     return {"hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
-            "intermediate_size": config.intermediate_size, "moe_intermediate_size": config.moe_intermediate_size,
-            "n_routed_experts": config.n_routed_experts, "num_experts_per_tok": config.num_experts_per_tok,
-            "vocab_size": config.output_vocab_size}
+            "intermediate_size": getattr(config, "intermediate_size", 0),
+            "moe_intermediate_size": getattr(config, "moe_intermediate_size", 0),
+            "n_routed_experts": experts, "num_experts_per_tok": top_k, "vocab_size": config.output_vocab_size}
 
 
 @attrs.frozen

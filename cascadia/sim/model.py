@@ -21,6 +21,7 @@ deterministic: simultaneous events keep SimPy's scheduling order, which depends 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -108,7 +109,7 @@ class StageCost:
     def __init__(self, nodes: str, kinds: Counter[str], node: NodeCalibration, config: ModelConfig,
                  calibration: Calibration, extrapolations: Extrapolations, buckets: tuple[int, ...]) -> None:
         self._nodes, self._node, self._calibration, self._log = nodes, node, calibration, extrapolations
-        self._top_k, self._experts = config.num_experts_per_tok, config.n_routed_experts
+        self._experts, self._top_k = config.routed_experts
         self._kinds = kinds
         self._buckets = buckets
         self._fixed: dict[tuple[int, int], float] = {}
@@ -273,7 +274,7 @@ class PipelineModel:
         self.env = simpy.Environment()
         self.extrapolations = Extrapolations()
         config = spec.model.config
-        self._window, self._hidden = config.sliding_window_size, config.hidden_size
+        self._window, self._hidden = config.sliding_window or math.inf, config.hidden_size
         nodes = {node.name: node for node in spec.cluster.nodes}
         unknown = [s.node for s in plan.stages if s.node not in nodes]
         if unknown:

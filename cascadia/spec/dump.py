@@ -102,8 +102,10 @@ def summarize(spec: Spec) -> str:
     memory = " + ".join(f"{count} x {size}" for size, count in sizes.items())
     levels = spec.workload.concurrency
     concurrency = f"{min(levels)}-{max(levels)} in {len(levels)} levels" if len(levels) > 1 else str(levels[0])
-    return (f"{spec.model.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-            f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}; {len(nodes)} nodes ({memory}); "
+    experts, top_k = cfg.routed_experts
+    mlp = f"{experts} experts top-{top_k}" if experts else "dense"
+    return (f"{spec.model.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {mlp}; "
+            f"{len(nodes)} nodes ({memory}); "
             f"context {spec.runtime.context_budget} x {spec.runtime.max_streams} streams; concurrency {concurrency}")
 
 
