@@ -313,7 +313,7 @@ def attention_only(config: InklingConfig, contexts: list[int], rng: np.random.Ge
     layer = next(i for i in range(config.num_hidden_layers) if not config.is_sliding(i))
     heads, kv_heads, head_dim = config.heads(layer)
     scaling = (config.log_scaling_n_floor, config.log_scaling_alpha) if config.log_scaling_n_floor else None
-    shape = AttentionShape(heads, kv_heads, head_dim, None, config.rel_extent, scaling)
+    shape = AttentionShape(heads, kv_heads, head_dim, None, config.rel_extent, scaling, scale=1 / head_dim)
     cores = len(os.sched_getaffinity(0))
     plain = attrs.evolve(shape, bias_extent=1, log_scaling=None)  # with a zero bias: what PagedAttention computes
     rows, kernel_rows = [], []

@@ -2,8 +2,8 @@
 
 For each case: seeded random weights (cascadia.engine.init_model.random_weights, so every parameter, including norm
 weights, global scales and routing corrections, is away from its trivial init) are loaded into transformers'
-InklingForCausalLM, saved with save_pretrained, read back in float32 with eager attention, and run to record
-reference logits. Run from the repository root:
+InklingForCausalLM or LlamaForCausalLM, saved with save_pretrained, read back in float32 with eager attention, and
+run to record reference logits. Run from the repository root:
 
     python scripts/make_fixtures.py            # writes tests/fixtures/<case>/ and tests/fixtures/long/
     python scripts/make_fixtures.py --only long
@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache, InklingForCausalLM
+from transformers import DynamicCache, InklingForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
 from cascadia.engine.init_model import random_weights
+from cascadia.models import config_from_hf_dict
 from cascadia.models.inkling import InklingConfig
 
 S, G = "hybrid_sliding", "hybrid"
@@ -66,6 +67,21 @@ CASES = {
         intermediate_size=48, moe_intermediate_size=8, n_routed_experts=16, num_experts_per_tok=4,
         n_shared_experts=2, route_scale=4.0, logits_mup_width_multiplier=3.0, conv_kernel_size=4,
     ), dict(dtype=torch.bfloat16), 12),
+    # Llama: GQA 3:1, head_dim 12 (not hidden / heads = 8), q/k/v/o biases, a tied head, llama3 RoPE whose
+    # frequencies fall in all three bands (kept, blended, divided) within 40 positions.
+    "llama_odd": (dict(
+        model_type="llama", vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=12, attention_bias=True, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500.0, factor=4.0, low_freq_factor=1.0,
+                             high_freq_factor=8.0, original_max_position_embeddings=64),
+    ), dict(), 10),
+    # Llama with the defaults of every optional key (key/value heads as query heads, head_dim hidden / heads),
+    # untied, linear RoPE under the released configs' older keys, sharded.
+    "llama_plain": (dict(
+        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, rope_theta=10000.0, rope_scaling=dict(type="linear", factor=2.0),
+    ), dict(max_shard_size="200KB"), 7),
 }
 
 
@@ -86,10 +102,20 @@ LONG_DECODE = 64
 LONG_SAMPLED = 48  # prompt positions whose full-forward logits are kept (besides the last)
 
 
-def build_model(hf: dict, seed: int) -> InklingForCausalLM:
-    model = InklingForCausalLM(InklingTextConfig(**hf, attn_implementation="eager"))
-    weights = {name: torch.from_numpy(w) for name, w in random_weights(InklingConfig.from_hf_dict(hf), seed)}
-    model.load_state_dict(weights, strict=True)  # also proves cascadia.models.inkling names every parameter
+def model_class(hf: dict):
+    return LlamaForCausalLM if hf.get("model_type") == "llama" else InklingForCausalLM
+
+
+def build_model(hf: dict, seed: int) -> InklingForCausalLM | LlamaForCausalLM:
+    if hf.get("model_type") == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"},
+                                             attn_implementation="eager"))
+    else:
+        model = InklingForCausalLM(InklingTextConfig(**hf, attn_implementation="eager"))
+    weights = {name: torch.from_numpy(w) for name, w in random_weights(config_from_hf_dict(hf), seed)}
+    # also proves the family's module names every parameter (a tied head is the embedding's, loaded with it)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and missing == (["lm_head.weight"] if model.config.tie_word_embeddings else []), missing
     return model.float().eval()
 
 
@@ -101,7 +127,7 @@ def save(model: InklingForCausalLM, out: Path, max_shard_size: str = "50GB", dty
         return
     with tempfile.TemporaryDirectory() as tmp:  # let transformers decide which modules it keeps in fp32
         model.save_pretrained(tmp)
-        InklingForCausalLM.from_pretrained(tmp, dtype=dtype).save_pretrained(out)
+        type(model).from_pretrained(tmp, dtype=dtype).save_pretrained(out)
 
 
 @torch.no_grad()
@@ -135,7 +161,7 @@ def check_window(model: InklingForCausalLM, ids: np.ndarray) -> str:
 def make_case(name: str, hf: dict, save_options: dict, prefill_len: int, root: Path, seed: int) -> None:
     out = root / name
     save(build_model(hf, seed), out, **save_options)
-    model = InklingForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    model = model_class(hf).from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     vocab = hf.get("unpadded_vocab_size") or hf["vocab_size"]
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab, SEQ_LEN, dtype=np.int64)
@@ -151,7 +177,8 @@ def make_case(name: str, hf: dict, save_options: dict, prefill_len: int, root: P
     files = sorted(p.name for p in out.iterdir())
     print(f"{name}: logits {ref['prefill_logits'].shape} (std {ref['prefill_logits'].std():.3f}), "
           f"decode vs prefill max |diff| {gap:.2e}, files {files}")
-    print(f"  {check_window(model, ids)}")
+    if model_class(hf) is InklingForCausalLM:
+        print(f"  {check_window(model, ids)}")
 
 
 @torch.no_grad()

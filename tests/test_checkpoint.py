@@ -14,11 +14,12 @@ from cascadia.engine.init_model import random_tensor
 from cascadia.engine.quantize import round_to_bf16
 from cascadia.models.inkling import InklingConfig
 from cascadia.pipeline.stage import load_stage
+from cascadia.models import family
 from cascadia.models.inkling import all_tensors, canonical_name, embedding_tensors, head_tensors, layer_tensors
 from cascadia.models.names import EMBED, HEAD, layer_prefix
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CASES = ("base", "sharded", "bf16_unpadded")
+CASES = ("base", "sharded", "bf16_unpadded", "llama_odd", "llama_plain")
 
 
 def small_config(**over) -> dict:
@@ -46,15 +47,15 @@ def full_tensors(raw_config: dict) -> dict[str, np.ndarray]:
 def test_fixture_lists_exactly_the_model_tensors_and_validates(case):
     ckpt = Checkpoint.open(FIXTURES / case)
     ckpt.validate(embed=True, head=True)
-    assert ckpt.names() == sorted(all_tensors(ckpt.config))
+    assert ckpt.names() == sorted(family(ckpt.config).all_tensors(ckpt.config))
     assert ckpt.mtp_names() == []
 
 
-@pytest.mark.parametrize("case", ["base", "sharded"])
+@pytest.mark.parametrize("case", ["base", "sharded", "llama_odd", "llama_plain"])
 def test_f32_fixture_values_are_the_seeded_random_weights(case):
     # scripts/make_fixtures.py loads random_weights(seed 0) into transformers and saves: values come back exactly
     ckpt = Checkpoint.open(FIXTURES / case)
-    for name, (shape, _) in all_tensors(ckpt.config).items():
+    for name, (shape, _) in family(ckpt.config).all_tensors(ckpt.config).items():
         np.testing.assert_array_equal(ckpt.tensor(name), random_tensor(ckpt.config, 0, name, shape), err_msg=name)
 
 

@@ -1,6 +1,7 @@
 """The f32 engine against transformers' logits (tests/fixtures/<case>/reference.npz, made by
-scripts/make_fixtures.py): prefill, cached decode, and batches mixing streams at different positions; the MoE
-layers fused, and expert-grouped at every call size."""
+scripts/make_fixtures.py): prefill, cached decode, and batches mixing streams at different positions; Inkling's MoE
+layers fused, and expert-grouped at every call size; Llamas of odd shapes (GQA, head_dim, biases, a tied head,
+llama3 and linear RoPE)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from cascadia.spec.types import RuntimeSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded")
+DENSE_CASES = ("llama_odd", "llama_plain")  # no experts: one path
 # Largest |engine - reference| allowed, relative to the largest |reference logit|. Measured: below 1e-6.
 TOLERANCE = 1e-4
 
@@ -27,11 +29,11 @@ def assert_close(logits: np.ndarray, reference: np.ndarray) -> None:
 
 
 # runtime.moe_grouped_from of each MoE path.
-MOE_PATHS = {"fused": "never", "grouped": 1}
+MOE_PATHS = {"fused": "never", "grouped": 1, "dense": "never"}
+PARAMS = [(c, p) for c in CASES for p in ("fused", "grouped")] + [(c, "dense") for c in DENSE_CASES]
 
 
-@pytest.fixture(scope="module", params=[(c, p) for c in CASES for p in MOE_PATHS],
-                ids=[f"{c}-{p}" for c in CASES for p in MOE_PATHS])
+@pytest.fixture(scope="module", params=PARAMS, ids=[f"{c}-{p}" for c, p in PARAMS])
 def case(request):
     name, moe_path = request.param
     path = FIXTURES / name
@@ -40,8 +42,8 @@ def case(request):
                           moe_grouped_from=MOE_PATHS[moe_path])
     engine = Engine(Checkpoint.open(path), runtime)
     moe_layers = [layer for layer in engine.stage.layers if layer.router is not None]
-    assert moe_layers and all(layer.runs_grouped(b) == (moe_path == "grouped")
-                              for layer in moe_layers for b in runtime.row_buckets)
+    assert bool(moe_layers) == (moe_path != "dense")
+    assert all(layer.runs_grouped(b) == (moe_path == "grouped") for layer in moe_layers for b in runtime.row_buckets)
     return engine, dict(np.load(path / "reference.npz"))
 
 
@@ -158,3 +160,15 @@ def test_streams_take_pool_blocks_as_they_grow_and_give_them_back():
     assert_close(engine.prefill(2, ref["ids"][:25]), ref["prefill_logits"][24])  # 10 blocks, 9 of them slot 0's
     assert_close(engine.step([1], ref["mixed_a_ids"][8:9])[0], ref["mixed_a_logits"][8])  # its second block
     assert pool.free == 0
+
+
+def test_a_llama_prompt_chunk_reads_its_far_keys_fused_as_the_spans_do():
+    """A chunk of 72 rows after 128 positions reads its far keys through OpenVINO's fused attention, at a Llama's
+    scale (d^-0.5, not Inkling's 1/d); calls of at most 32 rows read every key through the kernel's spans. Same
+    logits."""
+    checkpoint = Checkpoint.open(FIXTURES / "llama_plain")
+    ids = np.random.default_rng(3).integers(0, 256, 200)
+    spans = Engine(checkpoint, RuntimeSpec(precision="f32", max_streams=1, context_budget=200))
+    fused = Engine(checkpoint, RuntimeSpec(precision="f32", max_streams=1, context_budget=200, row_buckets=(8, 128)))
+    expected = spans.score(ids)
+    np.testing.assert_allclose(fused.score(ids), expected, rtol=0, atol=1e-5 * np.abs(expected).max())

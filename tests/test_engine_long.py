@@ -106,7 +106,7 @@ def test_the_pipeline_matches_transformers_at_long_positions(spec, long_checkpoi
     assert_close(logits[len(prompt) - 1:], reference["greedy_logits"])
 
 
-SHAPE = AttentionShape(8, 2, 32, None, 48, (64, 0.4))
+SHAPE = AttentionShape(8, 2, 32, None, 48, (64, 0.4), scale=1 / 32)
 
 
 def scattered_streams(precision: str, first: np.ndarray, slots: np.ndarray, n: int):

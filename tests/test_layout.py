@@ -38,7 +38,7 @@ FORBIDDEN = {
 }
 ENGINE_BRIDGE = "cascadia.pipeline.stage"  # the one pipeline module that may import the engine
 FAMILY_PACKAGES = ("cascadia.models", "cascadia.engine.families")
-SHARED_BY_FAMILIES = ("cascadia.models.base", "cascadia.models.names")
+SHARED_BY_FAMILIES = ("cascadia.models.base", "cascadia.models.names", "cascadia.models.rope")
 
 
 def module_names(package: Path = PACKAGE) -> dict[str, Path]:

@@ -14,9 +14,11 @@ from cascadia.engine.kv_store import BlockPool, PagedKV, PagedRing
 from cascadia.engine.state_format import StateFormat
 from cascadia.graph.costs import PoolLayout
 
-SHAPE = AttentionShape(8, 2, 24, None, 40, (64, 0.4))  # 4 query heads a K/V head, head dim not a power of two
-THREE_A_HEAD = AttentionShape(6, 2, 12, None, 40, (64, 0.4))  # 3 rows a K/V head and decode row; dim not 8's multiple
-WIDE = AttentionShape(8, 2, 64, None, 40, (64, 0.4))  # specs/mid's head dim: whole vectors, no remainder
+SHAPE = AttentionShape(8, 2, 24, None, 40, (64, 0.4), 1 / 24)  # 4 query heads a K/V head, head dim not a power of two
+# 3 rows a K/V head and decode row; dim not 8's multiple
+THREE_A_HEAD = AttentionShape(6, 2, 12, None, 40, (64, 0.4), 1 / 12)
+WIDE = AttentionShape(8, 2, 64, None, 40, (64, 0.4), 1 / 64)  # specs/mid's head dim: whole vectors, no remainder
+LLAMA = AttentionShape(6, 2, 16, None, 0, None, 16 ** -0.5)  # no bias bank, no log scaling, scores by d^-0.5
 BLOCK = 16
 
 
@@ -30,10 +32,11 @@ def dense_attention(shape: AttentionShape, q: np.ndarray, rel: np.ndarray, keys:
     tau = (log_scale(positions, *scaling) if scaling else np.ones(n)).astype(np.float64)[:, None, None]
     group = heads // shape.kv_heads
     k, v = (np.repeat(x.astype(np.float64), group, axis=1) for x in (keys, values))  # [m, h, d]
-    scores = np.einsum("nhd,mhd->nhm", q * tau, k) / d
+    scores = np.einsum("nhd,mhd->nhm", q * tau, k) * shape.scale
     distance = positions[:, None] - np.arange(len(keys))[None, :]  # [n, m]
-    bias = np.take_along_axis(rel * tau, np.clip(distance, 0, shape.bias_extent - 1)[:, None, :], axis=2)
-    scores += np.where((distance >= 0) & (distance < shape.bias_extent), 1.0, 0.0)[:, None, :] * bias
+    if shape.bias_extent:
+        bias = np.take_along_axis(rel * tau, np.clip(distance, 0, shape.bias_extent - 1)[:, None, :], axis=2)
+        scores += np.where((distance >= 0) & (distance < shape.bias_extent), 1.0, 0.0)[:, None, :] * bias
     seen = (distance >= 0) & (distance < (shape.window or len(keys)))
     scores = np.where(seen[:, None, :], scores, -np.inf)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
@@ -43,7 +46,8 @@ def dense_attention(shape: AttentionShape, q: np.ndarray, rel: np.ndarray, keys:
 
 @pytest.mark.parametrize("precision", ["f32", "bf16", "f16"])
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("shape", [SHAPE, THREE_A_HEAD, WIDE], ids=["4 a K/V head", "3 a K/V head", "head dim 64"])
+@pytest.mark.parametrize("shape", [SHAPE, THREE_A_HEAD, WIDE, LLAMA],
+                         ids=["4 a K/V head", "3 a K/V head", "head dim 64", "llama"])
 def test_streams_on_scattered_blocks_match_a_dense_softmax(precision, rows, shape, monkeypatch):
     """Three streams at 37, 300 and 1,000 positions (their last blocks partly filled), blocks interleaved as streams
     that grow together take them, in spans of 3 blocks on the thread pool: decode rows, and 5 rows of a chunk (each
@@ -82,7 +86,7 @@ def test_streams_on_scattered_blocks_match_a_dense_softmax(precision, rows, shap
 def test_a_sliding_layers_wrapped_rings_match_a_dense_softmax_in_its_window(precision, rows):
     """Three streams' rings of 32 entries (blocks of 8; window 24, bias bank 40) at 10, 31 and 300 positions: one
     not yet full, one about to wrap, one wrapped nine times; decode rows and 5-row chunks."""
-    shape = AttentionShape(8, 2, 24, 24, 40, None)
+    shape = AttentionShape(8, 2, 24, 24, 40, None, 1 / 24)
     fmt = StateFormat(precision)
     entry_bytes = 2 * shape.kv_heads * shape.head_dim * fmt.dtype.itemsize
     layout = PoolLayout.of(0, entry_bytes, 1, shape.window - 1 + rows, 8)

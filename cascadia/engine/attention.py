@@ -38,6 +38,7 @@ import openvino.opset13 as ops
 from cascadia.engine import paged_kernel, scratch
 from cascadia.engine.device import compile_options, core
 from cascadia.engine.kv_store import PagedKV, PagedRing
+from cascadia.engine.rows import Rows
 
 KeyStore = PagedRing | PagedKV
 SPAN_KEYS = 4096  # keys per span (one task of the thread pool), shared among the streams of a call: a call of many
@@ -56,8 +57,9 @@ class AttentionShape:
     kv_heads: int
     head_dim: int
     window: int | None  # keys at distance >= window are masked (sliding layers); None = causal only
-    bias_extent: int  # the relative-bias bank covers distances 0 .. bias_extent-1; zero beyond
+    bias_extent: int  # the relative-bias bank covers distances 0 .. bias_extent-1; zero beyond (0: no bank)
     log_scaling: tuple[int, float] | None  # (n_floor, alpha) on global layers that scale queries and bias
+    scale: float  # of the scores q.k (Inkling's q and k are RMS-normalised: 1/d; Llama's d^-0.5)
 
 
 def log_scale(positions: np.ndarray, n_floor: int, alpha: float) -> np.ndarray:
@@ -70,6 +72,19 @@ def log_scale(positions: np.ndarray, n_floor: int, alpha: float) -> np.ndarray:
 def _threads() -> ThreadPoolExecutor:
     """One pool for every layer, as wide as the CPUs this process may run on (a pinned node's, on a fleet)."""
     return ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="attention")
+
+
+def attend_rows(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, rel: np.ndarray,
+                store: KeyStore, rows: Rows) -> np.ndarray:
+    """The rows of one call, q [T, h, d], k and v [T, kv, d], rel [T, h, X] -> attention output [T, h d]: streams
+    with as many rows in the call go to `attend` together (all decode rows at once)."""
+    out = np.empty((len(q), shape.heads * shape.head_dim), np.float32)
+    for count in np.unique(rows.counts).tolist():
+        groups = np.flatnonzero(rows.counts == count)
+        part = rows.starts[groups][:, None] + np.arange(count)  # [G, n] rows of these streams
+        out[part] = attend(shape, q[part], k[part], v[part], rel[part], store, rows.group_slots[groups],
+                           rows.positions[rows.starts[groups]])
+    return out
 
 
 def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, rel: np.ndarray, store: KeyStore,
@@ -158,8 +173,8 @@ def _fused(shape: AttentionShape, grouped_q: np.ndarray, store: PagedKV, slot: i
             padded[0, :, :-1, d] = 0
             padded[0, :, -1] = 0
             padded[0, :, -1, d] = 1  # the sink: key 1 against the queries' log-sum-exp; value 1 in its own column
-        q[0, :, :, d] = lse * d  # the attention scales scores by 1/d
-        piece = _fused_attention(kv, d + 1)(q, k, v)  # [1, kv, (h/kv) n, d + 1]
+        q[0, :, :, d] = lse * np.float32(1 / shape.scale)  # the attention scales the scores
+        piece = _fused_attention(kv, d + 1, shape.scale)(q, k, v)  # [1, kv, (h/kv) n, d + 1]
         share = piece[0, :, :, d]  # of the keys before this piece
         out = piece[0, :, :, :d] + share[..., None] * out
         lse -= np.log(share)
@@ -167,12 +182,12 @@ def _fused(shape: AttentionShape, grouped_q: np.ndarray, store: PagedKV, slot: i
 
 
 @cache
-def _fused_attention(kv_heads: int, width: int):
+def _fused_attention(kv_heads: int, width: int, scale: float):
     """OpenVINO's ScaledDotProductAttention in f32 for q [1, kv, rows, width], k and v [1, kv, keys, width], scores
-    scaled by 1 / (width - 1) (the head dim: see the module's text), on this process's CPUs; a callable of the three
-    arrays returning its output, valid until the next call."""
+    scaled by `scale`, on this process's CPUs; a callable of the three arrays returning its output, valid until the
+    next call."""
     params = [ops.parameter([1, kv_heads, -1, width], ov.Type.f32, name=name) for name in "qkv"]
-    scale = ops.constant(np.float32(1 / (width - 1)))
+    scale = ops.constant(np.float32(scale))
     model = ov.Model([ops.scaled_dot_product_attention(*params, scale=scale)], params, "attention")
     request = core().compile_model(model, "CPU", compile_options("f32", len(os.sched_getaffinity(0)))
                                    ).create_infer_request()
@@ -194,6 +209,6 @@ def _span(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store: 
     top, total = np.empty((2, streams, kv_heads, group * n), np.float32)
     out = np.empty(grouped_q.shape, np.float32)
     paged_kernel.span(grouped_q, keys, values, table, start, store.span or 0, shape.window or 0, positions, rel,
-                      np.float32(1 / shape.head_dim), top, total, out)  # q and k are RMS-normalised: 1/d
+                      np.float32(shape.scale), top, total, out)
     return (top.reshape(streams, kv_heads, group, n), total.reshape(streams, kv_heads, group, n),
             out.reshape(streams, kv_heads, group, n, shape.head_dim))

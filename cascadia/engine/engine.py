@@ -107,7 +107,9 @@ class StageEngine:
             advance()
         if head:
             self.final_norm = checkpoint.tensor(FINAL_NORM)
-            self.head = compile_block(graphs.projection([_matrix(checkpoint, HEAD, formats.head)], formats.head))
+            tied = HEAD not in family(cfg).head_tensors(cfg)  # a tied head is the embedding's table
+            self.head = compile_block(graphs.projection([_matrix(checkpoint, EMBED if tied else HEAD, formats.head)],
+                                                        formats.head))
             advance()
         self.lengths = np.zeros(runtime.max_streams, np.int64)  # next position of each slot
         self.reach = np.zeros(runtime.max_streams, np.int64)  # how far before it the slot's next rows may start

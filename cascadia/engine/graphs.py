@@ -1,5 +1,5 @@
-"""OpenVINO graph builders, one per kind of weight-heavy block of an Inkling layer (everything between them runs in
-FP32 on the host: see `cascadia.engine.decoder`). Each returns an `ov.Model` whose inputs all have a dynamic row axis.
+"""OpenVINO graph builders, one per kind of weight-heavy block of a layer (everything between them runs in FP32 on
+the host: see `cascadia.engine.families`). Each returns an `ov.Model` whose inputs all have a dynamic row axis.
 
 Weights arrive as float32 arrays in checkpoint layout ([out, in], experts [E, out, in]) and are stored in the graph
 in their `WeightFormat`; expert stacks in an integer format may also arrive already quantised (`Quantized`).
@@ -31,19 +31,21 @@ def projection(weights: Sequence[np.ndarray | Quantized], fmt: WeightFormat) -> 
     return ov.Model([linear(x.output(0), weight(w, fmt))], [x], "projection")
 
 
-def attention_input(qkvr: Sequence[np.ndarray], fmt: WeightFormat, norm: np.ndarray, q_norm: np.ndarray,
-                    eps: float) -> ov.Model:
-    """A decoder layer's rows up to its attention's host part: x [T, H] -> q [T, h d], each head RMS-normalised, and
-    k|v|r [T, 2 kv d + h r], from the input RMSNorm and the q|k|v|r projection as one matmul (k is normalised on the
-    host, after its short convolution)."""
-    w = np.concatenate(qkvr)
+def attention_input(projections: Sequence[np.ndarray], fmt: WeightFormat, norm: np.ndarray,
+                    q_norm: np.ndarray | None, eps: float) -> ov.Model:
+    """A decoder layer's rows up to its attention's host part: x [T, H] -> q [T, h d] and the other projections'
+    columns (Inkling's k|v|r [T, 2 kv d + h r], a Llama's k|v), from the input RMSNorm and the projections as one
+    matmul, q first; with `q_norm`, each head of q RMS-normalised (Inkling's k is normalised on the host, after its
+    short convolution)."""
+    w = np.concatenate(projections)
     x = _rows(w.shape[1])
     projected = linear(rms_norm(x.output(0), norm, eps), weight(w, fmt))
-    q_width, head_dim = qkvr[0].shape[0], q_norm.shape[0]
+    q_width = projections[0].shape[0]
     q, rest = ops.variadic_split(projected, const(np.int64(-1)), ints(q_width, -1)).outputs()
-    heads = rms_norm(ops.reshape(q, ints(0, -1, head_dim), True).output(0), q_norm, eps)
-    q = ops.reshape(heads, ints(0, q_width), True)
-    return ov.Model([q.output(0), rest], [x], "attention_input")
+    if q_norm is not None:
+        heads = rms_norm(ops.reshape(q, ints(0, -1, q_norm.shape[0]), True).output(0), q_norm, eps)
+        q = ops.reshape(heads, ints(0, q_width), True).output(0)
+    return ov.Model([q, rest], [x], "attention_input")
 
 
 def swiglu_mlp(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: WeightFormat) -> ov.Model:

@@ -45,7 +45,7 @@ import attrs
 import numpy as np
 
 from cascadia.engine import graphs
-from cascadia.engine.attention import AttentionShape, KeyStore, attend
+from cascadia.engine.attention import AttentionShape, KeyStore, attend_rows
 from cascadia.engine.device import Compiled, CompiledBlock
 from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.layer_build import Chunk, Compile, CompileGrouped, moe_blocks, stack_chunks, swiglu_block
@@ -175,13 +175,7 @@ class DecoderLayer:
         k = head_rms_norm(k, self.k_norm, self.eps)
         v = v.reshape(k.shape)
         rel = r.reshape(len(r), self.shape.heads, -1) @ self.rel_bank  # [T, h, X]: bias per distance
-        out = np.empty((len(x), self.shape.heads * self.shape.head_dim), np.float32)
-        for count in np.unique(rows.counts).tolist():  # streams with as many rows in one call: all decode rows
-            groups = np.flatnonzero(rows.counts == count)
-            part = rows.starts[groups][:, None] + np.arange(count)  # [G, n] rows of these streams
-            out[part] = attend(self.shape, q[part], k[part], v[part], rel[part], state.kv,
-                               rows.group_slots[groups], rows.positions[rows.starts[groups]])
-        return out
+        return attend_rows(self.shape, q, k, v, rel, state.kv, rows)
 
     def expert_inputs(self, h: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
         """A MoE layer's block inputs for rows h [T, H] (h, index, weights / F, shared weights / F), and F [T, 1]."""
@@ -218,7 +212,7 @@ def build_layer(cfg: InklingConfig, layer: int, t: Mapping[str, np.ndarray], for
     if not cfg.is_sliding(layer) and cfg.log_scaling_n_floor is not None:
         log_scaling = (cfg.log_scaling_n_floor, cfg.log_scaling_alpha)
     shape = AttentionShape(heads, kv_heads, head_dim, cfg.sliding_window_size if cfg.is_sliding(layer) else None,
-                           cfg.layer_rel_extent(layer), log_scaling)
+                           cfg.layer_rel_extent(layer), log_scaling, scale=1 / head_dim)  # q, k RMS-normalised
     qkvr = [t[name] for name in (names.Q_PROJ, names.K_PROJ, names.V_PROJ, names.R_PROJ)]
     post_norm = t[names.POST_NORM]
     common = dict(

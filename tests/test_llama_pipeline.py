@@ -1,0 +1,58 @@
+"""A Llama through the distributed pipeline: three real node processes on 127.0.0.1, one of the llama_odd fixture's
+layers each (GQA, head_dim 12, biases, a tied head, llama3 RoPE), give the tokens of the single-process engine,
+greedy and sampled, with and without speculation."""
+
+from pathlib import Path
+
+import attrs
+import pytest
+from test_pipeline import assert_outputs_match_engine
+
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.engine import Engine
+from cascadia.graph.planner import plan as make_plan
+from cascadia.pipeline.run import Pipeline
+from cascadia.sampling import Sampling
+from cascadia.spec.load import load_spec
+from cascadia.speculation import ReplayDrafter
+
+CHECKPOINT = Path(__file__).parent / "fixtures" / "llama_odd"
+SPEC = f"""\
+model: {{name: llama-odd, hf_config: {CHECKPOINT}/config.json, checkpoint: {CHECKPOINT}, formats: f32}}
+cluster:
+  reserve: 64MiB
+  nodes: [{{name: node, count: 3, memory: 1GiB, host: localhost, threads: 1}}]
+  links: {{default: {{bandwidth: 1gbit, latency: 100us}}}}
+runtime: {{context_budget: 64, max_streams: 8, precision: f32, kv_precision: f32, row_buckets: [1, 2, 4, 8],
+          prefill_window: 4}}
+workload: {{concurrency: [1, 4], prompt_tokens: {{uniform: [6, 14]}}, output_tokens: 8, greedy: true, seed: 0}}
+"""
+
+
+@pytest.fixture(scope="module")
+def llama_spec(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "spec.yaml"
+    path.write_text(SPEC)
+    return load_spec(path)
+
+
+@pytest.fixture(scope="module")
+def llama_engine(llama_spec):
+    return Engine(Checkpoint.open(CHECKPOINT), llama_spec.runtime, formats=llama_spec.model.formats, threads=1)
+
+
+@pytest.mark.parametrize("speculate", [None, "ngram:4"], ids=["plain", "speculating"])
+def test_a_llama_on_three_nodes_gives_the_single_process_tokens(llama_spec, llama_engine, speculate):
+    spec = attrs.evolve(llama_spec, runtime=attrs.evolve(llama_spec.runtime, speculate=speculate))
+    plan = make_plan(spec)
+    assert [stage.layers for stage in plan.stages] == [range(0, 1), range(1, 2), range(2, 3)]
+    with Pipeline.start(spec, plan, checkpoint=CHECKPOINT, node_timeout_s=20) as pipeline:
+        greedy = pipeline.run(spec.workload)
+        assert_outputs_match_engine(greedy.outputs, llama_engine, Sampling())
+        sampled = attrs.evolve(spec.workload, greedy=False, temperature=0.8, top_p=0.9, seed=5)
+        replies = {tuple(line["prompt_ids"]): line["output_ids"] for line in greedy.outputs}
+        done = pipeline.run(sampled, prompts=list(replies), drafter=ReplayDrafter(replies) if speculate else None)
+        assert_outputs_match_engine(done.outputs, llama_engine, Sampling.of(sampled))
+        if speculate:  # the replayed greedy tokens are drafts a sampled stream rejects, at least at times
+            assert sum(level["speculation"]["proposed"] for level in done.result["levels"]) > 0
+    assert [p.returncode for p in pipeline.local.processes] == [0, 0, 0]
