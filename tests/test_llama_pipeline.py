@@ -1,18 +1,29 @@
 """A Llama through the distributed pipeline: three real node processes on 127.0.0.1, one of the llama_odd fixture's
 layers each (GQA, head_dim 12, biases, a tied head, llama3 RoPE), give the tokens of the single-process engine,
-greedy and sampled, with and without speculation."""
+greedy and sampled, with and without speculation; served, a node killed under 24 streaming clients costs no request
+and no token."""
 
+import asyncio
+import os
+import random
+import signal
 from pathlib import Path
 
 import attrs
 import pytest
+from serving import Served, alive
 from test_pipeline import assert_outputs_match_engine
+from test_serve_failover import (assert_the_engines_texts, engine_texts, node_pids, recovered, stage_nodes,
+                                 stream_all)
 
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
+from cascadia.engine.init_model import init_model
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.run import Pipeline
+from cascadia.models import config_from_hf_dict
 from cascadia.sampling import Sampling
+from cascadia.spec.dump import write_spec
 from cascadia.spec.load import load_spec
 from cascadia.speculation import ReplayDrafter
 
@@ -56,3 +67,32 @@ def test_a_llama_on_three_nodes_gives_the_single_process_tokens(llama_spec, llam
         if speculate:  # the replayed greedy tokens are drafts a sampled stream rejects, at least at times
             assert sum(level["speculation"]["proposed"] for level in done.result["levels"]) > 0
     assert [p.returncode for p in pipeline.local.processes] == [0, 0, 0]
+
+
+def test_a_served_llama_loses_a_node_and_no_request_or_token(tmp_path, llama_spec):
+    """A random Llama with a tokenizer (init-model's) served by three local nodes and a spare: the middle stage's
+    node killed at a random moment under 24 streaming clients, greedy and sampled."""
+    config = config_from_hf_dict({"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
+                                  "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "max_position_embeddings": 256, "rope_theta": 500.0})
+    init_model(config, tmp_path / "ckpt", seed=1)
+    spare = attrs.evolve(llama_spec.cluster.nodes[0], name="spare0")
+    spec = attrs.evolve(llama_spec, model=attrs.evolve(llama_spec.model, config=config, checkpoint=tmp_path / "ckpt"),
+                        cluster=attrs.evolve(llama_spec.cluster, spares=(spare,)))
+    expected = engine_texts(spec, tmp_path / "ckpt")
+    served = Served(tmp_path, write_spec(spec, tmp_path / "spec.yaml"), tmp_path / "ckpt")
+    try:
+        victim = stage_nodes(served.url)[1]
+        pid = node_pids(served)[victim]
+
+        async def kill():
+            await asyncio.sleep(random.uniform(0, 0.5))
+            os.kill(pid, signal.SIGKILL)
+
+        assert_the_engines_texts(asyncio.run(stream_all(served.url, kill, model=spec.model.name)), expected)
+        assert recovered(served.url) == {victim: 1}
+        assert stage_nodes(served.url)[1] == "spare0"
+    finally:
+        nodes = served.children()
+        assert served.stop() == 0
+        assert not any(alive(pid) for pid in nodes), "node processes left behind"

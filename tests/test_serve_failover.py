@@ -49,8 +49,7 @@ def sampling(i: int) -> Sampling:
     return Sampling() if i % 2 == 0 else Sampling(temperature=1.0, top_p=0.9, seed=i)
 
 
-@pytest.fixture(scope="module")
-def expected(spec, checkpoint) -> list[str]:
+def engine_texts(spec, checkpoint: Path) -> list[str]:
     """Every client's text, from the single-process engine."""
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     tokenizer = load_tokenizer(checkpoint)
@@ -58,7 +57,12 @@ def expected(spec, checkpoint) -> list[str]:
             for i in range(STREAMS)]
 
 
-async def stream_all(url: str, during=None) -> list[str]:
+@pytest.fixture(scope="module")
+def expected(spec, checkpoint) -> list[str]:
+    return engine_texts(spec, checkpoint)
+
+
+async def stream_all(url: str, during=None, model: str = "tiny") -> list[str]:
     """STREAMS streaming completions at once, each its text; `during` runs once the first tokens came."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     first = asyncio.Event()
@@ -67,7 +71,7 @@ async def stream_all(url: str, during=None) -> list[str]:
         drawn = sampling(i)
         options = {"temperature": 0} if drawn.greedy else {"temperature": drawn.temperature, "top_p": drawn.top_p,
                                                              "seed": drawn.seed}
-        stream = await client.completions.create(model="tiny", prompt=prompt(i), max_tokens=TOKENS, stream=True,
+        stream = await client.completions.create(model=model, prompt=prompt(i), max_tokens=TOKENS, stream=True,
                                                  extra_body={"ignore_eos": True}, **options)
         pieces = []
         async for chunk in stream:
