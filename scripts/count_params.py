@@ -1,12 +1,14 @@
-"""Write tests/fixtures/param_counts.json: parameter counts per op kind of transformers' InklingForCausalLM and
-LlamaForCausalLM, for the released sizes and for small configurations of odd shapes.
+"""Write tests/fixtures/param_counts.json: parameter counts per op kind of transformers' InklingForCausalLM,
+LlamaForCausalLM and Qwen3MoeForCausalLM, for the released sizes and for small configurations of odd shapes.
 
 Reference tooling, run by a developer (needs torch and transformers, `pip install -e .[dev]`), never by the tests:
     python scripts/count_params.py
 The models are built on the meta device, so even the full 947B-parameter configuration takes no memory. Counts
 cover every stored tensor (the state dict: parameters and persistent buffers such as the router's correction bias;
-a tied head is stored once, as the embedding). The small configurations also record every tensor's shape, and each
-Llama its RoPE as transformers reads it (`rope_parameters`).
+a tied head is stored once, as the embedding), and the parameters one token uses (`active`: top-k of the routed
+experts). The small configurations also record every tensor's shape (but Qwen3-MoE's: transformers holds its experts
+stacked in memory and saves them one by one), and each Llama or Qwen3-MoE its RoPE as transformers reads it
+(`rope_parameters`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
 from transformers.models.inkling.modeling_inkling import InklingForCausalLM
 
@@ -29,6 +31,10 @@ LLAMA_31 = {"model_type": "llama", "vocab_size": 128256, "num_attention_heads": 
             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 8192},
             "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
+
+QWEN3 = {"model_type": "qwen3_moe", "vocab_size": 151936, "num_key_value_heads": 4, "head_dim": 128,
+         "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "rope_theta": 1e6,
+         "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
 CONFIGS = {
     # the released model
@@ -76,13 +82,28 @@ CONFIGS = {
         "model_type": "llama", "vocab_size": 250, "hidden_size": 32, "intermediate_size": 56, "num_hidden_layers": 2,
         "num_attention_heads": 4, "rope_scaling": {"type": "linear", "factor": 2.0},
     },
+    # Qwen3-MoE as released (Qwen's config.json files; 235B's hidden and expert widths from the Qwen3 report)
+    "qwen3-30b-a3b": QWEN3 | {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                              "num_attention_heads": 32, "moe_intermediate_size": 768},
+    "qwen3-235b-a22b": QWEN3 | {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 94,
+                                "num_attention_heads": 64, "moe_intermediate_size": 1536},
+    # dense layers among MoE ones (decoder_sparse_step 2 and mlp_only_layers), head_dim not hidden / heads, biases
+    "qwen3_small_odd": {
+        "model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 48, "intermediate_size": 72,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 20,
+        "attention_bias": True, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "decoder_sparse_step": 2, "mlp_only_layers": [3], "rope_theta": 1e6,
+    },
 }
 
 
+REFERENCES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+
+
 def count(raw: dict, with_shapes: bool) -> dict:
-    if raw.get("model_type") == "llama":
-        config = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
-        build = LlamaForCausalLM
+    if raw.get("model_type") in REFERENCES:
+        config_class, build = REFERENCES[raw["model_type"]]
+        config = config_class(**{k: v for k, v in raw.items() if k != "model_type"})
     else:
         config, build = InklingTextConfig(**raw), InklingForCausalLM
     with torch.device("meta"):
@@ -97,9 +118,12 @@ def count(raw: dict, with_shapes: bool) -> dict:
         by_kind[kind] = by_kind.get(kind, 0) + tensor.numel()
         shapes[name] = list(tensor.shape)
     out = {"config": raw, "total": sum(by_kind.values()), "params_by_kind": dict(sorted(by_kind.items()))}
-    if with_shapes:
+    experts, top_k = ours.routed_experts
+    routed = by_kind.get("routed_experts", 0)
+    out["active"] = out["total"] - routed + routed // experts * top_k if experts else out["total"]
+    if with_shapes and raw.get("model_type") != "qwen3_moe":
         out["shapes"] = shapes
-    if raw.get("model_type") == "llama":
+    if raw.get("model_type") in REFERENCES:
         out["rope_parameters"] = dict(config.rope_parameters)
     return out
 
@@ -117,12 +141,11 @@ def tensor_kind(config, name: str) -> str:
 
 
 def main() -> None:
-    configs = {name: count(raw, with_shapes=name.startswith("small") or name.startswith("llama_small"))
-               for name, raw in CONFIGS.items()}
+    configs = {name: count(raw, with_shapes="small" in name) for name, raw in CONFIGS.items()}
     body = {"generated_by": "scripts/count_params.py", "transformers": transformers.__version__, "configs": configs}
     OUT.write_text(json.dumps(body, indent=1) + "\n")
     for name, c in configs.items():
-        print(f"{name}: {c['total']:,} parameters")
+        print(f"{name}: {c['total']:,} parameters, {c['active']:,} active")
 
 
 if __name__ == "__main__":

@@ -126,9 +126,11 @@ def test_a_config_file_over_the_size_limit_is_refused_unread(tmp_path):
 # ---- which model a config describes --------------------------------------------------------------------------------
 OTHER_MODELS = [
     ({"model_type": "gpt2", "n_layer": 12, "n_embd": 768}, "model_type 'gpt2' is not supported "
-                                                            r"\(supported: inkling, inkling_text, llama\)"),
-    ({"model_type": "qwen3_moe", "hidden_size": "junk"}, "model_type 'qwen3_moe' is not supported"),  # before any field
-    ({"architectures": ["Qwen3MoeForCausalLM"]}, r"architectures \['Qwen3MoeForCausalLM'\] names no supported model"),
+                                                            r"\(supported: inkling, inkling_text, llama, qwen3_moe\)"),
+    # refused before any field is read
+    ({"model_type": "deepseek_v3", "hidden_size": "junk"}, "model_type 'deepseek_v3' is not supported"),
+    ({"architectures": ["DeepseekV3ForCausalLM"]},
+     r"architectures \['DeepseekV3ForCausalLM'\] names no supported model"),
     ({"model_type": "llama", "architectures": ["InklingForCausalLM"]}, r"architectures \['InklingForCausalLM'\] "
                                                                        r"names no supported model \(supported: "
                                                                        r"LlamaForCausalLM\)"),
@@ -139,7 +141,7 @@ OTHER_MODELS = [
 ]
 
 
-@pytest.mark.parametrize("raw, problem", OTHER_MODELS, ids=["gpt2", "qwen3_moe with junk", "architectures only",
+@pytest.mark.parametrize("raw, problem", OTHER_MODELS, ids=["gpt2", "deepseek_v3 with junk", "architectures only",
                                                             "architectures of another family",
                                                             "architectures not a list", "multimodal", "unnamed",
                                                             "model_type not text"])
@@ -162,5 +164,5 @@ def test_inkling_is_known_by_its_model_type_or_architectures(tmp_path, named):
 
 def test_a_config_dict_need_not_name_its_model_but_may_not_name_another():
     assert config_from_hf_dict({"hidden_size": 64}).hidden_size == 64  # a spec's inline config
-    with pytest.raises(UnsupportedModel, match="^model_type 'qwen3_moe' is not supported"):
-        config_from_hf_dict({"model_type": "qwen3_moe", "hidden_size": 64})
+    with pytest.raises(UnsupportedModel, match="^model_type 'deepseek_v3' is not supported"):
+        config_from_hf_dict({"model_type": "deepseek_v3", "hidden_size": 64})

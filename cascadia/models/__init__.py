@@ -18,10 +18,10 @@ from types import ModuleType
 from typing import Any
 
 from cascadia.errors import shown
-from cascadia.models import inkling, llama
+from cascadia.models import inkling, llama, qwen3_moe
 from cascadia.models.base import ConfigError, UnsupportedModel, read_config_json
 
-FAMILIES: dict[str, ModuleType] = {model_type: module for module in (inkling, llama)
+FAMILIES: dict[str, ModuleType] = {model_type: module for module in (inkling, llama, qwen3_moe)
                                    for model_type in module.MODEL_TYPES}
 # A config that names no model_type (a spec's inline fields, written before there was a second family).
 UNNAMED_DEFAULT = inkling

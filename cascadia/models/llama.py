@@ -29,6 +29,7 @@ MTP_PREFIX = "model.mtp."  # no Llama has multi-token-prediction layers: nothing
 @attrs.frozen(kw_only=True)
 class LlamaConfig:
     model_type: ClassVar[str] = "llama"
+    FIELD_TYPES: ClassVar[dict[str, Any]]  # the keys a config may hold, with their types (set below)
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -63,7 +64,7 @@ class LlamaConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> LlamaConfig:
         """Build from a transformers config dict; keys of other parts (training, dropout, caching) are ignored."""
-        d, problems = conform_fields(text_fields(raw), FIELD_TYPES)
+        d, problems = conform_fields(text_fields(raw), cls.FIELD_TYPES)
         if problems:
             raise ConfigError("; ".join(problems))
         n_layers = d.get("num_hidden_layers", 32)
@@ -89,7 +90,7 @@ class LlamaConfig:
         """What makes these values no Llama, each message starting with the field it is about."""
         fields = attrs.asdict(self, recurse=False)
         fields.pop("rope_scaling")
-        _, out = conform_fields(fields, FIELD_TYPES)
+        _, out = conform_fields(fields, self.FIELD_TYPES)
         if out:
             return out
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -166,6 +167,7 @@ def text_fields(raw: dict[str, Any]) -> dict[str, Any]:
 _HINTS = typing.get_type_hints(LlamaConfig)
 FIELD_TYPES: dict[str, Any] = {f.name: _HINTS[f.name] for f in attrs.fields(LlamaConfig) if f.name != "rope_scaling"}
 FIELD_TYPES.update({"rope_scaling": dict | None, "rope_parameters": dict | None})
+LlamaConfig.FIELD_TYPES = FIELD_TYPES
 Config = LlamaConfig
 
 
