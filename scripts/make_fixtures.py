@@ -2,8 +2,8 @@
 
 For each case: seeded random weights (cascadia.engine.init_model.random_weights, so every parameter, including norm
 weights, global scales and routing corrections, is away from its trivial init) are loaded into transformers'
-InklingForCausalLM or LlamaForCausalLM, saved with save_pretrained, read back in float32 with eager attention, and
-run to record reference logits. Run from the repository root:
+InklingForCausalLM, LlamaForCausalLM or Qwen3MoeForCausalLM, saved with save_pretrained, read back in float32 with
+eager attention, and run to record reference logits. Run from the repository root:
 
     python scripts/make_fixtures.py            # writes tests/fixtures/<case>/ and tests/fixtures/long/
     python scripts/make_fixtures.py --only long
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache, InklingForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (DynamicCache, InklingForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
 from cascadia.engine.init_model import random_weights
@@ -82,6 +83,21 @@ CASES = {
         model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, rope_theta=10000.0, rope_scaling=dict(type="linear", factor=2.0),
     ), dict(max_shard_size="200KB"), 7),
+    # Qwen3-MoE: head_dim 20 (not 48 / 4), q/k/v/o biases before the q and k norms, 6 experts top-2 unnormalised, a
+    # dense layer (mlp_only_layers) among MoE ones.
+    "qwen3_odd": (dict(
+        model_type="qwen3_moe", vocab_size=300, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=20, attention_bias=True, num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[2], rope_theta=10000.0,
+    ), dict(), 10),
+    # Qwen3-MoE as released configs are: top-k renormalised, every other layer MoE (decoder_sparse_step 2), a tied
+    # head, MQA, sharded.
+    "qwen3_norm": (dict(
+        model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=2, tie_word_embeddings=True,
+        rope_theta=1e6,
+    ), dict(max_shard_size="200KB"), 7),
 }
 
 
@@ -102,17 +118,41 @@ LONG_DECODE = 64
 LONG_SAMPLED = 48  # prompt positions whose full-forward logits are kept (besides the last)
 
 
+REFERENCES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+
+
 def model_class(hf: dict):
-    return LlamaForCausalLM if hf.get("model_type") == "llama" else InklingForCausalLM
+    return REFERENCES[hf["model_type"]][1] if hf.get("model_type") in REFERENCES else InklingForCausalLM
 
 
-def build_model(hf: dict, seed: int) -> InklingForCausalLM | LlamaForCausalLM:
-    if hf.get("model_type") == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"},
-                                             attn_implementation="eager"))
+def stacked_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen3-MoE's experts as transformers holds them in memory: per layer gate_up_proj [E, 2I, H] (gate's rows,
+    then up's) and down_proj [E, H, I], from the checkpoint's one expert at a time."""
+    out, stacks = {}, {}
+    for name, w in weights.items():
+        prefix, sep, rest = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = w
+            continue
+        j, projection = rest.split(".")[:2]
+        stacks.setdefault(prefix, {}).setdefault(projection, {})[int(j)] = w
+    for prefix, by_projection in stacks.items():
+        gate, up, down = (by_projection[p] for p in ("gate_proj", "up_proj", "down_proj"))
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([gate[j], up[j]]) for j in sorted(gate)])
+        out[f"{prefix}.mlp.experts.down_proj"] = torch.stack([down[j] for j in sorted(down)])
+    return out
+
+
+def build_model(hf: dict, seed: int):
+    if hf.get("model_type") in REFERENCES:
+        config_class, model_class_ = REFERENCES[hf["model_type"]]
+        model = model_class_(config_class(**{k: v for k, v in hf.items() if k != "model_type"},
+                                          attn_implementation="eager"))
     else:
         model = InklingForCausalLM(InklingTextConfig(**hf, attn_implementation="eager"))
     weights = {name: torch.from_numpy(w) for name, w in random_weights(config_from_hf_dict(hf), seed)}
+    if hf.get("model_type") == "qwen3_moe":
+        weights = stacked_experts(weights)
     # also proves the family's module names every parameter (a tied head is the embedding's, loaded with it)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and missing == (["lm_head.weight"] if model.config.tie_word_embeddings else []), missing

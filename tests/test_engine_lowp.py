@@ -49,7 +49,8 @@ def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
     return (np.exp(log_p) * (log_p - log_q)).sum(-1)
 
 
-@pytest.fixture(scope="module", params=["base", "sharded", "bf16_unpadded", "llama_odd", "llama_plain"])
+@pytest.fixture(scope="module",
+                params=["base", "sharded", "bf16_unpadded", "llama_odd", "llama_plain", "qwen3_odd", "qwen3_norm"])
 def fixture(request):
     checkpoint = Checkpoint.open(FIXTURES / request.param)
     ref = np.load(FIXTURES / request.param / "reference.npz")

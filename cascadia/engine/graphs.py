@@ -72,30 +72,32 @@ def expert_slices(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: Weigh
 
 
 def moe(routed: tuple[Stack, Stack, Stack], routed_fmt: WeightFormat,
-        shared: tuple[Stack, Stack, Stack], shared_fmt: WeightFormat, top_k: int) -> ov.Model:
-    """Routed experts ([E, ...] gate, up, down) chosen per row plus always-active shared experts ([S, ...]):
-    x [T, H], index [T, k] int32, weights [T, k], shared_weights [T, S] -> [T, H]."""
-    hidden, n_shared = routed[0].shape[2], shared[0].shape[0]
-    x = _rows(hidden)
+        shared: tuple[Stack, Stack, Stack] | None, shared_fmt: WeightFormat, top_k: int) -> ov.Model:
+    """Routed experts ([E, ...] gate, up, down) chosen per row plus always-active shared experts ([S, ...], where the
+    family has them): x [T, H], index [T, k] int32, weights [T, k], shared_weights [T, S] -> [T, H]."""
+    x = _rows(routed[0].shape[2])
     index, w = _rows(top_k, "index", ov.Type.i32), _rows(top_k, "weights")
+    out = _experts(x.output(0), *routed, routed_fmt, index.output(0), w.output(0))
+    if shared is None:
+        return ov.Model([out], [x, index, w], "moe")
+    n_shared = shared[0].shape[0]
     shared_w = _rows(n_shared, "shared_weights")
-    routed_out = _experts(x.output(0), *routed, routed_fmt, index.output(0), w.output(0))
     shared_out = _experts(x.output(0), *shared, shared_fmt, all_experts_index(shared_w.output(0), n_shared),
                           shared_w.output(0))
-    return ov.Model([ops.add(routed_out, shared_out).output(0)], [x, index, w, shared_w], "moe")
+    return ov.Model([ops.add(out, shared_out).output(0)], [x, index, w, shared_w], "moe")
 
 
 def moe_grouped(routed: tuple[Stack, Stack, Stack], routed_fmt: WeightFormat,
-                shared: tuple[Stack, Stack, Stack], shared_fmt: WeightFormat, top_k: int) -> ov.Model:
+                shared: tuple[Stack, Stack, Stack] | None, shared_fmt: WeightFormat, top_k: int) -> ov.Model:
     """The experts of `moe`, each its own branch over the rows that chose it. The CPU plugin makes each branch a
     FullyConnected on compressed weights, which reads its expert once for all those rows (the fused GatherMatmul
     reads it again for every row) and quantises the activations dynamically where the precision allows. The host
     (`cascadia.engine.grouped_moe`) sorts the rows' choices by expert:
-    x [T, H], shared_weights [T, S]; sorted [N, H], the row of each of the N = T k choices in expert order;
-    lengths [E] int64, choices per expert (0: untouched); sorted_weights [N, 1]; unsort [T, k] int32, the place
-    in sorted of each row's choices -> [T, H]."""
+    x [T, H], shared_weights [T, S] (where the family has shared experts); sorted [N, H], the row of each of the
+    N = T k choices in expert order; lengths [E] int64, choices per expert (0: untouched); sorted_weights [N, 1];
+    unsort [T, k] int32, the place in sorted of each row's choices -> [T, H]."""
     n_experts, _, hidden = routed[0].shape
-    x, shared_w = _rows(hidden), _rows(shared[0].shape[0], "shared_weights")
+    x = _rows(hidden)
     sorted_rows, sorted_w = _rows(hidden, "sorted"), _rows(1, "sorted_weights")
     lengths = ops.parameter([n_experts], ov.Type.i64, name="lengths")
     unsort = _rows(top_k, "unsort", ov.Type.i32)
@@ -103,6 +105,9 @@ def moe_grouped(routed: tuple[Stack, Stack, Stack], routed_fmt: WeightFormat,
     expert_out = ops.concat([_expert(part, routed, e, routed_fmt) for e, part in enumerate(parts)], 0)  # [N, H]
     weighted = ops.gather(ops.multiply(expert_out, sorted_w), unsort, const(np.int64(0)))  # [T, k, H]
     out = ops.reduce_sum(weighted, ints(1), False)
+    if shared is None:
+        return ov.Model([out.output(0)], [x, sorted_rows, lengths, sorted_w, unsort], "moe_grouped")
+    shared_w = _rows(shared[0].shape[0], "shared_weights")
     for e in range(shared[0].shape[0]):
         column = ops.gather(shared_w, ints(e), const(np.int64(1)))  # [T, 1]
         out = ops.add(out, ops.multiply(_expert(x.output(0), shared, e, shared_fmt), column))

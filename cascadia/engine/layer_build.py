@@ -43,18 +43,20 @@ def swiglu_block(gate: np.ndarray, up: np.ndarray, down: np.ndarray, norm_weight
     return compile(model), divisor
 
 
-def moe_blocks(routed: Chunks, n_routed: int, shared: Chunks, n_shared: int, top_k: int, formats: WeightFormats,
-               norm_weight: np.ndarray, compile: Compile | None, compile_grouped: CompileGrouped | None
-               ) -> tuple[CompiledBlock | None, GroupedBlock | None, float]:
-    """The routed and shared experts as the fused block (with `compile`) and the expert-grouped one (with
-    `compile_grouped`, for the engine to choose between the two by rows), and their divisor A. Integer formats
-    stream the stacks one expert at a time, twice: A must be known before quantising up / A. Each graph is built and
-    compiled in turn, so that only one holds copies of the weights."""
+def moe_blocks(routed: Chunks, n_routed: int, shared: Chunks | None, n_shared: int, top_k: int,
+               formats: WeightFormats, norm_weight: np.ndarray, compile: Compile | None,
+               compile_grouped: CompileGrouped | None) -> tuple[CompiledBlock | None, GroupedBlock | None, float]:
+    """The routed and shared experts (`shared` None: a family without) as the fused block (with `compile`) and the
+    expert-grouped one (with `compile_grouped`, for the engine to choose between the two by rows), and their divisor
+    A. Integer formats stream the stacks one expert at a time, twice: A must be known before quantising up / A. Each
+    graph is built and compiled in turn, so that only one holds copies of the weights."""
     routed_fmt, shared_fmt = formats.routed_experts, formats.shared_experts
-    divisor = max(up_divisor(*_peak_rows(routed(_per(routed_fmt))), norm_weight),
-                  up_divisor(*_peak_rows(shared(_per(shared_fmt))), norm_weight))
+    divisor = up_divisor(*_peak_rows(routed(_per(routed_fmt))), norm_weight)
+    if shared is not None:
+        divisor = max(divisor, up_divisor(*_peak_rows(shared(_per(shared_fmt))), norm_weight))
     routed_weights = _expert_weights(routed(_per(routed_fmt)), n_routed, routed_fmt, divisor)
-    shared_weights = _expert_weights(shared(_per(shared_fmt)), n_shared, shared_fmt, divisor)
+    shared_weights = None if shared is None else _expert_weights(shared(_per(shared_fmt)), n_shared, shared_fmt,
+                                                                  divisor)
     fused = grouped = None
     if compile is not None:
         model = graphs.moe(routed_weights, routed_fmt, shared_weights, shared_fmt, top_k)

@@ -112,6 +112,7 @@ Config = Qwen3MoeConfig
 
 # ---- checkpoint tensors --------------------------------------------------------------------------------------------
 Q_NORM, K_NORM = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
+GATE, UP, DOWN = llama.GATE, llama.UP, llama.DOWN  # a dense layer's MLP
 ROUTER = "mlp.gate.weight"
 
 
@@ -130,7 +131,7 @@ def layer_tensors(cfg: Qwen3MoeConfig, layer: int) -> dict[str, tuple[tuple[int,
     head_dim = cfg.heads(layer)[2]
     out |= {Q_NORM: ((head_dim,), VECTOR), K_NORM: ((head_dim,), VECTOR)}
     if cfg.is_sparse(layer):
-        for name in (llama.GATE, llama.UP, llama.DOWN):
+        for name in (GATE, UP, DOWN):
             del out[name]
         hidden, width = cfg.hidden_size, cfg.moe_intermediate_size
         out[ROUTER] = ((cfg.num_experts, hidden), VECTOR)  # routing is computed in FP32

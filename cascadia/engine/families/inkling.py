@@ -30,11 +30,8 @@ blocks, histories), and the router's choice is the host's to steer (calibration 
 number of distinct experts; the expert-grouped path sorts rows by it), so the post-attention norm that feeds it
 stays here too.
 
-FP32 restoration (the paper's scheme for FP16 expert arithmetic; FP16 overflows above 65504): the build divides the
-up projections by A = 2^n (`layer_build.up_divisor`), which divides silu(gate) * up, the down projection and the
-MLP's output by A; per row, the routing weights are divided by F = 2^ceil(log2 max(1, sum |w|))
-(`layers.row_factor`), so the weighted sum of expert outputs is no larger than the largest expert output. The host
-multiplies by A * F in FP32: exact in every precision, short of underflow.
+The MLP and its FP32 restoration (the paper's scheme for FP16 expert arithmetic) are every family's:
+`cascadia.engine.mlp`.
 """
 
 from __future__ import annotations
@@ -47,14 +44,13 @@ import numpy as np
 from cascadia.engine import graphs
 from cascadia.engine.attention import AttentionShape, KeyStore, attend_rows
 from cascadia.engine.device import Compiled, CompiledBlock
-from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.layer_build import Chunk, Compile, CompileGrouped, moe_blocks, stack_chunks, swiglu_block
-from cascadia.engine.layers import Routing, head_rms_norm, log_sigmoid, rms_norm, row_factor, softmax
+from cascadia.engine.layers import Routing, head_rms_norm, log_sigmoid, rms_norm, softmax
+from cascadia.engine.mlp import Mlp
 from cascadia.engine.rows import Rows
 from cascadia.engine.state_format import StateFormat
 from cascadia.models import inkling as names
 from cascadia.models.inkling import InklingConfig
-from cascadia.policy import padded_size
 from cascadia.spec.types import WeightFormats
 
 
@@ -129,13 +125,12 @@ class SlotState:
 
 
 # ---- the layer ---------------------------------------------------------------------------------------------------
-@attrs.define(eq=False, slots=False)  # no slots: calibration times a layer's methods by wrapping them
-class DecoderLayer:
-    """A layer's FP32 host weights and compiled blocks (made by `cascadia.engine.layer_build.build_layer`)."""
+@attrs.define(eq=False, slots=False, kw_only=True)  # no slots: calibration times a layer's methods by wrapping them
+class DecoderLayer(Mlp):
+    """A layer's FP32 host weights and compiled blocks (made by `build_layer`), its MLP's among them."""
 
     shape: AttentionShape
     eps: float
-    post_norm: np.ndarray  # [H]
     k_norm: np.ndarray  # [d]
     rel_bank: np.ndarray  # [r, X]
     conv_kv: np.ndarray  # taps [K, 2 kv d]: k's then v's
@@ -144,21 +139,9 @@ class DecoderLayer:
     kv_width: int  # 2 kv d: k's then v's columns, first of the k|v|r output
     qkvr: CompiledBlock  # x [T, H] -> q [T, h d] (normed, per head), k|v|r [T, 2 kv d + h r] (`graphs.attention_input`)
     o_proj: CompiledBlock  # [T, h d] -> [T, H]
-    mlp: CompiledBlock | None  # dense: [T, H] -> [T, H]; MoE: (x, index, weights, shared weights) -> [T, H] (None:
-    # a MoE layer whose every call runs `grouped`)
-    up_divisor: float  # A of the FP32 restoration
-    router: Router | None = None  # MoE layers
-    output_scale: np.ndarray | None = None  # dense layers: the MLP's global_scale [1]
-    dense_slices: int | None = None  # dense layers run as this many all-active expert slices
-    grouped: GroupedBlock | None = None  # MoE layers: the same experts, expert-grouped (`graphs.moe_grouped`)
-    grouped_from: int | None = None  # calls of at least this many rows (their bucket) run `grouped`, not `mlp`
 
     def blocks(self) -> list[Compiled]:
         return [block for block in (self.qkvr, self.o_proj, self.mlp, self.grouped) if block is not None]
-
-    def runs_grouped(self, bucket: int) -> bool:
-        """Whether a call of `bucket` rows runs the expert-grouped MoE."""
-        return self.grouped is not None and self.grouped_from is not None and bucket >= self.grouped_from
 
     def forward(self, x: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
         """x [T, H], the residual stream of the rows -> after this layer. Updates the rows' slots in `state`."""
@@ -176,28 +159,6 @@ class DecoderLayer:
         v = v.reshape(k.shape)
         rel = r.reshape(len(r), self.shape.heads, -1) @ self.rel_bank  # [T, h, X]: bias per distance
         return attend_rows(self.shape, q, k, v, rel, state.kv, rows)
-
-    def expert_inputs(self, h: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
-        """A MoE layer's block inputs for rows h [T, H] (h, index, weights / F, shared weights / F), and F [T, 1]."""
-        routing = self.router(h)
-        factor = row_factor(routing.weights, routing.shared_weights)
-        return (h, routing.index, routing.weights / factor, routing.shared_weights / factor), factor
-
-    def feed_forward(self, h: np.ndarray, bucket: int | None = None) -> np.ndarray:
-        """The MLP of the rows h [T, H], restored to full scale in FP32; the blocks run at `bucket` rows (None: the
-        smallest bucket that holds them)."""
-        if self.router is None:
-            if self.dense_slices:
-                out = self.mlp(h, np.ones((len(h), self.dense_slices), np.float32), bucket=bucket)[0]
-            else:
-                out = self.mlp(h, bucket=bucket)[0]
-            return out * np.float32(self.up_divisor) * self.output_scale
-        inputs, factor = self.expert_inputs(h)
-        if self.mlp is None or self.runs_grouped(padded_size(len(h), self.mlp.buckets) if bucket is None else bucket):
-            out = self.grouped(*inputs)
-        else:
-            out = self.mlp(*inputs, bucket=bucket)[0]
-        return out * (np.float32(self.up_divisor) * factor)
 
 
 # ---- the build from a checkpoint's tensors ----------------------------------------------------------------------

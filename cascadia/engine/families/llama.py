@@ -2,17 +2,18 @@
 from a checkpoint's tensors.
 
 OpenVINO runs the weight-heavy blocks at the engine's precision on compressed weights: the input RMSNorm with the
-q|k|v projection as one matmul, the o projection, and the SwiGLU MLP (its FP32 restoration as Inkling's dense
-layers: `cascadia.engine.layer_build`). What lies between them runs here in FP32, as the reference keeps it: the
-projections' biases, RoPE, attention over the stream's keys in the stage's K/V pool, residuals and the
-post-attention norm.
+q|k|v projection as one matmul, the o projection, and the MLP (`cascadia.engine.mlp`, with its FP32 restoration).
+What lies between them runs here in FP32, as the reference keeps it: the projections' biases, the per-head norms of
+q and k of a family that has them (Qwen3-MoE's: after the biases, so not in the compiled block), RoPE, attention over
+the stream's keys in the stage's K/V pool, residuals and the post-attention norm.
 
     DecoderLayer.forward(x [T, H])
       q, k|v = qkv(input_layernorm(x)) (+ bias)           compiled
+      q, k = q_norm(q), k_norm(k)                         per head, where the family has them
       q, k = rope(q), rope(k)                             each row at its own position
       a = attention(q, k, v)                              over each stream's keys, scaled by d^-0.5
       x = x + o_proj(a) (+ bias)                          compiled
-      x = x + mlp(post_attention_layernorm(x))            SwiGLU, compiled
+      x = x + mlp(post_attention_layernorm(x))            SwiGLU or experts, compiled
 
 Shapes: T rows of one call (several streams, each at its own positions), H hidden, h query heads, kv key/value
 heads, d head dim.
@@ -29,7 +30,8 @@ from cascadia.engine import graphs
 from cascadia.engine.attention import AttentionShape, KeyStore, attend_rows
 from cascadia.engine.device import Compiled, CompiledBlock
 from cascadia.engine.layer_build import Compile, CompileGrouped, swiglu_block
-from cascadia.engine.layers import rms_norm
+from cascadia.engine.layers import head_rms_norm, rms_norm
+from cascadia.engine.mlp import Mlp
 from cascadia.engine.rope import inverse_frequencies, rotate
 from cascadia.engine.rows import Rows
 from cascadia.engine.state_format import StateFormat
@@ -51,27 +53,23 @@ class SlotState:
         """Stale K/V need no clearing: a stream only reads entries it wrote."""
 
 
-@attrs.define(eq=False, slots=False)  # no slots: calibration times a layer's methods by wrapping them
-class DecoderLayer:
-    """A layer's FP32 host weights and compiled blocks (made by `build_layer`)."""
+@attrs.define(eq=False, slots=False, kw_only=True)  # no slots: calibration times a layer's methods by wrapping them
+class DecoderLayer(Mlp):
+    """A layer's FP32 host weights and compiled blocks (made by `build_layer`), its MLP's among them."""
 
     shape: AttentionShape
     eps: float
-    post_norm: np.ndarray  # [H]
     inv_freq: np.ndarray  # [d/2] RoPE's
     q_width: int  # h d: q's columns, first of the q|k|v output
     qkv: CompiledBlock  # x [T, H] -> q [T, h d], k|v [T, 2 kv d] (`graphs.attention_input`)
     qkv_bias: np.ndarray | None  # [h d + 2 kv d]
     o_proj: CompiledBlock  # [T, h d] -> [T, H]
     o_bias: np.ndarray | None  # [H]
-    mlp: CompiledBlock  # [T, H] -> [T, H], divided by `up_divisor`
-    up_divisor: float  # A of the FP32 restoration
-    dense_slices: int | None = None  # the MLP runs as this many all-active expert slices
-    router = None  # no MoE: what the engine and calibration ask of every layer
-    grouped = None
+    q_norm: np.ndarray | None = None  # [d], per head (Qwen3-MoE)
+    k_norm: np.ndarray | None = None  # [d], per head (Qwen3-MoE)
 
     def blocks(self) -> list[Compiled]:
-        return [self.qkv, self.o_proj, self.mlp]
+        return [block for block in (self.qkv, self.o_proj, self.mlp, self.grouped) if block is not None]
 
     def forward(self, x: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
         """x [T, H], the residual stream of the rows -> after this layer. Updates the rows' keys and values."""
@@ -86,19 +84,32 @@ class DecoderLayer:
             q, kv = q + self.qkv_bias[:self.q_width], kv + self.qkv_bias[self.q_width:]
         heads, kv_heads, d = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
         k, v = np.split(kv, 2, axis=1)
-        q = rotate(q.reshape(len(q), heads, d), rows.positions, self.inv_freq)
-        k = rotate(k.reshape(len(k), kv_heads, d), rows.positions, self.inv_freq)
+        q, k = q.reshape(len(q), heads, d), k.reshape(len(k), kv_heads, d)
+        if self.q_norm is not None:
+            q, k = head_rms_norm(q, self.q_norm, self.eps), head_rms_norm(k, self.k_norm, self.eps)
+        q, k = rotate(q, rows.positions, self.inv_freq), rotate(k, rows.positions, self.inv_freq)
         no_bias = np.empty((len(x), heads, 0), np.float32)
         return attend_rows(self.shape, q, k, v.reshape(k.shape), no_bias, state.kv, rows)
 
-    def feed_forward(self, h: np.ndarray, bucket: int | None = None) -> np.ndarray:
-        """The MLP of the rows h [T, H] (normed), restored to full scale in FP32; the block runs at `bucket` rows
-        (None: the smallest bucket that holds them)."""
-        if self.dense_slices:
-            out = self.mlp(h, np.ones((len(h), self.dense_slices), np.float32), bucket=bucket)[0]
-        else:
-            out = self.mlp(h, bucket=bucket)[0]
-        return out * np.float32(self.up_divisor)
+
+def attention_parts(cfg: LlamaConfig, layer: int, t: Mapping[str, np.ndarray], formats: WeightFormats,
+                    compile: Compile) -> dict:
+    """A layer's attention (and the norm before its MLP), as `DecoderLayer` fields, from its tensors."""
+    heads, kv_heads, head_dim = cfg.heads(layer)
+    projections = [t[name] for name in (names.Q_PROJ, names.K_PROJ, names.V_PROJ)]
+    biases = None
+    if cfg.attention_bias:
+        biases = [t[name.replace(".weight", ".bias")] for name in (names.Q_PROJ, names.K_PROJ, names.V_PROJ,
+                                                                   names.O_PROJ)]
+    return dict(
+        shape=AttentionShape(heads, kv_heads, head_dim, window=None, bias_extent=0, log_scaling=None,
+                             scale=head_dim ** -0.5),
+        eps=cfg.rms_norm_eps, post_norm=t[names.POST_NORM],
+        inv_freq=inverse_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling), q_width=heads * head_dim,
+        qkv=compile(graphs.attention_input(projections, formats.attention, t[names.INPUT_NORM], None,
+                                           cfg.rms_norm_eps)),
+        qkv_bias=np.concatenate(biases[:3]) if biases else None,
+        o_proj=compile(graphs.projection([t[names.O_PROJ]], formats.attention)), o_bias=biases[3] if biases else None)
 
 
 def build_layer(cfg: LlamaConfig, layer: int, t: Mapping[str, np.ndarray], formats: WeightFormats,
@@ -108,24 +119,10 @@ def build_layer(cfg: LlamaConfig, layer: int, t: Mapping[str, np.ndarray], forma
     no experts: `compile_grouped` and `fused` have nothing to choose."""
     if cfg.mlp_bias:
         raise UnsupportedModel("mlp_bias: the engine does not run a Llama whose MLP has biases")
-    heads, kv_heads, head_dim = cfg.heads(layer)
-    shape = AttentionShape(heads, kv_heads, head_dim, window=None, bias_extent=0, log_scaling=None,
-                           scale=head_dim ** -0.5)
-    projections = [t[name] for name in (names.Q_PROJ, names.K_PROJ, names.V_PROJ)]
-    biases = None
-    if cfg.attention_bias:
-        biases = [t[name.replace(".weight", ".bias")] for name in (names.Q_PROJ, names.K_PROJ, names.V_PROJ,
-                                                                   names.O_PROJ)]
     mlp, divisor = swiglu_block(t[names.GATE], t[names.UP], t[names.DOWN], t[names.POST_NORM], formats.dense_mlp,
                                 compile, dense_slices)
-    return DecoderLayer(
-        shape=shape, eps=cfg.rms_norm_eps, post_norm=t[names.POST_NORM],
-        inv_freq=inverse_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling), q_width=heads * head_dim,
-        qkv=compile(graphs.attention_input(projections, formats.attention, t[names.INPUT_NORM], None,
-                                           cfg.rms_norm_eps)),
-        qkv_bias=np.concatenate(biases[:3]) if biases else None,
-        o_proj=compile(graphs.projection([t[names.O_PROJ]], formats.attention)),
-        o_bias=biases[3] if biases else None, mlp=mlp, up_divisor=divisor, dense_slices=dense_slices)
+    return DecoderLayer(**attention_parts(cfg, layer, t, formats, compile), mlp=mlp, up_divisor=divisor,
+                        dense_slices=dense_slices)
 
 
 # ---- the ends of the model and the state of a stream ------------------------------------------------------------

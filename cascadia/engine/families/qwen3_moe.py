@@ -1,0 +1,76 @@
+"""One Qwen3-MoE decoder layer on the host: a Llama's (`cascadia.engine.families.llama`: its attention, RoPE and
+state), with q and k normed per head after their biases and before RoPE, and on MoE layers its experts in place of
+the dense MLP, chosen by its router (`Router`) and run by the shared MoE blocks (`cascadia.engine.mlp`), without
+shared experts.
+
+    DecoderLayer.forward(x [T, H])
+      q, k|v = qkv(input_layernorm(x)) (+ bias)           compiled
+      q, k = q_norm(q), k_norm(k)                         per head
+      q, k = rope(q), rope(k)
+      x = x + o_proj(attention(q, k, v)) (+ bias)         compiled o_proj
+      h = post_attention_layernorm(x)
+      x = x + experts(h, router(h))                       MoE layers, compiled, fused or expert-grouped by rows
+            | mlp(h)                                      dense layers (mlp_only_layers, decoder_sparse_step)
+
+Shapes: T rows of one call, H hidden, E experts, k chosen per row, I an expert's width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import attrs
+import numpy as np
+
+from cascadia.engine.families.llama import DecoderLayer, attention_parts, embedded, head_input, slot_state
+from cascadia.engine.layer_build import Chunk, Compile, CompileGrouped, moe_blocks, swiglu_block
+from cascadia.engine.layers import Routing, softmax
+from cascadia.models import qwen3_moe as names
+from cascadia.models.qwen3_moe import Qwen3MoeConfig
+from cascadia.spec.types import WeightFormats
+
+__all__ = ["Router", "build_layer", "embedded", "head_input", "slot_state"]
+
+
+@attrs.frozen(eq=False)
+class Router:
+    """Logits over the experts in FP32, their softmax, the top k of it as each row's experts and weights, divided by
+    their sum when `normalise` (`norm_topk_prob`); no shared expert."""
+
+    weight: np.ndarray  # [E, H]
+    top_k: int
+    normalise: bool
+
+    def __call__(self, h: np.ndarray) -> Routing:
+        probabilities = softmax(h @ self.weight.T, axis=1)
+        index = np.argpartition(-probabilities, self.top_k - 1, axis=1)[:, :self.top_k]
+        weights = np.take_along_axis(probabilities, index, axis=1)
+        if self.normalise:
+            weights = weights / weights.sum(axis=1, keepdims=True)
+        return Routing(index.astype(np.int32), weights, np.zeros((len(h), 0), np.float32))
+
+
+def build_layer(cfg: Qwen3MoeConfig, layer: int, t: Mapping[str, np.ndarray], formats: WeightFormats,
+                compile: Compile, dense_slices: int | None = None, compile_grouped: CompileGrouped | None = None,
+                fused: bool = True) -> DecoderLayer:
+    """Layer `layer` from its float32 tensors `t` by name relative to its prefix (`Checkpoint.layer`; experts are
+    read one at a time where an integer format streams them). `cascadia.engine.layer_build` says what the other
+    arguments do."""
+    parts = attention_parts(cfg, layer, t, formats, compile) | {"q_norm": t[names.Q_NORM], "k_norm": t[names.K_NORM]}
+    post_norm = parts["post_norm"]
+    if not cfg.is_sparse(layer):
+        mlp, divisor = swiglu_block(t[names.GATE], t[names.UP], t[names.DOWN], post_norm, formats.dense_mlp, compile,
+                                    dense_slices)
+        return DecoderLayer(**parts, mlp=mlp, up_divisor=divisor, dense_slices=dense_slices)
+
+    def routed(per: int | None) -> Iterator[Chunk]:
+        step = per or cfg.num_experts
+        for first in range(0, cfg.num_experts, step):
+            experts = range(first, min(first + step, cfg.num_experts))
+            yield tuple(np.stack([t[names.expert(j, projection)] for j in experts])
+                        for projection in ("gate", "up", "down"))
+
+    mlp, grouped, divisor = moe_blocks(routed, cfg.num_experts, None, 0, cfg.num_experts_per_tok, formats, post_norm,
+                                       compile if fused else None, compile_grouped)
+    router = Router(t[names.ROUTER], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    return DecoderLayer(**parts, mlp=mlp, up_divisor=divisor, router=router, grouped=grouped)
