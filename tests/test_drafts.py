@@ -224,3 +224,17 @@ def test_cli_draft_eval_refuses_a_checkpoint_of_another_model(prompts_file):
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.stderr.startswith(f"Error: {FIXTURES / 'sharded'}: its config.json describes another model than "
                                     f"{TINY_SPEC}'s: ")
+
+
+def test_a_tied_head_is_read_from_the_embedding_table():
+    """A Llama whose head is its embedding (llama_odd): the captured rows times the table give transformers'
+    logits, and the f32 deployment's own head, built from the table, agrees at every position."""
+    tied = Checkpoint.open(FIXTURES / "llama_odd")
+    reference = dict(np.load(FIXTURES / "llama_odd" / "reference.npz"))
+    assert tied.head_weight == "model.embed_tokens.weight"
+    engine = Engine(tied, RuntimeSpec(precision="f32", max_streams=1, context_budget=32))
+    captured = capture(engine, reference["ids"][:10], 4)
+    logits = captured.head_inputs[0] @ tied.tensor(tied.head_weight).T
+    np.testing.assert_allclose(logits, reference["prefill_logits"][9], atol=1e-4 * np.abs(logits).max())
+    result = draft_eval(fixture_spec(tied, WeightFormat("f32"), "f32"), tied, [tuple(reference["ids"][:10])], 40, 2, 4)
+    assert result.head(FULL, DEPLOYED).agreement == 1.0

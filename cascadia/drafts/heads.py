@@ -14,7 +14,6 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import CompiledBlock, compile_options, device_precision
 from cascadia.engine.quantize import Quantized, quantize_stacks
 from cascadia.spec.types import WeightFormat
-from cascadia.models.names import HEAD
 
 FULL, REDUCED = "full", "reduced"  # vocabularies
 F32, DEPLOYED, INT4 = "f32", "deployed", "int4"  # weights
@@ -46,7 +45,7 @@ def head_matrix(checkpoint: Checkpoint, ids: np.ndarray, fmt: WeightFormat) -> n
 
 def _rows(checkpoint: Checkpoint, ids: np.ndarray) -> Iterator[np.ndarray]:
     start = 0
-    for block in checkpoint.slices(HEAD, _BLOCK_ROWS):
+    for block in checkpoint.slices(checkpoint.head_weight, _BLOCK_ROWS):
         wanted = ids[(ids >= start) & (ids < start + len(block))] - start
         if len(wanted):
             yield block[wanted]

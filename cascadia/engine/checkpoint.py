@@ -24,7 +24,7 @@ from cascadia.errors import CheckpointError, shown
 from cascadia.files import UnreadableFile, read_json, regular_file_size
 from cascadia.models import family, read_config
 from cascadia.models.base import ConfigError, ModelConfig, UnsupportedModel
-from cascadia.models.names import layer_prefix
+from cascadia.models.names import EMBED, HEAD, layer_prefix
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -164,6 +164,11 @@ class Checkpoint:
 
     def mtp_names(self) -> list[str]:
         return sorted(n for n in self._files if self._is_mtp(n))
+
+    @property
+    def head_weight(self) -> str:
+        """The LM head's matrix: its own tensor, or the embedding's table where the head is tied to it."""
+        return HEAD if HEAD in self._family.head_tensors(self.config) else EMBED
 
     # ---- reading ------------------------------------------------------------------------------------------
     def tensor(self, name: str) -> np.ndarray:

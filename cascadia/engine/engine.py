@@ -34,7 +34,7 @@ from cascadia.graph.plan import HEAD as HEAD_ROLE
 from cascadia.graph.plan import Stage
 from cascadia.policy import padded_size, score_schedule
 from cascadia.models import family
-from cascadia.models.names import EMBED, FINAL_NORM, HEAD
+from cascadia.models.names import EMBED, FINAL_NORM
 from cascadia.spec.types import ModelSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats
 
 ProgressFn = Callable[[int, int], None]  # (parts built, parts to build): embedding, each layer, head
@@ -107,8 +107,7 @@ class StageEngine:
             advance()
         if head:
             self.final_norm = checkpoint.tensor(FINAL_NORM)
-            tied = HEAD not in family(cfg).head_tensors(cfg)  # a tied head is the embedding's table
-            self.head = compile_block(graphs.projection([_matrix(checkpoint, EMBED if tied else HEAD, formats.head)],
+            self.head = compile_block(graphs.projection([_matrix(checkpoint, checkpoint.head_weight, formats.head)],
                                                         formats.head))
             advance()
         self.lengths = np.zeros(runtime.max_streams, np.int64)  # next position of each slot
