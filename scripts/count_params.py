@@ -38,10 +38,11 @@ QWEN3 = {"model_type": "qwen3_moe", "vocab_size": 151936, "num_key_value_heads":
 
 CONFIGS = {
     # the released model
-    "inkling": {"dense_mlp_idx": 2, "unpadded_vocab_size": 200058},
+    "inkling": {"model_type": "inkling_text", "dense_mlp_idx": 2, "unpadded_vocab_size": 200058},
     # an unpadded head and odd widths
     "small_unpadded": {
-        "vocab_size": 1000, "unpadded_vocab_size": 997, "hidden_size": 40, "num_hidden_layers": 3,
+        "model_type": "inkling_text", "vocab_size": 1000, "unpadded_vocab_size": 997, "hidden_size": 40,
+        "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "swa_num_attention_heads": 4,
         "swa_num_key_value_heads": 4, "swa_head_dim": 12, "sliding_window_size": 8, "d_rel": 3, "rel_extent": 20,
         "intermediate_size": 72, "moe_intermediate_size": 24, "n_routed_experts": 5, "num_experts_per_tok": 2,
@@ -49,7 +50,7 @@ CONFIGS = {
     },
     # dense and sparse MLPs interleaved, not just a dense prefix
     "small_mixed": {
-        "vocab_size": 301, "hidden_size": 48, "num_hidden_layers": 5,
+        "model_type": "inkling_text", "vocab_size": 301, "hidden_size": 48, "num_hidden_layers": 5,
         "mlp_layer_types": ["sparse", "dense", "sparse", "dense", "sparse"],
         "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8, "swa_num_attention_heads": 6,
         "swa_num_key_value_heads": 2, "swa_head_dim": 8, "sliding_window_size": 6, "d_rel": 2, "rel_extent": 10,
@@ -58,7 +59,8 @@ CONFIGS = {
     },
     # sliding and global layers with different head counts and head widths, a custom local-layer set
     "small_heads": {
-        "vocab_size": 512, "hidden_size": 32, "num_hidden_layers": 4, "local_layer_ids": [0, 2],
+        "model_type": "inkling_text", "vocab_size": 512, "hidden_size": 32, "num_hidden_layers": 4,
+        "local_layer_ids": [0, 2],
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 24, "swa_num_attention_heads": 8,
         "swa_num_key_value_heads": 4, "swa_head_dim": 16, "sliding_window_size": 5, "d_rel": 4, "rel_extent": 11,
         "conv_kernel_size": 3, "intermediate_size": 64, "moe_intermediate_size": 8, "n_routed_experts": 6,
@@ -105,7 +107,7 @@ def count(raw: dict, with_shapes: bool) -> dict:
         config_class, build = REFERENCES[raw["model_type"]]
         config = config_class(**{k: v for k, v in raw.items() if k != "model_type"})
     else:
-        config, build = InklingTextConfig(**raw), InklingForCausalLM
+        config, build = InklingTextConfig(**{k: v for k, v in raw.items() if k != "model_type"}), InklingForCausalLM
     with torch.device("meta"):
         model = build(config)
     ours = config_from_hf_dict(raw)

@@ -150,7 +150,8 @@ def build_model(hf: dict, seed: int):
                                           attn_implementation="eager"))
     else:
         model = InklingForCausalLM(InklingTextConfig(**hf, attn_implementation="eager"))
-    weights = {name: torch.from_numpy(w) for name, w in random_weights(config_from_hf_dict(hf), seed)}
+    weights = {name: torch.from_numpy(w)
+               for name, w in random_weights(config_from_hf_dict({"model_type": "inkling_text"} | hf), seed)}
     if hf.get("model_type") == "qwen3_moe":
         weights = stacked_experts(weights)
     # also proves the family's module names every parameter (a tied head is the embedding's, loaded with it)

@@ -23,6 +23,7 @@ from cascadia.spec.types import PAPER_FORMATS, LengthSpec, LinkSpec, WeightForma
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 TINY_CONFIG = SPECS / "tiny" / "config.json"
 CLUSTER = "cluster: {nodes: [{name: a, memory: 8GB}]}\n"
+MODEL = "model: {config: {model_type: inkling}}\n"  # an inline config of the defaults
 TIMEOUT_S = 30  # bound on a read that must not block; the tests never measure time
 
 
@@ -73,10 +74,10 @@ def test_paper_deployment():
 
 @pytest.mark.parametrize("text, value", [("16", 16), ("never", "never"), ("Auto", "auto")])
 def test_moe_grouped_from_is_a_row_count_auto_or_never(tmp_path, text, value):
-    spec = load_spec(write(tmp_path, "s.yaml", "model: {config: {}}\n" + CLUSTER +
+    spec = load_spec(write(tmp_path, "s.yaml", MODEL + CLUSTER +
                            f"runtime: {{moe_grouped_from: {text}}}\n"))
     assert spec.runtime.moe_grouped_from == value
-    assert load_spec(write(tmp_path, "t.yaml", "model: {config: {}}\n" + CLUSTER)).runtime.moe_grouped_from == "never"
+    assert load_spec(write(tmp_path, "t.yaml", MODEL + CLUSTER)).runtime.moe_grouped_from == "never"
 
 
 def test_tiny_spec_paths_resolve_against_the_spec_folder():
@@ -158,8 +159,8 @@ def test_spares_stand_apart_from_the_plan_and_round_trip(tmp_path):
 def test_model_formats_config_and_overrides(tmp_path):
     spec = load_spec(write(tmp_path, "s.yaml", CLUSTER + textwrap.dedent("""\
         model:
-          config: {hidden_size: 32, num_hidden_layers: 2, dense_mlp_idx: 1, n_routed_experts: 4,
-                   num_experts_per_tok: 2, rms_norm_eps: 1e-5}
+          config: {model_type: inkling, hidden_size: 32, num_hidden_layers: 2, dense_mlp_idx: 1,
+                   n_routed_experts: 4, num_experts_per_tok: 2, rms_norm_eps: 1e-5}
           overrides: {num_experts_per_tok: 3}
           formats: {default: int8, routed_experts: {dtype: int4, group_size: 32, symmetric: false}}
         workload: {concurrency: "1, 2,4", prompt_tokens: 8, stop_at_eos: true}
@@ -170,7 +171,7 @@ def test_model_formats_config_and_overrides(tmp_path):
     assert spec.model.formats.routed_experts == WeightFormat("int4", 32, symmetric=False)
     assert spec.model.formats.head == WeightFormat("int8")
     assert spec.workload.concurrency == (1, 2, 4) and spec.workload.prompt_tokens == LengthSpec.fixed(8)
-    assert spec.workload.stop_at_eos and not load_spec(write(tmp_path, "t.yaml", CLUSTER + "model: {config: {}}\n")
+    assert spec.workload.stop_at_eos and not load_spec(write(tmp_path, "t.yaml", CLUSTER + MODEL)
                                                     ).workload.stop_at_eos
 
 
@@ -186,61 +187,63 @@ def test_multimodal_hf_config_with_mtp(tmp_path):
 # ---- problems ------------------------------------------------------------------------------------------------------
 BAD = [
     ("model: {hf_config: missing.json}\n" + CLUSTER, "s.yaml:1: model.hf_config: {dir}/missing.json: no such file"),
-    ("model: {hf_config: " + str(TINY_CONFIG) + ", config: {}}\n" + CLUSTER, "s.yaml:1: model.config: give"),
+    ("model: {hf_config: " + str(TINY_CONFIG) + ", config: {model_type: inkling}}\n" + CLUSTER,
+     "s.yaml:1: model.config: give"),
     ("model: {name: x}\n" + CLUSTER, "s.yaml:1: model: missing hf_config"),
     (CLUSTER, "s.yaml:1: model: missing (required)"),
-    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB, address: 'tcp://*:5601'}]}\n",
+    (MODEL + "cluster: {nodes: [{name: a, memory: 8GB, address: 'tcp://*:5601'}]}\n",
      "s.yaml:2: cluster.nodes[0].address: expected 'local' or 'tcp://HOST:PORT', got 'tcp://*:5601'"),
-    ("model: {config: {}}\n" + CLUSTER + "? [1]\n: 2\n", "s.yaml:3: keys must be text, got [1]"),
-    ("model: {config: {}}\n" + CLUSTER + "workload: {temperature: 0}\n",
+    (MODEL + CLUSTER + "? [1]\n: 2\n", "s.yaml:3: keys must be text, got [1]"),
+    (MODEL + CLUSTER + "workload: {temperature: 0}\n",
      "s.yaml:3: workload.temperature: must be more than zero, got 0"),
-    ("model: {config: {}}\n" + CLUSTER + "workload: {stop_at_eos: 3}\n", "s.yaml:3: workload.stop_at_eos: expected"),
-    ("model: {config: {hidden_size: 0}}\n" + CLUSTER,
+    (MODEL + CLUSTER + "workload: {stop_at_eos: 3}\n", "s.yaml:3: workload.stop_at_eos: expected"),
+    ("model: {config: {model_type: inkling, hidden_size: 0}}\n" + CLUSTER,
      "s.yaml:1: model.config.hidden_size: hidden_size must be a positive integer, got 0"),
-    ("model: {config: {num_hidden_layers: 1000000000000}}\n" + CLUSTER,
+    ("model: {config: {model_type: inkling, num_hidden_layers: 1000000000000}}\n" + CLUSTER,
      "s.yaml:1: model.config.num_hidden_layers: num_hidden_layers must be an integer in 1..10000, got 1000000000000"),
-    ("model: {config: {hidden_sise: 8}}\n" + CLUSTER, "model.config.hidden_sise: unknown model config key; "
-                                                       "did you mean 'hidden_size'?"),
-    ("model: {config: {eos_token_id: [1, x]}}\n" + CLUSTER,
+    ("model: {config: {model_type: inkling, hidden_sise: 8}}\n" + CLUSTER,
+     "model.config.hidden_sise: unknown model config key; did you mean 'hidden_size'?"),
+    ("model: {config: {model_type: inkling, eos_token_id: [1, x]}}\n" + CLUSTER,
      "model.config.eos_token_id: expected an integer or a list of integers or null, got [1, 'x']"),
-    ("model:\n  config: {}\n  formats: {head: {dtype: bf16, group_size: 32}}\n" + CLUSTER,
+    ("model:\n  config: {model_type: inkling}\n  formats: {head: {dtype: bf16, group_size: 32}}\n" + CLUSTER,
      "s.yaml:3: model.formats.head: group_size and symmetric apply to int4 and int8 only, not bf16"),
-    ("model: {config: {}, formats: int3}\n" + CLUSTER, "s.yaml:1: model.formats: expected one of int4, int8"),
-    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: -1GB}]}\n",
+    ("model: {config: {model_type: inkling}, formats: int3}\n" + CLUSTER,
+     "s.yaml:1: model.formats: expected one of int4, int8"),
+    (MODEL + "cluster: {nodes: [{name: a, memory: -1GB}]}\n",
      "s.yaml:2: cluster.nodes[0].memory: a size must not be negative, got '-1GB'"),
-    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 1GB}]}\n",
+    (MODEL + "cluster: {nodes: [{name: a, memory: 1GB}]}\n",
      "s.yaml:2: cluster.nodes[0].memory: 1 GB leaves nothing beyond the reserve of 2 GiB"),
-    ("model: {config: {}}\ncluster:\n  nodes:\n  - {name: a, memroy: 1GB}\n",
+    (MODEL + "cluster:\n  nodes:\n  - {name: a, memroy: 1GB}\n",
      "s.yaml:4: cluster.nodes[0].memroy: unknown key; did you mean 'memory'?"),
-    ("model: {config: {}}\ncluster: {nodes: [{name: a1, memory: 8GB}, {name: a, count: 2, memory: 8GB}]}\n",
+    (MODEL + "cluster: {nodes: [{name: a1, memory: 8GB}, {name: a, count: 2, memory: 8GB}]}\n",
      "s.yaml:2: cluster.nodes[1]: name 'a1' already used by cluster.nodes[0]"),
-    ("model: {config: {}}\ncluster: {nodes: [{name: a, count: 2, memory: 8GB, address: 'tcp://h:1'}]}\n",
+    (MODEL + "cluster: {nodes: [{name: a, count: 2, memory: 8GB, address: 'tcp://h:1'}]}\n",
      "cluster.nodes[0].address: nodes stamped out by count cannot share an address"),
-    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB}], links: {pairs: [{between: [a, b]}]}}\n",
+    (MODEL + "cluster: {nodes: [{name: a, memory: 8GB}], links: {pairs: [{between: [a, b]}]}}\n",
      "s.yaml:2: cluster.links.pairs[0].between: no node named 'b'"),
-    ("model: {config: {}}\n" + CLUSTER + "runtime: {max_streams: 4}\nworkload: {concurrency: [1, 8]}\n",
+    (MODEL + CLUSTER + "runtime: {max_streams: 4}\nworkload: {concurrency: [1, 8]}\n",
      "s.yaml:4: workload.concurrency: 8 streams exceed runtime.max_streams (4)"),
-    ("model: {config: {}}\n" + CLUSTER + "runtime: {context_budget: 32}\nworkload: {output_tokens: 20}\n",
+    (MODEL + CLUSTER + "runtime: {context_budget: 32}\nworkload: {output_tokens: 20}\n",
      "s.yaml:4: workload.output_tokens: prompt (16) + output (20) tokens exceed runtime.context_budget (32)"),
-    ("model: {config: {}}\n" + CLUSTER + "workload: {prompts_file: none.jsonl}\n",
+    (MODEL + CLUSTER + "workload: {prompts_file: none.jsonl}\n",
      "s.yaml:3: workload.prompts_file: no such file: {dir}/none.jsonl"),
-    ("model: {config: {}}\n" + CLUSTER + "runtime: {row_buckets: [8, 2]}\n", "runtime.row_buckets: must be increasing"),
-    ("model: {config: {}}\n" + CLUSTER + "runtime: {kv_precision: int8}\n",
+    (MODEL + CLUSTER + "runtime: {row_buckets: [8, 2]}\n", "runtime.row_buckets: must be increasing"),
+    (MODEL + CLUSTER + "runtime: {kv_precision: int8}\n",
      "s.yaml:3: runtime.kv_precision: expected one of f32, bf16, f16, got 'int8'"),
-    ("model: {config: {}}\n" + CLUSTER + "runtime: {moe_grouped_from: 0}\n",
+    (MODEL + CLUSTER + "runtime: {moe_grouped_from: 0}\n",
      "s.yaml:3: runtime.moe_grouped_from: expected a row count >= 1, auto or never, got 0"),
-    ("model: {config: {}}\n" + CLUSTER + "runtime: {moe_grouped_from: sometimes}\n",
+    (MODEL + CLUSTER + "runtime: {moe_grouped_from: sometimes}\n",
      "s.yaml:3: runtime.moe_grouped_from: expected a row count >= 1, auto or never, got 'sometimes'"),
-    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB}], spares: [{name: a, memory: 8GB}]}\n",
+    (MODEL + "cluster: {nodes: [{name: a, memory: 8GB}], spares: [{name: a, memory: 8GB}]}\n",
      "s.yaml:2: cluster.spares[0]: name 'a' already used by cluster.nodes[0]"),
-    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB}], spares: [{name: s, memory: 8GB, layers: 2}]}\n",
+    (MODEL + "cluster: {nodes: [{name: a, memory: 8GB}], spares: [{name: s, memory: 8GB, layers: 2}]}\n",
      "s.yaml:2: cluster.spares: spare 's' pins `layers`"),
-    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB}], spares: {name: s}}\n",
+    (MODEL + "cluster: {nodes: [{name: a, memory: 8GB}], spares: {name: s}}\n",
      "s.yaml:2: cluster.spares: expected a list of nodes"),
-    ("model: {config: {}}\n" + CLUSTER + "worklaod: {}\n", "s.yaml:3: worklaod: unknown key; did you mean 'workload'?"),
-    ("model: {config: {}}\n" + CLUSTER + "runtime:\n  max_streams: 2\n  max_streams: 3\n",
+    (MODEL + CLUSTER + "worklaod: {}\n", "s.yaml:3: worklaod: unknown key; did you mean 'workload'?"),
+    (MODEL + CLUSTER + "runtime:\n  max_streams: 2\n  max_streams: 3\n",
      "s.yaml:5: runtime.max_streams: duplicate key (first on line 4)"),
-    ("model: {config: {}}\ncluster: {nodes: [{name: a, memory: 8GB}], links: [1]}\n",
+    (MODEL + "cluster: {nodes: [{name: a, memory: 8GB}], links: [1]}\n",
      "s.yaml:2: cluster.links: expected a mapping of keys, got [1]"),
     ("model: {config: [1]}\n" + CLUSTER, "s.yaml:1: model.config: expected a mapping of config fields, got [1]"),
     ("model: [1\n", "s.yaml:2: not valid YAML"),
@@ -261,7 +264,7 @@ def test_bad_spec_names_file_line_and_key(tmp_path, text, expected):
 
 def test_every_problem_is_reported_at_once(tmp_path):
     path = write(tmp_path, "s.yaml", """\
-        model: {config: {hidden_size: -1}, formats: {head: int3}}
+        model: {config: {model_type: inkling, hidden_size: -1}, formats: {head: int3}}
         cluster:
           nodes:
             - {name: a, memory: 8 furlongs}
@@ -325,16 +328,17 @@ def test_hf_config_that_is_a_folder_or_not_an_object(tmp_path):
 
 
 def test_an_invalid_reserve_is_the_only_problem(tmp_path):
-    found = problems(write(tmp_path, "s.yaml", "model: {config: {}}\ncluster:\n  reserve: -64MiB\n  nodes: "
+    found = problems(write(tmp_path, "s.yaml", MODEL + "cluster:\n  reserve: -64MiB\n  nodes: "
                                                "[{name: a, memory: 1GiB}, {name: b, memory: 1GiB, reserve: x}]\n"))
     assert found == [f"{tmp_path}/s.yaml:3: cluster.reserve: a size must not be negative, got '-64MiB'",
                      f"{tmp_path}/s.yaml:4: cluster.nodes[1].reserve: expected a size like '64GB', got 'x'"]
 
 
 def test_a_wrong_config_field_does_not_set_off_others(tmp_path):
-    found = problems(write(tmp_path, "s.yaml", "model:\n  config:\n    num_hidden_layers: six\n"
-                                               "    layer_types: [hybrid, hybrid]\n" + CLUSTER))
-    assert found == [f"{tmp_path}/s.yaml:3: model.config.num_hidden_layers: expected an integer, got 'six'"]
+    found = problems(write(tmp_path, "s.yaml", "model:\n  config:\n    model_type: inkling\n"
+                                               "    num_hidden_layers: six\n    layer_types: [hybrid, hybrid]\n"
+                                               + CLUSTER))
+    assert found == [f"{tmp_path}/s.yaml:4: model.config.num_hidden_layers: expected an integer, got 'six'"]
 
 
 def test_a_curve_keys_folder_without_public_keys_is_refused(tmp_path):
@@ -495,7 +499,7 @@ def test_cli_validate_ok_and_problems(tmp_path):
     runner = CliRunner()
     ok = runner.invoke(cli, ["spec", "validate", str(SPECS / "inkling-975b-11pc.yaml")])
     assert ok.exit_code == 0 and ok.output.startswith("OK: ") and "11 nodes (11 x 61.2 GiB)" in ok.output
-    bad = write(tmp_path, "s.yaml", "model: {config: {}}\ncluster: {nodes: [{name: a, memory: 1GB}]}\nruntme: {}\n")
+    bad = write(tmp_path, "s.yaml", MODEL + "cluster: {nodes: [{name: a, memory: 1GB}]}\nruntme: {}\n")
     result = runner.invoke(cli, ["spec", "validate", str(bad)])
     assert result.exit_code == 2
     assert f"{bad}:2: cluster.nodes[0].memory:" in result.stderr and f"{bad}:3: runtme:" in result.stderr

@@ -23,19 +23,17 @@ from cascadia.models.base import ConfigError, UnsupportedModel, read_config_json
 
 FAMILIES: dict[str, ModuleType] = {model_type: module for module in (inkling, llama, qwen3_moe)
                                    for model_type in module.MODEL_TYPES}
-# A config that names no model_type (a spec's inline fields, written before there was a second family).
-UNNAMED_DEFAULT = inkling
 
 
 def _supported() -> str:
     return f"(supported: {', '.join(FAMILIES)})"
 
 
-def family_of(raw: dict[str, Any], required: bool = False) -> ModuleType:
-    """The family of a transformers config dict, by its `model_type`, else by the classes its `architectures`
-    lists. Refuses one that names another model before any of its fields is read, so that another family's config
-    is never read as this one's defaults; with `required` (a config.json, as transformers requires), one that names
-    neither."""
+def family_of(raw: dict[str, Any]) -> ModuleType:
+    """The family of a transformers config dict (a config.json's, or a spec's inline fields), by its `model_type`,
+    else by the classes its `architectures` lists. Refuses one that names another model before any of its fields is
+    read, so that another family's config is never read as this one's defaults, and one that names neither (as
+    transformers does): no config is read as some family's by default."""
     model_type, architectures = raw.get("model_type"), raw.get("architectures")
     families = list(dict.fromkeys(FAMILIES.values()))
     if model_type is not None:
@@ -51,11 +49,9 @@ def family_of(raw: dict[str, Any], required: bool = False) -> ModuleType:
             raise UnsupportedModel(f"architectures {shown(architectures)} names no supported model "
                                    f"(supported: {known})")
         return named[0]
-    if model_type is not None:
-        return families[0]
-    if required:
-        raise UnsupportedModel(f"model_type missing (a config.json names its model's type; {_supported()[1:]}")
-    return UNNAMED_DEFAULT
+    if model_type is None:
+        raise UnsupportedModel(f"model_type missing (a model config names its model's type; {_supported()[1:]}")
+    return families[0]
 
 
 def family(config: Any) -> ModuleType:
@@ -63,11 +59,11 @@ def family(config: Any) -> ModuleType:
     return FAMILIES[config.model_type]
 
 
-def config_from_hf_dict(raw: Any, required: bool = False) -> Any:
+def config_from_hf_dict(raw: Any) -> Any:
     """The config of a transformers config dict, of the family it names (`family_of`)."""
     if not isinstance(raw, dict):
         raise ConfigError("expected a JSON object")
-    return family_of(raw, required).Config.from_hf_dict(raw)
+    return family_of(raw).Config.from_hf_dict(raw)
 
 
 def read_fields(path: str | Path) -> tuple[ModuleType, dict[str, Any], Path]:
@@ -75,7 +71,7 @@ def read_fields(path: str | Path) -> tuple[ModuleType, dict[str, Any], Path]:
     Raises `ConfigError` naming the file."""
     raw, path = read_config_json(path)
     try:
-        found = family_of(raw, required=True)
+        found = family_of(raw)
         return found, found.text_fields(raw), path
     except ConfigError as e:
         raise type(e)(f"{path}: {e}") from None
@@ -85,6 +81,6 @@ def read_config(path: str | Path) -> Any:
     """The config of a `config.json` (or of the one in folder `path`), of the family it names."""
     raw, path = read_config_json(path)
     try:
-        return config_from_hf_dict(raw, required=True)
+        return config_from_hf_dict(raw)
     except ConfigError as e:
         raise type(e)(f"{path}: {e}") from None

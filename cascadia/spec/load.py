@@ -306,15 +306,15 @@ def _read_hf_config(ctx: _Context, node: Node) -> tuple[ModuleType, dict[str, An
 
 
 def _inline_family(ctx: _Context, node: Node, path: str) -> ModuleType | None:
-    """The family an inline mapping of config fields names by its `model_type` (Inkling's when it names none)."""
+    """The family an inline mapping of config fields names by its `model_type` (or `architectures`)."""
     if not isinstance(node.value, dict):
         ctx.report(node, path, f"expected a mapping of config fields, got {shown(node.plain())}")
         return None
     try:
         return family_of({key: value.plain() for key, value in node.value.items() if key in _CONFIG_METADATA})
     except ConfigError as e:
-        key = next(key for key in ("model_type", "architectures") if key in node.value)
-        ctx.report(node.value[key], f"{path}.{key}", str(e))
+        key = next((key for key in ("model_type", "architectures") if key in node.value), None)
+        ctx.report(node if key is None else node.value[key], path if key is None else f"{path}.{key}", str(e))
         return None
 
 
