@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from cascadia.models.base import MAX_LAYERS, ConfigError, LayerKind, conform_fields
-from cascadia.models.names import EMBED, FINAL_NORM, HEAD, VECTOR, layer_prefix
+from cascadia.models.names import EMBED, FINAL_NORM, HEAD, VECTOR, Tensors, checkpoint_tensors, op_by_prefix
 
 # The `model_type`s of Inkling's configs (transformers picks a config's class by it) and the classes an
 # `architectures` list may name: the multimodal checkpoint and its text model.
@@ -344,21 +344,15 @@ def head_tensors(cfg: InklingConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     return {FINAL_NORM: ((cfg.hidden_size,), VECTOR), HEAD: ((cfg.vocab_size, cfg.hidden_size), "head")}
 
 
-def all_tensors(cfg: InklingConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+def all_tensors(cfg: InklingConfig) -> Tensors:
     """Every text-model tensor by full checkpoint name."""
-    out = dict(embedding_tensors(cfg))
-    for layer in range(cfg.num_hidden_layers):
-        out |= {layer_prefix(layer) + k: v for k, v in layer_tensors(cfg, layer).items()}
-    out |= head_tensors(cfg)
-    return out
+    layers = (layer_tensors(cfg, layer) for layer in range(cfg.num_hidden_layers))
+    return checkpoint_tensors(embedding_tensors(cfg), layers, head_tensors(cfg))
 
 
 def op_kind(name: str) -> str:
     """The dataflow op of a layer tensor, from its name relative to the layer prefix (e.g. `Q_PROJ`: "attention")."""
-    for prefix, kind in _OP_PREFIXES:
-        if name.startswith(prefix):
-            return kind
-    raise KeyError(f"no op kind for layer tensor {name!r}")
+    return op_by_prefix(name, _OP_PREFIXES)
 
 
 def canonical_name(stored: str) -> str | None:

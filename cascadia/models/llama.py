@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 
 from cascadia.models.base import MAX_LAYERS, ConfigError, LayerKind, conform_fields
-from cascadia.models.names import EMBED, FINAL_NORM, HEAD, VECTOR, layer_prefix
+from cascadia.models.names import EMBED, FINAL_NORM, HEAD, VECTOR, Tensors, checkpoint_tensors, op_by_prefix
 from cascadia.models.rope import RopeScaling, read_rope
 
 MODEL_TYPES = ("llama",)
@@ -176,7 +176,7 @@ INPUT_NORM = "input_layernorm.weight"
 POST_NORM = "post_attention_layernorm.weight"
 Q_PROJ, K_PROJ, V_PROJ, O_PROJ = (f"self_attn.{p}_proj.weight" for p in "qkvo")
 GATE, UP, DOWN = (f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
-_OP_PREFIXES = (("input_layernorm.", "input_norm"), ("post_attention_layernorm.", "post_norm"),
+OP_PREFIXES = (("input_layernorm.", "input_norm"), ("post_attention_layernorm.", "post_norm"),
                 ("self_attn.", "attention"), ("mlp.", "dense_mlp"))
 
 
@@ -213,20 +213,15 @@ def head_tensors(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     return {FINAL_NORM: ((cfg.hidden_size,), VECTOR)} | head
 
 
-def all_tensors(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+def all_tensors(cfg: LlamaConfig) -> Tensors:
     """Every tensor by full checkpoint name."""
-    out = dict(embedding_tensors(cfg))
-    for layer in range(cfg.num_hidden_layers):
-        out |= {layer_prefix(layer) + k: v for k, v in layer_tensors(cfg, layer).items()}
-    return out | head_tensors(cfg)
+    layers = (layer_tensors(cfg, layer) for layer in range(cfg.num_hidden_layers))
+    return checkpoint_tensors(embedding_tensors(cfg), layers, head_tensors(cfg))
 
 
 def op_kind(name: str) -> str:
     """The dataflow op of a layer tensor, from its name relative to the layer prefix."""
-    for prefix, kind in _OP_PREFIXES:
-        if name.startswith(prefix):
-            return kind
-    raise KeyError(f"no op kind for layer tensor {name!r}")
+    return op_by_prefix(name, OP_PREFIXES)
 
 
 def canonical_name(stored: str) -> str | None:

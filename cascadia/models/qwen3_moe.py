@@ -20,7 +20,7 @@ import numpy as np
 from cascadia.models import llama
 from cascadia.models.base import LayerKind
 from cascadia.models.llama import LlamaConfig
-from cascadia.models.names import VECTOR, layer_prefix
+from cascadia.models.names import VECTOR, Tensors, checkpoint_tensors, op_by_prefix
 
 MODEL_TYPES = ("qwen3_moe",)
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -121,7 +121,7 @@ def expert(j: int, projection: str) -> str:
     return f"mlp.experts.{j}.{projection}_proj.weight"
 
 
-_OP_PREFIXES = (("mlp.gate.", "router"), ("mlp.experts.", "routed_experts"))
+_OP_PREFIXES = (("mlp.gate.", "router"), ("mlp.experts.", "routed_experts"), *llama.OP_PREFIXES)
 
 
 def layer_tensors(cfg: Qwen3MoeConfig, layer: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -146,20 +146,15 @@ embedding_tensors = llama.embedding_tensors
 head_tensors = llama.head_tensors
 
 
-def all_tensors(cfg: Qwen3MoeConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+def all_tensors(cfg: Qwen3MoeConfig) -> Tensors:
     """Every tensor by full checkpoint name."""
-    out = dict(embedding_tensors(cfg))
-    for layer in range(cfg.num_hidden_layers):
-        out |= {layer_prefix(layer) + k: v for k, v in layer_tensors(cfg, layer).items()}
-    return out | head_tensors(cfg)
+    layers = (layer_tensors(cfg, layer) for layer in range(cfg.num_hidden_layers))
+    return checkpoint_tensors(embedding_tensors(cfg), layers, head_tensors(cfg))
 
 
 def op_kind(name: str) -> str:
     """The dataflow op of a layer tensor, from its name relative to the layer prefix."""
-    for prefix, kind in _OP_PREFIXES:
-        if name.startswith(prefix):
-            return kind
-    return llama.op_kind(name)
+    return op_by_prefix(name, _OP_PREFIXES)
 
 
 canonical_name = llama.canonical_name
