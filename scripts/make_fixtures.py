@@ -90,6 +90,13 @@ CASES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=20, attention_bias=True, num_experts=6,
         num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[2], rope_theta=10000.0,
     ), dict(), 10),
+    # qwen3_odd saved with its experts stacked as transformers holds them in memory (gate_up_proj [E, 2I, H],
+    # down_proj [E, H, I]): what `save_pretrained(save_original_format=False)` writes.
+    "qwen3_stacked": (dict(
+        model_type="qwen3_moe", vocab_size=300, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=20, attention_bias=True, num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[2], rope_theta=10000.0,
+    ), dict(save_original_format=False), 10),
     # Qwen3-MoE as released configs are: top-k renormalised, every other layer MoE (decoder_sparse_step 2), a tied
     # head, MQA, sharded.
     "qwen3_norm": (dict(
@@ -160,11 +167,12 @@ def build_model(hf: dict, seed: int):
     return model.float().eval()
 
 
-def save(model: InklingForCausalLM, out: Path, max_shard_size: str = "50GB", dtype=None) -> None:
+def save(model: InklingForCausalLM, out: Path, max_shard_size: str = "50GB", dtype=None, **options) -> None:
+    """`options`: more of save_pretrained's (save_original_format)."""
     if out.exists():
         shutil.rmtree(out)
     if dtype is None:
-        model.save_pretrained(out, max_shard_size=max_shard_size)
+        model.save_pretrained(out, max_shard_size=max_shard_size, **options)
         return
     with tempfile.TemporaryDirectory() as tmp:  # let transformers decide which modules it keeps in fp32
         model.save_pretrained(tmp)

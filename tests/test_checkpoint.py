@@ -19,7 +19,7 @@ from cascadia.models.inkling import all_tensors, canonical_name, embedding_tenso
 from cascadia.models.names import EMBED, HEAD, layer_prefix
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CASES = ("base", "sharded", "bf16_unpadded", "llama_odd", "llama_plain", "qwen3_odd", "qwen3_norm")
+CASES = ("base", "sharded", "bf16_unpadded", "llama_odd", "llama_plain", "qwen3_odd", "qwen3_norm", "qwen3_stacked")
 
 
 def small_config(**over) -> dict:
@@ -51,7 +51,8 @@ def test_fixture_lists_exactly_the_model_tensors_and_validates(case):
     assert ckpt.mtp_names() == []
 
 
-@pytest.mark.parametrize("case", ["base", "sharded", "llama_odd", "llama_plain", "qwen3_odd", "qwen3_norm"])
+@pytest.mark.parametrize("case", ["base", "sharded", "llama_odd", "llama_plain", "qwen3_odd", "qwen3_norm",
+                                  "qwen3_stacked"])
 def test_f32_fixture_values_are_the_seeded_random_weights(case):
     # scripts/make_fixtures.py loads random_weights(seed 0) into transformers and saves: values come back exactly
     ckpt = Checkpoint.open(FIXTURES / case)
@@ -329,3 +330,14 @@ def test_a_weight_file_that_is_no_regular_file_is_refused_unread(tmp_path):
     with pytest.raises(CheckpointError, match=r"shard\.safetensors: tensor 'lm_head\.weight' .*: is not a regular "
                                               r"file"):
         Checkpoint.open(path).tensor(HEAD)
+
+
+def test_a_stack_of_another_shape_is_refused_naming_it(tmp_path):
+    """qwen3_stacked's experts are stored stacked (gate_up_proj [6, 32, 48]): read with a config whose experts are
+    half as wide, the stack is named with its shape and the one expected, not read as misaligned rows."""
+    shutil.copytree(FIXTURES / "qwen3_stacked", tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text()) | {"moe_intermediate_size": 8}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"stored with shape \(6, 32, 48\) in "
+                                              r"'model.layers.0.mlp.experts.gate_up_proj', not \(6, 16, 48\)"):
+        Checkpoint.open(tmp_path / "ckpt").validate(layers=[0])

@@ -10,6 +10,7 @@ from cascadia.models import FAMILIES, config_from_hf_dict, family
 
 DESCRIPTION = ("Config", "MODEL_TYPES", "ARCHITECTURES", "FIELD_TYPES", "ALIASES", "MTP_PREFIX", "text_fields",
                "layer_tensors", "embedding_tensors", "head_tensors", "all_tensors", "op_kind", "canonical_name",
+               "stacked_parts",
                "kept_f32", "random_values", "extra_row_flops", "conv_history", "conv_state_channels", "layer_flows")
 HOST = ("build_layer", "slot_state", "embedded", "head_input")
 

@@ -43,6 +43,17 @@ class _Entry:
 
 
 @attrs.frozen
+class _Place:
+    """Where a tensor is stored: a stored tensor of its own, or rows of one that stacks several (`stacked`, that
+    tensor's shape, [n, rows, cols]: the rows `first_row`.. of its first two axes flattened)."""
+
+    file: Path
+    stored: str  # its name in the file
+    stacked: tuple[int, ...] | None = None
+    first_row: int = 0
+
+
+@attrs.frozen
 class _Header:
     entries: dict[str, _Entry]  # stored name -> entry
     file_size: int
@@ -121,12 +132,12 @@ def _counts(value: object) -> bool:
 class Checkpoint:
     """One checkpoint directory. Use `Checkpoint.open(path)`."""
 
-    def __init__(self, path: Path, config: ModelConfig, listing: Path, files: dict[str, tuple[Path, str]],
+    def __init__(self, path: Path, config: ModelConfig, listing: Path, files: dict[str, _Place],
                  headers: dict[Path, _Header]):
         self.path = path
         self.config = config
         self._listing = listing  # the file that says which tensors exist (index or single file)
-        self._files = files  # canonical name -> (file, stored name)
+        self._files = files  # canonical name -> where it is stored
         self._headers = headers  # safetensors headers parsed so far
         self._family = family(config)
         self._expected = self._family.all_tensors(config)  # canonical name -> (shape, group)
@@ -151,10 +162,13 @@ class Checkpoint:
             stored = dict.fromkeys(headers[listing].entries, listing)
         else:
             raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE}")
-        files = {}
+        files, described = {}, family(config)
         for name, file in stored.items():
-            if (canonical := family(config).canonical_name(name)) is not None:
-                files[canonical] = (file, name)
+            if (stacked := described.stacked_parts(config, name)) is not None:
+                shape, parts = stacked
+                files |= {canonical: _Place(file, name, shape, first) for canonical, first in parts}
+            elif (canonical := described.canonical_name(name)) is not None:
+                files[canonical] = _Place(file, name)
         return cls(path, config, listing, files, headers)
 
     # ---- listing ------------------------------------------------------------------------------------------
@@ -231,7 +245,8 @@ class Checkpoint:
 
         if name not in self._files:
             raise fail(self._listing, "missing from the checkpoint")
-        file, stored = self._files[name]
+        place = self._files[name]
+        file, stored = place.file, place.stored
         if file not in self._headers:
             try:
                 self._headers[file] = _read_header(file)
@@ -243,13 +258,18 @@ class Checkpoint:
             raise fail(file, f"the index places {stored!r} in this file but the file does not hold it")
         if entry.dtype not in _RAW_DTYPES:
             raise fail(file, f"stored as {entry.dtype}; only {', '.join(_RAW_DTYPES)} can be read")
-        if expected is not None and entry.shape != expected:
-            raise fail(file, f"stored with shape {entry.shape}")
+        if expected is not None and entry.shape != (place.stacked or expected):
+            raise fail(file, f"stored with shape {entry.shape}" + (f" in {stored!r}, not {place.stacked}"
+                                                                     if place.stacked else ""))
         if entry.nbytes != math.prod(entry.shape) * _RAW_DTYPES[entry.dtype].itemsize:
             raise fail(file, f"its {entry.nbytes} bytes do not hold shape {entry.shape} in {entry.dtype}")
         if entry.offset + entry.nbytes > header.file_size:
             raise fail(file, f"the file is truncated: the tensor ends at byte {entry.offset + entry.nbytes}, "
                              f"the file has {header.file_size} bytes")
+        if place.stacked:  # its rows of the stack's first two axes, flattened: contiguous bytes
+            itemsize = _RAW_DTYPES[entry.dtype].itemsize
+            entry = _Entry(entry.dtype, expected, entry.offset + place.first_row * expected[1] * itemsize,
+                           math.prod(expected) * itemsize)
         return file, entry
 
     def _read_finite(self, name: str, file: Path, entry: _Entry, first: int, count: int) -> np.ndarray:

@@ -365,6 +365,11 @@ def canonical_name(stored: str) -> str | None:
     return stored
 
 
+def stacked_parts(cfg: InklingConfig, stored: str) -> None:
+    """None: Inkling's checkpoints store each of its tensors as itself (its expert stacks are its own tensors)."""
+    return None
+
+
 def kept_f32(name: str) -> bool:
     """Whether a bf16 checkpoint stores this tensor in float32 anyway (as transformers saves Inkling)."""
     return name.endswith(_KEPT_F32)

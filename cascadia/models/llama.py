@@ -230,6 +230,11 @@ def canonical_name(stored: str) -> str | None:
     return None if stored.endswith("rotary_emb.inv_freq") else stored
 
 
+def stacked_parts(cfg: LlamaConfig, stored: str) -> None:
+    """None: a Llama's checkpoints store each of its tensors as itself."""
+    return None
+
+
 def kept_f32(name: str) -> bool:
     """Whether a bf16 checkpoint stores this tensor in float32 anyway: none in Llama."""
     return False

@@ -161,6 +161,21 @@ canonical_name = llama.canonical_name
 kept_f32 = llama.kept_f32
 
 
+def stacked_parts(cfg: Qwen3MoeConfig, stored: str) -> tuple[tuple[int, ...], list[tuple[str, int]]] | None:
+    """A layer's experts as transformers holds them in memory, and saves them with `save_original_format=False`:
+    `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
+    [E, H, I]. Their shape, and each expert's tensor (as this module names it) with its first row of the stack's
+    first two axes flattened; None for any other stored tensor."""
+    prefix, sep, rest = stored.partition("mlp.experts.")
+    hidden, width, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    if not sep or rest not in ("gate_up_proj", "down_proj"):
+        return None
+    if rest == "down_proj":
+        return (n, hidden, width), [(prefix + expert(j, "down"), j * hidden) for j in range(n)]
+    return (n, 2 * width, hidden), [(prefix + expert(j, projection), (2 * j + half) * width)
+                                    for j in range(n) for half, projection in enumerate(("gate", "up"))]
+
+
 def random_values(name: str, shape: tuple[int, ...], noise: np.ndarray) -> np.ndarray:
     """As a Llama's: norm weights (q and k's too) near 1, matrices (the router's too) N(0, 1/fan_in)."""
     return llama.random_values(name, shape, noise)
