@@ -47,6 +47,7 @@ def test_uniform_distinct_experts_is_exact():
     exact = sum(len(set(a) | set(b)) for a in choices for b in choices) / len(choices) ** 2
     assert uniform_distinct_experts(2, 2, 4) == pytest.approx(exact)
     assert uniform_distinct_experts(1, 6, 256) == pytest.approx(6)
+    assert uniform_distinct_experts(1, 2, 6) == 2  # not a rounding below: the grid of distinct experts starts there
     assert uniform_distinct_experts(1000, 6, 256) == pytest.approx(256)
 
 

@@ -62,8 +62,11 @@ def interpolate(grid: Sequence[float], values: Sequence[float], x: float) -> tup
 
 
 def uniform_distinct_experts(rows: float, top_k: int, n_experts: int) -> float:
-    """Expected distinct experts that `rows` rows touch when each picks top_k of n_experts uniformly at random."""
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** rows)
+    """Expected distinct experts that `rows` rows touch when each picks top_k of n_experts uniformly at random: at
+    least top_k from one row on (the formula's rounding can leave it a hair below, 1.9999999999999996 for 2 of 6,
+    outside a calibration grid that starts at top_k)."""
+    expected = n_experts * (1.0 - (1.0 - top_k / n_experts) ** rows)
+    return max(expected, float(top_k)) if rows >= 1 else expected
 
 
 def model_dims(config: ModelConfig) -> dict[str, int]:
