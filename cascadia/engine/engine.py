@@ -23,6 +23,7 @@ from cascadia.engine.grouped_moe import GroupedBlock
 from cascadia.engine.families import host_layers
 from cascadia.engine.kv_store import BlockPool, PagedKV, PagedRing
 from cascadia.engine.layers import rms_norm
+from cascadia.engine.mlp import Mlp
 from cascadia.engine.moe_choice import measured_grouped_from
 from cascadia.engine.quantize import Quantized, quantize_stacks
 from cascadia.engine.rows import BatchError, Rows
@@ -118,7 +119,7 @@ class StageEngine:
             if self.states:  # every attention layer's spans, a global layer's or a ring's, go through the kernel
                 paged_kernel.warm_up(fmt.dtype)
 
-    def _choose_moe_path(self, layer) -> None:
+    def _choose_moe_path(self, layer: Mlp) -> None:
         """Settle `moe_grouped_from` on the first MoE layer when it is "auto" (measured on that layer's blocks),
         and give a MoE layer the expert-grouped block only where some call size uses it."""
         if layer.grouped is None:

@@ -1,6 +1,6 @@
 """Building the compiled blocks of a layer's MLP from a checkpoint's tensors, as every family's layer does (its
 build is its family's: `cascadia.engine.families`): a dense SwiGLU, or the routed and shared experts as the fused
-and the expert-grouped block, with the divisor A of their FP32 restoration (`cascadia.engine.families.inkling`).
+and the expert-grouped block, with the divisor A of their FP32 restoration (`cascadia.engine.mlp`).
 
 Expert stacks in an integer format are read and quantised one expert at a time (`Checkpoint.layer` streams them),
 never held whole in float32: a full-size Inkling MoE layer is 4.6 GB in float32.

@@ -2,7 +2,12 @@
 chosen by the family module a config belongs to. A module holds:
 
 - `build_layer(cfg, layer, tensors, formats, compile, dense_slices, compile_grouped, fused)`: a decoder layer (its
-  FP32 host weights and compiled blocks) whose `forward(x, rows, state)` computes it in the reference's order;
+  FP32 host weights and compiled blocks, a `cascadia.engine.mlp.Mlp`) whose `forward(x, rows, state)` computes it in
+  the reference's order, from its float32 tensors by name relative to its prefix (`Checkpoint.layer`).
+  `dense_slices`: run a dense MLP as that many all-active expert slices through the fused MoE graph;
+  `compile_grouped`: also compile a MoE layer's experts expert-grouped (`graphs.moe_grouped`), for the engine to
+  choose between the two by rows (`Mlp.grouped_from`, unset here); `fused=False` with it: the grouped graph alone
+  (for an engine that runs it at every call size);
 - `slot_state(cfg, kv, slots, fmt, rewind)`: a layer's per-stream state, keys and values in `kv` and whatever else
   the family keeps (`nbytes`, `release(slot)`);
 - `embedded(cfg, x, tensors)` and `head_input(cfg, h)`: what the family does between the embedding table and the

@@ -166,7 +166,7 @@ def build_layer(cfg: InklingConfig, layer: int, t: Mapping[str, np.ndarray], for
                 compile: Compile, dense_slices: int | None = None, compile_grouped: CompileGrouped | None = None,
                 fused: bool = True) -> DecoderLayer:
     """Layer `layer` from its float32 tensors `t` by name relative to its prefix (`Checkpoint.layer`): the host
-    weights it keeps in FP32 and the blocks it compiles (`cascadia.engine.layer_build` says what the arguments
+    weights it keeps in FP32 and the blocks it compiles (`cascadia.engine.families` says what the arguments
     do)."""
     heads, kv_heads, head_dim = cfg.heads(layer)
     log_scaling = None

@@ -54,7 +54,7 @@ def build_layer(cfg: Qwen3MoeConfig, layer: int, t: Mapping[str, np.ndarray], fo
                 compile: Compile, dense_slices: int | None = None, compile_grouped: CompileGrouped | None = None,
                 fused: bool = True) -> DecoderLayer:
     """Layer `layer` from its float32 tensors `t` by name relative to its prefix (`Checkpoint.layer`; experts are
-    read one at a time where an integer format streams them). `cascadia.engine.layer_build` says what the other
+    read one at a time where an integer format streams them). `cascadia.engine.families` says what the other
     arguments do."""
     parts = attention_parts(cfg, layer, t, formats, compile) | {"q_norm": t[names.Q_NORM], "k_norm": t[names.K_NORM]}
     post_norm = parts["post_norm"]
