@@ -8,7 +8,7 @@ count, guidellm's `concurrent` profile and `cascadia run --url`'s closed loop se
 --prompt-tokens tokens (guidellm's synthetic text, counted by the checkpoint's own tokenizer; random ids for
 `run`) and --output-tokens each, past the end-of-sequence token; rounds alternate which goes first. Every request
 must complete: the exit status is 1 when guidellm saw one fail. The figures of every round, and per level their
-median and spread, go to --out as JSON (command, CPU, versions).
+median and spread, go to bench/results/clients.json (command, machine, versions).
 """
 
 from __future__ import annotations
@@ -16,19 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-from importlib.metadata import version
 from pathlib import Path
 
+from record import ROOT, Table, now, shown, spread, write
 from serve import Server
 
-from cascadia.host_cpus import describe, identity
 from cascadia.spec.load import load_spec
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def command(args: list[str]) -> None:
@@ -67,10 +63,6 @@ def run_url(spec: Path, url: str, streams: int, requests: int, prompt: int, outp
             "tpot_p50_ms": 1000 * level["tpot_s"]["p50"]}
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", type=Path, default=ROOT / "specs" / "tiny-serve.yaml")
@@ -79,8 +71,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--guidellm", default="guidellm", help="its executable")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "clients.json")
+    parser.add_argument("--out", type=Path, help="default bench/results/clients.json")
     args = parser.parse_args()
+    started = now()
     if shutil.which(args.guidellm) is None:
         sys.exit(f"{args.guidellm}: not found; install the dev extra (pip install -e '.[dev]') or give --guidellm")
     spec = load_spec(args.spec)
@@ -109,22 +102,24 @@ def main() -> None:
             server.stop()
     failed = sum(g["guidellm"]["requests"]["errored"] + g["guidellm"]["requests"]["incomplete"]
                  for runs in rounds.values() for g in runs)
-    result = {
-        "command": " ".join(["python", *sys.argv]), "cpu": describe(identity()),
-        "versions": {"cascadia": version("cascadia"), "openvino": version("openvino"),
-                     "guidellm": subprocess.run([args.guidellm, "--version"], capture_output=True, text=True,
-                                                check=True).stdout.split()[-1]},
-        "spec": str(args.spec.relative_to(ROOT) if args.spec.is_relative_to(ROOT) else args.spec),
-        "load": {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-                 "endpoint": "/v1/completions"},
-        "guidellm_requests_failed": failed,
-        "levels": [{"streams": n, "requests": max(8, 4 * n), "rounds": rounds[n],
-                    "output_tokens_per_s": {tool: spread([run[tool]["output_tokens_per_s"] for run in rounds[n]])
-                                            for tool in ("guidellm", "cascadia_run_url")}} for n in levels],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}; guidellm requests failed: {failed}")
+    table = Table(f"{args.prompt_tokens}-token prompts, {args.output_tokens} tokens out, /v1/completions",
+                  ["streams", "guidellm: requests done", "output tok/s", "TTFT p50 ms", "inter-token p50 ms",
+                   "run --url: output tok/s", "TTFT p50 ms", "TPOT p50 ms"])
+    for n in levels:
+        g, c = [run["guidellm"] for run in rounds[n]], [run["cascadia_run_url"] for run in rounds[n]]
+        done = sum(r["requests"]["successful"] for r in g)
+        table.add(n, f"{done}/{sum(r['requests']['total'] for r in g)}",
+                  *(spread(r[key] for r in g) for key in ("output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms")),
+                  *(spread(r[key] for r in c) for key in ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")))
+    print(table.text())
+    guidellm_version = subprocess.run([args.guidellm, "--version"], capture_output=True, text=True,
+                                      check=True).stdout.split()[-1]
+    write("clients", "guidellm against `cascadia serve`, beside `cascadia run --url` on the same load", started,
+          [table], args.out, guidellm=guidellm_version,
+          spec=shown(args.spec),
+          guidellm_requests_failed=failed,
+          rounds=[{"streams": n, "requests": max(8, 4 * n), "rounds": rounds[n]} for n in levels])
+    print(f"guidellm requests failed: {failed}")
     sys.exit(1 if failed else 0)
 
 

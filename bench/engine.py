@@ -30,7 +30,7 @@ Reported:
               against the formats' weight bytes plus the engine's state (K/V rings, convolution states)
 and whether the issue's targets are met: at 1 stream >= 50% of the roofline and >= 5x the reference; at 32 streams
 >= 35% of the roofline and >= 5x the reference; the MoE at 32 rows within its bound; peak memory <= 1.3 x (weights
-+ state). Not a test: it prints tables.
++ state). Not a test: it prints tables and writes them to bench/results/engine.json.
 
     python bench/engine.py [--quick] [--repeats 5] [--moe-grouped-from never|auto|ROWS]
 """
@@ -46,13 +46,13 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import date
 from pathlib import Path
 
 import attrs
 import numpy as np
 import openvino as ov
 from random_model import FORMATS, MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
+from record import Table, now, spread, write
 
 from cascadia.models import inkling as names
 from cascadia.engine import graphs
@@ -66,7 +66,6 @@ from cascadia.engine.moe_choice import paths_text
 from cascadia.graph import costs
 from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import ModelSpec, RuntimeSpec, WeightFormat
-from cascadia.table import format_rows
 
 # Five sliding layers to one global, as in the real model; a dense MLP of width 4096.
 MODEL = MID_SIZES | {"intermediate_size": 4096,
@@ -315,11 +314,6 @@ def measure_memory(path: Path, moe_grouped_from: int | str) -> dict[str, int]:
     return out
 
 
-def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    print(format_rows([header, *rows]))
-    print()
-
-
 def verdict(met: bool) -> str:
     return "met" if met else "NOT met"
 
@@ -358,38 +352,51 @@ def run_rounds(engine: EngineDecoder, reference: ReferenceDecoder | None, blocks
     return rounds
 
 
-def decode_table(model: ModelSpec, rounds: Rounds) -> dict[int, dict[str, float | None]]:
-    """Print the decode table; returns by stream count the fraction of the roofline and the multiple of the
-    reference (or None)."""
+def decode_table(model: ModelSpec, rounds: Rounds) -> tuple[Table, dict[int, dict[str, float | None]]]:
+    """The decode table, and by stream count the fraction of the roofline and the multiple of the reference (or
+    None)."""
     bandwidth = statistics.median(rounds.bandwidth)
-    rows, fractions = [], {}
+    table = Table("Decode", ["streams", "engine tok/s", "reference tok/s", "vs reference", "roofline tok/s",
+                             "of roofline %", "blocks alone tok/s", "of roofline %", "distinct experts a layer"],
+                  note="Roofline: the step's weight bytes (routed experts: the distinct ones its rows chose) at the "
+                       "measured memory bandwidth. Blocks alone: the same steps' compiled blocks replayed back to "
+                       "back, with no host work between them.")
+    fractions = {}
     for n in STREAMS:
         tok_s = statistics.median(rounds.engine[n])
         roofline = n * bandwidth / step_bytes(model, n, rounds.distinct[n])
         pairs = list(zip(rounds.engine[n], rounds.reference[n]))
-        ratio = statistics.median(e / r for e, r in pairs) if pairs else None
+        ratios = spread(e / r for e, r in pairs) if pairs else None
         alone = statistics.median(rounds.alone[n])
-        rows.append((str(n), f"{tok_s:.1f}", f"{statistics.median(rounds.reference[n]):.1f}" if pairs else "-",
-                     f"{ratio:.1f}x" if pairs else "-", f"{roofline:.1f}", f"{tok_s / roofline:.0%}",
-                     f"{alone:.1f}", f"{alone / roofline:.0%}", f"{statistics.mean(rounds.distinct[n].values()):.1f}"))
-        fractions[n] = {"roofline": tok_s / roofline, "reference": ratio, "roofline tok/s": roofline}
-    table(("streams", "engine tok/s", "reference tok/s", "vs reference", "roofline tok/s", "of roofline",
-           "blocks alone tok/s", "of roofline", "distinct experts/layer"), rows)
-    return fractions
+        table.add(n, spread(rounds.engine[n]), spread(rounds.reference[n]) if pairs else None, ratios, roofline,
+                  100 * tok_s / roofline, spread(rounds.alone[n]), 100 * alone / roofline,
+                  statistics.mean(rounds.distinct[n].values()))
+        fractions[n] = {"roofline": tok_s / roofline, "reference": ratios and ratios["median"],
+                        "roofline tok/s": roofline}
+    return table, fractions
 
 
-def block_table(model: ModelSpec, rounds: Rounds, blocks: BlockComparison,
-                grouped_from: int | None) -> tuple[float, dict[int, float]]:
-    """Print the block table; returns the MoE's best time at the most rows over its bound (see the module's text),
-    and the best path's seconds per MoE call by rows."""
+def block_tables(model: ModelSpec, rounds: Rounds, blocks: BlockComparison,
+                 grouped_from: int | None) -> tuple[list[Table], float, dict[int, float]]:
+    """The block tables; the MoE's best time at the most rows over its bound (see the module's text), and the best
+    path's seconds per MoE call by rows."""
     def ms(n: int, form: str) -> float:
         return statistics.median(t[form] for t in rounds.blocks[n]) * 1e3
+
+    def ms_spread(n: int, form: str) -> dict:
+        return spread(t[form] * 1e3 for t in rounds.blocks[n])
 
     layer = next(ops for i in range(model.config.num_hidden_layers)
                  if "routed_experts" in (ops := costs.layer_ops(model, i)))
     expert_bytes = layer["routed_experts"].weight_bytes / model.config.n_routed_experts
     bandwidth = statistics.median(rounds.bandwidth)
-    rows, over, best_s = [], 0.0, {}
+    moe = Table("One MoE layer and the dense MLP, ms a call",
+                ["rows", "distinct experts", "MoE fused ms", "MoE grouped ms", "grouped / fused", "engine runs",
+                 "experts' bytes ms", "bound ms", "best / bound", "dense MLP ms", f"as {DENSE_SLICES} expert slices ms",
+                 "slices / MLP"],
+                note=f"Bound: {MOE_TARGET} x (the distinct routed and the shared experts' bytes at the measured "
+                     "bandwidth + the fused 1-row call).")
+    over, best_s = 0.0, {}
     for n in STREAMS:
         distinct = blocks.distinct(n)
         read_ms = (distinct * expert_bytes + layer["shared_experts"].weight_bytes) / bandwidth * 1e3
@@ -397,31 +404,32 @@ def block_table(model: ModelSpec, rounds: Rounds, blocks: BlockComparison,
         chosen = "grouped" if grouped_from is not None and n >= grouped_from else "fused"
         best = min(ms(n, "fused"), ms(n, "grouped"))
         over, best_s[n] = best / bound, best / 1e3
-        rows.append((str(n), f"{distinct:.1f}", f"{ms(n, 'fused'):.2f}", f"{ms(n, 'grouped'):.2f}",
-                     f"{ms(n, 'grouped') / ms(n, 'fused'):.2f}", chosen, f"{read_ms:.2f}", f"{bound:.2f}",
-                     f"{best / bound:.2f}", f"{ms(n, 'swiglu'):.2f}", f"{ms(n, 'slices'):.2f}",
-                     f"{ms(n, 'slices') / ms(n, 'swiglu'):.2f}"))
-    table(("rows", "distinct experts", "MoE fused ms", "MoE grouped ms", "grouped / fused", "engine runs",
-           "experts' bytes ms", "bound ms", "best / bound", "dense MLP ms", f"as {DENSE_SLICES} expert slices ms",
-           "slices / MLP"), rows)
-    table(("rows", "attention input: norms on host ms", "in one block ms", "one block / host"),
-          [(str(n), f"{ms(n, 'norms on host'):.3f}", f"{ms(n, 'attention input'):.3f}",
-            f"{ms(n, 'attention input') / ms(n, 'norms on host'):.2f}") for n in STREAMS])
-    return over, best_s
+        moe.add(n, distinct, ms_spread(n, "fused"), ms_spread(n, "grouped"), ms(n, "grouped") / ms(n, "fused"),
+                chosen, read_ms, bound, best / bound, ms_spread(n, "swiglu"), ms_spread(n, "slices"),
+                ms(n, "slices") / ms(n, "swiglu"))
+    norms = Table("A layer's input norms and q|k|v|r projection, ms a call",
+                  ["rows", "norms on the host ms", "all in one block ms", "one block / host"])
+    for n in STREAMS:
+        norms.add(n, ms_spread(n, "norms on host"), ms_spread(n, "attention input"),
+                  ms(n, "attention input") / ms(n, "norms on host"))
+    return [moe, norms], over, best_s
 
 
-def memory_report(model: ModelSpec, memory: dict[str, int]) -> float:
-    """Print the memory line; returns the peak over (weights + state)."""
+def memory_table(model: ModelSpec, memory: dict[str, int]) -> tuple[Table, float]:
+    """The memory table, and the peak over (weights + state)."""
     weights = (sum(c.weight_bytes for c in costs.layer_costs(model)) + costs.embedding_cost(model).weight_bytes
                + costs.head_cost(model).weight_bytes)
-    budget = weights + memory["state"]
-    gib = 2**30
-    print(f"memory: weights {weights / gib:.3f} GiB + state {memory['state'] / gib:.3f} GiB; process peak "
-          f"{memory['VmHWM'] / gib:.3f} GiB = {memory['VmHWM'] / budget:.2f}x; resident after decoding "
-          f"{memory['VmRSS'] / gib:.3f} GiB = {memory['VmRSS'] / budget:.2f}x (anonymous "
-          f"{memory['RssAnon'] / gib:.3f}, file {memory['RssFile'] / gib:.3f}), of which the runtime's own "
-          f"(Python, numpy, OpenVINO loaded) {memory['baseline'] / gib:.3f} GiB\n")
-    return memory["VmHWM"] / budget
+    budget, gib = weights + memory["state"], 2**30
+    table = Table("Memory of a fresh process that builds the engine and decodes 32 streams",
+                  ["what", "GiB", "over weights + state"])
+    table.add("weights", weights / gib, None)
+    table.add("state (K/V rings, convolution states)", memory["state"] / gib, None)
+    table.add("process peak (VmHWM)", memory["VmHWM"] / gib, memory["VmHWM"] / budget)
+    table.add("resident after decoding (VmRSS)", memory["VmRSS"] / gib, memory["VmRSS"] / budget)
+    table.add("of which anonymous", memory["RssAnon"] / gib, None)
+    table.add("of which file-backed", memory["RssFile"] / gib, None)
+    table.add("the runtime's own (Python, numpy, OpenVINO loaded)", memory["baseline"] / gib, None)
+    return table, memory["VmHWM"] / budget
 
 
 def main() -> None:
@@ -431,7 +439,9 @@ def main() -> None:
     parser.add_argument("--moe-grouped-from", default="never", type=lambda text: int(text) if text.isdigit() else text,
                         help="the engine's runtime.moe_grouped_from (default never: the fused MoE at every call size; "
                              "1: the expert-grouped one alone)")
+    parser.add_argument("--out", type=Path, help="default bench/results/engine.json")
     args = parser.parse_args()
+    started = now()
     config = model_config(QUICK_MODEL if args.quick else MODEL)
     path = random_checkpoint(config, CHECKPOINT, args.quick, SEED)
     load_before = os.getloadavg()
@@ -448,37 +458,44 @@ def main() -> None:
     rounds = run_rounds(engine, reference, blocks, args.repeats)
     load_after = os.getloadavg()
 
-    print(f"\n{date.today()}: {'quick ' if args.quick else ''}model hidden {config.hidden_size}, "
-          f"{config.num_hidden_layers} layers, {config.n_routed_experts} experts top-{config.num_experts_per_tok} + "
-          f"{config.n_shared_experts} shared of width {config.moe_intermediate_size}, vocab {config.vocab_size}; "
-          f"experts int4 g32, the rest int8, {PRECISION} compute (runs as {runs_as(PRECISION, 'CPU')}); "
-          f"{core().get_property('CPU', 'FULL_DEVICE_NAME')}, {os.cpu_count()} cores; load average "
-          f"{load_before[0]:.1f} before, {load_after[0]:.1f} after; memory bandwidth "
+    model_text = (f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.n_routed_experts} "
+                  f"experts top-{config.num_experts_per_tok} + {config.n_shared_experts} shared of width "
+                  f"{config.moe_intermediate_size}, vocab {config.vocab_size}; experts int4 g32, the rest int8, "
+                  f"{PRECISION} compute (runs as {runs_as(PRECISION, 'CPU')})")
+    print(f"\n{'quick ' if args.quick else ''}model {model_text}; {core().get_property('CPU', 'FULL_DEVICE_NAME')}; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; memory bandwidth "
           f"{statistics.median(rounds.bandwidth) / 1e9:.1f} GB/s; medians of {args.repeats} rounds of "
           f"{DECODE_STEPS} decode steps after {PROMPT_TOKENS} prompt tokens\n")
     model = ModelSpec(config, FORMATS)
-    fractions = decode_table(model, rounds)
+    decode, fractions = decode_table(model, rounds)
     grouped_from = engine.engine.stage.moe_grouped_from
-    moe_over, moe_s = block_table(model, rounds, blocks, grouped_from)
-    print(f"(the two MoE paths agree within {blocks.agreement():.1e} of the largest output; the engine runs "
-          f"{paths_text(grouped_from, STREAMS)})")
-    peak = memory_report(model, memory)
+    blocks_tables, moe_over, moe_s = block_tables(model, rounds, blocks, grouped_from)
+    blocks_tables[0].note += (f" The two MoE paths agree within {blocks.agreement():.1e} of the largest output; "
+                              f"the engine runs {paths_text(grouped_from, STREAMS)}.")
+    memory_t, peak = memory_table(model, memory)
 
+    targets = Table("The targets", ["target", "measured", "met"])
     moe_layers = sum(not config.is_dense(i) for i in range(config.num_hidden_layers))
     for n, fraction in ROOFLINE_TARGETS.items():
         measured = fractions[n]
-        print(f"target: {n} stream(s) >= {fraction:.0%} of the roofline: "
-              f"{verdict(measured['roofline'] >= fraction)} ({measured['roofline']:.0%})")
         moe_alone = n / (moe_layers * moe_s[n])
-        print(f"  bound: the {moe_layers} MoE layers alone, at the faster path's time per call, allow "
-              f"{moe_alone:.1f} tok/s = {moe_alone / measured['roofline tok/s']:.0%} of the roofline")
+        targets.add(f"{n} stream(s): at least {fraction:.0%} of the roofline", f"{measured['roofline']:.0%}",
+                    verdict(measured["roofline"] >= fraction))
+        targets.add(f"{n} stream(s), bound: the {moe_layers} MoE layers alone at the faster path's time per call",
+                    f"{moe_alone / measured['roofline tok/s']:.0%}", "-")
         if measured["reference"] is not None:
-            print(f"target: {n} stream(s) >= {REFERENCE_TARGET:.0f}x the reference: "
-                  f"{verdict(measured['reference'] >= REFERENCE_TARGET)} ({measured['reference']:.1f}x)")
-    print(f"target: MoE at {max(STREAMS)} rows <= its bound: {verdict(moe_over <= 1)} ({moe_over:.2f}x the bound, "
-          f"{moe_over * MOE_TARGET:.1f}x the experts' bytes + the 1-row call)")
-    print(f"target: peak memory <= {MEMORY_TARGET}x (weights + state): {verdict(peak <= MEMORY_TARGET)} "
-          f"({peak:.2f}x)")
+            targets.add(f"{n} stream(s): at least {REFERENCE_TARGET:.0f}x the reference",
+                        f"{measured['reference']:.1f}x", verdict(measured["reference"] >= REFERENCE_TARGET))
+    targets.add(f"MoE at {max(STREAMS)} rows within its bound", f"{moe_over:.2f}x the bound", verdict(moe_over <= 1))
+    targets.add(f"peak memory at most {MEMORY_TARGET}x (weights + state)", f"{peak:.2f}x",
+                verdict(peak <= MEMORY_TARGET))
+    tables = [decode, *blocks_tables, memory_t, targets]
+    for table in tables:
+        print(table.text() + "\n")
+    write("engine", "The resident engine on a mid-size random Inkling: decode speed, blocks and memory", started,
+          tables, args.out, quick=args.quick, model=model_text, reference=reference is not None,
+          bandwidth_gb_s=spread(b / 1e9 for b in rounds.bandwidth), load_average=[load_before[0], load_after[0]],
+          rounds={"engine": rounds.engine, "alone": rounds.alone, "reference": rounds.reference})
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ from cascadia.engine.engine import Engine
 from cascadia.engine.kv_store import PagedKV
 from cascadia.engine.state_format import StateFormat
 from cascadia.graph.planner import plan as make_plan
+from cascadia.models import read_config
 from cascadia.models.inkling import InklingConfig
 from cascadia.policy import padded_size
 from cascadia.sim.calibration import Calibration, Extrapolations
@@ -109,7 +110,7 @@ class AttentionClock:
 
 
 def long_config(quick: bool) -> InklingConfig:
-    config = InklingConfig.from_file(LONG_CONFIG)
+    config = read_config(LONG_CONFIG)
     return InklingConfig.from_hf_dict(config.to_hf_dict() | QUICK_MID) if quick else config
 
 

@@ -18,7 +18,7 @@ holds when it runs both). Reported:
               machine moves whole processes)
   error       |output - exact| / |exact| (Euclidean norms) at ROWS rows, exact = the same layer with f32 weights
               at f32 compute (so it counts the format's rounding and the precision's together)
-Not a test: it prints a table.
+Not a test: it prints a table and writes it to bench/results/moe_formats.json.
 
     python bench/moe_formats.py [--quick] [--precisions bf16,f32]
 """
@@ -34,13 +34,13 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
-from datetime import date
 from pathlib import Path
 
 import attrs
 import numpy as np
 from random_model import FORMATS as BENCH_FORMATS
 from random_model import MID_SIZES, QUICK_SIZES, model_config, random_checkpoint
+from record import Table, now, spread, write
 
 from cascadia.engine import graphs
 from cascadia.engine.checkpoint import Checkpoint
@@ -50,7 +50,6 @@ from cascadia.engine.families.inkling import build_layer
 from cascadia.graph import costs
 from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import ModelSpec, WeightFormat, WeightFormats
-from cascadia.table import format_rows
 
 FORMATS = {"int8 per row, symmetric": WeightFormat("int8"),
            "int8 per row, asymmetric": WeightFormat("int8", symmetric=False),
@@ -143,7 +142,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, to check the bench itself")
     parser.add_argument("--precisions", default="bf16,f32", help="compute precisions, comma-separated")
+    parser.add_argument("--out", type=Path, help="default bench/results/moe_formats.json")
     args = parser.parse_args()
+    started = now()
     config = model_config(MODEL | QUICK_SIZES if args.quick else MODEL)
     path = str(random_checkpoint(config, CHECKPOINT, args.quick, SEED))
     exact = exact_output(path)
@@ -158,30 +159,31 @@ def main() -> None:
             precision, name = cases[i]
             print(f"sweep {sweep + 1}/{SWEEPS}: {precision}, {name} ...", flush=True)
             measured[cases[i]].append(in_child(case_child, path, FORMATS[name], precision, True))
-    rows = []
+    table = Table("One MoE layer by expert format", [
+        "runs as", "experts", "stored MiB", "resident / stored", "with grouped", "fused 1 row ms", "grouped 1 row ms",
+        f"fused {ROWS} rows ms", f"grouped {ROWS} rows ms", "grouped / fused, 1 row", f"grouped / fused, {ROWS} rows",
+        "fused error", "grouped error"])
     for precision, name in cases:
         runs = measured[precision, name]
         both = statistics.median(resident for resident, _, _ in runs)
-        seconds = {key: statistics.median(times[key] for _, times, _ in runs) for key in runs[0][1]}
-        ratios = {n: statistics.median(times["grouped", n] / times["fused", n] for _, times, _ in runs)
-                  for n in (1, ROWS)}
+        ratios = {n: spread(times["grouped", n] / times["fused", n] for _, times, _ in runs) for n in (1, ROWS)}
         ops = costs.layer_ops(ModelSpec(config, layer_formats(FORMATS[name])), moe_layer_index(config))
         stored = sum(op.weight_bytes for op in ops.values())
-        rows.append((runs_as(precision, "CPU"), name, f"{stored / 2**20:.1f}",
-                     f"{fused_only[precision, name] / stored:.2f}", f"{both / stored:.2f}",
-                     *(f"{seconds[p, n] * 1e3:.2f}" for n in (1, ROWS) for p in ("fused", "grouped")),
-                     *(f"{ratios[n]:.2f}" for n in (1, ROWS)),
-                     *(f"{relative_error(runs[0][2][p], exact):.1e}" for p in ("fused", "grouped"))))
+        table.add(runs_as(precision, "CPU"), name, stored / 2**20, fused_only[precision, name] / stored,
+                  both / stored, *(spread(times[p, n] * 1e3 for _, times, _ in runs)
+                                   for n in (1, ROWS) for p in ("fused", "grouped")),
+                  ratios[1], ratios[ROWS], *(relative_error(runs[0][2][p], exact) for p in ("fused", "grouped")))
     load_after = os.getloadavg()
-    print(f"\n{date.today()}: {core().get_property('CPU', 'FULL_DEVICE_NAME')}, {os.cpu_count()} cores; "
-          f"{'quick ' if args.quick else ''}MoE layer hidden {config.hidden_size}, {config.n_routed_experts} experts "
-          f"top-{config.num_experts_per_tok} + {config.n_shared_experts} shared of width "
-          f"{config.moe_intermediate_size}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; "
-          f"bench/engine.py's experts: {BENCH_FORMATS.routed_experts}\n")
-    print(format_rows([("runs as", "experts", "stored MiB", "resident / stored", "with grouped",
-                        "fused 1 ms", "grouped 1 ms", f"fused {ROWS} ms", f"grouped {ROWS} ms",
-                        "grouped / fused 1", f"grouped / fused {ROWS}", "fused error",
-                        "grouped error"), *rows]))
+    layer_text = (f"MoE layer hidden {config.hidden_size}, {config.n_routed_experts} experts "
+                  f"top-{config.num_experts_per_tok} + {config.n_shared_experts} shared of width "
+                  f"{config.moe_intermediate_size}")
+    table.note = (f"{layer_text}; ms: per call, over {SWEEPS} fresh processes; error: against f32 weights at f32 "
+                  f"compute, at {ROWS} rows. bench/engine.py's experts: {BENCH_FORMATS.routed_experts}.")
+    print(f"\n{core().get_property('CPU', 'FULL_DEVICE_NAME')}; {'quick ' if args.quick else ''}{layer_text}; load "
+          f"average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
+    print(table.text())
+    write("moe_formats", "What each expert weight format costs: time, memory and error of one MoE layer", started,
+          [table], args.out, quick=args.quick, load_average=[load_before[0], load_after[0]])
 
 
 if __name__ == "__main__":

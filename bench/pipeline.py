@@ -10,8 +10,9 @@ level and setup:
                  seconds (the throughput if that node never waited)
   of ideal       phase tok/s / ideal tok/s, which is the busiest node's busy fraction
   vs 1 node      decode tok/s of the 3-node pipeline / that of one node
-Not a test: it prints ratios. On a machine with fewer cores than the nodes' threads, the nodes share cores, and a
-node waiting for a core counts as busy: the ideal is then that of the shared machine, not of three machines.
+Not a test: it prints ratios and writes them to bench/results/pipeline.json. On a machine with fewer cores than the
+nodes' threads, the nodes share cores, and a node waiting for a core counts as busy: the ideal is then that of the
+shared machine, not of three machines.
 
     python bench/pipeline.py [--quick] [--concurrency 1,3,9,18]
 """
@@ -24,12 +25,12 @@ from pathlib import Path
 
 import attrs
 from random_model import FORMATS, mid_config, random_checkpoint
+from record import Table, now, write
 
 from cascadia.graph.planner import plan as make_plan
 from cascadia.models.inkling import InklingConfig
 from cascadia.pipeline.run import run
 from cascadia.spec.types import ClusterSpec, LengthSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WorkloadSpec
-from cascadia.table import format_rows
 
 CHECKPOINT = Path("/tmp/cascadia-bench-pipeline")
 CORES = 2  # this machine's
@@ -40,7 +41,7 @@ SEED = 0
 
 
 def spec(config: InklingConfig, checkpoint: Path, nodes: int, threads: int, max_streams: int) -> Spec:
-    cluster = ClusterSpec(tuple(NodeSpec(f"node{i}", memory_bytes=8 * 2**30, host="localhost", threads=threads)
+    cluster = ClusterSpec(tuple(NodeSpec(f"node{i}", memory_bytes=2 * 2**30, host="localhost", threads=threads)
                                 for i in range(nodes)), reserve_bytes=2**28)
     runtime = RuntimeSpec(context_budget=PROMPT_TOKENS + OUTPUT_TOKENS, max_streams=max_streams, precision="bf16",
                           row_buckets=(2, 4, 8, 16, 32), prefill_window=8)
@@ -66,25 +67,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, to check the bench itself")
     parser.add_argument("--concurrency", default="1,3,9,18", help="levels, e.g. 1,3,9,18")
+    parser.add_argument("--out", type=Path, help="default bench/results/pipeline.json")
     args = parser.parse_args()
+    started = now()
     levels = tuple(int(c) for c in args.concurrency.split(","))
     config = mid_config(args.quick)
     checkpoint = random_checkpoint(config, CHECKPOINT, args.quick, SEED)
-    print(f"model: hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.n_routed_experts} experts "
-          f"top-{config.num_experts_per_tok} + {config.n_shared_experts} shared of width "
-          f"{config.moe_intermediate_size}, vocab {config.vocab_size}; experts int4, the rest int8, bf16 compute; "
-          f"{PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} output tokens per request", flush=True)
+    model = (f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.n_routed_experts} experts "
+             f"top-{config.num_experts_per_tok} + {config.n_shared_experts} shared of width "
+             f"{config.moe_intermediate_size}, vocab {config.vocab_size}; experts int4, the rest int8, bf16 compute")
+    print(f"model: {model}; {PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} output tokens per request", flush=True)
     one = measure(spec(config, checkpoint, 1, CORES, max(levels)), levels)
     three = measure(spec(config, checkpoint, 3, THREADS_PER_NODE, max(levels)), levels)
-    header = ("streams", "1 node tok/s", "3 nodes tok/s", "vs 1 node", "3-node ideal tok/s", "of ideal",
-              "busiest node")
-    rows = [header]
+    table = Table(f"Decode tokens/s, {PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} output tokens a request",
+                  ["streams", "1 node tok/s", "3 nodes tok/s", "3 vs 1", "3-node ideal tok/s", "of ideal %",
+                   "busiest node", "its busy %"],
+                  note=f"1 node of {CORES} threads against 3 local nodes of {THREADS_PER_NODE}; ideal: the rate the "
+                       "busiest node's busy time allows.")
     for a, b in zip(one, three):
         node, busy = max(b["busy"].items(), key=lambda item: item[1])
-        rows.append((str(a["concurrency"]), f"{a['decode_tokens_per_s']:.1f}", f"{b['decode_tokens_per_s']:.1f}",
-                     f"{b['decode_tokens_per_s'] / a['decode_tokens_per_s']:.2f}", f"{ideal(b):.1f}",
-                     f"{b['phase_tokens_per_s'] / ideal(b):.0%}", f"{node} {busy:.0%}"))
-    print(format_rows(rows))
+        table.add(a["concurrency"], a["decode_tokens_per_s"], b["decode_tokens_per_s"],
+                  b["decode_tokens_per_s"] / a["decode_tokens_per_s"], ideal(b),
+                  100 * b["phase_tokens_per_s"] / ideal(b), node, 100 * busy)
+    print(table.text())
+    write("pipeline", "A 3-node local pipeline against 1 node, by concurrency", started, [table], args.out,
+          quick=args.quick, model=model)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cascadia.engine.init_model import init_model
+from cascadia.models import read_config
 from cascadia.models.inkling import InklingConfig
 from cascadia.spec.types import WeightFormat, WeightFormats
 
@@ -33,13 +34,13 @@ QUICK_MID = QUICK_SIZES | {"intermediate_size": 512}
 
 def mid_config(quick: bool) -> InklingConfig:
     """specs/mid's config; with `quick` at QUICK_SIZES."""
-    config = InklingConfig.from_file(MID_CONFIG)
+    config = read_config(MID_CONFIG)
     return InklingConfig.from_hf_dict(config.to_hf_dict() | QUICK_MID) if quick else config
 
 
 def model_config(sizes: dict) -> InklingConfig:
     """specs/tiny's config with `sizes` (config.json keys) over it."""
-    base = InklingConfig.from_file(Path(__file__).parent.parent / "specs" / "tiny" / "config.json").to_hf_dict()
+    base = read_config(Path(__file__).parent.parent / "specs" / "tiny" / "config.json").to_hf_dict()
     return InklingConfig.from_hf_dict(base | sizes)
 
 
@@ -47,7 +48,7 @@ def random_checkpoint(config: InklingConfig, folder: Path, quick: bool, seed: in
     """A random bf16 checkpoint of `config` in `folder` (with --quick, `folder`-quick), written on first use and
     again when the config changes."""
     path = folder.with_name(folder.name + ("-quick" if quick else ""))
-    if not (path / "config.json").is_file() or InklingConfig.from_file(path / "config.json") != config:
+    if not (path / "config.json").is_file() or read_config(path / "config.json") != config:
         print(f"writing a random checkpoint to {path} ...", flush=True)
         init_model(config, path, seed=seed, dtype="bf16")
     return path

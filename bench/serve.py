@@ -5,15 +5,15 @@ node processes of THREADS_PER_NODE threads, one plan. Each round measures every 
 back: first `cascadia run` (the coordinator drives the pipeline in this process), then the same workload (levels,
 prompts, warm-up and measured phases) sent by `cascadia run --url`'s load generator to a `cascadia serve` process
 holding the same plan, as streamed `/v1/completions` requests through the `openai` client, each token timed when its
-chunk arrives. Reported per level, the mean over the rounds:
+chunk arrives. Reported per level, the median and range over the rounds:
   run tok/s      decode tokens/s of `cascadia run` (output tokens after the first, over the decoding time)
   serve tok/s    the same, measured on the client side of the server
-  HTTP cost      1 - serve / run: the share of throughput the HTTP path takes (negative: within the noise)
-  spread         the largest relative difference between two rounds of `cascadia run` at that level
-Not a test: it prints ratios. The server, its client and the nodes share this machine's cores, so the HTTP cost
-includes the CPU the server and client take from the nodes.
+  HTTP cost      1 - serve / run of each round: the share of throughput the HTTP path takes (negative: within the
+                 noise)
+Not a test: it prints ratios and writes them to bench/results/serve.json. The server, its client and the nodes share
+this machine's cores, so the HTTP cost includes the CPU the server and client take from the nodes.
 
-    python bench/serve.py [--quick] [--concurrency 1,4,8] [--rounds 2]
+    python bench/serve.py [--quick] [--concurrency 1,4,8] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import attrs
 import httpx
 from random_model import FORMATS, mid_config, random_checkpoint
+from record import Table, now, spread, write
 
 from cascadia.graph.planner import plan as make_plan
 from cascadia.models.inkling import InklingConfig
@@ -36,7 +37,6 @@ from cascadia.pipeline.transport import free_port
 from cascadia.serve.load import Target, run_url
 from cascadia.spec.dump import write_spec
 from cascadia.spec.types import ClusterSpec, LengthSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WorkloadSpec
-from cascadia.table import format_rows
 
 CHECKPOINT = Path("/tmp/cascadia-bench-pipeline")  # bench/pipeline.py's: the same model
 NODES = 2
@@ -91,16 +91,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, to check the bench itself")
     parser.add_argument("--concurrency", default="1,4,8", help="levels, e.g. 1,4,8")
-    parser.add_argument("--rounds", type=int, default=2, help="measurements of each path per level")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of each path per level")
+    parser.add_argument("--out", type=Path, help="default bench/results/serve.json")
     args = parser.parse_args()
+    started = now()
     levels = tuple(int(c) for c in args.concurrency.split(","))
     config = mid_config(args.quick)
     setup = spec(config, random_checkpoint(config, CHECKPOINT, args.quick, SEED), max(levels))
     workload = attrs.evolve(setup.workload, concurrency=levels)
     plan = make_plan(setup)
-    print(f"model: hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.n_routed_experts} experts; "
-          f"{NODES} local nodes of {THREADS_PER_NODE} thread(s); {PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} output "
-          f"tokens per request", flush=True)
+    setting = (f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.n_routed_experts} experts; "
+               f"{NODES} local nodes of {THREADS_PER_NODE} thread(s); {PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} "
+               f"output tokens per request")
+    print(f"model: {setting}", flush=True)
     runs: list[list[float]] = [[] for _ in levels]
     serves: list[list[float]] = [[] for _ in levels]
     with tempfile.TemporaryDirectory(prefix="cascadia-bench-serve-") as tmp:
@@ -118,12 +121,14 @@ def main() -> None:
                 print(f"  round {round_ + 1} of {args.rounds} done", flush=True)
         finally:
             server.stop()
-    rows = [("streams", "run tok/s", "serve tok/s", "HTTP cost", "spread")]
+    table = Table("Decode tokens/s, `cascadia run` against `cascadia serve` (streamed /v1/completions)",
+                  ["streams", "run tok/s", "serve tok/s", "HTTP cost %"],
+                  note=f"The mid-size random Inkling: {setting}.")
     for level, a, b in zip(levels, runs, serves):
-        mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
-        rows.append((str(level), f"{mean_a:.1f}", f"{mean_b:.1f}", f"{1 - mean_b / mean_a:+.1%}",
-                     f"{(max(a) - min(a)) / min(a):.1%}"))
-    print(format_rows(rows))
+        table.add(level, spread(a), spread(b), spread(100 * (1 - y / x) for x, y in zip(a, b)))
+    print(table.text())
+    write("serve", "What the HTTP path costs: `cascadia serve` against `cascadia run` on one plan", started, [table],
+          args.out, quick=args.quick, rounds={"run": runs, "serve": serves})
 
 
 if __name__ == "__main__":

@@ -9,24 +9,20 @@ a user would run it with `cascadia run`: on one node pinned to CPU 0, and on two
 processes that behave like two PCs: each node's one thread on its own core), at 1 and 2 closed-loop streams of
 PROMPT_TOKENS and OUTPUT_TOKENS, greedy; rounds alternate which setup goes first. Beside it, the simulator's
 prediction for the same plans, from a calibration `cascadia calibrate --layers-only` measures on the same nodes.
-Printed and written as JSON (command, CPU, every round, medians and spread): decode tokens/s per setup and stream
-count, and the ratios two nodes at 2 streams over one node at 1 (the paper's) and at 2.
+Printed and written to bench/results/shards.json (command, machine, every round, medians and spread): decode
+tokens/s per setup and stream count, and the ratios two nodes at 2 streams over one node at 1 (the paper's) and at 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from cascadia.host_cpus import describe, identity
-from cascadia.table import format_rows
-
-ROOT = Path(__file__).resolve().parent.parent
+from record import Table, now, spread, write
 CHECKPOINT = Path("/tmp/cascadia-bench-shards")
 CONFIG = {"model_type": "llama", "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 3584,
           "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
@@ -34,6 +30,7 @@ CONFIG = {"model_type": "llama", "vocab_size": 8192, "hidden_size": 1024, "inter
           "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}}
 PROMPT_TOKENS, OUTPUT_TOKENS, STREAMS = 32, 64, (1, 2)
+PAPER_RATIO = 1.79  # two PCs at 2 users over one PC at one
 SPEC = """\
 model:
   name: shards
@@ -67,10 +64,6 @@ def decode_rates(metrics: Path) -> dict[int, float]:
     return {level["concurrency"]: level["decode_tokens_per_s"] for level in json.loads(metrics.read_text())["levels"]}
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def ratios(rates: dict[str, dict[int, float]]) -> dict:
     two, one = rates["two nodes"], rates["one node"]
     return {"two nodes at 2 / one node at 1": two[2] / one[1], "two nodes at 2 / one node at 2": two[2] / one[2]}
@@ -79,25 +72,23 @@ def ratios(rates: dict[str, dict[int, float]]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "shards.json")
+    parser.add_argument("--out", type=Path, help="default bench/results/shards.json")
     args = parser.parse_args()
+    started = now()
     if not (CHECKPOINT / "config.json").is_file():
         with tempfile.NamedTemporaryFile("w", suffix=".json") as config:
             json.dump(CONFIG, config)
             config.flush()
             cascadia("init-model", config.name, str(CHECKPOINT), "--force")
     with tempfile.TemporaryDirectory(prefix="cascadia-shards-") as work:
-        result = measure(Path(work), args.rounds)
-    for name, value in result["measured_ratios"].items():
-        print(f"{name}: measured {value['median']:.2f} ({value['min']:.2f}-{value['max']:.2f}), predicted "
-              f"{result['predicted_ratios'][name]:.2f}")
-    print("the paper's: two PCs at 2 users / one PC, 1.79")
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+        tables, details = measure(Path(work), args.rounds)
+    write("shards", "A Llama split in pipeline shards: two pinned nodes against one, beside the simulator", started,
+          tables, args.out, **details)
 
 
-def measure(work: Path, rounds: int) -> dict:
-    """Every round's runs, then each setup's calibration and simulation, in `work`; the result's JSON body."""
+def measure(work: Path, rounds: int) -> tuple[list[Table], dict]:
+    """Every round's runs, then each setup's calibration and simulation, in `work`: the tables, and the raw rounds
+    and the setting beside them."""
     specs = {}
     for setup, nodes in SETUPS.items():
         specs[setup] = work / f"{setup.replace(' ', '-')}.yaml"
@@ -119,26 +110,24 @@ def measure(work: Path, rounds: int) -> dict:
         cascadia("simulate", str(specs[setup]), "--calibration", str(calibration), "--json", str(out))
         predicted[setup] = decode_rates(out)
 
-    medians = {setup: {n: statistics.median(r[n] for r in runs) for n in STREAMS}
-               for setup, runs in measured.items()}
-    rows = [["decode tok/s", "measured, 1 stream", "2 streams", "predicted, 1 stream", "2 streams"]]
-    rows += [[setup, *(f"{medians[setup][n]:.1f}" for n in STREAMS), *(f"{predicted[setup][n]:.1f}" for n in STREAMS)]
-             for setup in SETUPS]
-    print(format_rows(rows, left={0}))
+    rates = Table("Decode tokens/s", ["setup", "measured, 1 stream", "2 streams", "predicted, 1 stream",
+                                      "2 streams"])
+    for setup, runs in measured.items():
+        rates.add(setup, *(spread(r[n] for r in runs) for n in STREAMS), *(predicted[setup][n] for n in STREAMS))
     round_ratios = [ratios({setup: measured[setup][i] for setup in SETUPS}) for i in range(rounds)]
-    return {
-        "command": "python bench/shards.py " + " ".join(sys.argv[1:]),
-        "cpu": describe(identity()),
+    predicted_ratios = ratios(predicted)
+    gains = Table("Speed-up", ["ratio of decode tokens/s", "measured", "predicted", "the paper's"],
+                  note="The paper's: Llama-3.1-8B INT4 on two AI PCs at 2 users, 43.97 tokens/s, over one PC's "
+                       "one stream.")
+    for name in predicted_ratios:
+        gains.add(name, spread(r[name] for r in round_ratios), predicted_ratios[name],
+                  PAPER_RATIO if name == "two nodes at 2 / one node at 1" else None)
+    for table in (rates, gains):
+        print(table.text())
+    return [rates, gains], {
         "model": CONFIG, "formats": "int4 g128 asymmetric matrices, int8 embedding and head", "precision": "bf16",
         "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
-        "decode_tokens_per_s": {setup: {str(n): spread([r[n] for r in runs]) for n in STREAMS}
-                                for setup, runs in measured.items()},
         "rounds": {setup: [{str(n): r[n] for n in STREAMS} for r in runs] for setup, runs in measured.items()},
-        "predicted_decode_tokens_per_s": {setup: {str(n): rate for n, rate in rates.items()}
-                                          for setup, rates in predicted.items()},
-        "measured_ratios": {name: spread([r[name] for r in round_ratios]) for name in round_ratios[0]},
-        "predicted_ratios": ratios(predicted),
-        "paper": {"two PCs at 2 users / one PC": 1.79, "two PCs at 2 users, tokens/s": 43.97},
     }
 
 

@@ -5,7 +5,8 @@ stage that returns its input) whose successor is the bench itself, so each messa
 node's full receive, decode, encode and send. Reported per hop:
   latency  one message at a time: round-trip time / 2
   stream   WINDOW messages kept in flight: elapsed time / (messages x 2)
-Each figure is the median of REPEATS runs. Not a test: it prints a table.
+Each figure is the median of REPEATS runs, with their range. Not a test: it prints a table and writes it to
+bench/results/transport_hop.json.
 
     python bench/transport_hop.py [--quick]
 """
@@ -15,12 +16,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import zmq
+from record import Table, now, spread, write
 
 from cascadia.pipeline.node import NodeSettings, Peer, run_node
 from cascadia.pipeline.transport import COORDINATOR, Transport, free_port, generate_keys, receive, send, tcp_address
@@ -60,8 +62,11 @@ class Bench:
                                 curve_keys=keys, max_message_bytes=64 * 2**20, parent_pid=os.getpid())
         self.node = SPAWN.Process(target=node_main, args=(settings,))
         self.node.start()
-        while not isinstance(decode(receive(self.control)[1:]).message, Ready):
-            pass
+        while True:  # the node's route: its name, or with Curve keys what the ROUTER knows its key by
+            route, *frames = receive(self.control)
+            if isinstance(decode(frames).message, Ready):
+                self.node_route = route.bytes
+                break
         self.input = self.transport.connect(zmq.PUSH, listen, "echo")
         self.encoder = Encoder(COORDINATOR_SENDER)
         self.decoder = Decoder(settings.sender, (Frame,), max_message_bytes=64 * 2**20)
@@ -90,28 +95,29 @@ class Bench:
         return (time.perf_counter() - start) / (2 * messages) * 1e6
 
     def close(self) -> None:
-        send(self.control, [b"echo", *self.encoder.encode(Shutdown())])
+        send(self.control, [self.node_route, *self.encoder.encode(Shutdown())])
         self.node.join(10)
         if self.node.is_alive():
             self.node.kill()
         self.transport.close()
 
 
-def measure(bench: Bench, rows: int, hidden: int, repeats: int) -> tuple[float, float]:
+def measure(bench: Bench, rows: int, hidden: int, repeats: int) -> tuple[dict, dict]:
     frame = Frame(0, 0, np.arange(rows), np.zeros(rows), np.ones(rows), np.ones(rows, bool),
                   np.random.default_rng(0).standard_normal((rows, hidden), dtype=np.float32))
     messages = max(20, min(2000, BYTES_PER_RUN // frame.residual.nbytes))
     bench.latency_us(frame, 10)  # warm up connections and allocator
-    latency = statistics.median(bench.latency_us(frame, messages) for _ in range(repeats))
-    stream = statistics.median(bench.stream_us(frame, messages) for _ in range(repeats))
+    latency = spread(bench.latency_us(frame, messages) for _ in range(repeats))
+    stream = spread(bench.stream_us(frame, messages) for _ in range(repeats))
     return latency, stream
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one run per figure instead of the median of three")
+    parser.add_argument("--out", type=Path, help="default bench/results/transport_hop.json")
     args = parser.parse_args()
-    repeats = 1 if args.quick else REPEATS
+    started, repeats = now(), 1 if args.quick else REPEATS
     with tempfile.TemporaryDirectory() as keys:
         generate_keys(keys, [COORDINATOR, "echo"])
         results = {}
@@ -123,17 +129,21 @@ def main() -> None:
                         results[curve, hidden, rows] = measure(bench, rows, hidden, repeats)
             finally:
                 bench.close()
-    print(f"one hop on 127.0.0.1, µs per message (median of {repeats}); stream = {WINDOW} in flight")
-    print(f"{'hidden':>6} {'rows':>4} {'KiB':>7} | {'plain lat':>9} {'stream':>7} {'MB/s':>6} | "
-          f"{'curve lat':>9} {'stream':>7} {'MB/s':>6}")
+    table = Table("One hop on 127.0.0.1, µs per message",
+                  ["hidden", "rows", "KiB", "plain: latency µs", "streamed µs", "streamed MB/s",
+                   "CurveZMQ: latency µs", "streamed µs", "streamed MB/s"],
+                  note=f"Latency: one message at a time; streamed: {WINDOW} messages in flight.")
     for hidden in HIDDEN:
         for rows in ROWS:
-            kib = rows * hidden * 4 / 1024
+            size = rows * hidden * 4
             cells = []
             for curve in (False, True):
                 latency, stream = results[curve, hidden, rows]
-                cells.append(f"{latency:9.0f} {stream:7.0f} {kib * 1024 / stream:6.0f}")
-            print(f"{hidden:6d} {rows:4d} {kib:7.0f} | {cells[0]} | {cells[1]}")
+                cells += [latency, stream, size / stream["median"]]
+            table.add(hidden, rows, size // 1024, *cells)
+    print(table.text())
+    write("transport_hop", "One pipeline hop on 127.0.0.1, by payload size, with and without CurveZMQ", started,
+          [table], args.out, quick=args.quick)
 
 
 if __name__ == "__main__":
