@@ -15,9 +15,10 @@ best of 3). A memory-bound kernel would read at about that bandwidth and take th
 keys are cached or not. Then its arithmetic: a key and K/V head costs 4 rows x 64 dims multiply-adds to score and as
 many to sum its value (1,024 flops), printed as GFLOP/s and as a share of what this CPU's best dense arithmetic does
 on one thread (numpy's BLAS multiplying two 512 x 512 f32 matrices, held in the caches: best of 5). Last, what
-issue 15's target asks of that arithmetic: attention reading K/V at half the streaming read of every core needs
+the long-context target asks of that arithmetic: attention reading K/V at half the streaming read of every core needs
 (bandwidth / 2) / (bytes per key-head) x 1,024 flops, shared among the cores; a kernel whose arithmetic must run
-near the BLAS's rate to keep up is bound by the CPU, not the memory. Not a test: it prints tables.
+near the BLAS's rate to keep up is bound by the CPU, not the memory. Not a test: it prints tables and writes them to
+bench/results/attention_kernel.json.
 
     python bench/attention_kernel.py [--contexts 4096,16384,65536] [--streams 1,8,32] [--repeats 15] [--kv-block 64]
 """
@@ -30,13 +31,13 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 from engine import memory_bandwidth, wall_seconds
+from record import Table, now, spread, write
 
 from cascadia.engine import paged_kernel
-from cascadia.host_cpus import describe, identity
-from cascadia.table import format_rows
 
 KV_HEADS, HEAD_DIM, GROUP = 4, 64, 4  # specs/mid's K/V heads and dims, query heads per K/V head
 FLOPS_PER_KEY_HEAD = 2 * 2 * GROUP * HEAD_DIM  # a multiply-add per row and dim, to score a key and to sum its value
@@ -86,7 +87,9 @@ def main() -> None:
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--kv-block", type=int, default=64, help="positions per K/V block (runtime.kv_block)")
+    parser.add_argument("--out", type=Path, help="default bench/results/attention_kernel.json")
     args = parser.parse_args()
+    started = now()
     if args.kv_block < 1 or RING % args.kv_block:
         parser.error(f"--kv-block must divide the ring's {RING} entries")
     contexts = [int(n) for n in args.contexts.split(",")]
@@ -98,32 +101,37 @@ def main() -> None:
     bandwidth, every_core = memory_bandwidth(data, every_core=False), memory_bandwidth(data)
     cores = len(os.sched_getaffinity(0))
     gemm = gemm_flops()
-    print(f"{describe(identity())}; streaming read {bandwidth / 1e9:.1f} GB/s on one thread, {every_core / 1e9:.1f} "
-          f"on {cores} cores; BLAS {gemm / 1e9:.1f} GFLOP/s on one thread; blocks of {args.kv_block}; "
-          f"medians of {args.repeats} calls")
+    setting = (f"streaming read {bandwidth / 1e9:.1f} GB/s on one thread, {every_core / 1e9:.1f} on {cores} cores; "
+               f"BLAS {gemm / 1e9:.1f} GFLOP/s on one thread; blocks of {args.kv_block}; medians of {args.repeats} "
+               "calls")
+    print(setting)
     cases = [("cached", 1, 1024), *(("global", 1, n) for n in contexts),
              *(("global", g, contexts[0]) for g in counts if g > 1), *(("ring", g, RING) for g in counts)]
-    rows = [("layer", "K/V", "streams", "keys each", "ms", "GB/s", "ns per key-head", "of streaming read",
-             "GFLOP/s", "of BLAS")]
+    kernel = Table("The attention kernel alone, one thread",
+                   ["layer", "K/V", "streams", "keys each", "ms", "GB/s", "ns per key-head", "of streaming read %",
+                    "GFLOP/s", "of BLAS %"], note=setting + ".")
     for name, stored in STORED.items():
         for kind, streams, keys in cases:
             ring = RING if kind == "ring" else 0
             case = Case(stored, streams, args.kv_block, keys // args.kv_block, ring, 100_000 if ring else keys - 1,
                         rng)
             case.call()
-            seconds = statistics.median(case.call() for _ in range(args.repeats))
+            times = [case.call() for _ in range(args.repeats)]
+            seconds = statistics.median(times)
             rate = case.bytes_read / seconds
             flops = case.keys_read * KV_HEADS * FLOPS_PER_KEY_HEAD / seconds
-            rows.append((kind, name, str(streams), str(keys), f"{seconds * 1e3:.2f}", f"{rate / 1e9:.1f}",
-                         f"{seconds * 1e9 / (case.keys_read * KV_HEADS):.1f}", f"{rate / bandwidth:.0%}",
-                         f"{flops / 1e9:.1f}", f"{flops / gemm:.0%}"))
-    print(format_rows(rows, left={0, 1}))
-    print(f"\nIssue 15's target, attention at half the streaming read of {cores} cores ({every_core / 2e9:.1f} GB/s), "
-          "asks of each core:")
+            kernel.add(kind, name, streams, keys, spread(t * 1e3 for t in times), rate / 1e9,
+                       seconds * 1e9 / (case.keys_read * KV_HEADS), 100 * rate / bandwidth, flops / 1e9,
+                       100 * flops / gemm)
+    demand = Table(f"What attention at half the streaming read of {cores} cores ({every_core / 2e9:.1f} GB/s) "
+                   "asks of each core", ["K/V", "GFLOP/s", "of BLAS %"])
     for name, stored in STORED.items():
         key_heads = every_core / 2 / (2 * HEAD_DIM * np.dtype(stored).itemsize)  # a key and a value of one head
         need = key_heads * FLOPS_PER_KEY_HEAD / cores
-        print(f"  {name} K/V: {need / 1e9:.1f} GFLOP/s, {need / gemm:.0%} of the BLAS's rate")
+        demand.add(name, need / 1e9, 100 * need / gemm)
+    print(kernel.text() + "\n\n" + demand.text())
+    write("attention_kernel", "The attention kernel alone: at memory speed, or bound by its own work?", started,
+          [kernel, demand], args.out)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ up), and the lost node, started again holding no stage, stands by for the next l
 Every stream's tokens are checked against the run without a loss. Not a test: it prints times. With a calibration
 (`cascadia calibrate`: it times each node's restart), the simulator's prediction of the same loss beside them: the
 same requests through `PipelineModel`, the node lost when each stream has made KILL_AFTER tokens there, found after
-the measured detection time.
+the measured detection time (`--calibrate` measures one first). The table goes to bench/results/failover-SPEC.json
+(SPEC: the spec's file name; then -freeze, -spare as asked).
 
-    python bench/failover.py [SPEC] [--freeze] [--spare] [--rounds 3] [--calibration cal.json]
+    python bench/failover.py [SPEC] [--freeze] [--spare] [--rounds 3] [--calibration cal.json | --calibrate]
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import attrs
+from record import Table, calibrate, now, spread, write
 
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.service import PipelineService
@@ -38,7 +40,6 @@ from cascadia.sim.calibration import Calibration
 from cascadia.sim.loss import Loss, recovery
 from cascadia.sim.model import PipelineModel
 from cascadia.spec.load import load_spec
-from cascadia.table import format_rows
 from cascadia.workload import ClosedLoop
 
 STREAMS = 8
@@ -142,14 +143,20 @@ def main() -> None:
     parser.add_argument("--freeze", action="store_true", help="SIGSTOP the node instead of killing it")
     parser.add_argument("--spare", action="store_true", help="a spare node takes each lost stage")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--calibration", help="a calibration of this spec, for the simulator's prediction")
+    given = parser.add_mutually_exclusive_group()
+    given.add_argument("--calibration", help="a calibration of this spec, for the simulator's prediction")
+    given.add_argument("--calibrate", action="store_true", help="measure the spec's calibration first")
+    parser.add_argument("--out", type=Path, help="default bench/results/failover-SPEC.json")
     args = parser.parse_args()
+    started = now()
     spec = load_spec(args.spec)
     if args.spare:
         spare = attrs.evolve(spec.cluster.nodes[0], name="spare")
         spec = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, spares=(spare,)))
     plan = make_plan(spec)
-    calibration = Calibration.load(args.calibration) if args.calibration else None
+    with tempfile.TemporaryDirectory(prefix="cascadia-failover-") as folder:
+        calibration = (Calibration.load(calibrate(args.spec, Path(folder))) if args.calibrate else
+                       Calibration.load(args.calibration) if args.calibration else None)
     service = PipelineService(spec, plan)
     try:
         while not service.status().ready:
@@ -160,7 +167,12 @@ def main() -> None:
         clean.finished.wait()
         reference, clean_wall = clean.outputs(), clean.times[-1] - clean.times[0]
         how = signal.SIGSTOP if args.freeze else signal.SIGKILL
-        rows = [("stage", "", "detected ms", "back ms", "first token ms", "slower by", "tokens")]
+        table = Table(f"{spec.model.name}: {len(plan.stages)} local nodes{' and a spare' if args.spare else ''}, "
+                      f"{STREAMS} streams of {PROMPT_TOKENS} + {OUTPUT_TOKENS} tokens, "
+                      f"{'SIGSTOP' if args.freeze else 'SIGKILL'} after {KILL_AFTER} tokens each",
+                      ["stage", "", "detected ms", "back ms", "first token ms", "wall time over a run without",
+                       "tokens"], note="Times from the moment of the loss." + (
+                          " Predicted: the simulator, told the measured detection time." if calibration else ""))
         next_id = STREAMS
         for index, stage in enumerate(plan.stages):
             losses = []
@@ -168,19 +180,18 @@ def main() -> None:
                 losses.append(one_loss(service, index, how, next_id))
                 next_id += STREAMS
             same = all(loss["outputs"] == reference for loss in losses)
-            measured = {key: statistics.median(loss[key] for loss in losses) for key in KEYS}
-            rows.append((str(index), "measured", *(f"{measured[key] * 1e3:.0f}" for key in KEYS),
-                         f"{statistics.median(loss['wall'] for loss in losses) / clean_wall:.2f}x",
-                         "identical" if same else "DIFFERENT"))
+            measured = {key: spread(loss[key] * 1e3 for loss in losses) for key in KEYS}
+            table.add(index, "measured", *(measured[key] for key in KEYS),
+                      spread(loss["wall"] / clean_wall for loss in losses), "identical" if same else "DIFFERENT")
             if calibration is not None:
-                predicted = predicted_loss(spec, plan, calibration, stage.node, measured["detected"])
-                rows.append(("", "predicted", "", *(f"{predicted[key] * 1e3:.0f} "
-                                                    f"({predicted[key] / measured[key] - 1:+.0%})"
-                                                    for key in KEYS[1:]), "", ""))
-        print(f"{spec.model.name}: {len(plan.stages)} local nodes{' and a spare' if args.spare else ''}, {STREAMS} "
-              f"streams of {PROMPT_TOKENS} + {OUTPUT_TOKENS} tokens, {'SIGSTOP' if args.freeze else 'SIGKILL'} after "
-              f"{KILL_AFTER} tokens each, median of {args.rounds}")
-        print(format_rows(rows, left={1}))
+                detected_s = measured["detected"]["median"] / 1e3
+                predicted = predicted_loss(spec, plan, calibration, stage.node, detected_s)
+                table.add(index, "predicted", None, *(predicted[key] * 1e3 for key in KEYS[1:]), None, None)
+        print(table.text())
+        variant = "".join(("-freeze" if args.freeze else "", "-spare" if args.spare else ""))
+        write(f"failover-{Path(args.spec).stem}{variant}", "What losing a node costs a serving pipeline, by stage",
+              started, [table], args.out,
+              freeze=args.freeze, spare=args.spare)
     finally:
         service.close()
 

@@ -35,9 +35,9 @@ alone column's; --kv-precision how the engine and the alone column store K/V (ru
 specs/mid-long.yaml's bf16; the runtime's own default and the paper spec's is f32).
 Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the measured N), their predictions at 64k
 and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
-TTFT 22 s at 1k, 110 min at 64k); last, issue 15's decode target: decode at the longest context minus at the
-shortest, against twice the time to read the longest's K/V at the run's streaming read. Not a test: it prints
-tables.
+TTFT 22 s at 1k, 110 min at 64k); last, the decode target: decode at the longest context minus at the shortest, against
+twice the time to read the longest's K/V at the run's streaming read. Not a test: it prints tables, and writes the
+main mode's to bench/results/long_context.json.
 
     python bench/long_context.py [--quick] [--contexts 1024,4096,16384,65536] [--ttft-max 16384] [--kv-block 256]
                                  [--attention-only] [--streams 1,2,4,8 --calibration CAL]
@@ -60,6 +60,7 @@ import openvino as ov
 import openvino.opset13 as ops
 from engine import memory_bandwidth
 from random_model import FORMATS, QUICK_MID, random_checkpoint
+from record import Table, now, write
 
 import cascadia.engine.families.inkling as inkling
 from cascadia.engine import attention
@@ -95,10 +96,10 @@ PAPER_TTFT_S = {1024: 22, 65536: 110 * 60}
 
 
 class AttentionClock:
-    """Seconds spent in `inkling.attend` while it is on (the layers call it through the module)."""
+    """Seconds spent in `inkling.attend_rows` while it is on (the layers call it through the module)."""
 
     def __init__(self):
-        self.seconds, self._attend = 0.0, inkling.attend
+        self.seconds, self._attend = 0.0, inkling.attend_rows
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -106,7 +107,7 @@ class AttentionClock:
                 return self._attend(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
-        inkling.attend = timed
+        inkling.attend_rows = timed
 
 
 def long_config(quick: bool) -> InklingConfig:
@@ -413,7 +414,9 @@ def main() -> None:
                         help="how the engine stores K/V (runtime.kv_precision; default specs/mid-long.yaml's)")
     parser.add_argument("--streams", help="decode steps of these many streams against the simulator's frame cost")
     parser.add_argument("--calibration", type=Path, help="with --streams: a calibration of specs/mid-long.yaml")
+    parser.add_argument("--out", type=Path, help="default bench/results/long_context.json (the main table only)")
     args = parser.parse_args()
+    started = now()
     contexts = sorted(int(n) for n in args.contexts.split(","))
     if args.attention_only:
         print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores\n")
@@ -439,7 +442,14 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {cores} cores; compute {engine.stage.precision}, {args.kv_precision} K/V; "
           f"streaming read {bandwidth / 1e9:.1f} GB/s\n")
 
-    rows, ttft, decode = [], {}, {}
+    threads = " / ".join(f"{n} thread{'s' * (n > 1)}" for n in sorted(pool_of))
+    contexts_table = Table(f"One stream at each context: {engine.stage.precision} compute, {args.kv_precision} K/V, "
+                           f"blocks of {args.kv_block}", [
+                               "context", "TTFT s", "decode ms/token", "of which attention ms", "K/V read MiB",
+                               "attention at % of bandwidth", f"one layer alone ms, {threads}", "its K/V read ms"],
+                           note=f"Streaming read {bandwidth / 1e9:.1f} GB/s; TTFT measured (a real prefill) up to "
+                                f"{args.ttft_max:,} tokens.")
+    ttft, decode = {}, {}
     for n in contexts:
         prompt = rng.integers(3, config.vocab_size, n)
         if n <= args.ttft_max:
@@ -457,38 +467,40 @@ def main() -> None:
                  for threads in sorted(pool_of)]
         stored = StateFormat(args.kv_precision).dtype.itemsize  # bytes a K/V element
         read_ms = 1e3 * n * 2 * global_layer.shape.kv_heads * global_layer.shape.head_dim * stored / bandwidth
-        rows.append((f"{n:,}", f"{ttft[n]:.1f}" if n in ttft else "-", f"{decode[n]:.1f}", f"{attention_ms:.1f}",
-                     f"{kv_bytes_read(engine, n) / 2**20:.1f}", f"{100 * fraction:.0f}%",
-                     " / ".join(f"{t:.2f}" for t in alone), f"{read_ms:.2f}"))
-    threads = " / ".join(f"{n} thread{'s' * (n > 1)}" for n in sorted(pool_of))
-    print(format_rows([("context", "TTFT s", "decode ms/token", "of which attention ms", "K/V read MiB",
-                        "attention at % of bandwidth", f"one layer alone ms ({threads})", "its K/V read ms"),
-                       *rows]))
+        contexts_table.add(n, ttft.get(n), decode[n], attention_ms, kv_bytes_read(engine, n) / 2**20,
+                           100 * fraction, " / ".join(f"{t:.2f}" for t in alone), read_ms)
+    print(contexts_table.text() + "\n")
 
-    print()
     c, d = fit(list(decode), list(decode.values()), (lambda x: 1.0, lambda x: x))
-    print(f"decode = c + d N: c = {c:.2f} ms, d = {d * 1e3:.4f} ms per 1k positions")
+    fits = [f"decode = c + d N: c = {c:.2f} ms, d = {d * 1e3:.4f} ms per 1k positions"]
     if len(ttft) >= 2:
         a, b = fit(list(ttft), list(ttft.values()), (lambda x: x, lambda x: x * x))
-        print(f"TTFT = a N + b N^2: a = {a * 1e3:.3f} ms per token, b = {b * 1e9:.3f} s per 1e9 token pairs")
-    growth = [("", "ours", "paper")]
+        fits.append(f"TTFT = a N + b N^2: a = {a * 1e3:.3f} ms per token, b = {b * 1e9:.3f} s per 1e9 token pairs")
+    growth = Table("Growth with the context, against the paper's", ["figure", "here", "the paper's"],
+                   note="; ".join(fits) + ". (fit): from the fit, not measured.")
     for n in (1024, 4096, 65536, 524288):
         ours_decode = f"{decode[n]:.1f} ms" if n in decode else f"{c + d * n:.1f} ms (fit)"
         ours_ttft = (f"{ttft[n]:.1f} s" if n in ttft else f"{a * n + b * n * n:.0f} s (fit)") if len(ttft) >= 2 \
-            else "-"
-        growth.append((f"decode at {n:,}", ours_decode, f"{PAPER_DECODE_MS[n]:,} ms" if n in PAPER_DECODE_MS else "-"))
-        growth.append((f"TTFT at {n:,}", ours_ttft, f"{PAPER_TTFT_S[n]:,} s" if n in PAPER_TTFT_S else "-"))
-    print(format_rows(growth))
+            else None
+        growth.add(f"decode at {n:,}", ours_decode, f"{PAPER_DECODE_MS[n]:,} ms" if n in PAPER_DECODE_MS else None)
+        growth.add(f"TTFT at {n:,}", ours_ttft, f"{PAPER_TTFT_S[n]:,} s" if n in PAPER_TTFT_S else None)
     first, last = min(decode), max(decode)
-    print(f"\ndecode at {last:,} / at {first:,}: {decode[last] / decode[first]:.2f}x "
-          f"(paper, 64k / 4k: {PAPER_DECODE_MS[65536] / PAPER_DECODE_MS[4096]:.1f}x)")
+    growth.add(f"decode at {last:,} / at {first:,}", f"{decode[last] / decode[first]:.2f}x",
+               f"{PAPER_DECODE_MS[65536] / PAPER_DECODE_MS[4096]:.1f}x (64k / 4k)")
+    tables = [contexts_table, growth]
     if last > first:
         longest = kv_bytes_read(engine, last)
         bound = 2 * 1e3 * longest / bandwidth
         growth_ms = decode[last] - decode[first]
-        verdict = "met" if growth_ms <= bound else f"not met: {growth_ms / bound:.2f}x the bound"
-        print(f"issue 15's target: decode at {last:,} minus at {first:,} = {growth_ms:.1f} ms, at most twice the time "
-              f"to read its {longest / 2**20:.1f} MiB of K/V at {bandwidth / 1e9:.1f} GB/s = {bound:.1f} ms: {verdict}")
+        target = Table("The decode target: the growth at most twice the time to read the longest context's K/V",
+                       ["contexts", "decode growth ms", "K/V MiB", "bound ms", "growth / bound", "met"])
+        target.add(f"{first:,} to {last:,}", growth_ms, longest / 2**20, bound, growth_ms / bound,
+                   "met" if growth_ms <= bound else "NOT met")
+        tables.append(target)
+    for table in tables[1:]:
+        print(table.text() + "\n")
+    write("long_context", "One long stream of the mid-size model: first-token and decode time by context", started,
+          tables, args.out, quick=args.quick, cpu_name=cpu_name())
 
 
 if __name__ == "__main__":

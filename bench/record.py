@@ -122,12 +122,12 @@ def write(name: str, title: str, started: str, tables: list[Table], out: Path | 
     return out
 
 
-def calibrate(spec: str | Path, folder: Path) -> Path:
-    """A calibration of `spec` measured now by `cascadia calibrate`, as a user measures one, into `folder`: for the
-    benches that set the simulator's prediction beside what they measure."""
+def calibrate(spec: str | Path, folder: Path, *options: str) -> Path:
+    """A calibration of `spec` measured now by `cascadia calibrate [options]`, as a user measures one, into
+    `folder`: for the benches that set the simulator's prediction beside what they measure."""
     out = Path(folder) / "calibration.json"
-    done = subprocess.run([sys.executable, "-m", "cascadia", "calibrate", str(spec), "--rounds", "3", "-o", str(out)],
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "cascadia", "calibrate", str(spec), "--rounds", "3", *options, "-o",
+                           str(out)], capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"cascadia calibrate failed with status {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
     return out

@@ -14,20 +14,22 @@ reported per level, medians over the rounds: decode tokens/s, the speed-up (each
 without; and the range of the rounds' own: where no drafts were proposed, the machine's noise),
 drafts accepted of proposed, mean accepted per verifying step, and, with a calibration (`cascadia calibrate`), the
 simulator's decode tokens/s and speed-up for the same workload, its drafts accepted as the first round's run
-accepted them (its acceptance trace: request by request, step by step). Not a test: it prints ratios of one
-machine's runs. Then, for the paper's deployment (specs/inkling-975b-11pc.yaml, analytic), the
-simulator's speed-up against the acceptance rate at 1, 4 and 11 streams.
+accepted them (its acceptance trace: request by request, step by step; `--calibrate` measures one first with
+`cascadia calibrate`). Not a test: it prints ratios of one machine's runs. Then, for the paper's deployment
+(specs/inkling-975b-11pc.yaml, analytic), the simulator's speed-up against the acceptance rate at 1, 4 and 11
+streams. The tables go to bench/results/speculate-SPEC.json (SPEC: the spec's file name).
 
-    python bench/speculate.py [SPEC] [--calibration cal.json] [--max-draft 4] [--rounds 3] [--paper-only]
+    python bench/speculate.py [SPEC] [--calibration cal.json | --calibrate] [--max-draft 4] [--rounds 3] [--paper-only]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import tempfile
 from pathlib import Path
 
 import attrs
+from record import ROOT, Table, calibrate, now, shown, spread, write
 
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.run import Pipeline
@@ -37,9 +39,7 @@ from cascadia.sim.drafts import acceptance_trace
 from cascadia.sim.simulate import simulate
 from cascadia.spec.load import load_spec
 from cascadia.speculation import ReplayDrafter
-from cascadia.table import format_rows
 
-ROOT = Path(__file__).parent.parent
 STREAMS = (1, 4)
 REQUESTS = 8
 OUTPUT_TOKENS = 32
@@ -85,7 +85,7 @@ def one_round(spec, fresh, repeated, speculate: str, expected: dict, reverse: bo
     return {name: (*done[name], BASES[name]) for name in BASES}
 
 
-def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int) -> None:
+def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int) -> Table:
     workload = attrs.evolve(spec.workload, concurrency=STREAMS, requests=REQUESTS, output_tokens=OUTPUT_TOKENS,
                             greedy=True, prompts_file=None)
     spec = attrs.evolve(spec, workload=workload)
@@ -99,63 +99,73 @@ def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int)
     differ = {name: sum(outputs[key] != first[base][1][key] for key in outputs)
               for name, (_, outputs, _, base) in first.items() if name != base}
     predicted_plain = simulate(spec, calibration)["levels"] if calibration else None
-    rows = [("drafts", "streams", "decode tok/s", "speed-up", "rounds' speed-ups", "accepted/proposed", "per step",
-             "sim tok/s", "sim speed-up")]
+    table = Table(f"{shown(spec.source)}: {REQUESTS} requests of {OUTPUT_TOKENS} greedy tokens a phase, repetitive "
+                  f"prompts, up to {max_draft} drafts, {spec.runtime.precision} compute",
+                  ["drafts", "streams", "decode tok/s", "speed-up", "accepted/proposed", "accepted a step",
+                   "simulated tok/s", "simulated speed-up"])
     for name, (levels, _, lines, base) in first.items():
         for i, level in enumerate(levels):
             rates = [run[name][0][i]["decode_tokens_per_s"] for run in runs]
             speed_ups = [run[name][0][i]["decode_tokens_per_s"] / run[base][0][i]["decode_tokens_per_s"]
                          for run in runs]
-            drafts, sim = level["speculation"], ("-", "-")
+            drafts, sim = level["speculation"], (None, None)
             if calibration and name != base:
                 sped = attrs.evolve(spec, workload=attrs.evolve(workload, concurrency=(level["concurrency"],)),
                                     runtime=attrs.evolve(spec.runtime, speculate=speculate))
                 trace = acceptance_trace(lines, f"the {name} run")
                 rate = simulate(sped, calibration, acceptance_trace=trace)["levels"][0]["decode_tokens_per_s"]
-                sim = f"{rate:.1f}", f"{rate / predicted_plain[i]['decode_tokens_per_s']:.2f}"
+                sim = rate, rate / predicted_plain[i]["decode_tokens_per_s"]
             elif calibration:
-                sim = f"{predicted_plain[i]['decode_tokens_per_s']:.1f}", "1.00"
-            per_step = drafts["mean_accepted_per_step"]
-            rows.append((name, str(level["concurrency"]), f"{statistics.median(rates):.1f}",
-                         f"{statistics.median(speed_ups):.2f}", f"{min(speed_ups):.2f}-{max(speed_ups):.2f}",
-                         "-" if name == base else f"{drafts['accepted']}/{drafts['proposed']}",
-                         "-" if per_step is None else f"{per_step:.2f}", *sim))
-    same = "the same tokens with and without" if not any(differ.values()) else "requests whose tokens differ " \
-        "from the run without: " + ", ".join(f"{name} {n}" for name, n in differ.items())
-    print(f"{spec.source}: {REQUESTS} requests of {OUTPUT_TOKENS} greedy tokens per phase, repetitive prompts, up "
-          f"to {max_draft} drafts, {spec.runtime.precision} compute, medians of {rounds} rounds ({same})")
-    print(format_rows(rows))
+                sim = predicted_plain[i]["decode_tokens_per_s"], 1.0
+            table.add(name, level["concurrency"], spread(rates), spread(speed_ups),
+                      None if name == base else f"{drafts['accepted']}/{drafts['proposed']}",
+                      drafts["mean_accepted_per_step"], *sim)
+    table.note = ("The same tokens with and without speculation." if not any(differ.values()) else
+                  "Requests whose tokens differ from the run without: "
+                  + ", ".join(f"{name} {n}" for name, n in differ.items()) + ".")
+    table.note += " Speed-up: each round's against the same round's run without; where no drafts were proposed, the " \
+                  "spread is the machine's noise."
+    print(table.text())
+    return table
 
 
-def paper(max_draft: int) -> None:
+def paper(max_draft: int) -> Table:
     spec = load_spec(PAPER_SPEC)
     spec = attrs.evolve(spec, workload=attrs.evolve(spec.workload, concurrency=PAPER_STREAMS,
                                                     output_tokens=PAPER_OUTPUT_TOKENS))
     calibration = analytic_calibration(spec)
     plain = [level["decode_tokens_per_s"] for level in simulate(spec, calibration)["levels"]]
     sped = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, speculate=f"ngram:{max_draft}"))
-    rows = [("acceptance", *(f"{n} streams" for n in PAPER_STREAMS))]
+    table = Table(f"{PAPER_SPEC.name}, simulated (analytic): decode speed-up with up to {max_draft} drafts a step, "
+                  "by acceptance rate", ["acceptance", *(f"{n} streams" for n in PAPER_STREAMS)],
+                  note="Decode tokens/s without speculation: " + ", ".join(f"{rate:.2f}" for rate in plain) + ".")
     for acceptance in ACCEPTANCE:
         levels = simulate(sped, calibration, acceptance=acceptance)["levels"]
-        rows.append((f"{acceptance:g}", *(f"{level['decode_tokens_per_s'] / base:.2f}x"
-                                          for level, base in zip(levels, plain))))
-    print(f"\n{PAPER_SPEC.name} (analytic): decode speed-up with up to {max_draft} drafts per step, against "
-          f"{', '.join(f'{rate:.2f}' for rate in plain)} tokens/s without")
-    print(format_rows(rows))
+        table.add(acceptance, *(level["decode_tokens_per_s"] / base for level, base in zip(levels, plain)))
+    print(table.text())
+    return table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec", nargs="?", default=str(ROOT / "specs" / "tiny-local.yaml"))
-    parser.add_argument("--calibration", help="the spec's measured calibration, for the simulator's prediction")
+    given = parser.add_mutually_exclusive_group()
+    given.add_argument("--calibration", help="the spec's measured calibration, for the simulator's prediction")
+    given.add_argument("--calibrate", action="store_true", help="measure the spec's calibration first")
     parser.add_argument("--max-draft", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--paper-only", action="store_true", help="only the paper deployment's simulated table")
+    parser.add_argument("--out", type=Path, help="default bench/results/speculate-SPEC.json")
     args = parser.parse_args()
+    started, tables = now(), []
     if not args.paper_only:
-        measured(load_spec(args.spec), Calibration.load(args.calibration) if args.calibration else None,
-                 args.max_draft, args.rounds)
-    paper(args.max_draft)
+        with tempfile.TemporaryDirectory(prefix="cascadia-speculate-") as folder:
+            calibration = (Calibration.load(calibrate(args.spec, Path(folder))) if args.calibrate else
+                           Calibration.load(args.calibration) if args.calibration else None)
+        tables.append(measured(load_spec(args.spec), calibration, args.max_draft, args.rounds))
+    tables.append(paper(args.max_draft))
+    write(f"speculate-{Path(args.spec).stem}", "What speculative decoding buys on a pipeline, measured and simulated",
+          started, tables, args.out, quick=args.paper_only)
 
 
 if __name__ == "__main__":
