@@ -20,7 +20,7 @@ Reported:
   MoE block   one MoE layer: the fused graph (GatherMatmul: an expert's weights read again for every row that
               chose it) against the expert-grouped one (a FullyConnected per touched expert over all its rows), on
               new rows routed by the layer's router in every call, and the path the engine chose at start-up; the
-              bound of the issue's MoE target: 1.5 x (the distinct routed and the shared experts' bytes at the
+              bound of the MoE target: 1.5 x (the distinct routed and the shared experts' bytes at the
               measured bandwidth + the fused 1-row call); the tokens/s that the MoE layers alone would allow at the
               faster path's time per call, a bound on the decode targets that no change elsewhere passes
   dense MLP   the dense layer's MLP as one SwiGLU against the same cut into DENSE_SLICES all-active experts
@@ -28,7 +28,7 @@ Reported:
               plain projection block against all three in one block (`graphs.attention_input`, what the engine runs)
   memory      peak resident memory (VmHWM) of a fresh process that builds the engine and decodes 32 streams,
               against the formats' weight bytes plus the engine's state (K/V rings, convolution states)
-and whether the issue's targets are met: at 1 stream >= 50% of the roofline and >= 5x the reference; at 32 streams
+and whether the engine's targets are met: at 1 stream >= 50% of the roofline and >= 5x the reference; at 32 streams
 >= 35% of the roofline and >= 5x the reference; the MoE at 32 rows within its bound; peak memory <= 1.3 x (weights
 + state). Not a test: it prints tables and writes them to bench/results/engine.json.
 
@@ -80,7 +80,7 @@ REPEATS = 5
 BLOCK_CALLS = 5  # calls of a block per timing
 CHECKPOINT = Path(tempfile.gettempdir()) / "cascadia-bench-engine"
 SEED = 0
-# The issue's targets: fraction of the roofline and multiple of the reference by streams; MoE time at the most rows
+# The targets: fraction of the roofline and multiple of the reference by streams; MoE time at the most rows
 # over its bound; peak memory over weights + state.
 ROOFLINE_TARGETS, REFERENCE_TARGET = {1: 0.5, 32: 0.35}, 5.0
 MOE_TARGET, MEMORY_TARGET = 1.5, 1.3
