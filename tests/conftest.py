@@ -1,5 +1,8 @@
-"""Fixtures shared by the tests that run the tiny local spec end to end (pipeline, calibrate, validate)."""
+"""Fixtures shared by the tests that run the tiny local spec end to end (pipeline, calibrate, validate), and the
+suite's own temporary folder."""
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,3 +25,21 @@ def checkpoint(spec, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-checkpoint")
     init_model(spec.model.config, folder, seed=1)
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_temporary_folder(tmp_path_factory):
+    """The suite's temporary files, and those of every process it starts, go to a folder of its own, which holds no
+    run folder (`cascadia-run-*`) at the end: a run removes its own however it ends, short of SIGKILL."""
+    folder = tmp_path_factory.mktemp("tmp")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # read TMPDIR again
+    yield folder
+    if before is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    left = sorted(path.name for path in folder.glob("cascadia-run-*"))
+    assert not left, f"runs left their folders in {folder}: {', '.join(left)}"

@@ -141,7 +141,8 @@ class Pipeline:
         except BaseException:
             host_cpus.restore(affinity)
             raise
-        run_dir = tempfile.TemporaryDirectory(prefix="cascadia-run-")
+        # the local nodes' spec, plan and logs (tcp nodes have their own machines' files)
+        run_dir = tempfile.TemporaryDirectory(prefix="cascadia-run-") if all(local) else None
         local_nodes = None
         try:
             if all(local):
@@ -324,7 +325,8 @@ def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, affinity
             local.stop(timeout_s)
     finally:
         coordinator.close()
-        run_dir.cleanup()
+        if run_dir is not None:
+            run_dir.cleanup()
         host_cpus.restore(affinity)
 
 
