@@ -111,6 +111,26 @@ def load_prompts(path: str | Path, tokenize: Callable[[str], Sequence[int]] | No
     return prompts
 
 
+def describe(workload: WorkloadSpec) -> str:
+    """What a table of levels measured, for the line above it: the loop and its levels, the requests a phase (the
+    default said as such), prompts and outputs, how tokens are drawn."""
+    if workload.rate:
+        loop = f"open loop at {', '.join(f'{r:g}' for r in workload.rate)} requests/s (Poisson arrivals)"
+        default = f"{OPEN_LOOP_SECONDS} s of measured arrivals, at least {OPEN_LOOP_LEAST} requests (the default)"
+    else:
+        loop = f"closed loop at {', '.join(map(str, workload.concurrency))} streams"
+        default = "as many measured requests as it has streams (the default)"
+    count = f"{workload.requests} measured requests" if workload.requests else default
+    length = workload.prompt_tokens
+    prompts = (f"prompts from {workload.prompts_file}" if workload.prompts_file else
+               f"prompts of {length.low} tokens" if length.low == length.high else
+               f"prompts of {length.low}-{length.high} tokens (uniform)")
+    outputs = f"{'up to ' if workload.stop_at_eos else ''}{workload.output_tokens} tokens out each"
+    drawn = ("greedy" if workload.greedy else
+             f"sampled at temperature {workload.temperature:g}, top-p {workload.top_p:g}")
+    return f"{loop}; each level a warm-up, then {count}; {prompts}, {outputs}, {drawn}"
+
+
 def build_levels(workload: WorkloadSpec, vocab_size: int, prompts: Sequence[tuple[int, ...]] | None = None,
                  stop_ids: frozenset[int] = frozenset()) -> tuple[Level, ...]:
     """The requests of every level and phase, with ids unique over the whole workload.

@@ -230,8 +230,10 @@ def test_run_command_prints_the_table_and_writes_metrics_and_outputs(checkpoint,
                                       str(metrics_path), "--outputs", str(outputs_path)])
     assert result.exit_code == 0, result.output
     assert "node2: ready" in result.stderr and "concurrency 2, measured: 2 requests, 8 tokens" in result.stderr
-    table = result.stdout.splitlines()
-    assert table[0].split()[:3] == ["streams", "requests", "tokens"] and table[1].split()[:3] == ["2", "2", "8"]
+    said = result.stdout.splitlines()
+    assert said[0].startswith("closed loop at 2 streams; each level a warm-up, then as many measured requests")
+    assert said[1].split()[:3] == ["streams", "requests", "tokens"] and said[2].split()[:3] == ["2", "2", "8"]
+    assert said[3:] == [f"wrote {metrics_path}", f"wrote {outputs_path}"]
     levels = json.loads(metrics_path.read_text())["levels"]
     assert [(level["concurrency"], level["output_tokens"]) for level in levels] == [(2, 8)]
     outputs = [json.loads(line) for line in outputs_path.read_text().splitlines()]

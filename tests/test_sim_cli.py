@@ -33,9 +33,11 @@ def test_simulate_prints_the_table_and_writes_json(spec_path, tmp_path):
                     "--prompt-tokens", "6", "--json", out)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].split()[:2] == ["streams", "requests"]
-    assert [line.split()[:3] for line in lines[1:3]] == [["1", "3", "15"], ["3", "3", "15"]]
-    assert lines[3] == "(analytic estimate)"
+    assert lines[0] == ("closed loop at 1, 3 streams; each level a warm-up, then 3 measured requests; prompts of 6 "
+                        "tokens, 5 tokens out each, greedy")  # what the table measured, said above it
+    assert lines[1].split()[:2] == ["streams", "requests"]
+    assert [line.split()[:3] for line in lines[2:4]] == [["1", "3", "15"], ["3", "3", "15"]]
+    assert lines[4:] == ["(analytic estimate)", f"wrote {out}"]
     data = json.loads(out.read_text())
     assert data["schema"] == "cascadia.metrics/1" and data["source"] == "simulate"
     assert data["calibration"]["kind"] == "analytic"
@@ -158,7 +160,7 @@ def test_prompts_longer_than_the_context_are_said_and_none_fitting_fails(spec_pa
     assert result.exit_code == 0, result.output
     assert (f"warning: {prompts}: 1 of its 2 prompts are rejected: prompt + output (4) tokens exceed "
             "runtime.context_budget (64)") in result.stderr
-    assert [line.split()[:2] for line in result.stdout.splitlines()[1:2]] == [["1", "1"]]  # one request served
+    assert [line.split()[:2] for line in result.stdout.splitlines()[2:3]] == [["1", "1"]]  # one request served
     prompts.write_text('{"ids": [%s]}\n' % ",".join(["3"] * 100))
     result = CliRunner().invoke(cli, ["simulate", str(spec_path), "--prompts", str(prompts)])
     assert result.exit_code == 1
@@ -193,7 +195,7 @@ def test_slots_the_workload_never_fills_cost_the_simulation_nothing(spec_path):
         == {(2, 4, 8)}  # 2 streams + 4 prompt rows: frames of 8 rows at most
     result = invoke(spec_path, "--max-new-tokens", "3")
     assert result.exit_code == 0, result.output
-    assert [line.split()[:3] for line in result.stdout.splitlines()[1:3]] == [["1", "1", "3"], ["2", "2", "6"]]
+    assert [line.split()[:3] for line in result.stdout.splitlines()[2:4]] == [["1", "1", "3"], ["2", "2", "6"]]
 
 
 def test_a_spec_no_plan_fits_is_named(spec_path):
@@ -220,7 +222,9 @@ def test_simulate_an_open_loop_sweep_with_an_slo(spec_path):
     assert [(level["rate"], level["concurrency"], level["requests"]) for level in levels] == [(1.0, None, 8),
                                                                                             (40.0, None, 8)]
     assert levels[0]["goodput"]["slo"] == {"ttft_s": 1.0, "tpot_s": 0.1} and levels[0]["ttft_s"]["p99"] > 0
-    assert result.stderr.splitlines()[0].split()[0] == "load" and "goodput" in result.stderr.splitlines()[0]
+    said = result.stderr.splitlines()
+    assert said[0].startswith("open loop at 1, 40 requests/s (Poisson arrivals); each level a warm-up, then 8 measured")
+    assert said[1].split()[0] == "load" and "goodput" in said[1]
 
 
 @pytest.mark.parametrize("args, message", [

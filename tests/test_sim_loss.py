@@ -92,9 +92,10 @@ def test_simulate_fail_shows_the_dip_and_what_the_loss_cost(tmp_path):
     for plain_level, lossy_level in zip(before["levels"], after["levels"]):
         assert lossy_level["decode_tokens_per_s"] < plain_level["decode_tokens_per_s"]
     lines = lossy.stdout.splitlines()
-    assert lines[-3].split() == ["streams", "lost", "at", "s", "found", "after", "s", "back", "after", "s", "first",
+    assert lines[-1] == f"wrote {tmp_path / 'lossy.json'}"
+    assert lines[-4].split() == ["streams", "lost", "at", "s", "found", "after", "s", "back", "after", "s", "first",
                                  "token", "after", "s"]
-    assert lines[-2].split()[:4] == ["1", "node1", "0.02", "0.10"]
+    assert lines[-3].split()[:4] == ["1", "node1", "0.02", "0.10"]
     at_rate = [loss | {"concurrency": None, "rate": 2.0} for loss in after["losses"]]
     assert format_losses(at_rate).splitlines()[1].split()[:4] == ["2/s", "node1", "0.02", "0.10"]
     assert format_losses(at_rate).split()[0] == "load"

@@ -162,8 +162,9 @@ def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_pat
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error"]
     assert [line.split()[0] for line in lines[1::len(METRICS)][:2]] == ["1", "3"]
-    assert lines[-2].startswith("median spread of the runs: decode tok/s ")
-    assert lines[-1].startswith("median |error|: decode tok/s ")
+    assert lines[-3].startswith("median spread of the runs: decode tok/s ")
+    assert lines[-2].startswith("median |error|: decode tok/s ")
+    assert lines[-1] == f"wrote {out}"
     saved = json.loads(out.read_text())
     assert saved["schema"] == SCHEMA
     assert len(saved["measured"]) == 2 and saved["predicted"]["source"] == "simulate"

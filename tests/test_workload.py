@@ -8,7 +8,8 @@ import pytest
 from cascadia.errors import RequestError
 from cascadia.policy import Request
 from cascadia.spec.types import LengthSpec, RuntimeSpec, WorkloadSpec
-from cascadia.workload import PHASES, ClosedLoop, OpenLoop, build_levels, load_prompts, override, prompt_length_notes
+from cascadia.workload import (PHASES, ClosedLoop, OpenLoop, build_levels, describe, load_prompts, override,
+                               prompt_length_notes)
 
 
 def test_levels_phases_and_requests():
@@ -153,3 +154,17 @@ def test_override_replaces_only_what_is_given():
     changed = override(workload, concurrency=(2, 4), requests=3, output_tokens=8, prompt_tokens=6)
     assert (changed.concurrency, changed.requests, changed.output_tokens, changed.prompt_tokens,
             changed.prompts_file) == ((2, 4), 3, 8, LengthSpec(6, 6), None)
+
+
+def test_a_table_says_the_workload_it_measured_and_which_counts_are_defaults():
+    closed = WorkloadSpec(concurrency=(1, 4), prompt_tokens=LengthSpec(8, 24), output_tokens=16)
+    assert describe(closed) == ("closed loop at 1, 4 streams; each level a warm-up, then as many measured requests as "
+                                "it has streams (the default); prompts of 8-24 tokens (uniform), 16 tokens out each, "
+                                "greedy")
+    opened = attrs.evolve(closed, rate=(2.0, 0.5), requests=40, prompt_tokens=LengthSpec.fixed(64), greedy=False,
+                          temperature=0.7, top_p=0.9, stop_at_eos=True)
+    assert describe(opened) == ("open loop at 2, 0.5 requests/s (Poisson arrivals); each level a warm-up, then 40 "
+                                "measured requests; prompts of 64 tokens, up to 16 tokens out each, sampled at "
+                                "temperature 0.7, top-p 0.9")
+    default = describe(attrs.evolve(opened, requests=None))
+    assert "10 s of measured arrivals, at least 16 requests (the default)" in default

@@ -120,6 +120,13 @@ def writing(path: str, binary: bool = False) -> Iterator[IO]:
         raise click.ClickException(f"{e.filename or path}: cannot write ({e.strerror})") from None
 
 
+def say_written(report: Callable[..., None], *paths: str | None) -> None:
+    """Name each file a command wrote, as the last lines of its report (standard output is not a file)."""
+    for path in paths:
+        if path and path != "-":
+            report(f"wrote {path}")
+
+
 def write_trace(path: str, frames, result: dict, nodes: list[str], clock_error_s: dict | None = None) -> None:
     """A run's or a simulation's timeline as Chrome trace JSON (`cascadia.trace`)."""
     import json

@@ -6,7 +6,7 @@ import click
 
 from cascadia.cli.common import (CpuList, OutputPath, TcpAddress, chosen_plan, emulate_links_option, report_to,
                                  sampling_options, speculate_option, with_sampling, with_speculation, workload_options,
-                                 workload_overrides, write_trace, writing)
+                                 say_written, workload_overrides, write_trace, writing)
 from cascadia.spec.load import load_spec
 
 
@@ -121,6 +121,7 @@ def _load_and_report(loaded, workload, url: str, api_key_file, model: str | None
     from cascadia.metrics import format_table
     from cascadia.serve.load import Target, run_url
     from cascadia.tokenizer import workload_prompts
+    from cascadia.workload import describe as describe_workload
 
     report = report_to(json_path)
     key = api_key_file.readline().strip() if api_key_file is not None else None
@@ -128,10 +129,12 @@ def _load_and_report(loaded, workload, url: str, api_key_file, model: str | None
                                loaded.model.config)
     result = run_url(loaded, workload, Target(url, key, model), prompts, on_phase=lambda level, phase, records:
                      click.echo(f"{level}, {phase}: {len(records)} requests", err=True))
+    report(describe_workload(workload))
     report(format_table(result))
     if json_path:
         with writing(json_path) as f:
             json.dump(result, f, indent=1)
+    say_written(report, json_path)
 
 
 def _run_and_report(loaded, plan_path: str | None, workload, *, checkpoint: str | None = None,
@@ -144,6 +147,7 @@ def _run_and_report(loaded, plan_path: str | None, workload, *, checkpoint: str 
 
     from cascadia.metrics import format_table
     from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, RunFailed, describe, run
+    from cascadia.workload import describe as describe_workload
 
     report = report_to(json_path, outputs_path, trace_path)
 
@@ -171,9 +175,11 @@ def _run_and_report(loaded, plan_path: str | None, workload, *, checkpoint: str 
     except RunFailed as e:
         write(e.result, e.outputs)
         raise click.ClickException(f"run failed: {e}") from None
+    report(describe_workload(workload))
     report(format_table(done.result))
     for warning in done.result["warnings"]:
         click.echo(f"warning: {warning}", err=True)
     write(done.result, done.outputs)
     if trace_path:
         write_trace(trace_path, done.frames, done.result, [s.node for s in chosen.stages], done.clock_error_s)
+    say_written(report, json_path, outputs_path, trace_path)

@@ -6,7 +6,7 @@ import click
 
 from cascadia.cli.common import (WORKLOAD_CHOICES, IntList, NodeAtSeconds, OutputPath, chosen_plan,
                                  emulate_links_option, report_to, speculate_option, with_speculation, workload_options,
-                                 workload_overrides, write_trace, writing)
+                                 say_written, workload_overrides, write_trace, writing)
 from cascadia.sim.drafts import DEFAULT_ACCEPTANCE
 from cascadia.sim.loss import DETECT_S
 from cascadia.spec.load import load_spec
@@ -51,6 +51,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     from cascadia.metrics import format_table
     from cascadia.sim.analytic import analytic_calibration
     from cascadia.sim.calibration import Calibration
+    from cascadia.workload import describe as describe_workload
     from cascadia.sim.loss import format_losses
     from cascadia.sim.simulate import plot
     from cascadia.sim.simulate import simulate as run_simulation
@@ -72,6 +73,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     result = run_simulation(loaded, calibration, chosen, groups=groups, timings=timings, loss=loss,
                             detect_s=DETECT_S if detect_s is None else detect_s, acceptance=acceptance,
                             acceptance_trace=trace)
+    report(describe_workload(loaded.workload))
     report(format_table(result))
     if calibration.is_analytic:
         report("(analytic estimate)")
@@ -87,6 +89,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
             plot(result, f)
     if trace_path:
         write_trace(trace_path, timings, result, [s.node for s in chosen.stages])
+    say_written(report, json_path, plot_path, trace_path)
 
 
 @click.command("calibrate")
@@ -115,8 +118,7 @@ def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, 
     with writing(output) as f:
         f.write(measured.to_json())
     report(format_calibration(measured))
-    if output != "-":
-        report(f"wrote {output}")
+    say_written(report, output)
 
 
 def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None = None, layers_only: bool = False):
@@ -235,6 +237,7 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
     for warning in warnings:
         click.echo(warning, err=True)
     write(result)
+    say_written(report, json_path)
 
 
 @click.command()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import OutputPath, Quantity, chosen_plan, report_to, writing
+from cascadia.cli.common import OutputPath, Quantity, chosen_plan, report_to, say_written, writing
 from cascadia.errors import SpecError
 from cascadia.spec.load import load_spec
 from cascadia.units import format_bytes
@@ -47,6 +47,7 @@ def plan(spec: str, json_path: str | None, output: str | None) -> None:
     spares = "".join(f"\nspare {node.name} ({format_bytes(node.memory_bytes)}): holds no stage; `serve` gives it a "
                      "lost node's" for node in loaded.cluster.spares)
     report(result.table() + spares)
+    say_written(report, output, json_path)
 
 
 @click.group()

@@ -63,6 +63,11 @@ class Stage:
         return None if self.kv_blocks is None else KVPool(self.kv_blocks, self.ring_blocks, self.paged)
 
 
+# What the table's pool columns mean, under it
+POOL_NOTE = ("free is what the K/V pool leaves of a node's memory (0: the pool takes the rest); positions: the context "
+             "one stream alone can reach on the stage, and each of max_streams at once (any: the stage holds no global "
+             "layer, whose K/V grows with the context)")
+
 @attrs.frozen
 class Plan:
     stages: tuple[Stage, ...]
@@ -133,6 +138,7 @@ class Plan:
             f"bottleneck: {slowest.node}, {self.bottleneck_s * 1e3:.3f} ms per row ({self.cost_source})",
             f"bounds before batching: one stream {1 / one_row:.2f} tokens/s (a row crosses every stage in turn); "
             f"{1 / self.bottleneck_s:.2f} tokens/s with a row in flight on every stage",
+            *([POOL_NOTE] if any(s.kv_blocks is not None for s in self.stages) else []),
         ])
 
     def to_json(self) -> str:
