@@ -68,3 +68,11 @@ def test_shapes_stand_numbers_and_elisions_for_any():
     assert shape("pc0   0-5   35.00  49,166 x 64   97%") == shape("pc0 0-6 36.10 9 x 256 3%")
     assert same_shape(["a", "... (more)", "c"], ["a", "b1", "b2", "c"])
     assert same_shape(["a", "..."], ["a"]) and not same_shape(["a", "c"], ["a", "b", "c"])
+
+
+def test_the_spec_guide_names_every_key_a_spec_may_hold():
+    loader = (ROOT / "cascadia" / "spec" / "load.py").read_text()
+    keys = set(re.findall(r'\.take\("([a-z_]+)"', loader)) | set(re.findall(r'\.get\("([a-z_]+)"', loader))
+    guide = re.sub(r"```.*?```", "", (ROOT / "docs" / "specs.md").read_text(), flags=re.DOTALL)  # prose only
+    named = {word for span in re.findall(r"`([^`]+)`", guide) for word in re.findall(r"[a-z_]+", span)}
+    assert len(keys) > 40 and not keys - named, sorted(keys - named)
