@@ -4,6 +4,7 @@
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ INSTALLED = "/opt/cascadia/.venv/bin/cascadia"
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
 def test_systemd_analyze_verifies_the_node_unit(tmp_path):
-    cascadia = shutil.which("cascadia")
+    beside = Path(sys.executable).parent / "cascadia"  # where pip put the command, whatever PATH says
+    cascadia = str(beside) if beside.exists() else shutil.which("cascadia")
     assert cascadia, "the cascadia command is installed with the package"
     instance = tmp_path / "cascadia-node@pc0.service"  # a template is verified as one of its instances
     instance.write_text(UNIT.read_text().replace(INSTALLED, cascadia))
