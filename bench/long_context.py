@@ -480,7 +480,7 @@ def main() -> None:
                    note="; ".join(fits) + ". (fit): from the fit, not measured.")
     for n in (1024, 4096, 65536, 524288):
         ours_decode = f"{decode[n]:.1f} ms" if n in decode else f"{c + d * n:.1f} ms (fit)"
-        ours_ttft = (f"{ttft[n]:.1f} s" if n in ttft else f"{a * n + b * n * n:.0f} s (fit)") if len(ttft) >= 2 \
+        ours_ttft = (f"{ttft[n]:.1f} s" if n in ttft else f"{a * n + b * n * n:,.0f} s (fit)") if len(ttft) >= 2 \
             else None
         growth.add(f"decode at {n:,}", ours_decode, f"{PAPER_DECODE_MS[n]:,} ms" if n in PAPER_DECODE_MS else None)
         growth.add(f"TTFT at {n:,}", ours_ttft, f"{PAPER_TTFT_S[n]:,} s" if n in PAPER_TTFT_S else None)
