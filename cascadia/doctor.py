@@ -14,7 +14,7 @@ import errno
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -154,16 +154,16 @@ def port_check(address: str, who: str) -> Check:
     return Check("port", OK, f"{who}'s port {port} is free")
 
 
-def keys_check(folder: Path, own: list[str], everyone: list[str]) -> Check:
-    """The Curve key folder: each of `own`'s secret key readable and matching its public key, every participant's
-    public key there."""
+def keys_check(folder: Path, own: list[str], nodes: list[str]) -> Check:
+    """The Curve key folder: each of `own`'s secret key readable and matching its public key, every node's and the
+    coordinator's public key there."""
     from cascadia.pipeline.transport import COORDINATOR, CurveKeys, TransportError
 
     keys = CurveKeys(folder)
     fix = (f"copy the cluster's key folder here (its public/ and this PC's secret key), or make new keys with "
-           f"cascadia keys generate {folder} --nodes {','.join(n for n in everyone if n != COORDINATOR)}")
+           f"cascadia keys generate {folder} --nodes {','.join(nodes)}")
     try:
-        publics = {name: keys.public_key(name) for name in everyone}
+        publics = {name: keys.public_key(name) for name in [*nodes, COORDINATOR]}
         for name in own:
             public, _ = keys.keypair(name)
             if public != publics[name]:
@@ -174,9 +174,9 @@ def keys_check(folder: Path, own: list[str], everyone: list[str]) -> Check:
     return Check("Curve keys", OK, f"{folder}: {', '.join(own)}'s secret key and every participant's public key")
 
 
-def machine_checks(core, bandwidth: Callable[[], float] = measure_bandwidth) -> tuple[list[Check], float]:
+def machine_checks(core) -> tuple[list[Check], float]:
     """The checks that need no spec, and the bandwidth measured."""
-    measured = bandwidth()
+    measured = measure_bandwidth()
     checks = [python_check(), packages_check(), *device_checks(core), cpu_check(), memory_check(),
               bandwidth_check(measured)]
     return checks, measured
@@ -185,7 +185,6 @@ def machine_checks(core, bandwidth: Callable[[], float] = measure_bandwidth) -> 
 def spec_checks(spec, plan, node: str | None, measured: float) -> Iterator[Check]:
     """The checks of this machine as the spec's `node` (None: as every local node of the spec)."""
     from cascadia.engine.device import DeviceError, pick_device, runs_as
-    from cascadia.pipeline.transport import COORDINATOR
 
     members = [spec.cluster.node(node)] if node else [n for n in spec.cluster.members if n.is_local]
     if not members:
@@ -194,7 +193,7 @@ def spec_checks(spec, plan, node: str | None, measured: float) -> Iterator[Check
         return
     who = members[0].name if len(members) == 1 else f"its {len(members)} local nodes"
     stages = {stage.node: stage for stage in plan.stages}
-    need = sum(stages[n.name].weight_bytes + stages[n.name].state_bytes for n in members if n.name in stages)
+    need = sum(stages[n.name].allocated_bytes for n in members if n.name in stages)
     if need:  # a spare holds no stage until it is given one
         yield memory_check(need, who)
     devices: dict[str, list[str]] = {}  # what each node computes on and as, to the nodes that do
@@ -220,8 +219,7 @@ def spec_checks(spec, plan, node: str | None, measured: float) -> Iterator[Check
         if not member.is_local:
             yield port_check(member.address, member.name)
     if spec.cluster.curve_keys is not None:
-        everyone = [m.name for m in spec.cluster.members] + [COORDINATOR]
-        yield keys_check(spec.cluster.curve_keys, [m.name for m in members], everyone)
+        yield keys_check(spec.cluster.curve_keys, [m.name for m in members], [m.name for m in spec.cluster.members])
 
 
 def failed(checks: list[Check]) -> bool:

@@ -51,10 +51,10 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     from cascadia.metrics import format_table
     from cascadia.sim.analytic import analytic_calibration
     from cascadia.sim.calibration import Calibration
-    from cascadia.workload import describe as describe_workload
     from cascadia.sim.loss import format_losses
     from cascadia.sim.simulate import plot
     from cascadia.sim.simulate import simulate as run_simulation
+    from cascadia.workload import describe as describe_workload
 
     if analytic and calibration_path:
         raise click.UsageError("give --calibration or --analytic, not both")

@@ -53,6 +53,11 @@ class Stage:
         return range(self.first_layer, self.last_layer + 1)
 
     @property
+    def allocated_bytes(self) -> int:
+        """What the stage's node process allocates: weights, slots' state and the K/V pool."""
+        return self.weight_bytes + self.state_bytes
+
+    @property
     def positions_one_stream(self) -> int | None:
         """The longest context one stream alone could reach in the pool; None = any."""
         return None if self.kv_blocks is None or not self.paged else (self.kv_blocks - self.ring_blocks) * self.kv_block

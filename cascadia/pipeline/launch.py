@@ -148,7 +148,7 @@ def check_host_memory(spec: Spec, plan: Plan) -> None:
     """Local nodes share this machine: what their stages allocate together (weights, every slot's own state and the
     K/V pool, as the plan counts them) must fit in its available memory, or they would start, serve, and be killed
     by the kernel once their streams filled the pools (the state's pages are only taken when written)."""
-    needs = {stage.node: stage.weight_bytes + stage.state_bytes for stage in plan.stages}
+    needs = {stage.node: stage.allocated_bytes for stage in plan.stages}
     if short := shortfall(sum(needs.values())):
         each = ", ".join(f"{node} {format_bytes(need, digits=3)}" for node, need in needs.items())
         raise PipelineError(f"the plan's {len(needs)} local nodes need {format_bytes(sum(needs.values()), digits=3)} "
