@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -283,6 +284,14 @@ def test_defaults_and_fields_without_effect_are_accepted(server, reference):
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body | AS_DEFAULTS, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == greedy(chat_ids(MESSAGES), 8)[0]
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "stop": None, "ignore_eos": None}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body | AS_DEFAULTS | nulls | {"temperature": 0},
+                          headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    sampled = [httpx.post(f"{server.url}/v1/chat/completions", json=body | nulls | given, headers=headers,
+                          timeout=30).json()["choices"][0]["message"]["content"]
+               for given in ({"seed": 7}, {"seed": 7, "temperature": 1, "top_p": 1})]
+    assert sampled[0] == sampled[1]  # null temperature and top_p: their defaults
     completion = {"prompt": [4, 5, 6], "max_tokens": 4, "temperature": 0, "echo": False, "best_of": 1, "suffix": None}
     response = httpx.post(f"{server.url}/v1/completions", json=completion, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
@@ -419,6 +428,89 @@ def test_the_responses_api_refuses_what_it_does_not_serve_by_name(server):
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
 
 
+@pytest.fixture(scope="module")
+def anthropic_client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
+
+
+GREEDY = {"temperature": 0}  # not a parameter of Anthropic's SDK any more; older clients send it
+
+
+def test_the_messages_api_gives_the_chat_endpoints_tokens(anthropic_client, reference):
+    """Anthropic's `client.messages.create`, whole and streamed, and its token count: the system prompt and the
+    messages are the chat's."""
+    greedy, chat_ids, _ = reference
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    expected, ids = greedy(chat_ids(chat), 6)
+    whole = anthropic_client.messages.create(model="tiny", system="Be brief.", max_tokens=6, extra_body=GREEDY,
+                                             messages=[{"role": "user", "content": "Hello!"}],
+                                             metadata={"user_id": "a"})
+    assert whole.content[0].text == expected and whole.id.startswith("msg_") and whole.role == "assistant"
+    assert whole.stop_reason == ("max_tokens" if len(ids) == 6 else "end_turn") and whole.stop_sequence is None
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (len(chat_ids(chat)), len(ids))
+    blocks = {"system": [{"type": "text", "text": "Be ", "cache_control": {"type": "ephemeral"}},
+                         {"type": "text", "text": "brief."}],
+              "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello!"}]}]}
+    events = list(anthropic_client.messages.create(model="tiny", max_tokens=6, stream=True, extra_body=GREEDY,
+                                                   **blocks))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) <= {"content_block_delta"}
+    assert "".join(event.delta.text for event in events if event.type == "content_block_delta") == expected
+    assert events[-2].delta.stop_reason == whole.stop_reason and events[-2].usage.output_tokens == len(ids)
+    with anthropic_client.messages.stream(model="tiny", max_tokens=6, extra_body=GREEDY, **blocks) as stream:
+        assert "".join(stream.text_stream) == expected  # the SDK's helper, which rebuilds the message as it goes
+        assert stream.get_final_message().content[0].text == expected
+    counted = anthropic_client.messages.count_tokens(model="tiny", **blocks)
+    assert counted.input_tokens == len(chat_ids(chat))
+
+
+def test_a_stop_sequence_ends_the_message_and_is_named(anthropic_client, reference):
+    greedy, chat_ids, _ = reference
+    text, _ = greedy(chat_ids([{"role": "user", "content": "Measure first."}]), 16)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    message = anthropic_client.messages.create(model="tiny", max_tokens=16, stop_sequences=["\x00", stop],
+                                               messages=[{"role": "user", "content": "Measure first."}],
+                                               extra_body=GREEDY)
+    assert message.content[0].text == text[:text.find(stop)]
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_the_messages_api_refuses_in_its_own_shape(server, anthropic_client):
+    """Errors on /v1/messages are Anthropic's, naming the field; the key may be a bearer token too."""
+    user = [{"role": "user", "content": "hi"}]
+    for body, status, kind, message in [
+            ({"messages": user}, 400, "invalid_request_error", "max_tokens: Field required"),
+            ({"messages": user, "max_tokens": 4, "tools": [{"name": "f", "input_schema": {}}]}, 400,
+             "invalid_request_error", "tools: tool use is not supported by this server"),
+            ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1/a.png"}}]}]}, 400,
+             "invalid_request_error", "messages.0.content.0: image blocks are not supported by this server"),
+            ({"max_tokens": 4, "messages": user + [{"role": "assistant", "content": "The answer is"}]}, 400,
+             "invalid_request_error", "messages.1: a final assistant message (a prefill) is not supported"),
+            ({"messages": user, "max_tokens": 4, "temperature": 1.5}, 400, "invalid_request_error",
+             "temperature: Input should be less than or equal to 1"),
+            ({"messages": user, "max_tokens": 500}, 400, "invalid_request_error", "exceeds the context length of 64"),
+            ({"messages": user, "max_tokens": 4, "model": "claude"}, 404, "not_found_error", "no model named")]:
+        response = httpx.post(f"{server.url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
+        error = response.json()
+        assert (response.status_code, error["type"], error["error"]["type"]) == (status, "error", kind), response.text
+        assert message in error["error"]["message"], response.text
+    response = httpx.post(f"{server.url}/v1/messages", json={"messages": user}, headers={"x-api-key": "wrong"})
+    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+    response = httpx.post(f"{server.url}/v1/messages", json={"messages": user, "system": "x" * 70_000},
+                          headers={"x-api-key": KEY})  # over --max-body
+    assert response.status_code == 413 and response.json()["error"]["type"] == "request_too_large"
+    response = httpx.post(f"{server.url}/v1/messages/count_tokens", json={"messages": user},
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200 and response.json()["input_tokens"] > 0
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(model="tiny", max_tokens=4, messages=user, thinking={"type": "enabled",
+                                                                                             "budget_tokens": 1024})
+    assert info.value.body["error"]["message"] == "thinking: extended thinking is not supported by this server"
+
+
 def test_the_context_length_error_has_its_openai_code(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt=[1] * 60, max_tokens=10)
@@ -505,10 +597,11 @@ def test_a_second_signal_ends_open_streams_with_an_error_and_exits_1(tmp_path, c
     served = Served(tmp_path, SPEC, checkpoint, "--stall-timeout", "600")
     nodes = served.children()
     opened = [stream_open(served.url, 55) for _ in range(3)]
-    responses = httpx.Client(timeout=60)  # and a streamed response of the Responses API
-    opened.append((responses, responses.send(responses.build_request(
-        "POST", f"{served.url}/v1/responses", json={"input": "Hi", "max_output_tokens": 30, "stream": True}),
-        stream=True)))
+    for path, body in [("/v1/responses", {"input": "Hi", "max_output_tokens": 30, "stream": True}),
+                       ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30,
+                                         "stream": True})]:  # and a stream of the Responses and Messages APIs
+        other = httpx.Client(timeout=60)
+        opened.append((other, other.send(other.build_request("POST", f"{served.url}{path}", json=body), stream=True)))
     streams = [response.iter_lines() for _, response in opened]
     for lines in streams:
         next(line for line in lines if line.startswith("data:"))
@@ -522,13 +615,16 @@ def test_a_second_signal_ends_open_streams_with_an_error_and_exits_1(tmp_path, c
         assert json.loads(last[5:])["error"]["message"] == "the server was stopped before the request finished"
     last = json.loads([line for line in streams[3] if line.startswith("data:")][-1][5:])
     assert (last["type"], last["message"]) == ("error", "the server was stopped before the request finished")
+    lines = list(streams[4])
+    assert lines[-3:-1] == ["event: error", 'data: {"type": "error", "error": {"type": "overloaded_error", '
+                                            '"message": "the server was stopped before the request finished"}}']
     for client, _ in opened:
         client.close()
     for pid in nodes:  # going on, they stop when told (else they are killed after SHUTDOWN_S)
         os.kill(pid, signal.SIGCONT)
     assert served.process.wait(60) == 1
     log = served.log.read_text()
-    assert log.splitlines()[-1] == "Error: stopped at once by a second signal: 4 open requests ended with an error"
+    assert log.splitlines()[-1] == "Error: stopped at once by a second signal: 5 open requests ended with an error"
     assert "Traceback" not in log
     assert len(nodes) == 3 and not any(alive(pid) for pid in nodes)
 

@@ -38,6 +38,7 @@ def test_text_before_a_stop_string_is_all_that_comes(tokenizer):
     ids = tokenizer.encode("one two three four").ids
     out, stream = pieces(tokenizer, ids, stop=["thr", "zzz"])
     assert "".join(out) == "one two " and stream.stopped and stream.text == "one two "
+    assert stream.stopped_by == "thr"
     assert "".join(pieces(tokenizer, ids, stop=["four"])[0]) == "one two three "
 
 
@@ -47,6 +48,9 @@ def test_text_before_a_stop_string_is_all_that_comes(tokenizer):
 def test_pieces_add_up_to_the_one_shot_decoding_cut_at_the_first_stop(tokenizer, ids, stop):
     """Whatever the ids (random ones make broken UTF-8 too), the pieces are the decoding of all of them, up to the
     first stop string; a piece never holds text a stop string takes back."""
-    out, _ = pieces(tokenizer, ids, stop)
+    out, stream = pieces(tokenizer, ids, stop)
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     assert "".join(out) == cut(whole, stop)
+    found = [s for s in stop if s and s in whole]  # and the stream names a stop string it found there
+    assert (stream.stopped_by in found and whole.find(stream.stopped_by) == min(map(whole.find, found))) if found \
+        else stream.stopped_by is None

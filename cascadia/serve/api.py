@@ -94,7 +94,8 @@ class StreamOptions(BaseModel):
 class RequestBody(BaseModel):
     """What every request body shares: no unknown field; text that is Unicode (`lone_surrogate`); the fields of its
     API this server does not serve (`UNSERVED`), accepted when they ask for the default and refused by name
-    otherwise; the fields that cannot change the tokens (`IGNORING`), dropped."""
+    otherwise; the fields that cannot change the tokens (`IGNORING`), dropped; null for a field with a default,
+    that default."""
 
     model_config = ConfigDict(extra="forbid")
     UNSERVED: ClassVar[dict[str, tuple[str, tuple]]] = {}
@@ -111,9 +112,21 @@ class RequestBody(BaseModel):
             return body
         for name, (why, defaults) in cls.UNSERVED.items():
             if name in body and not _asks_for_default(body[name], defaults):
-                raise PydanticCustomError("unsupported", "{message}", {"message": f"{name}: {why} by this server",
-                                                                       "param": name})
-        return {key: value for key, value in body.items() if key not in cls.UNSERVED and key not in cls.IGNORING}
+                raise unsupported(name, f"{why} by this server")
+        cls.refuse_unserved(body)
+        fields = cls.model_fields
+        return {key: value for key, value in body.items() if key not in cls.UNSERVED and key not in cls.IGNORING
+                and not (value is None and key in fields and not fields[key].is_required())}  # null: the default
+
+    @classmethod
+    def refuse_unserved(cls, body: dict) -> None:
+        """More of the body this server does not serve, refused by name (`unsupported`) before the fields are
+        read: none here; an API whose refusals hide inside its fields says which."""
+
+
+def unsupported(param: str, why: str) -> PydanticCustomError:
+    """The error of a request asking for what this server does not serve: a 400 naming `param`."""
+    return PydanticCustomError("unsupported", "{message}", {"message": f"{param}: {why}", "param": param})
 
 
 class _Generation(RequestBody):

@@ -1,5 +1,5 @@
-"""The HTTP front end of `cascadia serve`: an OpenAI-compatible API over a `PipelineService`, as a Starlette app
-(FastAPI routes and validation, server-sent events by sse-starlette).
+"""The HTTP front end of `cascadia serve`: an OpenAI-compatible API (and Anthropic's Messages API) over a
+`PipelineService`, as a Starlette app (FastAPI routes and validation, server-sent events by sse-starlette).
 
 Every request becomes one stream of the shared policy, admitted the moment it arrives. Its events come from the
 service thread into the request's asyncio queue, and go out as one stream chunk per generated token (text held back
@@ -36,6 +36,7 @@ from cascadia.policy import CANCELLED, LENGTH, STOP, Admitted, Finished, Rejecte
 from cascadia.policy import Request as StreamRequest
 from cascadia.policy import Token
 from cascadia.sampling import Sampling
+from cascadia.serve import messages
 from cascadia.serve.api import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, Reply, TokenizeRequest,
                                 error_body, usage)
 from cascadia.serve.chat import ChatTemplate
@@ -245,9 +246,10 @@ class Server:
 
 class BodyLimit:
     """ASGI middleware: a request's body is read whole before the app sees it, and refused with `too_large()` once
-    it passes `max_bytes`, whether it declares its length or comes in chunks."""
+    it passes `max_bytes` (`too_large` makes the response for its path), whether it declares its length or comes in
+    chunks."""
 
-    def __init__(self, app, max_bytes: int, too_large: Callable[[], Response]) -> None:
+    def __init__(self, app, max_bytes: int, too_large: Callable[[str], Response]) -> None:
         self.app, self.max_bytes, self.too_large = app, max_bytes, too_large
 
     async def __call__(self, scope, receive, send) -> None:
@@ -255,7 +257,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
-            return await self.too_large()(scope, receive, send)
+            return await self.too_large(scope["path"])(scope, receive, send)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -264,7 +266,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await self.too_large()(scope, receive, send)
+                return await self.too_large(scope["path"])(scope, receive, send)
             if not message.get("more_body"):
                 break
         whole: dict | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
@@ -284,10 +286,15 @@ def build_app(server: Server) -> FastAPI:
                   openapi_url="/openapi.json")
     app.state.server = server
 
+    def refusal(path: str, e: ApiError) -> JSONResponse:
+        """The error's response, in the shape of the API its path belongs to."""
+        server.metrics.rejected.labels(e.reason).inc()
+        body = messages.error_body(e.status, str(e)) if messages.on_path(path) else e.body
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        server.metrics.rejected.labels(e.reason).inc()
-        return JSONResponse(e.body, status_code=e.status, headers=e.headers)
+        return refusal(request.url.path, e)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
@@ -301,22 +308,22 @@ def build_app(server: Server) -> FastAPI:
     async def refused(request: Request, e: CascadiaError):
         return await api_error(request, ApiError(400, str(e), "invalid_request"))
 
-    def too_large() -> JSONResponse:
-        e = ApiError(413, f"the request body is over the limit of {server.settings.max_body_bytes} bytes",
-                     "too_large")
-        server.metrics.rejected.labels(e.reason).inc()
-        return JSONResponse(e.body, status_code=e.status)
+    def too_large(path: str) -> JSONResponse:
+        return refusal(path, ApiError(413, f"the request body is over the limit of {server.settings.max_body_bytes}"
+                                           " bytes", "too_large"))
 
     app.add_middleware(BodyLimit, max_bytes=server.settings.max_body_bytes, too_large=too_large)
 
     @app.middleware("http")  # added last, so it runs first: no body is read for a request without the key
     async def guard(request: Request, call_next):
-        """The bearer key on /v1/."""
-        if request.url.path.startswith("/v1/") and server.settings.api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {server.settings.api_key}".encode()):
-                return await api_error(request, ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                                         "unauthorized", code="invalid_api_key"))
+        """The key on /v1/: a bearer token, or `x-api-key` as Anthropic's clients send it."""
+        if request.url.path.startswith("/v1/") and (key := server.settings.api_key) is not None:
+            bearer = request.headers.get("authorization", "").encode()
+            header = request.headers.get("x-api-key", "").encode()
+            if not (hmac.compare_digest(bearer, f"Bearer {key}".encode()) or hmac.compare_digest(header, key.encode())):
+                return refusal(request.url.path, ApiError(401, "missing or wrong API key (Authorization: Bearer KEY, "
+                                                               "or x-api-key: KEY)", "unauthorized",
+                                                          code="invalid_api_key"))
         return await call_next(request)
 
     @app.post("/v1/chat/completions")
@@ -337,6 +344,22 @@ def build_app(server: Server) -> FastAPI:
         text = await _collected(generation, request)
         return reply.response(response_status(generation.finish_reason), text,
                               response_usage(prompt_tokens, generation.tokens))
+
+    @app.post(messages.PATH)
+    async def create_message(body: messages.MessagesRequest, request: Request):
+        generation = server.start(body.as_chat(), id_prefix="msg_")
+        reply = messages.MessageBody(generation.id, server.settings.model_name, len(generation.stream.prompt_ids))
+        if body.stream:
+            return EventSourceResponse(_message_events(generation, reply), ping=KEEP_ALIVE_S)
+        text = await _collected(generation, request)
+        stopped_by = generation.text.stopped_by
+        return reply.message(text, messages.stop_reason(generation.finish_reason, stopped_by), stopped_by,
+                             generation.tokens)
+
+    @app.post(messages.PATH + "/count_tokens")
+    async def count_message_tokens(body: messages.MessagesPrompt):
+        server.check_model(body.model)
+        return {"input_tokens": len(server.chat_ids(body.chat_messages(), {}))}
 
     @app.post("/v1/cancel/{completion_id}")
     async def cancel(completion_id: str):
@@ -474,6 +497,31 @@ async def _response_events(generation: Generation, reply: ResponseBody, prompt_t
         status = response_status(generation.finish_reason)
         yield reply.event("response.completed" if status == "completed" else "response.incomplete",
                           response=reply.response(status, text, response_usage(prompt_tokens, generation.tokens)))
+    finally:
+        generation.cancel()
+
+
+async def _message_events(generation: Generation, reply: messages.MessageBody):
+    """A streamed message's named events (see `cascadia.serve.messages`); a failure is an `error` event, and the
+    stream ends there. A client that goes away cancels its request, as for a chat stream."""
+    try:
+        yield reply.event("message_start", message=reply.message(None, None, None, 0))
+        yield reply.event("content_block_start", index=0, content_block=reply.block(""))
+        try:
+            async for piece in generation.pieces():
+                if piece:
+                    yield reply.event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+        except ApiError as e:
+            yield {"event": "error", "data": json.dumps(messages.error_body(e.status, str(e)))}
+            return
+        if generation.rest:
+            yield reply.event("content_block_delta", index=0, delta={"type": "text_delta", "text": generation.rest})
+        yield reply.event("content_block_stop", index=0)
+        stopped_by = generation.text.stopped_by
+        yield reply.event("message_delta", delta={"stop_reason": messages.stop_reason(generation.finish_reason,
+                                                                                      stopped_by),
+                                                  "stop_sequence": stopped_by}, usage=reply.usage(generation.tokens))
+        yield reply.event("message_stop")
     finally:
         generation.cancel()
 

@@ -24,6 +24,7 @@ class TextStream:
         self._text = ""  # decoded so far
         self._sent = 0  # characters of it given out
         self.stopped = False  # a stop string was found: nothing more comes
+        self.stopped_by: str | None = None  # which one (the first in the text)
 
     @property
     def text(self) -> str:
@@ -52,7 +53,7 @@ class TextStream:
         for stop in self._stop:
             at = self._text.find(stop, max(0, self._sent - len(stop) + 1))
             if at != -1 and at < end:
-                end, self.stopped = at, True
+                end, self.stopped, self.stopped_by = at, True, stop
         if not self.stopped and not final:
             end -= self._held_back()
         piece, self._sent = self._text[self._sent:end], max(self._sent, end)
