@@ -26,6 +26,19 @@ def test_a_requests_variables_reach_the_template():
         == "<s><user>hi<assistant>"
 
 
+def test_a_final_message_left_open_is_continued_as_transformers_renders_it():
+    """`continue_final_message` (a prefill): the chat up to the final message's text, with no generation prompt
+    and nothing after it; a template that trims the message's end trims the text before the cut too."""
+    chat = MESSAGES + [{"role": "assistant", "content": "The answer is "}]
+    closing = ChatTemplate(TEMPLATE.replace("{{ m.content }}", "{{ m.content }}</s>"), {"bos_token": "<s>"}, "test")
+    assert closing.render(chat, continue_final=True) == "<s><user>hi</s><assistant>The answer is "
+    trimming = ChatTemplate(TEMPLATE.replace("{{ m.content }}", "{{ m.content | trim }}</s>"), {}, "test")
+    assert trimming.render(chat, continue_final=True) == "<user>hi</s><assistant>The answer is"
+    dropping = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content[:3] }}{% endfor %}", {}, "test")
+    with pytest.raises(RequestError, match="leaves out part of the final message"):
+        dropping.render(chat, continue_final=True)
+
+
 def test_a_template_that_refuses_is_a_request_error():
     template = ChatTemplate("{{ raise_exception('no system messages') }}", {}, "test")
     with pytest.raises(RequestError, match="refused these messages: no system messages"):

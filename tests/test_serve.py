@@ -477,6 +477,22 @@ def test_a_stop_sequence_ends_the_message_and_is_named(anthropic_client, referen
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
 
 
+def test_a_prefill_is_continued_by_both_apis(client, anthropic_client, reference):
+    """A final assistant message (Anthropic's prefill, vLLM's `continue_final_message`) is the start of the reply:
+    the prompt is the chat's up to the assistant's turn, then that text; the reply holds only what follows."""
+    greedy, chat_ids, tokenizer = reference
+    user = [{"role": "user", "content": "Hello!"}]
+    prompt = chat_ids(user) + tokenizer.encode("The answer is", add_special_tokens=False).ids
+    expected, _ = greedy(prompt, 6)
+    prefilled = user + [{"role": "assistant", "content": "The answer is"}]
+    message = anthropic_client.messages.create(model="tiny", max_tokens=6, messages=prefilled, extra_body=GREEDY)
+    assert message.content[0].text == expected and message.usage.input_tokens == len(prompt)
+    assert anthropic_client.messages.count_tokens(model="tiny", messages=prefilled).input_tokens == len(prompt)
+    reply = client.chat.completions.create(model="tiny", messages=prefilled, max_tokens=6, temperature=0,
+                                           extra_body={"continue_final_message": True})
+    assert reply.choices[0].message.content == expected and reply.usage.prompt_tokens == len(prompt)
+
+
 def test_the_messages_api_refuses_in_its_own_shape(server, anthropic_client):
     """Errors on /v1/messages are Anthropic's, naming the field; the key may be a bearer token too."""
     user = [{"role": "user", "content": "hi"}]
@@ -487,8 +503,6 @@ def test_the_messages_api_refuses_in_its_own_shape(server, anthropic_client):
             ({"max_tokens": 4, "messages": [{"role": "user", "content": [
                 {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1/a.png"}}]}]}, 400,
              "invalid_request_error", "messages.0.content.0: image blocks are not supported by this server"),
-            ({"max_tokens": 4, "messages": user + [{"role": "assistant", "content": "The answer is"}]}, 400,
-             "invalid_request_error", "messages.1: a final assistant message (a prefill) is not supported"),
             ({"messages": user, "max_tokens": 4, "temperature": 1.5}, 400, "invalid_request_error",
              "temperature: Input should be less than or equal to 1"),
             ({"messages": user, "max_tokens": 500}, 400, "invalid_request_error", "exceeds the context length of 64"),

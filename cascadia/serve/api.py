@@ -1,17 +1,18 @@
-"""The OpenAI API's requests and responses, as `cascadia serve` speaks them: pydantic models that check every field
-(an unknown one is an error, not ignored), the response and stream-chunk bodies, and OpenAI-style error bodies.
+"""The OpenAI API's requests and responses, as `cascadia serve` speaks them: pydantic models that check every field (an
+unknown one is an error, not ignored), the response and stream-chunk bodies, and OpenAI-style error bodies.
 
 Supported: chat and text completions, streamed (server-sent events) or not; `max_tokens` (chat also
-`max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (up to 4 strings), `stream_options.include_usage`
-and, as vLLM does, `stream_options.continuous_usage_stats` (usage on every chunk), `ignore_eos` (keep going past the
-end-of-sequence token) and, for chat, `chat_template_kwargs` (more variables for the chat template) and
-`reasoning_effort` (one more). A completion's prompt is text or a list of token ids. Fields that cannot change the
-tokens are accepted and ignored (`user`, `metadata`, `store`, `service_tier`, `cache_prompt`). A field this server
-does not serve (`UNSUPPORTED`: tools, log-probabilities, penalties, response formats, ...) is accepted when its value
-asks for the default behaviour (`presence_penalty: 0`, `tools: []`, `logprobs: false`; null too), as clients send on
-every request, and refused by name with any other value (docs/openai-fields.md has the whole table). Text anywhere
-in a request, keys included, must be Unicode that UTF-8 can carry: a lone UTF-16 surrogate (`"\\ud800"`, which JSON
-allows and badly decoded text produces) is refused, naming where it is, before any field is read.
+`max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (up to 4 strings), `stream_options.include_usage` and,
+as vLLM does, `stream_options.continuous_usage_stats` (usage on every chunk), `ignore_eos` (keep going past the
+end-of-sequence token) and, for chat, `chat_template_kwargs` (more variables for the chat template), `reasoning_effort`
+(one more), `add_generation_prompt` and `continue_final_message` (a prefill). A completion's prompt is text or a list of
+token ids. Fields that cannot change the tokens are accepted and ignored (`user`, `metadata`, `store`, `service_tier`,
+`cache_prompt`). A field this server does not serve (`UNSUPPORTED`: tools, log-probabilities, penalties, response
+formats, ...) is accepted when its value asks for the default behaviour (`presence_penalty: 0`, `tools: []`, `logprobs:
+false`; null too), as clients send on every request, and refused by name with any other value (docs/openai-fields.md has
+the whole table). Text anywhere in a request, keys included, must be Unicode that UTF-8 can carry: a lone UTF-16
+surrogate (`"\\ud800"`, which JSON allows and badly decoded text produces) is refused, naming where it is, before any
+field is read.
 """
 
 from __future__ import annotations
@@ -192,6 +193,10 @@ class ChatRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     # More variables for the chat template, as vLLM takes them (Qwen3's `enable_thinking`, say).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the chat without the assistant's opening, or with its final message left open for the reply to
+    # continue (a prefill; it needs no generation prompt, so it needs no add_generation_prompt: false either)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     reasoning_effort: str | None = None  # one more variable, for templates that read it
 
     @field_validator("chat_template_kwargs")

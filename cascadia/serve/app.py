@@ -169,16 +169,19 @@ class Server:
 
     def prompt(self, body: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(body, ChatRequest):
-            return self.chat_ids(body.messages, body.template_variables())
+            return self.chat_ids(body.messages, body.template_variables(), body.add_generation_prompt,
+                                 body.continue_final_message)
         return body.prompt if isinstance(body.prompt, list) else self.text_ids(body.prompt, "prompt")
 
-    def chat_ids(self, messages: list[ChatMessage], variables: dict, add_generation_prompt: bool = True) -> list[int]:
-        """A chat's token ids, as the chat template renders it (special tokens in the text, none added)."""
+    def chat_ids(self, messages: list[ChatMessage], variables: dict, add_generation_prompt: bool = True,
+                 continue_final: bool = False) -> list[int]:
+        """A chat's token ids, as the chat template renders it (special tokens in the text, none added; see
+        `ChatTemplate.render`)."""
         if self.chat is None or self.tokenizer is None:
             raise ApiError(400, f"chat messages need a chat template: {self.no_chat}; use /v1/completions",
                            "invalid_request", param="messages")
         text = self.chat.render([{"role": m.role, "content": m.text} for m in messages], variables,
-                                add_generation_prompt)
+                                add_generation_prompt, continue_final)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def text_ids(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
@@ -359,7 +362,7 @@ def build_app(server: Server) -> FastAPI:
     @app.post(messages.PATH + "/count_tokens")
     async def count_message_tokens(body: messages.MessagesPrompt):
         server.check_model(body.model)
-        return {"input_tokens": len(server.chat_ids(body.chat_messages(), {}))}
+        return {"input_tokens": len(server.chat_ids(body.chat_messages(), {}, continue_final=body.prefilled))}
 
     @app.post("/v1/cancel/{completion_id}")
     async def cancel(completion_id: str):

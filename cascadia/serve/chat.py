@@ -15,6 +15,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from cascadia.errors import CheckpointError, RequestError
 from cascadia.tokenizer import TOKENIZER_CONFIG_FILE
 
+CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' mark of where the final message's text ends
+
 
 class ChatTemplate:
     def __init__(self, template: str, special_tokens: dict[str, str], where: str):
@@ -45,10 +47,26 @@ class ChatTemplate:
         return cls(config["chat_template"], specials, str(path))
 
     def render(self, messages: Sequence[dict[str, str]], variables: Mapping[str, Any] | None = None,
-               add_generation_prompt: bool = True) -> str:
-        """The prompt text of a chat, ready for the assistant's reply (unless `add_generation_prompt` is false);
-        `variables`: more for the template (a request's `chat_template_kwargs`), which may set any but `messages`
-        and `add_generation_prompt` (as vLLM), and not the template's own functions (`range`, `namespace`, ...)."""
+               add_generation_prompt: bool = True, continue_final: bool = False) -> str:
+        """The prompt text of a chat, ready for the assistant's reply (unless `add_generation_prompt` is false), or
+        with its final message left open for the reply to continue (`continue_final`: a prefill), as transformers'
+        `continue_final_message` renders it: the message's end marked, the chat rendered without a generation
+        prompt and cut at the mark. `variables`: more for the template (a request's `chat_template_kwargs`), which
+        may set any but `messages` and `add_generation_prompt` (as vLLM), and not the template's own functions
+        (`range`, `namespace`, ...)."""
+        if not continue_final:
+            return self._render(messages, variables, add_generation_prompt)
+        final = messages[-1]
+        text = self._render([*messages[:-1], {**final, "content": final["content"] + CONTINUE_MARK}], variables, False)
+        at = text.rfind(CONTINUE_MARK.strip())
+        if at == -1:
+            raise RequestError(f"the chat template ({self.where}) leaves out part of the final message, which so "
+                               "cannot be continued")
+        # a template that trims the message's end trims the mark's space too: trim what precedes the mark likewise
+        return text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
+
+    def _render(self, messages: Sequence[dict[str, str]], variables: Mapping[str, Any] | None,
+                add_generation_prompt: bool) -> str:
         if taken := sorted(self._own_names.intersection(variables or {})):
             raise RequestError(f"chat_template_kwargs: may not replace the chat template's own {', '.join(taken)}")
         try:

@@ -2,7 +2,8 @@
 serves it for agents written against Anthropic's SDK.
 
 A message is a chat completion in other clothes: `system` and the `messages` become the chat's messages, so the
-tokens are the chat endpoint's for the same prompt. What comes back is a `message` object with one text block, its
+tokens are the chat endpoint's for the same prompt; a final assistant message is a prefill, which the reply
+continues (the chat endpoint's `continue_final_message`). What comes back is a `message` object with one text block, its
 `stop_reason` (`end_turn`, `max_tokens`, or `stop_sequence` naming the one found), or, streamed, Anthropic's named
 events: `message_start`, `content_block_start`, a `content_block_delta` per piece of text, `content_block_stop`,
 `message_delta` (the stop reason and the output tokens) and `message_stop`; a failure mid-stream is an `error`
@@ -78,7 +79,7 @@ class MessagesPrompt(RequestBody):
     @classmethod
     def refuse_unserved(cls, body: dict) -> None:
         """A content block that is not text (an image, a tool result, ...), by name and place, before the model's
-        own error (every block type it expected) would bury the reason; and a prefill."""
+        own error (every block type it expected) would bury the reason."""
         messages = body.get("messages") if isinstance(body.get("messages"), list) else []
         places = [("system", body.get("system"))]
         places += [(f"messages.{i}.content", m.get("content")) for i, m in enumerate(messages) if isinstance(m, dict)]
@@ -87,9 +88,11 @@ class MessagesPrompt(RequestBody):
                 kind = block.get("type") if isinstance(block, dict) else None
                 if isinstance(kind, str) and kind != "text":
                     raise unsupported(f"{where}.{j}", f"{kind} blocks are not supported by this server (text only)")
-        if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
-            raise unsupported(f"messages.{len(messages) - 1}", "a final assistant message (a prefill) is not "
-                                                               "supported by this server: end with the user's turn")
+
+    @property
+    def prefilled(self) -> bool:
+        """Whether the messages end with the assistant's: the start of the reply, which continues it."""
+        return self.messages[-1].role == "assistant"
 
     def chat_messages(self) -> list[ChatMessage]:
         system = [ChatMessage(role="system", content=_text(self.system))] if self.system else []
@@ -106,7 +109,8 @@ class MessagesRequest(MessagesPrompt):
     def as_chat(self) -> ChatRequest:
         """The chat request that gives this message's tokens."""
         return ChatRequest(model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens,
-                           temperature=self.temperature, top_p=self.top_p, stop=self.stop_sequences)
+                           temperature=self.temperature, top_p=self.top_p, stop=self.stop_sequences,
+                           continue_final_message=self.prefilled)
 
 
 class MessageBody:
