@@ -1,11 +1,15 @@
-"""`cascadia doctor`: what a PC must have before it serves, checked on the PC itself.
+"""`cascadia doctor`: what a PC must have before it serves, checked on the PC itself; and the fleet, checked from
+the coordinator.
 
 Each check answers OK, WARN or FAIL with what it found and, where it is not OK, the fix. Without a spec: Python and
 the packages, OpenVINO's devices and their precisions (and why no GPU shows, where none does), the CPU, the memory
 free, and the memory's speed measured in about a second. With a spec, for the node this machine is to be (`node`;
 without one, every `local` node of the spec, which share this machine): the memory the plan gives it against what
 is free, the device and precision it asks for, its spec figure for memory bandwidth against the measured one, its
-port, and the Curve keys it needs.
+port, and the Curve keys it needs. The fleet (`fleet_checks`) is started as `cascadia run` starts it, without a
+workload: every node of the plan reached (a tcp node connects to the coordinator's control address), started with
+this spec and plan (its settings digest), its stage loaded, and its clock placed on the coordinator's; then it is
+let go (a `--keep-serving` node, as the systemd unit runs it, keeps its stage for the next run).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from urllib.parse import urlsplit
 import attrs
 import numpy as np
 
-from cascadia.host_cpus import available, identity
+from cascadia.host_cpus import available, format_cpus, identity
 from cascadia.host_memory import available_bytes
 from cascadia.units import format_bytes
 
@@ -220,6 +224,61 @@ def spec_checks(spec, plan, node: str | None, measured: float) -> Iterator[Check
             yield port_check(member.address, member.name)
     if spec.cluster.curve_keys is not None:
         yield keys_check(spec.cluster.curve_keys, [m.name for m in members], [m.name for m in spec.cluster.members])
+
+
+def fleet_checks(spec, plan, addresses=None, checkpoint: Path | None = None, wait_s: float = 120.0,
+                 on_message=lambda node, message: None) -> list[Check]:
+    """The plan's nodes started as a run starts them (local ones here; tcp ones waited for at `addresses`, which
+    they must reach), each a check of what it said and how long it took; a node silent for `wait_s`, one started
+    with other settings, or one that fails to load is the fleet's FAIL, named."""
+    from cascadia.errors import CascadiaError
+    from cascadia.pipeline.run import Pipeline
+    from cascadia.pipeline.settings import settings_digest
+    from cascadia.pipeline.wire import Hello, Ready
+
+    start, heard = time.monotonic(), {}
+
+    def note(node, message) -> None:
+        if isinstance(message, Hello):
+            heard[node] = {"hello": message, "up_s": time.monotonic() - start}
+        elif isinstance(message, Ready) and node in heard:
+            heard[node]["ready_s"] = time.monotonic() - start
+        on_message(node, message)
+
+    def node_check(node: str, clock=None) -> Check:
+        hello = heard[node]["hello"]
+        found = (f"up on CPUs {format_cpus(hello.cpus)} {heard[node]['up_s']:.1f} s in, layers {hello.first_layer}-"
+                 f"{hello.last_layer} ready {heard[node]['ready_s']:.1f} s in; settings as this spec and plan")
+        if clock is not None:
+            found += (f"; its clock placed on the coordinator's within {clock.error_bound * 1e3:.2f} ms (control "
+                      f"round trip {clock.round_trip * 1e3:.2f} ms)")
+        return Check(f"node {node}", OK, found)
+
+    local = all(spec.cluster.node(stage.node).is_local for stage in plan.stages)
+    try:
+        pipeline = Pipeline.start(spec, plan, checkpoint=checkpoint, addresses=addresses, node_timeout_s=wait_s,
+                                  on_message=note)
+    except CascadiaError as e:
+        if local:
+            fix = ("the message names the node and what stopped it; cascadia doctor SPEC (without --fleet) checks "
+                   "this PC's memory, devices and CPUs against the spec")
+        else:
+            control = addresses.control if addresses else "the --control address"
+            fix = (f"start each node on its PC with this spec and plan: cascadia node --spec SPEC --plan PLAN --name "
+                   f"NAME --listen ITS_ADDRESS --control {control} --keep-serving (deploy/systemd runs it so), and "
+                   "let its PC reach that address through any firewall")
+        ready = [node_check(node) for node in heard if "ready_s" in heard[node]]
+        return [*ready, Check("fleet", FAIL, str(e), fix)]
+    try:
+        clocks = pipeline.coordinator.clocks
+        checks = [node_check(stage.node, clocks[stage.node]) for stage in plan.stages]
+        digest = settings_digest(spec, plan, False)
+    finally:
+        pipeline.close()
+    what = "started on this PC, and stopped again" if local else \
+        f"reached at {addresses.control}, and let go (a --keep-serving node waits for the next run)"
+    checks.append(Check("fleet", OK, f"the plan's {len(plan.stages)} nodes, settings digest {digest}, {what}"))
+    return checks
 
 
 def failed(checks: list[Check]) -> bool:

@@ -1,7 +1,9 @@
-"""`cascadia doctor`, run as a user runs it: the machine's checks, and a spec's asks of one node (memory, port, Curve
-keys), each failing where it should with its fix, exit status 1 on any FAIL."""
+"""`cascadia doctor`, run as a user runs it: the machine's checks, a spec's asks of one node (memory, port, Curve
+keys), and the fleet from the coordinator (local nodes started, tcp nodes reached over Curve and let go), each
+failing where it should with its fix, exit status 1 on any FAIL."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cascadia import doctor
+from serving import alive
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CONFIG = ROOT / "specs" / "tiny" / "config.json"
@@ -132,3 +135,73 @@ def test_the_report_gives_a_line_a_check_and_the_fix_below():
     assert doctor.report(checks).splitlines() == [
         "OK    python: 3.11", "FAIL  port: taken", "      fix: stop it", "1 OK, 0 WARN, 1 FAIL"]
     assert doctor.failed(checks)
+
+
+def test_the_fleet_of_a_local_spec_is_started_checked_and_stopped(checkpoint):
+    done = cascadia("doctor", str(ROOT / "specs" / "tiny-local.yaml"), "--fleet", "--checkpoint", str(checkpoint),
+                    "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = checks_of(done)
+    for node, layers in [("node0", "0-1"), ("node1", "2-3"), ("node2", "4-5")]:
+        check = checks[f"node {node}"]
+        assert check["status"] == "OK" and f"layers {layers} ready" in check["found"]
+        assert "settings as this spec and plan" in check["found"] and "control round trip" in check["found"]
+    assert checks["fleet"]["status"] == "OK" and "started on this PC, and stopped again" in checks["fleet"]["found"]
+    assert "node2: ready" in done.stderr  # the nodes' progress, as run shows it
+
+
+def test_a_fleet_of_tcp_nodes_is_reached_over_curve_and_let_go_and_a_silent_node_fails(fleet, checkpoint, tmp_path):
+    """Two nodes started by hand with --keep-serving (as the systemd unit runs them): doctor --fleet reaches both,
+    and leaves them serving; with one stopped, it names the one that never spoke, and the fix."""
+    spec, _, _ = fleet
+    plan = tmp_path / "plan.json"
+    assert cascadia("plan", str(spec), "-o", str(plan)).returncode == 0
+    control, tokens = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    nodes = []
+    for name, listen, last in [("pc0", spec_address(spec, 0), False), ("pc1", spec_address(spec, 1), True)]:
+        with (tmp_path / f"{name}.log").open("w") as log:
+            nodes.append(subprocess.Popen(
+                [sys.executable, "-m", "cascadia", "node", "--spec", str(spec), "--plan", str(plan), "--name", name,
+                 "--listen", listen, "--control", control, "--checkpoint", str(checkpoint), "--keep-serving",
+                 "--parent-pid", str(os.getpid()), *(["--successor", tokens] if last else [])],
+                stdout=log, stderr=subprocess.STDOUT))
+    try:
+        fleet_of = ("doctor", str(spec), "--fleet", "--plan", str(plan), "--control", control, "--tokens", tokens,
+                    "--json")
+        done = cascadia(*fleet_of)
+        assert done.returncode == 0, done.stdout + done.stderr
+        checks = checks_of(done)
+        assert checks["node pc0"]["status"] == checks["node pc1"]["status"] == "OK"
+        assert f"reached at {control}, and let go" in checks["fleet"]["found"]
+        assert "port" not in checks  # the coordinator is none of the nodes: their ports are theirs
+        assert all(node.poll() is None for node in nodes)  # still serving, for the next run
+        nodes[1].terminate()
+        nodes[1].wait(60)
+        done = cascadia(*fleet_of, "--wait", "3")
+        assert done.returncode == 1
+        checks = checks_of(done)
+        assert checks["node pc0"]["status"] == "OK" and checks["fleet"]["status"] == "FAIL"
+        assert checks["fleet"]["found"].startswith("pc1: no word within 3 s while starting")
+        assert f"--control {control} --keep-serving" in checks["fleet"]["fix"]
+        assert nodes[0].poll() is None
+    finally:
+        for node in nodes:
+            node.terminate()
+        for node in nodes:
+            node.wait(60)
+    assert not any(alive(node.pid) for node in nodes)
+
+
+def spec_address(spec: Path, index: int) -> str:
+    import yaml
+
+    return yaml.safe_load(spec.read_text())["cluster"]["nodes"][index]["address"]
+
+
+def test_fleet_options_need_fleet_and_tcp_nodes_need_addresses(fleet):
+    spec, _, _ = fleet
+    done = cascadia("doctor", str(spec), "--control", "tcp://127.0.0.1:1")
+    assert done.returncode == 2 and "--control, --tokens and --checkpoint go with --fleet" in done.stderr
+    done = cascadia("doctor", str(spec), "--fleet")
+    assert done.returncode == 2 and "--fleet with tcp nodes: give --control and --tokens" in done.stderr
+    assert "Traceback" not in done.stderr
