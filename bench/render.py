@@ -1,4 +1,4 @@
-"""The documentation's measured tables, rendered from bench/results/*.json.
+"""The documentation's measured tables and plots, rendered from bench/results/*.json.
 
     python bench/render.py [--check]
 
@@ -8,8 +8,9 @@ A page shows a bench's results where it holds the markers
     <!-- end of results -->
 
 and this script writes between them what bench/results/NAME.json holds: the command, the machine and the time of
-the run, then each table with its note. `--check` changes nothing and exits 1 naming every page out of date, every
-marker without its results and every results file no page shows (the test suite runs it).
+the run, then each table with its note, then the plots `bench/plots.py` draws from them (SVGs in docs/plots/).
+`--check` changes nothing and exits 1 naming every page or plot out of date, every marker without its results and
+every results file no page shows (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import re
 import sys
 
+import plots
 from record import RESULTS, ROOT, cell
 
 DOCS = ROOT / "docs"
@@ -29,8 +31,9 @@ def markdown_row(cells: list[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
-def render(result: dict) -> str:
-    """One results file as Markdown: where and how it was measured, then its tables."""
+def render(result: dict, name: str = "") -> str:
+    """One results file (bench/results/NAME.json) as Markdown: where and how it was measured, its tables, its
+    plots."""
     m = result["machine"]
     day, start = result["started"][:10], result["started"][11:16]
     end = result["finished"][11:16]
@@ -46,6 +49,8 @@ def render(result: dict) -> str:
                   *(markdown_row([cell(c) for c in row]) for row in table["rows"]), ""]
         if table["note"]:
             lines += [table["note"], ""]
+    for index, plot in enumerate(plots.PLOTS.get(name, ())):
+        lines += [plots.markdown(name, index, result, plot), ""]
     return "\n".join(lines)
 
 
@@ -64,7 +69,7 @@ def main() -> None:
                 problems.append(f"{page.relative_to(ROOT)}: no bench/results/{name}.json")
                 return match[0]
             shown.add(name)
-            return match[1] + "\n" + render(results[name]) + "\n" + match[4]
+            return match[1] + "\n" + render(results[name], name) + "\n" + match[4]
 
         rendered = BLOCK.sub(fill, text)
         if rendered != text:
@@ -74,8 +79,28 @@ def main() -> None:
                 page.write_text(rendered)
                 print(f"rendered {page.relative_to(ROOT)}")
     problems += [f"bench/results/{name}.json: no page shows it" for name in sorted(set(results) - shown)]
+    problems += draw_plots(results, args.check)
     if problems:
         sys.exit("\n".join(problems))
+
+
+def draw_plots(results: dict[str, dict], check: bool) -> list[str]:
+    """Draw each plot whose file was not drawn from its results (with `check`, name it); the problems found."""
+    problems, drawn = [], set()
+    for name, chosen in sorted(plots.PLOTS.items()):
+        if name not in results:
+            problems.append(f"bench/plots.py: no bench/results/{name}.json to plot")
+            continue
+        for index, plot in enumerate(chosen):
+            drawn.add(plots.path(name, index))
+            if plots.current(name, index, results[name], plot):
+                continue
+            if check:
+                problems.append(f"{plots.path(name, index).relative_to(ROOT)}: out of date (python bench/render.py)")
+            else:
+                print(f"drew {plots.draw(name, index, results[name], plot).relative_to(ROOT)}")
+    stray = sorted(set(plots.PLOT_DIR.glob("*.svg")) - drawn) if plots.PLOT_DIR.is_dir() else []
+    return problems + [f"{file.relative_to(ROOT)}: no plot of bench/plots.py draws it" for file in stray]
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT / "bench"))
 
 import record  # noqa: E402
+import plots  # noqa: E402
 import render  # noqa: E402
 
 RESULTS = sorted((ROOT / "bench" / "results").glob("*.json"))
@@ -91,3 +92,24 @@ def test_a_result_renders_as_its_machine_line_and_markdown_tables():
         "",
         "Greedy, 32-token prompts.",
     ]
+
+
+def test_a_plot_shows_the_measured_figures_and_is_redrawn_when_they_change(tmp_path, monkeypatch):
+    """A plot's points are its columns' figures (a spread's median and range; text left out), and its file says
+    what it was drawn from, so `render.py --check` finds it out of date without drawing it."""
+    monkeypatch.setattr(plots, "PLOT_DIR", tmp_path)
+    table = record.Table("Decode", ["streams", "tok/s", "note"])
+    table.add(1, record.spread([1.0, 2.0, 4.0]), "x")
+    table.add(8, 9.5, "y")
+    table.add(32, "-", "z")
+    result = {"tables": [table.as_json()]}
+    plot = plots.Plot(0, "streams", ("tok/s",), "tokens/s", log_x=True)
+    assert plots.series(result, plot) == {"tok/s": [(1, {"median": 2.0, "min": 1.0, "max": 4.0, "n": 3}),
+                                                   (8, {"median": 9.5, "min": 9.5, "max": 9.5})]}
+    assert not plots.current("decode", 0, result, plot)
+    drawn = plots.draw("decode", 0, result, plot)
+    assert plots.current("decode", 0, result, plot) and "<svg" in drawn.read_text()
+    table.rows[1][1] = 9.6  # measured again
+    assert not plots.current("decode", 0, {"tables": [table.as_json()]}, plot)
+    with pytest.raises(ValueError, match="0 columns named 'ms'"):
+        plots.series(result, plots.Plot(0, "streams", ("ms",), "ms"))
