@@ -1,6 +1,8 @@
 """The host-side parts every family's layer shares, in FP32 as the references compute them: RMSNorm (whole rows and
-per head), softmax and log-sigmoid, a router's choice (`Routing`), and the per-row factor of the FP32 restoration
-around compressed MLP blocks (`row_factor`; `cascadia.engine.families.inkling` says how the restoration works).
+per head), softmax and log-sigmoid, a router's logits (`router_logits`) and choice (`Routing`), and the per-row factor
+of the FP32 restoration around compressed MLP blocks (`row_factor`; `cascadia.engine.families.inkling` says how the
+restoration works). Each computes a row the same way whatever rows share its call, so that a stream's tokens do not
+depend on what the engine computes beside it.
 
 Shapes: T rows of one call, H hidden, k routed experts per row, S shared experts.
 """
@@ -30,6 +32,13 @@ def log_sigmoid(x: np.ndarray) -> np.ndarray:
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     e = np.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
+
+
+def router_logits(h: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """h [T, H] against a router's weight [E, H] -> [T, E], each row as a product of its own: one BLAS call over all
+    the rows picks its kernel, and so its rounding, by their count, and a row's experts and weights would then
+    depend on the rows beside it (by a few units in the last place, enough to flip a near tie)."""
+    return np.matmul(h[:, None, :], weight.T)[:, 0]
 
 
 @attrs.frozen

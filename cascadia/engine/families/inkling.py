@@ -45,7 +45,7 @@ from cascadia.engine import graphs
 from cascadia.engine.attention import AttentionShape, KeyStore, attend_rows
 from cascadia.engine.device import Compiled, CompiledBlock
 from cascadia.engine.layer_build import Chunk, Compile, CompileGrouped, moe_blocks, stack_chunks, swiglu_block
-from cascadia.engine.layers import Routing, head_rms_norm, log_sigmoid, rms_norm, softmax
+from cascadia.engine.layers import Routing, head_rms_norm, log_sigmoid, rms_norm, router_logits, softmax
 from cascadia.engine.mlp import Mlp
 from cascadia.engine.rows import Rows
 from cascadia.engine.state_format import StateFormat
@@ -87,7 +87,7 @@ class Router:
 
     def __call__(self, h: np.ndarray) -> Routing:
         n_routed = self.correction.shape[0]
-        logits = h @ self.weight.T
+        logits = router_logits(h, self.weight)
         routed = logits[:, :n_routed]
         choice = 1 / (1 + np.exp(-routed)) + self.correction
         index = np.argpartition(-choice, self.top_k - 1, axis=1)[:, : self.top_k]

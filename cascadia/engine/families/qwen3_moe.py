@@ -24,7 +24,7 @@ import numpy as np
 
 from cascadia.engine.families.llama import DecoderLayer, attention_parts, embedded, head_input, slot_state
 from cascadia.engine.layer_build import Chunk, Compile, CompileGrouped, moe_blocks, swiglu_block
-from cascadia.engine.layers import Routing, softmax
+from cascadia.engine.layers import Routing, router_logits, softmax
 from cascadia.models import qwen3_moe as names
 from cascadia.models.qwen3_moe import Qwen3MoeConfig
 from cascadia.spec.types import WeightFormats
@@ -42,7 +42,7 @@ class Router:
     normalise: bool
 
     def __call__(self, h: np.ndarray) -> Routing:
-        probabilities = softmax(h @ self.weight.T, axis=1)
+        probabilities = softmax(router_logits(h, self.weight), axis=1)
         index = np.argpartition(-probabilities, self.top_k - 1, axis=1)[:, :self.top_k]
         weights = np.take_along_axis(probabilities, index, axis=1)
         if self.normalise:

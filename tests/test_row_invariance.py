@@ -1,0 +1,60 @@
+"""A row's result does not depend on the call it is computed in: neither on the bucket its call is padded to nor on
+the other streams' rows beside it, at f32 and, where the CPU computes it, bf16, with float or compressed weights
+(bench/row_invariance.py measures op by op where it would move)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.device import runs_as
+from cascadia.engine.engine import Engine
+from cascadia.engine.layers import router_logits
+from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats
+
+FIXTURES = Path(__file__).parent / "fixtures"
+BUCKETS = (1, 2, 4, 8)
+COMPRESSED = WeightFormats(routed_experts=WeightFormat("int4", 32), shared_experts=WeightFormat("int4", 32),
+                           attention=WeightFormat("int8"), head=WeightFormat("int8"))
+
+
+def test_a_routers_logits_for_a_row_are_the_same_in_any_call():
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((32, 512)).astype(np.float32)
+    weight = rng.standard_normal((66, 512)).astype(np.float32)
+    alone = router_logits(h[:1], weight)[0]
+    assert all(np.array_equal(router_logits(h[:rows], weight)[0], alone) for rows in range(2, 33))
+    np.testing.assert_allclose(router_logits(h, weight), h @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["inkling", "qwen3_odd", "llama_plain"])
+@pytest.mark.parametrize("precision, formats", [("f32", WeightFormats()), ("bf16", WeightFormats()),
+                                                ("bf16", COMPRESSED)], ids=["f32", "bf16", "bf16-compressed"])
+def test_a_streams_decode_step_is_the_same_alone_padded_or_beside_others(checkpoint, model, precision, formats):
+    """Stream 0's logits for its next token, its prompt prefilled alone each time (the same state): alone, padded
+    to every bucket, and in a call with every other stream, bit for bit; for each family (the tiny Inkling, the
+    fixtures' Qwen3-MoE and Llama)."""
+    if runs_as(precision, "CPU") != precision:
+        pytest.skip(f"this CPU has no {precision} arithmetic: OpenVINO computes it in {runs_as(precision, 'CPU')}")
+    runtime = RuntimeSpec(context_budget=32, max_streams=BUCKETS[-1], precision=precision, kv_precision=precision,
+                          row_buckets=BUCKETS)
+    engine = Engine(Checkpoint.open(checkpoint if model == "inkling" else FIXTURES / model), runtime, formats=formats)
+    stage = engine.stage
+    prompts = np.random.default_rng(1).integers(0, engine.config.vocab_size, (BUCKETS[-1], 6))
+
+    def step(streams: int, bucket: int) -> np.ndarray:
+        for slot in range(BUCKETS[-1]):
+            engine.release(slot)
+        for slot in range(streams):
+            engine.prefill(slot, prompts[slot])
+        slots = np.arange(streams)
+        hidden = stage.forward(stage.embed(prompts[:streams, 0]), slots, stage.lengths[slots], bucket)
+        return stage.logits(hidden)[0]
+
+    alone = step(1, 1)
+    for bucket in BUCKETS[1:]:
+        assert np.array_equal(step(1, bucket), alone), f"padded to {bucket} rows"
+        assert np.array_equal(step(bucket, bucket), alone), f"beside {bucket - 1} other streams"
