@@ -12,7 +12,10 @@ import pytest
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import runs_as
 from cascadia.engine.engine import Engine
+from cascadia.engine.families.inkling import short_conv
 from cascadia.engine.layers import router_logits
+from cascadia.engine.rows import Rows
+from cascadia.engine.state_format import StateFormat
 from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -28,6 +31,28 @@ def test_a_routers_logits_for_a_row_are_the_same_in_any_call():
     alone = router_logits(h[:1], weight)[0]
     assert all(np.array_equal(router_logits(h[:rows], weight)[0], alone) for rows in range(2, 33))
     np.testing.assert_allclose(router_logits(h, weight), h @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16", "f16"])
+def test_a_convolution_over_a_chunk_is_the_one_over_its_rows_one_call_each(precision):
+    """A stream's rows in one call (a prompt's chunk, a replay) against one call a row (decode steps): the same
+    outputs and the same state, bit for bit, the earlier inputs taken as the state stores them either way."""
+    fmt, kernel, channels, rows = StateFormat(precision), 4, 16, 6
+    rng = np.random.default_rng(2)
+    taps = rng.standard_normal((kernel, channels)).astype(np.float32)
+    y = rng.standard_normal((rows, channels)).astype(np.float32)
+
+    def convolve(calls: list[range]) -> tuple[np.ndarray, np.ndarray]:
+        states, lengths, out = fmt.zeros((1, kernel - 1, channels)), np.zeros(1, np.int64), []
+        for call in calls:
+            built = Rows.build(np.zeros(len(call)), np.array(call), lengths, kernel, (1, 8), 8)
+            out.append(short_conv(y[call.start:call.stop], taps, states, built, fmt))
+            lengths[0] = call.stop
+        return np.concatenate(out), states
+
+    chunk, chunk_state = convolve([range(rows)])
+    steps, step_state = convolve([range(i, i + 1) for i in range(rows)])
+    assert np.array_equal(chunk, steps) and np.array_equal(chunk_state, step_state)
 
 
 @pytest.mark.parametrize("model", ["inkling", "qwen3_odd", "llama_plain"])

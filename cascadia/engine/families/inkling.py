@@ -59,11 +59,16 @@ def short_conv(y: np.ndarray, taps: np.ndarray, states: np.ndarray, rows: Rows,
                fmt: StateFormat = StateFormat()) -> np.ndarray:
     """Depthwise causal convolution over each stream's history, plus the residual: y + conv(y), y [T, C].
     `taps` [K, C], the convolution's weight transposed (tap K-1 meets the current row); `states` [slots, K-1, C],
-    the streams' last K-1 inputs stored in `fmt`, is updated in place."""
+    the streams' last K-1 inputs stored in `fmt`, is updated in place. A row's earlier inputs are taken as `fmt`
+    stores them, whether they come from the state or from earlier rows of the same call (a prompt's chunk, a
+    replay), so that a stream's results do not depend on how its tokens were split into calls; its own input is
+    taken exact."""
     group_slots = rows.group_slots
-    history = np.concatenate([fmt.decode(states[group_slots]).reshape(-1, y.shape[1]), y])
-    conv = (history[rows.conv_taps] * taps).sum(axis=1)
-    states[group_slots] = fmt.encode(history[rows.conv_keep])
+    stored = np.concatenate([fmt.decode(states[group_slots]).reshape(-1, y.shape[1]), fmt.decode(fmt.encode(y))])
+    inputs = stored[rows.conv_taps]  # [T, K, C]
+    inputs[:, -1] = y
+    conv = (inputs * taps).sum(axis=1)
+    states[group_slots] = fmt.encode(stored[rows.conv_keep])
     return conv + y
 
 
