@@ -91,6 +91,25 @@ def test_a_streams_decode_step_is_the_same_alone_padded_or_beside_others(checkpo
         assert np.array_equal(step(bucket, bucket), alone), f"beside {bucket - 1} other streams"
 
 
+@pytest.mark.parametrize("model", ["inkling", "qwen3_odd", "llama_plain"])
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_a_stream_taken_in_again_gives_the_logits_of_its_decode_steps(checkpoint, model, precision):
+    """A prompt and the tokens a stream went on with, taken in again in one call (as a replay after a node's loss
+    does), against the prompt then one decode step a token: the same last logits, bit for bit."""
+    if runs_as(precision, "CPU") != precision:
+        pytest.skip(f"this CPU has no {precision} arithmetic: OpenVINO computes it in {runs_as(precision, 'CPU')}")
+    runtime = RuntimeSpec(context_budget=32, max_streams=1, precision=precision, kv_precision=precision,
+                          row_buckets=(1, 2, 8, 16))
+    engine = Engine(Checkpoint.open(checkpoint if model == "inkling" else FIXTURES / model), runtime)
+    prompt = np.random.default_rng(3).integers(0, engine.config.vocab_size, 6)
+    logits, ids = engine.prefill(0, prompt), []
+    for _ in range(9):
+        ids.append(int(np.argmax(logits)))
+        logits = engine.step([0], [ids[-1]])[0]
+    engine.release(0)
+    assert np.array_equal(engine.prefill(0, np.concatenate([prompt, ids])), logits)
+
+
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=5)],
                          ids=["greedy", "sampled"])

@@ -12,7 +12,10 @@ from memory once. It releases the GIL, so the spans run on the attention thread 
 
 A global layer's entry e is position e, so a row at position p sees a prefix of each block, and most blocks whole
 and beyond the relative bias's bank; a sliding layer's ring holds the latest position with each entry's remainder,
-and a row sees those within its window. Masked keys score -inf, whose exponential is 0.
+and a row sees those within its window. Masked keys score -inf, whose exponential is 0. Every block is walked
+whole, a global layer's entries past its stream's last row masked too (unwritten, or another stream's old finite
+values: their weight is 0), so a row's sums take the same steps whether the call ends at its own position (a decode
+step) or further on (a prompt's chunk, a replay), and a replayed stream gets its decode steps' results bit for bit.
 """
 
 from __future__ import annotations
@@ -223,9 +226,11 @@ def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray
         reach = window if window > 0 else last + 1
         for i in range(table.shape[1]):
             base = first_entry + i * block
-            count = block if ring else min(block, last - base + 1)  # a global layer's entries past `last`: unwritten
-            if count <= 0:
+            if not ring and base > last:
                 break
+            # every entry of a block, those past `last` (unwritten) masked: a row's sums then take the same steps
+            # whatever the last row of its stream in the call, so a replayed chunk computes a row as its decode step
+            count = block
             for j in range(count):
                 key_positions[j] = last - (last - base - j) % ring if ring else base + j
             for h in range(kv_heads):
