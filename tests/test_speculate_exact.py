@@ -14,6 +14,7 @@ import pytest
 from serving import Served
 
 from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.device import runs_as
 from cascadia.engine.engine import Engine, StageEngine
 from cascadia.engine.generate import generate
 from cascadia.engine.rows import BatchError
@@ -26,6 +27,7 @@ from cascadia.pipeline.stage import EngineStage, RowSampler
 from cascadia.pipeline.wire import Frame as WireFrame
 from cascadia.policy import DRAFT, Policy, Request, Token
 from cascadia.sampling import Sampling
+from cascadia.spec.types import WeightFormat, WeightFormats
 from cascadia.speculation import NgramDrafter, ReplayDrafter
 from cascadia.tokenizer import load_tokenizer
 
@@ -106,6 +108,24 @@ def test_speculation_gives_the_tokens_of_a_run_without_it(spec, plain, speculati
         assert drafted, "nothing was speculated"
         if concurrency > 1:  # some frame verifies drafts beside another stream's rows
             assert any(len({r.request_id for r in f.rows}) > 1 for f in drafted)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_at_bf16_speculation_gives_the_tokens_of_a_run_without_it(spec, checkpoint, sampled):
+    """The same at bf16 compute, weights and K/V, where verifying drafts computes a stream's rows as a chunk that a
+    run without speculation computes one decode step at a time."""
+    if runs_as("bf16", "CPU") != "bf16":
+        pytest.skip(f"this CPU has no bf16 arithmetic: OpenVINO computes it in {runs_as('bf16', 'CPU')}")
+    formats = WeightFormats(**{field.name: WeightFormat("bf16") for field in attrs.fields(WeightFormats)})
+    spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, precision="bf16", kv_precision="bf16"),
+                        model=attrs.evolve(spec.model, formats=formats))
+    n_groups, requests = 3, repetitive_requests(4, sampled, long_every=3)
+    expected, _ = serve(whole_model(spec, checkpoint, None), spec.runtime, requests, n_groups)
+    recorded = {r.prompt_ids: expected[r.id] for r in requests}
+    speculative = whole_model(spec, checkpoint, "ngram:4")
+    for drafter in (NgramDrafter(), ReplayDrafter(recorded), WrongDrafter(recorded)):
+        outputs, _ = serve(speculative, spec.runtime, requests, n_groups, drafter, seed=4)
+        assert outputs == expected, type(drafter).__name__
 
 
 def test_a_replay_of_the_outputs_takes_fewer_frames(spec, plain, speculative):
