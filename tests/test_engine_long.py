@@ -73,7 +73,6 @@ def test_chunked_prefill_and_greedy_decode_match_transformers(long_checkpoint, r
     and of 192 keys (32 spans, 3 blocks each, combined on the thread pool)."""
     assert 32 < FUSED_ROWS <= 256
     monkeypatch.setattr(attention, "SPAN_KEYS", span_keys)
-    monkeypatch.setattr(attention, "MIN_SPAN_KEYS", min(attention.MIN_SPAN_KEYS, span_keys))
     monkeypatch.setattr(attention, "FUSED_KEYS", fused_keys)
     fused_calls = []
     fused = attention._fused
@@ -128,22 +127,26 @@ def scattered_streams(precision: str, first: np.ndarray, slots: np.ndarray, n: i
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
-def test_spans_shared_among_a_calls_streams_agree_with_one_span(precision, monkeypatch):
-    """Decode rows of three streams at 300, 1,000 and 2,600 positions: spans of one block (SPAN_KEYS 192 shared by
-    3 streams), each gathering its entries of every stream, against one span of every entry."""
+def test_spans_of_parts_of_a_calls_streams_agree_with_one_span(precision, monkeypatch):
+    """Decode rows of three streams at 300, 1,000 and 2,600 positions: spans of one block (SPAN_KEYS 64), as if on
+    64 CPUs: each span a task for the first stream and one for the other two, against one span of every entry
+    in one task."""
     first, slots = np.array([300, 1000, 2600]), np.array([1, 2, 0])
     store, q, k, v, rel = scattered_streams(precision, first, slots, 1)
-    spans = []
-    span = attention._span
-    monkeypatch.setattr(attention, "_span", lambda *args: spans.append(args[-2:]) or span(*args))
-    monkeypatch.setattr(attention, "SPAN_KEYS", 192)
-    monkeypatch.setattr(attention, "MIN_SPAN_KEYS", 64)
-    shared = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
-    assert sorted(spans) == [(start, min(start + 64, 2601)) for start in range(0, 2601, 64)]  # on two threads
+    tasks = []
+    span = attention.paged_kernel.span
+    monkeypatch.setattr(attention.paged_kernel, "span",
+                        lambda q, *args: tasks.append((args[3], len(q))) or span(q, *args))
+    monkeypatch.setattr(attention, "_width", lambda: 64)
+    monkeypatch.setattr(attention, "SPAN_KEYS", 64)
+    monkeypatch.setattr(attention, "TASK_KEYS", 64)
+    parted = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
+    assert sorted(tasks) == sorted((start, part) for start in range(0, 2601, 64) for part in (2, 1))
     monkeypatch.setattr(attention, "SPAN_KEYS", 3 * 4096)
+    monkeypatch.setattr(attention, "_width", lambda: 1)
     whole = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
-    assert spans[-1] == (0, 2601)
-    assert np.abs(shared - whole).max() <= 1e-6 * np.abs(whole).max()
+    assert tasks[-1] == (0, 3)
+    assert np.abs(parted - whole).max() <= 1e-6 * np.abs(whole).max()
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])

@@ -53,8 +53,7 @@ def test_streams_on_scattered_blocks_match_a_dense_softmax(precision, rows, shap
     that grow together take them, in spans of 3 blocks on the thread pool: decode rows, and 5 rows of a chunk (each
     row sees a different prefix of the last block); 4 and 3 query heads a K/V head (the kernel takes query rows in
     fours: 3 leaves the last four short). Within 2e-6 of the largest output (f32 rounding)."""
-    monkeypatch.setattr(attention, "SPAN_KEYS", 3 * BLOCK * 3)
-    monkeypatch.setattr(attention, "MIN_SPAN_KEYS", BLOCK)
+    monkeypatch.setattr(attention, "SPAN_KEYS", 3 * BLOCK)
     first, slots = np.array([37, 300, 1000]), np.array([2, 0, 1])
     fmt = StateFormat(precision)
     store = PagedKV.alone(3 * (1000 + rows) // BLOCK + 6, BLOCK, 3, shape.kv_heads, shape.head_dim, fmt)

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 from test_pipeline import TIMEOUT_S, assert_outputs_match_engine
 
+from cascadia.engine.attention import SPAN_KEYS, AttentionShape, attend
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import runs_as
 from cascadia.engine.engine import Engine
 from cascadia.engine.families.inkling import short_conv
+from cascadia.engine.kv_store import PagedKV
 from cascadia.engine.layers import router_logits
 from cascadia.engine.rows import Rows
 from cascadia.engine.state_format import StateFormat
@@ -129,3 +131,28 @@ def test_a_bf16_pipeline_gives_each_request_the_single_process_engines_tokens(sp
     assert len(done.outputs) == 10
     assert_outputs_match_engine(done.outputs, Engine(Checkpoint.open(checkpoint), runtime, formats=formats,
                                                      threads=1), sampling)
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_a_long_streams_attention_is_the_same_alone_or_beside_others(precision):
+    """Stream 0's decode row at 9,000 positions (three spans of SPAN_KEYS), alone and in calls beside 1, 3 and 7
+    other streams shorter and longer than it, bit for bit: its spans are cut at the same entries in every call,
+    however the call's streams are split among tasks, and a span it does not reach adds nothing to it."""
+    lengths = np.array([9000, 300, 12000, 4096, 100, 9000, 5000, 2])
+    shape = AttentionShape(8, 2, 32, None, 48, (64, 0.4), scale=1 / 32)
+    store = PagedKV.alone(int(sum(-(-(n + 1) // 256) for n in lengths)), 256, len(lengths), shape.kv_heads,
+                          shape.head_dim, StateFormat(precision))
+    rng = np.random.default_rng(4)
+    for slot, n in enumerate(lengths.tolist()):
+        store.pool.grow({slot: n + 1})
+        store.write(np.array([slot]), np.arange(n)[None], *rng.standard_normal((2, 1, n, 2, 32), np.float32))
+    q = rng.standard_normal((len(lengths), 1, 8, 32), np.float32) * 3
+    k, v = rng.standard_normal((2, len(lengths), 1, 2, 32), np.float32)
+    rel = rng.standard_normal((len(lengths), 1, 8, 48), np.float32)
+
+    def row_0(streams: int) -> np.ndarray:
+        return attend(shape, q[:streams], k[:streams], v[:streams], rel[:streams], store, np.arange(streams),
+                      lengths[:streams])[0]
+    alone = row_0(1)
+    assert lengths[0] > 2 * SPAN_KEYS
+    assert all(np.array_equal(row_0(streams), alone) for streams in (2, 4, 8))

@@ -2,10 +2,13 @@
 only where it is non-zero; a prompt's chunk reads its far keys through OpenVINO's fused attention.
 
 A long context is read once per row of a call: at 64k positions the keys and values of one global layer are
-megabytes, so attention is memory-bound. The keys are cut into spans of SPAN_KEYS entries (shared among the
-streams of a call); each span's scores, exponentials and partial output are computed apart, on as many threads as
-this process may use, and the spans are combined as the softmax of their union (the flash-attention rescaling: each
-span's sum and output times exp(its max - the max)). A span is computed by a compiled kernel (`paged_kernel`)
+megabytes, so attention is memory-bound. A stream's entries are cut into spans at every SPAN_KEYS-th entry, the same
+cuts whatever else its call holds, so that its rows' sums take the same steps alone or beside other streams (at bf16
+a different cut would round differently, and a request's tokens would depend on the server's load). A call's spans,
+each over a part of its streams (as many parts as keep every thread busy), are computed apart on as many threads as
+this process may use, and each stream's spans are combined, in order, as the softmax of their union (the
+flash-attention rescaling: each span's sum and output times exp(its max - the max); a span the stream does not
+reach adds exact zeros). A span is computed by a compiled kernel (`paged_kernel`)
 straight from the pool's blocks, a global layer's or a sliding layer's ring's, and releases the GIL. The bias bank
 covers distances 0..X-1 only: the kernel adds it to a row's last X keys alone. Log-scaling multiplies the queries
 and the bank at each row's own position.
@@ -41,9 +44,9 @@ from cascadia.engine.kv_store import PagedKV, PagedRing
 from cascadia.engine.rows import Rows
 
 KeyStore = PagedRing | PagedKV
-SPAN_KEYS = 4096  # keys per span (one task of the thread pool), shared among the streams of a call: a call of many
-# streams still splits into spans for every thread, each a few MiB of keys and values
-MIN_SPAN_KEYS = 256  # below, a span's fixed cost (its Python call, its share of the merge) outweighs
+SPAN_KEYS = 4096  # entries per span of a stream: a few MiB of keys and values
+TASK_KEYS = 1024  # a call's streams are split among tasks only where each part still reads this many entries: below,
+# a task's fixed cost (its Python call, its share of the merge) outweighs what a second thread saves
 # a stream's rows in a call from which its far keys go through the fused attention: below, copying them into its
 # layout costs more than it saves (measured on a 2-core AMD EPYC: the same at 32 rows, 1.2-1.8x faster at 64, 2.7-3.8x
 # at 256, at 4k-64k positions)
@@ -69,9 +72,15 @@ def log_scale(positions: np.ndarray, n_floor: int, alpha: float) -> np.ndarray:
 
 
 @cache
+def _width() -> int:
+    """The CPUs this process may run on (a pinned node's, on a fleet)."""
+    return len(os.sched_getaffinity(0))
+
+
+@cache
 def _threads() -> ThreadPoolExecutor:
-    """One pool for every layer, as wide as the CPUs this process may run on (a pinned node's, on a fleet)."""
-    return ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="attention")
+    """One pool for every layer, as wide as the CPUs this process may run on."""
+    return ThreadPoolExecutor(_width(), thread_name_prefix="attention")
 
 
 def attend_rows(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, rel: np.ndarray,
@@ -122,25 +131,54 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
 
 def _spans(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store: KeyStore, slots: np.ndarray,
            positions: np.ndarray, begin: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Entries begin..(the most filled)-1 in spans on the thread pool, combined: the scores' max per row
-    [G, kv, h/kv, n], the sum of exp(score - max) and the unnormalised output [G, kv, h/kv, n, d]."""
-    step = _span_keys(len(slots), store.pool.block if store.span is None else store.per_block)
-    end = int(positions.max()) + 1 if store.span is None else min(store.span, int(positions.max()) + 1)
-    spans = [(start, min(start + step, end)) for start in range(begin, end, step)]
+    """Entries begin..(each stream's last)-1 in spans on the thread pool, each stream's combined: the scores' max
+    per row [G, kv, h/kv, n], the sum of exp(score - max) and the unnormalised output [G, kv, h/kv, n, d]."""
+    ends = positions[:, -1] + 1 if store.span is None else np.minimum(store.span, positions[:, -1] + 1)
+    block = store.pool.block if store.span is None else store.per_block
+    step = max(1, SPAN_KEYS // block) * block
+    cuts = range(begin - begin % step, int(ends.max()), step)
+    spans = [(max(cut, begin), min(cut + step, int(ends.max()))) for cut in cuts]
+    parts = _stream_parts(np.minimum(ends - begin, step), sum(stop - start == step for start, stop in spans))
+    tasks = [(span, part) for span in spans for part in parts]
 
-    def span(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return _span(shape, grouped_q, rel, store, slots, positions, *bounds)
-    parts = [span(spans[0])] if len(spans) == 1 else list(_threads().map(span, spans))
-    top = np.maximum.reduce([p[0] for p in parts])
-    weights = [np.exp(p[0] - top) for p in parts]
-    total = sum(w * p[1] for w, p in zip(weights, parts))
-    return top, total, sum(w[..., None] * p[2] for w, p in zip(weights, parts))
+    def task(bounds: tuple[int, int], part: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # arrays of its own: a running max and sum that threads update in one cache line would slow both
+        top, total = np.empty((2, *grouped_q[part].shape[:3]), np.float32)
+        out = np.empty(grouped_q[part].shape, np.float32)
+        paged_kernel.span(grouped_q[part], *store.blocks(slots[part], *bounds), bounds[0], store.span or 0,
+                          shape.window or 0, positions[part], rel[part], np.float32(shape.scale), top, total, out)
+        return top, total, out
+    streams, kv_heads = grouped_q.shape[:2]
+    group = (streams, kv_heads, shape.heads // kv_heads, -1)
+    if len(tasks) == 1:
+        top, total, out = task(*tasks[0])
+        return top.reshape(group), total.reshape(group), out.reshape(*group, shape.head_dim)
+    done = list(_threads().map(lambda args: task(*args), tasks))
+    if len(parts) > 1:  # each span's parts joined, its streams in order
+        done = [tuple(map(np.concatenate, zip(*done[k:k + len(parts)]))) for k in range(0, len(done), len(parts))]
+    tops, totals, outs = map(np.stack, zip(*done))  # [spans, G, kv, (h/kv) n] and [spans, G, kv, (h/kv) n, d]
+    if len(spans) == 1:
+        return tops[0].reshape(group), totals[0].reshape(group), outs[0].reshape(*group, shape.head_dim)
+    # a span a row sees none of (beyond its stream's end) gives it max 0, sum 0: it must not raise the max
+    seen = totals > 0
+    top = np.where(seen, tops, -np.inf).max(0)
+    top[np.isneginf(top)] = 0
+    weights = np.exp(np.where(seen, tops - top, -np.inf))
+    total, out = np.zeros_like(top), np.zeros_like(outs[0])
+    for span in range(len(spans)):  # in order, as a stream's spans are the same in every call
+        total += weights[span] * totals[span]
+        out += weights[span][..., None] * outs[span]
+    return top.reshape(group), total.reshape(group), out.reshape(*group, shape.head_dim)
 
 
-def _span_keys(streams: int, block: int) -> int:
-    """Entries per span for a call of `streams` streams, in whole blocks: SPAN_KEYS shared among them, so that a
-    span's work stays about the same however many streams a call holds; at least MIN_SPAN_KEYS."""
-    return max(1, max(MIN_SPAN_KEYS, SPAN_KEYS // streams) // block) * block
+def _stream_parts(entries: np.ndarray, whole_spans: int) -> list[slice]:
+    """The streams of a call in consecutive parts, each a task of every span: as many as give every thread a whole
+    span's task (a call's last span may be a few entries) where each part still reads TASK_KEYS entries a span
+    (`entries`: each stream's per span)."""
+    streams = len(entries)
+    wanted = -(-_width() // max(1, whole_spans))
+    count = max(1, min(streams, wanted, int(entries.sum()) // TASK_KEYS))
+    return [slice(streams * part // count, streams * (part + 1) // count) for part in range(count)]
 
 
 def _far_keys(shape: AttentionShape, store: KeyStore, first: np.ndarray) -> np.ndarray:
@@ -189,26 +227,10 @@ def _fused_attention(kv_heads: int, width: int, scale: float):
     params = [ops.parameter([1, kv_heads, -1, width], ov.Type.f32, name=name) for name in "qkv"]
     scale = ops.constant(np.float32(scale))
     model = ov.Model([ops.scaled_dot_product_attention(*params, scale=scale)], params, "attention")
-    request = core().compile_model(model, "CPU", compile_options("f32", len(os.sched_getaffinity(0)))
+    request = core().compile_model(model, "CPU", compile_options("f32", _width())
                                    ).create_infer_request()
 
     def run(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         request.infer({"q": q, "k": k, "v": v}, share_inputs=True)
         return request.get_output_tensor(0).data
     return run
-
-
-def _span(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store: KeyStore, slots: np.ndarray,
-          positions: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Entries start..stop-1 of every stream, through the compiled kernel from the blocks where they lie: the
-    scores' max per row [G, kv, h/kv, n] (0 where a row sees none of them), the sum of exp(score - max)
-    [G, kv, h/kv, n] and the unnormalised output [G, kv, h/kv, n, d]."""
-    streams, n = positions.shape
-    kv_heads, group = shape.kv_heads, shape.heads // shape.kv_heads
-    keys, values, table = store.blocks(slots, start, stop)
-    top, total = np.empty((2, streams, kv_heads, group * n), np.float32)
-    out = np.empty(grouped_q.shape, np.float32)
-    paged_kernel.span(grouped_q, keys, values, table, start, store.span or 0, shape.window or 0, positions, rel,
-                      np.float32(shape.scale), top, total, out)
-    return (top.reshape(streams, kv_heads, group, n), total.reshape(streams, kv_heads, group, n),
-            out.reshape(streams, kv_heads, group, n, shape.head_dim))
