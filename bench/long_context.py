@@ -24,15 +24,16 @@ kernel openvino-genai serves with, through its experimental Python binding; no b
 on the same keys without bias or log-scaling), with f32 and with bf16 K/V (the plugin runs bf16 K/V only in bf16
 compute, its queries rounded to bf16), with its largest difference from the spans relative to their largest
 output; for a prompt's chunk of
-PREFILL_CHUNK rows at N (bf16 K/V, every thread), the spans alone against the engine's fused far keys (its default
-from FUSED_ROWS rows), with their largest difference relative to the largest output.
+PREFILL_CHUNK rows at N (bf16 K/V, every thread), the spans alone against the engine's fused far keys (as
+`runtime.fused_attention_from` asks), with their largest difference relative to the largest output.
 With --streams 1,2,4,8 --calibration CAL (a calibration of specs/mid-long.yaml), decode steps of G streams together
 at each N (their keys and values written straight into the stores, as beyond --ttft-max) against what the simulator
 charges that frame (`StageCost` of the calibration's node: one stream's table at the frame's padded rows, and each
 further stream's keys and values at the table's per-position slope): a check of that charge on many long streams.
---kv-block sets the engine's positions per K/V block (runtime.kv_block; default specs/mid-long.yaml's), and the
-alone column's; --kv-precision how the engine and the alone column store K/V (runtime.kv_precision; default
-specs/mid-long.yaml's bf16; the runtime's own default and the paper spec's is f32).
+--fused-attention-from sets runtime.fused_attention_from (default specs/mid-long.yaml's: a prompt's chunks read
+their far keys fused). --kv-block sets the engine's positions per K/V block (runtime.kv_block; default
+specs/mid-long.yaml's), and the alone column's; --kv-precision how the engine and the alone column store K/V
+(runtime.kv_precision; default specs/mid-long.yaml's bf16; the runtime's own default and the paper spec's is f32).
 Then the fits TTFT = a N + b N^2 and decode = c + d N (least squares over the measured N), their predictions at 64k
 and 512k, and the paper's growth beside ours (paper, 11 PCs: decode 54 ms/token at 4k, 216 at 64k, 1,496 at 512k;
 TTFT 22 s at 1k, 110 min at 64k); last, the decode target: decode at the longest context minus at the shortest, against
@@ -303,12 +304,8 @@ def chunk_ms(shape: AttentionShape, store: PagedKV, positions: int, chunk: tuple
              ) -> tuple[float, np.ndarray]:
     """ms of the engine's attention for `chunk` at `positions` over `store` (median of 3), its far keys fused or
     in spans alone, and its output."""
-    default = attention.FUSED_ROWS
-    attention.FUSED_ROWS = default if fused else PREFILL_CHUNK + 1
-    try:
-        return timed_attend(shape, chunk, store, positions, 3)
-    finally:
-        attention.FUSED_ROWS = default
+    store.fused_from = PREFILL_CHUNK if fused else None
+    return timed_attend(shape, chunk, store, positions, 3)
 
 
 def attention_only(config: InklingConfig, contexts: list[int], rng: np.random.Generator) -> None:
@@ -412,6 +409,9 @@ def main() -> None:
                         help="positions a K/V block (runtime.kv_block; default specs/mid-long.yaml's)")
     parser.add_argument("--kv-precision", choices=("bf16", "f16", "f32"), default="bf16",
                         help="how the engine stores K/V (runtime.kv_precision; default specs/mid-long.yaml's)")
+    parser.add_argument("--fused-attention-from", default=load_spec(LONG_SPEC).runtime.fused_attention_from,
+                        type=lambda text: text if text == "never" else int(text),
+                        help="runtime.fused_attention_from: a row count or never (default specs/mid-long.yaml's)")
     parser.add_argument("--streams", help="decode steps of these many streams against the simulator's frame cost")
     parser.add_argument("--calibration", type=Path, help="with --streams: a calibration of specs/mid-long.yaml")
     parser.add_argument("--out", type=Path, help="default bench/results/long_context.json (the main table only)")
@@ -434,7 +434,8 @@ def main() -> None:
     config = long_config(args.quick)
     checkpoint = Checkpoint.open(random_checkpoint(config, CHECKPOINT, args.quick, SEED))
     runtime = RuntimeSpec(precision="bf16", kv_precision=args.kv_precision, max_streams=1, context_budget=budget,
-                          row_buckets=ROW_BUCKETS, kv_block=args.kv_block)
+                          row_buckets=ROW_BUCKETS, kv_block=args.kv_block,
+                          fused_attention_from=args.fused_attention_from)
     engine = Engine(checkpoint, runtime, formats=FORMATS)
     clock, rng = AttentionClock(), np.random.default_rng(SEED)
     bandwidth = memory_bandwidth(np.ones(2**27, np.int64))
@@ -443,8 +444,10 @@ def main() -> None:
           f"streaming read {bandwidth / 1e9:.1f} GB/s\n")
 
     threads = " / ".join(f"{n} thread{'s' * (n > 1)}" for n in sorted(pool_of))
+    fused = args.fused_attention_from
+    far_keys = "a chunk's far keys in spans" if fused == "never" else f"far keys fused from {fused} rows"
     contexts_table = Table(f"One stream at each context: {engine.stage.precision} compute, {args.kv_precision} K/V, "
-                           f"blocks of {args.kv_block}", [
+                           f"blocks of {args.kv_block}, {far_keys}", [
                                "context", "TTFT s", "decode ms/token", "of which attention ms", "K/V read MiB",
                                "attention at % of bandwidth", f"one layer alone ms, {threads}", "its K/V read ms"],
                            note=f"Streaming read {bandwidth / 1e9:.1f} GB/s; TTFT measured (a real prefill) up to "

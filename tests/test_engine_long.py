@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cascadia.engine import attention
-from cascadia.engine.attention import FUSED_KEYS, FUSED_ROWS, SPAN_KEYS, AttentionShape
+from cascadia.engine.attention import FUSED_KEYS, SPAN_KEYS, AttentionShape
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.init_model import init_model
@@ -62,28 +62,30 @@ def greedy_continuation(engine: Engine, prompt: np.ndarray, n: int, slot: int = 
     return tokens, np.stack(rows)
 
 
-@pytest.mark.parametrize("row_buckets, span_keys, fused_keys", [((1, 2, 8, 16, 24, 32), SPAN_KEYS, FUSED_KEYS),
-                                                                ((1, 8, 256), SPAN_KEYS, FUSED_KEYS),
-                                                                ((1, 8, 256), 192, 128)],
-                         ids=["chunks-32", "chunks-256", "chunks-256-spans-192-fused-128"])
-def test_chunked_prefill_and_greedy_decode_match_transformers(long_checkpoint, reference, row_buckets, span_keys,
-                                                              fused_keys, monkeypatch):
-    """Chunks of 32 rows attend in spans alone; chunks of 256 read their far keys fused (in one piece; in pieces
-    of 128 keys, 2 blocks, each folding the ones before into its sink). Spans of SPAN_KEYS (two spans at the end)
-    and of 192 keys (32 spans, 3 blocks each, combined on the thread pool)."""
-    assert 32 < FUSED_ROWS <= 256
+@pytest.mark.parametrize("row_buckets, fused_from, span_keys, fused_keys",
+                         [((1, 2, 8, 16, 24, 32), 64, SPAN_KEYS, FUSED_KEYS),
+                          ((1, 8, 256), "never", SPAN_KEYS, FUSED_KEYS), ((1, 8, 256), 64, SPAN_KEYS, FUSED_KEYS),
+                          ((1, 8, 256), 64, 192, 128)],
+                         ids=["chunks-32", "chunks-256", "chunks-256-fused", "chunks-256-spans-192-fused-128"])
+def test_chunked_prefill_and_greedy_decode_match_transformers(long_checkpoint, reference, row_buckets, fused_from,
+                                                              span_keys, fused_keys, monkeypatch):
+    """Chunks of 32 rows attend in spans alone, and so do chunks of 256 by default; with `fused_attention_from: 64`
+    chunks of 256 read their far keys fused (in one piece; in pieces of 128 keys, 2 blocks, each folding the ones
+    before into its sink). Spans of SPAN_KEYS (two spans at the end) and of 192 keys (32 spans, 3 blocks each,
+    combined on the thread pool)."""
     monkeypatch.setattr(attention, "SPAN_KEYS", span_keys)
     monkeypatch.setattr(attention, "FUSED_KEYS", fused_keys)
     fused_calls = []
     fused = attention._fused
     monkeypatch.setattr(attention, "_fused", lambda *args: fused_calls.append(args[4]) or fused(*args))
-    engine = Engine(Checkpoint.open(long_checkpoint), long_runtime(row_buckets=row_buckets), threads=1)
+    runtime = long_runtime(row_buckets=row_buckets, fused_attention_from=fused_from)
+    engine = Engine(Checkpoint.open(long_checkpoint), runtime, threads=1)
     prompt = reference["prompt_ids"]
     assert_close(engine.score(prompt)[reference["positions"]], reference["prompt_logits"])
     tokens, logits = greedy_continuation(engine, prompt, len(reference["greedy_ids"]), slot=1)
     assert tokens == reference["greedy_ids"].tolist()
     assert_close(logits, reference["greedy_logits"])
-    if max(row_buckets) < FUSED_ROWS:
+    if fused_from == "never" or max(row_buckets) < fused_from:
         assert not fused_calls
     else:  # every chunk after the first has far keys, in both global layers, in both prefills (score, then slot 1)
         chunks = -(-len(prompt) // max(row_buckets))
@@ -156,8 +158,9 @@ def test_fused_far_keys_agree_with_spans_for_streams_at_different_positions(prec
     first, slots, n = np.array([1000, 2600]), np.array([2, 0]), 64
     store, q, k, v, rel = scattered_streams(precision, first, slots, n)
     monkeypatch.setattr(attention, "FUSED_KEYS", 512)
+    store.fused_from = n
     fused = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
-    monkeypatch.setattr(attention, "FUSED_ROWS", n + 1)
+    store.fused_from = None
     spans = attention.attend(SHAPE, q, k, v, rel, store, slots, first)
     assert np.abs(fused - spans).max() <= 2e-6 * np.abs(spans).max()  # f32 rounding: 2-6e-7 measured (AVX-512)
 

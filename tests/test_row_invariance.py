@@ -112,6 +112,26 @@ def test_a_stream_taken_in_again_gives_the_logits_of_its_decode_steps(checkpoint
     assert np.array_equal(engine.prefill(0, np.concatenate([prompt, ids])), logits)
 
 
+@pytest.mark.parametrize("model", ["qwen3_odd", "llama_plain"])
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_a_long_stream_taken_in_again_in_chunks_gives_the_logits_of_its_decode_steps(model, precision):
+    """A prompt of 6 and 140 tokens decoded a step at a time, taken in again in chunks of 64 rows (the second and
+    third with keys far behind them, as a replay of a long stream has): the same last logits, bit for bit, every
+    row read by the spans a decode step takes (`fused_attention_from: never`, the default)."""
+    if runs_as(precision, "CPU") != precision:
+        pytest.skip(f"this CPU has no {precision} arithmetic: OpenVINO computes it in {runs_as(precision, 'CPU')}")
+    runtime = RuntimeSpec(context_budget=160, max_streams=1, precision=precision, kv_precision=precision,
+                          row_buckets=(1, 64), kv_block=16)
+    engine = Engine(Checkpoint.open(FIXTURES / model), runtime)
+    prompt = np.random.default_rng(3).integers(0, engine.config.vocab_size, 6)
+    logits, ids = engine.prefill(0, prompt), []
+    for _ in range(140):
+        ids.append(int(np.argmax(logits)))
+        logits = engine.step([0], [ids[-1]])[0]
+    engine.release(0)
+    assert np.array_equal(engine.prefill(0, np.concatenate([prompt, ids])), logits)
+
+
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=5)],
                          ids=["greedy", "sampled"])

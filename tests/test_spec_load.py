@@ -80,6 +80,13 @@ def test_moe_grouped_from_is_a_row_count_auto_or_never(tmp_path, text, value):
     assert load_spec(write(tmp_path, "t.yaml", MODEL + CLUSTER)).runtime.moe_grouped_from == "never"
 
 
+@pytest.mark.parametrize("text, value", [("64", 64), ("Never", "never")])
+def test_fused_attention_from_is_a_row_count_or_never(tmp_path, text, value):
+    spec = load_spec(write(tmp_path, "s.yaml", MODEL + CLUSTER + f"runtime: {{fused_attention_from: {text}}}\n"))
+    assert spec.runtime.fused_attention_from == value
+    assert load_spec(write(tmp_path, "t.yaml", MODEL + CLUSTER)).runtime.fused_attention_from == "never"
+
+
 def test_tiny_spec_paths_resolve_against_the_spec_folder():
     spec = load_spec(SPECS / "tiny-local.yaml")
     assert spec.model.checkpoint == SPECS / "tiny-checkpoint"
@@ -234,6 +241,8 @@ BAD = [
      "s.yaml:3: runtime.moe_grouped_from: expected a row count >= 1, auto or never, got 0"),
     (MODEL + CLUSTER + "runtime: {moe_grouped_from: sometimes}\n",
      "s.yaml:3: runtime.moe_grouped_from: expected a row count >= 1, auto or never, got 'sometimes'"),
+    (MODEL + CLUSTER + "runtime: {fused_attention_from: auto}\n",
+     "s.yaml:3: runtime.fused_attention_from: expected a row count >= 1 or never, got 'auto'"),
     (MODEL + "cluster: {nodes: [{name: a, memory: 8GB}], spares: [{name: a, memory: 8GB}]}\n",
      "s.yaml:2: cluster.spares[0]: name 'a' already used by cluster.nodes[0]"),
     (MODEL + "cluster: {nodes: [{name: a, memory: 8GB}], spares: [{name: s, memory: 8GB, layers: 2}]}\n",

@@ -1,5 +1,6 @@
 """Attention over a stream's keys and values, in spans of keys on a thread pool, with the relative-position bias
-only where it is non-zero; a prompt's chunk reads its far keys through OpenVINO's fused attention.
+only where it is non-zero; where the runtime asks, a prompt's chunk reads its far keys through OpenVINO's fused
+attention.
 
 A long context is read once per row of a call: at 64k positions the keys and values of one global layer are
 megabytes, so attention is memory-bound. A stream's entries are cut into spans at every SPAN_KEYS-th entry, the same
@@ -8,21 +9,23 @@ a different cut would round differently, and a request's tokens would depend on 
 each over a part of its streams (as many parts as keep every thread busy), are computed apart on as many threads as
 this process may use, and each stream's spans are combined, in order, as the softmax of their union (the
 flash-attention rescaling: each span's sum and output times exp(its max - the max); a span the stream does not
-reach adds exact zeros). A span is computed by a compiled kernel (`paged_kernel`)
-straight from the pool's blocks, a global layer's or a sliding layer's ring's, and releases the GIL. The bias bank
-covers distances 0..X-1 only: the kernel adds it to a row's last X keys alone. Log-scaling multiplies the queries
-and the bank at each row's own position.
+reach adds exact zeros). A span is computed by a compiled kernel (`paged_kernel`) straight from the pool's blocks, a
+global layer's or a sliding layer's ring's, and releases the GIL. The bias bank covers distances 0..X-1 only: the
+kernel adds it to a row's last X keys alone. Log-scaling multiplies the queries and the bank at each row's own
+position.
 
-A chunk of a long prompt (FUSED_ROWS rows of a stream or more, on a global layer) is compute-bound: its scores are
-rows x keys, which the kernel computes a row at a time. The keys that every row of the chunk sees whole, beyond the
-bias bank (all but the last few hundred), need neither mask nor bias, and OpenVINO's ScaledDotProductAttention
-computes them as blocked matrix products, without writing the scores out. It returns a
-normalised output, not the softmax's sum, so the spans' part (the nearest keys) enters it as one more key, a sink:
-its score is their log-sum-exp (a column the queries gain, against the sink key's 1 there; the other keys' 0) and
-its value is 1 in a column of its own (the other values' 0). That column of the output is the near part's share of
-the whole softmax, and the other columns are the far keys' part already weighted by theirs: output = far part +
-share x near output, exact to f32 rounding (about 1e-6 of the output against the spans alone). Far keys go in
-pieces of FUSED_KEYS (bounding the copies into that layout), each folding the ones before into its sink.
+A chunk of a long prompt is compute-bound: its scores are rows x keys, which the kernel computes a row at a time.
+Where the runtime asks for it (`fused_attention_from`: a stream's chunk of that many rows or more, on a global
+layer; off by default, as it makes a row's result depend on where its prompt was cut into chunks, which a server's
+load decides), the keys that every row of the chunk sees whole, beyond the bias bank (all but the last few
+hundred), need neither mask nor bias, and OpenVINO's ScaledDotProductAttention computes them as blocked matrix
+products, without writing the scores out. It returns a normalised output, not the softmax's sum, so the spans' part
+(the nearest keys) enters it as one more key, a sink: its score is their log-sum-exp (a column the queries gain,
+against the sink key's 1 there; the other keys' 0) and its value is 1 in a column of its own (the other values' 0).
+That column of the output is the near part's share of the whole softmax, and the other columns are the far keys'
+part already weighted by theirs: output = far part + share x near output, exact to f32 rounding (about 1e-6 of the
+output against the spans alone). Far keys go in pieces of FUSED_KEYS (bounding the copies into that layout), each
+folding the ones before into its sink.
 
 Shapes: G streams of n rows each, h query heads, kv key/value heads, d head dim, X bias extent, m keys, s a span's.
 """
@@ -47,10 +50,6 @@ KeyStore = PagedRing | PagedKV
 SPAN_KEYS = 4096  # entries per span of a stream: a few MiB of keys and values
 TASK_KEYS = 1024  # a call's streams are split among tasks only where each part still reads this many entries: below,
 # a task's fixed cost (its Python call, its share of the merge) outweighs what a second thread saves
-# a stream's rows in a call from which its far keys go through the fused attention: below, copying them into its
-# layout costs more than it saves (measured on a 2-core AMD EPYC: the same at 32 rows, 1.2-1.8x faster at 64, 2.7-3.8x
-# at 256, at 4k-64k positions)
-FUSED_ROWS = 64
 FUSED_KEYS = 32768  # far keys per fused call
 
 
@@ -106,8 +105,8 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
     a key an earlier row of the same chunk still sees; a global layer's paged store never wraps. Keys are attended
     in entry order (softmax does not care); each key's position, for the mask and the bias, follows from its entry.
     A stream reads the first m entries, m the most any of the G has filled, and masks the entries it has not filled
-    itself. A prompt's chunk (`FUSED_ROWS` rows or more) on a global layer reads its far keys fused (see the
-    module's text), one stream at a time."""
+    itself. A prompt's chunk of the store's `fused_from` rows or more (a global layer's) reads its far keys fused
+    (see the module's text), one stream at a time."""
     streams, n = q.shape[:2]
     positions = first[:, None] + np.arange(n)  # [G, n]
     store.write(slots, positions, k, v)
@@ -117,7 +116,7 @@ def attend(shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray, r
     # Query head i reads kv head i // (h / kv): group the queries of one kv head as rows of one matmul.
     grouped_q = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(streams, shape.kv_heads, -1, shape.head_dim))
     rel = np.ascontiguousarray(rel)  # both as the kernel is compiled for: [G, kv, (h/kv) n, d] and [G, n, h, X]
-    far = _far_keys(shape, store, first) if n >= FUSED_ROWS else np.zeros(streams, np.int64)
+    far = _far_keys(shape, store, first, n)
     if not far.any():
         top, total, out = _spans(shape, grouped_q, rel, store, slots, positions, 0)
         out /= total[..., None]
@@ -181,10 +180,10 @@ def _stream_parts(entries: np.ndarray, whole_spans: int) -> list[slice]:
     return [slice(streams * part // count, streams * (part + 1) // count) for part in range(count)]
 
 
-def _far_keys(shape: AttentionShape, store: KeyStore, first: np.ndarray) -> np.ndarray:
-    """[G] entries 0..far-1 of each stream that every one of its rows sees whole, beyond the bias bank (a global
-    layer's positions up to first - bias_extent), in whole blocks; 0 on a sliding layer."""
-    if store.span is not None:
+def _far_keys(shape: AttentionShape, store: KeyStore, first: np.ndarray, rows: int) -> np.ndarray:
+    """[G] entries 0..far-1 of each stream that every one of its `rows` rows sees whole, beyond the bias bank (a
+    global layer's positions up to first - bias_extent), in whole blocks, where the store reads them fused; else 0."""
+    if store.span is not None or store.fused_from is None or rows < store.fused_from:
         return np.zeros(len(first), np.int64)
     block = store.pool.block
     return np.maximum(first - shape.bias_extent + 1, 0) // block * block

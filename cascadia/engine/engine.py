@@ -93,6 +93,7 @@ class StageEngine:
         self.pool = BlockPool(kv_blocks or runtime.max_streams * layout.stream_blocks(context_budget), layout,
                               runtime.max_streams) if layout else None
         self.moe_grouped_from = _grouped_setting(runtime)
+        fused_from = None if runtime.fused_attention_from == "never" else runtime.fused_attention_from
         for i in layers:
             grouped = compile_grouped if self.moe_grouped_from is not None else None
             self.layers.append(host.build_layer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices,
@@ -103,7 +104,7 @@ class StageEngine:
                 place = sum(map(cfg.is_sliding, layers[:len(self.states)]))  # among the stage's sliding layers
                 kv = PagedRing(self.pool, place, shape.kv_heads, shape.head_dim, fmt)
             else:
-                kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt)
+                kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt, fused_from)
             self.states.append(host.slot_state(cfg, kv, runtime.max_streams, fmt, self.rewind))
             advance()
         if head:

@@ -150,21 +150,24 @@ class PagedRing:
 
 
 class PagedKV:
-    """A global layer's keys and values in its stage's pool: blocks [blocks, kv, block, d]; entry p is position p."""
+    """A global layer's keys and values in its stage's pool: blocks [blocks, kv, block, d]; entry p is position p.
+    A stream's call of at least `fused_from` rows (a prompt's chunk) reads its far keys gathered, through OpenVINO's
+    fused attention (`cascadia.engine.attention`); None: never, every row through the spans a decode step reads."""
 
     span = None  # never wraps
 
-    def __init__(self, pool: BlockPool, kv_heads: int, head_dim: int, fmt: StateFormat):
-        self.pool, self.fmt = pool, fmt
+    def __init__(self, pool: BlockPool, kv_heads: int, head_dim: int, fmt: StateFormat, fused_from: int | None = None):
+        self.pool, self.fmt, self.fused_from = pool, fmt, fused_from
         shape = (kv_heads, pool.block, head_dim)
         (self.k, self._k_part), (self.v, self._v_part) = (pool.global_view(fmt.dtype, shape) for _ in "kv")
         self._parts = pool.parts(fmt.dtype, shape)
 
     @classmethod
-    def alone(cls, blocks: int, block: int, slots: int, kv_heads: int, head_dim: int, fmt: StateFormat) -> PagedKV:
+    def alone(cls, blocks: int, block: int, slots: int, kv_heads: int, head_dim: int, fmt: StateFormat,
+              fused_from: int | None = None) -> PagedKV:
         """One global layer in a pool of its own (attention timed or checked by itself)."""
         layout = PoolLayout.of(2 * kv_heads * head_dim * fmt.dtype.itemsize, 0, 0, 0, block)
-        return cls(BlockPool(blocks, layout, slots), kv_heads, head_dim, fmt)
+        return cls(BlockPool(blocks, layout, slots), kv_heads, head_dim, fmt, fused_from)
 
     def write(self, slots: np.ndarray, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """As `PagedRing.write`; the pool has already given the slots blocks for these positions."""

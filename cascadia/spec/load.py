@@ -8,7 +8,7 @@ and key path.
                links: {default: {bandwidth: 1gbit, latency: 100us}, pairs: [{between: [pc0, pc1], ...}]}
                reserve: 2GiB                             # kept free on every node
     runtime:   context_budget, max_streams, kv_block, precision, kv_precision, row_buckets, prefill_window,
-               moe_grouped_from, speculate
+               moe_grouped_from, fused_attention_from, speculate
     workload:  concurrency: 1,2,4  requests  prompt_tokens: {uniform: [8, 24]}  output_tokens  greedy ...
     include:   [models/inkling.yaml, clusters/lab.yaml]  # merged first, in order; this file's keys win
 
@@ -570,23 +570,24 @@ def _runtime(ctx: _Context, node: Node | None) -> RuntimeSpec:
         "kv_precision": fields.take("kv_precision", _choice(PRECISIONS)),
         "row_buckets": fields.take("row_buckets", _buckets),
         "prefill_window": fields.take("prefill_window", _positive_int),
-        "moe_grouped_from": fields.take("moe_grouped_from", _grouped_from),
+        "moe_grouped_from": fields.take("moe_grouped_from", _rows_or("auto", "never")),
+        "fused_attention_from": fields.take("fused_attention_from", _rows_or("never")),
         "speculate": fields.take("speculate", _speculate),
     }
     fields.finish()
     return RuntimeSpec(**{k: v for k, v in values.items() if v is not None})
 
 
-_GROUPED_WORDS = ("auto", "never")  # runtime.moe_grouped_from, beside a row count
-
-
-def _grouped_from(value: Any) -> int | str:
-    """A row count >= 1, `auto` or `never`."""
-    if isinstance(value, str) and value.lower() in _GROUPED_WORDS:
-        return value.lower()
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    raise _Invalid(f"expected a row count >= 1, {' or '.join(_GROUPED_WORDS)}, got {shown(value)}")
+def _rows_or(*words: str) -> Callable[[Any], int | str]:
+    """A parser of a row count >= 1 or one of `words` (runtime.moe_grouped_from, runtime.fused_attention_from)."""
+    def parse(value: Any) -> int | str:
+        if isinstance(value, str) and value.lower() in words:
+            return value.lower()
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        choices = ("a row count >= 1", *words)
+        raise _Invalid(f"expected {', '.join(choices[:-1])} or {choices[-1]}, got {shown(value)}")
+    return parse
 
 
 def _speculate(value: Any) -> str:

@@ -162,6 +162,10 @@ class RuntimeSpec:
     # MoE calls of at least this many rows (their bucket) run expert-grouped, smaller ones fused; "auto": from the
     # engine's own measurement at start-up; "never": always fused.
     moe_grouped_from: int | str = "never"
+    # a stream's prompt chunks of at least this many rows read a global layer's far keys through OpenVINO's fused
+    # attention (a chunk of 256 rows' attention 1.4-1.9x faster at 4k-64k positions); "never": every row by the spans
+    # a decode step takes, so that its result does not depend on how its prompt was cut into chunks
+    fused_attention_from: int | str = "never"
     # "ngram[:MAX_DRAFT]": speculative decoding with prompt-lookup drafts (`cascadia.speculation`); None: off
     speculate: str | None = attrs.field(default=None, validator=lambda _, __, value: parse_speculate(value))
 
