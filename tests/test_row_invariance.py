@@ -32,6 +32,10 @@ COMPRESSED = WeightFormats(routed_experts=WeightFormat("int4", 32), shared_exper
                            attention=WeightFormat("int8"), head=WeightFormat("int8"))
 
 
+def every(fmt: WeightFormat) -> WeightFormats:
+    return WeightFormats(**{field.name: fmt for field in attrs.fields(WeightFormats)})
+
+
 def test_a_routers_logits_for_a_row_are_the_same_in_any_call():
     rng = np.random.default_rng(0)
     h = rng.standard_normal((32, 512)).astype(np.float32)
@@ -132,17 +136,17 @@ def test_a_long_stream_taken_in_again_in_chunks_gives_the_logits_of_its_decode_s
     assert np.array_equal(engine.prefill(0, np.concatenate([prompt, ids])), logits)
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("formats", [every(WeightFormat("bf16")), every(WeightFormat("int8")), COMPRESSED],
+                         ids=["bf16", "int8", "int4-experts"])
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=5)],
                          ids=["greedy", "sampled"])
-def test_a_bf16_pipeline_gives_each_request_the_single_process_engines_tokens(spec, checkpoint, weights, sampling):
-    """The tiny spec at bf16 compute and K/V, its weights bf16 or int8, on three nodes at concurrency 1 and 4 (the
-    prompts prefilled in frames shared with other streams' rows): every request's tokens as the engine in one
-    process makes them alone. Before the router took each row alone and the convolutions rounded a chunk's own
-    inputs as the state does, 2 of 10 greedy requests matched here."""
+def test_a_bf16_pipeline_gives_each_request_the_single_process_engines_tokens(spec, checkpoint, formats, sampling):
+    """The tiny spec at bf16 compute and K/V, its weights bf16, int8, or int4 experts and int8 the rest, on three
+    nodes at concurrency 1 and 4 (the prompts prefilled in frames shared with other streams' rows): every request's
+    tokens as the engine in one process makes them alone. Before the router took each row alone and the
+    convolutions rounded a chunk's own inputs as the state does, 2 of 10 greedy requests matched here."""
     if runs_as("bf16", "CPU") != "bf16":
         pytest.skip(f"this CPU has no bf16 arithmetic: OpenVINO computes it in {runs_as('bf16', 'CPU')}")
-    formats = WeightFormats(**{field.name: WeightFormat(weights) for field in attrs.fields(WeightFormats)})
     runtime = attrs.evolve(spec.runtime, precision="bf16", kv_precision="bf16", context_budget=128)
     bf16 = attrs.evolve(spec, runtime=runtime, model=attrs.evolve(spec.model, formats=formats))
     workload = attrs.evolve(spec.workload, concurrency=(1, 4), output_tokens=32, greedy=sampling.temperature == 0,

@@ -27,6 +27,7 @@ from cascadia.pipeline.stage import EngineStage, RowSampler
 from cascadia.pipeline.wire import Frame as WireFrame
 from cascadia.policy import DRAFT, Policy, Request, Token
 from cascadia.sampling import Sampling
+from cascadia.spec.dump import write_spec
 from cascadia.spec.types import WeightFormat, WeightFormats
 from cascadia.speculation import NgramDrafter, ReplayDrafter
 from cascadia.tokenizer import load_tokenizer
@@ -207,13 +208,23 @@ def test_the_pipeline_speculates_exactly_at_every_concurrency(spec, plain, specu
         assert (sum(p for p, _ in steps), sum(a for _, a in steps)) == (counted["proposed"], counted["accepted"])
 
 
-def test_serve_speculates_with_the_same_replies(tmp_path, spec, checkpoint):
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_serve_speculates_with_the_same_replies(tmp_path, spec, checkpoint, precision):
     """`cascadia serve --speculate`: the prompt's own phrase drafts for the first reply (rejected: the random model
     does not go on with it), the phrase table (the first reply's tokens) for the same prompt asked again, which
-    greedy decoding and a seeded draw both make again; every reply is the one without speculation."""
+    greedy decoding and a seeded draw both make again; every reply is the one without speculation, at the tiny
+    spec's f32 and at bf16 compute, weights and K/V."""
+    if runs_as(precision, "CPU") != precision:
+        pytest.skip(f"this CPU has no {precision} arithmetic: OpenVINO computes it in {runs_as(precision, 'CPU')}")
+    path = SPEC
+    if precision != "f32":
+        formats = WeightFormats(**{field.name: WeightFormat(precision) for field in attrs.fields(WeightFormats)})
+        spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, precision=precision, kv_precision=precision),
+                            model=attrs.evolve(spec.model, formats=formats))
+        path = write_spec(spec, tmp_path / "spec.yaml")
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     tokenizer = load_tokenizer(checkpoint)
-    served = Served(tmp_path, SPEC, checkpoint, "--speculate", "ngram:4")
+    served = Served(tmp_path, path, checkpoint, "--speculate", "ngram:4")
     try:
         client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=60)
         prompt = [5, 9, 3, 5, 9, 3, 5, 9]
