@@ -28,7 +28,7 @@ from cascadia.pipeline.wire import Frame as WireFrame
 from cascadia.policy import DRAFT, Policy, Request, Token
 from cascadia.sampling import Sampling
 from cascadia.spec.dump import write_spec
-from cascadia.spec.types import WeightFormat, WeightFormats
+from cascadia.spec.types import PAPER_FORMATS, WeightFormat, WeightFormats
 from cascadia.speculation import NgramDrafter, ReplayDrafter
 from cascadia.tokenizer import load_tokenizer
 
@@ -111,13 +111,16 @@ def test_speculation_gives_the_tokens_of_a_run_without_it(spec, plain, speculati
             assert any(len({r.request_id for r in f.rows}) > 1 for f in drafted)
 
 
+@pytest.mark.parametrize("formats", [WeightFormats(**{field.name: WeightFormat("bf16")
+                                                      for field in attrs.fields(WeightFormats)}), PAPER_FORMATS],
+                         ids=["bf16", "paper-formats"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_at_bf16_speculation_gives_the_tokens_of_a_run_without_it(spec, checkpoint, sampled):
-    """The same at bf16 compute, weights and K/V, where verifying drafts computes a stream's rows as a chunk that a
-    run without speculation computes one decode step at a time."""
+def test_at_bf16_speculation_gives_the_tokens_of_a_run_without_it(spec, checkpoint, sampled, formats):
+    """The same at bf16 compute and K/V, the weights bf16 or in the paper's formats (int4 in groups of 32, int8),
+    where verifying drafts computes a stream's rows as a chunk that a run without speculation computes one decode
+    step at a time."""
     if runs_as("bf16", "CPU") != "bf16":
         pytest.skip(f"this CPU has no bf16 arithmetic: OpenVINO computes it in {runs_as('bf16', 'CPU')}")
-    formats = WeightFormats(**{field.name: WeightFormat("bf16") for field in attrs.fields(WeightFormats)})
     spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, precision="bf16", kv_precision="bf16"),
                         model=attrs.evolve(spec.model, formats=formats))
     n_groups, requests = 3, repetitive_requests(4, sampled, long_every=3)
