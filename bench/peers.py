@@ -19,6 +19,11 @@ decode     Decode tokens a second at 1, 8 and 32 streams, each stream a PROMPT_T
            stage holding every layer, row buckets 1, 8 and 32) prefilling its streams and then timed over
            DECODE_TOKENS - 1 decode steps of all of them together. Rounds alternate between the contestants;
            each cell is the median (min-max) of ROUNDS.
+first      The first token of a FIRST_TOKEN_PROMPT-token prompt, one stream: GenAI's LLMPipeline (the prompt in one
+           call), Cascadia's engine (in calls of PREFILL_ROWS rows); rounds alternating with the decode's.
+memory     A fresh process for each contestant, model and format, loaded as a user would run it (GenAI's continuous
+           batching alone), taking the first token of that prompt and then 32 streams' decode: its peak resident
+           memory (VmHWM), beside the export's weight bytes.
 
 Not a test: it prints its tables and writes them to bench/results/peers.json. It runs in the race environment
 (optimum-intel pins transformers < 5.6; torch only exports, and nothing of Cascadia imports it):
@@ -37,6 +42,7 @@ from __future__ import annotations
 import cascadia  # noqa: F401  # isort: skip  first: numpy's BLAS reads its thread count (one) when it loads
 
 import argparse
+import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -61,6 +67,9 @@ DECODE_TOKENS = 64
 AGREE_TOKENS = 32
 STREAMS = (1, 8, 32)
 ROUNDS = 3
+WHO = ("GenAI", "Cascadia")
+FIRST_TOKEN_PROMPT = 512  # tokens of the prompt whose first token is timed
+PREFILL_ROWS = 256  # Cascadia's largest row bucket: a 512-token prompt in two calls
 COMMON = {"vocab_size": 32000, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4,
           "head_dim": 64, "max_position_embeddings": 4096, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
@@ -114,12 +123,13 @@ def exported(source: Path, fmt: str) -> Path:
 class GenAI:
     """OpenVINO GenAI on an export: its LLMPipeline for one stream, its continuous batching for more."""
 
-    def __init__(self, path: Path, precision: str):
+    def __init__(self, path: Path, precision: str, single: bool = True):
+        """`single`: with the LLMPipeline for one stream (else the continuous batching serves every count)."""
         import openvino_genai as genai  # the race environment's alone
 
         self.genai = genai
         properties = {"INFERENCE_PRECISION_HINT": precision}
-        self.single = genai.LLMPipeline(str(path), "CPU", **properties)
+        self.single = genai.LLMPipeline(str(path), "CPU", **properties) if single else None
         scheduler = genai.SchedulerConfig()
         scheduler.max_num_seqs = max(STREAMS)
         scheduler.cache_size = 1  # GB of K/V: 32 streams of 96 positions need a few MB
@@ -136,9 +146,12 @@ class GenAI:
         to one (prefill and the first token)."""
         return self._run(prompts, DECODE_TOKENS) - self._run(prompts, 1)
 
+    def first_token_seconds(self, prompt: np.ndarray) -> float:
+        return self._run(prompt[None], 1)
+
     def _run(self, prompts: np.ndarray, tokens: int) -> float:
         start = time.perf_counter()
-        if len(prompts) == 1:
+        if len(prompts) == 1 and self.single is not None:
             self.single.generate(ov.Tensor(prompts), self.greedy_config(tokens))
         else:
             self.batched.generate([ov.Tensor(p[None]) for p in prompts], [self.greedy_config(tokens)] * len(prompts))
@@ -149,9 +162,9 @@ class Cascadia:
     """Cascadia's engine in one process: one stage holding every layer."""
 
     def __init__(self, path: Path, formats: WeightFormats, precision: str):
-        runtime = RuntimeSpec(precision=precision, kv_precision=precision,
-                              max_streams=max(STREAMS), context_budget=PROMPT_TOKENS + DECODE_TOKENS,
-                              row_buckets=STREAMS)
+        runtime = RuntimeSpec(precision=precision, kv_precision=precision, max_streams=max(STREAMS),
+                              context_budget=max(PROMPT_TOKENS + DECODE_TOKENS, FIRST_TOKEN_PROMPT + 1),
+                              row_buckets=(*STREAMS, PREFILL_ROWS))
         self.engine = Engine(Checkpoint.open(path), runtime, formats=formats)
 
     def greedy(self, prompt: np.ndarray, tokens: int) -> list[int]:
@@ -162,6 +175,12 @@ class Cascadia:
             logits = self.engine.step([0], [ids[-1]])[0]
         return ids
 
+    def first_token_seconds(self, prompt: np.ndarray) -> float:
+        self.engine.release(0)
+        start = time.perf_counter()
+        self.engine.prefill(0, prompt).argmax()
+        return time.perf_counter() - start
+
     def decode_seconds(self, prompts: np.ndarray) -> float:
         slots = list(range(len(prompts)))
         for slot in slots:
@@ -171,6 +190,29 @@ class Cascadia:
         for _ in range(DECODE_TOKENS - 1):
             tokens = self.engine.step(slots, tokens).argmax(-1).tolist()
         return time.perf_counter() - start
+
+
+def peak_memory_child(who: str, path: str, fmt: str, precision: str, prompts: np.ndarray, long_prompt: np.ndarray,
+                      results) -> None:
+    """In a fresh process: one contestant loaded as a user would run it (GenAI's continuous batching alone), the
+    first token of the long prompt and a decode of every stream; the process's peak resident bytes."""
+    contestant = GenAI(Path(path), precision, single=False) if who == "GenAI" else \
+        Cascadia(Path(path), FORMATS[fmt][1], precision)
+    contestant.first_token_seconds(long_prompt)
+    contestant.decode_seconds(prompts)
+    with open("/proc/self/status") as status:
+        results.put(next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:")))
+
+
+def peak_memory(who: str, path: Path, fmt: str, precision: str, prompts: np.ndarray, long_prompt: np.ndarray) -> int:
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    child = spawn.Process(target=peak_memory_child,
+                          args=(who, str(path), fmt, precision, prompts, long_prompt, results))
+    child.start()
+    peak = results.get()
+    child.join()
+    return peak
 
 
 def agreeing(a: list[int], b: list[int]) -> int:
@@ -194,10 +236,19 @@ def main() -> None:
                       note=f"Of {AGREE_TOKENS} greedy tokens after one prompt of {PROMPT_TOKENS}; f32 at --quick "
                            f"sizes, computed in f32; int8 and int4 each engine's own quantisation, in {precision}.")
     decode = Table(f"Decode tokens a second ({precision} compute), OpenVINO GenAI against Cascadia, the same weights",
-                   ["model", "weights", *(f"{who}, {g} stream{'s' * (g > 1)}" for g in STREAMS
-                                          for who in ("GenAI", "Cascadia")), *(f"ratio at {g}" for g in STREAMS)],
+                   ["model", "weights", *(f"{who}, {g} stream{'s' * (g > 1)}" for g in STREAMS for who in WHO),
+                    *(f"ratio at {g}" for g in STREAMS)],
                    note=f"Median (min-max) of {args.rounds} alternating rounds; {DECODE_TOKENS - 1} decode steps "
                         f"after prompts of {PROMPT_TOKENS}. Ratio: Cascadia over GenAI, of the medians.")
+    first = Table(f"First token of a {FIRST_TOKEN_PROMPT}-token prompt, one stream, seconds",
+                  ["model", "weights", *WHO, "GenAI over Cascadia"],
+                  note=f"Median (min-max) of {args.rounds} rounds alternating with the decode's. GenAI's LLMPipeline "
+                       f"takes the prompt in one call, Cascadia's engine in calls of {PREFILL_ROWS} rows.")
+    memory = Table("Peak memory of a process running one contestant, MiB",
+                   ["model", "weights", "the export's weights", *WHO, "Cascadia over GenAI"],
+                   note=f"A fresh process each (GenAI's continuous batching alone): loaded, the first token of the "
+                        f"{FIRST_TOKEN_PROMPT}-token prompt, {DECODE_TOKENS} tokens of {max(STREAMS)} streams; its "
+                        f"peak resident set (VmHWM). The export's weights: optimum-intel's openvino_model.bin.")
     for model in MODELS:
         small = checkpoint(args.folder, model, quick=True)
         prompt = rng.integers(3, read_config(small).vocab_size, PROMPT_TOKENS)
@@ -205,26 +256,38 @@ def main() -> None:
         agreement.add(model, "f32", agreeing(peer.greedy(prompt, AGREE_TOKENS), ours.greedy(prompt, AGREE_TOKENS)))
         del peer, ours
         path = checkpoint(args.folder, model, args.quick)
-        prompts = rng.integers(3, read_config(path).vocab_size, (max(STREAMS), PROMPT_TOKENS))
+        vocab = read_config(path).vocab_size
+        prompts = rng.integers(3, vocab, (max(STREAMS), PROMPT_TOKENS))
+        long_prompt = rng.integers(3, vocab, FIRST_TOKEN_PROMPT)
         for fmt in ("int8", "int4"):
-            peer, ours = GenAI(exported(path, fmt), precision), Cascadia(path, FORMATS[fmt][1], precision)
+            export = exported(path, fmt)
+            contestants = {"GenAI": GenAI(export, precision), "Cascadia": Cascadia(path, FORMATS[fmt][1], precision)}
             if not args.quick:
-                agreement.add(model, fmt, agreeing(peer.greedy(prompts[0], AGREE_TOKENS),
-                                                   ours.greedy(prompts[0], AGREE_TOKENS)))
-            rates = {(who, g): [] for who in ("GenAI", "Cascadia") for g in STREAMS}
+                agreement.add(model, fmt, agreeing(*(c.greedy(prompts[0], AGREE_TOKENS)
+                                                     for c in contestants.values())))
+            rates = {(who, g): [] for who in WHO for g in STREAMS}
+            seconds = {who: [] for who in WHO}
             for _ in range(args.rounds):
+                for who, contestant in contestants.items():
+                    seconds[who].append(contestant.first_token_seconds(long_prompt))
                 for g in STREAMS:
-                    for who, contestant in (("GenAI", peer), ("Cascadia", ours)):
+                    for who, contestant in contestants.items():
                         rates[who, g].append(g * (DECODE_TOKENS - 1) / contestant.decode_seconds(prompts[:g]))
-            ratios = [statistics.median(rates["Cascadia", g]) / statistics.median(rates["GenAI", g]) for g in STREAMS]
-            decode.add(model, fmt, *(spread(rates[who, g]) for g in STREAMS for who in ("GenAI", "Cascadia")),
-                       *(round(r, 2) for r in ratios))
-            print(decode.text(), "\n", flush=True)
-            del peer, ours
+            del contestants
+            medians = {key: statistics.median(values) for key, values in rates.items()}
+            decode.add(model, fmt, *(spread(rates[who, g]) for g in STREAMS for who in WHO),
+                       *(round(medians["Cascadia", g] / medians["GenAI", g], 2) for g in STREAMS))
+            first.add(model, fmt, *(spread(seconds[who]) for who in WHO),
+                      round(statistics.median(seconds["GenAI"]) / statistics.median(seconds["Cascadia"]), 2))
+            peaks = {who: peak_memory(who, export if who == "GenAI" else path, fmt, precision, prompts, long_prompt)
+                     for who in WHO}
+            memory.add(model, fmt, round((export / "openvino_model.bin").stat().st_size / 2**20),
+                       *(round(peaks[who] / 2**20) for who in WHO), round(peaks["Cascadia"] / peaks["GenAI"], 2))
+            for table in (decode, first, memory):
+                print(table.text(), "\n", flush=True)
     print(agreement.text(), "\n")
-    print(decode.text())
-    write("peers", "Cascadia against OpenVINO GenAI on the same weights", started, [agreement, decode], args.out,
-          quick=args.quick)
+    write("peers", "Cascadia against OpenVINO GenAI on the same weights", started, [agreement, decode, first, memory],
+          args.out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -107,9 +107,15 @@ def test_a_stream_taken_in_again_gives_the_logits_of_its_decode_steps(checkpoint
     runtime = RuntimeSpec(context_budget=32, max_streams=1, precision=precision, kv_precision=precision,
                           row_buckets=(1, 2, 8, 16))
     engine = Engine(Checkpoint.open(checkpoint if model == "inkling" else FIXTURES / model), runtime)
+    assert_taken_in_again_as_decoded(engine, 9)
+
+
+def assert_taken_in_again_as_decoded(engine: Engine, tokens: int) -> None:
+    """A 6-token prompt and `tokens` greedy tokens decoded a step at a time, then the stream released and its
+    prompt and tokens prefilled again (in calls of the largest bucket): the same last logits, bit for bit."""
     prompt = np.random.default_rng(3).integers(0, engine.config.vocab_size, 6)
     logits, ids = engine.prefill(0, prompt), []
-    for _ in range(9):
+    for _ in range(tokens):
         ids.append(int(np.argmax(logits)))
         logits = engine.step([0], [ids[-1]])[0]
     engine.release(0)
@@ -126,14 +132,7 @@ def test_a_long_stream_taken_in_again_in_chunks_gives_the_logits_of_its_decode_s
         pytest.skip(f"this CPU has no {precision} arithmetic: OpenVINO computes it in {runs_as(precision, 'CPU')}")
     runtime = RuntimeSpec(context_budget=160, max_streams=1, precision=precision, kv_precision=precision,
                           row_buckets=(1, 64), kv_block=16)
-    engine = Engine(Checkpoint.open(FIXTURES / model), runtime)
-    prompt = np.random.default_rng(3).integers(0, engine.config.vocab_size, 6)
-    logits, ids = engine.prefill(0, prompt), []
-    for _ in range(140):
-        ids.append(int(np.argmax(logits)))
-        logits = engine.step([0], [ids[-1]])[0]
-    engine.release(0)
-    assert np.array_equal(engine.prefill(0, np.concatenate([prompt, ids])), logits)
+    assert_taken_in_again_as_decoded(Engine(Checkpoint.open(FIXTURES / model), runtime), 140)
 
 
 @pytest.mark.parametrize("formats", [every(WeightFormat("bf16")), every(WeightFormat("int8")), COMPRESSED],
