@@ -110,14 +110,14 @@ def test_a_sliding_layers_wrapped_rings_match_a_dense_softmax_in_its_window(prec
 
 
 def test_a_row_that_sees_none_of_a_spans_keys_gets_nothing_from_it():
-    """Rows at positions 3 and 4 against a span of entries 16..31: the scores' max 0, the sum 0, the output 0."""
+    """Rows at positions 3 and 4 against a span of entries 16..31: the scores' max -inf, the sum 0, the output 0."""
     q = np.ones((1, 1, 2, 8), np.float32)
     keys = np.ones((4, 1, 16, 8), np.float32)
     top, total = np.full((2, 1, 1, 2), 7, np.float32)
     out = np.full(q.shape, 7, np.float32)
     paged_kernel.span(q, keys, keys, np.array([[1]]), 16, 0, 0, np.array([[3, 4]]), np.zeros((1, 2, 1, 4), np.float32),
                       np.float32(1), top, total, out)
-    assert not top.any() and not total.any() and not out.any()
+    assert np.isneginf(top).all() and not total.any() and not out.any()
 
 
 def test_the_exponential_is_within_float32_rounding_of_numpys():

@@ -158,11 +158,10 @@ def _spans(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store:
     tops, totals, outs = map(np.stack, zip(*done))  # [spans, G, kv, (h/kv) n] and [spans, G, kv, (h/kv) n, d]
     if len(spans) == 1:
         return tops[0].reshape(group), totals[0].reshape(group), outs[0].reshape(*group, shape.head_dim)
-    # a span a row sees none of (beyond its stream's end) gives it max 0, sum 0: it must not raise the max
-    seen = totals > 0
-    top = np.where(seen, tops, -np.inf).max(0)
-    top[np.isneginf(top)] = 0
-    weights = np.exp(np.where(seen, tops - top, -np.inf))
+    # a span a row sees none of (beyond its stream's end) gives it max -inf and sum 0: weight 0
+    top = tops.max(0)
+    top[np.isneginf(top)] = 0  # a row that sees no key at all: weights 0, not exp(-inf + inf)
+    weights = np.exp(tops - top)
     total, out = np.zeros_like(top), np.zeros_like(outs[0])
     for span in range(len(spans)):  # in order, as a stream's spans are the same in every call
         total += weights[span] * totals[span]

@@ -208,7 +208,7 @@ def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray
     [G, n, h, X] (bias per distance, already log-scaled). A global layer's entry e holds position e (`ring` 0); a
     sliding layer's ring of `ring` entries holds at entry e the latest position p <= the stream's last row's with
     p % ring = e (none yet where p < 0). A row at position p sees keys at p - window < k <= p (`window` 0: k <= p).
-    Writes the scores' max per row [G, kv, (h/kv) n] (0 where a row sees none of these keys), the sum of
+    Writes the scores' max per row [G, kv, (h/kv) n] (-inf where a row sees none of these keys), the sum of
     exp(score - max) and the unnormalised output [G, kv, (h/kv) n, d]."""
     streams, kv_heads, rows = q.shape[:3]
     block = keys.shape[2]
@@ -256,11 +256,6 @@ def _span(q: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray
                         scores[rows:c + 4, :count] = 0
                         _accumulate(scores[c], scores[c + 1], scores[c + 2], scores[c + 3], block_values, count,
                                     outs[c], outs[r1], outs[r2], outs[r3])
-    for g in range(streams):
-        for h in range(kv_heads):
-            for r in range(rows):
-                if total[g, h, r] == 0:
-                    top[g, h, r] = 0
 
 
 def warm_up(stored: np.dtype) -> None:
