@@ -57,8 +57,10 @@ from record import Table, now, spread, write
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import runs_as
 from cascadia.engine.engine import Engine
+from cascadia.engine.generate import generate
 from cascadia.engine.init_model import init_model
 from cascadia.models import config_from_hf_dict, read_config
+from cascadia.sampling import Sampling
 from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats
 
 SEED = 7
@@ -168,12 +170,7 @@ class Cascadia:
         self.engine = Engine(Checkpoint.open(path), runtime, formats=formats)
 
     def greedy(self, prompt: np.ndarray, tokens: int) -> list[int]:
-        self.engine.release(0)
-        logits, ids = self.engine.prefill(0, prompt), []
-        for _ in range(tokens):
-            ids.append(int(logits.argmax()))
-            logits = self.engine.step([0], [ids[-1]])[0]
-        return ids
+        return list(generate(self.engine, prompt, tokens, Sampling()).ids)
 
     def first_token_seconds(self, prompt: np.ndarray) -> float:
         self.engine.release(0)

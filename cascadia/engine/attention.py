@@ -32,7 +32,6 @@ Shapes: G streams of n rows each, h query heads, kv key/value heads, d head dim,
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
@@ -45,6 +44,7 @@ from cascadia.engine import paged_kernel, scratch
 from cascadia.engine.device import compile_options, core
 from cascadia.engine.kv_store import PagedKV, PagedRing
 from cascadia.engine.rows import Rows
+from cascadia.host_cpus import available
 
 KeyStore = PagedRing | PagedKV
 SPAN_KEYS = 4096  # entries per span of a stream: a few MiB of keys and values
@@ -72,8 +72,8 @@ def log_scale(positions: np.ndarray, n_floor: int, alpha: float) -> np.ndarray:
 
 @cache
 def _width() -> int:
-    """The CPUs this process may run on (a pinned node's, on a fleet)."""
-    return len(os.sched_getaffinity(0))
+    """How many CPUs this process may run on (a pinned node's, on a fleet)."""
+    return len(available())
 
 
 @cache
@@ -147,25 +147,19 @@ def _spans(shape: AttentionShape, grouped_q: np.ndarray, rel: np.ndarray, store:
         paged_kernel.span(grouped_q[part], *store.blocks(slots[part], *bounds), bounds[0], store.span or 0,
                           shape.window or 0, positions[part], rel[part], np.float32(shape.scale), top, total, out)
         return top, total, out
-    streams, kv_heads = grouped_q.shape[:2]
-    group = (streams, kv_heads, shape.heads // kv_heads, -1)
-    if len(tasks) == 1:
-        top, total, out = task(*tasks[0])
-        return top.reshape(group), total.reshape(group), out.reshape(*group, shape.head_dim)
-    done = list(_threads().map(lambda args: task(*args), tasks))
+    done = [task(*tasks[0])] if len(tasks) == 1 else list(_threads().map(lambda args: task(*args), tasks))
     if len(parts) > 1:  # each span's parts joined, its streams in order
         done = [tuple(map(np.concatenate, zip(*done[k:k + len(parts)]))) for k in range(0, len(done), len(parts))]
-    tops, totals, outs = map(np.stack, zip(*done))  # [spans, G, kv, (h/kv) n] and [spans, G, kv, (h/kv) n, d]
-    if len(spans) == 1:
-        return tops[0].reshape(group), totals[0].reshape(group), outs[0].reshape(*group, shape.head_dim)
-    # a span a row sees none of (beyond its stream's end) gives it max -inf and sum 0: weight 0
-    top = tops.max(0)
-    top[np.isneginf(top)] = 0  # a row that sees no key at all: weights 0, not exp(-inf + inf)
-    weights = np.exp(tops - top)
-    total, out = np.zeros_like(top), np.zeros_like(outs[0])
-    for span in range(len(spans)):  # in order, as a stream's spans are the same in every call
-        total += weights[span] * totals[span]
-        out += weights[span][..., None] * outs[span]
+    top, total, out = done[0]
+    if len(done) > 1:  # the spans combined in order, as a stream's spans are the same in every call
+        top = np.maximum.reduce([span[0] for span in done])  # a span a row does not reach: max -inf, sum 0
+        top[np.isneginf(top)] = 0  # a row that sees no key at all: weights 0, not exp(-inf + inf)
+        total, out = np.zeros_like(total), np.zeros_like(out)
+        for span_top, span_total, span_out in done:
+            weight = np.exp(span_top - top)
+            total += weight * span_total
+            out += weight[..., None] * span_out
+    group = (*grouped_q.shape[:2], shape.heads // shape.kv_heads, -1)
     return top.reshape(group), total.reshape(group), out.reshape(*group, shape.head_dim)
 
 
