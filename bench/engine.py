@@ -110,7 +110,7 @@ def step_bytes(model: ModelSpec, rows: int, distinct: dict[int, float]) -> float
         ops = costs.layer_ops(model, layer)
         total += sum(op.bytes_per_row for kind, op in ops.items() if kind != "routed_experts")
         if "routed_experts" in ops:
-            total += distinct[layer] * ops["routed_experts"].weight_bytes / model.config.n_routed_experts
+            total += distinct[layer] * ops["routed_experts"].weight_bytes / model.config.routed_experts[0]
     return total
 
 
@@ -388,7 +388,7 @@ def block_tables(model: ModelSpec, rounds: Rounds, blocks: BlockComparison,
 
     layer = next(ops for i in range(model.config.num_hidden_layers)
                  if "routed_experts" in (ops := costs.layer_ops(model, i)))
-    expert_bytes = layer["routed_experts"].weight_bytes / model.config.n_routed_experts
+    expert_bytes = layer["routed_experts"].weight_bytes / model.config.routed_experts[0]
     bandwidth = statistics.median(rounds.bandwidth)
     moe = Table("One MoE layer and the dense MLP, ms a call",
                 ["rows", "distinct experts", "MoE fused ms", "MoE grouped ms", "grouped / fused", "engine runs",

@@ -1,40 +1,48 @@
-"""The race against the tool a user would pick instead: OpenVINO GenAI decoding the same random weights.
+"""The race against the tools a user would pick instead: OpenVINO GenAI and llama.cpp on the same random weights.
 
 Scenario: two random models a person could run on one PC, the same weights for every contestant: a Qwen3-MoE of
 0.9B parameters (hidden 1024, 8 layers, 64 experts top-6 of width 512, vocabulary 32k) and a Llama of 0.25B
 (hidden 1024, 12 layers, MLP width 4096). Cascadia's `init_model` writes each once (bf16, seeded); optimum-intel
 exports it for OpenVINO GenAI as its users do, with data-free weight compression: `--weight-format int8` (per
 channel, asymmetric) and `--weight-format int4 --group-size 32` (asymmetric; its embedding and head int8, NNCF's
-backup precision). Cascadia reads the same checkpoint in the matching formats (int8 per row, asymmetric; int4 in
-groups of 32, asymmetric, embedding and head int8). Both compute in bf16 where the CPU has it (f32 elsewhere), on
-every core this process may use, in one process.
+backup precision). llama.cpp's own converter (convert_hf_to_gguf.py) writes it as a bf16 GGUF, which llama.cpp
+quantises to Q8_0 and to Q4_0 (blocks of 32, symmetric), the embedding and head Q8_0 in both. Cascadia reads the
+same checkpoint in the matching formats (int8 per row, asymmetric; int4 in groups of 32, asymmetric, embedding and
+head int8). OpenVINO computes in bf16 where the CPU has it (f32 elsewhere); llama.cpp multiplies its quantised
+weights by activations it quantises to 8 bits, with f16 K/V. Every contestant on every core this process may use,
+in one process.
 
-agreement  Greedy tokens from one prompt: Cascadia's single-process engine against GenAI's LLMPipeline, at f32
-           (the models at --quick sizes, exported unquantised: the same model, so the same tokens) and at int8 and
-           int4 (each engine's own quantisation of the same weights: how far they agree). The count of leading
-           tokens that agree, of AGREE_TOKENS.
+agreement  Greedy tokens from one prompt, each peer against Cascadia's single-process engine: at f32 (the models
+           at --quick sizes, unquantised: the same model, so the same tokens) and at int8 and int4 (each engine's
+           own quantisation of the same weights: how far they agree). The count of leading tokens that agree, of
+           AGREE_TOKENS.
 decode     Decode tokens a second at 1, 8 and 32 streams, each stream a PROMPT_TOKENS prompt of its own: GenAI's
            LLMPipeline for one stream and its ContinuousBatchingPipeline for more, timed as (DECODE_TOKENS new tokens)
-           minus (1 new token), so that prefill and the first token fall out; Cascadia's engine (one process, the
-           stage holding every layer, row buckets 1, 8 and 32) prefilling its streams and then timed over
-           DECODE_TOKENS - 1 decode steps of all of them together. Rounds alternate between the contestants;
-           each cell is the median (min-max) of ROUNDS.
-first      The first token of a FIRST_TOKEN_PROMPT-token prompt, one stream: GenAI's LLMPipeline (the prompt in one
-           call), Cascadia's engine (in calls of PREFILL_ROWS rows); rounds alternating with the decode's.
+           minus (1 new token), so that prefill and the first token fall out; llama.cpp (every stream a sequence of
+           one context, one batch a step) and Cascadia's engine (one process, the stage holding every layer, row
+           buckets 1, 8 and 32) prefilling their streams and then timed over DECODE_TOKENS - 1 decode steps of all
+           of them together. Rounds alternate between the contestants; each cell is the median (min-max) of ROUNDS.
+           Beside them the memory roofline (`bench/engine.py`'s: the weight bytes a step needs at the measured
+           bandwidth) and each contestant's share of it.
+first      The first token of a FIRST_TOKEN_PROMPT-token prompt, one stream: GenAI's LLMPipeline and llama.cpp (the
+           prompt in one call), Cascadia's engine (in calls of PREFILL_ROWS rows); rounds alternating with the
+           decode's.
 memory     A fresh process for each contestant, model and format, loaded as a user would run it (GenAI's continuous
            batching alone), taking the first token of that prompt and then 32 streams' decode: its peak resident
-           memory (VmHWM), beside the export's weight bytes.
+           memory (VmHWM), beside the weights' files.
 
 Not a test: it prints its tables and writes them to bench/results/peers.json. It runs in the race environment
-(optimum-intel pins transformers < 5.6; torch only exports, and nothing of Cascadia imports it):
+(optimum-intel pins transformers < 5.6; torch only exports, and nothing of Cascadia imports it; llama-cpp-python
+compiles llama.cpp for this CPU, about 10 minutes on 2 cores):
 
     python -m venv .venv-race
     .venv-race/bin/pip install torch==2.13.0 "transformers>=5.2,<5.6" "optimum==2.3.*" nncf requests \
-        openvino-genai==2026.4.1 openvino-tokenizers==2026.4.1 -e .
+        openvino-genai==2026.4.1 openvino-tokenizers==2026.4.1 llama-cpp-python==0.3.36 -e .
     .venv-race/bin/pip install --no-deps optimum-intel==2.2.0   # its torchvision pin would pull a CUDA torch
     .venv-race/bin/python bench/peers.py [--quick] [--folder DIR] [--rounds N]
 
-The checkpoints and exports (about 6 GB) go to DIR (default the system's temporary folder), made on first use.
+The checkpoints, exports and GGUFs (about 8 GB) go to DIR (default the system's temporary folder), made on first
+use, with llama.cpp's converter (from llama-cpp-python's source package of the installed version).
 """
 
 from __future__ import annotations
@@ -42,16 +50,22 @@ from __future__ import annotations
 import cascadia  # noqa: F401  # isort: skip  first: numpy's BLAS reads its thread count (one) when it loads
 
 import argparse
+import ctypes
 import multiprocessing
+import os
+import runpy
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import openvino as ov
+from engine import CountingRouter, memory_bandwidth, step_bytes
 from record import Table, now, spread, write
 
 from cascadia.engine.checkpoint import Checkpoint
@@ -61,7 +75,10 @@ from cascadia.engine.generate import generate
 from cascadia.engine.init_model import init_model
 from cascadia.models import config_from_hf_dict, read_config
 from cascadia.sampling import Sampling
-from cascadia.spec.types import RuntimeSpec, WeightFormat, WeightFormats
+from cascadia.graph.planner import plan as make_plan
+from cascadia.pipeline.run import Pipeline
+from cascadia.spec.types import (ClusterSpec, LengthSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WeightFormat,
+                                 WeightFormats, WorkloadSpec)
 
 SEED = 7
 PROMPT_TOKENS = 32
@@ -69,7 +86,8 @@ DECODE_TOKENS = 64
 AGREE_TOKENS = 32
 STREAMS = (1, 8, 32)
 ROUNDS = 3
-WHO = ("GenAI", "Cascadia")
+WHO = ("GenAI", "llama.cpp", "Cascadia")
+PEERS = WHO[:-1]
 FIRST_TOKEN_PROMPT = 512  # tokens of the prompt whose first token is timed
 PREFILL_ROWS = 256  # Cascadia's largest row bucket: a 512-token prompt in two calls
 COMMON = {"vocab_size": 32000, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -91,13 +109,19 @@ def matching(fmt: WeightFormat, embedding: WeightFormat) -> WeightFormats:
                          embedding=embedding, head=embedding)
 
 
+class Format(NamedTuple):
+    """One weight format as each contestant spells it."""
+    optimum: list[str]  # optimum-cli's weight options
+    gguf: tuple[str, str] | None  # llama.cpp's quantisation of the layers, of the embedding and head (None: f32)
+    cascadia: WeightFormats
+
+
 INT8 = WeightFormat("int8", symmetric=False)
-# name: (optimum-cli's weight options, Cascadia's formats)
 FORMATS = {
-    "f32": (["--weight-format", "fp32"], matching(WeightFormat("f32"), WeightFormat("f32"))),
-    "int8": (["--weight-format", "int8"], matching(INT8, INT8)),
-    "int4": (["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"],
-             matching(WeightFormat("int4", 32, symmetric=False), INT8)),
+    "f32": Format(["--weight-format", "fp32"], None, matching(WeightFormat("f32"), WeightFormat("f32"))),
+    "int8": Format(["--weight-format", "int8"], ("Q8_0", "Q8_0"), matching(INT8, INT8)),
+    "int4": Format(["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"], ("Q4_0", "Q8_0"),
+                   matching(WeightFormat("int4", 32, symmetric=False), INT8)),
 }
 
 
@@ -117,7 +141,7 @@ def exported(source: Path, fmt: str) -> Path:
     if not (path / "openvino_model.xml").is_file():
         print(f"exporting {source.name} for OpenVINO GenAI ({fmt}) ...", flush=True)
         subprocess.run([sys.executable, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model",
-                        str(source), "--task", "text-generation-with-past", *FORMATS[fmt][0], str(path)],
+                        str(source), "--task", "text-generation-with-past", *FORMATS[fmt].optimum, str(path)],
                        check=True)
     return path
 
@@ -160,14 +184,163 @@ class GenAI:
         return time.perf_counter() - start
 
 
+def converter(folder: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py, of the llama.cpp that the installed llama-cpp-python was built from: its
+    wheel leaves the script out, so it comes from the same version's source package (fetched from the package
+    registry into `folder` on first use)."""
+    import llama_cpp  # the race environment's alone
+
+    name = f"llama_cpp_python-{llama_cpp.__version__}"
+    source = folder / name / "vendor" / "llama.cpp"
+    if not (source / "convert_hf_to_gguf.py").is_file():
+        print(f"fetching llama.cpp's converter ({name}'s source package) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
+                        f"llama-cpp-python=={llama_cpp.__version__}", "-d", str(folder)], check=True)
+        with tarfile.open(folder / f"{name}.tar.gz") as package:
+            wanted = [f"{name}/vendor/llama.cpp/{part}" for part in ("convert_hf_to_gguf.py", "conversion", "gguf-py")]
+            package.extractall(folder, [m for m in package.getmembers() if m.name.startswith(tuple(wanted))],
+                               filter="data")
+    return source / "convert_hf_to_gguf.py"
+
+
+def convert_child(script: str, source: str, outtype: str, out: str) -> None:
+    """In a fresh process: llama.cpp's converter on a checkpoint. It names a BPE tokenizer's pre-tokenizer by
+    hashing what published tokenizers make of a test text; init_model's tokenizer (byte-level BPE, GPT-2's split)
+    is published nowhere, so it is named for what it is. The models only ever see token ids here."""
+    folder = Path(script).parent
+    sys.path[:0] = [str(folder), str(folder / "gguf-py")]  # the converter's own gguf package, not PyPI's
+    from conversion import base
+
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    sys.argv = [script, source, "--outtype", outtype, "--outfile", out]
+    runpy.run_path(script, run_name="__main__")
+
+
+def gguf(source: Path, fmt: str, folder: Path) -> Path:
+    """`source` converted to GGUF for llama.cpp (f32, or bf16 quantised to `fmt`'s types), on first use. Each file
+    is written under a temporary name and renamed when whole, so that an interrupted run leaves none half-written."""
+    path = source.with_name(f"{source.name}-{fmt}.gguf")
+    if path.is_file():
+        return path
+    types = FORMATS[fmt].gguf
+    full = path if types is None else source.with_name(f"{source.name}-bf16.gguf")
+    if not full.is_file():
+        print(f"converting {source.name} to GGUF ({'f32' if types is None else 'bf16'}) ...", flush=True)
+        child = multiprocessing.get_context("spawn").Process(
+            target=convert_child, args=(str(converter(folder)), str(source), "f32" if types is None else "bf16",
+                                        str(full.with_suffix(".part"))))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            sys.exit(f"llama.cpp's converter failed on {source}")
+        full.with_suffix(".part").rename(full)
+    if types is not None:
+        lc = llama_cpp()
+        print(f"quantising {full.name} to {types[0]} (embedding and head {types[1]}) ...", flush=True)
+        params = lc.llama_model_quantize_default_params()
+        params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{types[0]}")
+        params.token_embedding_type = params.output_tensor_type = getattr(lc, f"GGML_TYPE_{types[1]}")
+        params.nthread = len(os.sched_getaffinity(0))
+        part = path.with_suffix(".part")
+        if lc.llama_model_quantize(str(full).encode(), str(part).encode(), ctypes.byref(params)) != 0:
+            sys.exit(f"llama.cpp could not quantise {full} to {types[0]}")
+        part.rename(path)
+    return path
+
+
+QUIET: list = []  # llama.cpp's log callback, kept for as long as the process lives: llama.cpp may call it any time
+
+
+def llama_cpp():
+    """llama-cpp-python (the race environment's alone), its backend started and its log silenced."""
+    import llama_cpp as lc
+
+    if not QUIET:
+        QUIET.append(lc.llama_log_callback(lambda *_: None))
+        lc.llama_log_set(QUIET[0], ctypes.c_void_p())
+        lc.llama_backend_init()
+    return lc
+
+
+class LlamaCpp:
+    """llama.cpp on a GGUF, through llama-cpp-python's bindings of its C API: every stream a sequence of one
+    context, the streams' next tokens decoded together in one batch a step (as llama-server's continuous batching
+    does), on every core this process may use; its defaults otherwise (f16 K/V, flash attention)."""
+
+    def __init__(self, path: Path, exact: bool = False):
+        """`exact`: f32 K/V and attention without llama.cpp's flash-attention kernel, which rounds its inputs to f16
+        (so that an f32 model gives f32 results)."""
+        self.lc = lc = llama_cpp()
+        self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+        params = lc.llama_context_default_params()
+        params.n_ctx = max(max(STREAMS) * (PROMPT_TOKENS + DECODE_TOKENS), FIRST_TOKEN_PROMPT + 1)
+        params.n_batch = max(FIRST_TOKEN_PROMPT, max(STREAMS) * PROMPT_TOKENS)
+        params.n_seq_max, params.kv_unified = max(STREAMS), True
+        params.n_threads = params.n_threads_batch = len(os.sched_getaffinity(0))
+        if exact:
+            params.type_k = params.type_v = lc.GGML_TYPE_F32
+            params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.context = lc.llama_init_from_model(self.model, params)
+        self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(params.n_batch, 0, 1)
+
+    def __del__(self):
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.context)
+        self.lc.llama_model_free(self.model)
+
+    def greedy(self, prompt: np.ndarray, tokens: int) -> list[int]:
+        out = [int(self._prefill(prompt[None])[0])]
+        while len(out) < tokens:
+            out.append(int(self._decode([(0, len(prompt) + len(out) - 1, out[-1], True)])[0].argmax()))
+        return out
+
+    def first_token_seconds(self, prompt: np.ndarray) -> float:
+        start = time.perf_counter()
+        self._prefill(prompt[None])
+        return time.perf_counter() - start
+
+    def decode_seconds(self, prompts: np.ndarray) -> float:
+        tokens = self._prefill(prompts)
+        start = time.perf_counter()
+        for position in range(prompts.shape[1], prompts.shape[1] + DECODE_TOKENS - 1):
+            tokens = self._decode([(seq, position, int(token), True) for seq, token in enumerate(tokens)]).argmax(-1)
+        return time.perf_counter() - start
+
+    def _prefill(self, prompts: np.ndarray) -> np.ndarray:
+        """Fresh sequences 0.. with these prompts, in one batch; their first tokens."""
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.context), True)
+        last = prompts.shape[1] - 1
+        return self._decode([(seq, position, int(token), position == last) for seq, prompt in enumerate(prompts)
+                             for position, token in enumerate(prompt)]).argmax(-1)
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """One llama_decode of rows (sequence, position, token, whether its logits are wanted): the wanted logits."""
+        batch = self.batch
+        batch.n_tokens = len(rows)
+        for i, (seq, position, token, wanted) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, wanted
+            batch.seq_id[i][0] = seq
+        if self.lc.llama_decode(self.context, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return np.stack([np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.context, i), (self.vocab,))
+                         for i, row in enumerate(rows) if row[3]])
+
+
 class Cascadia:
-    """Cascadia's engine in one process: one stage holding every layer."""
+    """Cascadia's engine in one process: one stage holding every layer. It counts the distinct experts each MoE
+    layer's rows choose in a decode (for the roofline)."""
 
     def __init__(self, path: Path, formats: WeightFormats, precision: str):
         runtime = RuntimeSpec(precision=precision, kv_precision=precision, max_streams=max(STREAMS),
                               context_budget=max(PROMPT_TOKENS + DECODE_TOKENS, FIRST_TOKEN_PROMPT + 1),
                               row_buckets=(*STREAMS, PREFILL_ROWS))
         self.engine = Engine(Checkpoint.open(path), runtime, formats=formats)
+        self.routers: dict[int, CountingRouter] = {}  # by MoE layer
+        for i, layer in zip(self.engine.stage.layer_ids, self.engine.stage.layers):
+            if layer.router is not None:
+                layer.router = self.routers[i] = CountingRouter(layer.router)
+        self.distinct: dict[int, dict[int, float]] = {}  # by stream count: the last decode's mean, by MoE layer
 
     def greedy(self, prompt: np.ndarray, tokens: int) -> list[int]:
         return list(generate(self.engine, prompt, tokens, Sampling()).ids)
@@ -183,20 +356,59 @@ class Cascadia:
         for slot in slots:
             self.engine.release(slot)
         tokens = [int(self.engine.prefill(slot, prompt).argmax()) for slot, prompt in zip(slots, prompts)]
+        for router in self.routers.values():
+            router.distinct.clear()
         start = time.perf_counter()
         for _ in range(DECODE_TOKENS - 1):
             tokens = self.engine.step(slots, tokens).argmax(-1).tolist()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.distinct[len(prompts)] = {i: float(np.mean(router.distinct)) for i, router in self.routers.items()}
+        return seconds
+
+
+class CascadiaRun:
+    """Cascadia as `cascadia run` deploys it, on this one machine: one local node process on every core, or two,
+    each pinned to a core of its own with one inference thread, holding consecutive halves of the layers as the
+    planner splits them; the coordinator in this process. Decode tokens a second are the run's own metric (output
+    tokens after each request's first, over the time some stream was decoding) for a closed loop of as many
+    requests at once as streams."""
+
+    def __init__(self, path: Path, formats: WeightFormats, precision: str, nodes: int):
+        cpus = sorted(os.sched_getaffinity(0))
+        cluster = tuple(NodeSpec(f"node{i}", memory_bytes=4 * 2**30, host="localhost", threads=len(cpus) // nodes,
+                                 cpus=(cpus[i],) if nodes > 1 else None) for i in range(nodes))
+        runtime = RuntimeSpec(precision=precision, kv_precision=precision, max_streams=max(STREAMS),
+                              context_budget=PROMPT_TOKENS + DECODE_TOKENS, row_buckets=(1, 4, 8, 16, 32))
+        workload = WorkloadSpec(prompt_tokens=LengthSpec.fixed(PROMPT_TOKENS), output_tokens=DECODE_TOKENS,
+                                concurrency=STREAMS)
+        self.spec = Spec(ModelSpec(read_config(path), formats, path, name=path.name),
+                         ClusterSpec(cluster, reserve_bytes=2**28), runtime, workload)
+        self.pipeline = Pipeline.start(self.spec, make_plan(self.spec))
+
+    def decode_rates(self, prompts: np.ndarray) -> dict[int, float]:
+        """Decode tokens a second by stream count, every count in STREAMS (each after a warm-up of its own)."""
+        done = self.pipeline.run(self.spec.workload, [tuple(int(t) for t in p) for p in prompts])
+        return {level["concurrency"]: level["decode_tokens_per_s"] for level in done.result["levels"]}
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+def contestant(who: str, path: Path, fmt: str, precision: str) -> GenAI | LlamaCpp | Cascadia:
+    """One contestant on its form of the model (an export, a GGUF or the checkpoint) as a user would run it: GenAI's
+    continuous batching alone."""
+    if who == "GenAI":
+        return GenAI(path, precision, single=False)
+    return LlamaCpp(path) if who == "llama.cpp" else Cascadia(path, FORMATS[fmt].cascadia, precision)
 
 
 def peak_memory_child(who: str, path: str, fmt: str, precision: str, prompts: np.ndarray, long_prompt: np.ndarray,
                       results) -> None:
-    """In a fresh process: one contestant loaded as a user would run it (GenAI's continuous batching alone), the
-    first token of the long prompt and a decode of every stream; the process's peak resident bytes."""
-    contestant = GenAI(Path(path), precision, single=False) if who == "GenAI" else \
-        Cascadia(Path(path), FORMATS[fmt][1], precision)
-    contestant.first_token_seconds(long_prompt)
-    contestant.decode_seconds(prompts)
+    """In a fresh process: one contestant, the first token of the long prompt and a decode of every stream; the
+    process's peak resident bytes."""
+    loaded = contestant(who, Path(path), fmt, precision)
+    loaded.first_token_seconds(long_prompt)
+    loaded.decode_seconds(prompts)
     with open("/proc/self/status") as status:
         results.put(next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:")))
 
@@ -217,6 +429,44 @@ def agreeing(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def tables(precision: str, rounds: int) -> tuple[Table, Table, Table, Table, Table]:
+    """The empty tables: agreement, decode, deployed, first token, memory."""
+    agreement = Table("Greedy tokens that agree with Cascadia's, the same weights",
+                      ["model", "weights", *PEERS],
+                      note=f"Leading tokens of {AGREE_TOKENS} greedy ones after one prompt of {PROMPT_TOKENS} that "
+                           f"each peer shares with Cascadia. f32: the models at --quick sizes, computed in f32 "
+                           f"(llama.cpp with f32 K/V and without its flash attention, which rounds to f16); int8 and "
+                           f"int4: each engine's own quantisation, in {precision}, llama.cpp as for the race.")
+    decode = Table(f"Decode tokens a second ({precision} compute) on the same weights",
+                   ["model", "weights", "streams", *WHO, *(f"Cascadia over {peer}" for peer in PEERS),
+                    "roofline", *(f"{who} % of roofline" for who in WHO)],
+                   note=f"Median (min-max) of {rounds} alternating rounds; {DECODE_TOKENS - 1} decode steps after "
+                        f"prompts of {PROMPT_TOKENS}. Ratios of the medians. Roofline: the tokens a second if a step "
+                        f"cost only reading once, at the memory bandwidth measured in each round (a streaming read "
+                        f"of 1 GiB), the weight bytes it needs in Cascadia's formats (routed experts: the distinct "
+                        f"ones its rows chose in Cascadia's run).")
+    deployed = Table(f"Decode tokens a second ({precision} compute): Cascadia deployed by `cascadia run` here",
+                     ["model", "weights", "streams", "engine alone", "1 node", "2 pinned nodes", "2 nodes over 1",
+                      "2 nodes over GenAI"],
+                     note=f"Median (min-max) of {rounds} rounds alternating with the decode table's. Engine alone: "
+                          f"that table's. 1 node: a node process on both cores; 2 pinned nodes: two node processes, "
+                          f"one core and one thread each, holding half the layers each; the coordinator in the "
+                          f"bench's process; the run's decode rate for {DECODE_TOKENS}-token requests as many at once "
+                          f"as streams, each count after a warm-up.")
+    first = Table(f"First token of a {FIRST_TOKEN_PROMPT}-token prompt, one stream, seconds",
+                  ["model", "weights", *WHO, *(f"{peer} over Cascadia" for peer in PEERS)],
+                  note=f"Median (min-max) of {rounds} rounds alternating with the decode's. GenAI and llama.cpp "
+                       f"take the prompt in one call, Cascadia's engine in calls of {PREFILL_ROWS} rows.")
+    memory = Table("Peak memory of a process running one contestant, MiB",
+                   ["model", "weights", "OpenVINO export", "GGUF", *WHO,
+                    *(f"Cascadia over {peer}" for peer in PEERS)],
+                   note=f"A fresh process each (GenAI's continuous batching alone): loaded, the first token of the "
+                        f"{FIRST_TOKEN_PROMPT}-token prompt, {DECODE_TOKENS} tokens of {max(STREAMS)} streams; its "
+                        f"peak resident set (VmHWM). Beside them the weights' files: optimum-intel's "
+                        f"openvino_model.bin and the GGUF.")
+    return agreement, decode, deployed, first, memory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the models at small sizes (checks the bench)")
@@ -228,63 +478,67 @@ def main() -> None:
     started, rng = now(), np.random.default_rng(SEED)
     precision = runs_as("bf16", "CPU")
     print(f"computing in {precision} (OpenVINO's CPU plugin on this CPU)\n")
-    agreement = Table("Greedy tokens that agree: Cascadia against OpenVINO GenAI, the same weights",
-                      ["model", "weights", "leading tokens the same"],
-                      note=f"Of {AGREE_TOKENS} greedy tokens after one prompt of {PROMPT_TOKENS}; f32 at --quick "
-                           f"sizes, computed in f32; int8 and int4 each engine's own quantisation, in {precision}.")
-    decode = Table(f"Decode tokens a second ({precision} compute), OpenVINO GenAI against Cascadia, the same weights",
-                   ["model", "weights", *(f"{who}, {g} stream{'s' * (g > 1)}" for g in STREAMS for who in WHO),
-                    *(f"ratio at {g}" for g in STREAMS)],
-                   note=f"Median (min-max) of {args.rounds} alternating rounds; {DECODE_TOKENS - 1} decode steps "
-                        f"after prompts of {PROMPT_TOKENS}. Ratio: Cascadia over GenAI, of the medians.")
-    first = Table(f"First token of a {FIRST_TOKEN_PROMPT}-token prompt, one stream, seconds",
-                  ["model", "weights", *WHO, "GenAI over Cascadia"],
-                  note=f"Median (min-max) of {args.rounds} rounds alternating with the decode's. GenAI's LLMPipeline "
-                       f"takes the prompt in one call, Cascadia's engine in calls of {PREFILL_ROWS} rows.")
-    memory = Table("Peak memory of a process running one contestant, MiB",
-                   ["model", "weights", "the export's weights", *WHO, "Cascadia over GenAI"],
-                   note=f"A fresh process each (GenAI's continuous batching alone): loaded, the first token of the "
-                        f"{FIRST_TOKEN_PROMPT}-token prompt, {DECODE_TOKENS} tokens of {max(STREAMS)} streams; its "
-                        f"peak resident set (VmHWM). The export's weights: optimum-intel's openvino_model.bin.")
+    agreement, decode, deployed, first, memory = tables(precision, args.rounds)
+    stream = np.ones(2**27, np.int64)  # 1 GiB to read for the bandwidth
     for model in MODELS:
         small = checkpoint(args.folder, model, quick=True)
         prompt = rng.integers(3, read_config(small).vocab_size, PROMPT_TOKENS)
-        peer, ours = GenAI(exported(small, "f32"), "f32"), Cascadia(small, FORMATS["f32"][1], "f32")
-        agreement.add(model, "f32", agreeing(peer.greedy(prompt, AGREE_TOKENS), ours.greedy(prompt, AGREE_TOKENS)))
-        del peer, ours
+        tokens = {"GenAI": GenAI(exported(small, "f32"), "f32").greedy(prompt, AGREE_TOKENS),
+                  "llama.cpp": LlamaCpp(gguf(small, "f32", args.folder), exact=True).greedy(prompt, AGREE_TOKENS),
+                  "Cascadia": Cascadia(small, FORMATS["f32"].cascadia, "f32").greedy(prompt, AGREE_TOKENS)}
+        agreement.add(model, "f32", *(agreeing(tokens[peer], tokens["Cascadia"]) for peer in PEERS))
         path = checkpoint(args.folder, model, args.quick)
         vocab = read_config(path).vocab_size
         prompts = rng.integers(3, vocab, (max(STREAMS), PROMPT_TOKENS))
         long_prompt = rng.integers(3, vocab, FIRST_TOKEN_PROMPT)
         for fmt in ("int8", "int4"):
-            export = exported(path, fmt)
-            contestants = {"GenAI": GenAI(export, precision), "Cascadia": Cascadia(path, FORMATS[fmt][1], precision)}
+            files = {"GenAI": exported(path, fmt), "llama.cpp": gguf(path, fmt, args.folder), "Cascadia": path}
+            contestants = {"GenAI": GenAI(files["GenAI"], precision), "llama.cpp": LlamaCpp(files["llama.cpp"]),
+                           "Cascadia": Cascadia(path, FORMATS[fmt].cascadia, precision)}
+            runs = {nodes: CascadiaRun(path, FORMATS[fmt].cascadia, precision, nodes) for nodes in (1, 2)}
             if not args.quick:
-                agreement.add(model, fmt, agreeing(*(c.greedy(prompts[0], AGREE_TOKENS)
-                                                     for c in contestants.values())))
+                tokens = {who: c.greedy(prompts[0], AGREE_TOKENS) for who, c in contestants.items()}
+                agreement.add(model, fmt, *(agreeing(tokens[peer], tokens["Cascadia"]) for peer in PEERS))
             rates = {(who, g): [] for who in WHO for g in STREAMS}
-            seconds = {who: [] for who in WHO}
+            run_rates = {(nodes, g): [] for nodes in runs for g in STREAMS}
+            seconds, bandwidth = {who: [] for who in WHO}, []
             for _ in range(args.rounds):
-                for who, contestant in contestants.items():
-                    seconds[who].append(contestant.first_token_seconds(long_prompt))
+                bandwidth.append(memory_bandwidth(stream))
+                for who, c in contestants.items():
+                    seconds[who].append(c.first_token_seconds(long_prompt))
                 for g in STREAMS:
-                    for who, contestant in contestants.items():
-                        rates[who, g].append(g * (DECODE_TOKENS - 1) / contestant.decode_seconds(prompts[:g]))
+                    for who, c in contestants.items():
+                        rates[who, g].append(g * (DECODE_TOKENS - 1) / c.decode_seconds(prompts[:g]))
+                for nodes, deployment in runs.items():
+                    for g, rate in deployment.decode_rates(prompts).items():
+                        run_rates[nodes, g].append(rate)
+            distinct = contestants["Cascadia"].distinct
             del contestants
-            medians = {key: statistics.median(values) for key, values in rates.items()}
-            decode.add(model, fmt, *(spread(rates[who, g]) for g in STREAMS for who in WHO),
-                       *(round(medians["Cascadia", g] / medians["GenAI", g], 2) for g in STREAMS))
+            for deployment in runs.values():
+                deployment.close()
+            spec = ModelSpec(read_config(path), FORMATS[fmt].cascadia)
+            for g in STREAMS:
+                medians = {who: statistics.median(rates[who, g]) for who in WHO}
+                roofline = g * statistics.median(bandwidth) / step_bytes(spec, g, distinct[g])
+                decode.add(model, fmt, g, *(spread(rates[who, g]) for who in WHO),
+                           *(round(medians["Cascadia"] / medians[peer], 2) for peer in PEERS), round(roofline),
+                           *(round(100 * medians[who] / roofline, 1) for who in WHO))
+                deployed_medians = {nodes: statistics.median(run_rates[nodes, g]) for nodes in runs}
+                deployed.add(model, fmt, g, spread(rates["Cascadia", g]), *(spread(run_rates[n, g]) for n in runs),
+                             round(deployed_medians[2] / deployed_medians[1], 2),
+                             round(deployed_medians[2] / medians["GenAI"], 2))
+            medians = {who: statistics.median(seconds[who]) for who in WHO}
             first.add(model, fmt, *(spread(seconds[who]) for who in WHO),
-                      round(statistics.median(seconds["GenAI"]) / statistics.median(seconds["Cascadia"]), 2))
-            peaks = {who: peak_memory(who, export if who == "GenAI" else path, fmt, precision, prompts, long_prompt)
-                     for who in WHO}
-            memory.add(model, fmt, round((export / "openvino_model.bin").stat().st_size / 2**20),
-                       *(round(peaks[who] / 2**20) for who in WHO), round(peaks["Cascadia"] / peaks["GenAI"], 2))
-            for table in (decode, first, memory):
+                      *(round(medians[peer] / medians["Cascadia"], 2) for peer in PEERS))
+            peaks = {who: peak_memory(who, files[who], fmt, precision, prompts, long_prompt) for who in WHO}
+            memory.add(model, fmt, round((files["GenAI"] / "openvino_model.bin").stat().st_size / 2**20),
+                       round(files["llama.cpp"].stat().st_size / 2**20), *(round(peaks[who] / 2**20) for who in WHO),
+                       *(round(peaks["Cascadia"] / peaks[peer], 2) for peer in PEERS))
+            for table in (decode, deployed, first, memory):
                 print(table.text(), "\n", flush=True)
     print(agreement.text(), "\n")
-    write("peers", "Cascadia against OpenVINO GenAI on the same weights", started, [agreement, decode, first, memory],
-          args.out, quick=args.quick)
+    write("peers", "Cascadia against OpenVINO GenAI and llama.cpp on the same weights", started,
+          [agreement, decode, deployed, first, memory], args.out, quick=args.quick)
 
 
 if __name__ == "__main__":
