@@ -1,4 +1,5 @@
-"""Choosing the next token from logits: greedy, or temperature and nucleus (top-p) sampling.
+"""Choosing the next token from logits: greedy, or sampling at a temperature among the tokens that top-k, nucleus
+(top-p) and min-p keep, in that order, as transformers' logits warpers filter them.
 
 A random draw is seeded by (seed, a hash of the stream's tokens up to the row it samples from), so a stream's tokens
 depend on its own prompt and earlier tokens only: not on its slot, the rows it shares a frame with, or the timing.
@@ -19,21 +20,29 @@ from cascadia.spec.types import WorkloadSpec
 
 @attrs.frozen
 class Sampling:
-    """temperature 0 means greedy. top_p keeps the smallest set of most likely tokens whose probability reaches p."""
+    """temperature 0 means greedy. top_k keeps the k most likely tokens (0: every one); top_p the fewest most likely
+    whose probability reaches p; min_p those at least min_p times as likely as the most likely."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
 
     def __attrs_post_init__(self):
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must lie in [0, 1], got {self.min_p}")
 
     @classmethod
     def of(cls, workload: WorkloadSpec) -> Sampling:
-        return cls(0.0 if workload.greedy else workload.temperature, workload.top_p, workload.seed)
+        return cls(0.0 if workload.greedy else workload.temperature, workload.top_p, workload.seed, workload.top_k,
+                   workload.min_p)
 
     @property
     def greedy(self) -> bool:
@@ -43,7 +52,8 @@ class Sampling:
         """One token id from logits [V] of a stream whose tokens so far hash to `history` (`extend_history`)."""
         if self.greedy:
             return greedy(logits)
-        return sample(logits, np.random.default_rng([self.seed, history]), self.temperature, self.top_p)
+        return sample(logits, np.random.default_rng([self.seed, history]), self.temperature, self.top_p, self.top_k,
+                      self.min_p)
 
 
 def extend_history(history: int, tokens: Iterable[int]) -> int:
@@ -57,15 +67,32 @@ def greedy(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
 
-def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_p: float = 1.0) -> int:
+def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_p: float = 1.0, top_k: int = 0,
+           min_p: float = 0.0) -> int:
+    kept = candidates(logits, temperature, top_p, top_k, min_p)
+    if kept is None:  # a temperature so near 0 that the logits overflow: its limit, greedy
+        return greedy(logits)
+    ids, probs = kept
+    return int(ids[rng.choice(len(ids), p=probs)])
+
+
+def candidates(logits: np.ndarray, temperature: float, top_p: float = 1.0, top_k: int = 0,
+               min_p: float = 0.0) -> tuple[np.ndarray, np.ndarray] | None:
+    """The tokens a draw chooses among, most likely first, and their probabilities: softmax(logits / temperature)
+    in float64, kept by top_k, then top_p, then min_p, each on what the one before kept, renormalised (None where
+    the temperature overflows the logits)."""
     with np.errstate(over="ignore"):
         scaled = logits.astype(np.float64) / temperature
-    if not np.isfinite(scaled).all():  # a temperature so near 0 that the logits overflow: its limit, greedy
-        return greedy(logits)
+    if not np.isfinite(scaled).all():
+        return None
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
+    if top_k:
+        order = order[:top_k]
+        probs[order] /= probs[order].sum()
     cumulative = np.cumsum(probs[order])
-    keep = order[: int(np.searchsorted(cumulative, top_p)) + 1]  # up to and including the token that reaches p
-    kept = probs[keep] / probs[keep].sum()
-    return int(keep[rng.choice(len(keep), p=kept)])
+    order = order[: int(np.searchsorted(cumulative, top_p)) + 1]  # up to and including the token that reaches p
+    if min_p:
+        order = order[probs[order] >= min_p * probs[order[0]]]  # most likely first: a prefix
+    return order, probs[order] / probs[order].sum()

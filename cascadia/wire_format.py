@@ -1,11 +1,11 @@
-"""The sizes of the pipeline's messages on the wire: one source for `cascadia.pipeline.wire`, which lays them out,
-and for what costs them (the planner, the analytic calibration, the simulator, calibration's fits), so that a cost
-is the size of the message that is really sent.
+"""The sizes of the pipeline's messages on the wire: one source for `cascadia.pipeline.wire`, which lays them out, and
+for what costs them (the planner, the analytic calibration, the simulator, calibration's fits), so that a cost is the
+size of the message that is really sent.
 
-A message is a fixed header, then one buffer per array of its kind (see `cascadia.pipeline.wire`): a FRAME has, per
-row, an i32 slot, position and token id, a u8 "sample" flag and how its token is drawn (f64 temperature and top-p,
-u64 seed), then the f32 residual rows (none into the first stage); the TOKENS the last stage sends back have an i32
-slot and token id per sampled row.
+A message is a fixed header, then one buffer per array of its kind (see `cascadia.pipeline.wire`): a FRAME has, per row,
+an i32 slot, position and token id, a u8 "sample" flag and how its token is drawn (f64 temperature and top-p, u64 seed,
+i32 top-k, f64 min-p), then the f32 residual rows (none into the first stage); the TOKENS the last stage sends back have
+an i32 slot and token id per sampled row.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import struct
 HEADER_LAYOUT = "<4sHBIQQIIIIB"
 HEADER_BYTES = struct.calcsize(HEADER_LAYOUT)
 INDEX_BYTES = 4  # i32: a slot, position or token id
-FRAME_ROW_BYTES = 3 * INDEX_BYTES + 1 + 3 * 8  # slot, position, token id, sample flag; temperature, top-p, seed
+# a row: slot, position, token id and top-k (i32), the sample flag (u8), temperature, top-p, seed and min-p (8 bytes)
+FRAME_ROW_BYTES = 4 * INDEX_BYTES + 1 + 4 * 8
 TOKENS_ROW_BYTES = 2 * INDEX_BYTES  # slot, token id
 RESIDUAL_VALUE_BYTES = 4  # f32
 

@@ -126,8 +126,10 @@ def describe(workload: WorkloadSpec) -> str:
                f"prompts of {length.low} tokens" if length.low == length.high else
                f"prompts of {length.low}-{length.high} tokens (uniform)")
     outputs = f"{'up to ' if workload.stop_at_eos else ''}{workload.output_tokens} tokens out each"
-    drawn = ("greedy" if workload.greedy else
-             f"sampled at temperature {workload.temperature:g}, top-p {workload.top_p:g}")
+    limits = (f", top-k {workload.top_k}" if workload.top_k else "") + \
+        (f", min-p {workload.min_p:g}" if workload.min_p else "")
+    drawn = "greedy" if workload.greedy else \
+        f"sampled at temperature {workload.temperature:g}, top-p {workload.top_p:g}{limits}"
     return f"{loop}; each level a warm-up, then {count}; {prompts}, {outputs}, {drawn}"
 
 

@@ -5,7 +5,7 @@ weights, global scales and routing corrections, is away from its trivial init) a
 InklingForCausalLM, LlamaForCausalLM or Qwen3MoeForCausalLM, saved with save_pretrained, read back in float32 with
 eager attention, and run to record reference logits. Run from the repository root:
 
-    python scripts/make_fixtures.py            # writes tests/fixtures/<case>/ and tests/fixtures/long/
+    python scripts/make_fixtures.py            # writes tests/fixtures/<case>/, long/ and sampling/
     python scripts/make_fixtures.py --only long
 
 The long case keeps no weights (tests rewrite them from its config and seed with `cascadia.engine.init_model`, the
@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from transformers import (DynamicCache, InklingForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
+from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
 from cascadia.engine.init_model import random_weights
@@ -264,17 +266,45 @@ def make_long_case(root: Path, seed: int) -> None:
           f"{LONG_DECODE} greedy tokens; cached decode vs full forward max |diff| {gap:.2e}")
 
 
+# (temperature, top_k, top_p, min_p): each alone, then together
+SAMPLING_SETTINGS = [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 5, 1.0, 0.0), (1.0, 40, 1.0, 0.0),
+                     (1.0, 0, 0.9, 0.0), (1.3, 0, 0.5, 0.0), (1.0, 0, 1.0, 0.05), (0.8, 0, 1.0, 0.2),
+                     (0.8, 20, 0.9, 0.0), (1.2, 50, 0.95, 0.05), (0.6, 0, 0.8, 0.1), (1.0, 300, 0.99, 0.01)]
+
+
+def make_sampling_case(root: Path, seed: int) -> None:
+    """tests/fixtures/sampling/warpers.npz: the distribution transformers' logits warpers leave, in their order
+    (temperature, top-k, top-p, min-p), for random logits under each of SAMPLING_SETTINGS."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((len(SAMPLING_SETTINGS), 256)) * 3).astype(np.float32)
+    probs = []
+    for row, (temperature, top_k, top_p, min_p) in zip(logits, SAMPLING_SETTINGS):
+        scores = torch.from_numpy(row)[None]
+        warpers = [TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k) if top_k else None,
+                   TopPLogitsWarper(top_p) if top_p < 1 else None, MinPLogitsWarper(min_p) if min_p else None]
+        for warper in filter(None, warpers):
+            scores = warper(None, scores)
+        probs.append(scores.softmax(-1)[0].numpy())
+    out = root / "sampling"
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / "warpers.npz", logits=logits, settings=np.array(SAMPLING_SETTINGS, np.float64),
+             probs=np.array(probs, np.float32))
+    print(f"wrote {out / 'warpers.npz'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/fixtures"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=[*CASES, "long"], help="write this case alone")
+    parser.add_argument("--only", choices=[*CASES, "long", "sampling"], help="write this case alone")
     args = parser.parse_args()
     for name, (hf, save_options, prefill_len) in CASES.items():
         if args.only in (None, name):
             make_case(name, hf, save_options, prefill_len, args.out, args.seed)
     if args.only in (None, "long"):
         make_long_case(args.out, args.seed)
+    if args.only in (None, "sampling"):
+        make_sampling_case(args.out, args.seed)
 
 
 if __name__ == "__main__":

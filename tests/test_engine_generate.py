@@ -122,7 +122,8 @@ def test_cli_score_matches_the_engine(tmp_path, engine, reference):
     (["--prompt", "hi"], "needs"),
     (["--ids", "1,x"], "not a comma-separated list"),
     ([], "give --prompt or --ids"),
-    (["--ids", "1,2", "--greedy", "--temperature", "1"], "give --greedy or --temperature/--top-p, not both"),
+    (["--ids", "1,2", "--greedy", "--temperature", "1"], "give --greedy or --temperature/--top-p/--top-k/--min-p"),
+    (["--ids", "1,2", "--greedy", "--top-k", "5"], "give --greedy or --temperature/--top-p/--top-k/--min-p"),
     (["--ids", "99999"], "token id 99999 lies outside the vocabulary of"),
 ])
 def test_cli_generate_errors(args, message):

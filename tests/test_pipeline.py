@@ -72,7 +72,8 @@ def reference_tokens(engine: Engine, prompt, n: int, sampling: Sampling) -> list
     def draw(logits, positions, tokens) -> int:  # rows of slot 0, the last one sampled
         k = len(positions)
         frame = WireFrame(0, 0, [0] * k, positions, tokens, [False] * (k - 1) + [True],
-                          temperature=[sampling.temperature] * k, top_p=[sampling.top_p] * k, seed=[sampling.seed] * k)
+                          temperature=[sampling.temperature] * k, top_p=[sampling.top_p] * k, seed=[sampling.seed] * k,
+                          top_k=[sampling.top_k] * k, min_p=[sampling.min_p] * k)
         sampler.observe(frame)
         return int(sampler.sample(logits, frame)[0])
 
@@ -187,11 +188,13 @@ def test_score_gives_the_single_process_logits(pipeline, engine):
     np.testing.assert_allclose(distributed, single, rtol=0, atol=1e-6 * np.abs(single).max())
 
 
-def test_sampled_tokens_depend_on_the_stream_only(spec, plan, checkpoint, engine):
-    """With a temperature, each stream draws the same tokens alone or among others, as in one process."""
-    sampling = Sampling(temperature=0.8, top_p=0.9, seed=7)
+@pytest.mark.parametrize("top_k, min_p", [(0, 0.0), (5, 0.05)], ids=["top-p", "top-k and min-p too"])
+def test_sampled_tokens_depend_on_the_stream_only(spec, plan, checkpoint, engine, top_k, min_p):
+    """With a temperature, each stream draws the same tokens alone or among others, as in one process (where top-k
+    and min-p must reach the last node: without them its draws from this random model's flat logits would differ)."""
+    sampling = Sampling(temperature=1.2, top_p=0.95, seed=7, top_k=top_k, min_p=min_p)
     workload = attrs.evolve(spec.workload, concurrency=(1, 3), requests=3, output_tokens=6, greedy=False,
-                            temperature=0.8, top_p=0.9, seed=7)
+                            temperature=1.2, top_p=0.95, seed=7, top_k=top_k, min_p=min_p)
     prompt = list(range(3, 15))
     done = run(spec, plan, workload, prompts=[tuple(prompt)], checkpoint=checkpoint, node_timeout_s=TIMEOUT_S)
     outputs = {tuple(line["output_ids"]) for line in done.outputs}
@@ -271,7 +274,7 @@ def test_a_failed_run_still_writes_what_finished_and_exits_non_zero(monkeypatch,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--greedy", "--temperature", "0.5"], "give --greedy or --temperature/--top-p, not both"),
+    (["--greedy", "--temperature", "0.5"], "give --greedy or --temperature/--top-p/--top-k/--min-p, not both"),
     (["--control", "tcp://127.0.0.1:5555"], "give both --control and --tokens, or neither"),
 ])
 def test_run_command_refuses_contradictory_options(args, message):

@@ -147,6 +147,15 @@ def test_sampled_replies_depend_on_the_seed(client):
     assert draw(3) == draw(3) and draw(3) != draw(4)
 
 
+@pytest.mark.parametrize("limit", [{"top_k": 1}, {"min_p": 1.0}])
+def test_a_draw_limited_to_the_likeliest_token_is_greedy(client, limit):
+    """top_k 1, or min_p 1 (only tokens as likely as the likeliest), leave the draw one token: the greedy one."""
+    def reply(temperature, **extra):
+        return client.completions.create(model="tiny", prompt=[5, 9, 3], max_tokens=8, temperature=temperature,
+                                         seed=3, extra_body={"ignore_eos": True, **extra}).choices[0].text
+    assert reply(1.5, **limit) == reply(0) != reply(1.5)
+
+
 def test_thirty_two_streaming_clients_all_complete(server, reference):
     greedy, _, _ = reference
 
@@ -300,7 +309,7 @@ def test_defaults_and_fields_without_effect_are_accepted(server, reference):
 
 @pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("logprobs", True), ("top_logprobs", 2),
                                           ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
-                                          ("top_k", 40), ("repetition_penalty", 1.1), ("min_tokens", 3),
+                                          ("repetition_penalty", 1.1), ("min_tokens", 3),
                                           ("skip_special_tokens", False), ("tool_choice", "required"),
                                           ("presence_penalty", False)])
 def test_what_this_server_does_not_serve_is_refused_by_name(server, field, value):
@@ -464,6 +473,15 @@ def test_the_messages_api_gives_the_chat_endpoints_tokens(anthropic_client, refe
         assert stream.get_final_message().content[0].text == expected
     counted = anthropic_client.messages.count_tokens(model="tiny", **blocks)
     assert counted.input_tokens == len(chat_ids(chat))
+
+
+def test_the_messages_api_draws_within_top_k(anthropic_client, reference):
+    """Anthropic's `top_k`: 1 leaves a sampled draw one token, the greedy one."""
+    greedy, chat_ids, _ = reference
+    user = [{"role": "user", "content": "Hello!"}]
+    message = anthropic_client.messages.create(model="tiny", max_tokens=6, messages=user,
+                                               extra_body={"temperature": 1, "top_k": 1})
+    assert message.content[0].text == greedy(chat_ids(user), 6)[0]
 
 
 def test_a_stop_sequence_ends_the_message_and_is_named(anthropic_client, reference):

@@ -47,7 +47,7 @@ def prompt(i: int) -> list[int]:
 
 def sampling(i: int) -> Sampling:
     """Even clients greedy, odd ones sampled with a seed of their own."""
-    return Sampling() if i % 2 == 0 else Sampling(temperature=1.0, top_p=0.9, seed=i)
+    return Sampling() if i % 2 == 0 else Sampling(temperature=1.0, top_p=0.9, seed=i, top_k=50, min_p=0.01)
 
 
 def engine_texts(spec, checkpoint: Path) -> list[str]:
@@ -72,8 +72,9 @@ async def stream_all(url: str, during=None, model: str = "tiny") -> list[str]:
         drawn = sampling(i)
         options = {"temperature": 0} if drawn.greedy else {"temperature": drawn.temperature, "top_p": drawn.top_p,
                                                              "seed": drawn.seed}
+        limits = {} if drawn.greedy else {"top_k": drawn.top_k, "min_p": drawn.min_p}
         stream = await client.completions.create(model=model, prompt=prompt(i), max_tokens=TOKENS, stream=True,
-                                                 extra_body={"ignore_eos": True}, **options)
+                                                 extra_body={"ignore_eos": True, **limits}, **options)
         pieces = []
         async for chunk in stream:
             first.set()

@@ -261,6 +261,8 @@ BAD = [
     ("a: !!python/object:os.system {}\n", "s.yaml:1: unsupported YAML tag"),
     ("a: &x [*x]\n", "nested deeper than 64 levels"),
     ("include: other.yaml\n", "s.yaml:1: include: {dir}/other.yaml: no such file"),
+    (MODEL + CLUSTER + "workload: {top_k: -1}\n", "workload.top_k: expected an integer >= 0, got -1"),
+    (MODEL + CLUSTER + "workload: {min_p: 1.5}\n", "workload.min_p: expected a number in [0, 1], got 1.5"),
 ]
 
 

@@ -181,7 +181,7 @@ def speculating_pipeline(spec, checkpoint):
 @pytest.mark.parametrize("drafts", ["ngram", "replay", "wrong"])
 def test_the_pipeline_speculates_exactly_at_every_concurrency(spec, plain, speculating_pipeline, drafts, sampled):
     workload = attrs.evolve(spec.workload, concurrency=(1, 4, 16), output_tokens=10, greedy=not sampled,
-                            temperature=0.8, top_p=0.9, seed=3)
+                            temperature=0.8, top_p=0.9, seed=3, top_k=40, min_p=0.01)
     prompts = [r.prompt_ids for r in repetitive_requests(16, sampled)]
     sampling = Sampling.of(workload)
     # each stream's tokens depend on its prompt and sampling only: the single-process engine, without speculation

@@ -31,7 +31,9 @@ def frames(draw, min_rows=0):
                  draw(st.lists(st.booleans(), min_size=n, max_size=n)), residual, draw(st.integers(0, 2**32 - 1)),
                  draw(st.lists(st.floats(0, 4), min_size=n, max_size=n)),
                  draw(st.lists(st.floats(0, 1, exclude_min=True), min_size=n, max_size=n)),
-                 draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n)))
+                 draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n)),
+                 draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)),
+                 draw(st.lists(st.floats(0, 1), min_size=n, max_size=n)))
 
 
 @st.composite
@@ -165,8 +167,8 @@ def test_any_corrupted_byte_gives_wire_error_or_a_valid_message(message, data):
 
 def test_unknown_version_names_both_versions():
     parts = as_bytes(encode(Shutdown(), 0, 1))
-    parts[0] = corrupt(parts[0], _VERSION, "<H", 9)
-    with pytest.raises(WireError, match=f"version 9, this build speaks version {VERSION}"):
+    parts[0] = corrupt(parts[0], _VERSION, "<H", VERSION + 1)
+    with pytest.raises(WireError, match=f"version {VERSION + 1}, this build speaks version {VERSION}"):
         decode(parts)
 
 
@@ -240,7 +242,10 @@ def test_messages_check_their_row_counts():
 @pytest.mark.parametrize("field, value, message", [("temperature", -1.0, "temperature: each must be"),
                                                     ("temperature", float("nan"), "temperature: each must be"),
                                                     ("top_p", 0.0, "top_p: each must lie in"),
-                                                    ("top_p", 1.5, "top_p: each must lie in")])
+                                                    ("top_p", 1.5, "top_p: each must lie in"),
+                                                    ("top_k", -1, "top_k: each must be >= 0"),
+                                                    ("min_p", 1.5, "min_p: each must lie in"),
+                                                    ("min_p", float("nan"), "min_p: each must lie in")])
 def test_a_frame_that_asks_for_an_impossible_draw_is_rejected(field, value, message):
     frame = attrs.evolve(Frame(1, 0, [0], [0], [5], [True]), **{field: [value]})
     with pytest.raises(WireError, match=message):
@@ -251,7 +256,7 @@ def test_decoded_arrays_view_the_received_buffers():
     residual = np.arange(8, dtype=np.float32).reshape(2, 4)
     parts = as_bytes(encode(Frame(1, 0, [0, 1], [0, 0], [1, 2], [True, False], residual), 0, 1))
     frame = decode(parts).message
-    assert np.shares_memory(frame.residual, np.frombuffer(parts[8], np.uint8))
+    assert np.shares_memory(frame.residual, np.frombuffer(parts[10], np.uint8))
     assert not frame.residual.flags.writeable
 
 

@@ -154,21 +154,25 @@ def sampling_options(command):
                          help="sample at this temperature"),
             click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
                          help="sample from the most likely tokens holding this probability"),
+            click.option("--top-k", type=click.IntRange(min=0), help="sample from this many most likely tokens"),
+            click.option("--min-p", type=click.FloatRange(0, 1),
+                         help="sample from the tokens at least this share as likely as the most likely"),
             click.option("--seed", type=int, help="seed of the random draws"))):
         command = option(command)
     return command
 
 
-def with_sampling(workload, greedy: bool | None, temperature: float | None, top_p: float | None, seed: int | None):
+def with_sampling(workload, greedy: bool | None, temperature: float | None, top_p: float | None, seed: int | None,
+                  top_k: int | None = None, min_p: float | None = None):
     import attrs
 
-    if greedy and (temperature is not None or top_p is not None):
-        raise click.UsageError("give --greedy or --temperature/--top-p, not both")
+    drawing = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    if greedy and any(v is not None for v in drawing.values()):
+        raise click.UsageError("give --greedy or --temperature/--top-p/--top-k/--min-p, not both")
     changes = {"greedy": True} if greedy else {}
-    if temperature is not None or top_p is not None:
+    if any(v is not None for v in drawing.values()):
         changes["greedy"] = False
-    changes.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed))
-                    if v is not None})
+    changes.update({k: v for k, v in (*drawing.items(), ("seed", seed)) if v is not None})
     return attrs.evolve(workload, **changes)
 
 

@@ -72,7 +72,8 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--json", "json_path", type=OutputPath(), help="write ids, text and timings as JSON")
 @_engine_options
 def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_tokens: int, greedy: bool | None,
-             temperature: float | None, top_p: float | None, seed: int | None, ignore_eos: bool,
+             temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None, seed: int | None,
+             ignore_eos: bool,
              json_path: str | None, precision: str, compressed: bool, device: str, threads: int | None) -> None:
     """Generate text (or token ids) from a prompt with the single-process OpenVINO engine (greedy unless sampling
     options say otherwise; a workload's defaults: temperature 1, top-p 1, seed 0)."""
@@ -87,7 +88,7 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     report = report_to(json_path)
     if (prompt is None) == (ids_text is None):
         raise click.UsageError("give --prompt or --ids (one of them)")
-    sampling = Sampling.of(with_sampling(WorkloadSpec(), greedy, temperature, top_p, seed))
+    sampling = Sampling.of(with_sampling(WorkloadSpec(), greedy, temperature, top_p, seed, top_k, min_p))
     tokenizer_file = Path(checkpoint) / TOKENIZER_FILE
     tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
     if prompt is not None and tokenizer is None:

@@ -87,8 +87,8 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
 @click.option("--model", help="with --url: the model to ask for (default: the server's only one)")
 @speculate_option
 def run_command(spec: str, plan_path: str | None, checkpoint: str | None, choices: dict, greedy, temperature, top_p,
-                seed, groups, json_path, outputs_path, trace_path, control, tokens, node_timeout, emulate_links, url,
-                api_key_file, model, speculate) -> None:
+                top_k, min_p, seed, groups, json_path, outputs_path, trace_path, control, tokens, node_timeout,
+                emulate_links, url, api_key_file, model, speculate) -> None:
     """Run the spec's workload through the real pipeline and print throughput and latency per level.
 
     Local nodes are started here, on 127.0.0.1. Nodes with tcp addresses are started on their machines with
@@ -96,7 +96,7 @@ def run_command(spec: str, plan_path: str | None, checkpoint: str | None, choice
     --url the workload goes to a running server through its OpenAI API instead: the load generator for a
     deployment."""
     loaded = with_speculation(load_spec(spec), speculate)
-    workload = with_sampling(workload_overrides(loaded, choices), greedy, temperature, top_p, seed)
+    workload = with_sampling(workload_overrides(loaded, choices), greedy, temperature, top_p, seed, top_k, min_p)
     if url is not None:
         pipeline_only = {"--plan": plan_path, "--groups": groups, "--outputs": outputs_path, "--trace": trace_path,
                          "--control": control, "--tokens": tokens, "--node-timeout": node_timeout,

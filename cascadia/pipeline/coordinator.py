@@ -557,4 +557,5 @@ def wire_frame(frame: PolicyFrame) -> Frame:
     return Frame(frame.seq, frame.group, [r.slot for r in rows], [r.position for r in rows],
                  [r.token for r in rows], [r.sampled for r in rows], bucket=frame.padded_rows,
                  temperature=[r.sampling.temperature for r in rows], top_p=[r.sampling.top_p for r in rows],
-                 seed=[r.sampling.seed for r in rows])
+                 seed=[r.sampling.seed for r in rows], top_k=[r.sampling.top_k for r in rows],
+                 min_p=[r.sampling.min_p for r in rows])

@@ -59,11 +59,13 @@ class RowSampler:
     def sample(self, logits: np.ndarray, frame: Frame) -> np.ndarray:
         """One token per sampled row of the frame, from their logits [n, V]."""
         rows = frame.sample
-        temperature, top_p, seed = frame.temperature[rows], frame.top_p[rows], frame.seed[rows]
+        temperature = frame.temperature[rows]
         if not temperature.any():
             return np.argmax(logits, axis=1)
-        draws = (Sampling(t, p, s).draw(row, int(history)) for row, history, t, p, s in
-                 zip(logits, self._rows[rows].tolist(), temperature.tolist(), top_p.tolist(), seed.tolist()))
+        settings = zip(temperature.tolist(), frame.top_p[rows].tolist(), frame.seed[rows].tolist(),
+                       frame.top_k[rows].tolist(), frame.min_p[rows].tolist())
+        draws = (Sampling(*setting).draw(row, int(history))
+                 for row, history, setting in zip(logits, self._rows[rows].tolist(), settings))
         return np.array(list(draws))
 
 

@@ -7,8 +7,9 @@ pickled; decoding only ever builds numpy arrays over the received bytes (no copy
 
 Kinds and their buffers (n = header rows, c = header cols):
   FRAME          slots i32[n], positions i32[n], token_ids i32[n], sample u8[n], temperature f64[n], top_p f64[n],
-                 seed u64[n] (how the last stage draws each sampled row's token), residual dtype[n, c] (c = 0:
-                 absent); the header's bucket is the row count every call of the frame's rows is padded to
+                 seed u64[n], top_k i32[n], min_p f64[n] (how the last stage draws each sampled row's token),
+                 residual dtype[n, c] (c = 0: absent); the header's bucket is the row count every call of the
+                 frame's rows is padded to
   TOKENS         slots i32[n], token_ids i32[n], logits dtype[n, c] (c = 0: absent)
   HELLO          node utf-8, layers i32[2] (first, last), settings utf-8 (the digest of what it was started with),
                  cpus i32[any] (the CPUs its process may run on)
@@ -44,7 +45,7 @@ import numpy as np
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 8
+VERSION = 9
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -119,9 +120,14 @@ class Frame:
                                     converter=lambda v: _vector(v, _F64))
     seed: np.ndarray = attrs.field(default=attrs.Factory(lambda f: np.zeros(len(f.slots)), takes_self=True),
                                    converter=lambda v: _vector(v, _U64))
+    top_k: np.ndarray = attrs.field(default=attrs.Factory(lambda f: np.zeros(len(f.slots)), takes_self=True),
+                                    converter=lambda v: _vector(v, _I32))
+    min_p: np.ndarray = attrs.field(default=attrs.Factory(lambda f: np.zeros(len(f.slots)), takes_self=True),
+                                    converter=lambda v: _vector(v, _F64))
 
     def __attrs_post_init__(self) -> None:
-        _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual", "temperature", "top_p", "seed"))
+        _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual", "temperature", "top_p", "seed",
+                          "top_k", "min_p"))
 
     @property
     def rows(self) -> int:
@@ -257,7 +263,7 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
             fields = _payload_fields(message.frame_id, message.group, message.rows, message.residual, message.bucket)
             return Kind.FRAME, fields, [message.slots, message.positions, message.token_ids,
                                         message.sample.view(np.uint8), message.temperature, message.top_p,
-                                        message.seed, _payload(message.residual)]
+                                        message.seed, message.top_k, message.min_p, _payload(message.residual)]
         case Tokens():
             fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
             return Kind.TOKENS, fields, [message.slots, message.token_ids, _payload(message.logits)]
@@ -307,7 +313,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 8, Kind.TOKENS: 3, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+_BUFFER_COUNTS = {Kind.FRAME: 10, Kind.TOKENS: 3, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 2}
 
 
@@ -359,10 +365,15 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
                 raise WireError("temperature: each must be a finite number >= 0")
             if not ((top_p > 0) & (top_p <= 1)).all():  # NaN fails too
                 raise WireError("top_p: each must lie in (0, 1]")
+            top_k, min_p = _array(b[7], _I32, rows, "top_k"), _array(b[8], _F64, rows, "min_p")
+            if not (top_k >= 0).all():
+                raise WireError("top_k: each must be >= 0")
+            if not ((min_p >= 0) & (min_p <= 1)).all():
+                raise WireError("min_p: each must lie in [0, 1]")
             return Frame(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "positions"),
                          _indices(b[2], rows, "token_ids"), sample.view(np.bool_),
-                         _payload_matrix(b[7], rows, cols, code, "residual"), bucket, temperature, top_p,
-                         _array(b[6], _U64, rows, "seed"))
+                         _payload_matrix(b[9], rows, cols, code, "residual"), bucket, temperature, top_p,
+                         _array(b[6], _U64, rows, "seed"), top_k, min_p)
         case Kind.TOKENS:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
                           _payload_matrix(b[2], rows, cols, code, "logits"))

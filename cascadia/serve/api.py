@@ -2,17 +2,17 @@
 unknown one is an error, not ignored), the response and stream-chunk bodies, and OpenAI-style error bodies.
 
 Supported: chat and text completions, streamed (server-sent events) or not; `max_tokens` (chat also
-`max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (up to 4 strings), `stream_options.include_usage` and,
-as vLLM does, `stream_options.continuous_usage_stats` (usage on every chunk), `ignore_eos` (keep going past the
-end-of-sequence token) and, for chat, `chat_template_kwargs` (more variables for the chat template), `reasoning_effort`
-(one more), `add_generation_prompt` and `continue_final_message` (a prefill). A completion's prompt is text or a list of
-token ids. Fields that cannot change the tokens are accepted and ignored (`user`, `metadata`, `store`, `service_tier`,
-`cache_prompt`). A field this server does not serve (`UNSUPPORTED`: tools, log-probabilities, penalties, response
-formats, ...) is accepted when its value asks for the default behaviour (`presence_penalty: 0`, `tools: []`, `logprobs:
-false`; null too), as clients send on every request, and refused by name with any other value (docs/openai-fields.md has
-the whole table). Text anywhere in a request, keys included, must be Unicode that UTF-8 can carry: a lone UTF-16
-surrogate (`"\\ud800"`, which JSON allows and badly decoded text produces) is refused, naming where it is, before any
-field is read.
+`max_completion_tokens`), `temperature`, `top_p`, `top_k` and `min_p` (as vLLM takes them), `seed`, `stop` (up to 4
+strings), `stream_options.include_usage` and, as vLLM does, `stream_options.continuous_usage_stats` (usage on every
+chunk), `ignore_eos` (keep going past the end-of-sequence token) and, for chat, `chat_template_kwargs` (more variables
+for the chat template), `reasoning_effort` (one more), `add_generation_prompt` and `continue_final_message` (a prefill).
+A completion's prompt is text or a list of token ids. Fields that cannot change the tokens are accepted and ignored
+(`user`, `metadata`, `store`, `service_tier`, `cache_prompt`). A field this server does not serve (`UNSUPPORTED`: tools,
+log-probabilities, penalties, response formats, ...) is accepted when its value asks for the default behaviour
+(`presence_penalty: 0`, `tools: []`, `logprobs: false`; null too), as clients send on every request, and refused by name
+with any other value (docs/openai-fields.md has the whole table). Text anywhere in a request, keys included, must be
+Unicode that UTF-8 can carry: a lone UTF-16 surrogate (`"\\ud800"`, which JSON allows and badly decoded text produces)
+is refused, naming where it is, before any field is read.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "presence_penalty": ("penalties are not supported", (0,)),
     "frequency_penalty": ("penalties are not supported", (0,)),
     "repetition_penalty": ("penalties are not supported", (1,)),
-    "top_k": ("top_k is not supported", (-1, 0)),  # vLLM's "no limit"
-    "min_p": ("min_p is not supported", (0,)),
     "min_tokens": ("min_tokens is not supported", (0,)),
     "best_of": ("best_of is not supported", (1,)),
     "echo": ("echo is not supported", (False,)),
@@ -139,6 +137,8 @@ class _Generation(RequestBody):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, lt=2**31, description="-1 or 0: no limit (vLLM's)")
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False

@@ -230,7 +230,8 @@ class Server:
                            "queue_full", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
         config = self.service.spec.model.config
         seed = secrets.randbits(63) if body.seed is None else body.seed
-        sampling = Sampling(body.temperature, body.top_p, seed) if body.temperature else Sampling()
+        sampling = Sampling(body.temperature, body.top_p, seed, max(body.top_k, 0), body.min_p) \
+            if body.temperature else Sampling()
         stream = StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt),
                                () if body.ignore_eos else config.eos_ids, sampling)
         prefix = id_prefix or ("chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-")

@@ -119,15 +119,16 @@ async def _phase(target: Target, model: str, arrivals: Arrivals, requests: int, 
 async def _request(client: openai.AsyncOpenAI, model: str, request: Request, recorder: Recorder, now) -> None:
     """One request, streamed: its tokens' times into the recorder as they come, then its end."""
     sampling = request.sampling
-    options = {"temperature": sampling.temperature}
+    options, extra = {"temperature": sampling.temperature}, {"ignore_eos": not request.stop_ids}
     if not sampling.greedy:
         options |= {"top_p": sampling.top_p, "seed": sampling.seed}
+        extra |= {name: value for name, value in (("top_k", sampling.top_k), ("min_p", sampling.min_p)) if value}
     times: list[float] = []
     finish, tokens = None, None
     try:
         stream = await client.completions.create(
             model=model, prompt=list(request.prompt_ids), max_tokens=request.max_new_tokens, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": not request.stop_ids}, **options)
+            stream_options={"include_usage": True}, extra_body=extra, **options)
         async for chunk in stream:
             if chunk.choices:
                 times.append(now())

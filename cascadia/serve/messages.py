@@ -26,7 +26,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "tools": ("tool use is not supported", ([],)),
     "tool_choice": ("tool use is not supported", ({"type": "auto"}, {"type": "none"})),
     "thinking": ("extended thinking is not supported", ({"type": "disabled"},)),
-    "top_k": ("top_k is not supported", ()),
     "output_config": ("output formats and effort are not supported", ({},)),
     "container": ("containers are not served", ()),
     "mcp_servers": ("MCP servers are not served", ([],)),
@@ -103,13 +102,15 @@ class MessagesRequest(MessagesPrompt):
     max_tokens: int = Field(ge=1)
     temperature: float = Field(1.0, ge=0, le=1)  # Anthropic's range
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, lt=2**31)  # 0: no limit
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
 
     def as_chat(self) -> ChatRequest:
         """The chat request that gives this message's tokens."""
         return ChatRequest(model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens,
-                           temperature=self.temperature, top_p=self.top_p, stop=self.stop_sequences,
+                           temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                           stop=self.stop_sequences,
                            continue_final_message=self.prefilled)
 
 

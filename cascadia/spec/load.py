@@ -165,6 +165,13 @@ def _fraction(value: Any) -> float:
     return number
 
 
+def _share(value: Any) -> float:
+    number = _number(value)
+    if not 0 <= number <= 1:
+        raise _Invalid(f"expected a number in [0, 1], got {shown(value)}")
+    return number
+
+
 def _boolean(value: Any) -> bool:
     if not isinstance(value, bool):
         raise _Invalid(f"expected true or false, got {shown(value)}")
@@ -644,6 +651,8 @@ def _workload(ctx: _Context, node: Node | None) -> WorkloadSpec:
         "temperature": fields.take("temperature", _positive(_number)),
         "top_p": fields.take("top_p", _fraction),
         "seed": fields.take("seed", _count_int),
+        "top_k": fields.take("top_k", _count_int),
+        "min_p": fields.take("min_p", _share),
         "rate": fields.take("rate", _rate_list),
         "slo": _slo(ctx, fields.get("slo")),
     }

@@ -229,6 +229,8 @@ class WorkloadSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0  # sample among the k most likely tokens only; 0: no limit
+    min_p: float = 0.0  # ... among those at least min_p times as likely as the most likely
     slo: SloSpec | None = None  # counts the requests meeting it (goodput) in each level's summary
 
 
