@@ -467,14 +467,19 @@ def tables(precision: str, rounds: int) -> tuple[Table, Table, Table, Table, Tab
     return agreement, decode, deployed, first, memory
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str, results: str, rounds: int = ROUNDS) -> argparse.Namespace:
+    """The options of the race's benches (this one and bench/step_parts.py), read from the command line."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the models at small sizes (checks the bench)")
     parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "cascadia-peers",
-                        help="where the checkpoints and exports go")
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
-    parser.add_argument("--out", type=Path, help="default bench/results/peers.json")
-    args = parser.parse_args()
+                        help="where the checkpoints, exports and GGUFs are, made on first use")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--out", type=Path, help=f"default bench/results/{results}.json")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__, "peers")
     started, rng = now(), np.random.default_rng(SEED)
     precision = runs_as("bf16", "CPU")
     print(f"computing in {precision} (OpenVINO's CPU plugin on this CPU)\n")

@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import cascadia  # noqa: F401  # isort: skip  first: numpy's BLAS reads its thread count (one) when it loads
 
-import argparse
 import collections
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
-from peers import FORMATS, MODELS, SEED, STREAMS, Cascadia, checkpoint
+from peers import FORMATS, MODELS, SEED, STREAMS, Cascadia, arguments, checkpoint
 from record import Table, now, spread, write
 
 from cascadia.engine.device import CompiledBlock, compile_options, runs_as
@@ -146,13 +143,7 @@ def call_costs(hidden: int, precision: str, rounds: int) -> Table:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the models at small sizes (checks the bench)")
-    parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "cascadia-peers",
-                        help="where bench/peers.py's checkpoints are (written there on first use)")
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
-    parser.add_argument("--out", type=Path, help="default bench/results/step_parts.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, "step_parts", ROUNDS)
     started, rng = now(), np.random.default_rng(SEED)
     precision = runs_as("bf16", "CPU")
     parts = Table(f"A decode step of Cascadia's engine by part, ms ({precision} compute)",
