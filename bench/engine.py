@@ -127,16 +127,31 @@ class CountingRouter:
         return routing
 
 
+class ExpertCounts:
+    """Every MoE layer's router of an engine wrapped in a CountingRouter: the distinct experts its calls chose."""
+
+    def __init__(self, engine: Engine):
+        self.routers: dict[int, CountingRouter] = {}  # by MoE layer
+        for i, layer in zip(engine.stage.layer_ids, engine.stage.layers):
+            if layer.router is not None:
+                layer.router = self.routers[i] = CountingRouter(layer.router)
+
+    def clear(self) -> None:
+        for router in self.routers.values():
+            router.distinct.clear()
+
+    def means(self) -> dict[int, float]:
+        """Mean distinct routed experts per call since the last `clear`, by MoE layer."""
+        return {i: float(np.mean(router.distinct)) for i, router in self.routers.items()}
+
+
 class EngineDecoder:
     def __init__(self, checkpoint: Checkpoint, prompt_ids: np.ndarray, moe_grouped_from: int | str = "never"):
         runtime = RuntimeSpec(precision=PRECISION, max_streams=max(STREAMS), moe_grouped_from=moe_grouped_from,
                               context_budget=PROMPT_TOKENS + DECODE_STEPS, row_buckets=STREAMS)
         self.engine = Engine(checkpoint, runtime, formats=FORMATS)
         self.prompts = prompt_ids
-        self.routers: dict[int, CountingRouter] = {}  # by MoE layer
-        for i, layer in zip(self.engine.stage.layer_ids, self.engine.stage.layers):
-            if layer.router is not None:
-                layer.router = self.routers[i] = CountingRouter(layer.router)
+        self.experts = ExpertCounts(self.engine)
 
     def decode_seconds(self, streams: int) -> float:
         """Prefill `streams` fresh streams, then time DECODE_STEPS greedy steps of all of them together."""
@@ -173,15 +188,14 @@ class EngineDecoder:
         return np.array([self.engine.prefill(slot, self.prompts[slot]).argmax() for slot in range(streams)])
 
     def _decode(self, tokens: np.ndarray) -> None:
-        for router in self.routers.values():
-            router.distinct.clear()
+        self.experts.clear()
         slots = np.arange(len(tokens))
         for _ in range(DECODE_STEPS):
             tokens = self.engine.step(slots, tokens).argmax(axis=1)
 
     def distinct_experts(self) -> dict[int, float]:
         """Mean distinct routed experts per step of the last decode, by MoE layer."""
-        return {i: float(np.mean(router.distinct)) for i, router in self.routers.items()}
+        return self.experts.means()
 
 
 class ReferenceDecoder:

@@ -65,7 +65,7 @@ from typing import NamedTuple
 
 import numpy as np
 import openvino as ov
-from engine import CountingRouter, memory_bandwidth, step_bytes
+from engine import ExpertCounts, memory_bandwidth, step_bytes
 from record import Table, now, spread, write
 
 from cascadia.engine.checkpoint import Checkpoint
@@ -336,10 +336,7 @@ class Cascadia:
                               context_budget=max(PROMPT_TOKENS + DECODE_TOKENS, FIRST_TOKEN_PROMPT + 1),
                               row_buckets=(*STREAMS, PREFILL_ROWS))
         self.engine = Engine(Checkpoint.open(path), runtime, formats=formats)
-        self.routers: dict[int, CountingRouter] = {}  # by MoE layer
-        for i, layer in zip(self.engine.stage.layer_ids, self.engine.stage.layers):
-            if layer.router is not None:
-                layer.router = self.routers[i] = CountingRouter(layer.router)
+        self.experts = ExpertCounts(self.engine)
         self.distinct: dict[int, dict[int, float]] = {}  # by stream count: the last decode's mean, by MoE layer
 
     def greedy(self, prompt: np.ndarray, tokens: int) -> list[int]:
@@ -356,13 +353,12 @@ class Cascadia:
         for slot in slots:
             self.engine.release(slot)
         tokens = [int(self.engine.prefill(slot, prompt).argmax()) for slot, prompt in zip(slots, prompts)]
-        for router in self.routers.values():
-            router.distinct.clear()
+        self.experts.clear()
         start = time.perf_counter()
         for _ in range(DECODE_TOKENS - 1):
             tokens = self.engine.step(slots, tokens).argmax(-1).tolist()
         seconds = time.perf_counter() - start
-        self.distinct[len(prompts)] = {i: float(np.mean(router.distinct)) for i, router in self.routers.items()}
+        self.distinct[len(prompts)] = self.experts.means()
         return seconds
 
 
