@@ -3,9 +3,10 @@ for what costs them (the planner, the analytic calibration, the simulator, calib
 size of the message that is really sent.
 
 A message is a fixed header, then one buffer per array of its kind (see `cascadia.pipeline.wire`): a FRAME has, per row,
-an i32 slot, position and token id, a u8 "sample" flag and how its token is drawn (f64 temperature and top-p, u64 seed,
-i32 top-k, f64 min-p), then the f32 residual rows (none into the first stage); the TOKENS the last stage sends back have
-an i32 slot and token id per sampled row.
+an i32 slot, position and token id, a u8 "sample" flag, how its token is drawn (f64 temperature and top-p, u64 seed,
+i32 top-k, f64 min-p) and how many log-probabilities are reported beside it (i32), then the f32 residual rows (none into
+the first stage); the TOKENS the last stage sends back have an i32 slot and token id per sampled row (and the
+log-probabilities a client asked for, which no cost counts: a few hundred bytes a row at most).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import struct
 HEADER_LAYOUT = "<4sHBIQQIIIIB"
 HEADER_BYTES = struct.calcsize(HEADER_LAYOUT)
 INDEX_BYTES = 4  # i32: a slot, position or token id
-# a row: slot, position, token id and top-k (i32), the sample flag (u8), temperature, top-p, seed and min-p (8 bytes)
-FRAME_ROW_BYTES = 4 * INDEX_BYTES + 1 + 4 * 8
+# a row: slot, position, token id, top-k and logprobs (i32), the sample flag (u8), temperature, top-p, seed and min-p
+# (8 bytes each)
+FRAME_ROW_BYTES = 5 * INDEX_BYTES + 1 + 4 * 8
 TOKENS_ROW_BYTES = 2 * INDEX_BYTES  # slot, token id
 RESIDUAL_VALUE_BYTES = 4  # f32
 

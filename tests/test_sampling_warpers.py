@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cascadia.sampling import Sampling, candidates, sample
+from cascadia.sampling import Sampling, candidates, log_probabilities, sample
 
 WARPERS = np.load(Path(__file__).parent / "fixtures" / "sampling" / "warpers.npz")
 
@@ -40,3 +40,17 @@ def test_draws_stay_among_the_kept_tokens():
 def test_impossible_limits_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         Sampling(temperature=1.0, **settings)
+
+
+def test_log_probabilities_are_the_float64_log_softmax_most_likely_first():
+    logits = np.random.default_rng(2).standard_normal((5, 300)).astype(np.float32) * 6
+    logits[0, [7, 3]] = logits[0].max() + 1  # a tie for the likeliest: the lower id first
+    tokens = np.array([3, 0, 17, 299, 150])
+    chosen, ids, values = log_probabilities(logits, tokens, 4)
+    exact = logits.astype(np.float64) - np.logaddexp.reduce(logits.astype(np.float64), axis=1, keepdims=True)
+    # within 1e-7: the exponentials are float32's (their sum float64's)
+    np.testing.assert_allclose(chosen, exact[np.arange(5), tokens], rtol=0, atol=1e-7)
+    assert ids.tolist() == [np.lexsort((np.arange(300), -row))[:4].tolist() for row in exact]
+    assert ids[0, :2].tolist() == [3, 7]
+    np.testing.assert_allclose(values, np.take_along_axis(exact, ids, axis=1), rtol=0, atol=1e-7)
+    assert log_probabilities(logits, tokens, 0)[1].shape == (5, 0)

@@ -5,6 +5,7 @@ status and message; Prometheus metrics; a clean shutdown on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 from click.testing import CliRunner
@@ -26,6 +28,7 @@ from cascadia.engine.generate import generate
 from cascadia.pipeline.transport import free_port
 from cascadia.sampling import Sampling
 from cascadia.serve.chat import ChatTemplate
+from cascadia.serve.logprobs import TokenText
 from cascadia.tokenizer import load_tokenizer
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
@@ -86,6 +89,24 @@ def reference(spec, checkpoint):
         return tokenizer.encode(chat.render(messages), add_special_tokens=False).ids
 
     return greedy, chat_ids, tokenizer
+
+
+@pytest.fixture(scope="module")
+def single(spec, checkpoint):
+    """The single-process engine, for `cascadia score`'s logits and `cascadia generate`'s draws."""
+    return Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+
+
+def log_softmax(engine: Engine, prompt_ids, output_ids) -> np.ndarray:
+    """What `cascadia score` gives a prompt and its reply: the log-softmax (float64) of the f32 logits at each
+    output token's position, teacher-forced as decoding feeds them."""
+    logits = engine.score([*prompt_ids, *output_ids], prefill=len(prompt_ids)).astype(np.float64)
+    logits = logits[len(prompt_ids) - 1:-1]
+    return logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+
+
+def likeliest(row: np.ndarray, k: int) -> list[int]:
+    return np.lexsort((np.arange(len(row)), -row))[:k].tolist()  # equal values: the lower id first
 
 
 MESSAGES = [{"role": "system", "content": "You are a small random model."}, {"role": "user", "content": "Hello!"}]
@@ -154,6 +175,70 @@ def test_a_draw_limited_to_the_likeliest_token_is_greedy(client, limit):
         return client.completions.create(model="tiny", prompt=[5, 9, 3], max_tokens=8, temperature=temperature,
                                          seed=3, extra_body={"ignore_eos": True, **extra}).choices[0].text
     assert reply(1.5, **limit) == reply(0) != reply(1.5)
+
+
+def test_chat_logprobs_are_the_models_distribution(client, reference, single):
+    """Each token's log-probability and its five likeliest alternatives', as the score of the prompt and reply
+    gives them (within 1e-5), with each token's exact bytes: together, the reply's text."""
+    greedy, chat_ids, tokenizer = reference
+    text_of = TokenText(tokenizer)
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+                                           logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True})
+    content = reply.choices[0].logprobs.content
+    prompt, output = chat_ids(MESSAGES), greedy(chat_ids(MESSAGES), 10, stop=False)[1]
+    assert [bytes(entry.bytes) for entry in content] == [text_of.bytes(token) for token in output]
+    for entry, row, token in zip(content, log_softmax(single, prompt, output), output, strict=True):
+        assert entry.logprob == pytest.approx(row[token], abs=1e-5)
+        top = likeliest(row, 5)
+        assert top[0] == token  # greedy: the likeliest
+        assert [bytes(alternative.bytes) for alternative in entry.top_logprobs] == [text_of.bytes(i) for i in top]
+        assert [alternative.logprob for alternative in entry.top_logprobs] == pytest.approx(row[top], abs=1e-5)
+    special = set(tokenizer.get_added_tokens_decoder())
+    text = b"".join(text_of.bytes(token) for token in output if token not in special)
+    assert text.decode(errors="replace") == reply.choices[0].message.content  # random: bytes that split characters
+
+
+def test_sampled_completion_logprobs_are_the_models_before_temperature(client, reference, single):
+    """A sampled completion's `logprobs: 3`, streamed (a token's in its chunk) or not: the model's distribution
+    before temperature, at the tokens `cascadia generate` draws with the same seed, and where each token's text
+    starts."""
+    _, _, tokenizer = reference
+    text_of = TokenText(tokenizer)
+    prompt, sampling = [5, 9, 3], Sampling(temperature=1.5, seed=11)
+    output = list(generate(single, prompt, 8, sampling).ids)
+    ask = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 1.5, "seed": 11, "logprobs": 3,
+           "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**ask).choices[0].logprobs
+    rows = log_softmax(single, prompt, output)
+    assert whole.tokens == [text_of.text(token) for token in output]
+    assert whole.token_logprobs == pytest.approx([row[token] for row, token in zip(rows, output)], abs=1e-5)
+    for alternatives, row in zip(whole.top_logprobs, rows, strict=True):
+        assert list(alternatives) == list(dict.fromkeys(text_of.text(i) for i in likeliest(row, 3)))
+        assert list(alternatives.values())[0] == pytest.approx(row.max(), abs=1e-5)
+    special = set(tokenizer.get_added_tokens_decoder())
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holding back a character's first bytes
+    text = [decoder.decode(b"" if token in special else text_of.bytes(token)) for token in output]
+    assert whole.text_offset == [len("".join(text[:i])) for i in range(8)]
+    chunks = list(client.completions.create(**ask, stream=True))
+    assert [chunk.choices[0].logprobs.tokens for chunk in chunks[:-1]] == [[token] for token in whole.tokens]
+    assert [value for chunk in chunks[:-1] for value in chunk.choices[0].logprobs.token_logprobs] == \
+        whole.token_logprobs
+    assert chunks[-1].choices[0].logprobs is None and chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "top_logprobs: needs logprobs: true"),
+    ("completions", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ("completions", {"logprobs": True}, "logprobs", "how many of the likeliest tokens"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs", "is chat's field: completions take logprobs"),
+])
+def test_impossible_log_probability_requests_are_refused(server, path, body, param, message):
+    request = {"messages": MESSAGES} if path.startswith("chat") else {"prompt": [5, 9, 3]}
+    response = httpx.post(f"{server.url}/v1/{path}", json=request | body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]
 
 
 def test_thirty_two_streaming_clients_all_complete(server, reference):
@@ -301,14 +386,16 @@ def test_defaults_and_fields_without_effect_are_accepted(server, reference):
                           timeout=30).json()["choices"][0]["message"]["content"]
                for given in ({"seed": 7}, {"seed": 7, "temperature": 1, "top_p": 1})]
     assert sampled[0] == sampled[1]  # null temperature and top_p: their defaults
-    completion = {"prompt": [4, 5, 6], "max_tokens": 4, "temperature": 0, "echo": False, "best_of": 1, "suffix": None}
+    completion = {"prompt": [4, 5, 6], "max_tokens": 4, "temperature": 0, "echo": False, "best_of": 1, "suffix": None,
+                  "logprobs": False}
     response = httpx.post(f"{server.url}/v1/completions", json=completion, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == greedy([4, 5, 6], 4)[0]
+    assert response.json()["choices"][0]["logprobs"] is None
 
 
-@pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("logprobs", True), ("top_logprobs", 2),
-                                          ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
+@pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("logit_bias", {"5": 10}),
+                                          ("response_format", {"type": "json_object"}),
                                           ("repetition_penalty", 1.1), ("min_tokens", 3),
                                           ("skip_special_tokens", False), ("tool_choice", "required"),
                                           ("presence_penalty", False)])

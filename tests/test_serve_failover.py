@@ -19,6 +19,7 @@ from pathlib import Path
 
 import attrs
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -63,8 +64,22 @@ def expected(spec, checkpoint) -> list[str]:
     return engine_texts(spec, checkpoint)
 
 
-async def stream_all(url: str, during=None, model: str = "tiny") -> list[str]:
-    """STREAMS streaming completions at once, each its text; `during` runs once the first tokens came."""
+@pytest.fixture(scope="module")
+def expected_logprobs(spec, checkpoint) -> list[list[float]]:
+    """Each client's tokens' log-probabilities, as `cascadia score` gives them on the single-process engine."""
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    logprobs = []
+    for i in range(STREAMS):
+        ids = list(generate(engine, prompt(i), TOKENS, sampling(i)).ids)
+        logits = engine.score(prompt(i) + ids, prefill=len(prompt(i))).astype(np.float64)[len(prompt(i)) - 1:-1]
+        rows = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+        logprobs.append([row[token] for row, token in zip(rows, ids)])
+    return logprobs
+
+
+async def stream_all(url: str, during=None, model: str = "tiny", logprobs: bool = False) -> list:
+    """STREAMS streaming completions at once, each its text (with `logprobs`: and its tokens' log-probabilities);
+    `during` runs once the first tokens came."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     first = asyncio.Event()
 
@@ -74,12 +89,14 @@ async def stream_all(url: str, during=None, model: str = "tiny") -> list[str]:
                                                              "seed": drawn.seed}
         limits = {} if drawn.greedy else {"top_k": drawn.top_k, "min_p": drawn.min_p}
         stream = await client.completions.create(model=model, prompt=prompt(i), max_tokens=TOKENS, stream=True,
+                                                 logprobs=2 if logprobs else None,
                                                  extra_body={"ignore_eos": True, **limits}, **options)
-        pieces = []
+        pieces, values = [], []
         async for chunk in stream:
             first.set()
             pieces.append(chunk.choices[0].text)
-        return "".join(pieces)
+            values += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []
+        return ("".join(pieces), values) if logprobs else "".join(pieces)
 
     async with client:
         tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
@@ -120,10 +137,11 @@ def assert_the_engines_texts(texts: list[str], expected: list[str]) -> None:
     assert texts == expected, [i for i in range(len(expected)) if texts[i] != expected[i]]
 
 
-def test_a_node_killed_at_a_random_moment_costs_no_request_and_no_token(tmp_path, spec, checkpoint, expected):
+def test_a_node_killed_at_a_random_moment_costs_no_request_and_no_token(tmp_path, spec, checkpoint, expected,
+                                                                        expected_logprobs):
     """Three local nodes and a spare: the node of a stage picked at random is killed at a random moment, then that of
     each stage in turn. The node standing by takes the stage each time, and the lost one, started again, stands by
-    for the next."""
+    for the next. The first time, every token comes with its log-probability: the score's, replayed or not."""
     spare = attrs.evolve(spec.cluster.nodes[0], name="spare0")
     with_spare = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, spares=(spare,)))
     served = Served(tmp_path, write_spec(with_spare, tmp_path / "spec.yaml"), checkpoint)
@@ -137,7 +155,13 @@ def test_a_node_killed_at_a_random_moment_costs_no_request_and_no_token(tmp_path
                 await asyncio.sleep(random.uniform(0, 0.5))
                 os.kill(pid, signal.SIGKILL)
 
-            assert_the_engines_texts(asyncio.run(stream_all(served.url, kill)), expected)
+            if not losses:
+                texts, logprobs = zip(*asyncio.run(stream_all(served.url, kill, logprobs=True)))
+                for mine, theirs in zip(logprobs, expected_logprobs, strict=True):
+                    np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-5)
+            else:
+                texts = asyncio.run(stream_all(served.url, kill))
+            assert_the_engines_texts(list(texts), expected)
             losses[victim] += 1
             assert recovered(served.url) == losses
             assert not alive(pid)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
+from cascadia.serve.logprobs import TokenText
 from cascadia.serve.text import TextStream
 from cascadia.tokenizer import load_tokenizer
 
@@ -54,3 +57,17 @@ def test_pieces_add_up_to_the_one_shot_decoding_cut_at_the_first_stop(tokenizer,
     found = [s for s in stop if s and s in whole]  # and the stream names a stop string it found there
     assert (stream.stopped_by in found and whole.find(stream.stopped_by) == min(map(whole.find, found))) if found \
         else stream.stopped_by is None
+
+
+def test_token_bytes_add_up_to_the_text_where_tokens_split_characters(tokenizer):
+    """A byte-level tokenizer's tokens carry their exact bytes (those that split a character its bytes between
+    them); a special token its own text; another tokenizer's token what decoding it alone gives."""
+    ids = tokenizer.encode("héllo wörld ✓ ok", add_special_tokens=False).ids
+    text = TokenText(tokenizer)
+    assert any(text.text(i) == "\ufffd" for i in ids)  # some token holds part of a character
+    assert b"".join(text.bytes(i) for i in ids).decode() == "héllo wörld ✓ ok"
+    eos = tokenizer.token_to_id("<|eos|>")
+    assert text.text(eos) == "<|eos|>"
+    words = Tokenizer(WordLevel({"fleet": 0, "of": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    assert [TokenText(words).text(i) for i in range(2)] == ["fleet", "of"]
+    assert TokenText(None).text(42) == "42" and TokenText(None).bytes(42) == b"42"

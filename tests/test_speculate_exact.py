@@ -20,7 +20,7 @@ from cascadia.engine.generate import generate
 from cascadia.engine.rows import BatchError
 from cascadia.graph.costs import layer_costs, pool_layout
 from cascadia.graph.planner import plan as make_plan
-from cascadia.pipeline.coordinator import wire_frame
+from cascadia.pipeline.coordinator import Logprobs, frame_logprobs, wire_frame, with_logprobs
 from cascadia.pipeline.node import ForeignFrame
 from cascadia.pipeline.run import Pipeline
 from cascadia.pipeline.stage import EngineStage, RowSampler
@@ -72,9 +72,10 @@ class WrongDrafter(ReplayDrafter):
         return [(t + 1) % VOCAB for t in super().propose(request_id, prompt, output, limit)]
 
 
-def serve(stage: EngineStage, runtime, requests, n_groups: int, drafter=None, seed: int = 0):
+def serve(stage: EngineStage, runtime, requests, n_groups: int, drafter=None, seed: int = 0,
+          reported: dict | None = None):
     """Every request at once (each a stream); frames of the groups in flight are computed in a random order. Each
-    request's tokens, and the frames."""
+    request's tokens, and the frames; into `reported`, each request's Logprobs, token by token."""
     policy = Policy.for_runtime(attrs.evolve(runtime, speculate="ngram:4" if drafter else None), n_groups,
                                  drafter=drafter)
     rng, outputs, frames, in_flight = random.Random(seed), {}, [], {}
@@ -85,10 +86,13 @@ def serve(stage: EngineStage, runtime, requests, n_groups: int, drafter=None, se
             in_flight[frame.group] = frame
         frame = in_flight.pop(rng.choice(sorted(in_flight)))
         frames.append(frame)
-        tokens = stage.process(wire_frame(frame)).token_ids.tolist()
-        for event in policy.complete_frame(frame, tokens):
+        tokens = stage.process(wire_frame(frame))
+        events = policy.complete_frame(frame, tokens.token_ids.tolist())
+        for event in with_logprobs(events, frame_logprobs(frame, tokens)):
             if isinstance(event, Token):
                 outputs.setdefault(event.request_id, []).append(event.token)
+            elif isinstance(event, Logprobs) and reported is not None:
+                reported.setdefault(event.request_id, []).append(event)
     return outputs, frames
 
 
@@ -109,6 +113,28 @@ def test_speculation_gives_the_tokens_of_a_run_without_it(spec, plain, speculati
         assert drafted, "nothing was speculated"
         if concurrency > 1:  # some frame verifies drafts beside another stream's rows
             assert any(len({r.request_id for r in f.rows}) > 1 for f in drafted)
+
+
+def test_speculation_reports_the_log_probabilities_of_a_run_without_it(spec, plain, speculative):
+    """Each token's log-probability and its three likeliest alternatives, where drafted rows verified it (every
+    draft accepted, or none): those of a run without speculation, to the rounding of rows computed in other
+    calls."""
+    requests = [attrs.evolve(r, sampling=attrs.evolve(r.sampling, logprobs=3 if r.id % 2 else 0))
+                for r in repetitive_requests(4, sampled=True, long_every=3)]
+    expected_reported: dict = {}
+    expected, _ = serve(plain, spec.runtime, requests, 3, reported=expected_reported)
+    recorded = {r.prompt_ids: expected[r.id] for r in requests}
+    for drafter in (ReplayDrafter(recorded), WrongDrafter(recorded)):
+        reported: dict = {}
+        assert serve(speculative, spec.runtime, requests, 3, drafter, seed=4, reported=reported)[0] == expected
+        for request in requests:
+            mine, theirs = reported[request.id], expected_reported[request.id]
+            assert len(mine) == len(theirs) == len(expected[request.id])
+            assert [[i for i, _ in r.top] for r in mine] == [[i for i, _ in r.top] for r in theirs]
+            assert [len(r.top) for r in mine] == [request.sampling.logprobs] * len(mine)
+            np.testing.assert_allclose([r.logprob for r in mine], [r.logprob for r in theirs], rtol=0, atol=1e-5)
+            np.testing.assert_allclose([v for r in mine for _, v in r.top], [v for r in theirs for _, v in r.top],
+                                       rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("formats", [WeightFormats(**{field.name: WeightFormat("bf16")

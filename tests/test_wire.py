@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from cascadia.pipeline import wire
 from cascadia.pipeline.wire import (VERSION, Decoder, Encoder, Error, Frame, Hello, Progress, Ready, Shutdown, Stats,
                                     StatsRequest, Tokens, WireError, decode, encode)
+from cascadia.sampling import MAX_LOGPROBS
 from cascadia.wire_format import frame_bytes, tokens_bytes
 
 # No per-example deadline: the suite runs on shared, busy machines.
@@ -33,7 +34,8 @@ def frames(draw, min_rows=0):
                  draw(st.lists(st.floats(0, 1, exclude_min=True), min_size=n, max_size=n)),
                  draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n)),
                  draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)),
-                 draw(st.lists(st.floats(0, 1), min_size=n, max_size=n)))
+                 draw(st.lists(st.floats(0, 1), min_size=n, max_size=n)),
+                 draw(st.lists(st.integers(-1, MAX_LOGPROBS), min_size=n, max_size=n)))
 
 
 @st.composite
@@ -43,7 +45,15 @@ def tokens(draw, min_rows=0):
     logits = np.array(draw(st.lists(st.floats(-1e4, 1e4, width=16), min_size=n * vocab, max_size=n * vocab)),
                       dtype=draw(FLOAT_DTYPES)).reshape(n, vocab) if vocab else None
     ints = st.lists(IDS, min_size=n, max_size=n)
-    return Tokens(draw(IDS), draw(IDS), draw(ints), draw(ints), logits)
+    reported = (None, None, None)
+    if n and draw(st.booleans()):  # as a last stage sends them: never for no rows
+        k = draw(st.integers(0, 3))
+        reported = tuple(np.array(draw(st.lists(values, min_size=size, max_size=size)), dtype).reshape(shape)
+                         for values, dtype, size, shape in (
+                             (st.floats(-1e4, 0), np.float64, n, (n,)),
+                             (IDS, np.int32, n * k, (n, k)),
+                             (st.floats(-1e4, 0), np.float64, n * k, (n, k))))
+    return Tokens(draw(IDS), draw(IDS), draw(ints), draw(ints), logits, *reported)
 
 
 CONTROLS = st.one_of(
@@ -245,18 +255,45 @@ def test_messages_check_their_row_counts():
                                                     ("top_p", 1.5, "top_p: each must lie in"),
                                                     ("top_k", -1, "top_k: each must be >= 0"),
                                                     ("min_p", 1.5, "min_p: each must lie in"),
-                                                    ("min_p", float("nan"), "min_p: each must lie in")])
+                                                    ("min_p", float("nan"), "min_p: each must lie in"),
+                                                    ("logprobs", -2, "logprobs: each must lie in"),
+                                                    ("logprobs", MAX_LOGPROBS + 1, "logprobs: each must lie in")])
 def test_a_frame_that_asks_for_an_impossible_draw_is_rejected(field, value, message):
     frame = attrs.evolve(Frame(1, 0, [0], [0], [5], [True]), **{field: [value]})
     with pytest.raises(WireError, match=message):
         decode(as_bytes(encode(frame, 0, 1)))
 
 
+@pytest.mark.parametrize("logprobs, top_ids, top_logprobs, message", [
+    ([0.5], [[1]], [[-1.0]], "logprobs: each must be a finite number <= 0"),
+    ([float("nan")], [[1]], [[-1.0]], "logprobs: each must be a finite number <= 0"),
+    ([-0.5], [[1]], [[0.5]], "logprobs: each must be a finite number <= 0"),
+    ([-0.5], [[-1]], [[-1.0]], "top_ids: negative value"),
+])
+def test_tokens_with_impossible_log_probabilities_are_rejected(logprobs, top_ids, top_logprobs, message):
+    tokens = Tokens(1, 0, [0], [5], None, logprobs, top_ids, top_logprobs)
+    with pytest.raises(WireError, match=message):
+        decode(as_bytes(encode(tokens, 0, 1)))
+
+
+def test_top_log_probabilities_come_with_the_tokens_own():
+    parts = as_bytes(encode(Tokens(1, 0, [0], [5], None, [-0.5], [[1, 2]], [[-0.5, -2.0]]), 0, 1))
+    parts[3] = b""  # the tokens' own log-probabilities left out
+    with pytest.raises(WireError, match="sent without the tokens' logprobs"):
+        decode(parts)
+    parts = as_bytes(encode(Tokens(1, 0, [0], [5], None, [-0.5], [[1, 2]], [[-0.5, -2.0]]), 0, 1))
+    parts[5] = parts[5][:8]  # one value for two ids
+    with pytest.raises(WireError, match="top_logprobs: 8 bytes, expected 2 x 8"):
+        decode(parts)
+    with pytest.raises(ValueError, match="without the rest"):
+        Tokens(1, 0, [0], [5], None, [-0.5])
+
+
 def test_decoded_arrays_view_the_received_buffers():
     residual = np.arange(8, dtype=np.float32).reshape(2, 4)
     parts = as_bytes(encode(Frame(1, 0, [0, 1], [0, 0], [1, 2], [True, False], residual), 0, 1))
     frame = decode(parts).message
-    assert np.shares_memory(frame.residual, np.frombuffer(parts[10], np.uint8))
+    assert np.shares_memory(frame.residual, np.frombuffer(parts[11], np.uint8))
     assert not frame.residual.flags.writeable
 
 

@@ -22,8 +22,10 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
+import attrs
 import zmq
 
 from cascadia.driver import PhaseDriver
@@ -257,7 +259,7 @@ class Coordinator:
             if completed is None:  # an open-loop request is due
                 flight.launch(driver.arrive(self.now()))
             else:
-                flight.launch(driver.complete(*completed, self.now()))
+                flight.launch(driver.complete(completed.frame, completed.tokens, self.now()))
         return {node: stats.busy_s - busy_before[node] for node, stats in self.stats().items()}
 
     def send_frame(self, frame: Frame) -> None:
@@ -493,6 +495,39 @@ class Coordinator:
         self.transport.close()
 
 
+@attrs.frozen
+class Logprobs:
+    """What the model gave a request's next token: its log-probability, and the likeliest tokens there (id,
+    log-probability), most likely first, as many as the request asked for. Goes to the request just before its
+    Token."""
+
+    request_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+class Completed(NamedTuple):
+    """A frame back from the pipeline: its sampled rows' tokens, in row order, and their log-probabilities where
+    their stream asked for them (None: no row did)."""
+
+    frame: PolicyFrame
+    tokens: list[int]
+    logprobs: list[Logprobs | None] | None = None
+
+
+def with_logprobs(events: Iterable[Event], logprobs: Sequence[Logprobs | None] | None) -> Iterator[Event | Logprobs]:
+    """The policy's events of a completed frame, each Token of a stream that asked preceded by its Logprobs. A
+    stream's tokens from a frame are those of its first sampled rows, in order (the drafts it kept, then one more)."""
+    waiting: dict[int, deque[Logprobs]] = {}
+    for reported in logprobs or ():
+        if reported is not None:
+            waiting.setdefault(reported.request_id, deque()).append(reported)
+    for event in events:
+        if isinstance(event, Token) and (mine := waiting.get(event.request_id)):
+            yield mine.popleft()
+        yield event
+
+
 class Flight:
     """The policy's frames the pipeline is computing (at most one per group), each matched with its tokens as they
     come back. Tokens that cannot be a frame's in flight are logged, counted and dropped."""
@@ -511,8 +546,8 @@ class Flight:
                 log.sent(frame.seq, frame.group, len(frame.rows), frame.padded_rows, self.coordinator.now())
             self.coordinator.send_frame(wire_frame(frame))
 
-    def wait(self, until: float | None = None, wake: Sequence = ()) -> tuple[PolicyFrame, list[int]] | None:
-        """The next frame to come back and its sampled rows' tokens, in row order; None once the coordinator's
+    def wait(self, until: float | None = None, wake: Sequence = ()) -> Completed | None:
+        """The next frame to come back, with its sampled rows' tokens; None once the coordinator's
         clock passes `until`, or sooner when one of `wake` becomes readable. A stall while frames are in flight is
         checked (`Coordinator.check_stall`)."""
         coordinator = self.coordinator
@@ -529,9 +564,9 @@ class Flight:
             if self.frames:
                 coordinator.check_stall(time.monotonic() - self._progress)
 
-    def _match(self, tokens: Tokens) -> tuple[PolicyFrame, list[int]] | None:
-        """The frame in flight the tokens complete, and its sampled tokens; None after dropping tokens that cannot be
-        a frame's in flight (a stray or forged message: the frame's own may still come)."""
+    def _match(self, tokens: Tokens) -> Completed | None:
+        """The frame in flight the tokens complete; None after dropping tokens that cannot be a frame's in flight (a
+        stray or forged message: the frame's own may still come)."""
         frame = self.frames.get(tokens.group)
         sampled_slots = None if frame is None else [row.slot for row in frame.rows if row.sampled]
         if frame is None or frame.seq != tokens.frame_id:
@@ -542,9 +577,20 @@ class Flight:
             del self.frames[tokens.group]
             if (log := self.coordinator.frame_log) is not None:
                 log.done(frame.seq, self.coordinator.now())
-            return frame, tokens.token_ids.tolist()
+            return Completed(frame, tokens.token_ids.tolist(), frame_logprobs(frame, tokens))
         self.coordinator._drop("token socket", stray)
         return None
+
+
+def frame_logprobs(frame: PolicyFrame, tokens: Tokens) -> list[Logprobs | None] | None:
+    """Each sampled row's Logprobs where its stream asked for them, cut to the number it asked for."""
+    if tokens.logprobs is None:
+        return None
+    sampled = [row for row in frame.rows if row.sampled]
+    return [Logprobs(row.request_id, float(chosen), tuple(zip(ids[:row.sampling.logprobs].tolist(),
+                                                             values[:row.sampling.logprobs].tolist())))
+            if row.sampling.logprobs >= 0 else None
+            for row, chosen, ids, values in zip(sampled, tokens.logprobs, tokens.top_ids, tokens.top_logprobs)]
 
 
 def _readable(wake: Sequence) -> bool:
@@ -558,4 +604,4 @@ def wire_frame(frame: PolicyFrame) -> Frame:
                  [r.token for r in rows], [r.sampled for r in rows], bucket=frame.padded_rows,
                  temperature=[r.sampling.temperature for r in rows], top_p=[r.sampling.top_p for r in rows],
                  seed=[r.sampling.seed for r in rows], top_k=[r.sampling.top_k for r in rows],
-                 min_p=[r.sampling.min_p for r in rows])
+                 min_p=[r.sampling.min_p for r in rows], logprobs=[r.sampling.logprobs for r in rows])

@@ -5,8 +5,9 @@ does for a workload: every group with nothing in flight gets its next frame, eac
 threads talk to it only through a queue and a wake-up socket: `submit` and `cancel` put a command on the queue and
 write a byte that wakes the thread's poll at once, so the pipeline never waits on HTTP, nor HTTP on the pipeline
 (`busy_seconds` too, and waits for the thread's answer).
-Each request's events (`policy.Event`: admitted, tokens, finished or rejected) go to the callback it was submitted
-with, called on the service thread with the coordinator's clock; the callback must hand them on and return.
+Each request's events (`policy.Event`: admitted, tokens, finished or rejected; before a token, its `Logprobs` when the
+request asked for them) go to the callback it was submitted with, called on the service thread with the
+coordinator's clock; the callback must hand them on and return.
 
 The thread also starts the nodes (local ones) or waits for them (tcp ones), so the caller can answer "loading" in
 the meantime; `status` says where it stands, and `start_error` what kept the pipeline from starting (a missing or
@@ -23,14 +24,14 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import attrs
 
 from cascadia.errors import CascadiaError, NodeError, PlanError
 from cascadia.graph.plan import Plan
-from cascadia.pipeline.coordinator import Flight, NodeLost, PipelineError
+from cascadia.pipeline.coordinator import Flight, Logprobs, NodeLost, PipelineError, with_logprobs
 from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, Pipeline, describe
 from cascadia.pipeline.wire import Message
 from cascadia.policy import Event, Finished, KVPool, Policy, Rejected, Request
@@ -43,7 +44,7 @@ STALL_S = 2.0  # a node whose heartbeats go unanswered this long (stopped, its m
 REPLACE_TIMEOUT_S = 60.0  # how long a lost remote node may take to come back before its stage is down
 DOWN_POLL_S = 1.0  # while a stage is down: how often waiting requests are refused between looks for its node
 MAX_RESTARTS = 3  # a local node lost again this often while being started again: the service fails
-OnEvent = Callable[[Event, float], None]  # an event of the request, and when (the coordinator's clock, seconds)
+OnEvent = Callable[[Event | Logprobs, float], None]  # an event of the request, and when (the coordinator clock, s)
 
 
 @attrs.frozen
@@ -193,11 +194,11 @@ class PipelineService:
                 completed = flight.wait(until=coordinator.now() + STATS_S, wake=[self._wake_reader])
                 self._drain_wake()
                 if completed is not None:
-                    events = policy.complete_frame(*completed)
+                    events = policy.complete_frame(completed.frame, completed.tokens)
                     try:
                         self._launch(flight)  # the pipeline busy again before the tokens go to the HTTP side
                     finally:  # ... and they go even when the launch finds a node lost: the policy counts them made
-                        self._dispatch(events, coordinator.now())
+                        self._dispatch(with_logprobs(events, completed.logprobs), coordinator.now())
                 self._update_stats(pipeline)
         except NodeLost as lost:
             return not self._recover(pipeline, lost)
@@ -326,7 +327,7 @@ class PipelineService:
         else:  # "busy"
             command[1].set_result({node: stats.busy_s for node, stats in coordinator.stats().items()})
 
-    def _dispatch(self, events: list[Event], now: float) -> None:
+    def _dispatch(self, events: Iterable[Event | Logprobs], now: float) -> None:
         for event in events:
             on_event = self._listeners.get(event.request_id)
             if isinstance(event, (Finished, Rejected)):

@@ -1,7 +1,8 @@
 """The real pipeline stage: a `StageEngine` behind the node's `Stage` protocol, and the node process serving it.
 
 A frame's rows go through the engine in calls of at most its largest row bucket. The first stage embeds the rows'
-token ids; the last applies the head to the rows it samples and returns their tokens (and logits, when scoring).
+token ids; the last applies the head to the rows it samples and returns their tokens (with their log-probabilities
+when a row asks for them, and their logits when scoring).
 A row at position 0 starts a new stream, so the stage resets that slot before computing: the data channel itself
 says when a slot is reused, and no message on the control channel can race with the new stream's first frame.
 Before anything changes, a frame is checked against the stage's state as it would leave it (`ForeignFrame` for an
@@ -31,7 +32,7 @@ from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, ProgressFn,
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import COORDINATOR
 from cascadia.pipeline.wire import Assign, Frame, Tokens, node_sender
-from cascadia.sampling import Sampling, extend_history
+from cascadia.sampling import Sampling, extend_history, log_probabilities
 from cascadia.spec.types import Spec
 from cascadia.units import format_bytes
 
@@ -69,6 +70,18 @@ class RowSampler:
         return np.array(list(draws))
 
 
+def reported(logits: np.ndarray, tokens: np.ndarray, asked: np.ndarray) -> tuple:
+    """The log-probabilities of the sampled rows' tokens and of the likeliest `max(asked)` tokens, computed for
+    the rows that asked (`asked` >= 0; the others' are zeros); (None, None, None) when none did."""
+    rows = np.flatnonzero(asked >= 0)
+    if not len(rows):
+        return None, None, None
+    k = int(asked.max())
+    chosen, ids, values = np.zeros(len(tokens)), np.zeros((len(tokens), k), np.int32), np.zeros((len(tokens), k))
+    chosen[rows], ids[rows], values[rows] = log_probabilities(logits[rows], tokens[rows], k)
+    return chosen, ids, values
+
+
 class EngineStage:
     """A node's stage: embedding when first, its decoder layers, head and sampling when last."""
 
@@ -97,8 +110,9 @@ class EngineStage:
         if len(sampled):
             logits = np.concatenate([engine.logits(sampled[rows]) for rows in self._calls(len(sampled))])
         self.sampler.observe(frame)
-        return Tokens(frame.frame_id, frame.group, frame.slots[frame.sample], self.sampler.sample(logits, frame),
-                      logits if self.with_logits else None)
+        tokens = self.sampler.sample(logits, frame)
+        return Tokens(frame.frame_id, frame.group, frame.slots[frame.sample], tokens,
+                      logits if self.with_logits else None, *reported(logits, tokens, frame.logprobs[frame.sample]))
 
     def _bucket(self, frame: Frame) -> int | None:
         """The rows each call of the frame is padded to. Beyond the largest bucket a frame runs as calls of the

@@ -8,9 +8,12 @@ pickled; decoding only ever builds numpy arrays over the received bytes (no copy
 Kinds and their buffers (n = header rows, c = header cols):
   FRAME          slots i32[n], positions i32[n], token_ids i32[n], sample u8[n], temperature f64[n], top_p f64[n],
                  seed u64[n], top_k i32[n], min_p f64[n] (how the last stage draws each sampled row's token),
-                 residual dtype[n, c] (c = 0: absent); the header's bucket is the row count every call of the
-                 frame's rows is padded to
-  TOKENS         slots i32[n], token_ids i32[n], logits dtype[n, c] (c = 0: absent)
+                 logprobs i32[n] (how many of the likeliest tokens' log-probabilities it reports beside the token;
+                 -1: none), residual dtype[n, c] (c = 0: absent); the header's bucket is the row count every call
+                 of the frame's rows is padded to
+  TOKENS         slots i32[n], token_ids i32[n], logprobs f64[n], top_ids i32[n, k], top_logprobs f64[n, k] (the
+                 token's log-probability and the k likeliest tokens'; all three empty when no row asked for them,
+                 k from the buffer's size), logits dtype[n, c] (c = 0: absent)
   HELLO          node utf-8, layers i32[2] (first, last), settings utf-8 (the digest of what it was started with),
                  cpus i32[any] (the CPUs its process may run on)
   READY          node utf-8, layers i32[2] (first, last)
@@ -42,10 +45,11 @@ from typing import NamedTuple
 import attrs
 import numpy as np
 
+from cascadia.sampling import MAX_LOGPROBS
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 9
+VERSION = 10
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -124,10 +128,12 @@ class Frame:
                                     converter=lambda v: _vector(v, _I32))
     min_p: np.ndarray = attrs.field(default=attrs.Factory(lambda f: np.zeros(len(f.slots)), takes_self=True),
                                     converter=lambda v: _vector(v, _F64))
+    logprobs: np.ndarray = attrs.field(default=attrs.Factory(lambda f: np.full(len(f.slots), -1), takes_self=True),
+                                       converter=lambda v: _vector(v, _I32))
 
     def __attrs_post_init__(self) -> None:
         _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual", "temperature", "top_p", "seed",
-                          "top_k", "min_p"))
+                          "top_k", "min_p", "logprobs"))
 
     @property
     def rows(self) -> int:
@@ -136,16 +142,30 @@ class Frame:
 
 @attrs.frozen(eq=False)
 class Tokens:
-    """Tokens sampled by the last role for the sampled rows of one frame (and their logits, when scoring)."""
+    """Tokens sampled by the last role for the sampled rows of one frame (and their logits, when scoring), with their
+    log-probabilities when some row asked for them (`cascadia.sampling.log_probabilities`; a row that did not ask
+    has zeros there)."""
 
     frame_id: int
     group: int
     slots: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))  # [n]
     token_ids: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))  # [n]
     logits: np.ndarray | None = attrs.field(default=None, converter=_matrix)  # [n, vocab] or None
+    logprobs: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
+        lambda v: _vector(v, _F64)))  # [n]: each token's, or None
+    top_ids: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
+        lambda v: np.ascontiguousarray(v, _I32)))  # [n, k]: the likeliest tokens, most likely first
+    top_logprobs: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
+        lambda v: np.ascontiguousarray(v, _F64)))  # [n, k]: theirs
 
     def __attrs_post_init__(self) -> None:
-        _same_rows(self, ("slots", "token_ids", "logits"))
+        _same_rows(self, ("slots", "token_ids", "logits", "logprobs", "top_ids", "top_logprobs"))
+        reported = [name for name in ("logprobs", "top_ids", "top_logprobs") if getattr(self, name) is not None]
+        if reported and len(reported) < 3:
+            raise ValueError(f"Tokens: {', '.join(reported)} without the rest of the log-probabilities")
+        if reported and (self.top_ids.ndim != 2 or self.top_ids.shape != self.top_logprobs.shape):
+            raise ValueError(f"Tokens: top_ids {self.top_ids.shape} and top_logprobs {self.top_logprobs.shape} "
+                             "must be [n, k] alike")
 
 
 @attrs.frozen
@@ -263,10 +283,12 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
             fields = _payload_fields(message.frame_id, message.group, message.rows, message.residual, message.bucket)
             return Kind.FRAME, fields, [message.slots, message.positions, message.token_ids,
                                         message.sample.view(np.uint8), message.temperature, message.top_p,
-                                        message.seed, message.top_k, message.min_p, _payload(message.residual)]
+                                        message.seed, message.top_k, message.min_p, message.logprobs,
+                                        _payload(message.residual)]
         case Tokens():
             fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
-            return Kind.TOKENS, fields, [message.slots, message.token_ids, _payload(message.logits)]
+            return Kind.TOKENS, fields, [message.slots, message.token_ids, *map(_payload, (
+                message.logprobs, message.top_ids, message.top_logprobs, message.logits))]
         case Hello():
             return Kind.HELLO, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer),
                                            _utf8(message.settings), np.asarray(message.cpus, dtype=_I32)]
@@ -313,7 +335,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 10, Kind.TOKENS: 3, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+_BUFFER_COUNTS = {Kind.FRAME: 11, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 2}
 
 
@@ -338,6 +360,22 @@ def _payload_matrix(buffer: memoryview, rows: int, cols: int, code: int, name: s
     if code not in _DTYPES:
         raise WireError(f"{name}: unknown dtype code {code}")
     return _array(buffer, _DTYPES[code], rows * cols, name).reshape(rows, cols)
+
+
+def _reported(buffers: list[memoryview], rows: int) -> tuple:
+    """A TOKENS message's log-probabilities, ids and values of the likeliest (None, None, None: none asked for)."""
+    chosen, ids, values = buffers
+    if not chosen.nbytes:
+        if ids.nbytes or values.nbytes:
+            raise WireError("top_ids, top_logprobs: sent without the tokens' logprobs")
+        return None, None, None
+    chosen = _array(chosen, _F64, rows, "logprobs")
+    k = ids.nbytes // (_I32.itemsize * rows) if rows else 0
+    ids = _indices(ids, rows * k, "top_ids").reshape(rows, k)
+    values = _array(values, _F64, rows * k, "top_logprobs").reshape(rows, k)
+    if not (np.isfinite(chosen).all() and (chosen <= 0).all() and (values <= 0).all()):  # NaN fails too
+        raise WireError("logprobs: each must be a finite number <= 0")
+    return chosen, ids, values
 
 
 def _text(buffer: memoryview, name: str) -> str:
@@ -370,13 +408,16 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
                 raise WireError("top_k: each must be >= 0")
             if not ((min_p >= 0) & (min_p <= 1)).all():
                 raise WireError("min_p: each must lie in [0, 1]")
+            logprobs = _array(b[9], _I32, rows, "logprobs")
+            if not ((logprobs >= -1) & (logprobs <= MAX_LOGPROBS)).all():
+                raise WireError(f"logprobs: each must lie in -1..{MAX_LOGPROBS}")
             return Frame(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "positions"),
                          _indices(b[2], rows, "token_ids"), sample.view(np.bool_),
-                         _payload_matrix(b[9], rows, cols, code, "residual"), bucket, temperature, top_p,
-                         _array(b[6], _U64, rows, "seed"), top_k, min_p)
+                         _payload_matrix(b[10], rows, cols, code, "residual"), bucket, temperature, top_p,
+                         _array(b[6], _U64, rows, "seed"), top_k, min_p, logprobs)
         case Kind.TOKENS:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
-                          _payload_matrix(b[2], rows, cols, code, "logits"))
+                          _payload_matrix(b[5], rows, cols, code, "logits"), *_reported(b[2:5], rows))
         case Kind.HELLO:
             if b[3].nbytes % _I32.itemsize:
                 raise WireError(f"cpus: {b[3].nbytes} bytes, not a whole number of ids")

@@ -3,13 +3,14 @@ unknown one is an error, not ignored), the response and stream-chunk bodies, and
 
 Supported: chat and text completions, streamed (server-sent events) or not; `max_tokens` (chat also
 `max_completion_tokens`), `temperature`, `top_p`, `top_k` and `min_p` (as vLLM takes them), `seed`, `stop` (up to 4
-strings), `stream_options.include_usage` and, as vLLM does, `stream_options.continuous_usage_stats` (usage on every
-chunk), `ignore_eos` (keep going past the end-of-sequence token) and, for chat, `chat_template_kwargs` (more variables
-for the chat template), `reasoning_effort` (one more), `add_generation_prompt` and `continue_final_message` (a prefill).
+strings), log-probabilities (chat's `logprobs` and `top_logprobs`, completions' `logprobs: N`),
+`stream_options.include_usage` and, as vLLM does, `stream_options.continuous_usage_stats` (usage on every chunk),
+`ignore_eos` (keep going past the end-of-sequence token) and, for chat, `chat_template_kwargs` (more variables for
+the chat template), `reasoning_effort` (one more), `add_generation_prompt` and `continue_final_message` (a prefill).
 A completion's prompt is text or a list of token ids. Fields that cannot change the tokens are accepted and ignored
 (`user`, `metadata`, `store`, `service_tier`, `cache_prompt`). A field this server does not serve (`UNSUPPORTED`: tools,
-log-probabilities, penalties, response formats, ...) is accepted when its value asks for the default behaviour
-(`presence_penalty: 0`, `tools: []`, `logprobs: false`; null too), as clients send on every request, and refused by name
+penalties, response formats, ...) is accepted when its value asks for the default behaviour
+(`presence_penalty: 0`, `tools: []`, `echo: false`; null too), as clients send on every request, and refused by name
 with any other value (docs/openai-fields.md has the whole table). Text anywhere in a request, keys included, must be
 Unicode that UTF-8 can carry: a lone UTF-16 surrogate (`"\\ud800"`, which JSON allows and badly decoded text produces)
 is refused, naming where it is, before any field is read.
@@ -23,6 +24,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from cascadia.sampling import MAX_LOGPROBS
+
 MAX_STOP_STRINGS = 4
 # Fields of the OpenAI API (and of vLLM and llama-server) this server does not serve: why, and the values that ask
 # for what it does anyway, accepted (null always is). Any other unknown field is refused as an unknown parameter.
@@ -32,8 +35,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "parallel_tool_calls": ("tool calls are not supported", (True, False)),  # nothing to call in parallel
     "functions": ("function calls are not supported", ([],)),
     "function_call": ("function calls are not supported", ("none", "auto")),
-    "logprobs": ("log-probabilities are not supported", (False,)),
-    "top_logprobs": ("log-probabilities are not supported", (0,)),
     "logit_bias": ("logit_bias is not supported", ({},)),
     "response_format": ("response formats are not supported", ({"type": "text"},)),
     "presence_penalty": ("penalties are not supported", (0,)),
@@ -123,6 +124,11 @@ class RequestBody(BaseModel):
         read: none here; an API whose refusals hide inside its fields says which."""
 
 
+def invalid(param: str, why: str) -> PydanticCustomError:
+    """The error of a field whose value the rest of the request rules out: a 400 naming `param`."""
+    return PydanticCustomError("invalid_param", "{message}", {"message": f"{param}: {why}", "param": param})
+
+
 def unsupported(param: str, why: str) -> PydanticCustomError:
     """The error of a request asking for what this server does not serve: a 400 naming `param`."""
     return PydanticCustomError("unsupported", "{message}", {"message": f"{param}: {why}", "param": param})
@@ -170,6 +176,10 @@ class _Generation(RequestBody):
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
 
+    def reported_logprobs(self) -> int:
+        """How many of the likeliest tokens' log-probabilities each token's come with; -1: none are asked for."""
+        return -1
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -198,6 +208,8 @@ class ChatRequest(_Generation):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     reasoning_effort: str | None = None  # one more variable, for templates that read it
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -205,6 +217,15 @@ class ChatRequest(_Generation):
         if value is not None and "messages" in value:
             raise ValueError("may not replace the messages")
         return value
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        return self
+
+    def reported_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else -1
 
     def template_variables(self) -> dict[str, Any]:
         """The chat template's variables from the request, as vLLM makes them: `chat_template_kwargs`, and
@@ -220,7 +241,21 @@ class ChatRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
+    UNSERVED: ClassVar[dict[str, tuple[str, tuple]]] = UNSUPPORTED | {
+        "top_logprobs": ("is chat's field: completions take logprobs (a number)", (0,))}
+
     prompt: str | list[int] = Field(description="text, or token ids")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the likeliest tokens reported")
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _a_number(cls, value):
+        if value is True:
+            raise ValueError("give how many of the likeliest tokens to report (0 for the chosen token's alone)")
+        return None if value is False else value  # false: none, as chat's
+
+    def reported_logprobs(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -291,24 +326,28 @@ class Reply:
     def _head(self, suffix: str = "") -> dict:
         return {"id": self.id, "object": self._object + suffix, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+              logprobs: dict | None = None) -> dict:
+        """The whole response; `logprobs`: its choice's, when asked for (`cascadia.serve.logprobs`)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._head() | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              usage_so_far: dict | None = None) -> dict:
+              usage_so_far: dict | None = None, logprobs: dict | None = None) -> dict:
         """A stream chunk: a piece of text (None: none, as in the last chunk, which names the finish reason), with
-        the usage so far when asked for on every chunk (`continuous_usage_stats`)."""
+        its token's log-probabilities when asked for, and the usage so far when asked for on every chunk
+        (`continuous_usage_stats`)."""
         extra = {} if usage_so_far is None else {"usage": usage_so_far}
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else \
                 ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._head(".chunk") | {"choices": [choice]} | extra
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return self._head() | {"choices": [choice]} | extra
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:

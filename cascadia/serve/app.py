@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 
 from cascadia import __version__
 from cascadia.errors import CascadiaError
+from cascadia.pipeline.coordinator import Logprobs
 from cascadia.pipeline.service import Failed, PipelineService
 from cascadia.policy import CANCELLED, LENGTH, STOP, Admitted, Finished, Rejected
 from cascadia.policy import Request as StreamRequest
@@ -40,6 +41,7 @@ from cascadia.serve import messages
 from cascadia.serve.api import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, Reply, TokenizeRequest,
                                 error_body, usage)
 from cascadia.serve.chat import ChatTemplate
+from cascadia.serve.logprobs import Reported, TokenText, chat_logprobs, completion_logprobs
 from cascadia.serve.prom import CONTENT_TYPE, Metrics
 from cascadia.serve.responses import ResponseBody, ResponsesRequest, response_status, response_usage
 from cascadia.serve.text import TextStream
@@ -77,6 +79,8 @@ class Generation:
         self.server, self.stream, self.id = server, stream, completion_id
         self.text = TextStream(server.tokenizer, stop) if server.tokenizer else None
         self.tokens = 0
+        self.reported: list[Reported] = []  # each token's log-probabilities, when the request asks for them
+        self._logprobs: Logprobs | None = None  # those of the token about to come
         self.finish_reason: str | None = None
         self.rest = ""
         self.admitted = False
@@ -105,8 +109,14 @@ class Generation:
             if isinstance(event, Admitted):
                 self.admitted = True
                 self.server.waiting -= 1
+            elif isinstance(event, Logprobs):
+                self._logprobs = event
             elif isinstance(event, Token):
                 self._on_token()
+                if self._logprobs is not None:
+                    offset = self.text.offset if self.text else sum(len(str(r.token)) for r in self.reported)
+                    self.reported.append(Reported(event.token, self._logprobs.logprob, self._logprobs.top, offset))
+                    self._logprobs = None
                 piece = self.text.push(event.token) if self.text else str(event.token)
                 if self.text is not None and self.text.stopped:
                     self.server.service.cancel(self.stream.id)
@@ -166,6 +176,7 @@ class Server:
         self.recent_tokens: deque[float] = deque()
         self.ids = itertools.count()
         self.metrics = Metrics(service.status, lambda: (len(self.open) - self.waiting, self.waiting))
+        self.token_text = TokenText(tokenizer)
 
     def prompt(self, body: ChatRequest | CompletionRequest) -> list[int]:
         if isinstance(body, ChatRequest):
@@ -230,8 +241,9 @@ class Server:
                            "queue_full", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
         config = self.service.spec.model.config
         seed = secrets.randbits(63) if body.seed is None else body.seed
-        sampling = Sampling(body.temperature, body.top_p, seed, max(body.top_k, 0), body.min_p) \
-            if body.temperature else Sampling()
+        logprobs = body.reported_logprobs()
+        sampling = Sampling(body.temperature, body.top_p, seed, max(body.top_k, 0), body.min_p, logprobs) \
+            if body.temperature else Sampling(logprobs=logprobs)
         stream = StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt),
                                () if body.ignore_eos else config.eos_ids, sampling)
         prefix = id_prefix or ("chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-")
@@ -426,7 +438,8 @@ async def _respond(server: Server, body: ChatRequest | CompletionRequest, reques
     if body.stream:
         return EventSourceResponse(_stream(generation, reply, body, prompt_tokens), ping=KEEP_ALIVE_S)
     text = await _collected(generation, request)
-    return reply.whole(text, generation.finish_reason, prompt_tokens, generation.tokens)
+    return reply.whole(text, generation.finish_reason, prompt_tokens, generation.tokens,
+                       _logprobs(server, generation.reported, chat) if body.reported_logprobs() >= 0 else None)
 
 
 async def _collected(generation: Generation, request: Request) -> str:
@@ -452,16 +465,20 @@ async def _stream(generation: Generation, reply: Reply, body: ChatRequest | Comp
     last the finish reason (with any held-back text), so that a client can time each token by its chunk; each with
     the usage so far when `continuous_usage_stats` asks, and a usage chunk at the end when `include_usage` does. A
     client that goes away cancels its stream (this generator is closed, and `finally` runs)."""
-    def chunk(text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+    def chunk(text: str | None, finish_reason: str | None = None, first: bool = False,
+              logprobs: dict | None = None) -> dict:
         so_far = usage(prompt_tokens, generation.tokens) if body.usage_on_every_chunk else None
-        return {"data": json.dumps(reply.chunk(text, finish_reason, first, so_far))}
+        return {"data": json.dumps(reply.chunk(text, finish_reason, first, so_far, logprobs))}
 
     try:
         if reply.chat:
             yield chunk("", first=True)
         try:
+            sent = 0  # tokens whose log-probabilities went out
             async for piece in generation.pieces():
-                yield chunk(piece)
+                reported, sent = generation.reported[sent:], len(generation.reported)
+                yield chunk(piece, logprobs=_logprobs(generation.server, reported, reply.chat)
+                            if body.reported_logprobs() >= 0 else None)
         except ApiError as e:
             yield {"data": json.dumps(e.body)}
             return
@@ -471,6 +488,10 @@ async def _stream(generation: Generation, reply: Reply, body: ChatRequest | Comp
         yield {"data": "[DONE]"}
     finally:
         generation.cancel()
+
+
+def _logprobs(server: Server, reported: list[Reported], chat: bool) -> dict:
+    return (chat_logprobs if chat else completion_logprobs)(reported, server.token_text)
 
 
 async def _response_events(generation: Generation, reply: ResponseBody, prompt_tokens: int):
@@ -539,7 +560,7 @@ def _validation_error(e: RequestValidationError) -> ApiError:
         return ApiError(400, problem["msg"], "unsupported", param=problem["ctx"]["param"])
     if problem.get("type") == "extra_forbidden":
         return ApiError(400, f"unknown parameter {param!r}", "invalid_request", param=param)
-    if problem.get("type") == "lone_surrogate":
+    if problem.get("type") in ("lone_surrogate", "invalid_param"):
         return ApiError(400, problem["msg"], "invalid_request", param=problem["ctx"]["param"])
     if problem.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON ({problem.get('msg')})", "invalid_request")

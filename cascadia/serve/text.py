@@ -31,6 +31,11 @@ class TextStream:
         """All the text given out so far."""
         return self._text[:self._sent]
 
+    @property
+    def offset(self) -> int:
+        """Characters decoded so far (given out or held back): where the next token's text starts."""
+        return len(self._text)
+
     def push(self, token_id: int) -> str:
         """Take the next token; the text that may be given out now ("" while held back, or once stopped)."""
         if self.stopped:
