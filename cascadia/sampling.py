@@ -1,6 +1,7 @@
 """Choosing the next token from logits: greedy, or sampling at a temperature among the tokens that top-k, nucleus
-(top-p) and min-p keep, in that order, as transformers' logits warpers filter them; and the log-probabilities a
-client may ask for beside each token (`log_probabilities`).
+(top-p) and min-p keep, in that order, as transformers' logits warpers filter them; before either, the logits
+changed by what the stream has made so far where it asks (`LogitAdjustments`: penalties, a bias, a minimum length);
+and the log-probabilities a client may ask for beside each token (`log_probabilities`).
 
 A random draw is seeded by (seed, a hash of the stream's tokens up to the row it samples from), so a stream's tokens
 depend on its own prompt and earlier tokens only: not on its slot, the rows it shares a frame with, or the timing.
@@ -11,7 +12,7 @@ the same prompt and seed.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -22,11 +23,60 @@ MAX_LOGPROBS = 20  # the most likely tokens reported beside each token at most (
 
 
 @attrs.frozen
+class LogitAdjustments:
+    """How a stream's logits change before each of its tokens is chosen (greedy too), from its tokens so far, as vLLM
+    changes them and in its order: `min_tokens` holds its `stop_ids` back until its output has that many tokens;
+    `logit_bias` adds to the logits of the tokens it names; `repetition_penalty` divides the positive logit (and
+    multiplies the negative one) of every token in its prompt or output (transformers' and vLLM's); then each token
+    in its output loses `frequency_penalty` once per time it is there, and `presence_penalty` once (OpenAI's). In
+    float32, as the logits are."""
+
+    prompt_tokens: int  # where the stream's output starts
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=lambda v: tuple(map(tuple, v)))
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    def __attrs_post_init__(self):
+        finite = (self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
+                  *(bias for _, bias in self.logit_bias))
+        if not all(np.isfinite(finite)):
+            raise ValueError("penalties and biases must be finite numbers")
+        if self.prompt_tokens < 1 or self.min_tokens < 0 or self.repetition_penalty <= 0:
+            raise ValueError(f"needs prompt_tokens >= 1, min_tokens >= 0 and repetition_penalty > 0, got "
+                             f"{self.prompt_tokens}, {self.min_tokens} and {self.repetition_penalty}")
+        if any(token < 0 for token in self.stop_ids) or any(token < 0 for token, _ in self.logit_bias):
+            raise ValueError("token ids are integers >= 0")
+
+    def apply(self, logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The changed logits [V] (float32, a copy) of the row after `tokens` (the stream's prompt and output)."""
+        out = np.array(logits, np.float32)
+        tokens = np.asarray(tokens, np.int64)
+        output = tokens[self.prompt_tokens:]
+        if len(output) < self.min_tokens and self.stop_ids:
+            out[list(self.stop_ids)] = -np.inf
+        if self.logit_bias:
+            ids, biases = zip(*self.logit_bias)
+            out[list(ids)] += np.array(biases, np.float32)
+        if self.repetition_penalty != 1.0:
+            seen = np.unique(tokens)
+            penalty = np.float32(self.repetition_penalty)
+            out[seen] = np.where(out[seen] > 0, out[seen] / penalty, out[seen] * penalty)
+        if self.frequency_penalty or self.presence_penalty:
+            counts = np.bincount(output, minlength=len(out)).astype(np.float32)
+            out -= np.float32(self.frequency_penalty) * counts
+            out -= np.float32(self.presence_penalty) * (counts > 0)
+        return out
+
+
+@attrs.frozen
 class Sampling:
     """temperature 0 means greedy. top_k keeps the k most likely tokens (0: every one); top_p the fewest most likely
     whose probability reaches p; min_p those at least min_p times as likely as the most likely. logprobs does not
     change the draw: with k >= 0 the drawn token's log-probability is reported, and the k most likely tokens' (-1:
-    nothing is)."""
+    nothing is); nor does `adjust` change them (they are the model's)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -34,6 +84,7 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
     logprobs: int = -1
+    adjust: LogitAdjustments | None = None  # how the logits change first, from the stream's tokens so far
 
     def __attrs_post_init__(self):
         if self.temperature < 0:
@@ -56,8 +107,11 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def draw(self, logits: np.ndarray, history: int) -> int:
-        """One token id from logits [V] of a stream whose tokens so far hash to `history` (`extend_history`)."""
+    def draw(self, logits: np.ndarray, history: int, tokens: Sequence[int] = ()) -> int:
+        """One token id from logits [V] of a stream whose tokens so far (`tokens`: needed where `adjust` is set) hash
+        to `history` (`extend_history`)."""
+        if self.adjust is not None:
+            logits = self.adjust.apply(logits, tokens)
         if self.greedy:
             return greedy(logits)
         return sample(logits, np.random.default_rng([self.seed, history]), self.temperature, self.top_p, self.top_k,

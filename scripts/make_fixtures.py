@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from transformers import (DynamicCache, InklingForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
-from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
 from cascadia.engine.init_model import random_weights
@@ -292,6 +293,39 @@ def make_sampling_case(root: Path, seed: int) -> None:
     print(f"wrote {out / 'warpers.npz'}")
 
 
+# (min_tokens, logit_bias, repetition_penalty): each alone, then together; after a prompt of 12 and 5 output tokens
+ADJUSTMENT_SETTINGS = [(8, {}, 1.0), (3, {}, 1.0), (0, {7: 5.0, 9: -100.0, 200: 0.5}, 1.0), (0, {}, 1.3),
+                       (0, {}, 0.8), (10, {3: 2.0, 4: -1.5}, 1.2), (0, {11: 30.0}, 2.0)]
+ADJUSTMENT_PROMPT, ADJUSTMENT_OUTPUT, ADJUSTMENT_STOP = 12, 5, (1, 2)
+
+
+def make_adjustments_case(root: Path, seed: int) -> None:
+    """tests/fixtures/sampling/adjustments.npz: logits as transformers' processors change them, in vLLM's order
+    (MinNewTokensLength for min_tokens, SequenceBias for logit_bias, RepetitionPenalty), for random logits and
+    tokens under each of ADJUSTMENT_SETTINGS."""
+    rng = np.random.default_rng(seed + 1)
+    n = len(ADJUSTMENT_SETTINGS)
+    logits = (rng.standard_normal((n, 256)) * 3).astype(np.float32)
+    tokens = rng.integers(0, 40, (n, ADJUSTMENT_PROMPT + ADJUSTMENT_OUTPUT))  # a small range: tokens come again
+    changed = []
+    for row, ids, (min_tokens, bias, penalty) in zip(logits, tokens, ADJUSTMENT_SETTINGS):
+        scores, input_ids = torch.from_numpy(row.copy())[None], torch.from_numpy(ids)[None]
+        processors = [MinNewTokensLengthLogitsProcessor(ADJUSTMENT_PROMPT, min_tokens, list(ADJUSTMENT_STOP))
+                      if min_tokens else None,
+                      SequenceBiasLogitsProcessor([[[token], value] for token, value in bias.items()])
+                      if bias else None,
+                      RepetitionPenaltyLogitsProcessor(penalty) if penalty != 1.0 else None]
+        for processor in filter(None, processors):
+            scores = processor(input_ids, scores)
+        changed.append(scores[0].numpy())
+    out = root / "sampling"
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / "adjustments.npz", logits=logits, tokens=tokens, changed=np.array(changed, np.float32),
+             settings=json.dumps([[m, sorted(b.items()), p] for m, b, p in ADJUSTMENT_SETTINGS]),
+             prompt=ADJUSTMENT_PROMPT, stop=np.array(ADJUSTMENT_STOP))
+    print(f"wrote {out / 'adjustments.npz'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/fixtures"))
@@ -305,6 +339,7 @@ def main() -> None:
         make_long_case(args.out, args.seed)
     if args.only in (None, "sampling"):
         make_sampling_case(args.out, args.seed)
+        make_adjustments_case(args.out, args.seed)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from cascadia.graph.planner import InfeasiblePlan
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.run import Addresses
 from cascadia.pipeline.transport import free_port, tcp_address
-from cascadia.sampling import Sampling
+from cascadia.sampling import LogitAdjustments, Sampling
 from cascadia.spec.dump import write_spec
 from cascadia.spec.types import PAPER_FORMATS, WeightFormat, WeightFormats
 from cascadia.tokenizer import load_tokenizer
@@ -46,16 +46,22 @@ def prompt(i: int) -> list[int]:
     return [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11]
 
 
-def sampling(i: int) -> Sampling:
-    """Even clients greedy, odd ones sampled with a seed of their own."""
-    return Sampling() if i % 2 == 0 else Sampling(temperature=1.0, top_p=0.9, seed=i, top_k=50, min_p=0.01)
+def sampling(i: int, eos: tuple[int, ...] = ()) -> Sampling:
+    """Even clients greedy, odd ones sampled with a seed of their own; every third (from client 1) with its logits
+    changed by its tokens so far (penalties, a bias, min_tokens holding `eos` back: state the last stage rebuilds in
+    a replay)."""
+    drawn = Sampling() if i % 2 == 0 else Sampling(temperature=1.0, top_p=0.9, seed=i, top_k=50, min_p=0.01)
+    if i % 3 == 1:
+        return attrs.evolve(drawn, adjust=LogitAdjustments(len(prompt(i)), 5, eos, ((7 + i, 2.0),), 1.2, 0.3, 0.2))
+    return drawn
 
 
 def engine_texts(spec, checkpoint: Path) -> list[str]:
     """Every client's text, from the single-process engine."""
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     tokenizer = load_tokenizer(checkpoint)
-    return [tokenizer.decode(list(generate(engine, prompt(i), TOKENS, sampling(i)).ids), skip_special_tokens=True)
+    eos = tuple(sorted(spec.model.config.eos_ids))
+    return [tokenizer.decode(list(generate(engine, prompt(i), TOKENS, sampling(i, eos)).ids), skip_special_tokens=True)
             for i in range(STREAMS)]
 
 
@@ -70,7 +76,7 @@ def expected_logprobs(spec, checkpoint) -> list[list[float]]:
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     logprobs = []
     for i in range(STREAMS):
-        ids = list(generate(engine, prompt(i), TOKENS, sampling(i)).ids)
+        ids = list(generate(engine, prompt(i), TOKENS, sampling(i, tuple(sorted(spec.model.config.eos_ids)))).ids)
         logits = engine.score(prompt(i) + ids, prefill=len(prompt(i))).astype(np.float64)[len(prompt(i)) - 1:-1]
         rows = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
         logprobs.append([row[token] for row, token in zip(rows, ids)])
@@ -88,6 +94,10 @@ async def stream_all(url: str, during=None, model: str = "tiny", logprobs: bool 
         options = {"temperature": 0} if drawn.greedy else {"temperature": drawn.temperature, "top_p": drawn.top_p,
                                                              "seed": drawn.seed}
         limits = {} if drawn.greedy else {"top_k": drawn.top_k, "min_p": drawn.min_p}
+        if (adjust := drawn.adjust) is not None:
+            limits |= {"presence_penalty": adjust.presence_penalty, "frequency_penalty": adjust.frequency_penalty,
+                       "repetition_penalty": adjust.repetition_penalty, "min_tokens": adjust.min_tokens,
+                       "logit_bias": dict(adjust.logit_bias)}
         stream = await client.completions.create(model=model, prompt=prompt(i), max_tokens=TOKENS, stream=True,
                                                  logprobs=2 if logprobs else None,
                                                  extra_body={"ignore_eos": True, **limits}, **options)

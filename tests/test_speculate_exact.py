@@ -26,7 +26,7 @@ from cascadia.pipeline.run import Pipeline
 from cascadia.pipeline.stage import EngineStage, RowSampler
 from cascadia.pipeline.wire import Frame as WireFrame
 from cascadia.policy import DRAFT, Policy, Request, Token
-from cascadia.sampling import Sampling
+from cascadia.sampling import LogitAdjustments, Sampling
 from cascadia.spec.dump import write_spec
 from cascadia.spec.types import PAPER_FORMATS, WeightFormat, WeightFormats
 from cascadia.speculation import NgramDrafter, ReplayDrafter
@@ -135,6 +135,30 @@ def test_speculation_reports_the_log_probabilities_of_a_run_without_it(spec, pla
             np.testing.assert_allclose([r.logprob for r in mine], [r.logprob for r in theirs], rtol=0, atol=1e-5)
             np.testing.assert_allclose([v for r in mine for _, v in r.top], [v for r in theirs for _, v in r.top],
                                        rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_penalties_bias_and_min_tokens_stay_exact_through_speculation(spec, checkpoint, plain, speculative, sampled):
+    """Logits changed by what each stream has made (every adjustment at once): the pipeline's last stage gives the
+    tokens `cascadia generate` gives, and speculation (every draft accepted, or none) the tokens of a run without
+    it, the stage's history of each stream cut back at each rewind."""
+    def adjusted(request: Request) -> Request:
+        adjust = LogitAdjustments(len(request.prompt_ids), min_tokens=3 + request.id % 3, stop_ids=(1, 2),
+                                  logit_bias=((5, 3.0), (request.id + 20, -2.0)), repetition_penalty=1.3,
+                                  frequency_penalty=0.4, presence_penalty=0.3)
+        return attrs.evolve(request, sampling=attrs.evolve(request.sampling, adjust=adjust))
+
+    requests = [adjusted(r) for r in repetitive_requests(4, sampled, long_every=3)]
+    expected, _ = serve(plain, spec.runtime, requests, 3)
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    assert expected == {r.id: list(generate(engine, r.prompt_ids, r.max_new_tokens, r.sampling).ids)
+                        for r in requests}
+    unadjusted, _ = serve(plain, spec.runtime, [attrs.evolve(r, sampling=attrs.evolve(r.sampling, adjust=None))
+                                                for r in requests], 3)
+    assert unadjusted != expected  # the adjustments changed something
+    recorded = {r.prompt_ids: expected[r.id] for r in requests}
+    for drafter in (ReplayDrafter(recorded), WrongDrafter(recorded)):
+        assert serve(speculative, spec.runtime, requests, 3, drafter, seed=4)[0] == expected, type(drafter).__name__
 
 
 @pytest.mark.parametrize("formats", [WeightFormats(**{field.name: WeightFormat("bf16")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from cascadia.pipeline import wire
 from cascadia.pipeline.wire import (VERSION, Decoder, Encoder, Error, Frame, Hello, Progress, Ready, Shutdown, Stats,
                                     StatsRequest, Tokens, WireError, decode, encode)
-from cascadia.sampling import MAX_LOGPROBS
+from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 from cascadia.wire_format import frame_bytes, tokens_bytes
 
 # No per-example deadline: the suite runs on shared, busy machines.
@@ -289,11 +289,25 @@ def test_top_log_probabilities_come_with_the_tokens_own():
         Tokens(1, 0, [0], [5], None, [-0.5])
 
 
+def test_logit_adjustments_travel_with_the_first_row_of_their_stream():
+    adjust = LogitAdjustments(3, min_tokens=2, stop_ids=(1,), logit_bias=((5, -1.5),), repetition_penalty=1.2,
+                              frequency_penalty=0.5, presence_penalty=-0.25)
+    frame = Frame(1, 0, [4, 6], [0, 9], [5, 6], [True, True], adjustments={4: adjust})
+    assert decode(as_bytes(encode(frame, 0, 1))).message.adjustments == {4: adjust}
+    parts = as_bytes(encode(frame, 0, 1))
+    for buffer, message in ((b'{"6": {"prompt_tokens": 3}}', r"for slots \[6\], where no stream starts"),
+                            (b'{"4": {"prompt_tokens": 3, "repetition_penalty": -1}}', "repetition_penalty > 0"),
+                            (b'{"4": {"prompt_tokens": 3, "colour": 1}}', "unexpected keyword"),
+                            (b'[1, 2]', "adjustments: "), (b'{"4": ', "adjustments: ")):
+        with pytest.raises(WireError, match=message):
+            decode(parts[:11] + [buffer] + parts[12:])
+
+
 def test_decoded_arrays_view_the_received_buffers():
     residual = np.arange(8, dtype=np.float32).reshape(2, 4)
     parts = as_bytes(encode(Frame(1, 0, [0, 1], [0, 0], [1, 2], [True, False], residual), 0, 1))
     frame = decode(parts).message
-    assert np.shares_memory(frame.residual, np.frombuffer(parts[11], np.uint8))
+    assert np.shares_memory(frame.residual, np.frombuffer(parts[12], np.uint8))
     assert not frame.residual.flags.writeable
 
 

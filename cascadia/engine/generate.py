@@ -69,11 +69,12 @@ def generate(engine: Engine, prompt_ids, max_new_tokens: int, sampling: Sampling
     engine.release(slot)
     start = time.perf_counter()
     history = extend_history(0, prompt)
-    tokens = [sampling.draw(engine.prefill(slot, prompt, progress), history)]
+    tokens = [sampling.draw(engine.prefill(slot, prompt, progress), history, prompt)]
     prefilled = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         history = extend_history(history, tokens[-1:])
-        tokens.append(sampling.draw(engine.step([slot], tokens[-1:])[0], history))
+        tokens.append(sampling.draw(engine.step([slot], tokens[-1:])[0], history,
+                                    prompt + tuple(tokens) if sampling.adjust else ()))
     return Generation(prompt, tuple(tokens), prefilled - start, time.perf_counter() - prefilled, tokens[-1] in stop)
 
 

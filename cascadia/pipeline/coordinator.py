@@ -604,4 +604,6 @@ def wire_frame(frame: PolicyFrame) -> Frame:
                  [r.token for r in rows], [r.sampled for r in rows], bucket=frame.padded_rows,
                  temperature=[r.sampling.temperature for r in rows], top_p=[r.sampling.top_p for r in rows],
                  seed=[r.sampling.seed for r in rows], top_k=[r.sampling.top_k for r in rows],
-                 min_p=[r.sampling.min_p for r in rows], logprobs=[r.sampling.logprobs for r in rows])
+                 min_p=[r.sampling.min_p for r in rows], logprobs=[r.sampling.logprobs for r in rows],
+                 adjustments={r.slot: r.sampling.adjust for r in rows
+                              if r.position == 0 and r.sampling.adjust is not None})

@@ -32,7 +32,7 @@ from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, ProgressFn,
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import COORDINATOR
 from cascadia.pipeline.wire import Assign, Frame, Tokens, node_sender
-from cascadia.sampling import Sampling, extend_history, log_probabilities
+from cascadia.sampling import LogitAdjustments, Sampling, extend_history, log_probabilities
 from cascadia.spec.types import Spec
 from cascadia.units import format_bytes
 
@@ -41,14 +41,28 @@ class RowSampler:
     """Draws the token of each sampled row as its stream asks (`cascadia.sampling`), keeping the token history of
     each slot whose stream samples at random (a greedy stream needs none): the hash of its tokens up to each of its
     last `rewind` + 1 positions, so that a stream whose drafts were rejected goes on from the position it stands at
-    (`cascadia.policy`)."""
+    (`cascadia.policy`); and for a stream whose logits change with its tokens (`LogitAdjustments`, which come with
+    its first row), its tokens by position, cut back to where a rewind leaves it."""
 
     def __init__(self, slots: int, rewind: int = 0):
         self._history = np.zeros((slots, rewind + 1), np.uint32)  # [slot, position % (rewind + 1)]
         self._rows = np.zeros(0, np.uint32)  # the history up to each row of the frame last observed
+        self._adjust: dict[int, LogitAdjustments] = {}  # by slot
+        self._tokens: dict[int, list[int]] = {}  # by slot, of the streams in `_adjust`
 
     def observe(self, frame: Frame) -> None:
         """Take in a frame's rows, in order."""
+        for slot in frame.slots[frame.positions == 0].tolist():  # a new stream there
+            self._adjust.pop(slot, None)
+            self._tokens.pop(slot, None)
+        self._adjust.update(frame.adjustments)
+        self._tokens.update((slot, []) for slot in frame.adjustments)
+        if self._adjust:
+            for slot, position, token in zip(frame.slots.tolist(), frame.positions.tolist(),
+                                             frame.token_ids.tolist()):
+                if (tokens := self._tokens.get(slot)) is not None:
+                    del tokens[position:]
+                    tokens.append(token)
         drawn = np.flatnonzero(frame.temperature > 0)
         self._rows = np.zeros(len(frame.slots), np.uint32)
         depth = self._history.shape[1]
@@ -60,6 +74,7 @@ class RowSampler:
     def sample(self, logits: np.ndarray, frame: Frame) -> np.ndarray:
         """One token per sampled row of the frame, from their logits [n, V]."""
         rows = frame.sample
+        logits = self._adjusted(logits, frame.slots[rows], frame.positions[rows])
         temperature = frame.temperature[rows]
         if not temperature.any():
             return np.argmax(logits, axis=1)
@@ -68,6 +83,17 @@ class RowSampler:
         draws = (Sampling(*setting).draw(row, int(history))
                  for row, history, setting in zip(logits, self._rows[rows].tolist(), settings))
         return np.array(list(draws))
+
+    def _adjusted(self, logits: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The sampled rows' logits as their streams' adjustments change them (the same array where none do)."""
+        if not self._adjust:
+            return logits
+        changed = logits
+        for i, (slot, position) in enumerate(zip(slots.tolist(), positions.tolist())):
+            if (adjust := self._adjust.get(slot)) is not None:
+                changed = logits.copy() if changed is logits else changed
+                changed[i] = adjust.apply(logits[i], self._tokens[slot][:position + 1])
+        return changed
 
 
 def reported(logits: np.ndarray, tokens: np.ndarray, asked: np.ndarray) -> tuple:
@@ -132,6 +158,11 @@ class EngineStage:
         if engine.embedding is None and frame.residual.shape[1] != cfg.hidden_size:
             raise ForeignFrame(f"its residual rows are {frame.residual.shape[1]} wide, the model's "
                                f"{cfg.hidden_size}")
+        for slot, adjust in frame.adjustments.items():
+            named = [*adjust.stop_ids, *(token for token, _ in adjust.logit_bias)]
+            if named and max(named) >= cfg.output_vocab_size:
+                raise ForeignFrame(f"the adjustments of slot {slot} name token {max(named)}, beyond the "
+                                   f"vocabulary (0..{cfg.output_vocab_size - 1})")
         if frame.slots.max() >= len(engine.lengths):
             raise ForeignFrame(f"slot {frame.slots.max()} is not one of the stage's 0..{len(engine.lengths) - 1}")
         lengths, reach = engine.lengths.copy(), engine.reach.copy()

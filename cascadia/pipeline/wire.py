@@ -9,8 +9,9 @@ Kinds and their buffers (n = header rows, c = header cols):
   FRAME          slots i32[n], positions i32[n], token_ids i32[n], sample u8[n], temperature f64[n], top_p f64[n],
                  seed u64[n], top_k i32[n], min_p f64[n] (how the last stage draws each sampled row's token),
                  logprobs i32[n] (how many of the likeliest tokens' log-probabilities it reports beside the token;
-                 -1: none), residual dtype[n, c] (c = 0: absent); the header's bucket is the row count every call
-                 of the frame's rows is padded to
+                 -1: none), adjustments utf-8 (JSON: slot -> `cascadia.sampling.LogitAdjustments` of each stream
+                 that starts in the frame and asks for them; empty: none), residual dtype[n, c] (c = 0: absent); the
+                 header's bucket is the row count every call of the frame's rows is padded to
   TOKENS         slots i32[n], token_ids i32[n], logprobs f64[n], top_ids i32[n, k], top_logprobs f64[n, k] (the
                  token's log-probability and the k likeliest tokens'; all three empty when no row asked for them,
                  k from the buffer's size), logits dtype[n, c] (c = 0: absent)
@@ -37,6 +38,7 @@ each socket accept only its sender's key); without it a stranger can claim any i
 from __future__ import annotations
 
 import enum
+import json
 import struct
 import time
 from collections.abc import Sequence
@@ -45,7 +47,7 @@ from typing import NamedTuple
 import attrs
 import numpy as np
 
-from cascadia.sampling import MAX_LOGPROBS
+from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
@@ -130,6 +132,8 @@ class Frame:
                                     converter=lambda v: _vector(v, _F64))
     logprobs: np.ndarray = attrs.field(default=attrs.Factory(lambda f: np.full(len(f.slots), -1), takes_self=True),
                                        converter=lambda v: _vector(v, _I32))
+    # how the logits of each stream starting in the frame (a row at position 0) change before its draws, by slot
+    adjustments: dict[int, LogitAdjustments] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual", "temperature", "top_p", "seed",
@@ -284,7 +288,7 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
             return Kind.FRAME, fields, [message.slots, message.positions, message.token_ids,
                                         message.sample.view(np.uint8), message.temperature, message.top_p,
                                         message.seed, message.top_k, message.min_p, message.logprobs,
-                                        _payload(message.residual)]
+                                        _adjustments_json(message.adjustments), _payload(message.residual)]
         case Tokens():
             fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
             return Kind.TOKENS, fields, [message.slots, message.token_ids, *map(_payload, (
@@ -335,7 +339,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 11, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+_BUFFER_COUNTS = {Kind.FRAME: 12, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 2}
 
 
@@ -360,6 +364,24 @@ def _payload_matrix(buffer: memoryview, rows: int, cols: int, code: int, name: s
     if code not in _DTYPES:
         raise WireError(f"{name}: unknown dtype code {code}")
     return _array(buffer, _DTYPES[code], rows * cols, name).reshape(rows, cols)
+
+
+def _adjustments_json(adjustments: dict[int, LogitAdjustments]) -> bytes:
+    return _utf8(json.dumps({slot: attrs.asdict(a) for slot, a in adjustments.items()})) if adjustments else b""
+
+
+def _adjustments(buffer: memoryview, starting: set[int]) -> dict[int, LogitAdjustments]:
+    """A FRAME's logit adjustments by slot, each for a stream that starts in the frame (`starting`)."""
+    if not buffer.nbytes:
+        return {}
+    try:
+        adjustments = {int(slot): LogitAdjustments(**fields)
+                       for slot, fields in json.loads(_text(buffer, "adjustments")).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise WireError(f"adjustments: {e}") from None
+    if strays := sorted(set(adjustments) - starting):
+        raise WireError(f"adjustments: for slots {strays}, where no stream starts in the frame")
+    return adjustments
 
 
 def _reported(buffers: list[memoryview], rows: int) -> tuple:
@@ -411,10 +433,11 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             logprobs = _array(b[9], _I32, rows, "logprobs")
             if not ((logprobs >= -1) & (logprobs <= MAX_LOGPROBS)).all():
                 raise WireError(f"logprobs: each must lie in -1..{MAX_LOGPROBS}")
-            return Frame(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "positions"),
-                         _indices(b[2], rows, "token_ids"), sample.view(np.bool_),
-                         _payload_matrix(b[10], rows, cols, code, "residual"), bucket, temperature, top_p,
-                         _array(b[6], _U64, rows, "seed"), top_k, min_p, logprobs)
+            slots, positions = _indices(b[0], rows, "slots"), _indices(b[1], rows, "positions")
+            return Frame(frame_id, group, slots, positions, _indices(b[2], rows, "token_ids"), sample.view(np.bool_),
+                         _payload_matrix(b[11], rows, cols, code, "residual"), bucket, temperature, top_p,
+                         _array(b[6], _U64, rows, "seed"), top_k, min_p, logprobs,
+                         _adjustments(b[10], set(slots[positions == 0].tolist())))
         case Kind.TOKENS:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
                           _payload_matrix(b[5], rows, cols, code, "logits"), *_reported(b[2:5], rows))

@@ -3,14 +3,15 @@ unknown one is an error, not ignored), the response and stream-chunk bodies, and
 
 Supported: chat and text completions, streamed (server-sent events) or not; `max_tokens` (chat also
 `max_completion_tokens`), `temperature`, `top_p`, `top_k` and `min_p` (as vLLM takes them), `seed`, `stop` (up to 4
-strings), log-probabilities (chat's `logprobs` and `top_logprobs`, completions' `logprobs: N`),
+strings), log-probabilities (chat's `logprobs` and `top_logprobs`, completions' `logprobs: N`), `presence_penalty`,
+`frequency_penalty`, `repetition_penalty`, `logit_bias` and `min_tokens` (vLLM's),
 `stream_options.include_usage` and, as vLLM does, `stream_options.continuous_usage_stats` (usage on every chunk),
 `ignore_eos` (keep going past the end-of-sequence token) and, for chat, `chat_template_kwargs` (more variables for
 the chat template), `reasoning_effort` (one more), `add_generation_prompt` and `continue_final_message` (a prefill).
 A completion's prompt is text or a list of token ids. Fields that cannot change the tokens are accepted and ignored
 (`user`, `metadata`, `store`, `service_tier`, `cache_prompt`). A field this server does not serve (`UNSUPPORTED`: tools,
-penalties, response formats, ...) is accepted when its value asks for the default behaviour
-(`presence_penalty: 0`, `tools: []`, `echo: false`; null too), as clients send on every request, and refused by name
+response formats, ...) is accepted when its value asks for the default behaviour (`tools: []`, `echo: false`; null
+too), as clients send on every request, and refused by name
 with any other value (docs/openai-fields.md has the whole table). Text anywhere in a request, keys included, must be
 Unicode that UTF-8 can carry: a lone UTF-16 surrogate (`"\\ud800"`, which JSON allows and badly decoded text produces)
 is refused, naming where it is, before any field is read.
@@ -24,7 +25,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from cascadia.sampling import MAX_LOGPROBS
+from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 
 MAX_STOP_STRINGS = 4
 # Fields of the OpenAI API (and of vLLM and llama-server) this server does not serve: why, and the values that ask
@@ -35,12 +36,7 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "parallel_tool_calls": ("tool calls are not supported", (True, False)),  # nothing to call in parallel
     "functions": ("function calls are not supported", ([],)),
     "function_call": ("function calls are not supported", ("none", "auto")),
-    "logit_bias": ("logit_bias is not supported", ({},)),
     "response_format": ("response formats are not supported", ({"type": "text"},)),
-    "presence_penalty": ("penalties are not supported", (0,)),
-    "frequency_penalty": ("penalties are not supported", (0,)),
-    "repetition_penalty": ("penalties are not supported", (1,)),
-    "min_tokens": ("min_tokens is not supported", (0,)),
     "best_of": ("best_of is not supported", (1,)),
     "echo": ("echo is not supported", (False,)),
     "suffix": ("suffix is not supported", ("",)),
@@ -146,12 +142,38 @@ class _Generation(RequestBody):
     top_k: int = Field(0, ge=-1, lt=2**31, description="-1 or 0: no limit (vLLM's)")
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    logit_bias: dict[int, float] | None = Field(None, description="token id -> a bias in -100..100")
+    min_tokens: int = Field(0, ge=0)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     user: str | None = None
     ignore_eos: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, value):
+        for token, bias in (value or {}).items():
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"token ids are integers >= 0 and biases lie in -100..100, got {token}: {bias}")
+        return value
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self):
+        if (wanted := self.wanted_tokens()) is not None and self.min_tokens > wanted:
+            raise invalid("min_tokens", f"{self.min_tokens} is more than the {wanted} tokens asked for at most")
+        return self
+
+    def adjustments(self, prompt_tokens: int, stop_ids: tuple[int, ...]) -> LogitAdjustments | None:
+        """How the request's logits change before each token (None: they do not)."""
+        adjust = LogitAdjustments(prompt_tokens, self.min_tokens, stop_ids if self.min_tokens else (),
+                                  sorted((self.logit_bias or {}).items()), self.repetition_penalty,
+                                  self.frequency_penalty, self.presence_penalty)
+        return None if adjust == LogitAdjustments(prompt_tokens) else adjust
 
     @field_validator("stop")
     @classmethod

@@ -241,11 +241,13 @@ class Server:
                            "queue_full", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
         config = self.service.spec.model.config
         seed = secrets.randbits(63) if body.seed is None else body.seed
-        logprobs = body.reported_logprobs()
-        sampling = Sampling(body.temperature, body.top_p, seed, max(body.top_k, 0), body.min_p, logprobs) \
-            if body.temperature else Sampling(logprobs=logprobs)
-        stream = StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt),
-                               () if body.ignore_eos else config.eos_ids, sampling)
+        if body.logit_bias:
+            self.check_ids(list(body.logit_bias), "logit_bias")
+        stop_ids = () if body.ignore_eos else config.eos_ids
+        logprobs, adjust = body.reported_logprobs(), body.adjustments(len(prompt), tuple(sorted(config.eos_ids)))
+        sampling = Sampling(body.temperature, body.top_p, seed, max(body.top_k, 0), body.min_p, logprobs, adjust) \
+            if body.temperature else Sampling(logprobs=logprobs, adjust=adjust)
+        stream = StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt), stop_ids, sampling)
         prefix = id_prefix or ("chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-")
         generation = Generation(self, stream, f"{prefix}{secrets.token_hex(12)}", body.stop_strings)
         self.open[generation.id] = generation
