@@ -85,6 +85,7 @@ class Sampling:
     min_p: float = 0.0
     logprobs: int = -1
     adjust: LogitAdjustments | None = None  # how the logits change first, from the stream's tokens so far
+    prompt_logprobs: bool = False  # report the prompt's tokens' log-probabilities too (with logprobs >= 0)
 
     def __attrs_post_init__(self):
         if self.temperature < 0:

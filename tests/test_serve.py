@@ -226,12 +226,47 @@ def test_sampled_completion_logprobs_are_the_models_before_temperature(client, r
     assert chunks[-1].choices[0].logprobs is None and chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_echo_puts_the_prompt_and_its_log_probabilities_before_the_reply(client, reference, single):
+    """`echo` with `logprobs`, as evaluation harnesses score a text: the prompt's text before the reply, and its
+    tokens' log-probabilities (the first token's none) as the score gives them, within 1e-5; streamed, the prompt
+    comes first, in a chunk of its own."""
+    greedy, _, tokenizer = reference
+    text_of = TokenText(tokenizer)
+    prompt = "A fleet of ordinary computers can hold a model"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    output = greedy(ids, 3, stop=False)[1]
+    ask = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2,
+           "extra_body": {"ignore_eos": True}}
+    choice = client.completions.create(**ask).choices[0]
+    assert choice.text == prompt + tokenizer.decode(output, skip_special_tokens=True)
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [text_of.text(token) for token in ids + output]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    logits = single.score(ids + output, prefill=len(ids)).astype(np.float64)[:-1]
+    rows = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    following = ids[1:] + output
+    assert logprobs.token_logprobs[1:] == pytest.approx([row[t] for row, t in zip(rows, following)], abs=1e-5)
+    assert [list(top)[:1] for top in logprobs.top_logprobs[1:]] == [[text_of.text(likeliest(row, 1)[0])]
+                                                                   for row in rows]
+    assert logprobs.text_offset[:len(ids)] == [len(tokenizer.decode(ids[:i])) for i in range(len(ids))]
+    assert logprobs.text_offset[len(ids)] == len(prompt)
+    chunks = list(client.completions.create(**ask, stream=True))
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.tokens == logprobs.tokens[:len(ids)]
+    assert "".join(chunk.choices[0].text for chunk in chunks) == choice.text
+    assert [value for chunk in chunks[:-1] for value in chunk.choices[0].logprobs.token_logprobs] == \
+        logprobs.token_logprobs
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert plain.text == choice.text and plain.logprobs is None  # token ids echoed as their text
+
+
 @pytest.mark.parametrize("path, body, param, message", [
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "top_logprobs: needs logprobs: true"),
     ("completions", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
     ("completions", {"logprobs": True}, "logprobs", "how many of the likeliest tokens"),
     ("completions", {"top_logprobs": 2}, "top_logprobs", "is chat's field: completions take logprobs"),
+    ("chat/completions", {"echo": True}, "echo", "echo is not supported by this server"),
 ])
 def test_impossible_log_probability_requests_are_refused(server, path, body, param, message):
     request = {"messages": MESSAGES} if path.startswith("chat") else {"prompt": [5, 9, 3]}
@@ -432,7 +467,7 @@ def test_defaults_and_fields_without_effect_are_accepted(server, reference):
 
 
 @pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}), ("skip_special_tokens", False),
-                                          ("tool_choice", "required"), ("echo", True), ("tools", False)])
+                                          ("tool_choice", "required"), ("tools", False)])
 def test_what_this_server_does_not_serve_is_refused_by_name(server, field, value):
     response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, field: value},
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)

@@ -88,7 +88,7 @@ def serve(stage: EngineStage, runtime, requests, n_groups: int, drafter=None, se
         frames.append(frame)
         tokens = stage.process(wire_frame(frame))
         events = policy.complete_frame(frame, tokens.token_ids.tolist())
-        for event in with_logprobs(events, frame_logprobs(frame, tokens)):
+        for event in with_logprobs(events, *frame_logprobs(frame, tokens)):
             if isinstance(event, Token):
                 outputs.setdefault(event.request_id, []).append(event.token)
             elif isinstance(event, Logprobs) and reported is not None:

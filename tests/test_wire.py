@@ -303,11 +303,22 @@ def test_logit_adjustments_travel_with_the_first_row_of_their_stream():
             decode(parts[:11] + [buffer] + parts[12:])
 
 
+def test_targets_name_the_next_token_of_rows_not_sampled():
+    frame = Frame(1, 0, [4, 4, 4], [0, 1, 2], [5, 6, 7], [False, False, True], logprobs=[0, 0, 0],
+                  targets=[6, 7, -1])
+    decoded = decode(as_bytes(encode(frame, 0, 1))).message
+    assert decoded.targets.tolist() == [6, 7, -1] and decoded.reporting.tolist() == [True, True, True]
+    assert Frame(1, 0, [4], [0], [5], [False]).reporting.tolist() == [False]
+    for targets in ([6, 7, 8], [-2, 7, -1]):  # a target on a sampled row; below -1
+        with pytest.raises(WireError, match="targets: each is a token id or -1"):
+            decode(as_bytes(encode(attrs.evolve(frame, targets=targets), 0, 1)))
+
+
 def test_decoded_arrays_view_the_received_buffers():
     residual = np.arange(8, dtype=np.float32).reshape(2, 4)
     parts = as_bytes(encode(Frame(1, 0, [0, 1], [0, 0], [1, 2], [True, False], residual), 0, 1))
     frame = decode(parts).message
-    assert np.shares_memory(frame.residual, np.frombuffer(parts[12], np.uint8))
+    assert np.shares_memory(frame.residual, np.frombuffer(parts[13], np.uint8))
     assert not frame.residual.flags.writeable
 
 

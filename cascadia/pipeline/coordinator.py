@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import attrs
@@ -38,7 +38,7 @@ from cascadia.pipeline.wire import (COORDINATOR_SENDER, Assign, Decoder, Encoder
                                     node_sender)
 from cascadia.policy import Event, Finished
 from cascadia.policy import Frame as PolicyFrame
-from cascadia.policy import Policy, Rejected, Request, Token, Verified
+from cascadia.policy import Policy, Rejected, Request, Row, Token, Verified
 from cascadia.speculation import RecordedDrafter
 from cascadia.workload import Arrivals
 
@@ -506,18 +506,34 @@ class Logprobs:
     top: tuple[tuple[int, float], ...]
 
 
+@attrs.frozen
+class PromptLogprobs:
+    """What the model gave a request's prompt token at `position` (from 1) after those before it: its
+    log-probability and the likeliest tokens there, as for `Logprobs`."""
+
+    request_id: int
+    position: int
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 class Completed(NamedTuple):
     """A frame back from the pipeline: its sampled rows' tokens, in row order, and their log-probabilities where
-    their stream asked for them (None: no row did)."""
+    their stream asked for them (None: no row did); and those of the prompt tokens its rows reported."""
 
     frame: PolicyFrame
     tokens: list[int]
     logprobs: list[Logprobs | None] | None = None
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
-def with_logprobs(events: Iterable[Event], logprobs: Sequence[Logprobs | None] | None) -> Iterator[Event | Logprobs]:
-    """The policy's events of a completed frame, each Token of a stream that asked preceded by its Logprobs. A
-    stream's tokens from a frame are those of its first sampled rows, in order (the drafts it kept, then one more)."""
+def with_logprobs(events: Iterable[Event], logprobs: Sequence[Logprobs | None] | None,
+                  prompt_logprobs: Iterable[PromptLogprobs] = ()) -> Iterator[Event | Logprobs | PromptLogprobs]:
+    """The policy's events of a completed frame, after the prompt tokens' log-probabilities it reported, each Token
+    of a stream that asked preceded by its Logprobs. A stream's tokens from a frame are those of its first sampled
+    rows, in order (the drafts it kept, then one more)."""
+    yield from prompt_logprobs
     waiting: dict[int, deque[Logprobs]] = {}
     for reported in logprobs or ():
         if reported is not None:
@@ -530,11 +546,14 @@ def with_logprobs(events: Iterable[Event], logprobs: Sequence[Logprobs | None] |
 
 class Flight:
     """The policy's frames the pipeline is computing (at most one per group), each matched with its tokens as they
-    come back. Tokens that cannot be a frame's in flight are logged, counted and dropped."""
+    come back. Tokens that cannot be a frame's in flight are logged, counted and dropped. `prompts`: the prompts of
+    the requests whose prompt tokens' log-probabilities are reported, by request id (kept by the caller)."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, prompts: Mapping[int, Sequence[int]] | None = None) -> None:
         self.coordinator = coordinator
+        self.prompts = {} if prompts is None else prompts
         self.frames: dict[int, PolicyFrame] = {}  # by group
+        self._targets: dict[int, list[int] | None] = {}  # by group: the frame's prompt targets (`prompt_targets`)
         self._progress = time.monotonic()  # when the last tokens came back, or the pipeline went busy
 
     def launch(self, frames: Iterable[PolicyFrame]) -> None:
@@ -544,7 +563,8 @@ class Flight:
             self.frames[frame.group] = frame
             if (log := self.coordinator.frame_log) is not None:  # before it goes: the first node takes it after
                 log.sent(frame.seq, frame.group, len(frame.rows), frame.padded_rows, self.coordinator.now())
-            self.coordinator.send_frame(wire_frame(frame))
+            self._targets[frame.group] = targets = prompt_targets(frame, self.prompts)
+            self.coordinator.send_frame(wire_frame(frame, targets))
 
     def wait(self, until: float | None = None, wake: Sequence = ()) -> Completed | None:
         """The next frame to come back, with its sampled rows' tokens; None once the coordinator's
@@ -569,36 +589,65 @@ class Flight:
         stray or forged message: the frame's own may still come)."""
         frame = self.frames.get(tokens.group)
         sampled_slots = None if frame is None else [row.slot for row in frame.rows if row.sampled]
+        targets = self._targets.get(tokens.group)
         if frame is None or frame.seq != tokens.frame_id:
             stray = f"tokens for frame {tokens.frame_id} of group {tokens.group}, which is not in flight"
         elif tokens.slots.tolist() != sampled_slots:
             stray = f"frame {frame.seq}: tokens for slots {tokens.slots.tolist()}, expected {sampled_slots}"
+        elif tokens.logprobs is not None and len(tokens.logprobs) != len(reporting := _reporting(frame, targets)):
+            stray = f"frame {frame.seq}: {len(tokens.logprobs)} rows' log-probabilities, expected {len(reporting)}"
         else:
             del self.frames[tokens.group]
             if (log := self.coordinator.frame_log) is not None:
                 log.done(frame.seq, self.coordinator.now())
-            return Completed(frame, tokens.token_ids.tolist(), frame_logprobs(frame, tokens))
+            return Completed(frame, tokens.token_ids.tolist(), *frame_logprobs(frame, tokens, targets))
         self.coordinator._drop("token socket", stray)
         return None
 
 
-def frame_logprobs(frame: PolicyFrame, tokens: Tokens) -> list[Logprobs | None] | None:
-    """Each sampled row's Logprobs where its stream asked for them, cut to the number it asked for."""
-    if tokens.logprobs is None:
+def prompt_targets(frame: PolicyFrame, prompts: Mapping[int, Sequence[int]]) -> list[int] | None:
+    """For each row of the frame, the prompt token after it, where its request's prompt log-probabilities are
+    reported (`prompts`) and the row is a prompt row not sampled (the last prompt row's is the first token's);
+    -1 elsewhere. None when no row has one."""
+    if not prompts:
         return None
-    sampled = [row for row in frame.rows if row.sampled]
-    return [Logprobs(row.request_id, float(chosen), tuple(zip(ids[:row.sampling.logprobs].tolist(),
-                                                             values[:row.sampling.logprobs].tolist())))
-            if row.sampling.logprobs >= 0 else None
-            for row, chosen, ids, values in zip(sampled, tokens.logprobs, tokens.top_ids, tokens.top_logprobs)]
+    targets = [-1] * len(frame.rows)
+    for i, row in enumerate(frame.rows):
+        if (prompt := prompts.get(row.request_id)) is not None and not row.sampled and row.position + 1 < len(prompt):
+            targets[i] = prompt[row.position + 1]
+    return targets if max(targets) >= 0 else None
+
+
+def _reporting(frame: PolicyFrame, targets: list[int] | None) -> list[tuple[Row, int]]:
+    """The frame's rows whose log-probabilities TOKENS carries (as `Frame.reporting`), each with its target."""
+    targets = targets or [-1] * len(frame.rows)
+    return [(row, target) for row, target in zip(frame.rows, targets) if row.sampled or target >= 0]
+
+
+def frame_logprobs(frame: PolicyFrame, tokens: Tokens, targets: list[int] | None = None
+                   ) -> tuple[list[Logprobs | None] | None, tuple[PromptLogprobs, ...]]:
+    """Each sampled row's Logprobs where its stream asked for them, and the PromptLogprobs of the rows with a
+    target, each cut to the number of likeliest tokens its request asked for."""
+    if tokens.logprobs is None:
+        return None, ()
+    sampled, prompt = [], []
+    for (row, target), chosen, ids, values in zip(_reporting(frame, targets), tokens.logprobs.tolist(),
+                                                  tokens.top_ids, tokens.top_logprobs):
+        k = row.sampling.logprobs
+        top = tuple(zip(ids[:k].tolist(), values[:k].tolist())) if k >= 0 else ()
+        if row.sampled:
+            sampled.append(Logprobs(row.request_id, chosen, top) if k >= 0 else None)
+        else:
+            prompt.append(PromptLogprobs(row.request_id, row.position + 1, target, chosen, top))
+    return sampled, tuple(prompt)
 
 
 def _readable(wake: Sequence) -> bool:
     return bool(zmq.select(list(wake), [], [], 0)[0])
 
 
-def wire_frame(frame: PolicyFrame) -> Frame:
-    """The policy's frame as the pipeline carries it."""
+def wire_frame(frame: PolicyFrame, targets: list[int] | None = None) -> Frame:
+    """The policy's frame as the pipeline carries it, with the rows' prompt targets (`prompt_targets`)."""
     rows = frame.rows
     return Frame(frame.seq, frame.group, [r.slot for r in rows], [r.position for r in rows],
                  [r.token for r in rows], [r.sampled for r in rows], bucket=frame.padded_rows,
@@ -606,4 +655,4 @@ def wire_frame(frame: PolicyFrame) -> Frame:
                  seed=[r.sampling.seed for r in rows], top_k=[r.sampling.top_k for r in rows],
                  min_p=[r.sampling.min_p for r in rows], logprobs=[r.sampling.logprobs for r in rows],
                  adjustments={r.slot: r.sampling.adjust for r in rows
-                              if r.position == 0 and r.sampling.adjust is not None})
+                              if r.position == 0 and r.sampling.adjust is not None}, targets=targets)

@@ -6,8 +6,8 @@ threads talk to it only through a queue and a wake-up socket: `submit` and `canc
 write a byte that wakes the thread's poll at once, so the pipeline never waits on HTTP, nor HTTP on the pipeline
 (`busy_seconds` too, and waits for the thread's answer).
 Each request's events (`policy.Event`: admitted, tokens, finished or rejected; before a token, its `Logprobs` when the
-request asked for them) go to the callback it was submitted with, called on the service thread with the
-coordinator's clock; the callback must hand them on and return.
+request asked for them, and its prompt's `PromptLogprobs` before its first) go to the callback it was submitted
+with, called on the service thread with the coordinator's clock; the callback must hand them on and return.
 
 The thread also starts the nodes (local ones) or waits for them (tcp ones), so the caller can answer "loading" in
 the meantime; `status` says where it stands, and `start_error` what kept the pipeline from starting (a missing or
@@ -31,7 +31,7 @@ import attrs
 
 from cascadia.errors import CascadiaError, NodeError, PlanError
 from cascadia.graph.plan import Plan
-from cascadia.pipeline.coordinator import Flight, Logprobs, NodeLost, PipelineError, with_logprobs
+from cascadia.pipeline.coordinator import Flight, Logprobs, NodeLost, PipelineError, PromptLogprobs, with_logprobs
 from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, Pipeline, describe
 from cascadia.pipeline.wire import Message
 from cascadia.policy import Event, Finished, KVPool, Policy, Rejected, Request
@@ -44,7 +44,8 @@ STALL_S = 2.0  # a node whose heartbeats go unanswered this long (stopped, its m
 REPLACE_TIMEOUT_S = 60.0  # how long a lost remote node may take to come back before its stage is down
 DOWN_POLL_S = 1.0  # while a stage is down: how often waiting requests are refused between looks for its node
 MAX_RESTARTS = 3  # a local node lost again this often while being started again: the service fails
-OnEvent = Callable[[Event | Logprobs, float], None]  # an event of the request, and when (the coordinator clock, s)
+# an event of the request, and when (the coordinator's clock, seconds)
+OnEvent = Callable[[Event | Logprobs | PromptLogprobs, float], None]
 
 
 @attrs.frozen
@@ -88,6 +89,7 @@ class PipelineService:
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._wake_reader.setblocking(False)
         self._listeners: dict[int, OnEvent] = {}  # open requests, on the service thread only
+        self._prompts: dict[int, tuple[int, ...]] = {}  # ... the prompts of those that report their log-probabilities
         self._lock = threading.Lock()  # guards what `status` reads
         self._loading, self._error, self._ready = "starting", None, False
         self._start_error: BaseException | None = None
@@ -170,7 +172,7 @@ class PipelineService:
             self._ready, self._loading = True, ""
         reason = "the server is shutting down"
         try:
-            while not self._loop(Flight(pipeline.coordinator), pipeline):
+            while not self._loop(Flight(pipeline.coordinator, self._prompts), pipeline):
                 pass
         except NodeError as e:
             reason = str(e)
@@ -198,7 +200,8 @@ class PipelineService:
                     try:
                         self._launch(flight)  # the pipeline busy again before the tokens go to the HTTP side
                     finally:  # ... and they go even when the launch finds a node lost: the policy counts them made
-                        self._dispatch(with_logprobs(events, completed.logprobs), coordinator.now())
+                        self._dispatch(with_logprobs(events, completed.logprobs, completed.prompt_logprobs),
+                                       coordinator.now())
                 self._update_stats(pipeline)
         except NodeLost as lost:
             return not self._recover(pipeline, lost)
@@ -297,6 +300,7 @@ class PipelineService:
         for request_id, on_event in list(self._listeners.items()):
             on_event(Failed(request_id, reason), 0.0)
         self._listeners.clear()
+        self._prompts.clear()
         self._policy = Policy.for_runtime(self.spec.runtime, self._policy.n_groups, self._policy.kv_pools)
 
     def _refuse_waiting(self, reason: str) -> None:
@@ -321,17 +325,20 @@ class PipelineService:
         if command[0] == "submit":
             _, request, on_event = command
             self._listeners[request.id] = on_event
+            if request.sampling.prompt_logprobs and request.sampling.logprobs >= 0:
+                self._prompts[request.id] = request.prompt_ids
             self._dispatch(self._policy.add_request(request), coordinator.now())
         elif command[0] == "cancel":
             self._dispatch(self._policy.cancel(command[1]), coordinator.now())
         else:  # "busy"
             command[1].set_result({node: stats.busy_s for node, stats in coordinator.stats().items()})
 
-    def _dispatch(self, events: Iterable[Event | Logprobs], now: float) -> None:
+    def _dispatch(self, events: Iterable[Event | Logprobs | PromptLogprobs], now: float) -> None:
         for event in events:
             on_event = self._listeners.get(event.request_id)
             if isinstance(event, (Finished, Rejected)):
                 self._listeners.pop(event.request_id, None)
+                self._prompts.pop(event.request_id, None)
             if on_event is not None:
                 on_event(event, now)
 

@@ -131,14 +131,19 @@ class EngineStage:
         hidden = np.concatenate(parts)
         if engine.head is None:
             return attrs.evolve(frame, residual=hidden)
-        sampled = hidden[frame.sample]  # none in a frame that only carries the middle of prompts
+        reporting = frame.reporting  # the sampled rows, and those whose next token's log-probability is reported
+        heads = hidden[reporting]  # none in a frame that only carries the middle of prompts
         logits = np.zeros((0, engine.config.output_vocab_size), np.float32)
-        if len(sampled):
-            logits = np.concatenate([engine.logits(sampled[rows]) for rows in self._calls(len(sampled))])
+        if len(heads):
+            logits = np.concatenate([engine.logits(heads[rows]) for rows in self._calls(len(heads))])
+        sampled = frame.sample[reporting]
         self.sampler.observe(frame)
-        tokens = self.sampler.sample(logits, frame)
+        tokens = self.sampler.sample(logits[sampled], frame)
+        chosen = np.zeros(len(heads), np.int64) if frame.targets is None else frame.targets[reporting].astype(np.int64)
+        chosen[sampled] = tokens
         return Tokens(frame.frame_id, frame.group, frame.slots[frame.sample], tokens,
-                      logits if self.with_logits else None, *reported(logits, tokens, frame.logprobs[frame.sample]))
+                      logits[sampled] if self.with_logits else None,
+                      *reported(logits, chosen, frame.logprobs[reporting]))
 
     def _bucket(self, frame: Frame) -> int | None:
         """The rows each call of the frame is padded to. Beyond the largest bucket a frame runs as calls of the
@@ -163,6 +168,8 @@ class EngineStage:
             if named and max(named) >= cfg.output_vocab_size:
                 raise ForeignFrame(f"the adjustments of slot {slot} name token {max(named)}, beyond the "
                                    f"vocabulary (0..{cfg.output_vocab_size - 1})")
+        if frame.targets is not None and (target := frame.targets.max()) >= cfg.output_vocab_size:
+            raise ForeignFrame(f"target token {target} lies outside the vocabulary (0..{cfg.output_vocab_size - 1})")
         if frame.slots.max() >= len(engine.lengths):
             raise ForeignFrame(f"slot {frame.slots.max()} is not one of the stage's 0..{len(engine.lengths) - 1}")
         lengths, reach = engine.lengths.copy(), engine.reach.copy()

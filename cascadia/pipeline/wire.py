@@ -10,11 +10,14 @@ Kinds and their buffers (n = header rows, c = header cols):
                  seed u64[n], top_k i32[n], min_p f64[n] (how the last stage draws each sampled row's token),
                  logprobs i32[n] (how many of the likeliest tokens' log-probabilities it reports beside the token;
                  -1: none), adjustments utf-8 (JSON: slot -> `cascadia.sampling.LogitAdjustments` of each stream
-                 that starts in the frame and asks for them; empty: none), residual dtype[n, c] (c = 0: absent); the
-                 header's bucket is the row count every call of the frame's rows is padded to
-  TOKENS         slots i32[n], token_ids i32[n], logprobs f64[n], top_ids i32[n, k], top_logprobs f64[n, k] (the
-                 token's log-probability and the k likeliest tokens'; all three empty when no row asked for them,
-                 k from the buffer's size), logits dtype[n, c] (c = 0: absent)
+                 that starts in the frame and asks for them; empty: none), targets i32[n] (empty: none; for a row
+                 not sampled, the token after it, whose log-probability the last stage reports: a prompt's own;
+                 -1: none), residual dtype[n, c] (c = 0: absent); the header's bucket is the row count every call
+                 of the frame's rows is padded to
+  TOKENS         slots i32[n], token_ids i32[n], then for the m rows of the frame that report (sampled, or with a
+                 target), in order: logprobs f64[m], top_ids i32[m, k], top_logprobs f64[m, k] (the log-probability
+                 of the row's token or target, and of the k likeliest tokens; all three empty when no row asked for
+                 them; m and k from the buffers' sizes), logits dtype[n, c] (c = 0: absent)
   HELLO          node utf-8, layers i32[2] (first, last), settings utf-8 (the digest of what it was started with),
                  cpus i32[any] (the CPUs its process may run on)
   READY          node utf-8, layers i32[2] (first, last)
@@ -134,10 +137,18 @@ class Frame:
                                        converter=lambda v: _vector(v, _I32))
     # how the logits of each stream starting in the frame (a row at position 0) change before its draws, by slot
     adjustments: dict[int, LogitAdjustments] = attrs.field(factory=dict)
+    # [n] or None: the token after each row not sampled whose log-probability is reported (-1: none)
+    targets: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
+        lambda v: _vector(v, _I32)))
 
     def __attrs_post_init__(self) -> None:
         _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual", "temperature", "top_p", "seed",
-                          "top_k", "min_p", "logprobs"))
+                          "top_k", "min_p", "logprobs", "targets"))
+
+    @property
+    def reporting(self) -> np.ndarray:
+        """[n] bool: the rows whose log-probabilities TOKENS may carry: those sampled, and those with a target."""
+        return self.sample if self.targets is None else self.sample | (self.targets >= 0)
 
     @property
     def rows(self) -> int:
@@ -146,9 +157,9 @@ class Frame:
 
 @attrs.frozen(eq=False)
 class Tokens:
-    """Tokens sampled by the last role for the sampled rows of one frame (and their logits, when scoring), with their
-    log-probabilities when some row asked for them (`cascadia.sampling.log_probabilities`; a row that did not ask
-    has zeros there)."""
+    """Tokens sampled by the last role for the sampled rows of one frame (and their logits, when scoring), with the
+    log-probabilities of the frame's reporting rows (`Frame.reporting`) when some row asked for them
+    (`cascadia.sampling.log_probabilities`; a row that did not ask has zeros there)."""
 
     frame_id: int
     group: int
@@ -156,14 +167,15 @@ class Tokens:
     token_ids: np.ndarray = attrs.field(converter=lambda v: _vector(v, _I32))  # [n]
     logits: np.ndarray | None = attrs.field(default=None, converter=_matrix)  # [n, vocab] or None
     logprobs: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
-        lambda v: _vector(v, _F64)))  # [n]: each token's, or None
+        lambda v: _vector(v, _F64)))  # [m]: each reporting row's token's or target's, or None
     top_ids: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
-        lambda v: np.ascontiguousarray(v, _I32)))  # [n, k]: the likeliest tokens, most likely first
+        lambda v: np.ascontiguousarray(v, _I32)))  # [m, k]: the likeliest tokens, most likely first
     top_logprobs: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
-        lambda v: np.ascontiguousarray(v, _F64)))  # [n, k]: theirs
+        lambda v: np.ascontiguousarray(v, _F64)))  # [m, k]: theirs
 
     def __attrs_post_init__(self) -> None:
-        _same_rows(self, ("slots", "token_ids", "logits", "logprobs", "top_ids", "top_logprobs"))
+        _same_rows(self, ("slots", "token_ids", "logits"))
+        _same_rows(self, ("logprobs", "top_ids", "top_logprobs"))
         reported = [name for name in ("logprobs", "top_ids", "top_logprobs") if getattr(self, name) is not None]
         if reported and len(reported) < 3:
             raise ValueError(f"Tokens: {', '.join(reported)} without the rest of the log-probabilities")
@@ -288,7 +300,8 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
             return Kind.FRAME, fields, [message.slots, message.positions, message.token_ids,
                                         message.sample.view(np.uint8), message.temperature, message.top_p,
                                         message.seed, message.top_k, message.min_p, message.logprobs,
-                                        _adjustments_json(message.adjustments), _payload(message.residual)]
+                                        _adjustments_json(message.adjustments), _payload(message.targets),
+                                        _payload(message.residual)]
         case Tokens():
             fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
             return Kind.TOKENS, fields, [message.slots, message.token_ids, *map(_payload, (
@@ -339,7 +352,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 12, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+_BUFFER_COUNTS = {Kind.FRAME: 13, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 2}
 
 
@@ -384,13 +397,25 @@ def _adjustments(buffer: memoryview, starting: set[int]) -> dict[int, LogitAdjus
     return adjustments
 
 
-def _reported(buffers: list[memoryview], rows: int) -> tuple:
+def _targets(buffer: memoryview, rows: int, sample: np.ndarray) -> np.ndarray | None:
+    if not buffer.nbytes:
+        return None
+    targets = _array(buffer, _I32, rows, "targets")
+    if not ((targets >= -1) & ((targets == -1) | ~sample)).all():
+        raise WireError("targets: each is a token id or -1, and -1 for a sampled row")
+    return targets
+
+
+def _reported(buffers: list[memoryview]) -> tuple:
     """A TOKENS message's log-probabilities, ids and values of the likeliest (None, None, None: none asked for)."""
     chosen, ids, values = buffers
     if not chosen.nbytes:
         if ids.nbytes or values.nbytes:
             raise WireError("top_ids, top_logprobs: sent without the tokens' logprobs")
         return None, None, None
+    if chosen.nbytes % _F64.itemsize:
+        raise WireError(f"logprobs: {chosen.nbytes} bytes, not a whole number of values")
+    rows = chosen.nbytes // _F64.itemsize
     chosen = _array(chosen, _F64, rows, "logprobs")
     k = ids.nbytes // (_I32.itemsize * rows) if rows else 0
     ids = _indices(ids, rows * k, "top_ids").reshape(rows, k)
@@ -435,12 +460,13 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
                 raise WireError(f"logprobs: each must lie in -1..{MAX_LOGPROBS}")
             slots, positions = _indices(b[0], rows, "slots"), _indices(b[1], rows, "positions")
             return Frame(frame_id, group, slots, positions, _indices(b[2], rows, "token_ids"), sample.view(np.bool_),
-                         _payload_matrix(b[11], rows, cols, code, "residual"), bucket, temperature, top_p,
+                         _payload_matrix(b[12], rows, cols, code, "residual"), bucket, temperature, top_p,
                          _array(b[6], _U64, rows, "seed"), top_k, min_p, logprobs,
-                         _adjustments(b[10], set(slots[positions == 0].tolist())))
+                         _adjustments(b[10], set(slots[positions == 0].tolist())),
+                         _targets(b[11], rows, sample.view(np.bool_)))
         case Kind.TOKENS:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
-                          _payload_matrix(b[5], rows, cols, code, "logits"), *_reported(b[2:5], rows))
+                          _payload_matrix(b[5], rows, cols, code, "logits"), *_reported(b[2:5]))
         case Kind.HELLO:
             if b[3].nbytes % _I32.itemsize:
                 raise WireError(f"cpus: {b[3].nbytes} bytes, not a whole number of ids")

@@ -202,6 +202,10 @@ class _Generation(RequestBody):
         """How many of the likeliest tokens' log-probabilities each token's come with; -1: none are asked for."""
         return -1
 
+    def prompt_logprobs(self) -> bool:
+        """Whether the prompt's tokens' log-probabilities are reported too."""
+        return False
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -263,11 +267,13 @@ class ChatRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    UNSERVED: ClassVar[dict[str, tuple[str, tuple]]] = UNSUPPORTED | {
+    UNSERVED: ClassVar[dict[str, tuple[str, tuple]]] = {name: why for name, why in UNSUPPORTED.items()
+                                                        if name != "echo"} | {
         "top_logprobs": ("is chat's field: completions take logprobs (a number)", (0,))}
 
     prompt: str | list[int] = Field(description="text, or token ids")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the likeliest tokens reported")
+    echo: bool = False  # the prompt before the reply (and its tokens' log-probabilities, with logprobs)
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -278,6 +284,9 @@ class CompletionRequest(_Generation):
 
     def reported_logprobs(self) -> int:
         return -1 if self.logprobs is None else self.logprobs
+
+    def prompt_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
 
     @field_validator("prompt")
     @classmethod

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 
 from cascadia import __version__
 from cascadia.errors import CascadiaError
-from cascadia.pipeline.coordinator import Logprobs
+from cascadia.pipeline.coordinator import Logprobs, PromptLogprobs
 from cascadia.pipeline.service import Failed, PipelineService
 from cascadia.policy import CANCELLED, LENGTH, STOP, Admitted, Finished, Rejected
 from cascadia.policy import Request as StreamRequest
@@ -81,6 +81,7 @@ class Generation:
         self.tokens = 0
         self.reported: list[Reported] = []  # each token's log-probabilities, when the request asks for them
         self._logprobs: Logprobs | None = None  # those of the token about to come
+        self.prompt_reported: dict[int, PromptLogprobs] = {}  # by position, where the prompt's are asked for
         self.finish_reason: str | None = None
         self.rest = ""
         self.admitted = False
@@ -111,6 +112,8 @@ class Generation:
                 self.server.waiting -= 1
             elif isinstance(event, Logprobs):
                 self._logprobs = event
+            elif isinstance(event, PromptLogprobs):  # a replay after a node's loss may send them again
+                self.prompt_reported.setdefault(event.position, event)
             elif isinstance(event, Token):
                 self._on_token()
                 if self._logprobs is not None:
@@ -244,9 +247,10 @@ class Server:
         if body.logit_bias:
             self.check_ids(list(body.logit_bias), "logit_bias")
         stop_ids = () if body.ignore_eos else config.eos_ids
-        logprobs, adjust = body.reported_logprobs(), body.adjustments(len(prompt), tuple(sorted(config.eos_ids)))
-        sampling = Sampling(body.temperature, body.top_p, seed, max(body.top_k, 0), body.min_p, logprobs, adjust) \
-            if body.temperature else Sampling(logprobs=logprobs, adjust=adjust)
+        reporting = {"logprobs": body.reported_logprobs(), "prompt_logprobs": body.prompt_logprobs(),
+                     "adjust": body.adjustments(len(prompt), tuple(sorted(config.eos_ids)))}
+        sampling = Sampling(body.temperature, body.top_p, seed, max(body.top_k, 0), body.min_p, **reporting) \
+            if body.temperature else Sampling(**reporting)
         stream = StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt), stop_ids, sampling)
         prefix = id_prefix or ("chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-")
         generation = Generation(self, stream, f"{prefix}{secrets.token_hex(12)}", body.stop_strings)
@@ -440,8 +444,10 @@ async def _respond(server: Server, body: ChatRequest | CompletionRequest, reques
     if body.stream:
         return EventSourceResponse(_stream(generation, reply, body, prompt_tokens), ping=KEEP_ALIVE_S)
     text = await _collected(generation, request)
-    return reply.whole(text, generation.finish_reason, prompt_tokens, generation.tokens,
-                       _logprobs(server, generation.reported, chat) if body.reported_logprobs() >= 0 else None)
+    echoed, echoed_logprobs = _echoed(server, body, generation)
+    reported = echoed_logprobs + _shifted(generation.reported, len(echoed))
+    return reply.whole(echoed + text, generation.finish_reason, prompt_tokens, generation.tokens,
+                       _logprobs(server, reported, chat) if body.reported_logprobs() >= 0 else None)
 
 
 async def _collected(generation: Generation, request: Request) -> str:
@@ -476,10 +482,15 @@ async def _stream(generation: Generation, reply: Reply, body: ChatRequest | Comp
         if reply.chat:
             yield chunk("", first=True)
         try:
-            sent = 0  # tokens whose log-probabilities went out
+            sent, echoed = 0, None  # tokens whose log-probabilities went out; the echoed prompt, once it went
             async for piece in generation.pieces():
+                if echoed is None:  # with the first token: every prompt row has reported by then
+                    echoed, reported = _echoed(generation.server, body, generation)
+                    if echoed or reported:
+                        yield chunk(echoed, logprobs=_logprobs(generation.server, reported, reply.chat)
+                                    if body.prompt_logprobs() else None)
                 reported, sent = generation.reported[sent:], len(generation.reported)
-                yield chunk(piece, logprobs=_logprobs(generation.server, reported, reply.chat)
+                yield chunk(piece, logprobs=_logprobs(generation.server, _shifted(reported, len(echoed)), reply.chat)
                             if body.reported_logprobs() >= 0 else None)
         except ApiError as e:
             yield {"data": json.dumps(e.body)}
@@ -490,6 +501,38 @@ async def _stream(generation: Generation, reply: Reply, body: ChatRequest | Comp
         yield {"data": "[DONE]"}
     finally:
         generation.cancel()
+
+
+def _echoed(server: Server, body: ChatRequest | CompletionRequest, generation: Generation
+            ) -> tuple[str, list[Reported]]:
+    """What a completion's `echo` puts before the reply: its prompt's text (as given, or its ids decoded), and its
+    tokens' log-probabilities where asked for (the first token, which follows nothing, has none); "" and none
+    without echo."""
+    if not getattr(body, "echo", False):
+        return "", []
+    ids = generation.stream.prompt_ids
+    if isinstance(body.prompt, str):
+        text = body.prompt
+    else:
+        text = server.tokenizer.decode(list(ids), skip_special_tokens=True) if server.tokenizer else \
+            "".join(map(str, ids))
+    if not body.prompt_logprobs():
+        return text, []
+    decoded = TextStream(server.tokenizer) if server.tokenizer else None
+    reported, offset = [], 0
+    for position, token in enumerate(ids):
+        if decoded is not None:
+            offset = decoded.offset
+            decoded.push(token)
+        found = generation.prompt_reported.get(position)
+        reported.append(Reported(token, found and found.logprob, found and found.top, offset))
+        offset += 0 if decoded is not None else len(str(token))
+    return text, reported
+
+
+def _shifted(reported: list[Reported], by: int) -> list[Reported]:
+    """The reply's tokens' log-probabilities, their text offsets after `by` characters of echoed prompt."""
+    return [attrs.evolve(r, offset=r.offset + by) for r in reported] if by else reported
 
 
 def _logprobs(server: Server, reported: list[Reported], chat: bool) -> dict:

@@ -19,12 +19,12 @@ from tokenizers import Tokenizer
 
 @attrs.frozen
 class Reported:
-    """One generated token with what the model gave it (`cascadia.pipeline.coordinator.Logprobs`), and where its
-    text starts in the reply (characters before it)."""
+    """One token with what the model gave it (`cascadia.pipeline.coordinator.Logprobs`; None for a prompt's first
+    token, which follows nothing), and where its text starts in the reply (characters before it)."""
 
     token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] | None
     offset: int
 
 
@@ -88,7 +88,9 @@ def chat_logprobs(reported: Sequence[Reported], text: TokenText) -> dict:
 def completion_logprobs(reported: Sequence[Reported], text: TokenText) -> dict:
     """A completion choice's (or chunk's) `logprobs`. Alternatives whose texts coincide keep the likeliest's value,
     a JSON object having one value per text."""
-    def alternatives(top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+    def alternatives(top: tuple[tuple[int, float], ...] | None) -> dict[str, float] | None:
+        if top is None:
+            return None
         found: dict[str, float] = {}
         for token, logprob in top:
             found.setdefault(text.text(token), logprob)
