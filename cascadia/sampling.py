@@ -29,7 +29,8 @@ class LogitAdjustments:
     `logit_bias` adds to the logits of the tokens it names; `repetition_penalty` divides the positive logit (and
     multiplies the negative one) of every token in its prompt or output (transformers' and vLLM's); then each token
     in its output loses `frequency_penalty` once per time it is there, and `presence_penalty` once (OpenAI's). In
-    float32, as the logits are."""
+    float32, as the logits are. A `grammar` (`cascadia.grammar`) masks every token it does not allow after the
+    output so far: that takes a matcher with a state, which the last stage keeps (`apply` leaves it out)."""
 
     prompt_tokens: int  # where the stream's output starts
     min_tokens: int = 0
@@ -38,6 +39,7 @@ class LogitAdjustments:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    grammar: str | None = None
 
     def __attrs_post_init__(self):
         finite = (self.repetition_penalty, self.frequency_penalty, self.presence_penalty,

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import jsonschema
 import numpy as np
 import openai
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from serving import Served, alive
 
@@ -267,6 +270,10 @@ def test_echo_puts_the_prompt_and_its_log_probabilities_before_the_reply(client,
     ("completions", {"logprobs": True}, "logprobs", "how many of the likeliest tokens"),
     ("completions", {"top_logprobs": 2}, "top_logprobs", "is chat's field: completions take logprobs"),
     ("chat/completions", {"echo": True}, "echo", "echo is not supported by this server"),
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "bogus"}}}}, "response_format", "the schema cannot hold a reply: "),
+    ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format",
+     "json_schema is given with type json_schema"),
 ])
 def test_impossible_log_probability_requests_are_refused(server, path, body, param, message):
     request = {"messages": MESSAGES} if path.startswith("chat") else {"prompt": [5, 9, 3]}
@@ -311,6 +318,70 @@ def test_impossible_adjustments_are_refused(server, body, param, message):
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]
+
+
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]},
+                                          "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+          "required": ["ok", "size", "tags"], "additionalProperties": False}
+
+
+def test_a_json_schema_holds_the_reply_streamed_or_not(client):
+    """`response_format` with a JSON schema (strict), greedy and sampled, streamed or not: JSON that the schema
+    validates (the jsonschema library's check), the same either way; on chat too; with `json_object`, a JSON
+    object."""
+    def json_schema(schema: dict) -> dict:
+        return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+    for temperature in (0, 1.0):
+        ask = {"model": "tiny", "prompt": [5, 9, 3], "max_tokens": 48, "temperature": temperature, "seed": 3,
+               "extra_body": {"response_format": json_schema(ANSWER)}}
+        choice = client.completions.create(**ask).choices[0]
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), ANSWER)
+        assert "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True)) == choice.text
+    ok = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Well?"}],
+                                          max_tokens=12, temperature=0, response_format=json_schema(ok))
+    assert json.loads(chat.choices[0].message.content) in ({"ok": True}, {"ok": False})
+    reply = client.completions.create(model="tiny", prompt="A fleet", max_tokens=56, temperature=0.7, seed=1,
+                                      extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    if reply.finish_reason == "stop":
+        assert isinstance(json.loads(reply.text), dict)
+    else:  # cut by max_tokens: an object's beginning, and the finish says so
+        assert reply.finish_reason == "length" and reply.text.startswith("{")
+
+
+@st.composite
+def schemas(draw, depth: int = 0):
+    """Object schemas whose every reply is short: booleans, small enums, bounded integers, short strings, short
+    arrays and (once) an object within."""
+    kinds = [st.just({"type": "boolean"}), st.just({"type": "null"}),
+             st.lists(st.sampled_from(["a", "b", 7, True]), min_size=1, max_size=3, unique=True).map(
+                 lambda values: {"enum": values}),
+             st.integers(-50, 50).map(lambda low: {"type": "integer", "minimum": low, "maximum": low + 9}),
+             st.integers(0, 4).map(lambda most: {"type": "string", "maxLength": most, "pattern": "^[a-z]*$"}),
+             st.integers(1, 2).map(lambda most: {"type": "array", "items": {"type": "boolean"}, "maxItems": most})]
+    if depth == 0:
+        kinds.append(schemas(depth=1))
+    names = draw(st.lists(st.sampled_from(["a", "b", "c", "key"]), min_size=1, max_size=3, unique=True))
+    properties = {name: draw(st.one_of(kinds)) for name in names}
+    return {"type": "object", "properties": properties, "required": names, "additionalProperties": False}
+
+
+@settings(max_examples=12, deadline=None)
+@given(schema=schemas(), seed=st.integers(0, 2**31 - 1))
+def test_every_finished_reply_validates_against_its_schema(client, schema, seed):
+    """A property over generated schemas: a reply that finishes parses, and its schema validates it; one cut by
+    max_tokens says `length`."""
+    choice = client.completions.create(model="tiny", prompt="Answer:", max_tokens=56, temperature=1.0,
+                                       seed=seed, extra_body={"response_format": {
+                                           "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+                                       ).choices[0]
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.text), schema)
+    else:
+        assert choice.finish_reason == "length"
 
 
 def test_thirty_two_streaming_clients_all_complete(server, reference):
@@ -466,7 +537,7 @@ def test_defaults_and_fields_without_effect_are_accepted(server, reference):
     assert response.json()["choices"][0]["logprobs"] is None
 
 
-@pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}), ("skip_special_tokens", False),
+@pytest.mark.parametrize("field, value", [("skip_special_tokens", False),
                                           ("tool_choice", "required"), ("tools", False)])
 def test_what_this_server_does_not_serve_is_refused_by_name(server, field, value):
     response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, field: value},
@@ -580,6 +651,21 @@ def test_the_responses_api_gives_the_chat_endpoints_tokens(client, reference):
         helped = [event for event in stream]
     assert "".join(e.delta for e in helped if e.type == "response.output_text.delta") == expected
     assert [e.type for e in helped] == kinds
+
+
+def test_the_responses_api_holds_its_text_to_a_json_schema(client):
+    """`text.format` json_schema: the response's text is JSON the schema validates, and the response says so."""
+    ok = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+    response = client.responses.create(model="tiny", input="Well?", max_output_tokens=12, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "answer", "schema": ok,
+                                                        "strict": True}})
+    jsonschema.validate(json.loads(response.output_text), ok)
+    assert response.text.format.type == "json_schema" and response.text.format.name == "answer"
+    bad = httpx.post(f"{client.base_url}responses", json={"input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "a", "schema": {"type": "bogus"}}}}, headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text"
 
 
 def test_the_responses_api_refuses_what_it_does_not_serve_by_name(server):

@@ -4,6 +4,7 @@ exactly the tokens it gives without speculation, greedy and sampled, with 1, 4 a
 drafts: prompt lookup, drafts always wrong, or a replay of the run's own outputs (every draft accepted). And a
 rewind keeps nothing of the rows it drops."""
 
+import json
 import random
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from serving import Served
 
 from cascadia.engine.checkpoint import Checkpoint
+from cascadia.grammar import json_grammar, vocabulary
 from cascadia.engine.device import runs_as
 from cascadia.engine.engine import Engine, StageEngine
 from cascadia.engine.generate import generate
@@ -32,15 +34,16 @@ from cascadia.spec.types import PAPER_FORMATS, WeightFormat, WeightFormats
 from cascadia.speculation import NgramDrafter, ReplayDrafter
 from cascadia.tokenizer import load_tokenizer
 
-VOCAB = 512  # specs/tiny/config.json
+VOCAB, EOS = 512, 2  # specs/tiny/config.json
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
 
 
 def whole_model(spec, checkpoint, speculate: str | None) -> EngineStage:
-    runtime = attrs.evolve(spec.runtime, speculate=speculate)
-    engine = StageEngine(Checkpoint.open(checkpoint), range(spec.model.config.num_hidden_layers), embed=True,
-                         head=True, runtime=runtime, formats=spec.model.formats, threads=1)
-    return EngineStage(engine, RowSampler(runtime.max_streams, engine.rewind))
+    runtime, cfg = attrs.evolve(spec.runtime, speculate=speculate), spec.model.config
+    engine = StageEngine(Checkpoint.open(checkpoint), range(cfg.num_hidden_layers), embed=True, head=True,
+                         runtime=runtime, formats=spec.model.formats, threads=1)
+    return EngineStage(engine, RowSampler(runtime.max_streams, engine.rewind,
+                                          lambda: vocabulary(checkpoint, cfg.output_vocab_size, cfg.eos_ids)))
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +161,27 @@ def test_penalties_bias_and_min_tokens_stay_exact_through_speculation(spec, chec
     assert unadjusted != expected  # the adjustments changed something
     recorded = {r.prompt_ids: expected[r.id] for r in requests}
     for drafter in (ReplayDrafter(recorded), WrongDrafter(recorded)):
+        assert serve(speculative, spec.runtime, requests, 3, drafter, seed=4)[0] == expected, type(drafter).__name__
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_grammar_holds_speculating_streams_to_the_tokens_of_a_plain_run(spec, checkpoint, plain, speculative,
+                                                                          sampled):
+    """Streams held to a JSON schema (and one to any JSON object): prompt lookup's drafts mostly leave the grammar
+    (each dropped with the rows after it), a replay's are all kept, a wrong one's none; every stream gets the tokens
+    of a run without speculation, which are JSON its schema allows, or a prefix of it where the stream ran out of
+    tokens."""
+    schemas = [None, {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 22, 333]}},
+                      "required": ["ok", "n"], "additionalProperties": False}]
+    requests = [attrs.evolve(r, max_new_tokens=24, stop_ids={EOS}, sampling=attrs.evolve(r.sampling, adjust=(
+                    LogitAdjustments(len(r.prompt_ids), grammar=json_grammar(schemas[r.id % 2])))))
+                for r in repetitive_requests(4, sampled, long_every=3)]
+    expected, _ = serve(plain, spec.runtime, requests, 3)
+    tokenizer = load_tokenizer(checkpoint)
+    finished = [json.loads(tokenizer.decode(ids[:-1])) for ids in expected.values() if ids[-1] == EOS]
+    assert finished and all(isinstance(value, dict) for value in finished)
+    recorded = {r.prompt_ids: expected[r.id] for r in requests}
+    for drafter in (NgramDrafter(), ReplayDrafter(recorded), WrongDrafter(recorded)):
         assert serve(speculative, spec.runtime, requests, 3, drafter, seed=4)[0] == expected, type(drafter).__name__
 
 

@@ -12,12 +12,14 @@ forged frame that cannot belong to the run is dropped by the node, never compute
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
 import numpy as np
+from llguidance import LLTokenizer
 
 from cascadia.engine.checkpoint import Checkpoint, CheckpointError
 from cascadia.engine.engine import StageEngine
@@ -32,6 +34,7 @@ from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, ProgressFn,
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import COORDINATOR
 from cascadia.pipeline.wire import Assign, Frame, Tokens, node_sender
+from cascadia.grammar import Constraint, GrammarError, vocabulary
 from cascadia.sampling import LogitAdjustments, Sampling, extend_history, log_probabilities
 from cascadia.spec.types import Spec
 from cascadia.units import format_bytes
@@ -42,21 +45,28 @@ class RowSampler:
     each slot whose stream samples at random (a greedy stream needs none): the hash of its tokens up to each of its
     last `rewind` + 1 positions, so that a stream whose drafts were rejected goes on from the position it stands at
     (`cascadia.policy`); and for a stream whose logits change with its tokens (`LogitAdjustments`, which come with
-    its first row), its tokens by position, cut back to where a rewind leaves it."""
+    its first row), its tokens by position, cut back to where a rewind leaves it, and where it has a grammar, the
+    grammar's matcher (`cascadia.grammar.Constraint`, over `vocabulary()`: the checkpoint's tokenizer)."""
 
-    def __init__(self, slots: int, rewind: int = 0):
+    def __init__(self, slots: int, rewind: int = 0, vocabulary: Callable[[], LLTokenizer] | None = None):
         self._history = np.zeros((slots, rewind + 1), np.uint32)  # [slot, position % (rewind + 1)]
         self._rows = np.zeros(0, np.uint32)  # the history up to each row of the frame last observed
         self._adjust: dict[int, LogitAdjustments] = {}  # by slot
         self._tokens: dict[int, list[int]] = {}  # by slot, of the streams in `_adjust`
+        self._constraints: dict[int, Constraint] = {}  # by slot, of the streams with a grammar
+        self._vocabulary = functools.cache(vocabulary) if vocabulary is not None else None
 
     def observe(self, frame: Frame) -> None:
         """Take in a frame's rows, in order."""
         for slot in frame.slots[frame.positions == 0].tolist():  # a new stream there
             self._adjust.pop(slot, None)
             self._tokens.pop(slot, None)
+            self._constraints.pop(slot, None)
         self._adjust.update(frame.adjustments)
         self._tokens.update((slot, []) for slot in frame.adjustments)
+        for slot, adjust in frame.adjustments.items():
+            if adjust.grammar is not None:
+                self._constraints[slot] = Constraint(self._grammar_vocabulary(), adjust.grammar)
         if self._adjust:
             for slot, position, token in zip(frame.slots.tolist(), frame.positions.tolist(),
                                              frame.token_ids.tolist()):
@@ -92,8 +102,26 @@ class RowSampler:
         for i, (slot, position) in enumerate(zip(slots.tolist(), positions.tolist())):
             if (adjust := self._adjust.get(slot)) is not None:
                 changed = logits.copy() if changed is logits else changed
-                changed[i] = adjust.apply(logits[i], self._tokens[slot][:position + 1])
+                tokens = self._tokens[slot][:position + 1]
+                changed[i] = adjust.apply(logits[i], tokens)
+                if (constraint := self._constraints.get(slot)) is not None:
+                    changed[i] = _held(changed[i], logits[i], constraint.allowed(tokens[adjust.prompt_tokens:]))
         return changed
+
+    def _grammar_vocabulary(self) -> LLTokenizer:
+        if self._vocabulary is None:
+            raise GrammarError("this stage holds no tokenizer for grammars")
+        return self._vocabulary()
+
+
+def _held(adjusted: np.ndarray, raw: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """A row's logits with the tokens its grammar does not allow masked (-inf); where the adjustments leave no
+    allowed token (min_tokens holding back the end the grammar has reached), the grammar wins over them. None:
+    the row's token will be dropped (its stream left the grammar in a draft), so anything goes."""
+    if allowed is None:
+        return adjusted
+    held = np.where(allowed, adjusted, -np.inf).astype(np.float32)
+    return held if np.isfinite(held).any() else np.where(allowed, raw, -np.inf).astype(np.float32)
 
 
 def reported(logits: np.ndarray, tokens: np.ndarray, asked: np.ndarray) -> tuple:
@@ -270,7 +298,10 @@ def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, 
         raise CheckpointError(f"{checkpoint}: its config.json describes another model than the spec's: "
                               f"{', '.join(differences[:3])}{more} (checkpoint vs spec)")
     engine = StageEngine.for_stage(spec, stage, opened, threads=threads, progress=progress)
-    sampler = RowSampler(spec.runtime.max_streams, engine.rewind) if engine.head is not None else None
+    cfg = engine.config
+    sampler = RowSampler(spec.runtime.max_streams, engine.rewind,
+                         lambda: vocabulary(checkpoint, cfg.output_vocab_size, cfg.eos_ids)) \
+        if engine.head is not None else None
     return EngineStage(engine, sampler, with_logits)
 
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from cascadia.grammar import GrammarError, json_grammar
 from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 
 MAX_STOP_STRINGS = 4
@@ -36,7 +37,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "parallel_tool_calls": ("tool calls are not supported", (True, False)),  # nothing to call in parallel
     "functions": ("function calls are not supported", ([],)),
     "function_call": ("function calls are not supported", ("none", "auto")),
-    "response_format": ("response formats are not supported", ({"type": "text"},)),
     "best_of": ("best_of is not supported", (1,)),
     "echo": ("echo is not supported", (False,)),
     "suffix": ("suffix is not supported", ("",)),
@@ -147,6 +147,8 @@ class _Generation(RequestBody):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     logit_bias: dict[int, float] | None = Field(None, description="token id -> a bias in -100..100")
     min_tokens: int = Field(0, ge=0)
+    _grammar: str | None = PrivateAttr(None)  # what holds the reply to `response_format`
+    response_format: ResponseFormat | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -168,11 +170,19 @@ class _Generation(RequestBody):
             raise invalid("min_tokens", f"{self.min_tokens} is more than the {wanted} tokens asked for at most")
         return self
 
+    @model_validator(mode="after")
+    def _a_grammar_that_compiles(self):
+        try:
+            self._grammar = self.response_format.grammar() if self.response_format is not None else None
+        except GrammarError as e:
+            raise invalid("response_format", f"the schema cannot hold a reply: {e}") from None
+        return self
+
     def adjustments(self, prompt_tokens: int, stop_ids: tuple[int, ...]) -> LogitAdjustments | None:
         """How the request's logits change before each token (None: they do not)."""
         adjust = LogitAdjustments(prompt_tokens, self.min_tokens, stop_ids if self.min_tokens else (),
                                   sorted((self.logit_bias or {}).items()), self.repetition_penalty,
-                                  self.frequency_penalty, self.presence_penalty)
+                                  self.frequency_penalty, self.presence_penalty, self._grammar)
         return None if adjust == LogitAdjustments(prompt_tokens) else adjust
 
     @field_validator("stop")
@@ -205,6 +215,34 @@ class _Generation(RequestBody):
     def prompt_logprobs(self) -> bool:
         """Whether the prompt's tokens' log-probabilities are reported too."""
         return False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # a reply always follows the schema: llguidance holds every token to it
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: text (the default), any JSON object, or JSON following a schema (`cascadia.grammar`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    def grammar(self) -> str | None:
+        """The grammar that holds a reply to this format (None: text); GrammarError for a schema that cannot."""
+        if self.type == "text":
+            return None
+        return json_grammar(None if self.json_schema is None else self.json_schema.json_schema)
 
 
 class TextPart(BaseModel):

@@ -246,6 +246,8 @@ class Server:
         seed = secrets.randbits(63) if body.seed is None else body.seed
         if body.logit_bias:
             self.check_ids(list(body.logit_bias), "logit_bias")
+        if body.response_format is not None and body.response_format.type != "text":
+            self.tokenizer_for("response_format")  # the grammar's vocabulary
         stop_ids = () if body.ignore_eos else config.eos_ids
         reporting = {"logprobs": body.reported_logprobs(), "prompt_logprobs": body.prompt_logprobs(),
                      "adjust": body.adjustments(len(prompt), tuple(sorted(config.eos_ids)))}

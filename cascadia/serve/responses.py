@@ -15,9 +15,10 @@ import secrets
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cascadia.serve.api import ChatMessage, ChatRequest, RequestBody
+from cascadia.grammar import GrammarError
+from cascadia.serve.api import (ChatMessage, ChatRequest, JsonSchemaFormat, RequestBody, ResponseFormat, invalid)
 
 # Fields of the Responses API this server does not serve: why, and the values that ask for what it does anyway.
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
@@ -25,7 +26,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "tool_choice": ("tool calls are not supported", ("none", "auto")),
     "parallel_tool_calls": ("tool calls are not supported", (True, False)),
     "max_tool_calls": ("tool calls are not supported", ()),
-    "text": ("only plain text output is served", ({"format": {"type": "text"}},)),
     "reasoning": ("reasoning settings are not served", ()),
     "include": ("no extra output is served", ([],)),
     "top_logprobs": ("log-probabilities are not supported", (0,)),
@@ -55,6 +55,30 @@ class InputMessage(BaseModel):
     status: str | None = None
 
 
+class TextFormat(BaseModel):
+    """`text.format`: chat's `response_format`, its schema's fields beside its type."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        if self.json_schema is None:
+            raise invalid("text", "format json_schema needs its schema")
+        return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+            name=self.name, description=self.description, json_schema=self.json_schema, strict=self.strict))
+
+
+class ResponseText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: TextFormat = TextFormat(type="text")
+
+
 class ResponsesRequest(RequestBody):
     UNSERVED: ClassVar[dict] = UNSUPPORTED
     IGNORING: ClassVar[tuple] = IGNORED
@@ -65,7 +89,17 @@ class ResponsesRequest(RequestBody):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)  # as vLLM takes it
+    text: ResponseText | None = None
     stream: bool = False
+
+    @model_validator(mode="after")
+    def _a_format_that_compiles(self):
+        if self.text is not None:
+            try:
+                self.text.format.response_format().grammar()
+            except GrammarError as e:
+                raise invalid("text", f"the schema cannot hold a reply: {e}") from None
+        return self
 
     @field_validator("input")
     @classmethod
@@ -81,7 +115,8 @@ class ResponsesRequest(RequestBody):
         messages += [ChatMessage(role=item.role, content=item.content if isinstance(item.content, str)
                                  else "".join(part.text for part in item.content)) for item in items]
         return ChatRequest(model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
-                           temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+                           temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                           response_format=None if self.text is None else self.text.format.response_format())
 
 
 class ResponseBody:
@@ -100,9 +135,14 @@ class ResponseBody:
                 "model": self.model, "output": output, "instructions": self.request.instructions,
                 "max_output_tokens": self.request.max_output_tokens, "temperature": self.request.temperature,
                 "top_p": self.request.top_p, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
-                "text": {"format": {"type": "text"}}, "error": None,
+                "text": {"format": self._format()}, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "usage": usage}
+
+    def _format(self) -> dict:
+        """The response's `text.format`: the request's, as the Responses API states it."""
+        text = self.request.text
+        return {"type": "text"} if text is None else text.format.model_dump(by_alias=True, exclude_none=True)
 
     def message(self, status: str, text: str | None) -> dict:
         content = [] if text is None else [self.part(text)]
