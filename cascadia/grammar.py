@@ -79,5 +79,16 @@ class Constraint:
         if kept + taken < len(output):
             return None
         fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:self._vocab].astype(bool)
+        return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:self._vocab].view(np.bool_)
+
+
+def held(adjusted: np.ndarray, raw: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """A row's logits (float32, after any adjustments) with the tokens its grammar does not allow masked (-inf);
+    where the adjustments leave no allowed token (min_tokens holding back the end the grammar has reached), the
+    grammar wins over them (`raw`: the row's logits before). None: the row's token will be dropped (its stream left
+    the grammar in a draft), so anything goes."""
+    if allowed is None:
+        return adjusted
+    masked = np.where(allowed, adjusted, np.float32(-np.inf))
+    return masked if np.isfinite(masked).any() else np.where(allowed, raw, np.float32(-np.inf))
 

@@ -830,6 +830,9 @@ def test_run_url_refuses_the_options_of_a_local_pipeline(server):
 # ---- metrics and status -----------------------------------------------------------------------------------------
 def test_metrics_parse_with_prometheus_own_parser(server, client):
     client.completions.create(model="tiny", prompt=[4, 5], max_tokens=3, temperature=0)
+    client.completions.create(model="tiny", prompt=[4, 5], max_tokens=16, temperature=0,
+                              extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "a", "schema": {"enum": [True, False]}}}})
     assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
     wait_for(lambda: all(s["busy"] is not None for s in status(server.url)["stages"]))
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
@@ -841,6 +844,10 @@ def test_metrics_parse_with_prometheus_own_parser(server, client):
     rejected = {s.labels["reason"]: s.value for s in families["cascadia_requests_rejected"].samples
                 if s.name.endswith("_total")}
     assert rejected["unauthorized"] >= 1
+    structured = {(s.labels["format"], s.labels["finish_reason"]): s.value
+                  for s in families["cascadia_structured_requests"].samples if s.name.endswith("_total")}
+    assert structured[("json_schema", "stop")] >= 1
+    assert [s.value for s in families["cascadia_draft_tokens_proposed"].samples if s.name.endswith("_total")] == [0]
 
 
 def test_status_names_every_stage_and_node(server):

@@ -9,9 +9,11 @@ import random
 from pathlib import Path
 
 import attrs
+import httpx
 import numpy as np
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serving import Served
 
 from cascadia.engine.checkpoint import Checkpoint
@@ -312,6 +314,11 @@ def test_serve_speculates_with_the_same_replies(tmp_path, spec, checkpoint, prec
                                                   temperature=sampling.temperature, top_p=sampling.top_p,
                                                   seed=sampling.seed, extra_body={"ignore_eos": True})
                 assert reply.choices[0].text == expected
+        metrics = {sample.name: sample.value for family in text_string_to_metric_families(
+            httpx.get(f"{served.url}/metrics", timeout=10).text) for sample in family.samples}
+        proposed, accepted = metrics["cascadia_draft_tokens_proposed_total"], \
+            metrics["cascadia_draft_tokens_accepted_total"]
+        assert 0 < accepted <= proposed  # a second ask drafts the first reply's tokens, which it makes again
     finally:
         assert served.stop() == 0
 

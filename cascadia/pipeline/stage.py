@@ -34,7 +34,7 @@ from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, ProgressFn,
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import COORDINATOR
 from cascadia.pipeline.wire import Assign, Frame, Tokens, node_sender
-from cascadia.grammar import Constraint, GrammarError, vocabulary
+from cascadia.grammar import Constraint, GrammarError, held, vocabulary
 from cascadia.sampling import LogitAdjustments, Sampling, extend_history, log_probabilities
 from cascadia.spec.types import Spec
 from cascadia.units import format_bytes
@@ -105,7 +105,7 @@ class RowSampler:
                 tokens = self._tokens[slot][:position + 1]
                 changed[i] = adjust.apply(logits[i], tokens)
                 if (constraint := self._constraints.get(slot)) is not None:
-                    changed[i] = _held(changed[i], logits[i], constraint.allowed(tokens[adjust.prompt_tokens:]))
+                    changed[i] = held(changed[i], logits[i], constraint.allowed(tokens[adjust.prompt_tokens:]))
         return changed
 
     def _grammar_vocabulary(self) -> LLTokenizer:
@@ -113,15 +113,6 @@ class RowSampler:
             raise GrammarError("this stage holds no tokenizer for grammars")
         return self._vocabulary()
 
-
-def _held(adjusted: np.ndarray, raw: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
-    """A row's logits with the tokens its grammar does not allow masked (-inf); where the adjustments leave no
-    allowed token (min_tokens holding back the end the grammar has reached), the grammar wins over them. None:
-    the row's token will be dropped (its stream left the grammar in a draft), so anything goes."""
-    if allowed is None:
-        return adjusted
-    held = np.where(allowed, adjusted, -np.inf).astype(np.float32)
-    return held if np.isfinite(held).any() else np.where(allowed, raw, -np.inf).astype(np.float32)
 
 
 def reported(logits: np.ndarray, tokens: np.ndarray, asked: np.ndarray) -> tuple:

@@ -33,7 +33,7 @@ from cascadia import __version__
 from cascadia.errors import CascadiaError
 from cascadia.pipeline.coordinator import Logprobs, PromptLogprobs
 from cascadia.pipeline.service import Failed, PipelineService
-from cascadia.policy import CANCELLED, LENGTH, STOP, Admitted, Finished, Rejected
+from cascadia.policy import CANCELLED, LENGTH, STOP, Admitted, Finished, Rejected, Verified
 from cascadia.policy import Request as StreamRequest
 from cascadia.policy import Token
 from cascadia.sampling import Sampling
@@ -75,8 +75,10 @@ class ApiError(Exception):
 class Generation:
     """One request being served: the service's events for it, turned into text pieces."""
 
-    def __init__(self, server: Server, stream: StreamRequest, completion_id: str, stop: list[str]):
+    def __init__(self, server: Server, stream: StreamRequest, completion_id: str, stop: list[str],
+                 response_format: str | None = None):
         self.server, self.stream, self.id = server, stream, completion_id
+        self.response_format = response_format  # the format a structured reply is held to (json_object, ...)
         self.text = TextStream(server.tokenizer, stop) if server.tokenizer else None
         self.tokens = 0
         self.reported: list[Reported] = []  # each token's log-probabilities, when the request asks for them
@@ -125,6 +127,9 @@ class Generation:
                     self.server.service.cancel(self.stream.id)
                     self._end(STOP)
                 yield piece
+            elif isinstance(event, Verified):
+                self.server.metrics.drafts_proposed.inc(event.proposed)
+                self.server.metrics.drafts_accepted.inc(event.accepted)
             elif isinstance(event, Finished):
                 self._end({LENGTH: "length", STOP: "stop", CANCELLED: "cancelled"}[event.reason])
                 self.rest = self.text.finish() if self.text is not None else ""
@@ -162,6 +167,8 @@ class Generation:
             self.server.waiting -= 1
         self.server.open.pop(self.id, None)
         self.server.metrics.requests.labels(reason).inc()
+        if self.response_format is not None:
+            self.server.metrics.structured.labels(self.response_format, reason).inc()
         if self._first_token is not None and self.tokens > 1:
             self.server.metrics.tpot.observe((time.perf_counter() - self._first_token) / (self.tokens - 1))
 
@@ -255,7 +262,9 @@ class Server:
             if body.temperature else Sampling(**reporting)
         stream = StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt), stop_ids, sampling)
         prefix = id_prefix or ("chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-")
-        generation = Generation(self, stream, f"{prefix}{secrets.token_hex(12)}", body.stop_strings)
+        structured = body.response_format.type if body.response_format is not None else "text"
+        generation = Generation(self, stream, f"{prefix}{secrets.token_hex(12)}", body.stop_strings,
+                                None if structured == "text" else structured)
         self.open[generation.id] = generation
         self.waiting += 1
         self.service.submit(stream, generation.on_event)

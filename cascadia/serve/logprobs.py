@@ -28,17 +28,17 @@ class Reported:
     offset: int
 
 
-def _gpt2_byte_of_char() -> dict[str, int]:
-    """GPT-2's byte-level alphabet backwards: the printable character standing for each byte."""
+def gpt2_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte, by byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = {byte: byte for byte in printable}
     for byte in range(256):
         if byte not in chars:
             chars[byte] = 256 + len(chars) - len(printable)
-    return {chr(char): byte for byte, char in chars.items()}
+    return [chr(chars[byte]) for byte in range(256)]
 
 
-_BYTE_OF_CHAR = _gpt2_byte_of_char()
+_BYTE_OF_CHAR = {char: byte for byte, char in enumerate(gpt2_alphabet())}
 
 
 def _byte_level(tokenizer: Tokenizer) -> bool:

@@ -30,6 +30,13 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.tpot = Histogram("cascadia_time_per_output_token_seconds", "A request's mean time per later token",
                               buckets=TPOT_BUCKETS, registry=self.registry)
+        self.drafts_proposed = Counter("cascadia_draft_tokens_proposed", "Draft tokens verified (speculation)",
+                                       registry=self.registry)
+        self.drafts_accepted = Counter("cascadia_draft_tokens_accepted", "Draft tokens that gave their stream its "
+                                       "token (speculation)", registry=self.registry)
+        self.structured = Counter("cascadia_structured_requests", "Requests held to a response format that ended, "
+                                  "by format and finish reason (stop: the JSON is whole)",
+                                  ["format", "finish_reason"], registry=self.registry)
         self.registry.register(_Live(status, queued))
 
     def render(self) -> bytes:
