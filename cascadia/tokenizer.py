@@ -21,10 +21,17 @@ from cascadia.workload import load_prompts
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # the Hugging Face place of the special tokens and chat template
-# A chat as text, in the Hugging Face convention (Jinja2 over `messages`, `add_generation_prompt` and the special
-# tokens): each message under its role's marker, ended by EOS, then the assistant's marker for the reply.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
-                 "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# A chat as text, in the Hugging Face convention (Jinja2 over `messages`, `tools`, `add_generation_prompt` and the
+# special tokens): the functions offered first, under the system's marker; each message under its role's marker,
+# an assistant's calls after its text in Hermes' form (cascadia/serve/tools.py), ended by EOS; then the assistant's
+# marker for the reply.
+CHAT_TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\nYou may call these functions, each call as <tool_call>"
+                 "{\"name\": ..., \"arguments\": {...}}</tool_call>:\n{% for tool in tools %}{{ tool | tojson }}\n"
+                 "{% endfor %}{{ eos_token }}\n{% endif %}{% for message in messages %}<|{{ message['role'] }}|>\n"
+                 "{{ message['content'] }}{% for call in message['tool_calls'] or [] %}<tool_call>"
+                 "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+                 "</tool_call>{% endfor %}{{ eos_token }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 BYTES = 256
 MAX_SPECIAL_ID = 255  # special ids beyond this are not placed: the ids below them would all need reserved tokens
 MAX_TOKENIZER_FILE_BYTES = 256 * 1024**2  # a 200k-entry vocabulary with its merges takes tens of MiB

@@ -113,6 +113,15 @@ def likeliest(row: np.ndarray, k: int) -> list[int]:
 
 
 MESSAGES = [{"role": "system", "content": "You are a small random model."}, {"role": "user", "content": "Hello!"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"enum": ["Oslo", "Lima"]},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 3}},
+                                               "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                           "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
 
 
 # ---- the API's answers ----------------------------------------------------------------------------------------------
@@ -454,8 +463,8 @@ BAD = [
     ({"content": b"{not json"}, 400, "not valid JSON"),
     ({"json": {"messages": MESSAGES, "bogus": 1}}, 400, "unknown parameter 'bogus'"),
     ({"json": {"messages": MESSAGES, "n": 2}}, 400, "only one choice"),
-    ({"json": {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}}, 400,
-     "tools: tool calls are not supported by this server"),
+    ({"json": {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f g"}}]}}, 400,
+     "tools.0.function.name: String should match pattern"),
     ({"json": {"messages": MESSAGES, "temperature": 5}}, 400, "temperature"),
     ({"json": {"messages": []}}, 400, "messages"),
     ({"json": {"messages": MESSAGES, "max_tokens": 500}}, 400, "exceeds the context length of 64 positions"),
@@ -537,10 +546,12 @@ def test_defaults_and_fields_without_effect_are_accepted(server, reference):
     assert response.json()["choices"][0]["logprobs"] is None
 
 
-@pytest.mark.parametrize("field, value", [("skip_special_tokens", False),
-                                          ("tool_choice", "required"), ("tools", False)])
-def test_what_this_server_does_not_serve_is_refused_by_name(server, field, value):
-    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, field: value},
+@pytest.mark.parametrize("path, field, value", [("chat/completions", "skip_special_tokens", False),
+                                                ("completions", "tools", [WEATHER]),
+                                                ("completions", "tool_choice", "required")])
+def test_what_this_server_does_not_serve_is_refused_by_name(server, path, field, value):
+    body = {"messages": MESSAGES} if path.startswith("chat") else {"prompt": [5, 9, 3]}
+    response = httpx.post(f"{server.url}/v1/{path}", json=body | {field: value},
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == 400
     error = response.json()["error"]
@@ -677,6 +688,73 @@ def test_the_responses_api_refuses_what_it_does_not_serve_by_name(server):
         response = httpx.post(f"{server.url}/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"},
                               timeout=30)
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
+def streamed_calls(chunks) -> tuple[list[dict], str | None]:
+    """The calls a stream's tool-call deltas make up (by index, as the openai client joins them), and its finish."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1]
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_a_forced_tool_call_follows_its_function_streamed_or_not(quick_start):
+    """tool_choice naming a function, or `required`: the reply is calls whose arguments parse and follow the
+    function's parameters (jsonschema), finish reason `tool_calls`; streamed, the deltas make up the same calls;
+    the calls and a tool's answer sent back are a chat the template renders."""
+    client = openai.OpenAI(base_url=f"{quick_start.url}/v1", api_key="none", max_retries=0, timeout=60)
+    parameters = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, CLOCK)}
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        ask = {"model": "tiny", "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": choice,
+               "parallel_tool_calls": False, "max_tokens": 96, "temperature": 0}
+        reply = client.chat.completions.create(**ask).choices[0]
+        assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
+        [call] = reply.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        if choice != "required":
+            assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+        calls, finish = streamed_calls(list(client.chat.completions.create(**ask, stream=True)))
+        assert finish == "tool_calls"
+        assert calls == [{"name": call.function.name, "arguments": call.function.arguments}]
+    answered = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, tools=[WEATHER], messages=[
+        *ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}])
+    assert answered.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_parallel_tool_calls_may_come_several(quick_start):
+    client = openai.OpenAI(base_url=f"{quick_start.url}/v1", api_key="none", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
+                                           max_tokens=200, temperature=1.0, seed=7).choices[0]
+    if reply.finish_reason == "tool_calls":
+        assert reply.message.tool_calls and all(c.function.name in ("get_weather", "get_time")
+                                                for c in reply.message.tool_calls)
+    else:
+        assert reply.finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice",
+     "no tool named 'launch' is given"),
+    ({"tool_choice": "required"}, "tool_choice", "required needs tools"),
+    ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]}, "messages.1.tool_call_id",
+     "answers no call"),
+    ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages.1",
+     "a tool message gives the tool_call_id"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "two functions share a name"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{oops"}}]}]}, "messages.1.tool_calls.0.function.arguments",
+     "is not JSON"),
+])
+def test_malformed_tool_requests_are_refused(quick_start, body, param, message):
+    response = httpx.post(f"{quick_start.url}/v1/chat/completions", json={"messages": ASK} | body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")

@@ -3,22 +3,24 @@ unknown one is an error, not ignored), the response and stream-chunk bodies, and
 
 Supported: chat and text completions, streamed (server-sent events) or not; `max_tokens` (chat also
 `max_completion_tokens`), `temperature`, `top_p`, `top_k` and `min_p` (as vLLM takes them), `seed`, `stop` (up to 4
-strings), log-probabilities (chat's `logprobs` and `top_logprobs`, completions' `logprobs: N`), `presence_penalty`,
-`frequency_penalty`, `repetition_penalty`, `logit_bias` and `min_tokens` (vLLM's),
-`stream_options.include_usage` and, as vLLM does, `stream_options.continuous_usage_stats` (usage on every chunk),
-`ignore_eos` (keep going past the end-of-sequence token) and, for chat, `chat_template_kwargs` (more variables for
+strings), log-probabilities (chat's `logprobs` and `top_logprobs`, completions' `logprobs: N` and `echo`),
+`presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias` and `min_tokens` (vLLM's),
+`response_format` (JSON, a JSON schema), `stream_options.include_usage` and, as vLLM does,
+`stream_options.continuous_usage_stats` (usage on every chunk), `ignore_eos` (keep going past the end-of-sequence
+token) and, for chat, `tools`, `tool_choice` and `parallel_tool_calls`, `chat_template_kwargs` (more variables for
 the chat template), `reasoning_effort` (one more), `add_generation_prompt` and `continue_final_message` (a prefill).
 A completion's prompt is text or a list of token ids. Fields that cannot change the tokens are accepted and ignored
-(`user`, `metadata`, `store`, `service_tier`, `cache_prompt`). A field this server does not serve (`UNSUPPORTED`: tools,
-response formats, ...) is accepted when its value asks for the default behaviour (`tools: []`, `echo: false`; null
-too), as clients send on every request, and refused by name
-with any other value (docs/openai-fields.md has the whole table). Text anywhere in a request, keys included, must be
+(`user`, `metadata`, `store`, `service_tier`, `cache_prompt`). A field this server does not serve (`UNSUPPORTED`:
+legacy `functions`, `best_of`, `suffix`, ...) is accepted when its value asks for the default behaviour
+(`functions: []`, `best_of: 1`; null too), as clients send on every request, and refused by name with any other value
+(docs/openai-fields.md has the whole table). Text anywhere in a request, keys included, must be
 Unicode that UTF-8 can carry: a lone UTF-16 surrogate (`"\\ud800"`, which JSON allows and badly decoded text produces)
 is refused, naming where it is, before any field is read.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar, Literal
 
@@ -26,15 +28,16 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic_core import PydanticCustomError
 
 from cascadia.grammar import GrammarError, json_grammar
+from cascadia.serve.tools import forcing_grammar
 from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 
 MAX_STOP_STRINGS = 4
 # Fields of the OpenAI API (and of vLLM and llama-server) this server does not serve: why, and the values that ask
 # for what it does anyway, accepted (null always is). Any other unknown field is refused as an unknown parameter.
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
-    "tools": ("tool calls are not supported", ([],)),
-    "tool_choice": ("tool calls are not supported", ("none", "auto")),  # with no tools, neither calls one
-    "parallel_tool_calls": ("tool calls are not supported", (True, False)),  # nothing to call in parallel
+    "tools": ("tool calls are served on chat alone", ([],)),
+    "tool_choice": ("tool calls are served on chat alone", ("none", "auto")),  # with no tools, neither calls one
+    "parallel_tool_calls": ("tool calls are served on chat alone", (True, False)),  # nothing to call in parallel
     "functions": ("function calls are not supported", ([],)),
     "function_call": ("function calls are not supported", ("none", "auto")),
     "best_of": ("best_of is not supported", (1,)),
@@ -173,7 +176,8 @@ class _Generation(RequestBody):
     @model_validator(mode="after")
     def _a_grammar_that_compiles(self):
         try:
-            self._grammar = self.response_format.grammar() if self.response_format is not None else None
+            if self.response_format is not None:
+                self._grammar = self.response_format.grammar()
         except GrammarError as e:
             raise invalid("response_format", f"the schema cannot hold a reply: {e}") from None
         return self
@@ -251,18 +255,95 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # a JSON object, as text
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ValueError("is not JSON") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("is not a JSON object")
+        return value
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    @model_validator(mode="after")
+    def _what_its_role_holds(self):
+        if self.role == "tool" and (self.tool_call_id is None or self.content is None):
+            raise ValueError("a tool message gives the tool_call_id it answers and its content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant's message holds tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is missing")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it (transformers' form: a call's arguments as an object)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # calls always follow it where tool_choice forces them
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Generation):
+    UNSERVED: ClassVar[dict[str, tuple[str, tuple]]] = {
+        name: why for name, why in UNSUPPORTED.items() if name not in ("tools", "tool_choice", "parallel_tool_calls")}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     # More variables for the chat template, as vLLM takes them (Qwen3's `enable_thinking`, say).
@@ -272,6 +353,9 @@ class ChatRequest(_Generation):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     reasoning_effort: str | None = None  # one more variable, for templates that read it
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -281,6 +365,51 @@ class ChatRequest(_Generation):
         if value is not None and "messages" in value:
             raise ValueError("may not replace the messages")
         return value
+
+    @model_validator(mode="after")
+    def _tools_that_exist(self):
+        names = self.tool_names
+        if len(names) != len(self.tools or ()):
+            raise invalid("tools", "two functions share a name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid("tool_choice", f"no tool named {choice.function.name!r} is given")
+        if choice == "required" and not names:
+            raise invalid("tool_choice", "required needs tools")
+        if self.forced_call is not None and self.response_format is not None and self.response_format.type != "text":
+            raise invalid("tool_choice", "a call is forced: no response_format besides")
+        asked = {call.id for message in self.messages for call in message.tool_calls or ()}
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and message.tool_call_id not in asked:
+                raise invalid(f"messages.{i}.tool_call_id", f"{message.tool_call_id!r} answers no call of an "
+                                                            "assistant's message")
+        if self.forced_call is not None:
+            try:
+                self._grammar = forcing_grammar({tool.function.name: tool.function.parameters for tool in self.tools},
+                                                self.forced_call or None, self.parallel_tool_calls)
+            except GrammarError as e:
+                raise invalid("tools", f"a function's parameters cannot hold a call: {e}") from None
+        return self
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {tool.function.name for tool in self.tools or ()}
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply's calls are parsed out of it: tools are given, and tool_choice is not none."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_call(self) -> str | None:
+        """The function a call is forced of ("": any of the tools, `required`); None where none is forced."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "" if self.tool_choice == "required" else None
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template reads them (transformers' `tools`)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self):
@@ -295,6 +424,8 @@ class ChatRequest(_Generation):
         """The chat template's variables from the request, as vLLM makes them: `chat_template_kwargs`, and
         `reasoning_effort` with `enable_thinking` unless "none" (the kwargs' own `enable_thinking` wins)."""
         variables = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            variables["tools"] = self.template_tools()
         if self.reasoning_effort is not None:
             variables["reasoning_effort"] = self.reasoning_effort
             variables.setdefault("enable_thinking", self.reasoning_effort != "none")
@@ -395,25 +526,29 @@ class Reply:
     def _head(self, suffix: str = "") -> dict:
         return {"id": self.id, "object": self._object + suffix, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-              logprobs: dict | None = None) -> dict:
-        """The whole response; `logprobs`: its choice's, when asked for (`cascadia.serve.logprobs`)."""
+    def whole(self, text: str | None, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+        """The whole response; `logprobs`: its choice's, when asked for (`cascadia.serve.logprobs`); `tool_calls`:
+        a chat reply's calls (`cascadia.serve.tools`), its finish reason then `tool_calls`."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text} | ({"tool_calls": tool_calls} if tool_calls else {})
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
+                      "finish_reason": "tool_calls" if tool_calls else finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._head() | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              usage_so_far: dict | None = None, logprobs: dict | None = None) -> dict:
+              usage_so_far: dict | None = None, logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
         """A stream chunk: a piece of text (None: none, as in the last chunk, which names the finish reason), with
         its token's log-probabilities when asked for, and the usage so far when asked for on every chunk
-        (`continuous_usage_stats`)."""
+        (`continuous_usage_stats`); or a chat reply's call (`tool_call`: its delta, index included)."""
         extra = {} if usage_so_far is None else {"usage": usage_so_far}
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else \
                 ({} if text is None else {"content": text})
+            if tool_call is not None:
+                delta = {"tool_calls": [tool_call]}
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._head(".chunk") | {"choices": [choice]} | extra
         choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}

@@ -45,6 +45,7 @@ from cascadia.serve.logprobs import Reported, TokenText, chat_logprobs, completi
 from cascadia.serve.prom import CONTENT_TYPE, Metrics
 from cascadia.serve.responses import ResponseBody, ResponsesRequest, response_status, response_usage
 from cascadia.serve.text import TextStream
+from cascadia.serve.tools import CALL_CLOSE, CALL_OPEN, ContentStream, parse, writes_calls
 
 KEEP_ALIVE_S = 5  # an SSE comment line this often keeps a paused stream's connection open (a node is replaced)
 RATE_WINDOW_S = 60  # tokens/s on the page: over this many seconds
@@ -201,8 +202,8 @@ class Server:
         if self.chat is None or self.tokenizer is None:
             raise ApiError(400, f"chat messages need a chat template: {self.no_chat}; use /v1/completions",
                            "invalid_request", param="messages")
-        text = self.chat.render([{"role": m.role, "content": m.text} for m in messages], variables,
-                                add_generation_prompt, continue_final)
+        text = self.chat.render([m.for_template() for m in messages], variables, add_generation_prompt,
+                                continue_final)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def text_ids(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
@@ -255,6 +256,9 @@ class Server:
             self.check_ids(list(body.logit_bias), "logit_bias")
         if body.response_format is not None and body.response_format.type != "text":
             self.tokenizer_for("response_format")  # the grammar's vocabulary
+        if isinstance(body, ChatRequest) and body.tools and not (self.chat and writes_calls(self.chat.source)):
+            raise ApiError(400, "tools: this checkpoint's chat template writes no tool calls in a format this server "
+                                f"reads ({CALL_OPEN}...{CALL_CLOSE})", "unsupported", param="tools")
         stop_ids = () if body.ignore_eos else config.eos_ids
         reporting = {"logprobs": body.reported_logprobs(), "prompt_logprobs": body.prompt_logprobs(),
                      "adjust": body.adjustments(len(prompt), tuple(sorted(config.eos_ids)))}
@@ -457,8 +461,12 @@ async def _respond(server: Server, body: ChatRequest | CompletionRequest, reques
     text = await _collected(generation, request)
     echoed, echoed_logprobs = _echoed(server, body, generation)
     reported = echoed_logprobs + _shifted(generation.reported, len(echoed))
-    return reply.whole(echoed + text, generation.finish_reason, prompt_tokens, generation.tokens,
-                       _logprobs(server, reported, chat) if body.reported_logprobs() >= 0 else None)
+    content, calls = (echoed + text, [])
+    if chat and body.calls_tools:
+        content, calls = parse(content, body.tool_names)
+    return reply.whole(content, generation.finish_reason, prompt_tokens, generation.tokens,
+                       _logprobs(server, reported, chat) if body.reported_logprobs() >= 0 else None,
+                       [call.as_dict() for call in calls])
 
 
 async def _collected(generation: Generation, request: Request) -> str:
@@ -485,16 +493,18 @@ async def _stream(generation: Generation, reply: Reply, body: ChatRequest | Comp
     the usage so far when `continuous_usage_stats` asks, and a usage chunk at the end when `include_usage` does. A
     client that goes away cancels its stream (this generator is closed, and `finally` runs)."""
     def chunk(text: str | None, finish_reason: str | None = None, first: bool = False,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
         so_far = usage(prompt_tokens, generation.tokens) if body.usage_on_every_chunk else None
-        return {"data": json.dumps(reply.chunk(text, finish_reason, first, so_far, logprobs))}
+        return {"data": json.dumps(reply.chunk(text, finish_reason, first, so_far, logprobs, tool_call))}
 
+    content = ContentStream() if reply.chat and body.calls_tools else None  # holds a reply's calls back
     try:
         if reply.chat:
             yield chunk("", first=True)
         try:
             sent, echoed = 0, None  # tokens whose log-probabilities went out; the echoed prompt, once it went
             async for piece in generation.pieces():
+                piece = piece if content is None else content.push(piece)
                 if echoed is None:  # with the first token: every prompt row has reported by then
                     echoed, reported = _echoed(generation.server, body, generation)
                     if echoed or reported:
@@ -506,7 +516,18 @@ async def _stream(generation: Generation, reply: Reply, body: ChatRequest | Comp
         except ApiError as e:
             yield {"data": json.dumps(e.body)}
             return
-        yield chunk(generation.rest or None, generation.finish_reason)
+        rest, calls = generation.rest, []
+        if content is not None:
+            content.push(rest)
+            rest, calls = content.finish(body.tool_names)
+        if calls:
+            if rest:
+                yield chunk(rest)
+            for index, call in enumerate(calls):
+                yield chunk(None, tool_call={"index": index} | call.as_dict())
+            yield chunk(None, "tool_calls")
+        else:
+            yield chunk(rest or None, generation.finish_reason)
         if body.include_usage:
             yield {"data": json.dumps(reply.usage_chunk(prompt_tokens, generation.tokens))}
         yield {"data": "[DONE]"}

@@ -22,10 +22,12 @@ class ChatTemplate:
     def __init__(self, template: str, special_tokens: dict[str, str], where: str):
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         environment.globals["raise_exception"] = _raise
+        environment.filters["tojson"] = _tojson  # transformers' (Jinja's own escapes <, > and & as in HTML)
         try:
             self._template = environment.from_string(template)
         except jinja2.TemplateError as e:
             raise CheckpointError(f"{where}: chat_template: not a valid Jinja2 template ({e})") from None
+        self.source = template
         self._special_tokens = special_tokens
         self._own_names = frozenset(environment.globals)  # range, namespace, raise_exception, ...
         self.where = where
@@ -74,6 +76,11 @@ class ChatTemplate:
                                           "add_generation_prompt": add_generation_prompt, "messages": list(messages)})
         except jinja2.TemplateError as e:  # the template's own raise_exception, or a sandbox refusal
             raise RequestError(f"the chat template ({self.where}) refused these messages: {e}") from None
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise(message: str):
