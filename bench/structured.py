@@ -30,7 +30,8 @@ from llguidance import LLTokenizer
 from record import RESULTS, Table, now, spread, write
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from cascadia.grammar import Constraint, held, json_grammar
+from cascadia.grammar import Constraint, json_grammar
+from cascadia.sampling import held
 from cascadia.serve.logprobs import gpt2_alphabet
 from cascadia.tokenizer import TEXT
 

@@ -50,7 +50,8 @@ def vocabulary(checkpoint: Path, vocab_size: int, eos_ids: Sequence[int]) -> LLT
         text = path.read_text()
     except OSError as e:
         raise GrammarError(f"{path}: a grammar needs the checkpoint's tokenizer ({e.strerror})") from None
-    return LLTokenizer(text, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+    # a model without EOS ids (a random one's config may name none): llguidance takes the tokenizer's own end token
+    return LLTokenizer(text, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
 
 
 class Constraint:
@@ -80,15 +81,4 @@ class Constraint:
             return None
         fill_next_token_bitmask(self._matcher, self._bitmask, 0)
         return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:self._vocab].view(np.bool_)
-
-
-def held(adjusted: np.ndarray, raw: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
-    """A row's logits (float32, after any adjustments) with the tokens its grammar does not allow masked (-inf);
-    where the adjustments leave no allowed token (min_tokens holding back the end the grammar has reached), the
-    grammar wins over them (`raw`: the row's logits before). None: the row's token will be dropped (its stream left
-    the grammar in a draft), so anything goes."""
-    if allowed is None:
-        return adjusted
-    masked = np.where(allowed, adjusted, np.float32(-np.inf))
-    return masked if np.isfinite(masked).any() else np.where(allowed, raw, np.float32(-np.inf))
 

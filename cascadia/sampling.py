@@ -110,15 +110,29 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def draw(self, logits: np.ndarray, history: int, tokens: Sequence[int] = ()) -> int:
+    def draw(self, logits: np.ndarray, history: int, tokens: Sequence[int] = (),
+             allowed: np.ndarray | None = None) -> int:
         """One token id from logits [V] of a stream whose tokens so far (`tokens`: needed where `adjust` is set) hash
-        to `history` (`extend_history`)."""
+        to `history` (`extend_history`), among the tokens its grammar `allowed` (None: any; `cascadia.grammar`)."""
+        raw = logits
         if self.adjust is not None:
             logits = self.adjust.apply(logits, tokens)
+        logits = held(logits, raw, allowed)
         if self.greedy:
             return greedy(logits)
         return sample(logits, np.random.default_rng([self.seed, history]), self.temperature, self.top_p, self.top_k,
                       self.min_p)
+
+
+def held(adjusted: np.ndarray, raw: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """A row's logits (float32, after any adjustments) with the tokens its grammar does not allow masked (-inf);
+    where the adjustments leave no allowed token (min_tokens holding back the end the grammar has reached), the
+    grammar wins over them (`raw`: the row's logits before). None: no grammar holds the row (or, at a pipeline's last
+    stage, its stream left the grammar in a draft, and the row's token will be dropped)."""
+    if allowed is None:
+        return adjusted
+    masked = np.where(allowed, adjusted, np.float32(-np.inf))
+    return masked if np.isfinite(masked).any() else np.where(allowed, raw, np.float32(-np.inf))
 
 
 def extend_history(history: int, tokens: Iterable[int]) -> int:

@@ -32,6 +32,7 @@ from cascadia.graph.planner import InfeasiblePlan
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.run import Addresses
 from cascadia.pipeline.transport import free_port, tcp_address
+from cascadia.grammar import json_grammar, vocabulary
 from cascadia.sampling import LogitAdjustments, Sampling
 from cascadia.spec.dump import write_spec
 from cascadia.spec.types import PAPER_FORMATS, WeightFormat, WeightFormats
@@ -48,20 +49,28 @@ def prompt(i: int) -> list[int]:
 
 def sampling(i: int, eos: tuple[int, ...] = ()) -> Sampling:
     """Even clients greedy, odd ones sampled with a seed of their own; every third (from client 1) with its logits
-    changed by its tokens so far (penalties, a bias, min_tokens holding `eos` back: state the last stage rebuilds in
-    a replay)."""
+    changed by its tokens so far (penalties, a bias, min_tokens holding `eos` back), every sixth (from client 5) held
+    to any JSON object: state the last stage rebuilds in a replay."""
     drawn = Sampling() if i % 2 == 0 else Sampling(temperature=1.0, top_p=0.9, seed=i, top_k=50, min_p=0.01)
     if i % 3 == 1:
         return attrs.evolve(drawn, adjust=LogitAdjustments(len(prompt(i)), 5, eos, ((7 + i, 2.0),), 1.2, 0.3, 0.2))
+    if i % 6 == 5:
+        return attrs.evolve(drawn, adjust=LogitAdjustments(len(prompt(i)), grammar=json_grammar(None)))
     return drawn
+
+
+def engine_tokens(engine: Engine, spec, checkpoint: Path, i: int) -> list[int]:
+    """Client i's tokens from the single-process engine."""
+    cfg = spec.model.config
+    return list(generate(engine, prompt(i), TOKENS, sampling(i, tuple(sorted(cfg.eos_ids))),
+                         vocabulary=vocabulary(checkpoint, cfg.output_vocab_size, cfg.eos_ids)).ids)
 
 
 def engine_texts(spec, checkpoint: Path) -> list[str]:
     """Every client's text, from the single-process engine."""
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     tokenizer = load_tokenizer(checkpoint)
-    eos = tuple(sorted(spec.model.config.eos_ids))
-    return [tokenizer.decode(list(generate(engine, prompt(i), TOKENS, sampling(i, eos)).ids), skip_special_tokens=True)
+    return [tokenizer.decode(engine_tokens(engine, spec, checkpoint, i), skip_special_tokens=True)
             for i in range(STREAMS)]
 
 
@@ -76,7 +85,7 @@ def expected_logprobs(spec, checkpoint) -> list[list[float]]:
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     logprobs = []
     for i in range(STREAMS):
-        ids = list(generate(engine, prompt(i), TOKENS, sampling(i, tuple(sorted(spec.model.config.eos_ids)))).ids)
+        ids = engine_tokens(engine, spec, checkpoint, i)
         logits = engine.score(prompt(i) + ids, prefill=len(prompt(i))).astype(np.float64)[len(prompt(i)) - 1:-1]
         rows = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
         logprobs.append([row[token] for row, token in zip(rows, ids)])
@@ -94,7 +103,9 @@ async def stream_all(url: str, during=None, model: str = "tiny", logprobs: bool 
         options = {"temperature": 0} if drawn.greedy else {"temperature": drawn.temperature, "top_p": drawn.top_p,
                                                              "seed": drawn.seed}
         limits = {} if drawn.greedy else {"top_k": drawn.top_k, "min_p": drawn.min_p}
-        if (adjust := drawn.adjust) is not None:
+        if drawn.adjust is not None and drawn.adjust.grammar is not None:
+            limits |= {"response_format": {"type": "json_object"}}
+        elif (adjust := drawn.adjust) is not None:
             limits |= {"presence_penalty": adjust.presence_penalty, "frequency_penalty": adjust.frequency_penalty,
                        "repetition_penalty": adjust.repetition_penalty, "min_tokens": adjust.min_tokens,
                        "logit_bias": dict(adjust.logit_bias)}

@@ -179,6 +179,10 @@ def test_a_grammar_holds_speculating_streams_to_the_tokens_of_a_plain_run(spec, 
                     LogitAdjustments(len(r.prompt_ids), grammar=json_grammar(schemas[r.id % 2])))))
                 for r in repetitive_requests(4, sampled, long_every=3)]
     expected, _ = serve(plain, spec.runtime, requests, 3)
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    tokens = vocabulary(checkpoint, spec.model.config.output_vocab_size, spec.model.config.eos_ids)
+    assert expected == {r.id: list(generate(engine, r.prompt_ids, r.max_new_tokens, r.sampling, r.stop_ids,
+                                            vocabulary=tokens).ids) for r in requests}  # the single process's
     tokenizer = load_tokenizer(checkpoint)
     finished = [json.loads(tokenizer.decode(ids[:-1])) for ids in expected.values() if ids[-1] == EOS]
     assert finished and all(isinstance(value, dict) for value in finished)

@@ -8,10 +8,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import numpy as np
+from llguidance import LLTokenizer
 
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.errors import RequestError
+from cascadia.grammar import Constraint
 from cascadia.graph.costs import stage_memory
 from cascadia.host_memory import shortfall
 from cascadia.sampling import Sampling, extend_history
@@ -59,22 +61,30 @@ def check_request(checkpoint: Checkpoint, ids: Sequence[int], new_tokens: int, f
 
 
 def generate(engine: Engine, prompt_ids, max_new_tokens: int, sampling: Sampling, stop_ids: Iterable[int] = (),
-             slot: int = 0, progress: Callable[[int, int], None] | None = None) -> Generation:
+             slot: int = 0, progress: Callable[[int, int], None] | None = None,
+             vocabulary: LLTokenizer | None = None) -> Generation:
     """Prefill the prompt into a fresh slot, then decode one token at a time; draws as `cascadia run`'s would.
-    `progress(done, total)` hears of the prompt's tokens as the prefill takes them in."""
+    `progress(done, total)` hears of the prompt's tokens as the prefill takes them in. A grammar the sampling holds
+    the tokens to is matched over `vocabulary` (`cascadia.grammar.vocabulary`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    grammar = sampling.adjust.grammar if sampling.adjust is not None else None
+    if grammar is not None and vocabulary is None:
+        raise ValueError("a grammar needs the vocabulary it is matched over")
+    constraint = Constraint(vocabulary, grammar) if grammar is not None else None
     prompt = tuple(int(i) for i in prompt_ids)
     stop = set(stop_ids)
     engine.release(slot)
     start = time.perf_counter()
     history = extend_history(0, prompt)
-    tokens = [sampling.draw(engine.prefill(slot, prompt, progress), history, prompt)]
+    tokens = [sampling.draw(engine.prefill(slot, prompt, progress), history, prompt,
+                            None if constraint is None else constraint.allowed([]))]
     prefilled = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         history = extend_history(history, tokens[-1:])
         tokens.append(sampling.draw(engine.step([slot], tokens[-1:])[0], history,
-                                    prompt + tuple(tokens) if sampling.adjust else ()))
+                                    prompt + tuple(tokens) if sampling.adjust else (),
+                                    None if constraint is None else constraint.allowed(tokens)))
     return Generation(prompt, tuple(tokens), prefilled - start, time.perf_counter() - prefilled, tokens[-1] in stop)
 
 

@@ -34,8 +34,8 @@ from cascadia.pipeline.node import ForeignFrame, NodeSettings, Peer, ProgressFn,
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import COORDINATOR
 from cascadia.pipeline.wire import Assign, Frame, Tokens, node_sender
-from cascadia.grammar import Constraint, GrammarError, held, vocabulary
-from cascadia.sampling import LogitAdjustments, Sampling, extend_history, log_probabilities
+from cascadia.grammar import Constraint, GrammarError, vocabulary
+from cascadia.sampling import LogitAdjustments, Sampling, extend_history, held, log_probabilities
 from cascadia.spec.types import Spec
 from cascadia.units import format_bytes
 
