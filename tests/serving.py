@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from cascadia.pipeline.transport import free_port
 
@@ -51,6 +52,14 @@ class Served:
         finally:
             if self.process.poll() is None:
                 self.process.kill()
+
+
+def scored_log_softmax(engine, prompt_ids, output_ids) -> np.ndarray:
+    """What `cascadia score` gives a prompt and its reply: the log-softmax (float64) of the f32 logits, teacher-forced
+    as serving feeds them (the prompt prefilled, the reply a decode step a token); row t is the distribution of
+    token t + 1, for every token after the first."""
+    logits = engine.score([*prompt_ids, *output_ids], prefill=len(prompt_ids)).astype(np.float64)[:-1]
+    return logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
 
 
 def parent_pid(stat: Path) -> int | None:

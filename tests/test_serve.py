@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from serving import Served, alive
+from serving import Served, alive, scored_log_softmax
 
 from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
@@ -101,11 +101,8 @@ def single(spec, checkpoint):
 
 
 def log_softmax(engine: Engine, prompt_ids, output_ids) -> np.ndarray:
-    """What `cascadia score` gives a prompt and its reply: the log-softmax (float64) of the f32 logits at each
-    output token's position, teacher-forced as decoding feeds them."""
-    logits = engine.score([*prompt_ids, *output_ids], prefill=len(prompt_ids)).astype(np.float64)
-    logits = logits[len(prompt_ids) - 1:-1]
-    return logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    """The score's distribution at each output token's position (`scored_log_softmax`)."""
+    return scored_log_softmax(engine, prompt_ids, output_ids)[len(prompt_ids) - 1:]
 
 
 def likeliest(row: np.ndarray, k: int) -> list[int]:
@@ -254,8 +251,7 @@ def test_echo_puts_the_prompt_and_its_log_probabilities_before_the_reply(client,
     logprobs = choice.logprobs
     assert logprobs.tokens == [text_of.text(token) for token in ids + output]
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
-    logits = single.score(ids + output, prefill=len(ids)).astype(np.float64)[:-1]
-    rows = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    rows = scored_log_softmax(single, ids, output)
     following = ids[1:] + output
     assert logprobs.token_logprobs[1:] == pytest.approx([row[t] for row, t in zip(rows, following)], abs=1e-5)
     assert [list(top)[:1] for top in logprobs.top_logprobs[1:]] == [[text_of.text(likeliest(row, 1)[0])]

@@ -23,7 +23,7 @@ import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serving import Served, alive
+from serving import Served, alive, scored_log_softmax
 
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
@@ -86,8 +86,7 @@ def expected_logprobs(spec, checkpoint) -> list[list[float]]:
     logprobs = []
     for i in range(STREAMS):
         ids = engine_tokens(engine, spec, checkpoint, i)
-        logits = engine.score(prompt(i) + ids, prefill=len(prompt(i))).astype(np.float64)[len(prompt(i)) - 1:-1]
-        rows = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+        rows = scored_log_softmax(engine, prompt(i), ids)[len(prompt(i)) - 1:]
         logprobs.append([row[token] for row, token in zip(rows, ids)])
     return logprobs
 

@@ -540,7 +540,7 @@ def _echoed(server: Server, body: ChatRequest | CompletionRequest, generation: G
     """What a completion's `echo` puts before the reply: its prompt's text (as given, or its ids decoded), and its
     tokens' log-probabilities where asked for (the first token, which follows nothing, has none); "" and none
     without echo."""
-    if not getattr(body, "echo", False):
+    if not (isinstance(body, CompletionRequest) and body.echo):
         return "", []
     ids = generation.stream.prompt_ids
     if isinstance(body.prompt, str):
