@@ -172,3 +172,42 @@ def test_a_llama_prompt_chunk_reads_its_far_keys_fused_as_the_spans_do():
     fused = Engine(checkpoint, RuntimeSpec(precision="f32", max_streams=1, context_budget=200, row_buckets=(8, 128)))
     expected = spans.score(ids)
     np.testing.assert_allclose(fused.score(ids), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("name", ["base", "llama_odd", "qwen3_odd"])
+def test_a_forked_stream_goes_on_as_its_source_would_sharing_its_full_blocks(name):
+    """Three choices of one 21-token prompt computed once: slots 1 and 2 fork slot 0 at position 21, sharing its
+    two full blocks of 8 and copying the one still filling (and Inkling's rings and convolution states). Slot 0
+    writes other tokens at the same positions between slot 1's steps, past the next block boundary, and is
+    released, and a new stream takes the blocks it gave back; slot 1 still gives, bit for bit, the logits of a
+    stream that computed the prompt itself (slot 3, same calls), and within tolerance the reference's."""
+    path = FIXTURES / name
+    ref = dict(np.load(path / "reference.npz"))
+    runtime = RuntimeSpec(precision="f32", max_streams=5, context_budget=64, kv_block=8)
+    engine = Engine(Checkpoint.open(path), runtime)
+    pool, ids = engine.stage.pool, ref["ids"]
+    other = ids[::-1]  # tokens slot 0 goes on with
+    rings = pool.layout.ring_blocks
+    engine.prefill(0, ids[:21])
+    free = pool.free
+    engine.fork(0, 1)
+    engine.fork(0, 2)
+    assert free - pool.free == 2 * (1 + rings)  # the block holding positions 16..20, and the rings
+    assert pool.held(1) == pool.held(0) == 3 + rings
+    forked = []
+    for token, its_other in zip(ids[21:30], other[21:30]):  # slot 0 writes the same positions between slot 1's steps
+        forked.append(engine.step([1], [token])[0])
+        engine.step([0], [its_other])
+    engine.release(0)
+    engine.prefill(4, other[:30])  # takes the blocks slot 0 gave back: not the two it shares with slots 1 and 2
+    forked = np.stack(forked + [engine.step([1], [token])[0] for token in ids[30:40]])
+    fresh = engine.score(ids, prefill=21, slot=3)[21:]
+    np.testing.assert_array_equal(forked, fresh)
+    assert_close(forked, ref["prefill_logits"][21:40])
+    engine.release(1)
+    engine.release(2)
+    engine.release(3)
+    engine.release(4)
+    assert pool.free == pool.blocks
+    with pytest.raises(BatchError, match="into itself"):
+        engine.fork(0, 0)

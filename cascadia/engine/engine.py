@@ -7,7 +7,8 @@ ring of a few on a sliding layer, taken when the stream starts; on a global one,
 else its family keeps (Inkling: four short-convolution states), and the stage remembers each slot's length (its
 next position), so rows that do not continue their stream, or that the pool has no room for, are refused before any
 state changes. Rows of different streams at different positions share one call; a slot's rows in a call are
-consecutive and at consecutive positions (one decode row, or a prefill chunk).
+consecutive and at consecutive positions (one decode row, or a prefill chunk). A stream can also start as a copy of
+another as it stands (`fork`: the choices of one prompt share the positions computed for it).
 """
 
 from __future__ import annotations
@@ -226,6 +227,20 @@ class StageEngine:
             self.pool.release(slot)
         self.lengths[slot] = self.reach[slot] = 0
 
+    def fork(self, source: int, target: int) -> None:
+        """Start a new stream in slot `target` as a copy of slot `source`'s as it stands (one prompt's choices): its
+        next rows continue from `source`'s length, the positions before it computed once, their K/V blocks shared
+        (`BlockPool.fork`). BatchError, before any change, for a slot forked from itself or a pool too full for the
+        copies."""
+        if source == target:
+            raise BatchError(f"slot {source} cannot be forked into itself")
+        self.release(target)
+        if self.pool:
+            self.pool.fork(source, target, int(self.lengths[source]))
+        for state in self.states:
+            state.fork(source, target)
+        self.lengths[target], self.reach[target] = self.lengths[source], 0
+
 
 AUTO = "auto"
 
@@ -286,6 +301,9 @@ class Engine:
 
     def release(self, slot: int) -> None:
         self.stage.release(slot)
+
+    def fork(self, source: int, target: int) -> None:
+        self.stage.fork(source, target)
 
     def _hidden(self, slots, ids) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)

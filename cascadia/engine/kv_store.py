@@ -8,6 +8,10 @@ whatever its length (`PagedRing`). A block is either, and each layer's keys and 
 of every block. Both give back their blocks when the stream is released. The pool is zero-filled: pages are
 committed as they are written.
 
+A stream can start as a copy of another as it stands (`BlockPool.fork`: the choices of one prompt): the blocks its
+positions fill are shared, counted by the streams that hold them, since neither stream writes below the point where
+they parted; the block still filling and the rings, which both go on writing, are copied.
+
 Both give the attention kernel a stream's entries start..stop-1 where they lie (`blocks`), entry e holding some
 position p, e = p % span (span: the ring's length; a paged stream never wraps); a global layer's can also be
 gathered into f32 arrays (`PagedKV.read`, for OpenVINO's fused attention).
@@ -39,6 +43,7 @@ class BlockPool:
         self._taken = 0  # bytes of each block given to the global layers' views
         self._ring_views: tuple[np.ndarray, np.ndarray] | None = None
         self._free = list(range(blocks))  # a heap: the lowest free block goes first, so runs are reproducible
+        self._holders = np.zeros(blocks, np.int64)  # streams holding each block (a fork shares its source's)
         self._tables: list[list[int]] = [[] for _ in range(slots)]
         self._rings = np.full((slots, layout.ring_blocks), -1, np.int64)  # each slot's ring blocks (-1: none yet)
 
@@ -95,9 +100,32 @@ class BlockPool:
             raise BatchError(f"the K/V pool has {self.free} free blocks of {self.block} positions, these rows need "
                              f"{needed} more")
         for slot, n in wanted.items():
-            self._tables[slot] += [heapq.heappop(self._free) for _ in range(n)]
+            self._tables[slot] += self._take(n)
             if rings[slot]:
-                self._rings[slot] = [heapq.heappop(self._free) for _ in range(rings[slot])]
+                self._rings[slot] = self._take(rings[slot])
+
+    def _take(self, n: int) -> list[int]:
+        taken = [heapq.heappop(self._free) for _ in range(n)]
+        self._holders[taken] = 1
+        return taken
+
+    def fork(self, source: int, target: int, length: int) -> None:
+        """Give `target` (holding nothing) `source`'s state for its positions 0..length-1: the blocks they fill
+        shared, the block holding position `length` (partly filled) and the rings copied, since both streams write
+        from `length` on. BatchError, before any change, when the pool has too few free blocks for the copies."""
+        full = length // self.block if self.layout.paged else 0
+        shared = self._tables[source][:full]
+        copied = self._tables[source][full:self.blocks_for(length)] if self.layout.paged else []
+        rings = self._ring_blocks(source)
+        if len(copied) + len(rings) > self.free:
+            raise BatchError(f"the K/V pool has {self.free} free blocks of {self.block} positions, a fork of slot "
+                             f"{source} needs {len(copied) + len(rings)}")
+        new = self._take(len(copied) + len(rings))
+        self.arena[new] = self.arena[copied + rings]
+        self._holders[shared] += 1
+        self._tables[target] = shared + new[:len(copied)]
+        if rings:
+            self._rings[target] = new[len(copied):]
 
     def _ring_blocks(self, slot: int) -> list[int]:
         """The blocks the slot holds for its rings: all of them, or none."""
@@ -105,7 +133,9 @@ class BlockPool:
 
     def release(self, slot: int) -> None:
         for block in self._tables[slot] + self._ring_blocks(slot):
-            heapq.heappush(self._free, block)
+            self._holders[block] -= 1
+            if not self._holders[block]:
+                heapq.heappush(self._free, block)
         self._tables[slot] = []
         self._rings[slot] = -1
 

@@ -9,7 +9,7 @@ chosen by the family module a config belongs to. A module holds:
   choose between the two by rows (`Mlp.grouped_from`, unset here); `fused=False` with it: the grouped graph alone
   (for an engine that runs it at every call size);
 - `slot_state(cfg, kv, slots, fmt, rewind)`: a layer's per-stream state, keys and values in `kv` and whatever else
-  the family keeps (`nbytes`, `release(slot)`);
+  the family keeps (`nbytes`, `release(slot)`, `fork(source, target)`: a new stream's state as another's stands);
 - `embedded(cfg, x, tensors)` and `head_input(cfg, h)`: what the family does between the embedding table and the
   first layer, and between the final norm and the LM head.
 """

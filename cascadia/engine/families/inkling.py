@@ -128,6 +128,11 @@ class SlotState:
         for states in (self.conv_kv, self.conv_attn, self.conv_mlp):
             states[slot] = 0
 
+    def fork(self, source: int, target: int) -> None:
+        """Start `target`'s convolution states as `source`'s stand (its keys and values: `BlockPool.fork`)."""
+        for states in (self.conv_kv, self.conv_attn, self.conv_mlp):
+            states[target] = states[source]
+
 
 # ---- the layer ---------------------------------------------------------------------------------------------------
 @attrs.define(eq=False, slots=False, kw_only=True)  # no slots: calibration times a layer's methods by wrapping them

@@ -52,6 +52,9 @@ class SlotState:
     def release(self, slot: int) -> None:
         """Stale K/V need no clearing: a stream only reads entries it wrote."""
 
+    def fork(self, source: int, target: int) -> None:
+        """Nothing beyond the keys and values (`BlockPool.fork`)."""
+
 
 @attrs.define(eq=False, slots=False, kw_only=True)  # no slots: calibration times a layer's methods by wrapping them
 class DecoderLayer(Mlp):
