@@ -4,6 +4,7 @@ Pure and deterministic: no I/O, no clock, no tensors. The same three calls drive
 adapted to a pipeline):
 
     events = policy.add_request(request)              # a client asks (at any time: admission is continuous)
+    events = policy.add_choices(requests)             # ... for several choices of one prompt
     frame = policy.next_frame(group)                  # for every group with no frame in flight, after every change
     events = policy.complete_frame(frame, tokens)     # the last stage's sampled tokens came back, in row order
     events = policy.cancel(request_id)                # a client went away: its slot is free within one frame
@@ -15,6 +16,12 @@ at most one frame in flight, because its next decode rows need the tokens its cu
 one decode row per decoding stream of the group plus at most `prefill_window` prompt rows of the group's streams still
 being prefilled (oldest first), so admitting a long prompt delays the others' next token by one window, never by a
 whole prompt. A stream's first token is sampled from the row of its last prompt position.
+
+Choices of one prompt (`add_choices`: a client's `n`) are admitted together into one group, each with its slot. The
+first computes the prompt; the others start as copies of its state before its last prompt row (a row that forks
+it: the nodes share the prompt's K/V blocks, `cascadia.engine.engine.StageEngine.fork`), so that their rows of the
+last position, each sampling its choice's first token, go in the frame with the first's. A replay rebuilds each
+choice as a stream of its own.
 
 Speculation (with a `Speculation`): while the pipeline has idle stages (fewer groups with streams than groups), a
 frame's rows left free in the largest row bucket after its decode and prompt rows carry draft tokens, each draft row
@@ -77,6 +84,7 @@ class Row(NamedTuple):
     token: int  # the prompt token, the stream's last sampled token, or a draft token
     sampled: bool  # the last stage samples a token from this row's logits
     sampling: Sampling = GREEDY  # its stream's
+    fork: int = -1  # the slot whose stream this row's starts as a copy of, as that stands (its first row); -1: none
 
 
 # Frames keep their fields in a __dict__ (attrs fills it directly, where a slotted frozen class calls
@@ -171,6 +179,9 @@ class _Stream:
     prefilled: int = 0  # rows of its tokens (the prompt; in a replay, its output too) already put in a frame
     output: list[int] = attrs.Factory(list)
     replaying: bool = False  # its state is being rebuilt (`Policy.replay`): no decode row until that is done
+    # choices of its prompt that fork it before its last prompt row, until they do; and, for such a choice, that one
+    choices: list[_Stream] = attrs.Factory(list)
+    source: _Stream | None = attrs.field(default=None, eq=False, repr=False)
 
     def tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Its tokens at positions start..end - 1: its prompt's, then (in a replay) its output's."""
@@ -218,7 +229,7 @@ class Policy:
         self.kv_pools, self.kv_block = tuple(kv_pools), kv_block
         self.held_blocks = [0] * len(self.kv_pools)  # by pool, what the admitted streams hold
         self.speculation = speculation
-        self._waiting: deque[Request] = deque()
+        self._waiting: deque[tuple[Request, ...]] = deque()  # the choices of one prompt together
         self._free_slots = list(range(max_streams))  # a heap: the lowest free slot goes first
         self._groups: list[list[_Stream]] = [[] for _ in range(n_groups)]  # streams by admission order
         self._prefilling: list[deque[_Stream]] = [deque() for _ in range(n_groups)]  # with prompt rows still to send
@@ -255,7 +266,7 @@ class Policy:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return sum(map(len, self._waiting))
 
     @property
     def active(self) -> int:
@@ -264,21 +275,37 @@ class Policy:
 
     # ---- the three calls ----------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> list[Event]:
-        if request.id in self._seen:
-            raise ValueError(f"request {request.id} was already added")
-        if not request.prompt_ids:
-            raise ValueError(f"request {request.id} has an empty prompt")
-        if request.max_new_tokens < 1:
-            raise ValueError(f"request {request.id}: max_new_tokens must be at least 1, got {request.max_new_tokens}")
-        self._seen.add(request.id)
-        needed = len(request.prompt_ids) + request.max_new_tokens
+        return self.add_choices([request])
+
+    def add_choices(self, requests: Sequence[Request]) -> list[Event]:
+        """Requests for choices of one prompt: the same prompt, `max_new_tokens` and sampling, each with a seed of
+        its own. Admitted together, or rejected together."""
+        first = requests[0]
+        if first.id in self._seen:
+            raise ValueError(f"request {first.id} was already added")
+        if not first.prompt_ids:
+            raise ValueError(f"request {first.id} has an empty prompt")
+        if first.max_new_tokens < 1:
+            raise ValueError(f"request {first.id}: max_new_tokens must be at least 1, got {first.max_new_tokens}")
+        for i, request in enumerate(requests[1:], 1):
+            if request.id in self._seen or any(r.id == request.id for r in requests[:i]):
+                raise ValueError(f"request {request.id} was already added")
+            if (request.prompt_ids, request.max_new_tokens, attrs.evolve(request.sampling, seed=0)) != \
+                    (first.prompt_ids, first.max_new_tokens, attrs.evolve(first.sampling, seed=0)):
+                raise ValueError(f"request {request.id} is not a choice of request {first.id}'s prompt: its prompt, "
+                                 "max_new_tokens or sampling (but for the seed) differ")
+        if len(requests) > self.max_streams:
+            raise ValueError(f"{len(requests)} choices of one prompt need as many slots, more than max_streams "
+                             f"({self.max_streams})")
+        self._seen.update(request.id for request in requests)
+        needed = len(first.prompt_ids) + first.max_new_tokens
         if needed > self.context_budget:
-            return [Rejected(request.id, f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                                         f"({request.max_new_tokens}) = {needed} exceeds the context budget "
-                                         f"of {self.context_budget} positions")]
-        if (too_big := self._too_big(request)) is not None:
-            return [too_big]
-        self._waiting.append(request)
+            return [Rejected(request.id, f"prompt ({len(first.prompt_ids)} tokens) + max_new_tokens "
+                                         f"({first.max_new_tokens}) = {needed} exceeds the context budget "
+                                         f"of {self.context_budget} positions") for request in requests]
+        if (too_big := self._too_big(requests)) is not None:
+            return too_big
+        self._waiting.append(tuple(requests))
         return self._admit()
 
     def next_frame(self, group: int) -> Frame | None:
@@ -288,20 +315,27 @@ class Policy:
         if group in self._in_flight:
             return None
         rows = [_row((s.slot, s.request.id, s.prompt_len + len(s.output) - 1, DECODE, s.output[-1], True,
-                      s.request.sampling)) for s in self._groups[group] if s.output and not s.replaying]
+                      s.request.sampling, -1)) for s in self._groups[group] if s.output and not s.replaying]
         decoding = len(rows)  # the decode rows come first, one per decoding stream
         window, prefilling = self.prefill_window, self._prefilling[group]
         while window and prefilling:
             s = prefilling[0]
             target = s.prompt_len + len(s.output)  # the next token is sampled from the row of its last position
             end = min(target, s.prefilled + window)
-            rows += [_row((s.slot, s.request.id, pos, PREFILL, token, pos == target - 1, s.request.sampling))
+            if s.choices and end == target and s.prefilled < target - 1:
+                end = target - 1  # its choices fork it as it stands before its last row: that goes in the next frame
+            rows += [_row((s.slot, s.request.id, pos, PREFILL, token, pos == target - 1, s.request.sampling, -1))
                      for pos, token in zip(range(s.prefilled, end), s.tokens(s.prefilled, end))]
             window -= end - s.prefilled
             s.prefilled = end
-            if end == target:
-                prefilling.popleft()
-                s.replaying = False
+            if end < target:
+                break
+            prefilling.popleft()
+            s.replaying = False
+            if s.choices:
+                rows += self._forks(s, target)
+                window = max(0, window - len(s.choices))
+                s.choices = []
         if not rows:
             return None
         drafted = False
@@ -359,9 +393,11 @@ class Policy:
         """Stop a request: a waiting one leaves the queue; a stream gives its slot back now, or, when a frame in
         flight holds its rows, as soon as that frame completes (the nodes are still writing its state), its token
         from that frame dropped. Nothing for a request that already finished, was rejected or was cancelled."""
-        for i, request in enumerate(self._waiting):
-            if request.id == request_id:
-                del self._waiting[i]
+        for i, choices in enumerate(self._waiting):
+            if any(request.id == request_id for request in choices):
+                self._waiting[i] = tuple(request for request in choices if request.id != request_id)
+                if not self._waiting[i]:
+                    del self._waiting[i]
                 return [Finished(request_id, None, CANCELLED, 0)]
         stream = self._streams.get(request_id)
         if stream is None or request_id in self._cancelling:
@@ -390,28 +426,32 @@ class Policy:
                 raise ValueError(f"the streams hold {self._holdings(kv_pools)} K/V blocks, more than the pools' "
                                  f"{[pool.blocks for pool in kv_pools]}")
             self.kv_pools, self.held_blocks = tuple(kv_pools), self._holdings(kv_pools)
-            for request in list(self._waiting):
-                if (too_big := self._too_big(request)) is not None:
-                    self._waiting.remove(request)
-                    events.append(too_big)
+            for choices in list(self._waiting):
+                if (too_big := self._too_big(choices)) is not None:
+                    self._waiting.remove(choices)
+                    events += too_big
         for group, streams in enumerate(self._groups):
             for stream in streams:
                 stream.prefilled, stream.replaying = 0, bool(stream.output)
-            self._prefilling[group] = deque(streams)
+            self._prefilling[group] = deque(s for s in streams if s.source is None)  # the others fork theirs
         return events + self._admit()
 
     # ---- internals ----------------------------------------------------------------------------------------------
-    def _too_big(self, request: Request) -> Rejected | None:
-        """The rejection of a request more than some node's whole pool can hold; None if every pool can."""
+    def _too_big(self, choices: Sequence[Request]) -> list[Rejected] | None:
+        """The rejections of the choices of a prompt more than some node's whole pool can hold (each is counted
+        whole: a choice outlives the one it shares its prompt's blocks with, if that finishes first); None if every
+        pool can."""
+        request = choices[0]
         needed = len(request.prompt_ids) + request.max_new_tokens
         for pool, blocks in zip(self.kv_pools, self._blocks(request)):
-            if blocks > pool.blocks:
+            if len(choices) * blocks > pool.blocks:
                 rings = f" (with {pool.ring_blocks} for its rings)" if pool.ring_blocks else ""
                 room = f" ({(pool.blocks - pool.ring_blocks) * self.kv_block} positions)" if pool.paged else ""
-                return Rejected(request.id, f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                                            f"({request.max_new_tokens}) = {needed} positions need {blocks} K/V "
-                                            f"blocks of {self.kv_block}{rings}, more than a node's pool of "
-                                            f"{pool.blocks}{room}")
+                each = f" each, {len(choices)} choices" if len(choices) > 1 else ""
+                reason = (f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) = "
+                          f"{needed} positions need {blocks} K/V blocks of {self.kv_block}{rings}{each}, more than "
+                          f"a node's pool of {pool.blocks}{room}")
+                return [Rejected(choice.id, reason) for choice in choices]
         return None
 
     def _blocks(self, request: Request, kv_pools: Sequence[KVPool] | None = None) -> list[int]:
@@ -428,8 +468,9 @@ class Policy:
             held = [h + b for h, b in zip(held, self._blocks(stream.request, kv_pools))]
         return held
 
-    def _has_room(self, request: Request) -> bool:
-        return all(h + b <= pool.blocks for pool, h, b in zip(self.kv_pools, self.held_blocks, self._blocks(request)))
+    def _has_room(self, choices: Sequence[Request]) -> bool:
+        return all(h + len(choices) * b <= pool.blocks
+                   for pool, h, b in zip(self.kv_pools, self.held_blocks, self._blocks(choices[0])))
 
     def _take(self, stream: _Stream, token: int, events: list[Event]) -> str | None:
         """A stream's next token, its event added to `events`; why the stream is finished with it (None: it is not).
@@ -466,29 +507,51 @@ class Policy:
             left = stream.request.max_new_tokens - len(stream.output) - 1  # tokens after this row's
             drafts = self.speculation.drafts(stream.request.id, stream.request.prompt_ids, stream.output,
                                              min(room, left))
-            with_drafts += [_row((row.slot, row.request_id, row.position + 1 + i, DRAFT, token, True, row.sampling))
-                            for i, token in enumerate(drafts)]
+            with_drafts += [_row((row.slot, row.request_id, row.position + 1 + i, DRAFT, token, True, row.sampling,
+                                  -1)) for i, token in enumerate(drafts)]
             room -= len(drafts)
         return with_drafts + rows[decoding:]
 
     def _admit(self) -> list[Event]:
         events: list[Event] = []
-        while self._waiting and self._free_slots and self._has_room(self._waiting[0]):
-            request = self._waiting.popleft()
-            self.held_blocks = [h + b for h, b in zip(self.held_blocks, self._blocks(request))]
-            slot = heapq.heappop(self._free_slots)
+        while self._waiting and len(self._free_slots) >= len(self._waiting[0]) and self._has_room(self._waiting[0]):
+            choices = self._waiting.popleft()
             group = min(range(self.n_groups), key=lambda g: (len(self._groups[g]), g))
-            stream = _Stream(request, slot, group, len(request.prompt_ids))
-            self._groups[group].append(stream)
-            self._prefilling[group].append(stream)
-            self._streams[request.id] = stream
-            events.append(Admitted(request.id, slot, group))
+            source = None
+            for request in choices:
+                self.held_blocks = [h + b for h, b in zip(self.held_blocks, self._blocks(request))]
+                slot = heapq.heappop(self._free_slots)
+                stream = _Stream(request, slot, group, len(request.prompt_ids), source=source)
+                self._groups[group].append(stream)
+                if source is None:
+                    self._prefilling[group].append(stream)
+                    source = stream
+                else:
+                    source.choices.append(stream)
+                self._streams[request.id] = stream
+                events.append(Admitted(request.id, slot, group))
         return events
+
+    def _forks(self, source: _Stream, target: int) -> list[Row]:
+        """The rows of the last prompt position of `source`'s choices, each starting its stream as a copy of
+        `source`'s before that row (none to copy for a one-token prompt)."""
+        rows = []
+        for choice in source.choices:
+            rows.append(_row((choice.slot, choice.request.id, target - 1, PREFILL, choice.request.prompt_ids[-1], True,
+                              choice.request.sampling, source.slot if target > 1 else -1)))
+            choice.prefilled, choice.source = target, None
+        return rows
 
     def _release(self, stream: _Stream, reason: str) -> Finished:
         self._groups[stream.group].remove(stream)
         if stream in self._prefilling[stream.group]:  # cancelled before its prompt was all sent
             self._prefilling[stream.group].remove(stream)
+        if stream.source is not None:  # a choice cancelled before it forked
+            stream.source.choices.remove(stream)
+        for choice in stream.choices:  # ... and those of a stream cancelled before they forked it: on their own
+            choice.source = None
+            self._prefilling[stream.group].append(choice)
+        stream.choices = []
         del self._streams[stream.request.id]
         self._cancelling.discard(stream.request.id)
         if self.speculation is not None:

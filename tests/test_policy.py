@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from cascadia.policy import (CANCELLED, DECODE, LENGTH, PREFILL, STOP, Admitted, Finished, KVPool, Policy, Rejected,
                              Request, Row, Token, padded_size)
+from cascadia.sampling import Sampling
 
 
 def policy(n_groups=1, max_streams=4, prefill_window=8, row_buckets=(2, 8), context_budget=64):
@@ -320,13 +321,19 @@ def test_cancels_at_random_moments_free_every_slot_and_silence_the_stream(reques
 
 # ---- replay: the nodes lost every stream's state ------------------------------------------------------------------
 class FakeModel:
-    """A stage that samples from its streams' tokens: a row at position 0 starts its slot afresh (as a stage does),
-    and each sampled token is a hash of the tokens its stream holds, so any state a replay got wrong shows."""
+    """A stage that samples from its streams' tokens: a row at position 0 starts its slot afresh (as a stage does), a
+    row that forks another slot starts it as a copy of that one as it stands before the frame, and each sampled
+    token is a hash of the stream's seed and the tokens it holds, so any state a replay or fork got wrong shows."""
 
     def __init__(self):
         self.tokens: dict[int, list[int]] = {}
+        self.rows = 0  # computed
 
     def run(self, frame):
+        for row in frame.rows:
+            if row.fork >= 0:
+                assert len(self.tokens[row.fork]) == row.position, "a fork of a stream not where it stands"
+                self.tokens[row.slot] = self.tokens[row.fork][:]
         sampled = []
         for row in frame.rows:
             held = self.tokens.setdefault(row.slot, [])
@@ -335,17 +342,19 @@ class FakeModel:
             assert row.position == len(held), "a row not at its stream's next position"
             held.append(row.token)
             if row.sampled:
-                sampled.append(zlib.crc32(bytes(str(held), "ascii")) % 50)
+                sampled.append(zlib.crc32(bytes(str((row.sampling.seed, held)), "ascii")) % 50)
+        self.rows += len(frame.rows)
         return sampled
 
 
-def serve_all(requests, n_groups, max_streams, replay_at=frozenset(), draw=lambda options: options[0]):
-    """Every request through a policy and FakeModel; with `replay_at`, the nodes lose their state (`replay`, and a
-    fresh FakeModel) after those frame completions. Each request's output tokens."""
+def serve_all(requests, n_groups, max_streams, replay_at=frozenset(), draw=lambda options: options[0], rows=None):
+    """Every request through a policy and FakeModel (a list of requests: the choices of one prompt); with
+    `replay_at`, the nodes lose their state (`replay`, and a fresh FakeModel) after those frame completions. Each
+    request's output tokens; the rows computed added to `rows`."""
     p = Policy(n_groups, max_streams, 3, (2, 8, 16), context_budget=40)
     model, outputs, in_flight, completions = FakeModel(), {}, {}, 0
     for request in requests:
-        p.add_request(request)
+        p.add_choices(request) if isinstance(request, list) else p.add_request(request)
     while not p.done:
         for g in range(n_groups):
             if (f := p.next_frame(g)) is not None:
@@ -359,6 +368,8 @@ def serve_all(requests, n_groups, max_streams, replay_at=frozenset(), draw=lambd
             in_flight.clear()  # frames in flight are lost with the node
             model = FakeModel()
             p.replay()
+    if rows is not None:
+        rows.append(model.rows)
     return outputs
 
 
@@ -402,3 +413,76 @@ def test_a_replay_prefills_each_stream_again_then_decodes():
     rest = p.next_frame(0)
     assert [(r.position, r.token, r.sampled) for r in rest.rows] == [(4, 8, True)]
     assert p.complete_frame(rest, [3]) == [Token(0, 3, 2)]
+
+
+# ---- choices of one prompt ------------------------------------------------------------------------------------------
+def choices(first_id, prompt, max_new_tokens, n, **sampling):
+    return [Request(first_id + i, prompt, max_new_tokens, sampling=Sampling(seed=first_id + i, **sampling))
+            for i in range(n)]
+
+
+def test_choices_of_a_prompt_fork_the_first_before_its_last_row():
+    p = policy(prefill_window=8)
+    assert p.add_choices(choices(1, (11, 12, 13, 14), 2, 3)) == [Admitted(1, 0, 0), Admitted(2, 1, 0),
+                                                                 Admitted(3, 2, 0)]
+    f = p.next_frame(0)
+    assert shape(f)[2] == [(1, 0, PREFILL, 11, False), (1, 1, PREFILL, 12, False), (1, 2, PREFILL, 13, False)]
+    assert p.complete_frame(f, []) == []
+    f = p.next_frame(0)
+    assert [(r.slot, r.request_id, r.position, r.token, r.sampled, r.fork) for r in f.rows] == [
+        (0, 1, 3, 14, True, -1), (1, 2, 3, 14, True, 0), (2, 3, 3, 14, True, 0)]
+    assert p.complete_frame(f, [40, 41, 42]) == [Token(1, 40, 0), Token(2, 41, 0), Token(3, 42, 0)]
+    f = p.next_frame(0)
+    assert shape(f)[2] == [(1, 4, DECODE, 40, True), (2, 4, DECODE, 41, True), (3, 4, DECODE, 42, True)]
+    # a one-token prompt: nothing to fork, every choice starts at position 0 in the first frame
+    p = policy()
+    p.add_choices(choices(1, (11,), 2, 2))
+    assert [(r.request_id, r.position, r.sampled, r.fork) for r in p.next_frame(0).rows] == [(1, 0, True, -1),
+                                                                                            (2, 0, True, -1)]
+
+
+def test_choices_wait_for_slots_and_blocks_for_all_of_them_and_are_rejected_together():
+    p = Policy(1, 3, 8, (2, 8), context_budget=64, kv_pools=[KVPool(9)], kv_block=8)
+    p.add_request(Request(0, tuple(range(20)), 4))  # 3 blocks, a slot
+    assert p.add_choices(choices(1, (5, 6), 10, 2)) == [Admitted(1, 1, 0), Admitted(2, 2, 0)]  # 2 blocks each
+    assert p.add_choices(choices(3, (5, 6), 10, 2)) == [] and p.waiting == 2  # no slot for them
+    p.cancel(0)
+    assert p.waiting == 2  # one slot free, not two
+    assert p.add_choices(choices(5, tuple(range(30)), 10, 3)) == [
+        Rejected(i, "prompt (30 tokens) + max_new_tokens (10) = 40 positions need 5 K/V blocks of 8 each, 3 choices, "
+                    "more than a node's pool of 9 (72 positions)") for i in (5, 6, 7)]
+    with pytest.raises(ValueError, match="request 9 is not a choice of request 8's prompt"):
+        p.add_choices([Request(8, (1, 2), 3), Request(9, (1, 3), 3)])
+    with pytest.raises(ValueError, match="4 choices of one prompt need as many slots, more than max_streams"):
+        p.add_choices(choices(10, (1, 2), 3, 4))
+
+
+def test_a_choice_cancelled_before_it_forks_and_choices_of_a_cancelled_first_go_on():
+    p = policy(prefill_window=2)
+    p.add_choices(choices(1, (11, 12, 13, 14), 3, 3))
+    p.complete_frame(p.next_frame(0), [])  # positions 0, 1 of request 1
+    assert p.cancel(2) == [Finished(2, 1, CANCELLED, 0)]
+    assert [(r.request_id, r.position, r.fork) for r in p.next_frame(0).rows] == [(1, 2, -1)]
+    p = policy(prefill_window=2)
+    p.add_choices(choices(1, (11, 12, 13, 14), 3, 3))
+    p.complete_frame(p.next_frame(0), [])
+    assert p.cancel(1) == [Finished(1, 0, CANCELLED, 0)]
+    assert [(r.request_id, r.position, r.fork) for r in p.next_frame(0).rows] == [(2, 0, -1), (2, 1, -1)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(families=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(1, 3)), min_size=1, max_size=6),
+       n_groups=st.integers(1, 3), max_streams=st.integers(3, 5), replay_at=st.sets(st.integers(1, 40), max_size=3),
+       data=st.data())
+def test_each_choice_gets_the_tokens_of_its_request_alone_its_prompt_computed_once(families, n_groups, max_streams,
+                                                                                   replay_at, data):
+    """Choices of a prompt (each with its seed) give the tokens of the same requests served one by one, frames
+    coming back in any order, through replays at any moment; without replays, each prompt is computed once and
+    one row more per further choice."""
+    asked = [choices(10 * i, tuple(range(1 + i, 1 + i + n)), m, k) for i, (n, m, k) in enumerate(families)]
+    alone, shared = [], []
+    expected = serve_all([r for family in asked for r in family], n_groups, max_streams, rows=alone)
+    assert serve_all(asked, n_groups, max_streams, rows=shared) == expected
+    assert alone[0] - shared[0] == sum((len(f) - 1) * (len(f[0].prompt_ids) - 1) for f in asked)
+    draw = lambda options: data.draw(st.sampled_from(options))  # noqa: E731 (frames come back in any order)
+    assert serve_all(asked, n_groups, max_streams, replay_at, draw) == expected

@@ -177,6 +177,53 @@ def test_sampled_replies_depend_on_the_seed(client):
     assert draw(3) == draw(3) and draw(3) != draw(4)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_the_replies_of_n_requests_seeded_one_after_another(client, stream):
+    """Three choices of one prompt, computed once (the nodes fork its state for the second and third), each the
+    reply of a request of its own with seed 7, 8 or 9; streamed, each chunk names its choice. Greedy choices are
+    the same reply, and the usage counts every choice's tokens."""
+    ask = {"model": "tiny", "prompt": [5, 9, 3, 17, 2, 11], "max_tokens": 10, "temperature": 1.0,
+           "extra_body": {"ignore_eos": True}}
+    alone = [client.completions.create(**ask, seed=seed).choices[0].text for seed in (7, 8, 9)]
+    assert len(set(alone)) == 3
+    if stream:
+        texts, finished = ["", "", ""], [None] * 3
+        for chunk in client.completions.create(**ask, seed=7, n=3, stream=True,
+                                               stream_options={"include_usage": True}):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                finished[choice.index] = choice.finish_reason or finished[choice.index]
+            usage = chunk.usage
+        assert texts == alone and finished == ["length"] * 3 and usage.completion_tokens == 30
+    else:
+        reply = client.completions.create(**ask, seed=7, n=3)
+        assert [c.index for c in reply.choices] == [0, 1, 2]
+        assert [c.text for c in reply.choices] == alone and reply.usage.completion_tokens == 30
+    greedy = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, n=2,
+                                            stream=stream)
+    if stream:
+        contents = ["", ""]
+        for chunk in greedy:
+            for choice in chunk.choices:
+                contents[choice.index] += choice.delta.content or ""
+    else:
+        contents = [choice.message.content for choice in greedy.choices]
+    assert contents[0] == contents[1] == client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=6, temperature=0).choices[0].message.content
+
+
+def test_n_choices_each_echo_the_prompt_with_its_log_probabilities(client):
+    """The prompt is computed by the first choice alone, yet every choice echoes it with its log-probabilities."""
+    reply = client.completions.create(model="tiny", prompt=[5, 9, 3, 17], max_tokens=3, temperature=1.0, seed=4,
+                                      n=2, echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    alone = client.completions.create(model="tiny", prompt=[5, 9, 3, 17], max_tokens=3, temperature=1.0, seed=5,
+                                      echo=True, logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    first, second = reply.choices
+    assert first.logprobs.token_logprobs[:4] == second.logprobs.token_logprobs[:4] == alone.logprobs.token_logprobs[:4]
+    assert first.logprobs.token_logprobs[0] is None and None not in first.logprobs.token_logprobs[1:]
+    assert second.text == alone.text and second.logprobs.top_logprobs == alone.logprobs.top_logprobs
+
+
 @pytest.mark.parametrize("limit", [{"top_k": 1}, {"min_p": 1.0}])
 def test_a_draw_limited_to_the_likeliest_token_is_greedy(client, limit):
     """top_k 1, or min_p 1 (only tokens as likely as the likeliest), leave the draw one token: the greedy one."""
@@ -458,7 +505,8 @@ def test_cancel_by_id_ends_a_stream_with_its_reason(one_slot):
 BAD = [
     ({"content": b"{not json"}, 400, "not valid JSON"),
     ({"json": {"messages": MESSAGES, "bogus": 1}}, 400, "unknown parameter 'bogus'"),
-    ({"json": {"messages": MESSAGES, "n": 2}}, 400, "only one choice"),
+    ({"json": {"messages": MESSAGES, "n": 17}}, 400, "n: 17 choices need as many stream slots at once, more than "
+                                                      "this server's 16"),
     ({"json": {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f g"}}]}}, 400,
      "tools.0.function.name: String should match pattern"),
     ({"json": {"messages": MESSAGES, "temperature": 5}}, 400, "temperature"),

@@ -1,5 +1,6 @@
 """`cascadia serve` losing a node: the chaos test (3 local nodes and a spare; kill -9 a stage's node at a random
-moment under 24 streaming clients, greedy and sampled, a random stage then each in turn; every request completes
+moment under 24 streaming clients, greedy and sampled, six of them asking two choices, a random stage then each in
+turn; every request completes
 with the tokens of the single-process engine, but for f32 rounding at a sampled draw: `assert_the_engines_texts`),
 a frozen node (SIGSTOP) caught by the stall timeout and started again, a tcp spare taking a stage and then the
 survivors taking the model over with a new plan, tcp nodes whose stage is down (no spare, no room to re-plan)
@@ -47,11 +48,17 @@ def prompt(i: int) -> list[int]:
     return [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11]
 
 
-def sampling(i: int, eos: tuple[int, ...] = ()) -> Sampling:
-    """Even clients greedy, odd ones sampled with a seed of their own; every third (from client 1) with its logits
-    changed by its tokens so far (penalties, a bias, min_tokens holding `eos` back), every sixth (from client 5) held
-    to any JSON object: state the last stage rebuilds in a replay."""
-    drawn = Sampling() if i % 2 == 0 else Sampling(temperature=1.0, top_p=0.9, seed=i, top_k=50, min_p=0.01)
+def choices(i: int) -> int:
+    """Every fourth client (from client 3: sampled) asks for two choices of its prompt, which the nodes compute once
+    and fork; a replay rebuilds each on its own."""
+    return 2 if i % 4 == 3 else 1
+
+
+def sampling(i: int, eos: tuple[int, ...] = (), choice: int = 0) -> Sampling:
+    """Even clients greedy, odd ones sampled with a seed of their own (a further choice with the next seed); every
+    third (from client 1) with its logits changed by its tokens so far (penalties, a bias, min_tokens holding `eos`
+    back), every sixth (from client 5) held to any JSON object: state the last stage rebuilds in a replay."""
+    drawn = Sampling() if i % 2 == 0 else Sampling(temperature=1.0, top_p=0.9, seed=i + choice, top_k=50, min_p=0.01)
     if i % 3 == 1:
         return attrs.evolve(drawn, adjust=LogitAdjustments(len(prompt(i)), 5, eos, ((7 + i, 2.0),), 1.2, 0.3, 0.2))
     if i % 6 == 5:
@@ -59,19 +66,22 @@ def sampling(i: int, eos: tuple[int, ...] = ()) -> Sampling:
     return drawn
 
 
-def engine_tokens(engine: Engine, spec, checkpoint: Path, i: int) -> list[int]:
-    """Client i's tokens from the single-process engine."""
+def engine_tokens(engine: Engine, spec, checkpoint: Path, i: int, choice: int) -> list[int]:
+    """The tokens of client i's choice from the single-process engine."""
     cfg = spec.model.config
-    return list(generate(engine, prompt(i), TOKENS, sampling(i, tuple(sorted(cfg.eos_ids))),
+    return list(generate(engine, prompt(i), TOKENS, sampling(i, tuple(sorted(cfg.eos_ids)), choice),
                          vocabulary=vocabulary(checkpoint, cfg.output_vocab_size, cfg.eos_ids)).ids)
 
 
+EVERY_CHOICE = [(i, choice) for i in range(STREAMS) for choice in range(choices(i))]
+
+
 def engine_texts(spec, checkpoint: Path) -> list[str]:
-    """Every client's text, from the single-process engine."""
+    """Every client's texts (one per choice, in `EVERY_CHOICE`'s order), from the single-process engine."""
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     tokenizer = load_tokenizer(checkpoint)
-    return [tokenizer.decode(engine_tokens(engine, spec, checkpoint, i), skip_special_tokens=True)
-            for i in range(STREAMS)]
+    return [tokenizer.decode(engine_tokens(engine, spec, checkpoint, i, choice), skip_special_tokens=True)
+            for i, choice in EVERY_CHOICE]
 
 
 @pytest.fixture(scope="module")
@@ -81,23 +91,23 @@ def expected(spec, checkpoint) -> list[str]:
 
 @pytest.fixture(scope="module")
 def expected_logprobs(spec, checkpoint) -> list[list[float]]:
-    """Each client's tokens' log-probabilities, as `cascadia score` gives them on the single-process engine."""
+    """Each choice's tokens' log-probabilities, as `cascadia score` gives them on the single-process engine."""
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     logprobs = []
-    for i in range(STREAMS):
-        ids = engine_tokens(engine, spec, checkpoint, i)
+    for i, choice in EVERY_CHOICE:
+        ids = engine_tokens(engine, spec, checkpoint, i, choice)
         rows = scored_log_softmax(engine, prompt(i), ids)[len(prompt(i)) - 1:]
         logprobs.append([row[token] for row, token in zip(rows, ids)])
     return logprobs
 
 
 async def stream_all(url: str, during=None, model: str = "tiny", logprobs: bool = False) -> list:
-    """STREAMS streaming completions at once, each its text (with `logprobs`: and its tokens' log-probabilities);
-    `during` runs once the first tokens came."""
+    """STREAMS streaming completions at once, each choice's text (with `logprobs`: and its tokens'
+    log-probabilities) in `EVERY_CHOICE`'s order; `during` runs once the first tokens came."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     first = asyncio.Event()
 
-    async def one(i: int) -> str:
+    async def one(i: int) -> list:
         drawn = sampling(i)
         options = {"temperature": 0} if drawn.greedy else {"temperature": drawn.temperature, "top_p": drawn.top_p,
                                                              "seed": drawn.seed}
@@ -109,21 +119,22 @@ async def stream_all(url: str, during=None, model: str = "tiny", logprobs: bool 
                        "repetition_penalty": adjust.repetition_penalty, "min_tokens": adjust.min_tokens,
                        "logit_bias": dict(adjust.logit_bias)}
         stream = await client.completions.create(model=model, prompt=prompt(i), max_tokens=TOKENS, stream=True,
-                                                 logprobs=2 if logprobs else None,
+                                                 logprobs=2 if logprobs else None, n=choices(i),
                                                  extra_body={"ignore_eos": True, **limits}, **options)
-        pieces, values = [], []
+        texts, values = [""] * choices(i), [[] for _ in range(choices(i))]
         async for chunk in stream:
             first.set()
-            pieces.append(chunk.choices[0].text)
-            values += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []
-        return ("".join(pieces), values) if logprobs else "".join(pieces)
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                values[choice.index] += choice.logprobs.token_logprobs if choice.logprobs else []
+        return list(zip(texts, values)) if logprobs else texts
 
     async with client:
         tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
         if during is not None:
             await first.wait()
             await during()
-        return await asyncio.gather(*tasks)
+        return [each for one_client in await asyncio.gather(*tasks) for each in one_client]
 
 
 def metric(url: str, name: str) -> dict:
@@ -150,7 +161,7 @@ def standing_by(url: str) -> list[str]:
 
 
 def assert_the_engines_texts(texts: list[str], expected: list[str]) -> None:
-    """Every client's text, greedy or sampled, is the single-process engine's: a replay computes each row of a stream
+    """Every choice's text, greedy or sampled, is the single-process engine's: a replay computes each row of a stream
     bit for bit as its decode step did, whatever else its calls hold (tests/test_row_invariance.py), and a draw
     depends only on the stream's seed and tokens. (Before the engine computed a row independently of its call, a
     sampled stream could part at f32 rounding, about one run in twenty.)"""

@@ -79,13 +79,14 @@ class WrongDrafter(ReplayDrafter):
 
 def serve(stage: EngineStage, runtime, requests, n_groups: int, drafter=None, seed: int = 0,
           reported: dict | None = None):
-    """Every request at once (each a stream); frames of the groups in flight are computed in a random order. Each
-    request's tokens, and the frames; into `reported`, each request's Logprobs, token by token."""
+    """Every request at once (each a stream; a list: the choices of one prompt); frames of the groups in flight are
+    computed in a random order. Each request's tokens, and the frames; into `reported`, each request's Logprobs,
+    token by token."""
     policy = Policy.for_runtime(attrs.evolve(runtime, speculate="ngram:4" if drafter else None), n_groups,
                                  drafter=drafter)
     rng, outputs, frames, in_flight = random.Random(seed), {}, [], {}
     for request in requests:
-        policy.add_request(request)
+        policy.add_choices(request) if isinstance(request, list) else policy.add_request(request)
     while not policy.done:
         for frame in policy.next_frames():
             in_flight[frame.group] = frame
@@ -164,6 +165,32 @@ def test_penalties_bias_and_min_tokens_stay_exact_through_speculation(spec, chec
     recorded = {r.prompt_ids: expected[r.id] for r in requests}
     for drafter in (ReplayDrafter(recorded), WrongDrafter(recorded)):
         assert serve(speculative, spec.runtime, requests, 3, drafter, seed=4)[0] == expected, type(drafter).__name__
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_choices_of_a_prompt_forked_at_the_stage_are_its_requests_alone_speculating_or_not(spec, checkpoint, plain,
+                                                                                          speculative, sampled):
+    """Three choices of each of four prompts (every logit adjustment on, the seeds one after another): the stage
+    computes each prompt once and forks its state, and each choice gets the tokens of its request served alone and
+    of `cascadia generate`; speculating too (drafts of the first choice's tokens: all of its accepted, most of the
+    others' rejected)."""
+    families = []
+    for r in repetitive_requests(4, sampled, long_every=3):
+        adjust = LogitAdjustments(len(r.prompt_ids), min_tokens=2, stop_ids=(1, 2), logit_bias=((5, 3.0),),
+                                  repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)
+        families.append([attrs.evolve(r, id=10 * r.id + c, sampling=attrs.evolve(r.sampling, adjust=adjust,
+                                                                                  seed=r.sampling.seed + c))
+                         for c in range(3)])
+    alone, _ = serve(plain, spec.runtime, [r for family in families for r in family], 3)
+    forked, frames = serve(plain, spec.runtime, families, 3)
+    assert forked == alone
+    assert sum(row.fork >= 0 for f in frames for row in f.rows) == 8
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    assert alone == {r.id: list(generate(engine, r.prompt_ids, r.max_new_tokens, r.sampling).ids)
+                     for family in families for r in family}
+    assert sampled == (alone[0] != alone[1])
+    drafter = ReplayDrafter({family[0].prompt_ids: alone[family[0].id] for family in families})
+    assert serve(speculative, spec.runtime, families, 3, drafter, seed=5)[0] == alone
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -354,3 +381,24 @@ def test_a_frame_stepping_back_further_than_its_state_allows_is_foreign(speculat
     assert all(np.array_equal(s.conv_kv, kept) for s, kept in zip(engine.states, before[2]))
     speculative.process(frame(3, [7], [1]))  # 2 back: taken
     engine.release(5)
+
+
+def test_a_fork_of_a_stream_not_where_it_stands_is_foreign(plain):
+    """A row that forks slot 5 at a position other than its length, or with logit adjustments when the stage keeps
+    no tokens of slot 5, is refused before anything changes."""
+    def frame(seq, slots, positions, forks=None, adjustments=None):
+        n = len(slots)
+        return WireFrame(seq, 0, slots, positions, [3] * n, [True] * n, forks=forks, adjustments=adjustments or {})
+
+    engine = plain.engine
+    plain.process(frame(0, [5] * 6, range(6)))
+    before = engine.lengths.copy(), engine.pool.free
+    with pytest.raises(ForeignFrame, match="slot 6 forks slot 5 at position 5, where that stream stands at 6"):
+        plain.process(frame(1, [6], [5], forks=[5]))
+    with pytest.raises(ForeignFrame, match="slot 6 forks slot 5, whose tokens this stage does not keep"):
+        plain.process(frame(1, [6], [6], forks=[5], adjustments={6: LogitAdjustments(6, min_tokens=2)}))
+    assert np.array_equal(engine.lengths, before[0]) and engine.pool.free == before[1]
+    plain.process(frame(1, [5, 6], [6, 6], forks=[-1, 5]))
+    assert engine.lengths[5] == engine.lengths[6] == 7
+    engine.release(5)
+    engine.release(6)

@@ -314,11 +314,25 @@ def test_targets_name_the_next_token_of_rows_not_sampled():
             decode(as_bytes(encode(attrs.evolve(frame, targets=targets), 0, 1)))
 
 
+def test_forks_name_the_slot_a_stream_starts_as_a_copy_of():
+    frame = Frame(1, 0, [3, 4, 5], [20, 20, 20], [7, 7, 7], [True, True, True], forks=[-1, 3, 3],
+                  adjustments={4: LogitAdjustments(prompt_tokens=21, min_tokens=2)})
+    decoded = decode(as_bytes(encode(frame, 0, 1))).message
+    assert decoded.forks.tolist() == [-1, 3, 3] and decoded.forked() == [(4, 3, 20), (5, 3, 20)]
+    assert decoded.starting.tolist() == [False, True, True] and list(decoded.adjustments) == [4]
+    assert Frame(1, 0, [4], [0], [5], [False]).forked() == []
+    for forks in ([-1, 4, 3], [-2, 3, 3]):  # a stream forking itself; below -1
+        with pytest.raises(WireError, match="forks: each is another row's slot or -1"):
+            decode(as_bytes(encode(attrs.evolve(frame, forks=forks), 0, 1)))
+    with pytest.raises(WireError, match=r"adjustments: for slots \[3\], where no stream starts"):
+        decode(as_bytes(encode(attrs.evolve(frame, adjustments={3: LogitAdjustments(prompt_tokens=21)}), 0, 1)))
+
+
 def test_decoded_arrays_view_the_received_buffers():
     residual = np.arange(8, dtype=np.float32).reshape(2, 4)
     parts = as_bytes(encode(Frame(1, 0, [0, 1], [0, 0], [1, 2], [True, False], residual), 0, 1))
     frame = decode(parts).message
-    assert np.shares_memory(frame.residual, np.frombuffer(parts[13], np.uint8))
+    assert np.shares_memory(frame.residual, np.frombuffer(parts[14], np.uint8))
     assert not frame.residual.flags.writeable
 
 

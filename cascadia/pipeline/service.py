@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -108,8 +108,9 @@ class PipelineService:
         self._thread.start()
 
     # ---- any thread -------------------------------------------------------------------------------------------
-    def submit(self, request: Request, on_event: OnEvent) -> None:
-        """Add a request; its events go to `on_event` (on the service thread)."""
+    def submit(self, request: Request | Sequence[Request], on_event: OnEvent) -> None:
+        """Add a request, or the choices of one prompt (`Policy.add_choices`); their events go to `on_event` (on
+        the service thread)."""
         self._command(("submit", request, on_event))
 
     def cancel(self, request_id: int) -> None:
@@ -323,11 +324,13 @@ class PipelineService:
 
     def _apply(self, command: tuple, coordinator) -> None:
         if command[0] == "submit":
-            _, request, on_event = command
-            self._listeners[request.id] = on_event
-            if request.sampling.prompt_logprobs and request.sampling.logprobs >= 0:
-                self._prompts[request.id] = request.prompt_ids
-            self._dispatch(self._policy.add_request(request), coordinator.now())
+            _, requests, on_event = command
+            requests = (requests,) if isinstance(requests, Request) else tuple(requests)
+            self._listeners.update((request.id, on_event) for request in requests)
+            first = requests[0]  # choices of one prompt: the first computes it
+            if first.sampling.prompt_logprobs and first.sampling.logprobs >= 0:
+                self._prompts[first.id] = first.prompt_ids
+            self._dispatch(self._policy.add_choices(requests), coordinator.now())
         elif command[0] == "cancel":
             self._dispatch(self._policy.cancel(command[1]), coordinator.now())
         else:  # "busy"

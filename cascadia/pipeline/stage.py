@@ -4,7 +4,8 @@ A frame's rows go through the engine in calls of at most its largest row bucket.
 token ids; the last applies the head to the rows it samples and returns their tokens (with their log-probabilities
 when a row asks for them, and their logits when scoring).
 A row at position 0 starts a new stream, so the stage resets that slot before computing: the data channel itself
-says when a slot is reused, and no message on the control channel can race with the new stream's first frame.
+says when a slot is reused, and no message on the control channel can race with the new stream's first frame. A row
+that forks another slot starts its stream as a copy of that one's as it stands (one prompt's choices).
 Before anything changes, a frame is checked against the stage's state as it would leave it (`ForeignFrame` for an
 unknown slot, a position its stream is not at, a bucket, width or token id the stage does not have): a stray or
 forged frame that cannot belong to the run is dropped by the node, never computed.
@@ -58,12 +59,16 @@ class RowSampler:
 
     def observe(self, frame: Frame) -> None:
         """Take in a frame's rows, in order."""
-        for slot in frame.slots[frame.positions == 0].tolist():  # a new stream there
+        for slot in frame.slots[frame.starting].tolist():  # a new stream there
             self._adjust.pop(slot, None)
             self._tokens.pop(slot, None)
             self._constraints.pop(slot, None)
         self._adjust.update(frame.adjustments)
         self._tokens.update((slot, []) for slot in frame.adjustments)
+        for slot, source, position in frame.forked():  # a choice of a prompt: its tokens so far are the source's
+            self._history[slot] = self._history[source]
+            if slot in self._tokens:
+                self._tokens[slot] = self._tokens[source][:position]
         for slot, adjust in frame.adjustments.items():
             if adjust.grammar is not None:
                 self._constraints[slot] = Constraint(self._grammar_vocabulary(), adjust.grammar)
@@ -80,6 +85,11 @@ class RowSampler:
                                             frame.positions[drawn].tolist(), frame.token_ids[drawn].tolist()):
             start = 0 if position == 0 else int(self._history[slot, (position - 1) % depth])
             self._history[slot, position % depth] = self._rows[i] = extend_history(start, [token])
+
+    def keeps_tokens(self, slot: int) -> bool:
+        """Whether the slot's stream's tokens are kept (for its adjustments), so that a choice that forks it and
+        adjusts its logits can start from them."""
+        return slot in self._tokens
 
     def sample(self, logits: np.ndarray, frame: Frame) -> np.ndarray:
         """One token per sampled row of the frame, from their logits [n, V]."""
@@ -142,6 +152,8 @@ class EngineStage:
         self._check(frame)
         for slot in np.unique(frame.slots[frame.positions == 0]).tolist():
             engine.release(slot)
+        for slot, source, _ in frame.forked():
+            engine.fork(source, slot)
         bucket = self._bucket(frame)
         parts = []
         for rows in self._calls(frame.rows):
@@ -193,6 +205,13 @@ class EngineStage:
             raise ForeignFrame(f"slot {frame.slots.max()} is not one of the stage's 0..{len(engine.lengths) - 1}")
         lengths, reach = engine.lengths.copy(), engine.reach.copy()
         lengths[frame.slots[frame.positions == 0]] = reach[frame.slots[frame.positions == 0]] = 0
+        for slot, source, position in frame.forked():
+            if lengths[source] != position:
+                raise ForeignFrame(f"slot {slot} forks slot {source} at position {position}, where that stream "
+                                   f"stands at {lengths[source]}")
+            if slot in frame.adjustments and self.sampler is not None and not self.sampler.keeps_tokens(source):
+                raise ForeignFrame(f"slot {slot} forks slot {source}, whose tokens this stage does not keep")
+            lengths[slot], reach[slot] = position, 0
         for rows in self._calls(frame.rows):
             try:
                 checked = engine.rows(frame.slots[rows], frame.positions[rows], self._bucket(frame), lengths, reach)

@@ -12,8 +12,9 @@ Kinds and their buffers (n = header rows, c = header cols):
                  -1: none), adjustments utf-8 (JSON: slot -> `cascadia.sampling.LogitAdjustments` of each stream
                  that starts in the frame and asks for them; empty: none), targets i32[n] (empty: none; for a row
                  not sampled, the token after it, whose log-probability the last stage reports: a prompt's own;
-                 -1: none), residual dtype[n, c] (c = 0: absent); the header's bucket is the row count every call
-                 of the frame's rows is padded to
+                 -1: none), forks i32[n] (empty: none; for a stream's first row, the slot whose stream it starts
+                 as a copy of, as that stands before the frame; -1: none), residual dtype[n, c] (c = 0: absent);
+                 the header's bucket is the row count every call of the frame's rows is padded to
   TOKENS         slots i32[n], token_ids i32[n], then for the m rows of the frame that report (sampled, or with a
                  target), in order: logprobs f64[m], top_ids i32[m, k], top_logprobs f64[m, k] (the log-probability
                  of the row's token or target, and of the k likeliest tokens; all three empty when no row asked for
@@ -54,7 +55,7 @@ from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 10
+VERSION = 11
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -140,10 +141,25 @@ class Frame:
     # [n] or None: the token after each row not sampled whose log-probability is reported (-1: none)
     targets: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
         lambda v: _vector(v, _I32)))
+    # [n] or None: for the first row of a stream that starts as a copy of another's, that one's slot (-1: none)
+    forks: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
+        lambda v: _vector(v, _I32)))
 
     def __attrs_post_init__(self) -> None:
         _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual", "temperature", "top_p", "seed",
-                          "top_k", "min_p", "logprobs", "targets"))
+                          "top_k", "min_p", "logprobs", "targets", "forks"))
+
+    @property
+    def starting(self) -> np.ndarray:
+        """[n] bool: the rows that start a stream: at position 0, or forking another."""
+        return _starting(self.positions, self.forks)
+
+    def forked(self) -> list[tuple[int, int, int]]:
+        """(slot, the slot it starts as a copy of, its first row's position) of each stream forking another."""
+        if self.forks is None:
+            return []
+        rows = np.flatnonzero(self.forks >= 0)
+        return list(zip(self.slots[rows].tolist(), self.forks[rows].tolist(), self.positions[rows].tolist()))
 
     @property
     def reporting(self) -> np.ndarray:
@@ -153,6 +169,10 @@ class Frame:
     @property
     def rows(self) -> int:
         return len(self.slots)
+
+
+def _starting(positions: np.ndarray, forks: np.ndarray | None) -> np.ndarray:
+    return positions == 0 if forks is None else (positions == 0) | (forks >= 0)
 
 
 @attrs.frozen(eq=False)
@@ -301,7 +321,7 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
                                         message.sample.view(np.uint8), message.temperature, message.top_p,
                                         message.seed, message.top_k, message.min_p, message.logprobs,
                                         _adjustments_json(message.adjustments), _payload(message.targets),
-                                        _payload(message.residual)]
+                                        _payload(message.forks), _payload(message.residual)]
         case Tokens():
             fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
             return Kind.TOKENS, fields, [message.slots, message.token_ids, *map(_payload, (
@@ -352,7 +372,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 13, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+_BUFFER_COUNTS = {Kind.FRAME: 14, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 2}
 
 
@@ -404,6 +424,15 @@ def _targets(buffer: memoryview, rows: int, sample: np.ndarray) -> np.ndarray | 
     if not ((targets >= -1) & ((targets == -1) | ~sample)).all():
         raise WireError("targets: each is a token id or -1, and -1 for a sampled row")
     return targets
+
+
+def _forks(buffer: memoryview, rows: int, slots: np.ndarray) -> np.ndarray | None:
+    if not buffer.nbytes:
+        return None
+    forks = _array(buffer, _I32, rows, "forks")
+    if not ((forks >= -1) & (forks != slots)).all():
+        raise WireError("forks: each is another row's slot or -1")
+    return forks
 
 
 def _reported(buffers: list[memoryview]) -> tuple:
@@ -459,11 +488,12 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             if not ((logprobs >= -1) & (logprobs <= MAX_LOGPROBS)).all():
                 raise WireError(f"logprobs: each must lie in -1..{MAX_LOGPROBS}")
             slots, positions = _indices(b[0], rows, "slots"), _indices(b[1], rows, "positions")
+            forks = _forks(b[12], rows, slots)
             return Frame(frame_id, group, slots, positions, _indices(b[2], rows, "token_ids"), sample.view(np.bool_),
-                         _payload_matrix(b[12], rows, cols, code, "residual"), bucket, temperature, top_p,
+                         _payload_matrix(b[13], rows, cols, code, "residual"), bucket, temperature, top_p,
                          _array(b[6], _U64, rows, "seed"), top_k, min_p, logprobs,
-                         _adjustments(b[10], set(slots[positions == 0].tolist())),
-                         _targets(b[11], rows, sample.view(np.bool_)))
+                         _adjustments(b[10], set(slots[_starting(positions, forks)].tolist())),
+                         _targets(b[11], rows, sample.view(np.bool_)), forks)
         case Kind.TOKENS:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
                           _payload_matrix(b[5], rows, cols, code, "logits"), *_reported(b[2:5]))

@@ -155,7 +155,8 @@ class _Generation(RequestBody):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    n: int = Field(1, ge=1, description="choices of the prompt, computed once (at most the server's max_streams); "
+                                        "with a seed, choice i draws as a request with seed + i does")
     user: str | None = None
     ignore_eos: bool = False
 
@@ -526,32 +527,35 @@ class Reply:
     def _head(self, suffix: str = "") -> dict:
         return {"id": self.id, "object": self._object + suffix, "created": self.created, "model": self.model}
 
-    def whole(self, text: str | None, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
-        """The whole response; `logprobs`: its choice's, when asked for (`cascadia.serve.logprobs`); `tool_calls`:
-        a chat reply's calls (`cascadia.serve.tools`), its finish reason then `tool_calls`."""
+    def choice(self, index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,
+               tool_calls: list[dict] | None = None) -> dict:
+        """One choice of the whole response; `logprobs`: its own, when asked for (`cascadia.serve.logprobs`);
+        `tool_calls`: a chat reply's calls (`cascadia.serve.tools`), its finish reason then `tool_calls`."""
         if self.chat:
             message = {"role": "assistant", "content": text} | ({"tool_calls": tool_calls} if tool_calls else {})
-            choice = {"index": 0, "message": message, "logprobs": logprobs,
-                      "finish_reason": "tool_calls" if tool_calls else finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return self._head() | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": "tool_calls" if tool_calls else finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def whole(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        """The whole response: its choices (`choice`), and the tokens of them all."""
+        return self._head() | {"choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              usage_so_far: dict | None = None, logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
-        """A stream chunk: a piece of text (None: none, as in the last chunk, which names the finish reason), with
-        its token's log-probabilities when asked for, and the usage so far when asked for on every chunk
-        (`continuous_usage_stats`); or a chat reply's call (`tool_call`: its delta, index included)."""
+              usage_so_far: dict | None = None, logprobs: dict | None = None, tool_call: dict | None = None,
+              index: int = 0) -> dict:
+        """A stream chunk of choice `index`: a piece of text (None: none, as in the last chunk, which names the
+        finish reason), with its token's log-probabilities when asked for, and the usage so far when asked for on
+        every chunk (`continuous_usage_stats`); or a chat reply's call (`tool_call`: its delta, index included)."""
         extra = {} if usage_so_far is None else {"usage": usage_so_far}
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else \
                 ({} if text is None else {"content": text})
             if tool_call is not None:
                 delta = {"tool_calls": [tool_call]}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._head(".chunk") | {"choices": [choice]} | extra
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return self._head() | {"choices": [choice]} | extra
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:

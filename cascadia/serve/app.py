@@ -1,12 +1,12 @@
 """The HTTP front end of `cascadia serve`: an OpenAI-compatible API (and Anthropic's Messages API) over a
 `PipelineService`, as a Starlette app (FastAPI routes and validation, server-sent events by sse-starlette).
 
-Every request becomes one stream of the shared policy, admitted the moment it arrives. Its events come from the
-service thread into the request's asyncio queue, and go out as one stream chunk per generated token (text held back
-while it ends inside a character or could begin a stop string: `TextStream`). A client that goes away, or
-`POST /v1/cancel/{id}`, cancels its stream; a stop string found in the text cancels it too, with finish reason
-"stop". Bad input gets an OpenAI-style error body and a 4xx, a full queue 429 with Retry-After, a server that is
-loading, failed or shutting down 503.
+Every request becomes one stream of the shared policy (`n` of them for `n` choices, which share its prompt's
+computation), admitted the moment it arrives. Its events come from the service thread into the stream's asyncio
+queue, and go out as one stream chunk per generated token (text held back while it ends inside a character or could
+begin a stop string: `TextStream`). A client that goes away, or `POST /v1/cancel/{id}`, cancels its streams; a stop
+string found in a choice's text cancels its stream too, with finish reason "stop". Bad input gets an OpenAI-style
+error body and a 4xx, a full queue 429 with Retry-After, a server that is loading, failed or shutting down 503.
 """
 
 from __future__ import annotations
@@ -74,11 +74,11 @@ class ApiError(Exception):
 
 
 class Generation:
-    """One request being served: the service's events for it, turned into text pieces."""
+    """One choice of a request being served (a stream): the service's events for it, turned into text pieces."""
 
     def __init__(self, server: Server, stream: StreamRequest, completion_id: str, stop: list[str],
-                 response_format: str | None = None):
-        self.server, self.stream, self.id = server, stream, completion_id
+                 response_format: str | None = None, index: int = 0):
+        self.server, self.stream, self.id, self.index = server, stream, completion_id, index  # index: its choice
         self.response_format = response_format  # the format a structured reply is held to (json_object, ...)
         self.text = TextStream(server.tokenizer, stop) if server.tokenizer else None
         self.tokens = 0
@@ -166,7 +166,7 @@ class Generation:
         self.finish_reason = reason
         if not self.admitted:
             self.server.waiting -= 1
-        self.server.open.pop(self.id, None)
+        self.server.open.pop(self.stream.id, None)
         self.server.metrics.requests.labels(reason).inc()
         if self.response_format is not None:
             self.server.metrics.structured.labels(self.response_format, reason).inc()
@@ -181,8 +181,8 @@ class Server:
                  chat: ChatTemplate | None, no_chat: str):
         self.service, self.settings = service, settings
         self.tokenizer, self.chat, self.no_chat = tokenizer, chat, no_chat
-        self.open: dict[str, Generation] = {}
-        self.waiting = 0  # submitted, not yet admitted
+        self.open: dict[int, Generation] = {}  # by stream id
+        self.waiting = 0  # streams submitted, not yet admitted
         self.draining = False  # shutting down: no new requests
         self.recent_tokens: deque[float] = deque()
         self.ids = itertools.count()
@@ -226,9 +226,9 @@ class Server:
             raise ApiError(400, f"token id {max(ids)} is beyond the vocabulary (0..{vocab - 1})", "invalid_request",
                            param=param)
 
-    def start(self, body: ChatRequest | CompletionRequest, id_prefix: str | None = None) -> Generation:
-        """Check a request against the model and the queue, and submit it (its id: `id_prefix` and a random part,
-        by default the prefix of its endpoint's objects)."""
+    def start(self, body: ChatRequest | CompletionRequest, id_prefix: str | None = None) -> list[Generation]:
+        """Check a request against the model and the queue, and submit it: one generation per choice (its id:
+        `id_prefix` and a random part, by default the prefix of its endpoint's objects)."""
         status = self.service.status()
         if self.draining or not status.accepting:
             why = "the server is shutting down" if self.draining else \
@@ -246,7 +246,11 @@ class Server:
             raise ApiError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({wanted or 1}) exceeds the "
                                 f"context length of {budget} positions", "context_length",
                            param="max_tokens" if wanted else "messages", code="context_length_exceeded")
-        if len(self.open) >= self.service.spec.runtime.max_streams + self.settings.max_waiting:
+        max_streams = self.service.spec.runtime.max_streams
+        if body.n > max_streams:
+            raise ApiError(400, f"n: {body.n} choices need as many stream slots at once, more than this server's "
+                                f"{max_streams}", "invalid_request", param="n")
+        if len(self.open) + body.n > max_streams + self.settings.max_waiting:
             raise ApiError(429, f"every stream slot is taken and {self.waiting} requests are waiting; try again "
                                 "shortly",
                            "queue_full", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -264,15 +268,26 @@ class Server:
                      "adjust": body.adjustments(len(prompt), tuple(sorted(config.eos_ids)))}
         sampling = Sampling(body.temperature, body.top_p, seed, max(body.top_k, 0), body.min_p, **reporting) \
             if body.temperature else Sampling(**reporting)
-        stream = StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt), stop_ids, sampling)
         prefix = id_prefix or ("chatcmpl-" if isinstance(body, ChatRequest) else "cmpl-")
+        completion_id = f"{prefix}{secrets.token_hex(12)}"
         structured = body.response_format.type if body.response_format is not None else "text"
-        generation = Generation(self, stream, f"{prefix}{secrets.token_hex(12)}", body.stop_strings,
-                                None if structured == "text" else structured)
-        self.open[generation.id] = generation
-        self.waiting += 1
-        self.service.submit(stream, generation.on_event)
-        return generation
+        generations = [Generation(self, StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt), stop_ids,
+                                                      attrs.evolve(sampling, seed=sampling.seed + index)),
+                                  completion_id, body.stop_strings, None if structured == "text" else structured,
+                                  index) for index in range(body.n)]
+        by_stream = {generation.stream.id: generation for generation in generations}
+
+        def on_event(event, t: float) -> None:
+            if isinstance(event, PromptLogprobs):  # the first choice computes the prompt for them all
+                for generation in generations:
+                    generation.on_event(event, t)
+            else:
+                by_stream[event.request_id].on_event(event, t)
+
+        self.open.update(by_stream)
+        self.waiting += len(generations)
+        self.service.submit([generation.stream for generation in generations], on_event)
+        return generations
 
     def tokens_per_s(self) -> float:
         now = time.perf_counter()
@@ -373,22 +388,22 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        generation = server.start(body.as_chat(), id_prefix="resp_")
+        [generation] = server.start(body.as_chat(), id_prefix="resp_")
         reply = ResponseBody(body, generation.id, server.settings.model_name)
         prompt_tokens = len(generation.stream.prompt_ids)
         if body.stream:
             return EventSourceResponse(_response_events(generation, reply, prompt_tokens), ping=KEEP_ALIVE_S)
-        text = await _collected(generation, request)
+        [text] = await _collected([generation], request)
         return reply.response(response_status(generation.finish_reason), text,
                               response_usage(prompt_tokens, generation.tokens))
 
     @app.post(messages.PATH)
     async def create_message(body: messages.MessagesRequest, request: Request):
-        generation = server.start(body.as_chat(), id_prefix="msg_")
+        [generation] = server.start(body.as_chat(), id_prefix="msg_")
         reply = messages.MessageBody(generation.id, server.settings.model_name, len(generation.stream.prompt_ids))
         if body.stream:
             return EventSourceResponse(_message_events(generation, reply), ping=KEEP_ALIVE_S)
-        text = await _collected(generation, request)
+        [text] = await _collected([generation], request)
         stopped_by = generation.text.stopped_by
         return reply.message(text, messages.stop_reason(generation.finish_reason, stopped_by), stopped_by,
                              generation.tokens)
@@ -400,10 +415,11 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/v1/cancel/{completion_id}")
     async def cancel(completion_id: str):
-        generation = server.open.get(completion_id)
-        if generation is None:
+        choices = [generation for generation in server.open.values() if generation.id == completion_id]
+        if not choices:
             raise ApiError(404, f"no open request {completion_id!r}", "not_found", param="id")
-        generation.cancel()
+        for generation in choices:
+            generation.cancel()
         return {"id": completion_id, "cancelled": True}
 
     @app.post("/tokenize")
@@ -453,86 +469,134 @@ def build_app(server: Server) -> FastAPI:
 
 
 async def _respond(server: Server, body: ChatRequest | CompletionRequest, request: Request, chat: bool):
-    generation = server.start(body)
-    reply = Reply(chat, generation.id, server.settings.model_name)
-    prompt_tokens = len(generation.stream.prompt_ids)
+    generations = server.start(body)
+    reply = Reply(chat, generations[0].id, server.settings.model_name)
+    prompt_tokens = len(generations[0].stream.prompt_ids)
     if body.stream:
-        return EventSourceResponse(_stream(generation, reply, body, prompt_tokens), ping=KEEP_ALIVE_S)
-    text = await _collected(generation, request)
-    echoed, echoed_logprobs = _echoed(server, body, generation)
-    reported = echoed_logprobs + _shifted(generation.reported, len(echoed))
-    content, calls = (echoed + text, [])
-    if chat and body.calls_tools:
-        content, calls = parse(content, body.tool_names)
-    return reply.whole(content, generation.finish_reason, prompt_tokens, generation.tokens,
-                       _logprobs(server, reported, chat) if body.reported_logprobs() >= 0 else None,
-                       [call.as_dict() for call in calls])
+        return EventSourceResponse(_stream(generations, reply, body, prompt_tokens), ping=KEEP_ALIVE_S)
+    choices = []
+    for generation, text in zip(generations, await _collected(generations, request)):
+        echoed, echoed_logprobs = _echoed(server, body, generation)
+        reported = echoed_logprobs + _shifted(generation.reported, len(echoed))
+        content, calls = (echoed + text, [])
+        if chat and body.calls_tools:
+            content, calls = parse(content, body.tool_names)
+        choices.append(reply.choice(generation.index, content, generation.finish_reason,
+                                    _logprobs(server, reported, chat) if body.reported_logprobs() >= 0 else None,
+                                    [call.as_dict() for call in calls]))
+    return reply.whole(choices, prompt_tokens, sum(generation.tokens for generation in generations))
 
 
-async def _collected(generation: Generation, request: Request) -> str:
-    """The whole text of a request answered at once; a client that goes away meanwhile cancels it."""
-    collect = asyncio.ensure_future(_collect(generation))
+async def _collected(generations: list[Generation], request: Request) -> list[str]:
+    """The whole text of each choice of a request answered at once; a client that goes away meanwhile cancels
+    them."""
+    collect = asyncio.gather(*map(_collect, generations))
     try:
         while not collect.done():
             await asyncio.wait({collect}, timeout=0.25)
             if not collect.done() and await request.is_disconnected():
-                generation.cancel()
+                for generation in generations:
+                    generation.cancel()
         return await collect
     finally:
         collect.cancel()
-        generation.cancel()
+        for generation in generations:
+            generation.cancel()
 
 
 async def _collect(generation: Generation) -> str:
     return "".join([piece async for piece in generation.pieces()]) + generation.rest
 
 
-async def _stream(generation: Generation, reply: Reply, body: ChatRequest | CompletionRequest, prompt_tokens: int):
-    """The server-sent events of a streamed completion: a chat's first names the role, then one per token, and the
-    last the finish reason (with any held-back text), so that a client can time each token by its chunk; each with
-    the usage so far when `continuous_usage_stats` asks, and a usage chunk at the end when `include_usage` does. A
-    client that goes away cancels its stream (this generator is closed, and `finally` runs)."""
-    def chunk(text: str | None, finish_reason: str | None = None, first: bool = False,
-              logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
-        so_far = usage(prompt_tokens, generation.tokens) if body.usage_on_every_chunk else None
-        return {"data": json.dumps(reply.chunk(text, finish_reason, first, so_far, logprobs, tool_call))}
-
-    content = ContentStream() if reply.chat and body.calls_tools else None  # holds a reply's calls back
+async def _stream(generations: list[Generation], reply: Reply, body: ChatRequest | CompletionRequest,
+                  prompt_tokens: int):
+    """The server-sent events of a streamed completion: each choice's chunks (`_choice_chunks`) as they come, then a
+    usage chunk of them all when `include_usage` asks. A client that goes away cancels its streams (this generator
+    is closed, and `finally` runs)."""
+    failed: list[Generation] = []
     try:
-        if reply.chat:
-            yield chunk("", first=True)
-        try:
-            sent, echoed = 0, None  # tokens whose log-probabilities went out; the echoed prompt, once it went
-            async for piece in generation.pieces():
-                piece = piece if content is None else content.push(piece)
-                if echoed is None:  # with the first token: every prompt row has reported by then
-                    echoed, reported = _echoed(generation.server, body, generation)
-                    if echoed or reported:
-                        yield chunk(echoed, logprobs=_logprobs(generation.server, reported, reply.chat)
-                                    if body.prompt_logprobs() else None)
-                reported, sent = generation.reported[sent:], len(generation.reported)
-                yield chunk(piece, logprobs=_logprobs(generation.server, _shifted(reported, len(echoed)), reply.chat)
-                            if body.reported_logprobs() >= 0 else None)
-        except ApiError as e:
-            yield {"data": json.dumps(e.body)}
+        chunks = [_choice_chunks(generation, generations, reply, body, prompt_tokens, failed)
+                  for generation in generations]
+        async for chunk in (chunks[0] if len(chunks) == 1 else _merged(chunks)):
+            yield chunk
+        if failed:
             return
-        rest, calls = generation.rest, []
-        if content is not None:
-            content.push(rest)
-            rest, calls = content.finish(body.tool_names)
-        if calls:
-            if rest:
-                yield chunk(rest)
-            for index, call in enumerate(calls):
-                yield chunk(None, tool_call={"index": index} | call.as_dict())
-            yield chunk(None, "tool_calls")
-        else:
-            yield chunk(rest or None, generation.finish_reason)
         if body.include_usage:
-            yield {"data": json.dumps(reply.usage_chunk(prompt_tokens, generation.tokens))}
+            yield {"data": json.dumps(reply.usage_chunk(prompt_tokens, sum(g.tokens for g in generations)))}
         yield {"data": "[DONE]"}
     finally:
-        generation.cancel()
+        for generation in generations:
+            generation.cancel()
+
+
+async def _merged(iterators: list[AsyncIterator]) -> AsyncIterator:
+    """The items of several async iterators in the order they come; an exception of one is raised here."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(iterator: AsyncIterator) -> None:
+        try:
+            async for item in iterator:
+                queue.put_nowait(item)
+            queue.put_nowait(done)
+        except Exception as e:  # noqa: BLE001 (raised again where the items are taken)
+            queue.put_nowait(e)
+
+    tasks = [asyncio.ensure_future(drain(iterator)) for iterator in iterators]
+    try:
+        for _ in tasks:
+            while (item := await queue.get()) is not done:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _choice_chunks(generation: Generation, generations: list[Generation], reply: Reply,
+                         body: ChatRequest | CompletionRequest, prompt_tokens: int, failed: list[Generation]):
+    """One choice's chunks: a chat's first names the role, then one per token, and the last the finish reason
+    (with any held-back text), so that a client can time each token by its chunk; each with the usage of all the
+    choices so far when `continuous_usage_stats` asks. A failure is an error chunk, and the choice is put in
+    `failed`."""
+    def chunk(text: str | None, finish_reason: str | None = None, first: bool = False,
+              logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
+        so_far = usage(prompt_tokens, sum(g.tokens for g in generations)) if body.usage_on_every_chunk else None
+        return {"data": json.dumps(reply.chunk(text, finish_reason, first, so_far, logprobs, tool_call,
+                                               generation.index))}
+
+    content = ContentStream() if reply.chat and body.calls_tools else None  # holds a reply's calls back
+    if reply.chat:
+        yield chunk("", first=True)
+    try:
+        sent, echoed = 0, None  # tokens whose log-probabilities went out; the echoed prompt, once it went
+        async for piece in generation.pieces():
+            piece = piece if content is None else content.push(piece)
+            if echoed is None:  # with the first token: every prompt row has reported by then
+                echoed, reported = _echoed(generation.server, body, generation)
+                if echoed or reported:
+                    yield chunk(echoed, logprobs=_logprobs(generation.server, reported, reply.chat)
+                                if body.prompt_logprobs() else None)
+            reported, sent = generation.reported[sent:], len(generation.reported)
+            yield chunk(piece, logprobs=_logprobs(generation.server, _shifted(reported, len(echoed)), reply.chat)
+                        if body.reported_logprobs() >= 0 else None)
+    except ApiError as e:
+        failed.append(generation)
+        yield {"data": json.dumps(e.body)}
+        return
+    rest, calls = generation.rest, []
+    if content is not None:
+        content.push(rest)
+        rest, calls = content.finish(body.tool_names)
+    if calls:
+        if rest:
+            yield chunk(rest)
+        for index, call in enumerate(calls):
+            yield chunk(None, tool_call={"index": index} | call.as_dict())
+        yield chunk(None, "tool_calls")
+    else:
+        yield chunk(rest or None, generation.finish_reason)
 
 
 def _echoed(server: Server, body: ChatRequest | CompletionRequest, generation: Generation
@@ -641,8 +705,6 @@ def _validation_error(e: RequestValidationError) -> ApiError:
         return ApiError(400, problem["msg"], "invalid_request", param=problem["ctx"]["param"])
     if problem.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON ({problem.get('msg')})", "invalid_request")
-    if param == "n":
-        return ApiError(400, "n: only one choice per request is supported", "unsupported", param="n")
     message = problem.get("msg", "invalid")
     return ApiError(400, f"{param}: {message}" if param else message, "invalid_request", param=param)
 
