@@ -84,14 +84,16 @@ def test_three_nodes_give_the_single_process_tokens(family_spec, family_engine, 
 
 def test_a_served_model_loses_a_node_and_no_request_or_token(tmp_path, family_spec):
     """A random model of the family with a tokenizer (init-model's) served by three local nodes and a spare: the
-    middle stage's node killed at a random moment under 24 streaming clients, greedy and sampled."""
+    middle stage's node killed at a random moment under 24 streaming clients, greedy and sampled, six of them asking
+    two choices."""
     config = config_from_hf_dict(FAMILIES[family_spec.model.config.model_type][1])
     init_model(config, tmp_path / "ckpt", seed=1)
     spare = attrs.evolve(family_spec.cluster.nodes[0], name="spare0")
     spec = attrs.evolve(family_spec, model=attrs.evolve(family_spec.model, config=config, checkpoint=tmp_path / "ckpt"),
                         cluster=attrs.evolve(family_spec.cluster, spares=(spare,)))
     expected = engine_texts(spec, tmp_path / "ckpt")
-    served = Served(tmp_path, write_spec(spec, tmp_path / "spec.yaml"), tmp_path / "ckpt")
+    # the clients' 30 streams (six ask two choices) wait for the 8 slots: none gets a 429
+    served = Served(tmp_path, write_spec(spec, tmp_path / "spec.yaml"), tmp_path / "ckpt", "--max-waiting", "32")
     try:
         victim = stage_nodes(served.url)[1]
         pid = node_pids(served)[victim]
