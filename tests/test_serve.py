@@ -746,11 +746,32 @@ def streamed_calls(chunks) -> tuple[list[dict], str | None]:
     return [calls[i] for i in sorted(calls)], finish
 
 
-def test_a_forced_tool_call_follows_its_function_streamed_or_not(quick_start):
+@pytest.fixture(scope="module")
+def llama_calls(tmp_path_factory, checkpoint):
+    """The quick start's server over the tiny checkpoint with a chat template that writes Llama 3.1's JSON calls
+    (tests/fixtures/chat_templates/llama3_json.jinja)."""
+    folder = tmp_path_factory.mktemp("serve-llama-calls")
+    copied = folder / "checkpoint"
+    copied.mkdir()
+    for path in checkpoint.iterdir():
+        if path.name != "tokenizer_config.json":
+            (copied / path.name).symlink_to(path)
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    config["chat_template"] = (Path(__file__).parent / "fixtures" / "chat_templates" / "llama3_json.jinja").read_text()
+    (copied / "tokenizer_config.json").write_text(json.dumps(config))
+    served = Served(folder, SPEC.parent / "tiny-serve.yaml", copied)
+    yield served
+    assert served.stop() == 0
+
+
+@pytest.mark.parametrize("served", ["quick_start", "llama_calls"], ids=["hermes", "llama3_json"])
+def test_a_forced_tool_call_follows_its_function_streamed_or_not(request, served):
     """tool_choice naming a function, or `required`: the reply is calls whose arguments parse and follow the
     function's parameters (jsonschema), finish reason `tool_calls`; streamed, the deltas make up the same calls;
-    the calls and a tool's answer sent back are a chat the template renders."""
-    client = openai.OpenAI(base_url=f"{quick_start.url}/v1", api_key="none", max_retries=0, timeout=60)
+    the calls and a tool's answer sent back are a chat the template renders. In the format the checkpoint's chat
+    template writes: Hermes' `<tool_call>` blocks, or Llama 3.1's JSON."""
+    url = request.getfixturevalue(served).url
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     parameters = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, CLOCK)}
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
         ask = {"model": "tiny", "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": choice,
@@ -771,8 +792,10 @@ def test_a_forced_tool_call_follows_its_function_streamed_or_not(quick_start):
     assert answered.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_parallel_tool_calls_may_come_several(quick_start):
-    client = openai.OpenAI(base_url=f"{quick_start.url}/v1", api_key="none", max_retries=0, timeout=60)
+@pytest.mark.parametrize("served", ["quick_start", "llama_calls"], ids=["hermes", "llama3_json"])
+def test_parallel_tool_calls_may_come_several(request, served):
+    url = request.getfixturevalue(served).url
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     reply = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
                                            max_tokens=200, temperature=1.0, seed=7).choices[0]
     if reply.finish_reason == "tool_calls":

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic_core import PydanticCustomError
 
 from cascadia.grammar import GrammarError, json_grammar
-from cascadia.serve.tools import forcing_grammar
+from cascadia.serve.tools import ToolFormat
 from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 
 MAX_STOP_STRINGS = 4
@@ -384,13 +384,14 @@ class ChatRequest(_Generation):
             if message.role == "tool" and message.tool_call_id not in asked:
                 raise invalid(f"messages.{i}.tool_call_id", f"{message.tool_call_id!r} answers no call of an "
                                                             "assistant's message")
-        if self.forced_call is not None:
-            try:
-                self._grammar = forcing_grammar({tool.function.name: tool.function.parameters for tool in self.tools},
-                                                self.forced_call or None, self.parallel_tool_calls)
-            except GrammarError as e:
-                raise invalid("tools", f"a function's parameters cannot hold a call: {e}") from None
         return self
+
+    def force_calls(self, fmt: ToolFormat) -> None:
+        """Hold the reply to calls in `fmt` where `tool_choice` forces them (GrammarError: the functions'
+        parameters cannot hold one)."""
+        if self.forced_call is not None:
+            self._grammar = fmt.grammar({tool.function.name: tool.function.parameters for tool in self.tools},
+                                        self.forced_call or None, self.parallel_tool_calls)
 
     @property
     def tool_names(self) -> set[str]:

@@ -45,7 +45,8 @@ from cascadia.serve.logprobs import Reported, TokenText, chat_logprobs, completi
 from cascadia.serve.prom import CONTENT_TYPE, Metrics
 from cascadia.serve.responses import ResponseBody, ResponsesRequest, response_status, response_usage
 from cascadia.serve.text import TextStream
-from cascadia.serve.tools import CALL_CLOSE, CALL_OPEN, ContentStream, parse, writes_calls
+from cascadia.grammar import GrammarError
+from cascadia.serve.tools import ToolFormat, tool_format
 
 KEEP_ALIVE_S = 5  # an SSE comment line this often keeps a paused stream's connection open (a node is replaced)
 RATE_WINDOW_S = 60  # tokens/s on the page: over this many seconds
@@ -77,8 +78,9 @@ class Generation:
     """One choice of a request being served (a stream): the service's events for it, turned into text pieces."""
 
     def __init__(self, server: Server, stream: StreamRequest, completion_id: str, stop: list[str],
-                 response_format: str | None = None, index: int = 0):
+                 response_format: str | None = None, index: int = 0, calls: ToolFormat | None = None):
         self.server, self.stream, self.id, self.index = server, stream, completion_id, index  # index: its choice
+        self.calls = calls  # the format its reply's calls are parsed out in (None: none are)
         self.response_format = response_format  # the format a structured reply is held to (json_object, ...)
         self.text = TextStream(server.tokenizer, stop) if server.tokenizer else None
         self.tokens = 0
@@ -260,9 +262,7 @@ class Server:
             self.check_ids(list(body.logit_bias), "logit_bias")
         if body.response_format is not None and body.response_format.type != "text":
             self.tokenizer_for("response_format")  # the grammar's vocabulary
-        if isinstance(body, ChatRequest) and body.tools and not (self.chat and writes_calls(self.chat.source)):
-            raise ApiError(400, "tools: this checkpoint's chat template writes no tool calls in a format this server "
-                                f"reads ({CALL_OPEN}...{CALL_CLOSE})", "unsupported", param="tools")
+        calls = self.calls_format(body) if isinstance(body, ChatRequest) and body.tools else None
         stop_ids = () if body.ignore_eos else config.eos_ids
         reporting = {"logprobs": body.reported_logprobs(), "prompt_logprobs": body.prompt_logprobs(),
                      "adjust": body.adjustments(len(prompt), tuple(sorted(config.eos_ids)))}
@@ -274,7 +274,7 @@ class Server:
         generations = [Generation(self, StreamRequest(next(self.ids), prompt, wanted or budget - len(prompt), stop_ids,
                                                       attrs.evolve(sampling, seed=sampling.seed + index)),
                                   completion_id, body.stop_strings, None if structured == "text" else structured,
-                                  index) for index in range(body.n)]
+                                  index, calls) for index in range(body.n)]
         by_stream = {generation.stream.id: generation for generation in generations}
 
         def on_event(event, t: float) -> None:
@@ -288,6 +288,21 @@ class Server:
         self.waiting += len(generations)
         self.service.submit([generation.stream for generation in generations], on_event)
         return generations
+
+    def calls_format(self, body: ChatRequest) -> ToolFormat | None:
+        """The format a chat's calls are written in, where they are parsed out of its reply (`tools` given, and
+        `tool_choice` not none), with the reply held to calls where `tool_choice` forces them."""
+        fmt = tool_format(self.chat.source) if self.chat else None
+        if fmt is None:
+            raise ApiError(400, "tools: this checkpoint's chat template writes no tool calls in a format this server "
+                                "reads (Hermes' <tool_call>...</tool_call>, or Llama 3.1's JSON)", "unsupported",
+                           param="tools")
+        try:
+            body.force_calls(fmt)
+        except GrammarError as e:
+            raise ApiError(400, f"tools: a function's parameters cannot hold a call: {e}", "invalid_request",
+                           param="tools") from None
+        return fmt if body.calls_tools else None
 
     def tokens_per_s(self) -> float:
         now = time.perf_counter()
@@ -479,8 +494,8 @@ async def _respond(server: Server, body: ChatRequest | CompletionRequest, reques
         echoed, echoed_logprobs = _echoed(server, body, generation)
         reported = echoed_logprobs + _shifted(generation.reported, len(echoed))
         content, calls = (echoed + text, [])
-        if chat and body.calls_tools:
-            content, calls = parse(content, body.tool_names)
+        if generation.calls is not None:
+            content, calls = generation.calls.parse(content, body.tool_names)
         choices.append(reply.choice(generation.index, content, generation.finish_reason,
                                     _logprobs(server, reported, chat) if body.reported_logprobs() >= 0 else None,
                                     [call.as_dict() for call in calls]))
@@ -566,7 +581,7 @@ async def _choice_chunks(generation: Generation, generations: list[Generation], 
         return {"data": json.dumps(reply.chunk(text, finish_reason, first, so_far, logprobs, tool_call,
                                                generation.index))}
 
-    content = ContentStream() if reply.chat and body.calls_tools else None  # holds a reply's calls back
+    content = generation.calls.stream() if generation.calls is not None else None  # holds a reply's calls back
     if reply.chat:
         yield chunk("", first=True)
     try:
