@@ -52,6 +52,15 @@ class LogitAdjustments:
         if any(token < 0 for token in self.stop_ids) or any(token < 0 for token, _ in self.logit_bias):
             raise ValueError("token ids are integers >= 0")
 
+    @classmethod
+    def of(cls, prompt_tokens: int, **changes) -> LogitAdjustments | None:
+        """The adjustments `changes` ask for (their `stop_ids` held back only with `min_tokens`), or None where
+        they change nothing."""
+        if not changes.get("min_tokens"):
+            changes["stop_ids"] = ()
+        adjust = cls(prompt_tokens, **changes)
+        return None if adjust == cls(prompt_tokens) else adjust
+
     def apply(self, logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """The changed logits [V] (float32, a copy) of the row after `tokens` (the stream's prompt and output)."""
         out = np.array(logits, np.float32)

@@ -15,7 +15,7 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.device import runs_as
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate, score_logits
-from cascadia.sampling import Sampling, extend_history, sample
+from cascadia.sampling import LogitAdjustments, Sampling, extend_history, sample
 from cascadia.spec.types import RuntimeSpec
 from cascadia.tokenizer import build_tokenizer
 
@@ -104,6 +104,65 @@ def test_cli_generate_text(tmp_path):
                                       "--seed", "2", "--compressed"])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[1].startswith("ids: ") and f"{runs_as('bf16', 'CPU')} on CPU" in result.output
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    """The sharded fixture with a tokenizer of its vocabulary."""
+    checkpoint = tmp_path_factory.mktemp("with-tokenizer") / "model"
+    shutil.copytree(FIXTURES / "sharded", checkpoint)
+    build_tokenizer(Checkpoint.open(checkpoint).config).save(str(checkpoint / "tokenizer.json"))
+    return checkpoint
+
+
+def cli_ids(*args: str) -> list[int]:
+    result = CliRunner().invoke(cli, ["generate", *args, "--precision", "f32", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["ids"]
+
+
+def test_cli_generate_changes_the_logits_as_the_generate_function_does(engine, reference):
+    """Penalties, biases and `--min-tokens` on the command line give the tokens of the `generate` function with the
+    same `LogitAdjustments` (which tests/test_sampling_warpers.py holds to transformers' processors)."""
+    prompt = reference["ids"][:10].tolist()
+    args = [str(FIXTURES / "sharded"), "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "12", "--ignore-eos"]
+    changed = cli_ids(*args, "--presence-penalty", "0.5", "--frequency-penalty", "0.7", "--repetition-penalty", "1.3",
+                      "--logit-bias", "5=4", "--logit-bias", "9=-100", "--temperature", "0.8", "--seed", "3")
+    adjust = LogitAdjustments(10, logit_bias=((5, 4.0), (9, -100.0)), repetition_penalty=1.3, frequency_penalty=0.7,
+                              presence_penalty=0.5)
+    assert changed == list(generate(engine, prompt, 12, Sampling(0.8, seed=3, adjust=adjust)).ids)
+    assert 9 not in changed and changed != cli_ids(*args, "--temperature", "0.8", "--seed", "3")
+
+
+def test_cli_generate_holds_the_reply_to_a_json_schema(tmp_path, with_tokenizer):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    result = CliRunner().invoke(cli, ["generate", str(with_tokenizer), "--prompt", "Well?", "--max-new-tokens", "16",
+                                      "--json-schema", str(tmp_path / "schema.json"), "--temperature", "1.0",
+                                      "--json", "-"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(json.loads(result.stdout)["text"]) in ({"ok": True}, {"ok": False})
+    anything = CliRunner().invoke(cli, ["generate", str(with_tokenizer), "--prompt", "Well?", "--max-new-tokens", "4",
+                                        "--json-object", "--json", "-"])
+    assert anything.exit_code == 0 and json.loads(anything.stdout)["text"].startswith("{")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--logit-bias", "5"], "'5': give ID=BIAS, a token id in 0..319 and a bias in -100..100"),
+    (["--logit-bias", "320=1"], "'320=1': give ID=BIAS"),
+    (["--logit-bias", "5=nan"], "'5=nan': give ID=BIAS"),
+    (["--json-object", "--json-schema", "{schema}"], "give --json-schema or --json-object, not both"),
+    (["--json-schema", "{schema}"], "a JSON schema is an object"),
+    (["--json-object"], "a grammar needs the checkpoint's tokenizer"),
+    (["--presence-penalty", "3"], "3.0 is not in the range -2<=x<=2"),
+])
+def test_cli_generate_refuses_impossible_adjustments_by_name(tmp_path, args, message):
+    (tmp_path / "schema.json").write_text("[1, 2]")
+    args = [arg.format(schema=tmp_path / "schema.json") for arg in args]
+    result = CliRunner().invoke(cli, ["generate", str(FIXTURES / "sharded"), "--ids", "1,2", *args])
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "Traceback" not in result.output
 
 
 def test_cli_score_matches_the_engine(tmp_path, engine, reference):

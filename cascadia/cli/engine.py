@@ -8,6 +8,7 @@ from cascadia.cli.common import OutputPath, chosen_plan, report_to, sampling_opt
 from cascadia.spec.load import load_spec
 
 MAX_IDS_FILE_BYTES = 64 * 1024**2  # `score --ids`: a few million token ids
+MAX_SCHEMA_FILE_BYTES = 1024**2  # `generate --json-schema`
 
 
 def _engine_options(func):
@@ -52,6 +53,52 @@ def _prefill_progress():
     return progress
 
 
+def _adjustments(checkpoint: str, prompt_tokens: int, logit_bias: tuple[str, ...], schema_path: str | None,
+                 json_object: bool, **penalties):
+    """How the logits change before each token (`LogitAdjustments`, None: they do not), and the vocabulary a
+    grammar is matched over (None without one), checked before any work: token ids within the vocabulary, a schema
+    that can hold a reply, a tokenizer for it."""
+    from pathlib import Path
+
+    from cascadia.engine.checkpoint import Checkpoint
+    from cascadia.files import UnreadableFile, read_json
+    from cascadia.grammar import GrammarError, json_grammar, vocabulary
+    from cascadia.sampling import LogitAdjustments
+
+    config = Checkpoint.open(checkpoint).config
+    biases = [_bias(text, config.output_vocab_size) for text in logit_bias]
+    if schema_path and json_object:
+        raise click.UsageError("give --json-schema or --json-object, not both")
+    grammar = tokens = None
+    if schema_path or json_object:
+        try:
+            schema = read_json(schema_path, MAX_SCHEMA_FILE_BYTES, "a JSON schema") if schema_path else None
+            if schema is not None and not isinstance(schema, dict):
+                raise UnreadableFile("a JSON schema is an object")
+            grammar = json_grammar(schema)
+        except (UnreadableFile, GrammarError) as e:
+            raise click.ClickException(f"{schema_path}: {e}") from None
+        try:
+            tokens = vocabulary(Path(checkpoint), config.output_vocab_size, config.eos_ids)
+        except GrammarError as e:
+            raise click.ClickException(str(e)) from None
+    return LogitAdjustments.of(prompt_tokens, stop_ids=tuple(sorted(config.eos_ids)), logit_bias=sorted(biases),
+                               grammar=grammar, **penalties), tokens
+
+
+def _bias(text: str, vocab_size: int) -> tuple[int, float]:
+    """`--logit-bias ID=BIAS` as (id, bias)."""
+    token, _, bias = text.partition("=")
+    try:
+        token_id, value = int(token), float(bias)
+    except ValueError:
+        token_id = value = None
+    if token_id is None or not 0 <= token_id < vocab_size or not -100 <= value <= 100:
+        raise click.BadParameter(f"{text!r}: give ID=BIAS, a token id in 0..{vocab_size - 1} and a bias in -100..100",
+                                 param_hint="--logit-bias")
+    return token_id, value
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.split(",")]
@@ -68,15 +115,32 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--ids", "ids_text", help="prompt token ids, e.g. 1,2,3")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @sampling_options
+@click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True,
+              help="subtracted from the logit of each token the reply holds (OpenAI's)")
+@click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True,
+              help="subtracted from a token's logit once per time the reply holds it (OpenAI's)")
+@click.option("--repetition-penalty", type=click.FloatRange(0, 10, min_open=True), default=1.0, show_default=True,
+              help="divides the positive logit (multiplies the negative) of each token in the prompt or reply")
+@click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="hold the end-of-sequence tokens back until the reply has this many tokens")
+@click.option("--logit-bias", "logit_bias", multiple=True, metavar="ID=BIAS",
+              help="add BIAS (-100 to 100) to token ID's logit; repeatable")
+@click.option("--json-schema", "schema_path", type=click.Path(exists=True, dir_okay=False),
+              help="hold the reply to JSON that this schema (a JSON file) validates")
+@click.option("--json-object", is_flag=True, help="hold the reply to a JSON object")
 @click.option("--ignore-eos", is_flag=True, help="keep going past the end-of-sequence token")
 @click.option("--json", "json_path", type=OutputPath(), help="write ids, text and timings as JSON")
 @_engine_options
 def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_tokens: int, greedy: bool | None,
              temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None, seed: int | None,
-             ignore_eos: bool,
+             presence_penalty: float, frequency_penalty: float, repetition_penalty: float, min_tokens: int,
+             logit_bias: tuple[str, ...], schema_path: str | None, json_object: bool, ignore_eos: bool,
              json_path: str | None, precision: str, compressed: bool, device: str, threads: int | None) -> None:
     """Generate text (or token ids) from a prompt with the single-process OpenVINO engine (greedy unless sampling
-    options say otherwise; a workload's defaults: temperature 1, top-p 1, seed 0)."""
+    options say otherwise; a workload's defaults: temperature 1, top-p 1, seed 0). Penalties, biases, `--min-tokens`
+    and a JSON schema change the logits before each token is chosen, as `cascadia serve` changes them."""
+    import attrs
+
     import json
     from pathlib import Path
 
@@ -96,11 +160,15 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
     prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else _token_ids(ids_text)
     if not prompt_ids:
         raise click.UsageError("the prompt has no tokens")
+    adjust, tokens = _adjustments(checkpoint, len(prompt_ids), min_tokens=min_tokens,
+                                  repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                                  presence_penalty=presence_penalty, logit_bias=logit_bias, schema_path=schema_path,
+                                  json_object=json_object)
     engine = _open_engine(checkpoint, prompt_ids, max_new_tokens, precision, compressed, device, threads)
     stop = () if ignore_eos else engine.config.eos_ids
     several_calls = len(prompt_ids) > engine.stage.max_rows
-    result = run_generation(engine, prompt_ids, max_new_tokens, sampling, stop,
-                            progress=_prefill_progress() if several_calls else None)
+    result = run_generation(engine, prompt_ids, max_new_tokens, attrs.evolve(sampling, adjust=adjust), stop,
+                            progress=_prefill_progress() if several_calls else None, vocabulary=tokens)
     text = tokenizer.decode(list(result.ids)) if tokenizer else None
     if text is not None:
         report(text)

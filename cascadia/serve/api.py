@@ -185,10 +185,10 @@ class _Generation(RequestBody):
 
     def adjustments(self, prompt_tokens: int, stop_ids: tuple[int, ...]) -> LogitAdjustments | None:
         """How the request's logits change before each token (None: they do not)."""
-        adjust = LogitAdjustments(prompt_tokens, self.min_tokens, stop_ids if self.min_tokens else (),
-                                  sorted((self.logit_bias or {}).items()), self.repetition_penalty,
-                                  self.frequency_penalty, self.presence_penalty, self._grammar)
-        return None if adjust == LogitAdjustments(prompt_tokens) else adjust
+        return LogitAdjustments.of(prompt_tokens, min_tokens=self.min_tokens, stop_ids=stop_ids,
+                                   logit_bias=sorted((self.logit_bias or {}).items()),
+                                   repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                                   presence_penalty=self.presence_penalty, grammar=self._grammar)
 
     @field_validator("stop")
     @classmethod
