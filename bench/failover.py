@@ -125,7 +125,7 @@ def simulated(spec, plan, calibration: Calibration, loss: Loss | None, detect_s:
     recorder = Recorder(STREAMS, "measured")
     how = (loss, recovery(loss, spec, plan.stages, calibration, detect_s)) if loss else None
     policy = Policy.for_runtime(spec.runtime, len(plan.stages), plan.kv_pools)
-    model.run_phase(policy, ClosedLoop(requests(0), STREAMS), STREAMS, recorder, how)
+    model.run_phase(policy, ClosedLoop([(r,) for r in requests(0)], STREAMS), STREAMS, recorder, how)
     return recorder.records, model.losses
 
 

@@ -18,7 +18,7 @@ import attrs
 from cascadia.metrics import Recorder, RequestRecord, summarize_level
 from cascadia.policy import Event, Frame, Policy, Request
 from cascadia.spec.types import Spec, WorkloadSpec
-from cascadia.workload import MEASURED, Arrivals, Level, Phase, build_levels, stop_ids
+from cascadia.workload import MEASURED, Arrivals, Choices, Level, Phase, build_levels, stop_ids
 
 # (level, phase, its recorder) -> each node's busy seconds in the phase; the backend serves the phase's requests
 RunPhase = Callable[[Level, Phase, Recorder], Mapping[str, float]]
@@ -102,17 +102,19 @@ class PhaseDriver:
         if self._on_events is not None:
             self._on_events(events)
         follow_ups = []
-        for _ in range(ended):
+        for request_id in ended:
             self._left -= 1
-            follow_ups += self._arrivals.done()
+            follow_ups += self._arrivals.done(request_id)
         return follow_ups
 
-    def _submit(self, requests: Iterable[Request], now: float) -> list[Frame]:
-        """Send requests (and the follow-ups of any rejected at once); the next frame of every idle group."""
+    def _submit(self, requests: Iterable[Choices], now: float) -> list[Frame]:
+        """Send requests (each its choices' streams; and the follow-ups of any rejected at once); the next frame of
+        every idle group."""
         queue = deque(requests)
         while queue:
-            request = queue.popleft()
-            self._recorder.arrived(request, now)
-            self._on_arrived(request)
-            queue.extend(self._observe(self._policy.add_request(request), now))
+            choices = queue.popleft()
+            for request in choices:
+                self._recorder.arrived(request, now)
+                self._on_arrived(request)
+            queue.extend(self._observe(self._policy.add_choices(choices), now))
         return self._policy.next_frames()

@@ -90,9 +90,10 @@ class Recorder:
         self._arrivals[request.id] = (request, t)
         self._token_times[request.id] = []  # made here, not looked up with a default for each token
 
-    def observe(self, events: Iterable[Event], t: float) -> int:
-        """Take events that happened at `t`; returns how many requests they ended (finished, cancelled, rejected)."""
-        ended = 0
+    def observe(self, events: Iterable[Event], t: float) -> list[int]:
+        """Take events that happened at `t`; returns the ids of the requests they ended (finished, cancelled,
+        rejected)."""
+        ended = []
         for event in events:
             if isinstance(event, Token):
                 self._token_times[event.request_id].append(t)
@@ -100,19 +101,19 @@ class Recorder:
                 self._arrivals.pop(event.request_id, None)
                 self._token_times.pop(event.request_id, None)
                 self.cancelled.append(event)
-                ended += 1
+                ended.append(event.request_id)
             elif isinstance(event, Finished):
                 request, t_arrival = self._arrivals.pop(event.request_id)
                 times = self._token_times.pop(event.request_id)
                 self._records.append(RequestRecord(self.level, self.rate, self.phase, request.id,
                                                    len(request.prompt_ids), len(times), t_arrival, times[0], times[-1],
                                                    tuple(times)))
-                ended += 1
+                ended.append(event.request_id)
             elif isinstance(event, Rejected):
                 self._arrivals.pop(event.request_id, None)
                 self._token_times.pop(event.request_id, None)
                 self.rejected.append(event)
-                ended += 1
+                ended.append(event.request_id)
             elif isinstance(event, Verified):
                 self.speculation.add(event)
         return ended

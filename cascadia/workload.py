@@ -46,8 +46,12 @@ OPEN_LOOP_LEAST = 16  # ... and its fewest requests
 @attrs.frozen
 class Phase:
     name: str
-    requests: tuple[Request, ...]
+    requests: tuple[tuple[Request, ...], ...]  # each client request's streams: its choices of one prompt
     seed: int  # of its arrival times (open loop)
+
+    @property
+    def streams(self) -> int:
+        return sum(map(len, self.requests))
 
 
 @attrs.frozen
@@ -118,14 +122,16 @@ def describe(workload: WorkloadSpec) -> str:
         loop = f"open loop at {', '.join(f'{r:g}' for r in workload.rate)} requests/s (Poisson arrivals)"
         default = f"{OPEN_LOOP_SECONDS} s of measured arrivals, at least {OPEN_LOOP_LEAST} requests (the default)"
     else:
-        loop = f"closed loop at {', '.join(map(str, workload.concurrency))} streams"
+        clients = "clients" if workload.choices > 1 else "streams"
+        loop = f"closed loop at {', '.join(map(str, workload.concurrency))} {clients}"
         default = "as many measured requests as it has streams (the default)"
     count = f"{workload.requests} measured requests" if workload.requests else default
     length = workload.prompt_tokens
     prompts = (f"prompts from {workload.prompts_file}" if workload.prompts_file else
                f"prompts of {length.low} tokens" if length.low == length.high else
                f"prompts of {length.low}-{length.high} tokens (uniform)")
-    outputs = f"{'up to ' if workload.stop_at_eos else ''}{workload.output_tokens} tokens out each"
+    outputs = f"{'up to ' if workload.stop_at_eos else ''}{workload.output_tokens} tokens out each" + \
+        (f" of {workload.choices} choices of its prompt (computed once)" if workload.choices > 1 else "")
     limits = (f", top-k {workload.top_k}" if workload.top_k else "") + \
         (f", min-p {workload.min_p:g}" if workload.min_p else "")
     drawn = "greedy" if workload.greedy else \
@@ -135,12 +141,13 @@ def describe(workload: WorkloadSpec) -> str:
 
 def build_levels(workload: WorkloadSpec, vocab_size: int, prompts: Sequence[tuple[int, ...]] | None = None,
                  stop_ids: frozenset[int] = frozenset()) -> tuple[Level, ...]:
-    """The requests of every level and phase, with ids unique over the whole workload.
+    """The requests of every level and phase, with ids unique over the whole workload: each a client's, its
+    `workload.choices` streams of one prompt (choice c drawn with the workload's seed + c).
 
     `prompts` (e.g. from `load_prompts(workload.prompts_file)`) replaces random prompts; `stop_ids` (EOS) makes
     requests stop early when sampled.
     """
-    levels, next_id, sampling = [], 0, Sampling.of(workload)
+    levels, made, sampling = [], 0, Sampling.of(workload)  # made: client requests so far
     loads = [(None, rate) for rate in workload.rate] or [(concurrency, None) for concurrency in workload.concurrency]
     for concurrency, rate in loads:
         if rate is None:
@@ -154,27 +161,32 @@ def build_levels(workload: WorkloadSpec, vocab_size: int, prompts: Sequence[tupl
             requests = []
             for _ in range(n_requests):
                 if prompts:
-                    prompt = prompts[next_id % len(prompts)]
+                    prompt = prompts[made % len(prompts)]
                 else:
                     length = int(rng.integers(workload.prompt_tokens.low, workload.prompt_tokens.high + 1))
                     prompt = tuple(rng.integers(0, vocab_size, length).tolist())
-                requests.append(Request(next_id, prompt, workload.output_tokens, stop_ids, sampling))
-                next_id += 1
+                requests.append(tuple(Request(made * workload.choices + c, prompt, workload.output_tokens,
+                                              stop_ids, attrs.evolve(sampling, seed=sampling.seed + c))
+                                      for c in range(workload.choices)))
+                made += 1
             phases.append(Phase(name, tuple(requests), int(rng.integers(2**31))))
         levels.append(Level(concurrency, rate, tuple(phases)))
     return tuple(levels)
 
 
+Choices = tuple[Request, ...]  # a client's request: the streams of its choices of one prompt (one, as a rule)
+
+
 class Arrivals(Protocol):
     """When a phase's requests are sent: at the start, as earlier ones are done, or at their own times."""
 
-    def start(self, now: float) -> list[Request]:
+    def start(self, now: float) -> list[Choices]:
         """The requests sent when the phase starts at `now`."""
 
-    def done(self) -> list[Request]:
-        """Called once per finished or rejected request: the requests sent because of it."""
+    def done(self, request_id: int) -> list[Choices]:
+        """Called once per finished or rejected stream: the requests sent because of it."""
 
-    def due(self, now: float) -> list[Request]:
+    def due(self, now: float) -> list[Choices]:
         """The requests whose time has come by `now`."""
 
     @property
@@ -183,27 +195,30 @@ class Arrivals(Protocol):
 
 
 class ClosedLoop:
-    """`clients` clients sending a phase's requests: all start at once; a done request lets its client send the next."""
+    """`clients` clients sending a phase's requests: all start at once; a request done (every stream of its choices)
+    lets its client send the next."""
 
     next_time = None
 
-    def __init__(self, requests: Sequence[Request], clients: int) -> None:
+    def __init__(self, requests: Sequence[Choices], clients: int) -> None:
         self._requests = list(requests)
         self._clients = clients
         self._sent = 0
+        self._open = {request.id: choices for choices in requests for request in choices}  # streams not yet done
 
-    def start(self, now: float) -> list[Request]:
+    def start(self, now: float) -> list[Choices]:
         first = self._requests[:self._clients]
         self._sent = len(first)
         return first
 
-    def done(self) -> list[Request]:
-        if self._sent == len(self._requests):
+    def done(self, request_id: int) -> list[Choices]:
+        choices = self._open.pop(request_id)
+        if any(request.id in self._open for request in choices) or self._sent == len(self._requests):
             return []
         self._sent += 1
         return [self._requests[self._sent - 1]]
 
-    def due(self, now: float) -> list[Request]:
+    def due(self, now: float) -> list[Choices]:
         return []
 
 
@@ -211,7 +226,7 @@ class OpenLoop:
     """A phase's requests arriving at Poisson times, `rate` per second on average (exponential gaps drawn with
     `seed`), the first at the start, whatever the server does."""
 
-    def __init__(self, requests: Sequence[Request], rate: float, seed: int) -> None:
+    def __init__(self, requests: Sequence[Choices], rate: float, seed: int) -> None:
         self._requests = list(requests)
         gaps = np.random.default_rng(seed).exponential(1 / rate, len(self._requests))
         gaps[0] = 0.0
@@ -219,14 +234,14 @@ class OpenLoop:
         self._start = 0.0
         self._sent = 0
 
-    def start(self, now: float) -> list[Request]:
+    def start(self, now: float) -> list[Choices]:
         self._start = now
         return self.due(now)
 
-    def done(self) -> list[Request]:
+    def done(self, request_id: int) -> list[Choices]:
         return []
 
-    def due(self, now: float) -> list[Request]:
+    def due(self, now: float) -> list[Choices]:
         first = self._sent
         while self._sent < len(self._requests) and self._start + self._offsets[self._sent] <= now:
             self._sent += 1
@@ -247,9 +262,14 @@ def misfits(workload: WorkloadSpec, runtime: RuntimeSpec) -> list[tuple[str, str
     """(workload key, message) for what does not fit the stream slots and context budget the runtime sizes its state
     for. Prompts from a file are checked one by one when admitted (too long: rejected)."""
     problems = []
-    if not workload.rate and max(workload.concurrency) > runtime.max_streams:
-        problems.append(("concurrency", f"{max(workload.concurrency)} streams exceed runtime.max_streams "
+    streams = max(workload.concurrency) * workload.choices
+    if not workload.rate and streams > runtime.max_streams:
+        clients = f"{max(workload.concurrency)} clients x {workload.choices} choices = " if workload.choices > 1 else ""
+        problems.append(("concurrency", f"{clients}{streams} streams exceed runtime.max_streams "
                                         f"({runtime.max_streams})"))
+    elif workload.choices > runtime.max_streams:
+        problems.append(("choices", f"{workload.choices} streams of one prompt exceed runtime.max_streams "
+                                    f"({runtime.max_streams})"))
     longest = workload.prompt_tokens.high + workload.output_tokens
     if workload.prompts_file is None and longest > runtime.context_budget:
         problems.append(("output_tokens", f"prompt ({workload.prompt_tokens.high}) + output ({workload.output_tokens}) "

@@ -250,7 +250,8 @@ def test_tokens_no_frame_in_flight_has_are_dropped_and_the_phase_goes_on(stub_pi
     requests = [Request(i, (1, 2, 3), 2) for i in range(3)]
     outputs = Outputs()
     with caplog.at_level(logging.WARNING, "cascadia.pipeline.coordinator"):
-        coordinator.run_phase(policy, ClosedLoop(requests, 2), len(requests), Recorder(2, "measured"), outputs)
+        coordinator.run_phase(policy, ClosedLoop([(r,) for r in requests], 2), len(requests), Recorder(2, "measured"),
+                              outputs)
     assert sorted((line["request_id"], line["output_ids"]) for line in outputs.lines) == [
         (0, [100, 100]), (1, [101, 101]), (2, [100, 100])]
     frames = policy._seq
@@ -269,7 +270,7 @@ def test_a_frame_longer_than_the_stall_timeout_is_no_loss_while_the_nodes_answer
     coordinator.hung_s = 10 * STALL_S
     policy = Policy(n_groups=1, max_streams=1, prefill_window=4, row_buckets=(1, 2, 4), context_budget=16)
     outputs = Outputs()
-    coordinator.run_phase(policy, ClosedLoop([Request(0, (1, 2, 3), 2)], 1), 1, Recorder(1, "measured"), outputs)
+    coordinator.run_phase(policy, ClosedLoop([(Request(0, (1, 2, 3), 2),)], 1), 1, Recorder(1, "measured"), outputs)
     assert [line["output_ids"] for line in outputs.lines] == [[100, 100]]
 
 

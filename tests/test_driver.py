@@ -21,7 +21,7 @@ def test_follow_ups_are_sent_as_clients_finish_and_frames_come_for_idle_groups()
     requests = [Request(i, (1, 2, 3), max_new_tokens=2) for i in range(3)]
     recorder = Recorder(level=2, phase="measured")
     arrived, events = [], []
-    driver = PhaseDriver(policy(), ClosedLoop(requests, 2), len(requests), recorder,
+    driver = PhaseDriver(policy(), ClosedLoop([(r,) for r in requests], 2), len(requests), recorder,
                          on_arrived=lambda r: arrived.append((r.id, recorder.level)), on_events=events.extend)
 
     g0, g1 = driver.start(now=0.0)  # two clients: requests 0 and 1, one per group, prompt rows first
@@ -48,7 +48,7 @@ def test_follow_ups_are_sent_as_clients_finish_and_frames_come_for_idle_groups()
 def test_a_rejected_request_lets_its_client_send_the_next_at_once():
     requests = [Request(0, (1,) * 10, max_new_tokens=1), Request(1, (1,), max_new_tokens=1)]
     recorder = Recorder(level=1, phase="warmup")
-    driver = PhaseDriver(policy(context_budget=8), ClosedLoop(requests, 1), len(requests), recorder)
+    driver = PhaseDriver(policy(context_budget=8), ClosedLoop([(r,) for r in requests], 1), len(requests), recorder)
 
     [frame] = driver.start(now=0.0)
     assert [r.request_id for r in recorder.rejected] == [0]
@@ -61,7 +61,7 @@ def test_a_rejected_request_lets_its_client_send_the_next_at_once():
 
 def test_a_phase_of_only_rejected_requests_is_done_at_the_start():
     requests = [Request(i, (1,) * 10, max_new_tokens=1) for i in range(3)]
-    driver = PhaseDriver(policy(context_budget=8), ClosedLoop(requests, 2), len(requests),
+    driver = PhaseDriver(policy(context_budget=8), ClosedLoop([(r,) for r in requests], 2), len(requests),
                          Recorder(level=2, phase="warmup"))
     assert driver.start(now=0.0) == []
     assert driver.done
@@ -74,7 +74,7 @@ def test_requests_stop_at_eos_only_when_the_workload_says_so():
     seen: dict[bool, set] = {}
 
     def run_phase(level, phase, recorder):
-        seen[stop] = {request.stop_ids for request in phase.requests}
+        seen[stop] = {request.stop_ids for [request] in phase.requests}
         return {}
 
     for stop in (False, True):
@@ -86,7 +86,8 @@ def test_requests_stop_at_eos_only_when_the_workload_says_so():
 
 def test_a_stop_token_finishes_a_stream_early():
     requests = [Request(0, (1, 2), max_new_tokens=5, stop_ids={TOKEN})]
-    driver = PhaseDriver(policy(), ClosedLoop(requests, 1), 1, recorder := Recorder(level=1, phase="measured"))
+    driver = PhaseDriver(policy(), ClosedLoop([(r,) for r in requests], 1), 1,
+                         recorder := Recorder(level=1, phase="measured"))
     [frame] = driver.start(now=0.0)
     assert complete(driver, frame, 1.0) == [] and driver.done
     [record] = recorder.records

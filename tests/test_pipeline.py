@@ -203,6 +203,20 @@ def test_sampled_tokens_depend_on_the_stream_only(spec, plan, checkpoint, engine
     assert outputs != {tuple(reference_tokens(engine, prompt, 6, Sampling()))}  # not greedy after all
 
 
+def test_a_workloads_choices_fork_each_prompt_on_the_nodes_and_draw_as_requests_alone(spec, pipeline, engine):
+    """`workload.choices: 3`: each client's prompt is computed once and forked on every node; choice c draws as a
+    request of its own with the workload's seed + c (so the three differ), as in one process."""
+    workload = attrs.evolve(spec.workload, concurrency=(2,), requests=2, output_tokens=6, choices=3, greedy=False,
+                            temperature=1.2, top_p=0.95, seed=7)
+    done = pipeline.run(workload)
+    assert len(done.outputs) == 12 and [line["request_id"] for line in done.outputs] == list(range(12))
+    for line in done.outputs:
+        drawn = Sampling(temperature=1.2, top_p=0.95, seed=7 + line["request_id"] % 3)
+        assert line["output_ids"] == reference_tokens(engine, line["prompt_ids"], 6, drawn), line["request_id"]
+    assert len({tuple(line["output_ids"]) for line in done.outputs[:3]}) == 3
+    assert len({tuple(line["prompt_ids"]) for line in done.outputs[:3]}) == 1
+
+
 def test_nodes_keep_state_in_the_spec_kv_precision(spec, plan, checkpoint, engine):
     """`runtime.kv_precision: bf16` reaches every node: its logits are those of one process with bf16 state, not
     those of f32 state."""

@@ -960,6 +960,21 @@ def test_run_url_reports_the_workload_in_the_run_schema(server, tmp_path, levels
         assert 0 <= report["levels"][0]["goodput"]["fraction"] <= 1
 
 
+def test_run_url_asks_for_a_workloads_choices_as_n_and_times_each(server, tmp_path):
+    """`workload.choices: 2`: each request asks for two choices (`n`), and each choice is a stream of the report,
+    its tokens timed by its own chunks."""
+    (tmp_path / "key").write_text(KEY + "\n")
+    (tmp_path / "spec.yaml").write_text(f"include: {SPEC}\nworkload: {{choices: 2, greedy: false, temperature: 1.0}}\n")
+    out = tmp_path / "load.json"
+    result = CliRunner().invoke(cli, ["run", str(tmp_path / "spec.yaml"), "--url", server.url, "--api-key-file",
+                                      str(tmp_path / "key"), "--concurrency", "2", "--requests", "3",
+                                      "--max-new-tokens", "5", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    [level] = json.loads(out.read_text())["levels"]
+    assert (level["requests"], level["output_tokens"]) == (6, 30), level
+    assert "each of 2 choices of its prompt (computed once)" in result.output
+
+
 def test_run_url_names_a_server_it_cannot_reach(tmp_path):
     result = CliRunner().invoke(cli, ["run", str(SPEC), "--url", f"http://127.0.0.1:{free_port()}",
                                       "--concurrency", "1", "--requests", "1", "--max-new-tokens", "2"])

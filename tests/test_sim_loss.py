@@ -30,7 +30,7 @@ def _one_stream_loses(node: int, at_s: float, detect_s: float = 2.0, restart_s: 
     policy = Policy.for_runtime(spec.runtime, 1)
     recorder = Recorder(1, "measured")
     how = Recovery(node, detect_s, restart_s)
-    model.run_phase(policy, ClosedLoop([Request(0, (5,), 8)], 1), 1, recorder, (Loss(f"n{node}", at_s), how))
+    model.run_phase(policy, ClosedLoop([(Request(0, (5,), 8),)], 1), 1, recorder, (Loss(f"n{node}", at_s), how))
     [record] = recorder.records
     return record, model.losses
 

@@ -10,6 +10,7 @@ from sim_specs import calibration, even_plan, tiny_spec
 
 from cascadia.metrics import Recorder, format_table, summarize_level
 from cascadia.policy import Policy, Request
+from cascadia.sampling import Sampling
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import CalibrationError, Extrapolations
 from cascadia.sim.model import FrameShape, PipelineModel, SharedHost, StageCost, shared_hosts, stage_hosts
@@ -28,7 +29,7 @@ def run(spec, cal, requests, clients=1, groups=None, traced=False):
     model.timings = [] if traced else None
     policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
     recorder = Recorder(clients, "measured")
-    busy = model.run_phase(policy, ClosedLoop(requests, clients), len(requests), recorder)
+    busy = model.run_phase(policy, ClosedLoop([(r,) for r in requests], clients), len(requests), recorder)
     return recorder.records, busy, model
 
 
@@ -276,7 +277,7 @@ def open_loop(spec, cal, requests, rate, seed=1):
     plan = even_plan(spec)
     model = PipelineModel(spec, plan, cal)
     recorder = Recorder(None, "measured", rate)
-    model.run_phase(Policy.for_runtime(spec.runtime, len(plan.stages)), OpenLoop(requests, rate, seed),
+    model.run_phase(Policy.for_runtime(spec.runtime, len(plan.stages)), OpenLoop([(r,) for r in requests], rate, seed),
                     len(requests), recorder)
     return recorder.records
 
@@ -291,7 +292,7 @@ def test_open_loop_requests_arrive_at_their_own_times_whatever_the_server_does()
     slow = open_loop(spec, cal, requests, rate=0.5)
     found_idle = [r.ttft for r, before in zip(slow[1:], slow) if r.t_arrival >= before.t_finish]
     assert len(found_idle) > 30 and found_idle == pytest.approx([alone.ttft] * len(found_idle), rel=1e-9)
-    loop = OpenLoop(requests, 0.5, seed=1)
+    loop = OpenLoop([(r,) for r in requests], 0.5, seed=1)
     loop.start(0.0)
     times = [0.0]
     while (t := loop.next_time) is not None:
@@ -328,3 +329,24 @@ def test_simulate_sweeps_arrival_rates():
     table = format_table(result).splitlines()
     assert table[0].split()[0] == "load" and "TTFT p99 ms" in table[0] and "goodput" in table[0]
     assert table[1].split()[0] == "1/s" and table[1].split()[-3] == "100%"
+
+
+def test_the_choices_of_a_prompt_are_simulated_with_one_prefill():
+    """Four choices of a 40-token prompt: the simulator computes the prompt's rows once and the other choices' first
+    rows beside the first's last (the policy's forks), so every choice's first token comes with the first's, and
+    the nodes are busy for less than the same four streams as requests of their own keep them."""
+    spec = tiny_spec()
+    cal = calibration(spec, lambda kind, r, x: 1e-3 * (1 + r / 8))
+    family = tuple(Request(i, tuple(range(1, 41)), 4, sampling=Sampling(0.8, seed=i)) for i in range(4))
+
+    def served(requests):
+        plan = even_plan(spec)
+        recorder = Recorder(4, "measured")
+        busy = PipelineModel(spec, plan, cal).run_phase(Policy.for_runtime(spec.runtime, len(plan.stages)),
+                                                        ClosedLoop(requests, 4), 4, recorder)
+        return recorder.records, sum(busy.values())
+
+    forked, forked_busy = served([family])
+    alone, alone_busy = served([(r,) for r in family])
+    assert [r.output_tokens for r in forked] == [4] * 4 and len({r.t_first_token for r in forked}) == 1
+    assert len({r.t_first_token for r in alone}) > 1 and forked_busy < 0.6 * alone_busy

@@ -91,7 +91,7 @@ def serve_phases(spec: Spec, model: PipelineModel, policy: Policy,
                  run: Callable[[Callable[[], T]], T] = lambda serve: serve()) -> Served:
     """The spec's workload through the simulator, as `simulate` serves it; each phase is served by run(serve)."""
     return serve_workload(spec, spec.workload, None, lambda level, phase, recorder: run(
-        lambda: model.run_phase(policy, level.arrivals(phase), len(phase.requests), recorder)), Served())
+        lambda: model.run_phase(policy, level.arrivals(phase), phase.streams, recorder)), Served())
 
 
 def test_a_frame_on_hosts_of_their_own_is_one_simpy_event():

@@ -17,7 +17,7 @@ def test_levels_phases_and_requests():
     levels = build_levels(workload, vocab_size=50)
     assert [level.concurrency for level in levels] == [1, 3]
     assert all(tuple(p.name for p in level.phases) == PHASES for level in levels)
-    requests = [r for level in levels for phase in level.phases for r in phase.requests]
+    requests = [r for level in levels for phase in level.phases for [r] in phase.requests]
     assert [len(phase.requests) for level in levels for phase in level.phases] == [1, 1, 3, 3]  # default: c each
     assert [r.id for r in requests] == list(range(8))
     assert all(2 <= len(r.prompt_ids) <= 5 and all(0 <= t < 50 for t in r.prompt_ids) for r in requests)
@@ -29,8 +29,8 @@ def test_seeded_and_independent_of_other_levels():
     workload = WorkloadSpec(concurrency=(2, 4), requests=5, prompt_tokens=LengthSpec(1, 30), seed=1)
     assert build_levels(workload, 100) == build_levels(workload, 100)
     alone = build_levels(WorkloadSpec(concurrency=(4,), requests=5, prompt_tokens=LengthSpec(1, 30), seed=1), 100)
-    prompts = [[r.prompt_ids for r in phase.requests] for phase in alone[0].phases]
-    assert prompts == [[r.prompt_ids for r in phase.requests] for phase in build_levels(workload, 100)[1].phases]
+    prompts = [[r.prompt_ids for [r] in phase.requests] for phase in alone[0].phases]
+    assert prompts == [[r.prompt_ids for [r] in phase.requests] for phase in build_levels(workload, 100)[1].phases]
     other_seed = build_levels(WorkloadSpec(concurrency=(2, 4), requests=5, prompt_tokens=LengthSpec(1, 30), seed=2),
                               100)
     assert other_seed != build_levels(workload, 100)
@@ -42,8 +42,8 @@ def test_prompts_file_cycles_in_order(tmp_path):
     prompts = load_prompts(path)
     assert prompts == [(5, 6), (7,)]
     levels = build_levels(WorkloadSpec(concurrency=(3,)), 100, prompts, stop_ids=frozenset({2}))
-    assert [r.prompt_ids for phase in levels[0].phases for r in phase.requests] == [(5, 6), (7,)] * 3
-    assert levels[0].phases[0].requests[0].stop_ids == {2}
+    assert [r.prompt_ids for phase in levels[0].phases for [r] in phase.requests] == [(5, 6), (7,)] * 3
+    assert levels[0].phases[0].requests[0][0].stop_ids == {2}
 
 
 def test_text_prompts_need_a_tokenizer(tmp_path):
@@ -123,20 +123,31 @@ def test_prompts_longer_than_the_context_are_named_and_none_fitting_is_an_error(
 
 
 def test_closed_loop_sends_the_next_request_when_one_is_done():
-    requests = [Request(i, (1,), 1) for i in range(5)]
+    requests = [(Request(i, (1,), 1),) for i in range(5)]
     loop = ClosedLoop(requests, clients=2)
     assert loop.start(0.0) == requests[:2] and loop.next_time is None and loop.due(9.0) == []
-    assert [loop.done() for _ in range(4)] == [[requests[2]], [requests[3]], [requests[4]], []]
+    assert [loop.done(i) for i in (1, 0, 2, 3)] == [[requests[2]], [requests[3]], [requests[4]], []]
     assert ClosedLoop(requests[:1], clients=3).start(0.0) == requests[:1]
 
 
+def test_a_client_asking_several_choices_sends_its_next_request_when_all_are_done():
+    workload = WorkloadSpec(concurrency=(1,), requests=2, prompt_tokens=LengthSpec.fixed(3), choices=3, greedy=False,
+                            seed=5)
+    [phase, _] = build_levels(workload, 100)[0].phases
+    first, second = phase.requests
+    assert [r.id for r in first + second] == list(range(6)) and phase.streams == 6
+    assert {r.prompt_ids for r in first} == {first[0].prompt_ids} and [r.sampling.seed for r in first] == [5, 6, 7]
+    loop = ClosedLoop(phase.requests, clients=1)
+    assert loop.start(0.0) == [first] and loop.done(2) == [] and loop.done(0) == [] and loop.done(1) == [second]
+
+
 def test_open_loop_sends_requests_at_their_seeded_poisson_times():
-    requests = [Request(i, (1,), 1) for i in range(400)]
+    requests = [(Request(i, (1,), 1),) for i in range(400)]
     loop = OpenLoop(requests, rate=4.0, seed=3)
     assert loop.start(10.0) == requests[:1]  # the first at the start
     times = [10.0]
     while (due := loop.next_time) is not None:
-        assert loop.due(due - 1e-9) == [] and loop.done() == []  # not before its time, nor because one finished
+        assert loop.due(due - 1e-9) == [] and loop.done(0) == []  # not before its time, nor because one finished
         sent = loop.due(due)
         times += [due] * len(sent)
     gaps = np.diff(times)

@@ -195,7 +195,7 @@ class Pipeline:
                                   plan=self.plan.to_dict(), warnings=[*notes, *warnings])
 
         def run_phase(level: Level, phase: Phase, recorder: metrics.Recorder) -> dict[str, float]:
-            return self.coordinator.run_phase(policy, level.arrivals(phase), len(phase.requests), recorder, outputs)
+            return self.coordinator.run_phase(policy, level.arrivals(phase), phase.streams, recorder, outputs)
 
         try:
             serve_workload(spec, workload, prompts, run_phase, served, on_phase)

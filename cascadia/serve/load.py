@@ -22,9 +22,9 @@ from cascadia import metrics
 from cascadia.driver import Served, serve_workload
 from cascadia.errors import NodeError, RequestError
 from cascadia.metrics import Recorder
-from cascadia.policy import LENGTH, STOP, Finished, Rejected, Request, Token
+from cascadia.policy import LENGTH, STOP, Finished, Rejected, Token
 from cascadia.spec.types import Spec, WorkloadSpec
-from cascadia.workload import Arrivals, Level, Phase, prompt_length_notes
+from cascadia.workload import Arrivals, Choices, Level, Phase, prompt_length_notes
 
 TIMEOUT_S = 600.0  # one request's longest wait for the server
 _FINISH = {"length": LENGTH, "stop": STOP}
@@ -54,7 +54,7 @@ def run_url(spec: Spec, workload: WorkloadSpec, target: Target, prompts: Sequenc
     served = Served()
 
     def run_phase(level: Level, phase: Phase, recorder: Recorder) -> dict[str, float]:
-        return asyncio.run(_phase(target, model, level.arrivals(phase), len(phase.requests), recorder))
+        return asyncio.run(_phase(target, model, level.arrivals(phase), phase.streams, recorder))
 
     serve_workload(spec, workload, prompts, run_phase, served, on_phase)
     return metrics.result("run", attrs.evolve(spec, workload=workload), served.levels, served.records,
@@ -87,10 +87,11 @@ async def _phase(target: Target, model: str, arrivals: Arrivals, requests: int, 
         def now() -> float:
             return time.perf_counter() - clock0
 
-        def send(batch: list[Request]) -> None:
-            for request in batch:
-                recorder.arrived(request, now())
-                tasks.add(asyncio.create_task(_request(client, model, request, recorder, now)))
+        def send(batch: list[Choices]) -> None:
+            for choices in batch:
+                for request in choices:
+                    recorder.arrived(request, now())
+                tasks.add(asyncio.create_task(_request(client, model, choices, recorder, now)))
 
         send(arrivals.start(now()))
         left = requests
@@ -105,9 +106,9 @@ async def _phase(target: Target, model: str, arrivals: Arrivals, requests: int, 
                     await asyncio.sleep(timeout)
                 tasks -= finished
                 for task in finished:
-                    task.result()  # a failed request stops the run
-                    left -= 1
-                    send(arrivals.done())  # closed loop: its client's next request
+                    for request_id in task.result():  # a failed request stops the run
+                        left -= 1
+                        send(arrivals.done(request_id))  # closed loop: its client's next request
                 send(arrivals.due(now()))
         finally:
             for task in tasks:
@@ -116,40 +117,50 @@ async def _phase(target: Target, model: str, arrivals: Arrivals, requests: int, 
     return {node: seconds - busy_before.get(node, 0.0) for node, seconds in busy_after.items()}
 
 
-async def _request(client: openai.AsyncOpenAI, model: str, request: Request, recorder: Recorder, now) -> None:
-    """One request, streamed: its tokens' times into the recorder as they come, then its end."""
+async def _request(client: openai.AsyncOpenAI, model: str, choices: Choices, recorder: Recorder, now) -> list[int]:
+    """One request (its choices as `n`), streamed: each choice's tokens' times into the recorder, then its end;
+    the ids of its streams."""
+    request = choices[0]
     sampling = request.sampling
     options, extra = {"temperature": sampling.temperature}, {"ignore_eos": not request.stop_ids}
     if not sampling.greedy:
         options |= {"top_p": sampling.top_p, "seed": sampling.seed}
         extra |= {name: value for name, value in (("top_k", sampling.top_k), ("min_p", sampling.min_p)) if value}
-    times: list[float] = []
-    finish, tokens = None, None
+    times: list[list[float]] = [[] for _ in choices]  # each choice's chunks
+    finish: list[str | None] = [None] * len(choices)
+    tokens = None
     try:
         stream = await client.completions.create(
             model=model, prompt=list(request.prompt_ids), max_tokens=request.max_new_tokens, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra, **options)
+            n=len(choices), stream_options={"include_usage": True}, extra_body=extra, **options)
         async for chunk in stream:
-            if chunk.choices:
-                times.append(now())
-                finish = chunk.choices[0].finish_reason or finish
+            for choice in chunk.choices:
+                times[choice.index].append(now())
+                finish[choice.index] = choice.finish_reason or finish[choice.index]
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
     except (openai.BadRequestError, openai.RateLimitError) as e:
         if e.status_code == 400 and e.code != "context_length_exceeded":
             raise RequestError(f"request {request.id}: the server refused it: {e.message}") from None
-        recorder.observe([Rejected(request.id, e.message)], now())  # too long, or no room: the server's admission
-        return
+        recorder.observe([Rejected(r.id, e.message) for r in choices], now())  # too long, or no room: the server's
+        return [r.id for r in choices]
     except openai.APIError as e:
         raise NodeError(f"request {request.id}: the server answered {e}") from None
-    if tokens is None or finish is None or not times:
-        raise NodeError(f"request {request.id}: the stream ended without its usage or finish reason")
+    if tokens is None or None in finish or not all(times):
+        raise NodeError(f"request {request.id}: the stream ended without its usage or a choice's finish reason")
     # cascadia serve: a chunk per token, then the finish; a server that sends several tokens in one chunk: those
-    # tokens arrived together, at the last chunk's time
-    token_times = times[:tokens] + times[-1:] * (tokens - len(times))
-    for index, t in enumerate(token_times):
-        recorder.observe([Token(request.id, -1, index)], t)
-    recorder.observe([Finished(request.id, None, _FINISH.get(finish, finish), tokens)], token_times[-1])
+    # tokens arrived together, at the last chunk's time. Of several choices, the usage counts them all: each has
+    # as many tokens as chunks before its finish (cascadia serve's).
+    counts = [tokens] if len(choices) == 1 else [len(t) - 1 for t in times]
+    if sum(counts) != tokens:
+        raise NodeError(f"request {request.id}: its {len(choices)} choices' chunks do not add up to the "
+                        f"{tokens} tokens of its usage: cannot time each choice's tokens")
+    for r, chunks, count, reason in zip(choices, times, counts, finish):
+        token_times = chunks[:count] + chunks[-1:] * (count - len(chunks))
+        for index, t in enumerate(token_times):
+            recorder.observe([Token(r.id, -1, index)], t)
+        recorder.observe([Finished(r.id, None, _FINISH.get(reason, reason), count)], token_times[-1])
+    return [r.id for r in choices]
 
 
 async def _busy_seconds(http: httpx.AsyncClient, target: Target) -> dict[str, float]:

@@ -47,9 +47,9 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
 
     def run_phase(level, phase, recorder):
         if loss is None or phase.name != MEASURED:
-            return model.run_phase(policy, level.arrivals(phase), len(phase.requests), recorder)
+            return model.run_phase(policy, level.arrivals(phase), phase.streams, recorder)
         start, before = model.env.now, len(model.losses)
-        busy = model.run_phase(policy, level.arrivals(phase), len(phase.requests), recorder, (loss, how))
+        busy = model.run_phase(policy, level.arrivals(phase), phase.streams, recorder, (loss, how))
         if len(model.losses) == before:
             notes.append(f"{level.describe}: the measured phase was over after {model.env.now - start:.3g} s, "
                          f"before {loss.node} was lost at {loss.at_s:g} s")

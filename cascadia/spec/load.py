@@ -646,6 +646,7 @@ def _workload(ctx: _Context, node: Node | None) -> WorkloadSpec:
         "prompt_tokens": None if prompt_node is None else _length(ctx, prompt_node, "workload.prompt_tokens"),
         "prompts_file": fields.path_value("prompts_file", must_exist=True),
         "output_tokens": fields.take("output_tokens", _positive_int),
+        "choices": fields.take("choices", _positive_int),
         "stop_at_eos": fields.take("stop_at_eos", _boolean),
         "greedy": fields.take("greedy", _boolean),
         "temperature": fields.take("temperature", _positive(_number)),

@@ -224,6 +224,7 @@ class WorkloadSpec:
     prompt_tokens: LengthSpec = LengthSpec.fixed(16)
     prompts_file: Path | None = None  # JSONL: {"ids": [...]} or {"text": "..."} per line
     output_tokens: int = 16
+    choices: int = 1  # streams of each prompt (a client's `n`): the prompt computed once, the others forked from it
     stop_at_eos: bool = False  # a request ends at EOS too (else it always makes output_tokens: benchmarks)
     greedy: bool = True
     temperature: float = 1.0
