@@ -805,6 +805,33 @@ def test_parallel_tool_calls_may_come_several(request, served):
         assert reply.finish_reason == "length"
 
 
+def test_the_messages_api_calls_tools_as_anthropics_clients_expect(quick_start):
+    """Anthropic's tools and tool_choice: a forced call comes as a tool_use block whose input follows the tool's
+    input_schema, stop_reason tool_use, streamed as the SDK rebuilds it (an input_json_delta); sent back with a
+    tool_result, the chat goes on."""
+    client = anthropic.Anthropic(base_url=quick_start.url, api_key="none", max_retries=0, timeout=60)
+    weather = {"name": "get_weather", "description": "The weather in a city",
+               "input_schema": WEATHER["function"]["parameters"]}
+    clock = {"name": "get_time", "input_schema": CLOCK["function"]["parameters"]}
+    ask = {"model": "tiny", "max_tokens": 96, "extra_body": {"temperature": 0}, "tools": [weather, clock],
+           "messages": ASK}
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any", "disable_parallel_tool_use": True}):
+        message = client.messages.create(**ask, tool_choice=choice)
+        assert message.stop_reason == "tool_use"
+        [use] = [block for block in message.content if block.type == "tool_use"]
+        assert use.id.startswith("toolu_") and (choice["type"] == "any" or use.name == "get_weather")
+        jsonschema.validate(use.input, {"get_weather": weather, "get_time": clock}[use.name]["input_schema"])
+        with client.messages.stream(**ask, tool_choice=choice) as stream:
+            streamed = stream.get_final_message()
+        assert streamed.stop_reason == "tool_use"
+        assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(use.name, use.input)]
+    answered = client.messages.create(model="tiny", max_tokens=4, tools=[weather], messages=[
+        *ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                  "input": use.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": '{"sky": "clear"}'}]}])
+    assert answered.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice",
      "no tool named 'launch' is given"),
@@ -903,8 +930,17 @@ def test_the_messages_api_refuses_in_its_own_shape(server, anthropic_client):
     user = [{"role": "user", "content": "hi"}]
     for body, status, kind, message in [
             ({"messages": user}, 400, "invalid_request_error", "max_tokens: Field required"),
-            ({"messages": user, "max_tokens": 4, "tools": [{"name": "f", "input_schema": {}}]}, 400,
-             "invalid_request_error", "tools: tool use is not supported by this server"),
+            ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                          "content": "12:00"}]}], "max_tokens": 4}, 400,
+             "invalid_request_error", "messages.0.content.0.tool_use_id: 'toolu_1' answers no tool_use block"),
+            ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
+              "max_tokens": 4}, 400, "invalid_request_error",
+             "messages.0.content.0: a user message holds no tool_use blocks"),
+            ({"messages": user, "max_tokens": 4, "tool_choice": {"type": "any"}}, 400, "invalid_request_error",
+             "tool_choice: any needs tools"),
+            ({"messages": user, "max_tokens": 4, "tools": [{"name": "f", "input_schema": {}}],
+              "tool_choice": {"type": "tool", "name": "g"}}, 400, "invalid_request_error",
+             "tool_choice: no tool named 'g' is given"),
             ({"max_tokens": 4, "messages": [{"role": "user", "content": [
                 {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1/a.png"}}]}]}, 400,
              "invalid_request_error", "messages.0.content.0: image blocks are not supported by this server"),

@@ -414,14 +414,19 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post(messages.PATH)
     async def create_message(body: messages.MessagesRequest, request: Request):
-        [generation] = server.start(body.as_chat(), id_prefix="msg_")
+        chat = body.as_chat()
+        [generation] = server.start(chat, id_prefix="msg_")
         reply = messages.MessageBody(generation.id, server.settings.model_name, len(generation.stream.prompt_ids))
         if body.stream:
-            return EventSourceResponse(_message_events(generation, reply), ping=KEEP_ALIVE_S)
+            return EventSourceResponse(_message_events(generation, reply, chat.tool_names), ping=KEEP_ALIVE_S)
         [text] = await _collected([generation], request)
+        calls = []
+        if generation.calls is not None:
+            content, calls = generation.calls.parse(text, chat.tool_names)
+            text = content if calls else text
         stopped_by = generation.text.stopped_by
-        return reply.message(text, messages.stop_reason(generation.finish_reason, stopped_by), stopped_by,
-                             generation.tokens)
+        return reply.message(text, messages.stop_reason(generation.finish_reason, stopped_by, bool(calls)),
+                             stopped_by, generation.tokens, calls)
 
     @app.post(messages.PATH + "/count_tokens")
     async def count_message_tokens(body: messages.MessagesPrompt):
@@ -682,25 +687,35 @@ async def _response_events(generation: Generation, reply: ResponseBody, prompt_t
         generation.cancel()
 
 
-async def _message_events(generation: Generation, reply: messages.MessageBody):
+async def _message_events(generation: Generation, reply: messages.MessageBody, tool_names: set[str]):
     """A streamed message's named events (see `cascadia.serve.messages`); a failure is an `error` event, and the
     stream ends there. A client that goes away cancels its request, as for a chat stream."""
+    content = generation.calls.stream() if generation.calls is not None else None  # holds the reply's calls back
     try:
         yield reply.event("message_start", message=reply.message(None, None, None, 0))
         yield reply.event("content_block_start", index=0, content_block=reply.block(""))
         try:
             async for piece in generation.pieces():
-                if piece:
+                if piece := piece if content is None else content.push(piece):
                     yield reply.event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
         except ApiError as e:
             yield {"event": "error", "data": json.dumps(messages.error_body(e.status, str(e)))}
             return
-        if generation.rest:
-            yield reply.event("content_block_delta", index=0, delta={"type": "text_delta", "text": generation.rest})
+        rest, calls = generation.rest, []
+        if content is not None:
+            content.push(rest)
+            rest, calls = content.finish(tool_names)
+        if rest:
+            yield reply.event("content_block_delta", index=0, delta={"type": "text_delta", "text": rest})
         yield reply.event("content_block_stop", index=0)
+        for index, call in enumerate(calls, 1):
+            yield reply.event("content_block_start", index=index, content_block=reply.tool_use(call, False))
+            yield reply.event("content_block_delta", index=index, delta={"type": "input_json_delta",
+                                                                         "partial_json": call.arguments})
+            yield reply.event("content_block_stop", index=index)
         stopped_by = generation.text.stopped_by
         yield reply.event("message_delta", delta={"stop_reason": messages.stop_reason(generation.finish_reason,
-                                                                                      stopped_by),
+                                                                                      stopped_by, bool(calls)),
                                                   "stop_sequence": stopped_by}, usage=reply.usage(generation.tokens))
         yield reply.event("message_stop")
     finally:

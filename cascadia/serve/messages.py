@@ -1,30 +1,34 @@
-"""Anthropic's Messages API (`POST /v1/messages` and `POST /v1/messages/count_tokens`), text only, as llama-server
-serves it for agents written against Anthropic's SDK.
+"""Anthropic's Messages API (`POST /v1/messages` and `POST /v1/messages/count_tokens`), text and tool use, as
+llama-server serves it for agents written against Anthropic's SDK.
 
-A message is a chat completion in other clothes: `system` and the `messages` become the chat's messages, so the
-tokens are the chat endpoint's for the same prompt; a final assistant message is a prefill, which the reply
-continues (the chat endpoint's `continue_final_message`). What comes back is a `message` object with one text block, its
-`stop_reason` (`end_turn`, `max_tokens`, or `stop_sequence` naming the one found), or, streamed, Anthropic's named
-events: `message_start`, `content_block_start`, a `content_block_delta` per piece of text, `content_block_stop`,
-`message_delta` (the stop reason and the output tokens) and `message_stop`; a failure mid-stream is an `error`
-event. Errors on these paths have Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), and the
-API key may come as `x-api-key`, as Anthropic's clients send it.
+A message is a chat completion in other clothes: `system` and the `messages` become the chat's messages (an
+assistant's `tool_use` blocks its tool calls, a user's `tool_result` blocks tool messages), `tools` and
+`tool_choice` the chat's, so the tokens are the chat endpoint's for the same prompt; a final assistant message is a
+prefill, which the reply continues (the chat endpoint's `continue_final_message`). What comes back is a `message`
+object with a text block and a `tool_use` block per call, its `stop_reason` (`end_turn`, `max_tokens`, `tool_use`,
+or `stop_sequence` naming the one found), or, streamed, Anthropic's named events: `message_start`,
+`content_block_start`, a `content_block_delta` per piece of text, `content_block_stop`, then for each call a
+`tool_use` block whose input comes as one `input_json_delta`, `message_delta` (the stop reason and the output
+tokens) and `message_stop`; a failure mid-stream is an `error` event. Errors on these paths have Anthropic's shape
+(`{"type": "error", "error": {"type", "message"}}`), and the API key may come as `x-api-key`, as Anthropic's clients
+send it.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
-from cascadia.serve.api import MAX_STOP_STRINGS, ChatMessage, ChatRequest, RequestBody, unsupported
+from cascadia.serve.api import (MAX_STOP_STRINGS, AssistantToolCall, ChatMessage, ChatRequest, FunctionCall,
+                                FunctionSpec, NamedToolChoice, RequestBody, Tool, invalid, unsupported)
+from cascadia.serve.tools import ToolCall
 
 PATH = "/v1/messages"
 # Fields of the Messages API this server does not serve: why, and the values that ask for what it does anyway.
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
-    "tools": ("tool use is not supported", ([],)),
-    "tool_choice": ("tool use is not supported", ({"type": "auto"}, {"type": "none"})),
     "thinking": ("extended thinking is not supported", ({"type": "disabled"},)),
     "output_config": ("output formats and effort are not supported", ({},)),
     "container": ("containers are not served", ()),
@@ -55,15 +59,61 @@ class TextBlock(BaseModel):
     citations: list | None = None  # an earlier reply's, sent back as it came
 
 
+class ToolUseBlock(BaseModel):
+    """An assistant's call, sent back."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict | None = None
+
+
+class ToolResultBlock(BaseModel):
+    """A tool's answer to a call, in a user's message."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: dict | None = None
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+# the blocks served, and where each may be
+BLOCKS = {"text": ("system", "user", "assistant"), "tool_use": ("assistant",), "tool_result": ("user",)}
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[Block]
+
+    def blocks(self, kind: str) -> list:
+        return [block for block in self.content if block.type == kind] if isinstance(self.content, list) else []
 
 
-def _text(content: str | list[TextBlock]) -> str:
-    """A message's text: its blocks joined as the chat endpoint joins a message's parts."""
-    return content if isinstance(content, str) else "".join(block.text for block in content)
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # of the tool `type: tool` calls
+    disable_parallel_tool_use: bool = False
+
+
+def _text(content: str | list) -> str:
+    """A message's text: its text blocks joined as the chat endpoint joins a message's parts."""
+    return content if isinstance(content, str) else "".join(block.text for block in content if block.type == "text")
 
 
 class MessagesPrompt(RequestBody):
@@ -77,16 +127,23 @@ class MessagesPrompt(RequestBody):
 
     @classmethod
     def refuse_unserved(cls, body: dict) -> None:
-        """A content block that is not text (an image, a tool result, ...), by name and place, before the model's
-        own error (every block type it expected) would bury the reason."""
+        """A content block that is neither text nor tool use (an image, a document, ...), by name and place, before
+        the model's own error (every block type it expected) would bury the reason; a tool block where its role does
+        not send one."""
         messages = body.get("messages") if isinstance(body.get("messages"), list) else []
-        places = [("system", body.get("system"))]
-        places += [(f"messages.{i}.content", m.get("content")) for i, m in enumerate(messages) if isinstance(m, dict)]
-        for where, blocks in places:
+        places = [("system", "system", body.get("system"))]
+        places += [(f"messages.{i}.content", m.get("role"), m.get("content")) for i, m in enumerate(messages)
+                   if isinstance(m, dict)]
+        for where, role, blocks in places:
             for j, block in enumerate(blocks if isinstance(blocks, list) else []):
                 kind = block.get("type") if isinstance(block, dict) else None
-                if isinstance(kind, str) and kind != "text":
-                    raise unsupported(f"{where}.{j}", f"{kind} blocks are not supported by this server (text only)")
+                if not isinstance(kind, str):
+                    continue  # the model's own error names it
+                if kind not in BLOCKS:
+                    raise unsupported(f"{where}.{j}", f"{kind} blocks are not supported by this server (text and "
+                                                      "tool use only)")
+                if role not in BLOCKS[kind]:
+                    raise invalid(f"{where}.{j}", f"a {role} message holds no {kind} blocks")
 
     @property
     def prefilled(self) -> bool:
@@ -94,8 +151,19 @@ class MessagesPrompt(RequestBody):
         return self.messages[-1].role == "assistant"
 
     def chat_messages(self) -> list[ChatMessage]:
-        system = [ChatMessage(role="system", content=_text(self.system))] if self.system else []
-        return system + [ChatMessage(role=m.role, content=_text(m.content)) for m in self.messages]
+        """The chat's messages: a user's tool results as tool messages before its text, an assistant's calls as its
+        tool calls."""
+        chat = [ChatMessage(role="system", content=_text(self.system))] if self.system else []
+        for message in self.messages:
+            chat += [ChatMessage(role="tool", tool_call_id=result.tool_use_id, content=_text(result.content))
+                     for result in message.blocks("tool_result")]
+            calls = [AssistantToolCall(id=use.id, function=FunctionCall(name=use.name, arguments=json.dumps(use.input)))
+                     for use in message.blocks("tool_use")]
+            text = _text(message.content)
+            if text or calls or not message.blocks("tool_result"):
+                chat.append(ChatMessage(role=message.role, content=text if text or not calls else None,
+                                        tool_calls=calls or None))
+        return chat
 
 
 class MessagesRequest(MessagesPrompt):
@@ -105,13 +173,54 @@ class MessagesRequest(MessagesPrompt):
     top_k: int = Field(0, ge=0, lt=2**31)  # 0: no limit
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+    _chat: ChatRequest | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _a_chat_request(self):
+        """The chat request that gives this message's tokens, checked here: a tool result answering no call, or a
+        tool choice naming no tool, is refused where Anthropic's request says it."""
+        asked: set[str] = set()
+        for i, message in enumerate(self.messages):
+            for j, block in enumerate(message.content if isinstance(message.content, list) else []):
+                if block.type == "tool_result" and block.tool_use_id not in asked:
+                    raise invalid(f"messages.{i}.content.{j}.tool_use_id",
+                                  f"{block.tool_use_id!r} answers no tool_use block of an earlier message")
+                asked |= {block.id} if block.type == "tool_use" else set()
+        names = {tool.name for tool in self.tools or ()}
+        choice = self.tool_choice
+        if choice is not None and choice.type == "tool" and choice.name not in names:
+            raise invalid("tool_choice", f"no tool named {choice.name!r} is given")
+        if choice is not None and choice.type == "any" and not names:
+            raise invalid("tool_choice", "any needs tools")
+        try:
+            self._chat = ChatRequest(
+                model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens,
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences,
+                continue_final_message=self.prefilled,
+                tools=[Tool(type="function", function=FunctionSpec(name=tool.name, description=tool.description,
+                                                                   parameters=tool.input_schema))
+                       for tool in self.tools] if self.tools else None,
+                tool_choice=_chat_tool_choice(choice),
+                parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use))
+        except ValidationError as e:
+            problem = e.errors()[0]
+            if problem["type"] in ("invalid_param", "unsupported"):
+                raise PydanticCustomError(problem["type"], "{message}", problem["ctx"]) from None
+            raise invalid(".".join(map(str, problem["loc"])) or "messages", problem["msg"]) from None
+        return self
 
     def as_chat(self) -> ChatRequest:
         """The chat request that gives this message's tokens."""
-        return ChatRequest(model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens,
-                           temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                           stop=self.stop_sequences,
-                           continue_final_message=self.prefilled)
+        return self._chat
+
+
+def _chat_tool_choice(choice: ToolChoice | None) -> str | NamedToolChoice | None:
+    """Anthropic's tool choice as the chat endpoint's: `any` is `required`, `tool` names a function."""
+    if choice is None or choice.type == "tool":
+        return None if choice is None else NamedToolChoice(type="function", function={"name": choice.name})
+    return {"auto": "auto", "none": "none", "any": "required"}[choice.type]
 
 
 class MessageBody:
@@ -121,15 +230,22 @@ class MessageBody:
         self.id, self.model, self.input_tokens = message_id, model, input_tokens
 
     def message(self, text: str | None, stop_reason: str | None, stop_sequence: str | None,
-                output_tokens: int) -> dict:
-        """The message object; `text` None: as it starts, with no content yet."""
-        content = [] if text is None else [self.block(text)]
+                output_tokens: int, calls: list[ToolCall] = ()) -> dict:
+        """The message object: its text block (none for `text` None: as it starts, or a reply of calls alone) and a
+        `tool_use` block per call."""
+        content = ([] if text is None else [self.block(text)]) + [self.tool_use(call) for call in calls]
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self.usage(output_tokens)}
 
     @staticmethod
     def block(text: str) -> dict:
         return {"type": "text", "text": text}
+
+    @staticmethod
+    def tool_use(call: ToolCall, with_input: bool = True) -> dict:
+        """A call's block (with `with_input` false: as a stream starts it, its input to come in a delta)."""
+        return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+                "input": json.loads(call.arguments) if with_input else {}}
 
     def usage(self, output_tokens: int) -> dict:
         return {"input_tokens": self.input_tokens, "output_tokens": output_tokens,
@@ -141,9 +257,11 @@ class MessageBody:
         return {"event": kind, "data": json.dumps({"type": kind, **fields})}
 
 
-def stop_reason(finish_reason: str, stopped_by: str | None) -> str | None:
-    """A finished generation's stop reason: a stop sequence's, the end of the turn's, the token limit's; a
-    cancelled one has none."""
+def stop_reason(finish_reason: str, stopped_by: str | None, calls: bool = False) -> str | None:
+    """A finished generation's stop reason: a stop sequence's, its calls', the end of the turn's, the token limit's;
+    a cancelled one has none."""
     if stopped_by is not None:
         return "stop_sequence"
+    if calls:
+        return "tool_use"
     return {"length": "max_tokens", "stop": "end_turn"}.get(finish_reason)
