@@ -13,12 +13,24 @@ chunk arrives. Reported per level, the median and range over the rounds:
 Not a test: it prints ratios and writes them to bench/results/serve.json. The server, its client and the nodes share
 this machine's cores, so the HTTP cost includes the CPU the server and client take from the nodes.
 
+With `--schema`, what holding replies to a JSON schema costs instead (bench/results/serve_schema.json): each round
+sends every level's requests twice to the same server, `level` clients at a time, streamed `/v1/completions`
+without and with a `response_format` JSON schema (in turn first), and reports per level
+  plain tok/s    decode tokens/s: the output tokens after each request's first, over the time from the level's first
+                 token to its last, as the client sees them
+  schema tok/s   the same, every reply held to the schema (a list of strings: random tokens fill the strings; a reply
+                 the schema has closed goes on with the end token alone, still masked)
+  schema cost %  1 - schema / plain of each round
+(A schema's compile time and a row's mask alone: bench/structured.py.)
+
     python bench/serve.py [--quick] [--concurrency 1,4,8] [--rounds 3]
+    python bench/serve.py --schema [--concurrency 1,32] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import subprocess
 import sys
 import tempfile
@@ -27,6 +39,8 @@ from pathlib import Path
 
 import attrs
 import httpx
+import numpy as np
+import openai
 from random_model import FORMATS, mid_config, random_checkpoint
 from record import Table, now, spread, write
 
@@ -45,6 +59,8 @@ PROMPT_TOKENS = 16
 OUTPUT_TOKENS = 32
 SEED = 0
 START_S = 600  # loading the nodes on a busy machine
+SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+          "required": ["notes"], "additionalProperties": False}
 
 
 def spec(config: InklingConfig, checkpoint: Path, max_streams: int) -> Spec:
@@ -87,15 +103,79 @@ class Server:
             self.process.kill()
 
 
+async def level_rate(url: str, level: int, requests: int, schema: dict | None, seed: int) -> float:
+    """Decode tokens/s of `requests` streamed completions sent by `level` clients, each sending its next when its
+    last is done (see the module's text)."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=START_S)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 200, PROMPT_TOKENS).tolist() for _ in range(requests)]
+    extra = {"ignore_eos": True} | ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "notes", "schema": schema}}} if schema else {})
+    firsts, lasts, decoded = [], [], 0
+
+    async def one(prompt: list[int]) -> None:
+        nonlocal decoded
+        times = []
+        stream = await client.completions.create(model="bench-mid", prompt=prompt, max_tokens=OUTPUT_TOKENS,
+                                                 temperature=0, stream=True, extra_body=extra)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason is None:
+                times.append(time.perf_counter())
+        firsts.append(times[0])
+        lasts.append(times[-1])
+        decoded += len(times) - 1
+
+    async def client_loop(mine: list[list[int]]) -> None:
+        for prompt in mine:
+            await one(prompt)
+
+    async with client:
+        await asyncio.gather(*(client_loop(prompts[i::level]) for i in range(level)))
+    return decoded / (max(lasts) - min(firsts))
+
+
+def schema_cost(args, setup: Spec, plan, levels: tuple[int, ...], setting: str, started: str) -> None:
+    """`--schema`: decode tokens/s without and with a schema, alternating, on one server."""
+    plain: list[list[float]] = [[] for _ in levels]
+    held: list[list[float]] = [[] for _ in levels]
+    with tempfile.TemporaryDirectory(prefix="cascadia-bench-serve-") as tmp:
+        folder = Path(tmp)
+        spec_path, plan_path = write_spec(setup, folder / "spec.yaml"), folder / "plan.json"
+        plan.save(plan_path)
+        server = Server(spec_path, plan_path, folder / "serve.log")
+        try:
+            asyncio.run(level_rate(server.url, 1, 2, SCHEMA, SEED))  # warm: the grammar's vocabulary is built once
+            for round_ in range(args.rounds):
+                for index, level in enumerate(levels):
+                    requests = max(level, 4)
+                    order = (None, SCHEMA) if round_ % 2 == 0 else (SCHEMA, None)
+                    for schema in order:
+                        rate = asyncio.run(level_rate(server.url, level, requests, schema, SEED + round_))
+                        (held if schema else plain)[index].append(rate)
+                print(f"  round {round_ + 1} of {args.rounds} done", flush=True)
+        finally:
+            server.stop()
+    table = Table("Decode tokens/s through `cascadia serve`, replies free or held to a JSON schema",
+                  ["streams", "plain tok/s", "schema tok/s", "schema cost %"],
+                  note=f"The mid-size random Inkling: {setting}; greedy; the schema: an object holding a list of "
+                       "strings.")
+    for level, a, b in zip(levels, plain, held):
+        table.add(level, spread(a), spread(b), spread(100 * (1 - y / x) for x, y in zip(a, b)))
+    print(table.text())
+    write("serve_schema", "What holding replies to a JSON schema costs through `cascadia serve`", started, [table],
+          args.out, quick=args.quick, rounds={"plain": plain, "schema": held})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, to check the bench itself")
-    parser.add_argument("--concurrency", default="1,4,8", help="levels, e.g. 1,4,8")
+    parser.add_argument("--concurrency", help="levels, e.g. 1,4,8 (default; with --schema 1,32)")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each path per level")
-    parser.add_argument("--out", type=Path, help="default bench/results/serve.json")
+    parser.add_argument("--schema", action="store_true", help="the cost of a JSON schema instead (see above)")
+    parser.add_argument("--out", type=Path, help="default bench/results/serve.json (serve_schema.json)")
     args = parser.parse_args()
     started = now()
-    levels = tuple(int(c) for c in args.concurrency.split(","))
+    levels = tuple(int(c) for c in (args.concurrency or ("1,32" if args.schema else "1,4,8")).split(","))
     config = mid_config(args.quick)
     setup = spec(config, random_checkpoint(config, CHECKPOINT, args.quick, SEED), max(levels))
     workload = attrs.evolve(setup.workload, concurrency=levels)
@@ -104,6 +184,8 @@ def main() -> None:
                f"{NODES} local nodes of {THREADS_PER_NODE} thread(s); {PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} "
                f"output tokens per request")
     print(f"model: {setting}", flush=True)
+    if args.schema:
+        return schema_cost(args, setup, plan, levels, setting, started)
     runs: list[list[float]] = [[] for _ in levels]
     serves: list[list[float]] = [[] for _ in levels]
     with tempfile.TemporaryDirectory(prefix="cascadia-bench-serve-") as tmp:
