@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -103,6 +105,20 @@ class Server:
             self.process.kill()
 
 
+@contextlib.contextmanager
+def serving(setup: Spec, plan) -> Iterator[Server]:
+    """`cascadia serve` holding `plan` of `setup`, until the block ends."""
+    with tempfile.TemporaryDirectory(prefix="cascadia-bench-serve-") as tmp:
+        folder = Path(tmp)
+        spec_path, plan_path = write_spec(setup, folder / "spec.yaml"), folder / "plan.json"
+        plan.save(plan_path)
+        server = Server(spec_path, plan_path, folder / "serve.log")
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
 async def level_rate(url: str, level: int, requests: int, schema: dict | None, seed: int) -> float:
     """Decode tokens/s of `requests` streamed completions sent by `level` clients, each sending its next when its
     last is done (see the module's text)."""
@@ -138,23 +154,16 @@ def schema_cost(args, setup: Spec, plan, levels: tuple[int, ...], setting: str, 
     """`--schema`: decode tokens/s without and with a schema, alternating, on one server."""
     plain: list[list[float]] = [[] for _ in levels]
     held: list[list[float]] = [[] for _ in levels]
-    with tempfile.TemporaryDirectory(prefix="cascadia-bench-serve-") as tmp:
-        folder = Path(tmp)
-        spec_path, plan_path = write_spec(setup, folder / "spec.yaml"), folder / "plan.json"
-        plan.save(plan_path)
-        server = Server(spec_path, plan_path, folder / "serve.log")
-        try:
-            asyncio.run(level_rate(server.url, 1, 2, SCHEMA, SEED))  # warm: the grammar's vocabulary is built once
-            for round_ in range(args.rounds):
-                for index, level in enumerate(levels):
-                    requests = max(level, 4)
-                    order = (None, SCHEMA) if round_ % 2 == 0 else (SCHEMA, None)
-                    for schema in order:
-                        rate = asyncio.run(level_rate(server.url, level, requests, schema, SEED + round_))
-                        (held if schema else plain)[index].append(rate)
-                print(f"  round {round_ + 1} of {args.rounds} done", flush=True)
-        finally:
-            server.stop()
+    with serving(setup, plan) as server:
+        asyncio.run(level_rate(server.url, 1, 2, SCHEMA, SEED))  # warm: the grammar's vocabulary is built once
+        for round_ in range(args.rounds):
+            for index, level in enumerate(levels):
+                requests = max(level, 4)
+                order = (None, SCHEMA) if round_ % 2 == 0 else (SCHEMA, None)
+                for schema in order:
+                    rate = asyncio.run(level_rate(server.url, level, requests, schema, SEED + round_))
+                    (held if schema else plain)[index].append(rate)
+            print(f"  round {round_ + 1} of {args.rounds} done", flush=True)
     table = Table("Decode tokens/s through `cascadia serve`, replies free or held to a JSON schema",
                   ["streams", "plain tok/s", "schema tok/s", "schema cost %"],
                   note=f"The mid-size random Inkling: {setting}; greedy; the schema: an object holding a list of "
@@ -188,21 +197,14 @@ def main() -> None:
         return schema_cost(args, setup, plan, levels, setting, started)
     runs: list[list[float]] = [[] for _ in levels]
     serves: list[list[float]] = [[] for _ in levels]
-    with tempfile.TemporaryDirectory(prefix="cascadia-bench-serve-") as tmp:
-        folder = Path(tmp)
-        spec_path, plan_path = write_spec(setup, folder / "spec.yaml"), folder / "plan.json"
-        plan.save(plan_path)
-        server = Server(spec_path, plan_path, folder / "serve.log")
-        try:
-            for round_ in range(args.rounds):
-                local = run(setup, plan, workload, on_message=lambda node, message: None).result["levels"]
-                served = run_url(setup, workload, Target(server.url), None)["levels"]
-                for index, (a, b) in enumerate(zip(local, served)):
-                    runs[index].append(a["decode_tokens_per_s"])
-                    serves[index].append(b["decode_tokens_per_s"])
-                print(f"  round {round_ + 1} of {args.rounds} done", flush=True)
-        finally:
-            server.stop()
+    with serving(setup, plan) as server:
+        for round_ in range(args.rounds):
+            local = run(setup, plan, workload, on_message=lambda node, message: None).result["levels"]
+            served = run_url(setup, workload, Target(server.url), None)["levels"]
+            for index, (a, b) in enumerate(zip(local, served)):
+                runs[index].append(a["decode_tokens_per_s"])
+                serves[index].append(b["decode_tokens_per_s"])
+            print(f"  round {round_ + 1} of {args.rounds} done", flush=True)
     table = Table("Decode tokens/s, `cascadia run` against `cascadia serve` (streamed /v1/completions)",
                   ["streams", "run tok/s", "serve tok/s", "HTTP cost %"],
                   note=f"The mid-size random Inkling: {setting}.")

@@ -16,7 +16,12 @@ The share of a decode step is set against the race's Qwen3-MoE at 32 streams (be
 run on this machine: `share of step`), whose vocabulary is far smaller than this one; a model of this vocabulary
 takes longer a step, so the share is an upper bound.
 
-    python bench/structured.py [--rounds 3]
+With `--xgrammar` (the dev extra's environment: xgrammar needs torch, transformers and triton, which Cascadia keeps
+out of its runtime), the other well-kept grammar engine does the same on the same vocabulary, schemas and replies,
+beside llguidance, in alternating rounds: its compile (the schema's grammar without its cache, a matcher, the first
+bitmask) and its mask per row (accepting the token, filling the bitmask, unpacking it and masking the logits).
+
+    python bench/structured.py [--rounds 3] [--xgrammar]
 """
 
 from __future__ import annotations
@@ -98,6 +103,44 @@ def mask_us(vocabulary: LLTokenizer, schema: dict | None, reply: list[int], logi
     return float(np.median(times)) * 1e6
 
 
+class Xgrammar:
+    """xgrammar over the same stand-in vocabulary (its tokenizer read through transformers, as xgrammar reads one)."""
+
+    def __init__(self, text: str):
+        import xgrammar
+        from transformers import PreTrainedTokenizerFast
+
+        self.xgr = xgrammar
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(text))
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB, stop_token_ids=[EOS])
+        self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+
+    def matcher(self, schema: dict | None):
+        """The schema's grammar, compact as Cascadia's (no whitespace between tokens), and a matcher over it."""
+        compiled = self.compiler.compile_json_schema(json.dumps(schema or {"type": "object"}), any_whitespace=False,
+                                                    separators=(",", ":"))
+        return self.xgr.GrammarMatcher(compiled)
+
+    def allowed(self, matcher, bitmask) -> np.ndarray:
+        matcher.fill_next_token_bitmask(bitmask)
+        return np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
+
+    def compile_ms(self, schema: dict | None) -> float:
+        start = time.perf_counter()
+        self.allowed(self.matcher(schema), self.xgr.allocate_token_bitmask(1, VOCAB))
+        return (time.perf_counter() - start) * 1e3
+
+    def mask_us(self, schema: dict | None, reply: list[int], logits: np.ndarray) -> float:
+        matcher, bitmask, times = self.matcher(schema), self.xgr.allocate_token_bitmask(1, VOCAB), []
+        for i in range(len(reply) + 1):
+            start = time.perf_counter()
+            if i and not matcher.accept_token(reply[i - 1]):
+                raise SystemExit(f"xgrammar refused token {i - 1} of a reply its schema validates")
+            held(logits, logits, self.allowed(matcher, bitmask))
+            times.append(time.perf_counter() - start)
+        return float(np.median(times)) * 1e6
+
+
 def race_step_ms() -> float | None:
     """The 32-stream decode step of the race's Qwen3-MoE (int8), from bench/results/peers.json."""
     path = RESULTS / "peers.json"
@@ -114,6 +157,7 @@ def race_step_ms() -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--xgrammar", action="store_true", help="xgrammar beside llguidance (see above)")
     args = parser.parse_args()
     started = now()
     text = stand_in_tokenizer(VOCAB)
@@ -123,10 +167,16 @@ def main() -> None:
     replies = {name: (schema, tokenizer.encode(reply).ids) for name, (schema, reply) in REPLIES.items()}
     compiled: dict[str, list[float]] = {name: [] for name in replies}
     masked: dict[str, list[float]] = {name: [] for name in replies}
+    other = Xgrammar(text) if args.xgrammar else None
+    other_compiled: dict[str, list[float]] = {name: [] for name in replies}
+    other_masked: dict[str, list[float]] = {name: [] for name in replies}
     for _ in range(args.rounds):
         for name, (schema, reply) in replies.items():
             compiled[name].append(compile_ms(vocabulary, schema))
             masked[name].append(mask_us(vocabulary, schema, reply, logits))
+            if other is not None:
+                other_compiled[name].append(other.compile_ms(schema))
+                other_masked[name].append(other.mask_us(schema, reply, logits))
     step = race_step_ms()
     table = Table(f"Holding a reply to a format, on a vocabulary of {VOCAB:,} tokens",
                   ["format", "reply tokens", "compile ms", "mask us/row", f"ms per {STEP_ROWS} rows",
@@ -138,7 +188,20 @@ def main() -> None:
         table.add(name, len(reply), spread(compiled[name]), spread(masked[name]), per_step,
                   f"{per_step / step:.1%}" if step else None)
     print(table.text())
-    write("structured", "Structured outputs: the cost of the mask", started, [table])
+    tables = [table]
+    if other is not None:
+        against = Table("llguidance against xgrammar on the same vocabulary, schemas and replies",
+                        ["format", "llguidance compile ms", "xgrammar compile ms", "llguidance mask us/row",
+                         "xgrammar mask us/row"],
+                        note="Each engine as a request pays it: compiling without a cache, and masking each row of "
+                             "the reply in numpy (xgrammar's bitmask unpacked, llguidance's through Cascadia's "
+                             "`Constraint`).")
+        for name in replies:
+            against.add(name, spread(compiled[name]), spread(other_compiled[name]), spread(masked[name]),
+                        spread(other_masked[name]))
+        print(against.text())
+        tables.append(against)
+    write("structured", "Structured outputs: the cost of the mask", started, tables)
 
 
 if __name__ == "__main__":
