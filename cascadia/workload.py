@@ -265,8 +265,8 @@ def misfits(workload: WorkloadSpec, runtime: RuntimeSpec) -> list[tuple[str, str
     streams = max(workload.concurrency) * workload.choices
     if not workload.rate and streams > runtime.max_streams:
         clients = f"{max(workload.concurrency)} clients x {workload.choices} choices = " if workload.choices > 1 else ""
-        problems.append(("concurrency", f"{clients}{streams} streams exceed runtime.max_streams "
-                                        f"({runtime.max_streams})"))
+        problems.append(("choices" if workload.choices > 1 else "concurrency",
+                         f"{clients}{streams} streams exceed runtime.max_streams ({runtime.max_streams})"))
     elif workload.choices > runtime.max_streams:
         problems.append(("choices", f"{workload.choices} streams of one prompt exceed runtime.max_streams "
                                     f"({runtime.max_streams})"))
