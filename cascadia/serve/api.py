@@ -24,7 +24,7 @@ import json
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from cascadia.grammar import GrammarError, json_grammar
@@ -228,6 +228,19 @@ class JsonSchemaFormat(BaseModel):
     description: str | None = None
     json_schema: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None  # a reply always follows the schema: llguidance holds every token to it
+
+
+def chat_request(renamed: dict[str, str] | None = None, **fields: Any) -> ChatRequest:
+    """The chat request another API's request stands for, made inside that request's validation: the chat's first
+    problem raised as the other request's, its field named as `renamed` says (by default as the chat's)."""
+    try:
+        return ChatRequest(**fields)
+    except ValidationError as e:
+        problem = e.errors()[0]
+        param = problem.get("ctx", {}).get("param") or ".".join(map(str, problem["loc"])) or "messages"
+        why = problem["msg"].removeprefix(f"{param}: ")
+        param = (renamed or {}).get(param, param)
+        raise (unsupported if problem["type"] == "unsupported" else invalid)(param, why) from None
 
 
 class ResponseFormat(BaseModel):

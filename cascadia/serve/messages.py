@@ -19,11 +19,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from cascadia.serve.api import (MAX_STOP_STRINGS, AssistantToolCall, ChatMessage, ChatRequest, FunctionCall,
-                                FunctionSpec, NamedToolChoice, RequestBody, Tool, invalid, unsupported)
+                                FunctionSpec, NamedToolChoice, RequestBody, Tool, chat_request, invalid, unsupported)
 from cascadia.serve.tools import ToolCall
 
 PATH = "/v1/messages"
@@ -194,21 +193,15 @@ class MessagesRequest(MessagesPrompt):
             raise invalid("tool_choice", f"no tool named {choice.name!r} is given")
         if choice is not None and choice.type == "any" and not names:
             raise invalid("tool_choice", "any needs tools")
-        try:
-            self._chat = ChatRequest(
-                model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens,
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences,
-                continue_final_message=self.prefilled,
-                tools=[Tool(type="function", function=FunctionSpec(name=tool.name, description=tool.description,
-                                                                   parameters=tool.input_schema))
-                       for tool in self.tools] if self.tools else None,
-                tool_choice=_chat_tool_choice(choice),
-                parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use))
-        except ValidationError as e:
-            problem = e.errors()[0]
-            if problem["type"] in ("invalid_param", "unsupported"):
-                raise PydanticCustomError(problem["type"], "{message}", problem["ctx"]) from None
-            raise invalid(".".join(map(str, problem["loc"])) or "messages", problem["msg"]) from None
+        self._chat = chat_request(
+            model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences,
+            continue_final_message=self.prefilled,
+            tools=[Tool(type="function", function=FunctionSpec(name=tool.name, description=tool.description,
+                                                               parameters=tool.input_schema))
+                   for tool in self.tools] if self.tools else None,
+            tool_choice=_chat_tool_choice(choice),
+            parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use))
         return self
 
     def as_chat(self) -> ChatRequest:

@@ -15,10 +15,10 @@ import secrets
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from cascadia.grammar import GrammarError
-from cascadia.serve.api import (ChatMessage, ChatRequest, JsonSchemaFormat, RequestBody, ResponseFormat, invalid)
+from cascadia.serve.api import (ChatMessage, ChatRequest, JsonSchemaFormat, RequestBody, ResponseFormat, chat_request,
+                                invalid)
 
 # Fields of the Responses API this server does not serve: why, and the values that ask for what it does anyway.
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
@@ -92,14 +92,7 @@ class ResponsesRequest(RequestBody):
     text: ResponseText | None = None
     stream: bool = False
 
-    @model_validator(mode="after")
-    def _a_format_that_compiles(self):
-        if self.text is not None:
-            try:
-                self.text.format.response_format().grammar()
-            except GrammarError as e:
-                raise invalid("text", f"the schema cannot hold a reply: {e}") from None
-        return self
+    _chat: ChatRequest | None = PrivateAttr(None)
 
     @field_validator("input")
     @classmethod
@@ -108,15 +101,23 @@ class ResponsesRequest(RequestBody):
             raise ValueError("give at least one message")
         return value
 
-    def as_chat(self) -> ChatRequest:
-        """The chat request that gives this response's tokens."""
+    @model_validator(mode="after")
+    def _a_chat_request(self):
+        """The chat request that gives this response's tokens, made (and its format compiled) once: a format that
+        cannot hold a reply is refused at `text`."""
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         messages += [ChatMessage(role=item.role, content=item.content if isinstance(item.content, str)
                                  else "".join(part.text for part in item.content)) for item in items]
-        return ChatRequest(model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
-                           temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                           response_format=None if self.text is None else self.text.format.response_format())
+        self._chat = chat_request(
+            {"response_format": "text"}, model=self.model, messages=messages,
+            max_completion_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
+            seed=self.seed, response_format=None if self.text is None else self.text.format.response_format())
+        return self
+
+    def as_chat(self) -> ChatRequest:
+        """The chat request that gives this response's tokens."""
+        return self._chat
 
 
 class ResponseBody:
