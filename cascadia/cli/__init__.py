@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import click
 
 from cascadia import __version__
-from cascadia.cli import doctor, drafts, engine, pipeline, serving, simulator, specs
+from cascadia.cli import doctor, drafts, engine, pipeline, search, serving, simulator, specs
 from cascadia.errors import CascadiaError, Terminated
 
 
@@ -79,6 +79,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 for command in (specs.spec, specs.graph, specs.plan, specs.init_model_command, specs.keys,
                 engine.generate, engine.score, drafts.draft_eval,
                 simulator.simulate, simulator.calibrate_command, simulator.validate_command, simulator.demo,
+                search.search,
                 pipeline.run_command, pipeline.node, doctor.doctor, serving.serve):
     cli.add_command(command)
 

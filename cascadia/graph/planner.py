@@ -221,6 +221,12 @@ def _extra_nodes_needed(spec: Spec, memory: _Memory, like: NodeSpec) -> int | No
     return None
 
 
+def fewest_nodes(spec: Spec, like: NodeSpec) -> int | None:
+    """Fewest nodes like `like` that hold the spec's model and runtime between them (their cluster's reserve
+    kept free on each), or None if no number does: a layer that does not fit one alone."""
+    return _extra_nodes_needed(spec, _Memory(spec, ()), like)
+
+
 def _infeasible_message(spec: Spec, memory: _Memory, firsts: list[int]) -> str:
     nodes, runtime = spec.cluster.nodes, spec.runtime
     streams, context, n_layers = runtime.max_streams, runtime.context_budget, len(memory.costs)

@@ -108,13 +108,14 @@ def _table(rows: tuple[int, ...], points: tuple[int, ...], time: Callable[[int, 
     return Table(rows, points, tuple(tuple(time(r, p) for p in points or (0,)) for r in rows))
 
 
-def analytic_calibration(spec: Spec) -> Calibration:
+def analytic_calibration(spec: Spec, open_loop: bool = False) -> Calibration:
     """Roofline tables for every node of the spec, and its links between consecutive nodes (the ring of stages).
     The tables reach the largest frame of the spec's workload: its most concurrent streams in one group (a grid for
-    every slot of a huge `max_streams` would take longer to build than the simulation). Open-loop arrivals may fill
-    every slot."""
+    every slot of a huge `max_streams` would take longer to build than the simulation). Open-loop arrivals (the
+    workload's, or any, with `open_loop`) may fill every slot."""
     workload = spec.workload
-    streams = spec.runtime.max_streams if workload.rate else min(spec.runtime.max_streams, max(workload.concurrency))
+    streams = spec.runtime.max_streams if workload.rate or open_loop else \
+        min(spec.runtime.max_streams, max(workload.concurrency))
     rows = row_grid(spec, streams)
     nodes = spec.cluster.nodes
     kinds = kind_costs(spec)

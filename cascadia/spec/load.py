@@ -33,9 +33,9 @@ from cascadia.host_cpus import parse_cpus
 from cascadia.models import family_of, read_fields
 from cascadia.models.base import ConfigError, FieldTypeError, ModelConfig, conform
 from cascadia.spec.problems import Problem, SpecError, shown
-from cascadia.spec.types import (DEVICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYPES, ClusterSpec, LengthSpec, LinkSpec,
-                                 ModelSpec, NodeSpec, RuntimeSpec, SloSpec, Spec, WeightFormat, WeightFormats,
-                                 WorkloadSpec, is_tcp_address)
+from cascadia.spec.types import (DEVICES, PRECISIONS, TENSOR_GROUPS, WEIGHT_DTYPES, Catalogue, ClusterSpec, LengthSpec,
+                                 LinkSpec, MachineType, ModelSpec, NodeSpec, RuntimeSpec, SloSpec, Spec, WeightFormat,
+                                 WeightFormats, WorkloadSpec, is_tcp_address)
 from cascadia.spec.yaml_tree import Node, read_document
 from cascadia.speculation import parse_speculate
 from cascadia.units import UnitError, format_bytes, parse_bytes, parse_duration, parse_flops, parse_rate
@@ -712,3 +712,76 @@ def load_spec(path: str | Path, text: str | None = None) -> Spec:
     if ctx.problems or model is None or cluster is None:
         raise SpecError(sorted(ctx.problems, key=lambda p: (str(p.file), p.line or 0)))
     return Spec(model, cluster, runtime, workload, source=path)
+
+
+# ---- a catalogue of machines (`cascadia search`) -------------------------------------------------------------------
+_CURRENCY = re.compile(r"[A-Z]{3}")
+
+
+def _currency(value: Any) -> str:
+    if not isinstance(value, str) or not _CURRENCY.fullmatch(value):
+        raise _Invalid(f"expected a three-letter currency code such as USD, got {shown(value)}")
+    return value
+
+
+def _machine(ctx: _Context, entry: Node, path: str) -> MachineType | None:
+    """One `machines:` entry; None when it is invalid (reported)."""
+    fields = _Fields(ctx, entry, path)
+    values = {
+        "name": fields.take("name", _node_name, required=True),
+        "memory_bytes": fields.take("memory", _positive(parse_bytes), required=True),
+        "memory_bandwidth": fields.take("memory_bandwidth", _positive(parse_rate), required=True),
+        "compute_flops": fields.take("compute", _positive(parse_flops)),
+        "device": fields.take("device", _choice(DEVICES)),
+        "disk_bandwidth": fields.take("disk_bandwidth", _positive(parse_rate)),
+        "price": fields.take("price", _positive(_number), required=True),
+        "power_w": fields.take("power", _positive(_number)),
+        "source": fields.take("source", _text),
+    }
+    link = fields.get("link")
+    if link is not None:
+        link_fields = _Fields(ctx, link, fields.key("link"))
+        values["link"] = _link(link_fields, LinkSpec())
+        link_fields.finish()
+    before = len(ctx.problems)
+    fields.finish()
+    if any(values[key] is None for key in ("name", "memory_bytes", "memory_bandwidth", "price")) or \
+            len(ctx.problems) > before:
+        return None
+    return MachineType(**{key: value for key, value in values.items() if value is not None})
+
+
+def load_catalogue(path: str | Path) -> Catalogue:
+    """Read and validate a catalogue of machine types:
+
+        currency: USD                       # of the prices; USD when absent
+        machines:
+          - {name: x7-358h-64gb, memory: 61.2GiB, memory_bandwidth: 120GB/s, compute: 30TFLOPS, device: GPU,
+             link: {bandwidth: 1gbit, latency: 100us}, price: 1600, power: 80, source: "..."}
+
+    Raises `SpecError` listing every problem (file, line and key), never anything else."""
+    path = Path(path)
+    ctx = _Context()
+    root = read_document(path, ctx.problems)
+    if root is None:
+        raise SpecError(ctx.problems)
+    fields = _Fields(ctx, root, "")
+    currency = fields.take("currency", _currency)
+    listed = fields.get("machines", required=True)
+    fields.finish()
+    entries = [] if listed is None else listed.value
+    if listed is not None and (not isinstance(entries, list) or not entries):
+        ctx.report(listed, "machines", f"expected a list of machine types, got {shown(listed.plain())}")
+        entries = []
+    machines: list[MachineType] = []
+    index: dict[str, int] = {}  # name -> where it was first
+    for i, entry in enumerate(entries):
+        machine = _machine(ctx, entry, f"machines[{i}]")
+        if machine is not None and machine.name in index:
+            ctx.report(entry, f"machines[{i}].name", f"{machine.name!r} is machines[{index[machine.name]}] too")
+        elif machine is not None:
+            index[machine.name] = i
+            machines.append(machine)
+    if ctx.problems:
+        raise SpecError(sorted(ctx.problems, key=lambda p: (str(p.file), p.line or 0)))
+    return Catalogue(tuple(machines), currency or "USD", source=path)

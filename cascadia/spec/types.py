@@ -151,6 +151,46 @@ class ClusterSpec:
 
 
 @attrs.frozen
+class MachineType:
+    """A machine a user can buy (`cascadia search`'s catalogue): what a node of it holds and computes, its network
+    link, what it costs and draws, and where those figures come from."""
+
+    name: str
+    memory_bytes: int  # usable for weights, state and reserve, as a node's `memory`
+    memory_bandwidth: float  # bytes/s, sustained: the analytic estimate's roofline
+    compute_flops: float | None = None  # FLOP/s at the compute precision
+    device: str = "auto"
+    disk_bandwidth: float | None = None  # bytes/s
+    link: LinkSpec = LinkSpec()  # its network port, to the switch
+    price: float = 0.0  # what one costs, in the catalogue's currency
+    power_w: float | None = None  # watts it draws under load
+    source: str = ""  # where the figures come from
+
+    def node(self, name: str) -> NodeSpec:
+        """A node of this machine, named `name`."""
+        return NodeSpec(name, device=self.device, memory_bytes=self.memory_bytes,
+                        memory_bandwidth=self.memory_bandwidth, compute_flops=self.compute_flops,
+                        disk_bandwidth=self.disk_bandwidth)
+
+
+@attrs.frozen
+class Catalogue:
+    """The machine types `cascadia search` may buy, in the catalogue file's order."""
+
+    machines: tuple[MachineType, ...]
+    currency: str = "USD"
+    source: Path | None = None  # the YAML file it came from
+
+    def machine(self, name: str) -> MachineType:
+        """The machine type of that name (a KeyError naming the catalogue's, for one it lacks)."""
+        for machine in self.machines:
+            if machine.name == name:
+                return machine
+        listed = ", ".join(machine.name for machine in self.machines)
+        raise KeyError(f"no machine named {name!r} in the catalogue (it lists {listed})")
+
+
+@attrs.frozen
 class RuntimeSpec:
     context_budget: int = 1024  # the most positions a stream may reach
     max_streams: int = 16  # concurrent streams (slots)

@@ -1,0 +1,242 @@
+"""`cascadia search`: the catalogue, the latency objective, the capacity bisection, and the command end to end on the
+tiny spec (simulated from the catalogue's figures: no weights, no processes but one)."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cascadia.cli import cli
+from cascadia.errors import SpecError
+from cascadia.graph.planner import plan as make_plan
+from cascadia.metrics import RequestRecord
+from cascadia.search.capacity import arrival_seconds, highest_rate
+from cascadia.search.search import Fleet, cheapest, evaluate
+from cascadia.search.slo import LatencySlo
+from cascadia.sim.analytic import analytic_calibration
+from cascadia.sim.simulate import simulate
+from cascadia.spec.load import load_catalogue, load_spec
+from cascadia.workload import MEASURED
+
+ROOT = Path(__file__).parent.parent
+TINY = ROOT / "specs" / "tiny-local.yaml"
+CATALOGUE = """\
+machines:
+  - {name: small, memory: 1GiB, memory_bandwidth: 20GB/s, compute: 200GFLOPS, device: CPU, price: 300, power: 15}
+  - {name: big, memory: 4GiB, memory_bandwidth: 80GB/s, compute: 1TFLOPS, price: 900,
+     link: {bandwidth: 10gbit, latency: 20us}}
+  - {name: slow, memory: 1GiB, memory_bandwidth: 1GB/s, price: 100}
+"""
+SLO = "ttft_p90=20ms,tpot_p99=5ms"
+
+
+@pytest.fixture
+def catalogue(tmp_path) -> Path:
+    path = tmp_path / "catalogue.yaml"
+    path.write_text(CATALOGUE)
+    return path
+
+
+# ---- the bisection --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("boundary, start", [(1.0, 1.0), (37.5, 0.2), (0.013, 5.0), (1234.5, 1234.5 * 1.01)])
+@pytest.mark.parametrize("tolerance", [0.05, 0.01])
+def test_the_bisection_lands_within_its_tolerance_below_the_boundary(boundary, start, tolerance):
+    asked = []
+
+    def meets(rate):
+        asked.append(rate)
+        return rate <= boundary
+
+    rate, bounded = highest_rate(meets, start, tolerance)
+    assert bounded and boundary / (1 + tolerance) <= rate <= boundary
+    assert meets(rate) and not meets(rate * (1 + tolerance))  # the reported rate met it; one tolerance above did not
+    assert len(asked) < 40
+
+
+def test_the_bisection_says_when_it_found_no_boundary():
+    assert highest_rate(lambda rate: True, 1.0, reach=64) == (64.0, False)
+    assert highest_rate(lambda rate: False, 1.0, reach=64) == (0.0, True)
+
+
+# ---- the objective --------------------------------------------------------------------------------------------------
+def record(i: int, ttft: float, tpot: float | None) -> RequestRecord:
+    tokens = 1 if tpot is None else 11
+    return RequestRecord(None, 1.0, MEASURED, i, 8, tokens, 0.0, ttft, ttft + (tpot or 0) * (tokens - 1), ())
+
+
+def test_an_objective_reads_its_percentiles_and_bounds():
+    slo = LatencySlo.parse("ttft_p90=10s, tpot_p99.5=400ms")
+    assert [(b.metric, b.percentile, b.seconds) for b in slo.bounds] == [("ttft", 90, 10.0), ("tpot", 99.5, 0.4)]
+    assert str(slo) == "ttft_p90=10s,tpot_p99.5=400ms"
+    assert LatencySlo.parse(str(slo)) == slo
+    assert LatencySlo.parse("ttft_p50=2s").per_request().tpot == math.inf
+
+
+@pytest.mark.parametrize("text, words", [
+    ("tpot_p99=400ms", "bounds no first token"), ("ttft=10s", "not like ttft_p90=10s"),
+    ("ttft_p0=1s", "in (0, 100]"), ("ttft_p101=1s", "in (0, 100]"), ("ttft_p90=-1s", "negative"),
+    ("ttft_p90=0s", "more than zero"),
+    ("ttft_p90=10 parsecs", "ttft_p90"), ("ttft_p90=1s,ttft_p99=2s", "bounded twice"), ("ttft_p90=", "not like")])
+def test_a_malformed_objective_says_what_is_wrong(text, words):
+    with pytest.raises(ValueError, match=None) as caught:
+        LatencySlo.parse(text)
+    assert words in str(caught.value)
+
+
+def test_an_objective_judges_the_quantiles_of_a_phase():
+    rng = np.random.default_rng(0)
+    ttfts, tpots = rng.uniform(0, 2, 200), rng.uniform(0, 0.1, 200)
+    records = [record(i, t, p) for i, (t, p) in enumerate(zip(ttfts, tpots))] + [record(200, 0.5, None)]
+    slo = LatencySlo.parse(f"ttft_p90={np.percentile([*ttfts, 0.5], 90) + 1e-9}s,tpot_p99=1s")
+    verdict = slo.judge(records)
+    assert verdict.met and verdict.quantiles["tpot"] == pytest.approx(np.percentile(tpots, 99))
+    assert not LatencySlo.parse(f"ttft_p90={np.percentile([*ttfts, 0.5], 90) - 1e-6}s").judge(records).met
+    assert not slo.judge(records, rejected=1).met  # a refused request misses it
+    assert verdict.goodput == pytest.approx(np.mean([t <= slo.bounds[0].seconds for t in [*ttfts, 0.5]]))
+
+
+def test_the_arrivals_span_long_enough_for_a_rate_over_capacity_to_show():
+    # 5% over capacity for S seconds leaves the 90th-percentile request q S t / (1 + t) waiting: the bound itself
+    seconds = arrival_seconds(LatencySlo.parse("ttft_p90=10s"), 0.05)
+    assert 0.9 * seconds * 0.05 / 1.05 == pytest.approx(10.0)
+
+
+# ---- the catalogue --------------------------------------------------------------------------------------------------
+def test_the_shipped_catalogue_loads_with_its_sources():
+    shipped = load_catalogue(ROOT / "specs" / "catalogues" / "ai-pcs.yaml")
+    assert "x7-358h-64gb" in [m.name for m in shipped.machines] and shipped.currency == "USD"
+    paper = shipped.machine("x7-358h-64gb")
+    cluster = load_spec(ROOT / "specs" / "inkling-975b-11pc.yaml").cluster.nodes[0]
+    assert (paper.memory_bytes, paper.memory_bandwidth, paper.compute_flops) == \
+        (cluster.memory_bytes, cluster.memory_bandwidth, cluster.compute_flops)  # the paper's figures, as its spec's
+    assert all(m.source and m.price > 0 and m.power_w for m in shipped.machines)
+
+
+@pytest.mark.parametrize("text, where", [
+    ("machines:\n  - {name: a, memory: 1GiB, price: 1}\n", ":2: machines[0].memory_bandwidth: missing"),
+    ("machines:\n  - {name: a, memory: 1GiB, memory_bandwidth: 1GB/s}\n", ":2: machines[0].price: missing"),
+    ("machines:\n  - {name: a, memory: 1GiB, memory_bandwidth: 1GB/s, price: -5}\n", "machines[0].price: must be"),
+    ("machines:\n  - {name: a, memory: 1GiB, memory_bandwidth: 1GB/s, price: 1, colour: red}\n",
+     "machines[0].colour: unknown key"),
+    ("machines:\n  - {name: a, memory: 1GiB, memory_bandwidth: 1GB/s, price: 1}\n"
+     "  - {name: a, memory: 2GiB, memory_bandwidth: 1GB/s, price: 1}\n", ":3: machines[1].name: 'a' is machines[0]"),
+    ("machines:\n  - {name: a, memory: 1GiB, memory_bandwidth: 1GB/s, price: 1, link: {bandwidth: 0}}\n",
+     "machines[0].link.bandwidth"),
+    ("machines: []\n", "machines: expected a list of machine types"),
+    ("currency: dollars\nmachines:\n  - {name: a, memory: 1GiB, memory_bandwidth: 1GB/s, price: 1}\n",
+     ":1: currency: expected a three-letter"),
+    ("machines: [\n", "catalogue.yaml")])
+def test_a_bad_catalogue_is_named_at_its_line_and_key(tmp_path, text, where):
+    path = tmp_path / "catalogue.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as caught:
+        load_catalogue(path)
+    assert where in str(caught.value) and str(path) in str(caught.value)
+
+
+# ---- capacity on the tiny model -------------------------------------------------------------------------------------
+def test_the_capacity_found_is_met_and_a_tolerance_above_it_is_not(catalogue):
+    spec, slo, tolerance = load_spec(TINY), LatencySlo.parse(SLO), 0.05
+    machine = load_catalogue(catalogue).machine("small")
+    evaluated = evaluate(spec, machine, slo, tolerance)
+    assert evaluated.fleet == Fleet(machine, 1) and evaluated.capacity.bounded
+    rate = evaluated.rate
+    fleet_spec = evaluated.fleet.spec(spec)
+    calibration = analytic_calibration(fleet_spec, open_loop=True)
+    seconds = arrival_seconds(slo, tolerance)
+
+    def judged(at: float):
+        workload = attrs.evolve(spec.workload, rate=(at,), requests=max(64, math.ceil(at * seconds)), slo=None)
+        result = simulate(attrs.evolve(fleet_spec, workload=workload), calibration, make_plan(fleet_spec))
+        return slo.judge([RequestRecord(**r) for r in result["requests"] if r["phase"] == MEASURED])
+
+    assert judged(rate) == evaluated.capacity.at_rate and judged(rate).met
+    assert not judged(rate * (1 + tolerance)).met
+    # one request at a time was the first probe; each later probe's requests kept arriving for `seconds`
+    assert evaluated.capacity.probes[0].rate is None
+    assert all(p.verdict.requests >= p.rate * seconds for p in evaluated.capacity.probes[1:])
+
+
+def test_an_objective_missed_even_alone_carries_nothing_and_says_why(catalogue):
+    evaluated = evaluate(load_spec(TINY), load_catalogue(catalogue).machine("slow"), LatencySlo.parse("ttft_p90=1ms"))
+    assert evaluated.rate == 0 and "misses it with one request at a time (ttft p90 " in evaluated.capacity.reason
+    assert len(evaluated.capacity.probes) == 1
+
+
+def test_the_cheapest_fleet_that_carries_a_load(catalogue):
+    spec, slo = load_spec(TINY), LatencySlo.parse(SLO)
+    evaluated = [evaluate(spec, machine, slo) for machine in load_catalogue(catalogue).machines]
+    small, big, slow = evaluated
+    assert 0 < slow.rate < small.rate < big.rate  # bandwidth decides on this memory-bound model
+    assert cheapest(evaluated, slow.rate) is slow
+    assert cheapest(evaluated, small.rate) is small and cheapest(evaluated, big.rate) is big
+    assert cheapest(evaluated, big.rate * 2) is None
+
+
+def test_a_model_that_no_number_of_machines_holds_is_pruned(tmp_path):
+    path = tmp_path / "catalogue.yaml"
+    path.write_text("machines:\n  - {name: tiny, memory: 64.1MiB, memory_bandwidth: 1GB/s, price: 1}\n")
+    evaluated = evaluate(load_spec(TINY), load_catalogue(path).machines[0], LatencySlo.parse(SLO))
+    assert evaluated.fleet is None and evaluated.capacity is None and "does not fit" in evaluated.pruned
+
+
+# ---- the command ----------------------------------------------------------------------------------------------------
+def test_search_prints_the_fleets_names_the_cheapest_and_writes_what_it_found(catalogue, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), "--slo", SLO,
+                                      "--machines", "small,slow", "--load", "10", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "cheapest carrying 10 requests/s: 1 x slow, 100 USD" in result.output
+    written = json.loads((out / "search.json").read_text())
+    assert written["schema"] == "cascadia.search/1" and written["complete"] and written["cheapest"] == "slow"
+    assert [c["machine"] for c in written["candidates"]] == ["small", "slow"]
+    small = written["candidates"][0]
+    assert small["count"] == 1 and small["price"] == 300 and small["power_w"] == 15
+    assert small["at_capacity"]["met"] and small["at_capacity"]["ttft_s"] <= 0.02
+    assert small["capacity_rps"] == max(p["rate"] for p in small["probes"] if p["met"] and p["rate"])
+
+
+@pytest.mark.parametrize("arguments, status, words", [
+    (["--slo", "ttft_p90=1us"], 1, "no machine type meets ttft_p90=1000ns at any load"),
+    (["--slo", "tpot_p99=1s"], 2, "bounds no first token"),
+    (["--slo", SLO, "--machines", "small,huge"], 2, "huge not in"),
+])
+def test_search_refuses_what_it_cannot_answer_in_one_line(catalogue, arguments, status, words):
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), *arguments])
+    assert result.exit_code == status and words in result.output and "Traceback" not in result.output
+
+
+def test_search_with_a_bad_catalogue_names_it(tmp_path):
+    path = tmp_path / "catalogue.yaml"
+    path.write_text("machines:\n  - {name: a, memory: 1GiB}\n")
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(path), "--slo", SLO])
+    assert result.exit_code == 2 and f"{path}:2: machines[0].memory_bandwidth: missing" in result.output
+
+
+def test_a_search_stopped_part_way_writes_what_it_evaluated(tmp_path):
+    path = tmp_path / "catalogue.yaml"
+    path.write_text("machines:\n" + "".join(f"  - {{name: m{i}, memory: 1GiB, memory_bandwidth: {i + 1}GB/s, "
+                                            "price: 100}\n" for i in range(50)))
+    out = tmp_path / "out"
+    search = subprocess.Popen([sys.executable, "-m", "cascadia", "search", str(TINY), "--catalogue", str(path),
+                               "--slo", SLO, "--out", str(out)], stderr=subprocess.PIPE, text=True)
+    try:
+        first = search.stderr.readline()
+        assert first.startswith("[1/50] m0: "), first
+        search.send_signal(signal.SIGTERM)
+        rest = search.stderr.read()
+        assert search.wait(timeout=60) == 1
+    finally:
+        search.kill()
+    written = json.loads((out / "search.json").read_text())
+    assert not written["complete"] and 1 <= len(written["candidates"]) < 50
+    assert f"interrupted: wrote the {len(written['candidates'])} of 50" in rest and "terminated by SIGTERM" in rest
