@@ -20,7 +20,8 @@ from cascadia.errors import SpecError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.metrics import RequestRecord
 from cascadia.search.capacity import arrival_seconds, highest_rate
-from cascadia.search.search import Fleet, cheapest, evaluate
+from cascadia.search.search import BOUNDS, DOMINATED, cheapest, evaluate, frontier, search
+from cascadia.search.space import Candidate, Unfit, space
 from cascadia.search.slo import LatencySlo
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.simulate import simulate
@@ -31,8 +32,8 @@ ROOT = Path(__file__).parent.parent
 TINY = ROOT / "specs" / "tiny-local.yaml"
 CATALOGUE = """\
 machines:
-  - {name: small, memory: 1GiB, memory_bandwidth: 20GB/s, compute: 200GFLOPS, device: CPU, price: 300, power: 15}
-  - {name: big, memory: 4GiB, memory_bandwidth: 80GB/s, compute: 1TFLOPS, price: 900,
+  - {name: small, memory: 1GiB, memory_bandwidth: 2GB/s, compute: 200GFLOPS, device: CPU, price: 300, power: 15}
+  - {name: big, memory: 4GiB, memory_bandwidth: 8GB/s, compute: 1TFLOPS, price: 900,
      link: {bandwidth: 10gbit, latency: 20us}}
   - {name: slow, memory: 1GiB, memory_bandwidth: 1GB/s, price: 100}
 """
@@ -144,13 +145,16 @@ def test_a_bad_catalogue_is_named_at_its_line_and_key(tmp_path, text, where):
 
 
 # ---- capacity on the tiny model -------------------------------------------------------------------------------------
+def fleet(catalogue: Path, name: str, count: int = 1, formats: str = "spec") -> Candidate:
+    return Candidate(load_catalogue(catalogue).machine(name), count, formats)
+
+
 def test_the_capacity_found_is_met_and_a_tolerance_above_it_is_not(catalogue):
     spec, slo, tolerance = load_spec(TINY), LatencySlo.parse(SLO), 0.05
-    machine = load_catalogue(catalogue).machine("small")
-    evaluated = evaluate(spec, machine, slo, tolerance)
-    assert evaluated.fleet == Fleet(machine, 1) and evaluated.capacity.bounded
+    evaluated = evaluate(spec, fleet(catalogue, "small"), slo, tolerance)
+    assert evaluated.capacity.bounded and evaluated.pruned is None
     rate = evaluated.rate
-    fleet_spec = evaluated.fleet.spec(spec)
+    fleet_spec = evaluated.candidate.spec(spec)
     calibration = analytic_calibration(fleet_spec, open_loop=True)
     seconds = arrival_seconds(slo, tolerance)
 
@@ -160,33 +164,96 @@ def test_the_capacity_found_is_met_and_a_tolerance_above_it_is_not(catalogue):
         return slo.judge([RequestRecord(**r) for r in result["requests"] if r["phase"] == MEASURED])
 
     assert judged(rate) == evaluated.capacity.at_rate and judged(rate).met
-    assert not judged(rate * (1 + tolerance)).met
+    # the lowest rate above it that the bisection tried was within the tolerance, and missed (simulated again)
+    above = min(p.rate for p in evaluated.capacity.probes if p.rate and p.rate > rate)
+    assert above <= rate * (1 + tolerance) and not judged(above).met
     # one request at a time was the first probe; each later probe's requests kept arriving for `seconds`
     assert evaluated.capacity.probes[0].rate is None
     assert all(p.verdict.requests >= p.rate * seconds for p in evaluated.capacity.probes[1:])
 
 
 def test_an_objective_missed_even_alone_carries_nothing_and_says_why(catalogue):
-    evaluated = evaluate(load_spec(TINY), load_catalogue(catalogue).machine("slow"), LatencySlo.parse("ttft_p90=1ms"))
-    assert evaluated.rate == 0 and "misses it with one request at a time (ttft p90 " in evaluated.capacity.reason
-    assert len(evaluated.capacity.probes) == 1
+    spec, slo = load_spec(TINY), LatencySlo.parse("ttft_p90=1ms")
+    pruned = evaluate(spec, fleet(catalogue, "slow"), slo)
+    assert pruned.pruned == BOUNDS and pruned.capacity is None and "misses it even alone: ttft at least" in pruned.why
+    simulated = evaluate(spec, fleet(catalogue, "slow"), slo, prune=False)
+    assert simulated.rate == 0 and "misses it with one request at a time (ttft p90 " in simulated.capacity.reason
+    assert len(simulated.capacity.probes) == 1
 
 
-def test_the_cheapest_fleet_that_carries_a_load(catalogue):
+@pytest.mark.parametrize("name, count, formats", [("small", 1, "spec"), ("slow", 2, "spec"), ("slow", 3, "int8")])
+def test_the_bounds_hold_for_what_the_simulator_finds(catalogue, name, count, formats):
+    spec, candidate = load_spec(TINY), fleet(catalogue, name, count, formats)
+    simulated = evaluate(spec, candidate, LatencySlo.parse(SLO), prune=False)
+    found, fleet_spec = simulated.bounds, candidate.spec(spec)
+    alone = attrs.evolve(fleet_spec, workload=attrs.evolve(spec.workload, concurrency=(1,), requests=8))
+    records = [RequestRecord(**r) for r in simulate(alone, analytic_calibration(fleet_spec, open_loop=True),
+                                                    simulated.plan)["requests"] if r["phase"] == MEASURED]
+    soonest, fastest = min(r.ttft for r in records), min(r.tpot for r in records)
+    assert found.ttft_s <= soonest and found.tpot_s <= fastest
+    assert found.ttft_s > 0.5 * soonest and found.tpot_s > 0.5 * fastest  # close enough to rule fleets out
+    assert 0 < simulated.rate <= found.capacity_rps
+
+
+def test_the_space_runs_from_the_fewest_machines_to_twice_as_many_in_each_preset(catalogue, tmp_path):
+    spec, machines = load_spec(TINY), load_catalogue(catalogue)
+    fleets = list(space(spec, machines, ["small", "big"], ["spec", "int8"]))
+    assert [(c.machine.name, c.formats, c.count) for c in fleets] == [
+        ("small", "spec", 1), ("small", "spec", 2), ("small", "int8", 1), ("small", "int8", 2),
+        ("big", "spec", 1), ("big", "spec", 2), ("big", "int8", 1), ("big", "int8", 2)]
+    assert [c.count for c in space(spec, machines, ["small"], most=5)] == [1, 2, 3, 4, 5]
+    assert [c.count for c in space(spec, machines, ["small"], most=9)] == [1, 2, 3, 4, 5, 6]  # one layer each at most
+    fleet_spec = fleets[2].spec(spec)
+    assert fleet_spec.model.formats.attention.dtype == "int8"
+    assert [node.name for node in fleet_spec.cluster.nodes] == ["small0"]
+    path = tmp_path / "small.yaml"
+    path.write_text("machines:\n  - {name: tiny, memory: 64.1MiB, memory_bandwidth: 1GB/s, price: 1}\n")
+    assert list(space(spec, load_catalogue(path))) == [Unfit(load_catalogue(path).machines[0], "spec")]
+
+
+LADDER = """\
+machines:
+  - {name: crawl, memory: 1GiB, memory_bandwidth: 0.1GB/s, price: 10}
+  - {name: slow, memory: 1GiB, memory_bandwidth: 1GB/s, price: 40}
+  - {name: fast, memory: 1GiB, memory_bandwidth: 8GB/s, price: 45}
+"""
+
+
+def test_pruning_never_drops_a_fleet_that_simulation_would_keep(tmp_path):
+    """On a small exhaustive grid: what the bounds rule out carries nothing when simulated, what a cheaper fleet's
+    capacity rules out carries no more than it, and the frontier and the cheapest for each load are the same."""
+    path = tmp_path / "ladder.yaml"
+    path.write_text(LADDER)
+    spec, slo = load_spec(TINY), LatencySlo.parse("ttft_p90=20ms,tpot_p99=8ms")
+    fleets = list(space(spec, load_catalogue(path), most=3))
+    pruned, every = list(search(spec, fleets, slo)), list(search(spec, fleets, slo, prune=False))
+    assert [e.candidate for e in pruned] == [e.candidate for e in every]
+    kinds = {e.pruned for e in pruned}
+    assert {BOUNDS, DOMINATED, None} <= kinds  # the grid exercises both kinds of pruning
+    for cut, whole in zip(pruned, every):
+        assert whole.pruned is None
+        if cut.pruned == BOUNDS:
+            assert whole.rate == 0
+        elif cut.pruned == DOMINATED:
+            cheaper = [e for e in every if e.candidate.price <= cut.candidate.price and e is not whole]
+            assert whole.rate <= max(e.rate for e in cheaper)
+        else:
+            assert cut.rate == whole.rate
+    assert [e.candidate for e in frontier(pruned)] == [e.candidate for e in frontier(every)]
+    for load in sorted({e.rate for e in every if e.rate}):
+        assert cheapest(pruned, load).candidate == cheapest(every, load).candidate
+
+
+def test_the_frontier_is_what_no_cheaper_fleet_beats(catalogue):
     spec, slo = load_spec(TINY), LatencySlo.parse(SLO)
-    evaluated = [evaluate(spec, machine, slo) for machine in load_catalogue(catalogue).machines]
+    evaluated = [evaluate(spec, fleet(catalogue, name), slo) for name in ("small", "big", "slow")]
     small, big, slow = evaluated
     assert 0 < slow.rate < small.rate < big.rate  # bandwidth decides on this memory-bound model
+    assert frontier(evaluated) == [slow, small, big]
     assert cheapest(evaluated, slow.rate) is slow
     assert cheapest(evaluated, small.rate) is small and cheapest(evaluated, big.rate) is big
     assert cheapest(evaluated, big.rate * 2) is None
-
-
-def test_a_model_that_no_number_of_machines_holds_is_pruned(tmp_path):
-    path = tmp_path / "catalogue.yaml"
-    path.write_text("machines:\n  - {name: tiny, memory: 64.1MiB, memory_bandwidth: 1GB/s, price: 1}\n")
-    evaluated = evaluate(load_spec(TINY), load_catalogue(path).machines[0], LatencySlo.parse(SLO))
-    assert evaluated.fleet is None and evaluated.capacity is None and "does not fit" in evaluated.pruned
+    assert frontier([small, big, evaluate(spec, fleet(catalogue, "small", 2), slo)])[:1] == [small]
 
 
 # ---- the command ----------------------------------------------------------------------------------------------------
@@ -197,18 +264,32 @@ def test_search_prints_the_fleets_names_the_cheapest_and_writes_what_it_found(ca
     assert result.exit_code == 0, result.output
     assert "cheapest carrying 10 requests/s: 1 x slow, 100 USD" in result.output
     written = json.loads((out / "search.json").read_text())
-    assert written["schema"] == "cascadia.search/1" and written["complete"] and written["cheapest"] == "slow"
-    assert [c["machine"] for c in written["candidates"]] == ["small", "slow"]
-    small = written["candidates"][0]
-    assert small["count"] == 1 and small["price"] == 300 and small["power_w"] == 15
+    assert written["schema"] == "cascadia.search/1" and written["complete"]
+    candidates = written["candidates"]
+    assert [(c["machine"], c["count"]) for c in candidates] == [("slow", 1), ("slow", 2), ("small", 1), ("small", 2)]
+    assert candidates[written["cheapest"]]["machine"] == "slow"
+    small = candidates[2]
+    assert small["count"] == 1 and small["price"] == 300 and small["power_w"] == 15 and small["pruned"] is None
     assert small["at_capacity"]["met"] and small["at_capacity"]["ttft_s"] <= 0.02
     assert small["capacity_rps"] == max(p["rate"] for p in small["probes"] if p["met"] and p["rate"])
+    assert small["bounds"]["capacity_rps"] >= small["capacity_rps"]
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # each frontier fleet's spec: `simulate` takes it as it is, at the capacity found, with the same verdict
+    for i, index in enumerate(written["frontier"]):
+        frontier_spec = load_spec(out / f"frontier-{i}.yaml")
+        assert frontier_spec.workload.rate == (candidates[index]["capacity_rps"],)
+        simulated = simulate(frontier_spec, analytic_calibration(frontier_spec), make_plan(frontier_spec))
+        verdict = LatencySlo.parse(SLO).judge([RequestRecord(**r) for r in simulated["requests"]
+                                               if r["phase"] == MEASURED])
+        assert verdict.met and verdict.quantiles["ttft"] == candidates[index]["at_capacity"]["ttft_s"]
+        assert f"wrote {out / f'frontier-{i}.yaml'}" in result.output
 
 
 @pytest.mark.parametrize("arguments, status, words", [
-    (["--slo", "ttft_p90=1us"], 1, "no machine type meets ttft_p90=1000ns at any load"),
+    (["--slo", "ttft_p90=1us"], 1, "no fleet meets ttft_p90=1000ns at any load"),
     (["--slo", "tpot_p99=1s"], 2, "bounds no first token"),
-    (["--slo", SLO, "--machines", "small,huge"], 2, "huge not in"),
+    (["--slo", SLO, "--machines", "small,huge"], 2, "huge: not one of small, big, slow"),
+    (["--slo", SLO, "--formats", "int3"], 2, "int3: not one of spec, paper, int8, int4"),
 ])
 def test_search_refuses_what_it_cannot_answer_in_one_line(catalogue, arguments, status, words):
     result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), *arguments])
@@ -225,13 +306,13 @@ def test_search_with_a_bad_catalogue_names_it(tmp_path):
 def test_a_search_stopped_part_way_writes_what_it_evaluated(tmp_path):
     path = tmp_path / "catalogue.yaml"
     path.write_text("machines:\n" + "".join(f"  - {{name: m{i}, memory: 1GiB, memory_bandwidth: {i + 1}GB/s, "
-                                            "price: 100}\n" for i in range(50)))
+                                            f"price: {100 + i}}}\n" for i in range(25)))
     out = tmp_path / "out"
     search = subprocess.Popen([sys.executable, "-m", "cascadia", "search", str(TINY), "--catalogue", str(path),
                                "--slo", SLO, "--out", str(out)], stderr=subprocess.PIPE, text=True)
     try:
         first = search.stderr.readline()
-        assert first.startswith("[1/50] m0: "), first
+        assert first.startswith("[1/50] 1 x m0: "), first
         search.send_signal(signal.SIGTERM)
         rest = search.stderr.read()
         assert search.wait(timeout=60) == 1
@@ -239,4 +320,5 @@ def test_a_search_stopped_part_way_writes_what_it_evaluated(tmp_path):
         search.kill()
     written = json.loads((out / "search.json").read_text())
     assert not written["complete"] and 1 <= len(written["candidates"]) < 50
-    assert f"interrupted: wrote the {len(written['candidates'])} of 50" in rest and "terminated by SIGTERM" in rest
+    assert f"interrupted: wrote the {len(written['candidates'])} of 50 fleets" in rest
+    assert "terminated by SIGTERM" in rest

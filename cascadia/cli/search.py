@@ -1,5 +1,5 @@
-"""Deciding before buying: `search`, the machines a catalogue offers against a model, a workload and a latency
-objective."""
+"""Deciding before buying: `search`, the fleets a catalogue's machines make against a model, a workload and a
+latency objective."""
 
 from __future__ import annotations
 
@@ -24,6 +24,14 @@ class Objective(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+def _names(value: str | None, known: list[str], option: str) -> list[str]:
+    """A comma-separated choice among `known` (empty: none given)."""
+    names = [name.strip() for name in value.split(",")] if value else []
+    if unknown := [name for name in names if name not in known]:
+        raise click.BadParameter(f"{', '.join(unknown)}: not one of {', '.join(known)}", param_hint=option)
+    return names
+
+
 @click.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @click.option("--catalogue", "catalogue_path", type=click.Path(exists=True, dir_okay=False), required=True,
@@ -32,98 +40,131 @@ class Objective(click.ParamType):
               help="what every fleet must meet: percentiles of the first-token time and of the time per later "
                    "token, e.g. ttft_p90=10s,tpot_p99=400ms")
 @click.option("--machines", help="only these machine types of the catalogue, comma-separated")
+@click.option("--formats", "presets", default="spec", show_default=True,
+              help="weight-format presets to weigh, comma-separated: spec (the spec's own), paper, int8, int4")
+@click.option("--most", type=click.IntRange(min=1),
+              help="the most machines of a fleet [default: twice the fewest that hold the model]")
 @click.option("--load", type=click.FloatRange(min=0, min_open=True),
               help="requests a second to carry: the cheapest fleet that carries them is named")
 @click.option("--tolerance", type=click.FloatRange(0.001, 1), default=0.05, show_default=True,
               help="relative width of each capacity's boundary when the bisection stops")
+@click.option("--no-prune", "keep_all", is_flag=True,
+              help="simulate every fleet, even those the bounds rule out (slower; the same frontier)")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
-              help="folder to write search.json into (made if missing)")
-def search(spec: str, catalogue_path: str, slo, machines: str | None, load: float | None, tolerance: float,
-           out_dir: str | None) -> None:
-    """Which machines to buy: for each machine type of the catalogue, the fewest that hold the spec's model at its
-    runtime, and the highest rate of its workload they serve within the objective (simulated from the catalogue's
-    figures), with their price. The spec's cluster is not used."""
-    import json
+              help="folder for search.json, pareto.png and a spec per frontier fleet (made if missing)")
+def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, most: int | None,
+           load: float | None, tolerance: float, keep_all: bool, out_dir: str | None) -> None:
+    """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
+    model at its runtime up to --most, in each weight-format preset; for each, the highest rate of the spec's
+    workload it serves within the objective (simulated from the catalogue's figures) and its price. Prints the
+    frontier of price against capacity and, with --load, the cheapest fleet that carries it. The spec's cluster is
+    not used."""
     import os
 
-    from cascadia.search.search import cheapest, report
     from cascadia.search.search import search as evaluations
+    from cascadia.search.space import PRESETS, space
     from cascadia.spec.load import load_catalogue, load_spec
 
     loaded, catalogue = load_spec(spec), load_catalogue(catalogue_path)
-    names = [name.strip() for name in machines.split(",")] if machines else []
-    known = {machine.name for machine in catalogue.machines}
-    if unknown := [name for name in names if name not in known]:
-        raise click.BadParameter(f"{', '.join(unknown)} not in {catalogue_path} (it lists {', '.join(sorted(known))})",
-                                 param_hint="--machines")
+    names = _names(machines, [m.name for m in catalogue.machines], "--machines")
+    chosen_presets = _names(presets, list(PRESETS), "--formats") or ["spec"]
     if out_dir:
         try:
             os.makedirs(out_dir, exist_ok=True)
         except OSError as e:
             raise click.BadParameter(f"{out_dir}: cannot make it ({e.strerror})", param_hint="--out") from None
-    total = len(names) or len(catalogue.machines)
+    fleets = list(space(loaded, catalogue, names, chosen_presets, most))
     evaluated, complete = [], False
     try:
-        for each in evaluations(loaded, catalogue, slo, names, tolerance):
+        for each in evaluations(loaded, fleets, slo, tolerance, prune=not keep_all):
             evaluated.append(each)
-            click.echo(f"[{len(evaluated)}/{total}] {each.machine.name}: {_outcome(each)} "
-                       f"({each.seconds:.1f} s)", err=True)
+            click.echo(f"[{len(evaluated)}/{len(fleets)}] {_outcome(each)} ({each.seconds:.1f} s)", err=True)
         complete = True
     finally:
-        if out_dir:
-            path = os.path.join(out_dir, "search.json")
-            with open(path, "w") as f:
-                json.dump(report(loaded, catalogue, slo, evaluated, tolerance, load, complete), f, indent=1)
-            if not complete:
-                click.echo(f"interrupted: wrote the {len(evaluated)} of {total} machine types evaluated to {path}",
-                           err=True)
-    prompts = loaded.workload.prompt_tokens
-    lengths = str(prompts.low) if prompts.low == prompts.high else f"{prompts.low}-{prompts.high}"
-    click.echo(f"{slo}; prompts of {lengths} tokens, {loaded.workload.output_tokens} out; an analytic estimate from "
-               "the catalogue's figures")
-    click.echo(_table(evaluated, slo, catalogue.currency))
-    if load is not None:
-        best = cheapest(evaluated, load)
-        click.echo(f"cheapest carrying {load:g} requests/s: {best.fleet.count} x {best.machine.name}, "
-                   f"{best.fleet.price:,.0f} {catalogue.currency}" if best else
-                   f"no fleet here carries {load:g} requests/s within {slo}")
-    if out_dir:
-        say_written(click.echo, os.path.join(out_dir, "search.json"))
+        written = _write(out_dir, loaded, catalogue, slo, evaluated, tolerance, load, complete) if out_dir else []
+        if not complete and written:
+            click.echo(f"interrupted: wrote the {len(evaluated)} of {len(fleets)} fleets evaluated to {written[0]}",
+                       err=True)
+    _print(loaded, catalogue, slo, evaluated, load)
+    say_written(click.echo, *written)
     if not any(each.rate > 0 for each in evaluated):
-        raise click.ClickException(f"no machine type meets {slo} at any load: see each one's reason above")
+        raise click.ClickException(f"no fleet meets {slo} at any load: see each one's reason above")
 
 
 def _outcome(each) -> str:
-    if each.pruned:
-        return f"pruned: {each.pruned}"
-    if not each.rate:
-        return f"{_machines(each.fleet.count)}; {each.capacity.reason}"
+    where = each.candidate.describe() if each.candidate else f"{each.machine.name}, {each.formats}"
+    if each.pruned or not each.rate:
+        return f"{where}: {'not simulated: ' if each.pruned else ''}{each.why}"
     more = "" if each.capacity.bounded else " or more"
-    return f"{_machines(each.fleet.count)} carry {each.rate:.3g} requests/s{more}"
+    return f"{where}: carries {each.rate:.3g} requests/s{more}"
 
 
-def _machines(count: int) -> str:
-    return f"{count} machine{'s' if count > 1 else ''}"
+def _print(spec, catalogue, slo, evaluated, load: float | None) -> None:
+    from collections import Counter
 
-
-def _table(evaluated, slo, currency: str) -> str:
+    from cascadia.search.search import BOUNDS, DOMINATED, MEMORY, cheapest, frontier
     from cascadia.table import format_rows
 
-    header = ["machine", "count", f"price {currency}", "power W", "capacity req/s",
-              *(f"{b.metric.upper()} p{b.percentile:g} ms" for b in slo.bounds), "goodput",
-              f"{currency} per req/s", "note"]
+    prompts = spec.workload.prompt_tokens
+    lengths = str(prompts.low) if prompts.low == prompts.high else f"{prompts.low}-{prompts.high}"
+    click.echo(f"{slo}; prompts of {lengths} tokens, {spec.workload.output_tokens} out; an analytic estimate from "
+               "the catalogue's figures")
+    pruned = Counter(each.pruned for each in evaluated)
+    fleets = sum(each.candidate is not None for each in evaluated)
+    click.echo(f"{fleets} fleets: {pruned[None]} simulated, {pruned[BOUNDS]} ruled out by their bounds, "
+               f"{pruned[DOMINATED]} by a cheaper fleet's capacity" +
+               (f"; {pruned[MEMORY]} machine types (by format) hold no layer" if pruned[MEMORY] else ""))
+    front = frontier(evaluated)
+    if not front:
+        return
+    currency = catalogue.currency
+    header = ["fleet", "formats", f"price {currency}", "power W", "capacity req/s",
+              *(f"{b.metric.upper()} p{b.percentile:g} ms" for b in slo.bounds), "goodput", f"{currency} per req/s"]
     rows = [header]
-    for each in evaluated:
-        fleet, at = each.fleet, each.capacity.at_rate if each.capacity else None
-        rate = each.rate
-        rows.append([
-            each.machine.name, str(fleet.count) if fleet else "-", f"{fleet.price:,.0f}" if fleet else "-",
-            f"{fleet.power_w:,.0f}" if fleet and fleet.power_w is not None else "-",
-            (f"{rate:.3g}" + ("" if each.capacity.bounded else "+")) if rate else "-",
-            *(f"{at.quantiles[b.metric] * 1e3:.1f}" if at and at.quantiles[b.metric] is not None else "-"
-              for b in slo.bounds),
-            f"{at.goodput:.0%}" if at else "-",
-            f"{fleet.price / rate:.3g}" if fleet and rate else "-",
-            each.pruned or (each.capacity.reason if each.capacity and not rate else ""),
-        ])
-    return format_rows(rows, left={0, len(header) - 1})
+    for each in front:
+        fleet, at = each.candidate, each.capacity.at_rate
+        rows.append([f"{fleet.count} x {fleet.machine.name}", fleet.formats, f"{fleet.price:,.0f}",
+                     f"{fleet.power_w:,.0f}" if fleet.power_w is not None else "-",
+                     f"{each.rate:.3g}" + ("" if each.capacity.bounded else "+"),
+                     *(f"{at.quantiles[b.metric] * 1e3:.1f}" if at.quantiles[b.metric] is not None else "-"
+                       for b in slo.bounds),
+                     f"{at.goodput:.0%}", f"{fleet.price / each.rate:.3g}"])
+    click.echo("the frontier: each fleet carries more than every cheaper one")
+    click.echo(format_rows(rows, left={0, 1}))
+    if load is not None:
+        best = cheapest(evaluated, load)
+        click.echo(f"cheapest carrying {load:g} requests/s: {best.candidate.describe()}, {best.candidate.price:,.0f} "
+                   f"{currency}" if best else f"no fleet here carries {load:g} requests/s within {slo}")
+
+
+def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load: float | None,
+           complete: bool) -> list[str]:
+    """search.json, pareto.png (where matplotlib is installed) and frontier-N.yaml; the paths written."""
+    import json
+    import math
+    import os
+    from pathlib import Path
+
+    import attrs
+
+    from cascadia.search.capacity import LEAST_REQUESTS, arrival_seconds
+    from cascadia.search.search import frontier, report
+    from cascadia.spec.dump import write_spec
+
+    path = os.path.join(out_dir, "search.json")
+    with open(path, "w") as f:
+        json.dump(report(spec, catalogue, slo, evaluated, tolerance, load, complete), f, indent=1)
+    written = [path]
+    for i, each in enumerate(frontier(evaluated)):
+        # the fleet's spec, its workload arriving at the capacity as the search's probe did, goodput counted
+        requests = max(LEAST_REQUESTS, math.ceil(each.rate * arrival_seconds(slo, tolerance)))
+        workload = attrs.evolve(spec.workload, rate=(each.rate,), requests=requests, slo=slo.per_request())
+        fleet_spec = attrs.evolve(each.candidate.spec(spec), workload=workload)
+        written.append(str(write_spec(fleet_spec, Path(out_dir) / f"frontier-{i}.yaml")))
+    try:
+        from cascadia.search.plot import pareto
+    except ImportError:
+        click.echo("no pareto.png: plotting needs matplotlib (pip install 'cascadia[plot]')", err=True)
+    else:
+        written.insert(1, pareto(evaluated, slo, catalogue.currency, os.path.join(out_dir, "pareto.png")))
+    return written

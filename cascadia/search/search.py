@@ -1,10 +1,12 @@
 """`cascadia search`: which machines to buy for a model and a workload under a latency objective.
 
-For each machine type of a catalogue, the fleet of the fewest that hold the model at the spec's runtime (the
-planner's memory accounting), planned by the planner, and the highest arrival rate it serves within the objective
-(`cascadia.search.capacity`), simulated from the catalogue's figures (`cascadia.sim.analytic`: a roofline of memory
-bandwidth and compute, links as listed, no host overheads). Each fleet is costed, and the one with the lowest price
-that carries a given load is named.
+The space (`cascadia.search.space`) is every machine type of a catalogue, from the fewest that hold the model at the
+spec's runtime up to a most, in each weight-format preset asked for. Fleets are taken cheapest first. Each is
+planned by the planner; one whose bounds (`cascadia.search.bounds`) miss the objective even alone, or whose most
+requests a second no more than a cheaper fleet already carries (it cannot be on the frontier, nor the cheapest for
+any load), is dropped without a simulation. The rest get their capacity (`cascadia.search.capacity`), simulated from
+the catalogue's figures (`cascadia.sim.analytic`: a roofline of memory bandwidth and compute, links as listed, no
+host overheads). The frontier is the fleets no cheaper (or equally priced) fleet carries as much as.
 """
 
 from __future__ import annotations
@@ -15,47 +17,30 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from cascadia.graph.plan import Plan
-from cascadia.graph.planner import fewest_nodes
 from cascadia.graph.planner import plan as make_plan
+from cascadia.search.bounds import Bounds, bounds
 from cascadia.search.capacity import TOLERANCE, Capacity, capacity
 from cascadia.search.slo import LatencySlo
+from cascadia.search.space import Candidate, Unfit
 from cascadia.sim.analytic import analytic_calibration
-from cascadia.spec.types import Catalogue, ClusterSpec, MachineType, Spec
+from cascadia.spec.types import Catalogue, MachineType, Spec
 
 SCHEMA = "cascadia.search/1"
-
-
-@attrs.frozen
-class Fleet:
-    """`count` machines of one type, linked through a switch at each one's port speed."""
-
-    machine: MachineType
-    count: int
-
-    @property
-    def price(self) -> float:
-        return self.machine.price * self.count
-
-    @property
-    def power_w(self) -> float | None:
-        return None if self.machine.power_w is None else self.machine.power_w * self.count
-
-    def spec(self, base: Spec) -> Spec:
-        """`base` (model, runtime, workload, reserve) on this fleet: nodes NAME0..NAME{count-1}."""
-        nodes = tuple(self.machine.node(f"{self.machine.name}{i}") for i in range(self.count))
-        return attrs.evolve(base, cluster=ClusterSpec(nodes, default_link=self.machine.link,
-                                                      reserve_bytes=base.cluster.reserve_bytes))
+MEMORY, BOUNDS, DOMINATED = "memory", "bounds", "dominated"  # why a fleet was not simulated
 
 
 @attrs.frozen
 class Evaluated:
-    """One machine type's fleet and what it carries; `pruned` says why it was not simulated (then no capacity)."""
+    """One fleet and what it carries; `pruned` says why it was not simulated (then no capacity), `why` in words."""
 
     machine: MachineType
-    fleet: Fleet | None
+    formats: str
+    candidate: Candidate | None  # None: no number of these machines holds the model
     plan: Plan | None = None
+    bounds: Bounds | None = None
     capacity: Capacity | None = None
-    pruned: str = ""
+    pruned: str | None = None  # MEMORY, BOUNDS or DOMINATED
+    why: str = ""
     seconds: float = 0.0  # spent evaluating it
 
     @property
@@ -64,18 +49,20 @@ class Evaluated:
         return self.capacity.rate if self.capacity else 0.0
 
     def to_dict(self) -> dict:
-        fleet, cap = self.fleet, self.capacity
+        fleet, cap, bound = self.candidate, self.capacity, self.bounds
         return {
             "machine": self.machine.name,
+            "formats": self.formats,
             "count": fleet.count if fleet else None,
             "price": fleet.price if fleet else None,
             "power_w": fleet.power_w if fleet else None,
-            "pruned": self.pruned or None,
+            "pruned": self.pruned,
+            "why": self.why or None,
             "stages": len(self.plan.stages) if self.plan else None,
             "bottleneck_s": self.plan.bottleneck_s if self.plan else None,
+            "bounds": attrs.asdict(bound) if bound else None,
             "capacity_rps": cap.rate if cap else None,
             "bounded": cap.bounded if cap else None,
-            "why_none": cap.reason or None if cap else None,
             "at_capacity": _verdict_dict(cap.at_rate) if cap and cap.at_rate else None,
             "probes": [{"rate": p.rate, **_verdict_dict(p.verdict)} for p in cap.probes] if cap else [],
             "seconds": self.seconds,
@@ -87,41 +74,77 @@ def _verdict_dict(verdict) -> dict:
             **{f"{metric}_s": seconds for metric, seconds in verdict.quantiles.items()}, "goodput": verdict.goodput}
 
 
-def evaluate(spec: Spec, machine: MachineType, slo: LatencySlo, tolerance: float = TOLERANCE) -> Evaluated:
-    """The fleet of the fewest `machine`s that hold `spec`'s model, planned and its capacity found (or why not)."""
+def missed_alone(slo: LatencySlo, found: Bounds) -> str:
+    """Which bounds of the objective a fleet misses however lightly loaded ("" for none)."""
+    soonest = {"ttft": found.ttft_s, "tpot": found.tpot_s}
+    return ", ".join(f"{b.metric} at least {soonest[b.metric]:.3g} s > {b.seconds:.3g} s" for b in slo.bounds
+                     if soonest[b.metric] is not None and soonest[b.metric] > b.seconds)
+
+
+def evaluate(spec: Spec, candidate: Candidate, slo: LatencySlo, tolerance: float = TOLERANCE,
+             carried: Sequence[Evaluated] = (), prune: bool = True) -> Evaluated:
+    """`candidate` planned, its bounds taken and, unless (with `prune`) they rule it out against `slo` or against
+    what a fleet of `carried` (evaluated before it) no dearer carries, its capacity found."""
     start = time.perf_counter()
-    count = fewest_nodes(spec, machine.node(machine.name))
-    if count is None:
-        return Evaluated(machine, None, pruned="a layer with its state does not fit one machine's memory",
-                         seconds=time.perf_counter() - start)
-    fleet = Fleet(machine, count)
-    fleet_spec = fleet.spec(spec)
+    fleet_spec = candidate.spec(spec)
     plan = make_plan(fleet_spec)
-    found = capacity(fleet_spec, plan, analytic_calibration(fleet_spec, open_loop=True), slo, tolerance)
-    return Evaluated(machine, fleet, plan, found, seconds=time.perf_counter() - start)
+    calibration = analytic_calibration(fleet_spec, open_loop=True)
+    found = bounds(fleet_spec, plan, calibration)
+    common = dict(machine=candidate.machine, formats=candidate.formats, candidate=candidate, plan=plan, bounds=found)
+    if prune and (missed := missed_alone(slo, found)):
+        return Evaluated(**common, pruned=BOUNDS, why=f"misses it even alone: {missed}",
+                         seconds=time.perf_counter() - start)
+    better = max((e for e in carried if e.candidate and e.candidate.price <= candidate.price), key=lambda e: e.rate,
+                 default=None)
+    if prune and better is not None and better.rate >= found.capacity_rps:
+        return Evaluated(**common, pruned=DOMINATED,
+                         why=f"carries at most {found.capacity_rps:.3g}/s; {better.candidate.describe()} carries "
+                             f"{better.rate:.3g}/s for {better.candidate.price:,.0f}",
+                         seconds=time.perf_counter() - start)
+    found_capacity = capacity(fleet_spec, plan, calibration, slo, tolerance)
+    return Evaluated(**common, capacity=found_capacity, why=found_capacity.reason,
+                     seconds=time.perf_counter() - start)
 
 
-def search(spec: Spec, catalogue: Catalogue, slo: LatencySlo, machines: Sequence[str] = (),
-           tolerance: float = TOLERANCE) -> Iterator[Evaluated]:
-    """Every machine type of the catalogue (or those named in `machines`, each checked first), evaluated in turn:
-    a caller stopped part way (Ctrl-C) keeps what it was given."""
-    chosen = [catalogue.machine(name) for name in machines] if machines else list(catalogue.machines)
-    for machine in chosen:
-        yield evaluate(spec, machine, slo, tolerance)
+def search(spec: Spec, fleets: Sequence[Candidate | Unfit], slo: LatencySlo, tolerance: float = TOLERANCE,
+           prune: bool = True) -> Iterator[Evaluated]:
+    """The fleets of a space (`cascadia.search.space.space`) evaluated in turn, machine types that hold no layer
+    first, then the fleets cheapest first (`prune`: dropping what the bounds rule out); a caller stopped part way
+    (Ctrl-C) keeps what it was given."""
+    for unfit in (each for each in fleets if isinstance(each, Unfit)):
+        yield Evaluated(unfit.machine, unfit.formats, None, pruned=MEMORY,
+                        why="a layer with its state does not fit one machine's memory")
+    carried: list[Evaluated] = []
+    for candidate in sorted((each for each in fleets if isinstance(each, Candidate)), key=lambda c: (c.price, c.count)):
+        evaluated = evaluate(spec, candidate, slo, tolerance, carried, prune)
+        if evaluated.capacity:
+            carried.append(evaluated)
+        yield evaluated
+
+
+def frontier(evaluated: Sequence[Evaluated]) -> list[Evaluated]:
+    """The fleets that carry more than every cheaper one (of equal price, the one that carries most), cheapest
+    first: price against capacity, the Pareto frontier."""
+    carrying = sorted((e for e in evaluated if e.rate > 0), key=lambda e: (e.candidate.price, -e.rate))
+    front: list[Evaluated] = []
+    for each in carrying:
+        if not front or each.rate > front[-1].rate:
+            front.append(each)
+    return front
 
 
 def cheapest(evaluated: Sequence[Evaluated], load: float) -> Evaluated | None:
     """The lowest-priced fleet that carries `load` requests a second within the objective (None: none does)."""
-    carrying = [e for e in evaluated if e.fleet and e.rate >= load]
-    return min(carrying, key=lambda e: (e.fleet.price, -e.rate), default=None)
+    return next((e for e in frontier(evaluated) if e.rate >= load), None)
 
 
 def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequence[Evaluated], tolerance: float,
            load: float | None = None, complete: bool = True) -> dict:
-    """What `search.json` holds: the question, every fleet evaluated, and the answer to `load`."""
+    """What `search.json` holds: the question, every fleet evaluated, the frontier and the answer to `load`."""
     from cascadia.metrics import spec_summary
 
     best = cheapest(evaluated, load) if load is not None else None
+    front = frontier(evaluated)
     return {
         "schema": SCHEMA,
         "spec": spec_summary(spec),
@@ -132,6 +155,7 @@ def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequenc
         "estimate": "analytic: the catalogue's memory bandwidth and compute as a roofline, no host overheads",
         "complete": complete,
         "load_rps": load,
-        "cheapest": best.machine.name if best else None,
+        "cheapest": evaluated.index(best) if best else None,
+        "frontier": [evaluated.index(e) for e in front],
         "candidates": [e.to_dict() for e in evaluated],
     }

@@ -362,6 +362,12 @@ class PipelineModel:
             costs = self._by_shape[figures] = self._costs_of(FrameShape(*figures))
         return costs
 
+    def alone_s(self, shape: FrameShape) -> tuple[tuple[float, ...], float]:
+        """A frame of `shape` alone in the pipeline: each stage's compute seconds, and its whole way round the ring
+        (every stage, wire and link latency)."""
+        costs = self._costs_of(shape)
+        return costs.stage_s, sum(costs.hop_s) + sum(self._latency)
+
     def _costs_of(self, shape: FrameShape) -> FrameCosts:
         times = [cost(shape) for cost in self.costs]
         stage_s = tuple(times[cost] for cost in self._cost_index)
