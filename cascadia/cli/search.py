@@ -50,10 +50,16 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
               help="relative width of each capacity's boundary when the bisection stops")
 @click.option("--no-prune", "keep_all", is_flag=True,
               help="simulate every fleet, even those the bounds rule out (slower; the same frontier)")
+@click.option("--jobs", type=click.IntRange(min=1),
+              help="fleets evaluated at once, each in a process of its own [default: this process's CPUs]")
+@click.option("--ray", "ray_address", metavar="ADDRESS",
+              help="evaluate on the workers of this Ray cluster instead ('auto': the one this machine is in; "
+                   "'local': a new one here): pip install 'cascadia[ray]'")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="folder for search.json, pareto.png and a spec per frontier fleet (made if missing)")
 def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, most: int | None,
-           load: float | None, tolerance: float, keep_all: bool, out_dir: str | None) -> None:
+           load: float | None, tolerance: float, keep_all: bool, jobs: int | None, ray_address: str | None,
+           out_dir: str | None) -> None:
     """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
     model at its runtime up to --most, in each weight-format preset; for each, the highest rate of the spec's
     workload it serves within the objective (simulated from the catalogue's figures) and its price. Prints the
@@ -74,9 +80,11 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
         except OSError as e:
             raise click.BadParameter(f"{out_dir}: cannot make it ({e.strerror})", param_hint="--out") from None
     fleets = list(space(loaded, catalogue, names, chosen_presets, most))
+    if jobs is not None and ray_address is not None:
+        raise click.UsageError("give --jobs or --ray, not both")
     evaluated, complete = [], False
     try:
-        for each in evaluations(loaded, fleets, slo, tolerance, prune=not keep_all):
+        for each in evaluations(loaded, fleets, slo, tolerance, prune=not keep_all, pool=_pool(jobs, ray_address)):
             evaluated.append(each)
             click.echo(f"[{len(evaluated)}/{len(fleets)}] {_outcome(each)} ({each.seconds:.1f} s)", err=True)
         complete = True
@@ -89,6 +97,16 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
     say_written(click.echo, *written)
     if not any(each.rate > 0 for each in evaluated):
         raise click.ClickException(f"no fleet meets {slo} at any load: see each one's reason above")
+
+
+def _pool(jobs: int | None, ray_address: str | None):
+    from cascadia.host_cpus import available
+    from cascadia.search.fanout import InProcess, Processes, RayCluster
+
+    if ray_address is not None:
+        return RayCluster(ray_address)
+    jobs = jobs or len(available())
+    return InProcess() if jobs == 1 else Processes(jobs)
 
 
 def _outcome(each) -> str:

@@ -20,6 +20,7 @@ from cascadia.graph.plan import Plan
 from cascadia.graph.planner import plan as make_plan
 from cascadia.search.bounds import Bounds, bounds
 from cascadia.search.capacity import TOLERANCE, Capacity, capacity
+from cascadia.search.fanout import InProcess, Pool
 from cascadia.search.slo import LatencySlo
 from cascadia.search.space import Candidate, Unfit
 from cascadia.sim.analytic import analytic_calibration
@@ -81,10 +82,19 @@ def missed_alone(slo: LatencySlo, found: Bounds) -> str:
                      if soonest[b.metric] is not None and soonest[b.metric] > b.seconds)
 
 
+@attrs.frozen
+class Carried:
+    """What ruling a dearer fleet out needs of one simulated before it."""
+
+    fleet: str
+    price: float
+    rate: float
+
+
 def evaluate(spec: Spec, candidate: Candidate, slo: LatencySlo, tolerance: float = TOLERANCE,
-             carried: Sequence[Evaluated] = (), prune: bool = True) -> Evaluated:
+             better: Carried | None = None, prune: bool = True) -> Evaluated:
     """`candidate` planned, its bounds taken and, unless (with `prune`) they rule it out against `slo` or against
-    what a fleet of `carried` (evaluated before it) no dearer carries, its capacity found."""
+    what `better`, a fleet no dearer, carries, its capacity found."""
     start = time.perf_counter()
     fleet_spec = candidate.spec(spec)
     plan = make_plan(fleet_spec)
@@ -94,32 +104,47 @@ def evaluate(spec: Spec, candidate: Candidate, slo: LatencySlo, tolerance: float
     if prune and (missed := missed_alone(slo, found)):
         return Evaluated(**common, pruned=BOUNDS, why=f"misses it even alone: {missed}",
                          seconds=time.perf_counter() - start)
-    better = max((e for e in carried if e.candidate and e.candidate.price <= candidate.price), key=lambda e: e.rate,
-                 default=None)
-    if prune and better is not None and better.rate >= found.capacity_rps:
+    if prune and better is not None and better.price <= candidate.price and better.rate >= found.capacity_rps:
         return Evaluated(**common, pruned=DOMINATED,
-                         why=f"carries at most {found.capacity_rps:.3g}/s; {better.candidate.describe()} carries "
-                             f"{better.rate:.3g}/s for {better.candidate.price:,.0f}",
-                         seconds=time.perf_counter() - start)
+                         why=f"carries at most {found.capacity_rps:.3g}/s; {better.fleet} carries {better.rate:.3g}/s "
+                             f"for {better.price:,.0f}", seconds=time.perf_counter() - start)
     found_capacity = capacity(fleet_spec, plan, calibration, slo, tolerance)
     return Evaluated(**common, capacity=found_capacity, why=found_capacity.reason,
                      seconds=time.perf_counter() - start)
 
 
 def search(spec: Spec, fleets: Sequence[Candidate | Unfit], slo: LatencySlo, tolerance: float = TOLERANCE,
-           prune: bool = True) -> Iterator[Evaluated]:
-    """The fleets of a space (`cascadia.search.space.space`) evaluated in turn, machine types that hold no layer
-    first, then the fleets cheapest first (`prune`: dropping what the bounds rule out); a caller stopped part way
-    (Ctrl-C) keeps what it was given."""
+           prune: bool = True, pool: Pool | None = None) -> Iterator[Evaluated]:
+    """The fleets of a space (`cascadia.search.space.space`) evaluated on `pool` (default: here, one at a time),
+    machine types that hold no layer first, then the fleets, started cheapest first and given as they finish
+    (`prune`: dropping what the bounds rule out). Each fleet starts with the best capacity known by then of the
+    fleets no dearer (all those done: they started before it), so a pool rules out fewer than one at a time, never
+    others. A caller stopped part way (Ctrl-C) keeps what it was given; the pool is closed either way."""
     for unfit in (each for each in fleets if isinstance(each, Unfit)):
         yield Evaluated(unfit.machine, unfit.formats, None, pruned=MEMORY,
                         why="a layer with its state does not fit one machine's memory")
-    carried: list[Evaluated] = []
-    for candidate in sorted((each for each in fleets if isinstance(each, Candidate)), key=lambda c: (c.price, c.count)):
-        evaluated = evaluate(spec, candidate, slo, tolerance, carried, prune)
-        if evaluated.capacity:
-            carried.append(evaluated)
-        yield evaluated
+    pool = pool or InProcess()
+    waiting = iter(sorted((each for each in fleets if isinstance(each, Candidate)), key=lambda c: (c.price, c.count)))
+    running: dict = {}
+    best: Carried | None = None
+
+    def start_next() -> None:
+        if (candidate := next(waiting, None)) is not None:
+            running[pool.submit(evaluate, spec, candidate, slo, tolerance, best, prune)] = candidate
+
+    try:
+        for _ in range(pool.width):
+            start_next()
+        while running:
+            handle, evaluated = pool.done(running)
+            del running[handle]
+            if best is None or evaluated.rate > best.rate:
+                fleet = evaluated.candidate
+                best = Carried(fleet.describe(), fleet.price, evaluated.rate) if evaluated.rate else best
+            start_next()
+            yield evaluated
+    finally:
+        pool.close()
 
 
 def frontier(evaluated: Sequence[Evaluated]) -> list[Evaluated]:
@@ -140,9 +165,12 @@ def cheapest(evaluated: Sequence[Evaluated], load: float) -> Evaluated | None:
 
 def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequence[Evaluated], tolerance: float,
            load: float | None = None, complete: bool = True) -> dict:
-    """What `search.json` holds: the question, every fleet evaluated, the frontier and the answer to `load`."""
+    """What `search.json` holds: the question, every fleet evaluated (those that hold no layer first, then by
+    price), the frontier and the answer to `load` (indexes into the fleets)."""
     from cascadia.metrics import spec_summary
 
+    evaluated = sorted(evaluated, key=lambda e: (e.candidate is not None, *(
+        (e.candidate.price, e.candidate.count) if e.candidate else ()), e.machine.name, e.formats))
     best = cheapest(evaluated, load) if load is not None else None
     front = frontier(evaluated)
     return {

@@ -22,7 +22,8 @@ from cascadia.workload import MEASURED, prompt_length_notes
 
 def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None,
              timings: list[FrameTiming] | None = None, loss: Loss | None = None, detect_s: float = DETECT_S,
-             acceptance: float = DEFAULT_ACCEPTANCE, acceptance_trace: dict[int, list[Step]] | None = None) -> dict:
+             acceptance: float = DEFAULT_ACCEPTANCE, acceptance_trace: dict[int, list[Step]] | None = None,
+             warm_up: bool = True) -> dict:
     """Simulate every concurrency level of `spec.workload` (warm-up and measured phase) on `plan`.
 
     `plan` defaults to the planner's; `groups` (pipeline groups) to one per stage. Prompts come from the workload's
@@ -30,7 +31,10 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     list that takes every frame's way round the pipeline, for a trace. `loss`: a node lost in each level's measured
     phase, found `detect_s` later (`cascadia.sim.loss`); the result then says, per level, what it cost ("losses").
     With `spec.runtime.speculate`, each draft is accepted with probability `acceptance`, or as in a run's
-    `acceptance_trace` (`cascadia.sim.drafts`).
+    `acceptance_trace` (`cascadia.sim.drafts`). Without `warm_up`, each level's warm-up phase is not simulated: a
+    phase starts from an idle pipeline and draws its own arrivals either way, so the measured phases come out the
+    same (to the rounding of the clock's later start), unless drafts are accepted at random (the draws run on
+    through the phases).
     """
     if plan is None:
         from cascadia.graph.planner import plan as make_plan
@@ -46,6 +50,8 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_pools, drafter)
 
     def run_phase(level, phase, recorder):
+        if not warm_up and phase.name != MEASURED:
+            return {}
         if loss is None or phase.name != MEASURED:
             return model.run_phase(policy, level.arrivals(phase), phase.streams, recorder)
         start, before = model.env.now, len(model.losses)
