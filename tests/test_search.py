@@ -20,9 +20,9 @@ from cascadia.cli import cli
 from cascadia.errors import SpecError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.metrics import RequestRecord
-from cascadia.search.capacity import arrival_seconds, highest_rate
+from cascadia.search.capacity import arrival_seconds, highest_rate, serves_users
 from cascadia.search.fanout import Processes, RayCluster
-from cascadia.search.search import BOUNDS, DOMINATED, cheapest, evaluate, frontier, search
+from cascadia.search.search import BOUNDS, DOMINATED, cheapest, cheapest_for_users, evaluate, frontier, search
 from cascadia.search.space import Candidate, Unfit, space
 from cascadia.search.slo import LatencySlo
 from cascadia.sim.analytic import analytic_calibration
@@ -247,6 +247,23 @@ def test_pruning_never_drops_a_fleet_that_simulation_would_keep(tmp_path):
         assert cheapest(pruned, load).candidate == cheapest(every, load).candidate
 
 
+def test_the_cheapest_fleet_for_some_users_serves_them_and_no_cheaper_fleet_does(tmp_path):
+    path = tmp_path / "ladder.yaml"
+    path.write_text(LADDER)
+    spec, slo = load_spec(TINY), LatencySlo.parse("ttft_p90=20ms,tpot_p99=8ms")
+    evaluated = list(search(spec, list(space(spec, load_catalogue(path), most=3)), slo))
+    found = cheapest_for_users(spec, evaluated, slo, users=12)
+    answer = found.fleet
+    assert answer is not None and found.tried[-1][1].met and not any(v.met for _, v in found.tried[:-1])
+    assert [e.candidate.price for e, _ in found.tried] == sorted(e.candidate.price for e, _ in found.tried)
+    assert len(found.tried) > 1  # some cheaper fleet carries requests, yet not twelve users at once
+    for each in evaluated:  # every cheaper fleet, tried or not, fails them in a closed loop of its own
+        if each.candidate and each.candidate.price < answer.candidate.price:
+            fleet_spec = each.candidate.spec(spec)
+            assert not serves_users(fleet_spec, each.plan or make_plan(fleet_spec), slo, 12).met
+    assert cheapest_for_users(spec, evaluated, slo, users=200).fleet is None  # 16 slots: the rest wait
+
+
 def test_the_frontier_is_what_no_cheaper_fleet_beats(catalogue):
     spec, slo = load_spec(TINY), LatencySlo.parse(SLO)
     evaluated = [evaluate(spec, fleet(catalogue, name), slo) for name in ("small", "big", "slow")]
@@ -263,14 +280,18 @@ def test_the_frontier_is_what_no_cheaper_fleet_beats(catalogue):
 def test_search_prints_the_fleets_names_the_cheapest_and_writes_what_it_found(catalogue, tmp_path):
     out = tmp_path / "out"
     result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), "--slo", SLO,
-                                      "--machines", "small,slow", "--load", "10", "--out", str(out)])
+                                      "--machines", "small,slow", "--load", "10", "--users", "4", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "cheapest carrying 10 requests/s: 1 x slow, 100 USD" in result.output
+    assert re.search(r"cheapest serving 4 users: \d x \w+, [\d,]+ USD \(TTFT p90 \d+ ms, TPOT p99 \d+ ms; the \d+ "
+                     r"cheaper fleets tried did not\)", result.output), result.output
     written = json.loads((out / "search.json").read_text())
     assert written["schema"] == "cascadia.search/1" and written["complete"]
     candidates = written["candidates"]
     assert [(c["machine"], c["count"]) for c in candidates] == [("slow", 1), ("slow", 2), ("small", 1), ("small", 2)]
     assert candidates[written["cheapest"]]["machine"] == "slow"
+    users = written["users"]
+    assert users["users"] == 4 and users["tried"][-1]["met"] and users["cheapest"] == users["tried"][-1]["fleet"]
     small = candidates[2]
     assert small["count"] == 1 and small["price"] == 300 and small["power_w"] == 15 and small["pruned"] is None
     assert small["at_capacity"]["met"] and small["at_capacity"]["ttft_s"] <= 0.02

@@ -46,6 +46,9 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
               help="the most machines of a fleet [default: twice the fewest that hold the model]")
 @click.option("--load", type=click.FloatRange(min=0, min_open=True),
               help="requests a second to carry: the cheapest fleet that carries them is named")
+@click.option("--users", type=click.IntRange(min=1),
+              help="clients to serve at once, each sending its next request when its last is done: the cheapest "
+                   "fleet that serves them within the objective is named")
 @click.option("--tolerance", type=click.FloatRange(0.001, 1), default=0.05, show_default=True,
               help="relative width of each capacity's boundary when the bisection stops")
 @click.option("--no-prune", "keep_all", is_flag=True,
@@ -58,15 +61,16 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="folder for search.json, pareto.png and a spec per frontier fleet (made if missing)")
 def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, most: int | None,
-           load: float | None, tolerance: float, keep_all: bool, jobs: int | None, ray_address: str | None,
-           out_dir: str | None) -> None:
+           load: float | None, users: int | None, tolerance: float, keep_all: bool, jobs: int | None,
+           ray_address: str | None, out_dir: str | None) -> None:
     """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
     model at its runtime up to --most, in each weight-format preset; for each, the highest rate of the spec's
     workload it serves within the objective (simulated from the catalogue's figures) and its price. Prints the
-    frontier of price against capacity and, with --load, the cheapest fleet that carries it. The spec's cluster is
-    not used."""
+    frontier of price against capacity and, with --load or --users, the cheapest fleet that carries it. The spec's
+    cluster is not used."""
     import os
 
+    from cascadia.search.search import cheapest_for_users
     from cascadia.search.search import search as evaluations
     from cascadia.search.space import PRESETS, space
     from cascadia.spec.load import load_catalogue, load_spec
@@ -82,18 +86,22 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
     fleets = list(space(loaded, catalogue, names, chosen_presets, most))
     if jobs is not None and ray_address is not None:
         raise click.UsageError("give --jobs or --ray, not both")
-    evaluated, complete = [], False
+    evaluated, complete, for_users = [], False, None
     try:
         for each in evaluations(loaded, fleets, slo, tolerance, prune=not keep_all, pool=_pool(jobs, ray_address)):
             evaluated.append(each)
             click.echo(f"[{len(evaluated)}/{len(fleets)}] {_outcome(each)} ({each.seconds:.1f} s)", err=True)
+        if users is not None:
+            click.echo(f"trying the fleets for {users} users, cheapest first", err=True)
+            for_users = cheapest_for_users(loaded, evaluated, slo, users)
         complete = True
     finally:
-        written = _write(out_dir, loaded, catalogue, slo, evaluated, tolerance, load, complete) if out_dir else []
+        written = _write(out_dir, loaded, catalogue, slo, evaluated, tolerance, load, complete, for_users) \
+            if out_dir else []
         if not complete and written:
             click.echo(f"interrupted: wrote the {len(evaluated)} of {len(fleets)} fleets evaluated to {written[0]}",
                        err=True)
-    _print(loaded, catalogue, slo, evaluated, load)
+    _print(loaded, catalogue, slo, evaluated, load, for_users)
     say_written(click.echo, *written)
     if not any(each.rate > 0 for each in evaluated):
         raise click.ClickException(f"no fleet meets {slo} at any load: see each one's reason above")
@@ -117,7 +125,7 @@ def _outcome(each) -> str:
     return f"{where}: carries {each.rate:.3g} requests/s{more}"
 
 
-def _print(spec, catalogue, slo, evaluated, load: float | None) -> None:
+def _print(spec, catalogue, slo, evaluated, load: float | None, for_users) -> None:
     from collections import Counter
 
     from cascadia.search.search import BOUNDS, DOMINATED, MEMORY, cheapest, frontier
@@ -153,10 +161,20 @@ def _print(spec, catalogue, slo, evaluated, load: float | None) -> None:
         best = cheapest(evaluated, load)
         click.echo(f"cheapest carrying {load:g} requests/s: {best.candidate.describe()}, {best.candidate.price:,.0f} "
                    f"{currency}" if best else f"no fleet here carries {load:g} requests/s within {slo}")
+    if for_users is not None:
+        if (best := for_users.fleet) is None:
+            click.echo(f"no fleet here serves {for_users.users} users within {slo} ({len(for_users.tried)} tried)")
+        else:
+            verdict = for_users.tried[-1][1]
+            seen = ", ".join(f"{b.metric.upper()} p{b.percentile:g} {verdict.quantiles[b.metric] * 1e3:.0f} ms"
+                             for b in slo.bounds if verdict.quantiles[b.metric] is not None)
+            click.echo(f"cheapest serving {for_users.users} users: {best.candidate.describe()}, "
+                       f"{best.candidate.price:,.0f} {currency} ({seen}; the {len(for_users.tried) - 1} cheaper "
+                       "fleets tried did not)")
 
 
 def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load: float | None,
-           complete: bool) -> list[str]:
+           complete: bool, for_users) -> list[str]:
     """search.json, pareto.png (where matplotlib is installed) and frontier-N.yaml; the paths written."""
     import json
     import math
@@ -171,7 +189,7 @@ def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load
 
     path = os.path.join(out_dir, "search.json")
     with open(path, "w") as f:
-        json.dump(report(spec, catalogue, slo, evaluated, tolerance, load, complete), f, indent=1)
+        json.dump(report(spec, catalogue, slo, evaluated, tolerance, load, complete, for_users), f, indent=1)
     written = [path]
     for i, each in enumerate(frontier(evaluated)):
         # the fleet's spec, its workload arriving at the capacity as the search's probe did, goodput counted

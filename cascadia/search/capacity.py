@@ -25,6 +25,7 @@ import attrs
 from cascadia.graph.plan import Plan
 from cascadia.metrics import RequestRecord
 from cascadia.search.slo import LatencySlo, Verdict
+from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
@@ -35,6 +36,7 @@ TOLERANCE = 0.05  # the boundary's relative width when the bisection stops
 REACH = 2**12  # how far from the first guess the rate may go, up or down
 ALONE_REQUESTS = 8  # requests of the one-client run that gives the first guess
 LEAST_REQUESTS = 64  # a probe's fewest requests, however short its arrivals' span
+USER_REQUESTS = 4  # requests each client of a closed loop sends in turn
 
 
 @attrs.frozen
@@ -91,6 +93,15 @@ def arrival_seconds(slo: LatencySlo, tolerance: float = TOLERANCE) -> float:
     first-token bound (see the module's text)."""
     ttft = slo.bound("ttft")
     return ttft.seconds * (1 + tolerance) / (ttft.percentile / 100 * tolerance)
+
+
+def serves_users(spec: Spec, plan: Plan, slo: LatencySlo, users: int) -> Verdict:
+    """Whether `plan` serves `users` clients within `slo`, each sending its next request of `spec.workload` when its
+    last is done (a closed loop; USER_REQUESTS each, all starting at once, as a level of `cascadia run` does)."""
+    workload = attrs.evolve(spec.workload, concurrency=(users,), rate=(), requests=users * USER_REQUESTS, slo=None)
+    closed = attrs.evolve(spec, workload=workload)
+    result = simulate(closed, analytic_calibration(closed), plan, warm_up=spec.runtime.speculate is not None)
+    return slo.judge(*_measured(result))
 
 
 def capacity(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo, tolerance: float = TOLERANCE,

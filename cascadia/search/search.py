@@ -19,9 +19,9 @@ import attrs
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import plan as make_plan
 from cascadia.search.bounds import Bounds, bounds
-from cascadia.search.capacity import TOLERANCE, Capacity, capacity
+from cascadia.search.capacity import TOLERANCE, Capacity, capacity, serves_users
 from cascadia.search.fanout import InProcess, Pool
-from cascadia.search.slo import LatencySlo
+from cascadia.search.slo import LatencySlo, Verdict
 from cascadia.search.space import Candidate, Unfit
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.spec.types import Catalogue, MachineType, Spec
@@ -163,8 +163,36 @@ def cheapest(evaluated: Sequence[Evaluated], load: float) -> Evaluated | None:
     return next((e for e in frontier(evaluated) if e.rate >= load), None)
 
 
+@attrs.frozen
+class ForUsers:
+    """The fleets tried for `users` clients in a closed loop, cheapest first, each with its verdict; the last met
+    the objective, unless none did."""
+
+    users: int
+    tried: tuple[tuple[Evaluated, Verdict], ...]
+
+    @property
+    def fleet(self) -> Evaluated | None:
+        """The cheapest fleet that serves them (None: none of the space does)."""
+        return self.tried[-1][0] if self.tried and self.tried[-1][1].met else None
+
+
+def cheapest_for_users(spec: Spec, evaluated: Sequence[Evaluated], slo: LatencySlo, users: int) -> ForUsers:
+    """The cheapest fleet that serves `users` clients within `slo`, each sending its next request when its last is
+    done: the fleets that carry anything, or that a cheaper fleet ruled out (it may still serve them), tried
+    cheapest first until one does."""
+    tried = []
+    for each in sorted((e for e in evaluated if e.rate > 0 or e.pruned == DOMINATED),
+                       key=lambda e: (e.candidate.price, -e.rate)):
+        verdict = serves_users(each.candidate.spec(spec), each.plan, slo, users)
+        tried.append((each, verdict))
+        if verdict.met:
+            break
+    return ForUsers(users, tuple(tried))
+
+
 def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequence[Evaluated], tolerance: float,
-           load: float | None = None, complete: bool = True) -> dict:
+           load: float | None = None, complete: bool = True, for_users: ForUsers | None = None) -> dict:
     """What `search.json` holds: the question, every fleet evaluated (those that hold no layer first, then by
     price), the frontier and the answer to `load` (indexes into the fleets)."""
     from cascadia.metrics import spec_summary
@@ -185,5 +213,9 @@ def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequenc
         "load_rps": load,
         "cheapest": evaluated.index(best) if best else None,
         "frontier": [evaluated.index(e) for e in front],
+        "users": None if for_users is None else {
+            "users": for_users.users,
+            "cheapest": evaluated.index(for_users.fleet) if for_users.fleet else None,
+            "tried": [{"fleet": evaluated.index(each), **_verdict_dict(verdict)} for each, verdict in for_users.tried]},
         "candidates": [e.to_dict() for e in evaluated],
     }
