@@ -83,12 +83,13 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
             os.makedirs(out_dir, exist_ok=True)
         except OSError as e:
             raise click.BadParameter(f"{out_dir}: cannot make it ({e.strerror})", param_hint="--out") from None
-    fleets = list(space(loaded, catalogue, names, chosen_presets, most))
     if jobs is not None and ray_address is not None:
         raise click.UsageError("give --jobs or --ray, not both")
+    fleets = list(space(loaded, catalogue, names, chosen_presets, most))
+    pool = _pool(jobs, ray_address)  # before anything is written: a cluster it cannot join is an error of its own
     evaluated, complete, for_users = [], False, None
     try:
-        for each in evaluations(loaded, fleets, slo, tolerance, prune=not keep_all, pool=_pool(jobs, ray_address)):
+        for each in evaluations(loaded, fleets, slo, tolerance, prune=not keep_all, pool=pool):
             evaluated.append(each)
             click.echo(f"[{len(evaluated)}/{len(fleets)}] {_outcome(each)} ({each.seconds:.1f} s)", err=True)
         if users is not None:
