@@ -7,6 +7,7 @@ import json
 import math
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -320,6 +321,18 @@ def test_search_prints_the_fleets_names_the_cheapest_and_writes_what_it_found(ca
 def test_search_refuses_what_it_cannot_answer_in_one_line(catalogue, arguments, status, words):
     result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), *arguments])
     assert result.exit_code == status and words in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("address, words", [("127.0.0.1:{port}", "nothing answers there"),
+                                            ("no-port", "expected HOST:PORT")])
+def test_search_on_a_ray_cluster_it_cannot_reach_says_so_and_writes_nothing(catalogue, tmp_path, address, words):
+    with socket.socket() as unused:  # a port of this machine nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), "--slo", SLO,
+                                      "--ray", address.format(port=port), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and f"--ray {address.format(port=port)}: {words}" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out" / "search.json").exists()
 
 
 def test_search_with_a_bad_catalogue_names_it(tmp_path):

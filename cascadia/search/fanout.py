@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import socket
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
@@ -77,6 +78,8 @@ class RayCluster:
         except ImportError:
             raise CascadiaError("--ray needs Ray, which is not installed (pip install 'cascadia[ray]')") from None
         self.ray = ray
+        if address not in ("auto", "local"):
+            _reachable(address)
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         try:
             if address == "local":
@@ -100,3 +103,18 @@ class RayCluster:
 
     def close(self) -> None:
         self.ray.shutdown()
+
+
+REACH_S = 5.0  # seconds to wait for a Ray cluster's address to answer
+
+
+def _reachable(address: str) -> None:
+    """Refuse, naming it, an address ("HOST:PORT", or "ray://HOST:PORT") nothing answers at within REACH_S: Ray's
+    own join retries for minutes."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise CascadiaError(f"--ray {address}: expected HOST:PORT, 'auto' or 'local'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_S).close()
+    except (OSError, ValueError) as e:
+        raise CascadiaError(f"--ray {address}: nothing answers there ({getattr(e, 'strerror', None) or e})") from None
