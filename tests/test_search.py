@@ -3,13 +3,16 @@ tiny spec (simulated from the catalogue's figures: no weights, no processes but 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -348,7 +351,8 @@ def test_a_search_stopped_part_way_writes_what_it_evaluated(tmp_path):
                                             f"price: {100 + i}}}\n" for i in range(25)))
     out = tmp_path / "out"
     search = subprocess.Popen([sys.executable, "-m", "cascadia", "search", str(TINY), "--catalogue", str(path),
-                               "--slo", SLO, "--out", str(out)], stderr=subprocess.PIPE, text=True)
+                               "--slo", SLO, "--out", str(out)], stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
     try:
         first = search.stderr.readline()
         assert re.match(r"\[1/50] 1 x m\d+: ", first), first
@@ -356,7 +360,8 @@ def test_a_search_stopped_part_way_writes_what_it_evaluated(tmp_path):
         rest = search.stderr.read()
         assert search.wait(timeout=60) == 1
     finally:
-        search.kill()
+        with contextlib.suppress(ProcessLookupError):  # the search and its pool, whatever happened
+            os.killpg(search.pid, signal.SIGKILL)
     written = json.loads((out / "search.json").read_text())
     assert not written["complete"] and 1 <= len(written["candidates"]) < 50
     assert f"interrupted: wrote the {len(written['candidates'])} of 50 fleets" in rest
@@ -394,3 +399,34 @@ def test_a_probe_without_its_warm_up_measures_what_it_measures_with_one(catalogu
         start, first = kept["t_arrival"], measured[0]["t_arrival"]  # the measured phase's own clock
         assert start - first == pytest.approx(alone["t_arrival"] - without["requests"][0]["t_arrival"], abs=1e-9)
         assert kept["t_finish"] - start == pytest.approx(alone["t_finish"] - alone["t_arrival"], abs=1e-9)
+
+
+def test_a_killed_search_leaves_no_pool_process_behind(tmp_path):
+    path = tmp_path / "catalogue.yaml"
+    path.write_text("machines:\n" + "".join(f"  - {{name: m{i}, memory: 1GiB, memory_bandwidth: {i + 1}GB/s, "
+                                            f"price: {100 + i}}}\n" for i in range(25)))
+    search = subprocess.Popen([sys.executable, "-m", "cascadia", "search", str(TINY), "--catalogue", str(path),
+                               "--slo", SLO, "--jobs", "2"], stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        assert search.stderr.readline().startswith("[1/50]")  # the pool is up and working
+        children = Path(f"/proc/{search.pid}/task/{search.pid}/children").read_text().split()
+        pool = [pid for pid in children if "multiprocessing" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(pool) == 3  # two workers and their resource tracker
+        search.kill()  # SIGKILL: no chance to close its pool
+        search.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while alive := [pid for pid in pool if _running(pid)]:
+            assert time.monotonic() < deadline, f"pool processes {alive} outlived the search"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(search.pid, signal.SIGKILL)
+
+
+def _running(pid: str) -> bool:
+    """Whether process `pid` still runs (a zombie has ended: its parent, gone, cannot reap it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

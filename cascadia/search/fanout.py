@@ -8,9 +8,12 @@ finish and returns it with its result. A call's exception is raised where its re
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import multiprocessing
 import os
+import signal
 import socket
+import sys
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
@@ -48,12 +51,25 @@ class InProcess:
         pass
 
 
+PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal for this process when its parent ends
+
+
+def _end_with(parent: int) -> None:
+    """In a pool's process: end when `parent`, the search's process, ends, however it ends (killed, too)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the signal was asked for
+        os._exit(0)
+
+
 class Processes(InProcess):
-    """`width` processes of this machine, started fresh (spawned: no state of this one shared)."""
+    """`width` processes of this machine, started fresh (spawned: no state of this one shared), each ending with
+    this one."""
 
     def __init__(self, width: int):
         self.width = width
-        self.executor = concurrent.futures.ProcessPoolExecutor(width, mp_context=multiprocessing.get_context("spawn"))
+        self.executor = concurrent.futures.ProcessPoolExecutor(width, mp_context=multiprocessing.get_context("spawn"),
+                                                               initializer=_end_with, initargs=(os.getpid(),))
 
     def submit(self, call: Callable, *args) -> concurrent.futures.Future:
         return self.executor.submit(call, *args)
