@@ -95,28 +95,31 @@ def arrival_seconds(slo: LatencySlo, tolerance: float = TOLERANCE) -> float:
     return ttft.seconds * (1 + tolerance) / (ttft.percentile / 100 * tolerance)
 
 
+def _judged(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo) -> tuple[Verdict, list[RequestRecord]]:
+    """`spec`'s one-level workload simulated on `plan` and judged against `slo`, with its measured requests. No
+    warm-up: the measured phase is the same without (`simulate`), at half the cost."""
+    records, rejected = _measured(simulate(spec, calibration, plan, warm_up=spec.runtime.speculate is not None))
+    return slo.judge(records, rejected), records
+
+
 def serves_users(spec: Spec, plan: Plan, slo: LatencySlo, users: int) -> Verdict:
     """Whether `plan` serves `users` clients within `slo`, each sending its next request of `spec.workload` when its
     last is done (a closed loop; USER_REQUESTS each, all starting at once, as a level of `cascadia run` does)."""
     workload = attrs.evolve(spec.workload, concurrency=(users,), rate=(), requests=users * USER_REQUESTS, slo=None)
     closed = attrs.evolve(spec, workload=workload)
-    result = simulate(closed, analytic_calibration(closed), plan, warm_up=spec.runtime.speculate is not None)
-    return slo.judge(*_measured(result))
+    return _judged(closed, plan, analytic_calibration(closed), slo)[0]
 
 
 def capacity(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo, tolerance: float = TOLERANCE,
              least_requests: int = LEAST_REQUESTS) -> Capacity:
     """The highest open-loop rate of `spec.workload`'s requests that `plan` serves within `slo` (which bounds the
     first token), simulated with `calibration`: each probe's requests arrive for `arrival_seconds`, at least
-    `least_requests` of them, after as many warming up."""
+    `least_requests` of them."""
     probes: list[Probe] = []
     seconds = arrival_seconds(slo, tolerance)
 
     def run(workload) -> tuple[Verdict, list[RequestRecord]]:
-        # no warm-up: the measured phase is the same without (`simulate`), at half the cost
-        records, rejected = _measured(simulate(attrs.evolve(spec, workload=workload), calibration, plan,
-                                               warm_up=spec.runtime.speculate is not None))
-        verdict = slo.judge(records, rejected)
+        verdict, records = _judged(attrs.evolve(spec, workload=workload), plan, calibration, slo)
         probes.append(Probe(workload.rate[0] if workload.rate else None, verdict))
         return verdict, records
 

@@ -138,9 +138,9 @@ def search(spec: Spec, fleets: Sequence[Candidate | Unfit], slo: LatencySlo, tol
         while running:
             handle, evaluated = pool.done(running)
             del running[handle]
-            if best is None or evaluated.rate > best.rate:
+            if evaluated.rate > (best.rate if best else 0):
                 fleet = evaluated.candidate
-                best = Carried(fleet.describe(), fleet.price, evaluated.rate) if evaluated.rate else best
+                best = Carried(fleet.describe(), fleet.price, evaluated.rate)
             start_next()
             yield evaluated
     finally:
