@@ -178,13 +178,12 @@ def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load
            complete: bool, for_users) -> list[str]:
     """search.json, pareto.png (where matplotlib is installed) and frontier-N.yaml; the paths written."""
     import json
-    import math
     import os
     from pathlib import Path
 
     import attrs
 
-    from cascadia.search.capacity import LEAST_REQUESTS, arrival_seconds
+    from cascadia.search.capacity import probe_requests
     from cascadia.search.search import frontier, report
     from cascadia.spec.dump import write_spec
 
@@ -194,8 +193,8 @@ def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load
     written = [path]
     for i, each in enumerate(frontier(evaluated)):
         # the fleet's spec, its workload arriving at the capacity as the search's probe did, goodput counted
-        requests = max(LEAST_REQUESTS, math.ceil(each.rate * arrival_seconds(slo, tolerance)))
-        workload = attrs.evolve(spec.workload, rate=(each.rate,), requests=requests, slo=slo.per_request())
+        workload = attrs.evolve(spec.workload, rate=(each.rate,), requests=probe_requests(each.rate, slo, tolerance),
+                                slo=slo.per_request())
         fleet_spec = attrs.evolve(each.candidate.spec(spec), workload=workload)
         written.append(str(write_spec(fleet_spec, Path(out_dir) / f"frontier-{i}.yaml")))
     try:

@@ -95,6 +95,12 @@ def arrival_seconds(slo: LatencySlo, tolerance: float = TOLERANCE) -> float:
     return ttft.seconds * (1 + tolerance) / (ttft.percentile / 100 * tolerance)
 
 
+def probe_requests(rate: float, slo: LatencySlo, tolerance: float = TOLERANCE,
+                   least_requests: int = LEAST_REQUESTS) -> int:
+    """Requests of a probe at `rate`: those arriving in `arrival_seconds`, at least `least_requests`."""
+    return max(least_requests, math.ceil(rate * arrival_seconds(slo, tolerance)))
+
+
 def _judged(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo) -> tuple[Verdict, list[RequestRecord]]:
     """`spec`'s one-level workload simulated on `plan` and judged against `slo`, with its measured requests. No
     warm-up: the measured phase is the same without (`simulate`), at half the cost."""
@@ -116,7 +122,6 @@ def capacity(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo, 
     first token), simulated with `calibration`: each probe's requests arrive for `arrival_seconds`, at least
     `least_requests` of them."""
     probes: list[Probe] = []
-    seconds = arrival_seconds(slo, tolerance)
 
     def run(workload) -> tuple[Verdict, list[RequestRecord]]:
         verdict, records = _judged(attrs.evolve(spec, workload=workload), plan, calibration, slo)
@@ -131,7 +136,7 @@ def capacity(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo, 
     one_stream = len(records) / sum(r.t_finish - r.t_arrival for r in records)  # requests/s, back to back
 
     def meets(rate: float) -> bool:
-        requests = max(least_requests, math.ceil(rate * seconds))
+        requests = probe_requests(rate, slo, tolerance, least_requests)
         return run(attrs.evolve(spec.workload, rate=(rate,), requests=requests, slo=None))[0].met
 
     rate, bounded = highest_rate(meets, one_stream, tolerance)
