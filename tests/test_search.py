@@ -30,6 +30,7 @@ from cascadia.search.search import BOUNDS, DOMINATED, cheapest, cheapest_for_use
 from cascadia.search.space import Candidate, Unfit, space
 from cascadia.search.slo import LatencySlo
 from cascadia.sim.analytic import analytic_calibration
+from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.load import load_catalogue, load_spec
 from cascadia.workload import MEASURED
@@ -264,7 +265,8 @@ def test_the_cheapest_fleet_for_some_users_serves_them_and_no_cheaper_fleet_does
     for each in evaluated:  # every cheaper fleet, tried or not, fails them in a closed loop of its own
         if each.candidate and each.candidate.price < answer.candidate.price:
             fleet_spec = each.candidate.spec(spec)
-            assert not serves_users(fleet_spec, each.plan or make_plan(fleet_spec), slo, 12).met
+            calibration = each.candidate.calibration(fleet_spec)
+            assert not serves_users(fleet_spec, each.plan or make_plan(fleet_spec), calibration, slo, 12).met
     assert cheapest_for_users(spec, evaluated, slo, users=200).fleet is None  # 16 slots: the rest wait
 
 
@@ -278,6 +280,98 @@ def test_the_frontier_is_what_no_cheaper_fleet_beats(catalogue):
     assert cheapest(evaluated, small.rate) is small and cheapest(evaluated, big.rate) is big
     assert cheapest(evaluated, big.rate * 2) is None
     assert frontier([small, big, evaluate(spec, fleet(catalogue, "small", 2), slo)])[:1] == [small]
+
+
+# ---- machines measured ----------------------------------------------------------------------------------------------
+def measured_catalogue(tmp_path: Path, slower: float = 2.0) -> Path:
+    """A catalogue of `small` (a roofline of its figures) and `mine`, measured: a calibration file of two nodes, pc0
+    with the times small's roofline gives, pc1 with them `slower` times over; `mine` is pc0, `mine-slow` pc1."""
+    spec = load_spec(TINY)
+    (tmp_path / "catalogue.yaml").write_text(CATALOGUE)
+    small = load_catalogue(tmp_path / "catalogue.yaml").machine("small")
+    roofline = analytic_calibration(Candidate(small, 1).spec(spec), open_loop=True)
+    (node,) = roofline.nodes.values()
+    slow = attrs.evolve(node, tables={kind: attrs.evolve(t, time_s=tuple(tuple(x * slower for x in row)
+                                                                        for row in t.time_s))
+                                      for kind, t in node.tables.items()})
+    measured = attrs.evolve(roofline, meta=attrs.evolve(roofline.meta, kind="measured"),
+                            nodes={"pc0": node, "pc1": slow}, links={})
+    measured.save(tmp_path / "mine.json")
+    path = tmp_path / "measured.yaml"
+    path.write_text(CATALOGUE + """\
+  - {name: mine, memory: 1GiB, price: 300, calibration: {file: mine.json, node: pc0}}
+  - {name: mine-slow, memory: 1GiB, price: 200, calibration: {file: mine.json, node: pc1}}
+""")
+    return path
+
+
+def test_a_measured_machine_is_simulated_from_its_measured_times(catalogue, tmp_path):
+    spec, slo = load_spec(TINY), LatencySlo.parse(SLO)
+    machines = load_catalogue(measured_catalogue(tmp_path))
+    mine, slow = machines.machine("mine"), machines.machine("mine-slow")
+    assert mine.memory_bandwidth is None and mine.times == f"measured: node pc0 of {tmp_path / 'mine.json'}"
+    for count in (1, 2):
+        fleet_spec = Candidate(mine, count).spec(spec)
+        calibration = Candidate(mine, count).calibration(fleet_spec)
+        assert list(calibration.nodes) == [f"mine{i}" for i in range(count)] and not calibration.is_analytic
+        assert set(calibration.links) == ({("mine0", "mine1"), ("mine1", "mine0")} if count == 2 else set())
+    # pc0's times are small's roofline: the same capacity to the last probe; pc1's are twice as slow
+    assert evaluate(spec, Candidate(mine, 2), slo).capacity == evaluate(spec, fleet(catalogue, "small", 2),
+                                                                         slo).capacity
+    fast, slower = (evaluate(spec, Candidate(machine, 1), slo).rate for machine in (mine, slow))
+    assert 0 < slower < 0.6 * fast
+
+
+def test_search_writes_a_measured_fleets_calibration_beside_its_spec(tmp_path):
+    path, out = measured_catalogue(tmp_path), tmp_path / "out"
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(path), "--slo", SLO, "--machines",
+                                      "mine", "--most", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "16 out; times measured on mine\n" in result.output
+    written = json.loads((out / "search.json").read_text())
+    (found,) = written["candidates"]
+    assert found["times"].startswith("measured: node pc0 of ") and found["capacity_rps"] > 0
+    # `simulate --calibration` of what it wrote reproduces the probe at the capacity
+    frontier_spec = load_spec(out / "frontier-0.yaml")
+    calibration = Calibration.load(out / "frontier-0.calibration.json")
+    simulated = simulate(frontier_spec, calibration, make_plan(frontier_spec))
+    verdict = LatencySlo.parse(SLO).judge([RequestRecord(**r) for r in simulated["requests"]
+                                           if r["phase"] == MEASURED])
+    assert verdict.met and verdict.quantiles["ttft"] == pytest.approx(found["at_capacity"]["ttft_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("entry, where", [
+    ("calibration: {file: gone.json}", "machines[3].calibration.file: no such file"),
+    ("calibration: {file: mine.json}", "machines[3].calibration.node: missing: "),
+    ("calibration: {file: mine.json, node: pc7}", "machines[3].calibration.node: 'pc7' is not a node of"),
+    ("calibration: {file: catalogue.yaml, node: pc0}", "machines[3].calibration.file: "),
+    ("calibration: {node: pc0}", "machines[3].calibration.file: missing"),
+    ("calibration: {file: mine.json, node: pc0, rounds: 3}", "machines[3].calibration.rounds: unknown key"),
+    ("calibration: mine.json", "machines[3].calibration: expected a mapping"),
+    ("price: 1", "machines[3].memory_bandwidth: missing"),
+])
+def test_a_bad_measured_machine_is_named_at_its_line_and_key(tmp_path, entry, where):
+    measured_catalogue(tmp_path)
+    path = tmp_path / "bad.yaml"
+    path.write_text(CATALOGUE + "  - {name: mine, memory: 1GiB, %s%s}\n"
+                    % (entry, "" if entry.startswith("price") else ", price: 1"))
+    with pytest.raises(SpecError) as caught:
+        load_catalogue(path)
+    assert f"bad.yaml:6: {where}" in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("change, formats, words", [
+    (lambda spec: spec, "int4", "was measured with routed_experts"),
+    (lambda spec: attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, precision="bf16")), "spec",
+     "was measured at precision f32; the spec runs bf16"),
+    (lambda spec: attrs.evolve(spec, model=attrs.evolve(spec.model, config=attrs.evolve(
+        spec.model.config, hidden_size=2 * spec.model.config.hidden_size))), "spec", "made for another model"),
+])
+def test_a_measured_machine_is_weighed_only_as_it_was_measured(tmp_path, change, formats, words):
+    machines = load_catalogue(measured_catalogue(tmp_path))
+    with pytest.raises(SpecError) as caught:
+        list(space(change(load_spec(TINY)), machines, ["mine"], [formats]))
+    assert str(caught.value).startswith("machine mine: ") and words in str(caught.value), str(caught.value)
 
 
 # ---- the command ----------------------------------------------------------------------------------------------------

@@ -65,7 +65,8 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
            ray_address: str | None, out_dir: str | None) -> None:
     """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
     model at its runtime up to --most, in each weight-format preset; for each, the highest rate of the spec's
-    workload it serves within the objective (simulated from the catalogue's figures) and its price. Prints the
+    workload it serves within the objective (simulated from the catalogue's figures, or from times measured on one
+    of its machines where the catalogue names a calibration) and its price. Prints the
     frontier of price against capacity and, with --load or --users, the cheapest fleet that carries it. The spec's
     cluster is not used."""
     import os
@@ -134,8 +135,11 @@ def _print(spec, catalogue, slo, evaluated, load: float | None, for_users) -> No
 
     prompts = spec.workload.prompt_tokens
     lengths = str(prompts.low) if prompts.low == prompts.high else f"{prompts.low}-{prompts.high}"
-    click.echo(f"{slo}; prompts of {lengths} tokens, {spec.workload.output_tokens} out; an analytic estimate from "
-               "the catalogue's figures")
+    measured = sorted({each.machine.name for each in evaluated if each.machine.calibration is not None})
+    estimated = any(each.machine.calibration is None for each in evaluated)
+    times = "; ".join(([f"times measured on {', '.join(measured)}"] if measured else []) +
+                      (["an analytic estimate from the catalogue's figures"] if estimated else []))
+    click.echo(f"{slo}; prompts of {lengths} tokens, {spec.workload.output_tokens} out; {times}")
     pruned = Counter(each.pruned for each in evaluated)
     fleets = sum(each.candidate is not None for each in evaluated)
     click.echo(f"{fleets} fleets: {pruned[None]} simulated, {pruned[BOUNDS]} ruled out by their bounds, "
@@ -197,6 +201,9 @@ def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load
                                 slo=slo.per_request())
         fleet_spec = attrs.evolve(each.candidate.spec(spec), workload=workload)
         written.append(str(write_spec(fleet_spec, Path(out_dir) / f"frontier-{i}.yaml")))
+        if each.machine.calibration is not None:  # what `simulate --calibration` and `validate` take beside it
+            written.append(os.path.join(out_dir, f"frontier-{i}.calibration.json"))
+            each.candidate.calibration(fleet_spec).save(written[-1])
     try:
         from cascadia.search.plot import pareto
     except ImportError:

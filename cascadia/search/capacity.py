@@ -25,7 +25,6 @@ import attrs
 from cascadia.graph.plan import Plan
 from cascadia.metrics import RequestRecord
 from cascadia.search.slo import LatencySlo, Verdict
-from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
@@ -108,12 +107,11 @@ def _judged(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo) -
     return slo.judge(records, rejected), records
 
 
-def serves_users(spec: Spec, plan: Plan, slo: LatencySlo, users: int) -> Verdict:
+def serves_users(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo, users: int) -> Verdict:
     """Whether `plan` serves `users` clients within `slo`, each sending its next request of `spec.workload` when its
     last is done (a closed loop; USER_REQUESTS each, all starting at once, as a level of `cascadia run` does)."""
     workload = attrs.evolve(spec.workload, concurrency=(users,), rate=(), requests=users * USER_REQUESTS, slo=None)
-    closed = attrs.evolve(spec, workload=workload)
-    return _judged(closed, plan, analytic_calibration(closed), slo)[0]
+    return _judged(attrs.evolve(spec, workload=workload), plan, calibration, slo)[0]
 
 
 def capacity(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo, tolerance: float = TOLERANCE,

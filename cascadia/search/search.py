@@ -6,7 +6,8 @@ planned by the planner; one whose bounds (`cascadia.search.bounds`) miss the obj
 requests a second no more than a cheaper fleet already carries (it cannot be on the frontier, nor the cheapest for
 any load), is dropped without a simulation. The rest get their capacity (`cascadia.search.capacity`), simulated from
 the catalogue's figures (`cascadia.sim.analytic`: a roofline of memory bandwidth and compute, links as listed, no
-host overheads). The frontier is the fleets no cheaper (or equally priced) fleet carries as much as.
+host overheads), or from the times measured on one of its machines where the catalogue names a calibration. The
+frontier is the fleets no cheaper (or equally priced) fleet carries as much as.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from cascadia.search.capacity import TOLERANCE, Capacity, capacity, serves_users
 from cascadia.search.fanout import InProcess, Pool
 from cascadia.search.slo import LatencySlo, Verdict
 from cascadia.search.space import Candidate, Unfit
-from cascadia.sim.analytic import analytic_calibration
 from cascadia.spec.types import Catalogue, MachineType, Spec
 
 SCHEMA = "cascadia.search/1"
@@ -54,6 +54,7 @@ class Evaluated:
         return {
             "machine": self.machine.name,
             "formats": self.formats,
+            "times": self.machine.times,
             "count": fleet.count if fleet else None,
             "price": fleet.price if fleet else None,
             "power_w": fleet.power_w if fleet else None,
@@ -98,7 +99,7 @@ def evaluate(spec: Spec, candidate: Candidate, slo: LatencySlo, tolerance: float
     start = time.perf_counter()
     fleet_spec = candidate.spec(spec)
     plan = make_plan(fleet_spec)
-    calibration = analytic_calibration(fleet_spec, open_loop=True)
+    calibration = candidate.calibration(fleet_spec)
     found = bounds(fleet_spec, plan, calibration)
     common = dict(machine=candidate.machine, formats=candidate.formats, candidate=candidate, plan=plan, bounds=found)
     if prune and (missed := missed_alone(slo, found)):
@@ -184,7 +185,8 @@ def cheapest_for_users(spec: Spec, evaluated: Sequence[Evaluated], slo: LatencyS
     tried = []
     for each in sorted((e for e in evaluated if e.rate > 0 or e.pruned == DOMINATED),
                        key=lambda e: (e.candidate.price, -e.rate)):
-        verdict = serves_users(each.candidate.spec(spec), each.plan, slo, users)
+        fleet_spec = each.candidate.spec(spec)
+        verdict = serves_users(fleet_spec, each.plan, each.candidate.calibration(fleet_spec), slo, users)
         tried.append((each, verdict))
         if verdict.met:
             break
@@ -208,7 +210,6 @@ def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequenc
         "currency": catalogue.currency,
         "slo": str(slo),
         "tolerance": tolerance,
-        "estimate": "analytic: the catalogue's memory bandwidth and compute as a roofline, no host overheads",
         "complete": complete,
         "load_rps": load,
         "cheapest": evaluated.index(best) if best else None,

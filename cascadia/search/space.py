@@ -12,7 +12,11 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 
+from cascadia.errors import CalibrationError, SpecError
+from cascadia.graph.plan import ring_pairs
 from cascadia.graph.planner import fewest_nodes
+from cascadia.sim.analytic import analytic_calibration
+from cascadia.sim.calibration import Calibration, weight_formats
 from cascadia.spec.types import PAPER_FORMATS, Catalogue, ClusterSpec, MachineType, Spec, WeightFormat, WeightFormats
 
 _INT8 = WeightFormat("int8", symmetric=False)
@@ -58,6 +62,17 @@ class Candidate:
         cluster = ClusterSpec(nodes, default_link=self.machine.link, reserve_bytes=base.cluster.reserve_bytes)
         return with_formats(attrs.evolve(base, cluster=cluster), self.formats)
 
+    def calibration(self, fleet: Spec) -> Calibration:
+        """What the simulator takes each layer of `fleet` (this fleet's `spec`) to cost, for any load: the times
+        measured on one of its machines, on each of them, or the roofline of its figures; links as listed."""
+        measured = self.machine.calibration
+        if measured is None:
+            return analytic_calibration(fleet, open_loop=True)
+        names = [node.name for node in fleet.cluster.nodes]
+        (node,) = measured.nodes.values()
+        return attrs.evolve(measured, nodes=dict.fromkeys(names, node),
+                            links={(a, b): fleet.cluster.link(a, b) for a, b in ring_pairs(names) if a != b})
+
 
 @attrs.frozen
 class Unfit:
@@ -70,13 +85,33 @@ class Unfit:
 def space(spec: Spec, catalogue: Catalogue, machines: Sequence[str] = (), presets: Sequence[str] = ("spec",),
           most: int | None = None) -> Iterator[Candidate | Unfit]:
     """For each machine type (of `machines`, or every one) and preset: the fleets from the fewest machines that hold
-    the model to `most` (default: twice the fewest), never more than the model's layers."""
+    the model to `most` (default: twice the fewest), never more than the model's layers. A SpecError for a machine
+    measured on another model, in other weight formats or at another precision than a preset's fleets run."""
     layers = spec.model.config.num_hidden_layers
     for machine in [catalogue.machine(name) for name in machines] if machines else catalogue.machines:
         for preset in presets:
+            if machine.calibration is not None:
+                _check_measured(with_formats(spec, preset), machine, preset)
             fewest = fewest_nodes(with_formats(spec, preset), machine.node(machine.name))
             if fewest is None:
                 yield Unfit(machine, preset)
                 continue
             for count in range(fewest, max(fewest, min(2 * fewest if most is None else most, layers)) + 1):
                 yield Candidate(machine, count, preset)
+
+
+def _check_measured(fleet: Spec, machine: MachineType, preset: str) -> None:
+    """Raise unless `machine`'s measured times are those of `fleet`'s model, weight formats and precision."""
+    measured = machine.calibration
+    try:
+        measured.check_model(fleet)  # the notes are of the machine measuring, not of the one searching: not ours
+    except CalibrationError as e:
+        raise SpecError(f"machine {machine.name}: {e}") from None
+    formats, ours = measured.meta.weight_formats, weight_formats(fleet)
+    if differ := [f"{group} {formats.get(group)} (not {wanted})" for group, wanted in ours.items()
+                  if formats.get(group) != wanted]:
+        raise SpecError(f"machine {machine.name}: {measured.source} was measured with {', '.join(differ)}, unlike "
+                        f"the {preset!r} formats: calibrate it in those, or weigh it in its own (--formats)")
+    if measured.meta.precision != fleet.runtime.precision:
+        raise SpecError(f"machine {machine.name}: {measured.source} was measured at precision "
+                        f"{measured.meta.precision}; the spec runs {fleet.runtime.precision}")

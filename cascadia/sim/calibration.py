@@ -164,7 +164,7 @@ class Calibration:
         if wrong:
             raise CalibrationError(f"{where}: meta.model: made for another model: " + ", ".join(wrong))
         notes = []
-        formats = _formats(spec)
+        formats = weight_formats(spec)
         if self.meta.weight_formats != formats:
             notes.append(f"{where}: measured with weight formats {self.meta.weight_formats}, the spec uses {formats}")
         if self.meta.precision != spec.runtime.precision:
@@ -289,7 +289,8 @@ class Extrapolations:
             self.notes.append(f"{nodes}: {kind} time extrapolated beyond the calibration grid ({detail})")
 
 
-def _formats(spec: Spec) -> dict[str, str]:
+def weight_formats(spec: Spec) -> dict[str, str]:
+    """The spec's weight formats as a calibration's meta records them."""
     formats = spec.model.formats
     return {f.name: str(getattr(formats, f.name)) for f in attrs.fields(type(formats))}
 
@@ -298,7 +299,7 @@ def make_meta(spec: Spec, kind: str, device: str, openvino: str | None) -> Calib
     """Metadata for a calibration of the spec's model made now (measured ones are dated)."""
     measured = kind == MEASURED
     return CalibrationMeta(kind=kind, cascadia=__version__, openvino=openvino, device=device,
-                           precision=spec.runtime.precision, weight_formats=_formats(spec),
+                           precision=spec.runtime.precision, weight_formats=weight_formats(spec),
                            model=model_dims(spec.model.config), date=datetime.date.today().isoformat() if measured
                            else None, cpu=host_cpus.identity() if measured else None)
 

@@ -730,7 +730,9 @@ def _machine(ctx: _Context, entry: Node, path: str) -> MachineType | None:
     values = {
         "name": fields.take("name", _node_name, required=True),
         "memory_bytes": fields.take("memory", _positive(parse_bytes), required=True),
-        "memory_bandwidth": fields.take("memory_bandwidth", _positive(parse_rate), required=True),
+        "calibration": _measured(ctx, fields.get("calibration"), fields.key("calibration")),
+        "memory_bandwidth": fields.take("memory_bandwidth", _positive(parse_rate),
+                                        required=not fields.given("calibration")),
         "compute_flops": fields.take("compute", _positive(parse_flops)),
         "device": fields.take("device", _choice(DEVICES)),
         "disk_bandwidth": fields.take("disk_bandwidth", _positive(parse_rate)),
@@ -745,10 +747,41 @@ def _machine(ctx: _Context, entry: Node, path: str) -> MachineType | None:
         link_fields.finish()
     before = len(ctx.problems)
     fields.finish()
-    if any(values[key] is None for key in ("name", "memory_bytes", "memory_bandwidth", "price")) or \
-            len(ctx.problems) > before:
+    if any(values[key] is None for key in ("name", "memory_bytes", "price")) or len(ctx.problems) > before:
         return None
     return MachineType(**{key: value for key, value in values.items() if value is not None})
+
+
+def _measured(ctx: _Context, entry: Node | None, path: str):
+    """A machine's `calibration: {file: CALIBRATION.json, node: NAME}`: that node's measured times (`node` may be left
+    out when the file has one), as a calibration of a single node; None when absent or invalid (reported)."""
+    from cascadia.errors import CalibrationError
+    from cascadia.sim.calibration import Calibration
+
+    if entry is None:
+        return None
+    fields = _Fields(ctx, entry, path)
+    fields.get("file", required=True)
+    file = fields.path_value("file", must_exist=True)
+    node = fields.take("node", _node_name)
+    fields.finish()
+    if file is None or not _is_file(file):
+        return None
+    try:
+        calibration = Calibration.load(file)
+    except CalibrationError as e:
+        ctx.report(entry, f"{path}.file", str(e))
+        return None
+    names = list(calibration.nodes)
+    if node is None and len(names) > 1:
+        ctx.report(entry, f"{path}.node", f"missing: {file} measured {len(names)} nodes ({', '.join(names)}); "
+                                          "name the one that is this machine")
+        return None
+    node = node or names[0]
+    if node not in calibration.nodes:
+        ctx.report(entry, f"{path}.node", f"{node!r} is not a node of {file} (it measured {', '.join(names)})")
+        return None
+    return attrs.evolve(calibration, nodes={node: calibration.nodes[node]}, links={}, hosts={})
 
 
 def load_catalogue(path: str | Path) -> Catalogue:
@@ -758,6 +791,7 @@ def load_catalogue(path: str | Path) -> Catalogue:
         machines:
           - {name: x7-358h-64gb, memory: 61.2GiB, memory_bandwidth: 120GB/s, compute: 30TFLOPS, device: GPU,
              link: {bandwidth: 1gbit, latency: 100us}, price: 1600, power: 80, source: "..."}
+          - {name: my-pc, memory: 60GiB, calibration: {file: my-pc.json, node: pc0}, price: 1000}   # measured
 
     Raises `SpecError` listing every problem (file, line and key), never anything else."""
     path = Path(path)

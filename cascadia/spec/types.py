@@ -9,11 +9,15 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from cascadia.models.base import ModelConfig
 from cascadia.speculation import parse_speculate
+
+if TYPE_CHECKING:  # the calibration module reads specs
+    from cascadia.sim.calibration import Calibration
 
 WEIGHT_DTYPES = ("int4", "int8", "f16", "bf16", "f32")
 PRECISIONS = ("f32", "bf16", "f16")
@@ -152,12 +156,13 @@ class ClusterSpec:
 
 @attrs.frozen
 class MachineType:
-    """A machine a user can buy (`cascadia search`'s catalogue): what a node of it holds and computes, its network
-    link, what it costs and draws, and where those figures come from."""
+    """A machine a user can buy (`cascadia search`'s catalogue): what a node of it holds and computes (its figures for
+    a roofline, or its layers' times measured on one of them), its network link, what it costs and draws, and where
+    those figures come from."""
 
     name: str
     memory_bytes: int  # usable for weights, state and reserve, as a node's `memory`
-    memory_bandwidth: float  # bytes/s, sustained: the analytic estimate's roofline
+    memory_bandwidth: float | None = None  # bytes/s, sustained: the analytic estimate's roofline
     compute_flops: float | None = None  # FLOP/s at the compute precision
     device: str = "auto"
     disk_bandwidth: float | None = None  # bytes/s
@@ -165,6 +170,15 @@ class MachineType:
     price: float = 0.0  # what one costs, in the catalogue's currency
     power_w: float | None = None  # watts it draws under load
     source: str = ""  # where the figures come from
+    calibration: Calibration | None = None  # measured on one of them: a single node's; None: the roofline's
+
+    @property
+    def times(self) -> str:
+        """Where a simulation of it takes its layers' times from, in words."""
+        if self.calibration is None:
+            return "analytic: a roofline of its memory bandwidth and compute, no host overheads"
+        node, = self.calibration.nodes
+        return f"measured: node {node} of {self.calibration.source}"
 
     def node(self, name: str) -> NodeSpec:
         """A node of this machine, named `name`."""
