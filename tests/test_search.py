@@ -33,6 +33,7 @@ from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.load import load_catalogue, load_spec
+from cascadia.spec.types import Catalogue
 from cascadia.workload import MEASURED
 
 ROOT = Path(__file__).parent.parent
@@ -372,6 +373,17 @@ def test_a_measured_machine_is_weighed_only_as_it_was_measured(tmp_path, change,
     with pytest.raises(SpecError) as caught:
         list(space(change(load_spec(TINY)), machines, ["mine"], [formats]))
     assert str(caught.value).startswith("machine mine: ") and words in str(caught.value), str(caught.value)
+
+
+def test_a_machine_measured_without_some_layer_kind_is_refused_by_name(tmp_path):
+    """A node of a pipeline holds some kinds only (the last one the head): not a machine's whole measurement."""
+    machine = load_catalogue(measured_catalogue(tmp_path)).machine("mine")
+    (node,) = machine.calibration.nodes.values()
+    headless = attrs.evolve(node, tables={k: t for k, t in node.tables.items() if k != "head"})
+    machine = attrs.evolve(machine, calibration=attrs.evolve(machine.calibration, nodes={"pc0": headless}))
+    with pytest.raises(SpecError, match="node pc0 of .*mine.json has no times for head, which a node of its fleets "
+                                        "may hold"):
+        list(space(load_spec(TINY), Catalogue((machine,))))
 
 
 # ---- the command ----------------------------------------------------------------------------------------------------

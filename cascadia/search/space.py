@@ -15,6 +15,7 @@ import attrs
 from cascadia.errors import CalibrationError, SpecError
 from cascadia.graph.plan import ring_pairs
 from cascadia.graph.planner import fewest_nodes
+from cascadia.models.base import LayerKind
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration, weight_formats
 from cascadia.spec.types import PAPER_FORMATS, Catalogue, ClusterSpec, MachineType, Spec, WeightFormat, WeightFormats
@@ -101,8 +102,17 @@ def space(spec: Spec, catalogue: Catalogue, machines: Sequence[str] = (), preset
 
 
 def _check_measured(fleet: Spec, machine: MachineType, preset: str) -> None:
-    """Raise unless `machine`'s measured times are those of `fleet`'s model, weight formats and precision."""
+    """Raise unless `machine`'s measured times are those of `fleet`'s model, weight formats and precision, for
+    every kind of layer a node of its fleets may hold."""
     measured = machine.calibration
+    config = fleet.model.config
+    kinds = {LayerKind.EMBEDDING, LayerKind.HEAD} | {kind(i) for i in range(config.num_hidden_layers)
+                                                     for kind in (config.attention_kind, config.mlp_kind)}
+    ((name, node),) = measured.nodes.items()
+    if missing := sorted(kinds - set(node.tables)):
+        raise SpecError(f"machine {machine.name}: node {name} of {measured.source} has no times for "
+                        f"{', '.join(missing)}, which a node of its fleets may hold: calibrate a spec whose one "
+                        "node holds the whole model")
     try:
         measured.check_model(fleet)  # the notes are of the machine measuring, not of the one searching: not ours
     except CalibrationError as e:
