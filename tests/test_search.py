@@ -27,7 +27,7 @@ from cascadia.metrics import RequestRecord
 from cascadia.search.capacity import arrival_seconds, highest_rate, serves_users
 from cascadia.search.fanout import Processes, RayCluster
 from cascadia.search.search import BOUNDS, DOMINATED, cheapest, cheapest_for_users, evaluate, frontier, search
-from cascadia.search.space import Candidate, Unfit, space
+from cascadia.search.space import Candidate, Settings, Unfit, settings_grid, space
 from cascadia.search.slo import LatencySlo
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration
@@ -228,13 +228,14 @@ machines:
 """
 
 
-def test_pruning_never_drops_a_fleet_that_simulation_would_keep(tmp_path):
+@pytest.mark.parametrize("settings", [(Settings(),), settings_grid(max_streams=(4, 16))], ids=["spec's", "streams"])
+def test_pruning_never_drops_a_fleet_that_simulation_would_keep(tmp_path, settings):
     """On a small exhaustive grid: what the bounds rule out carries nothing when simulated, what a cheaper fleet's
     capacity rules out carries no more than it, and the frontier and the cheapest for each load are the same."""
     path = tmp_path / "ladder.yaml"
     path.write_text(LADDER)
     spec, slo = load_spec(TINY), LatencySlo.parse("ttft_p90=20ms,tpot_p99=8ms")
-    fleets = list(space(spec, load_catalogue(path), most=3))
+    fleets = list(space(spec, load_catalogue(path), most=3, settings=settings))
     pruned, every = list(search(spec, fleets, slo)), list(search(spec, fleets, slo, prune=False))
     assert [e.candidate for e in pruned] == [e.candidate for e in every]
     kinds = {e.pruned for e in pruned}
@@ -281,6 +282,42 @@ def test_the_frontier_is_what_no_cheaper_fleet_beats(catalogue):
     assert cheapest(evaluated, small.rate) is small and cheapest(evaluated, big.rate) is big
     assert cheapest(evaluated, big.rate * 2) is None
     assert frontier([small, big, evaluate(spec, fleet(catalogue, "small", 2), slo)])[:1] == [small]
+
+
+# ---- runtime settings -----------------------------------------------------------------------------------------------
+def test_each_setting_is_weighed_from_the_fewest_machines_that_hold_it(tmp_path):
+    """max_streams sizes the K/V pool: on machines with little room, more streams need more of them."""
+    path = tmp_path / "tight.yaml"
+    path.write_text("machines:\n  - {name: tight, memory: 67MiB, memory_bandwidth: 2GB/s, price: 100}\n")
+    spec = load_spec(TINY)
+    fleets = list(space(spec, load_catalogue(path), settings=settings_grid((4, 16, 64), (4,))))
+    counts = {}
+    for fleet in fleets:
+        counts.setdefault(fleet.settings.max_streams, []).append(fleet.count)
+        fleet_spec = fleet.spec(spec)
+        assert (fleet_spec.runtime.max_streams, fleet_spec.runtime.prefill_window) == (fleet.settings.max_streams, 4)
+    assert counts == {4: [1, 2], 16: [2, 3, 4], 64: [4, 5, 6]}  # twice the fewest, at most a machine a layer
+    assert fleets[2].describe() == "2 x tight, max_streams 16, prefill_window 4"
+    with pytest.raises(SpecError, match="max_streams 1, prefill_window 100: 100 prompt rows exceed what max_streams "
+                                        r"\(1\) x context_budget \(64\) positions hold"):
+        list(space(spec, load_catalogue(path), settings=settings_grid((1,), (100,))))
+
+
+def test_search_weighs_runtime_settings_and_writes_them_into_the_frontier_specs(catalogue, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), "--slo", SLO, "--machines",
+                                      "slow", "--max-streams", "2,16", "--prefill-window", "4,8", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"fleet +formats +settings +price USD", result.output), result.output
+    written = json.loads((out / "search.json").read_text())
+    weighed = {(c["count"], c["max_streams"], c["prefill_window"]) for c in written["candidates"]}
+    assert weighed == {(count, streams, window) for count in (1, 2) for streams in (2, 16) for window in (4, 8)}
+    for i, index in enumerate(written["frontier"]):
+        runtime = load_spec(out / f"frontier-{i}.yaml").runtime
+        assert (runtime.max_streams, runtime.prefill_window) == \
+            (written["candidates"][index]["max_streams"], written["candidates"][index]["prefill_window"])
+    # more slots carry more here (the frames grow), so the frontier's dearest fleet has the most
+    assert written["candidates"][written["frontier"][-1]]["max_streams"] == 16
 
 
 # ---- machines measured ----------------------------------------------------------------------------------------------

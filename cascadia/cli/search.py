@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import say_written
+from cascadia.cli.common import IntList, say_written
 
 
 class Objective(click.ParamType):
@@ -42,6 +42,12 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 @click.option("--machines", help="only these machine types of the catalogue, comma-separated")
 @click.option("--formats", "presets", default="spec", show_default=True,
               help="weight-format presets to weigh, comma-separated: spec (the spec's own), paper, int8, int4")
+@click.option("--max-streams", type=IntList(),
+              help="runtime max_streams to weigh, comma-separated (each sizes the K/V pool a fleet must hold, and "
+                   "its largest frames) [default: the spec's]")
+@click.option("--prefill-window", "prefill_windows", type=IntList(),
+              help="runtime prefill_window to weigh, comma-separated: prompt rows admitted a step [default: the "
+                   "spec's]")
 @click.option("--most", type=click.IntRange(min=1),
               help="the most machines of a fleet [default: twice the fewest that hold the model]")
 @click.option("--load", type=click.FloatRange(min=0, min_open=True),
@@ -60,11 +66,12 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
                    "'local': a new one here): pip install 'cascadia[ray]'")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="folder for search.json, pareto.png and a spec per frontier fleet (made if missing)")
-def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, most: int | None,
-           load: float | None, users: int | None, tolerance: float, keep_all: bool, jobs: int | None,
-           ray_address: str | None, out_dir: str | None) -> None:
+def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, max_streams, prefill_windows,
+           most: int | None, load: float | None, users: int | None, tolerance: float, keep_all: bool,
+           jobs: int | None, ray_address: str | None, out_dir: str | None) -> None:
     """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
-    model at its runtime up to --most, in each weight-format preset; for each, the highest rate of the spec's
+    model at its runtime up to --most, in each weight-format preset and with each combination of the runtime
+    settings given (--max-streams, --prefill-window); for each, the highest rate of the spec's
     workload it serves within the objective (simulated from the catalogue's figures, or from times measured on one
     of its machines where the catalogue names a calibration) and its price. Prints the
     frontier of price against capacity and, with --load or --users, the cheapest fleet that carries it. The spec's
@@ -73,7 +80,7 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
 
     from cascadia.search.search import cheapest_for_users
     from cascadia.search.search import search as evaluations
-    from cascadia.search.space import PRESETS, space
+    from cascadia.search.space import PRESETS, settings_grid, space
     from cascadia.spec.load import load_catalogue, load_spec
 
     loaded, catalogue = load_spec(spec), load_catalogue(catalogue_path)
@@ -86,7 +93,7 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
             raise click.BadParameter(f"{out_dir}: cannot make it ({e.strerror})", param_hint="--out") from None
     if jobs is not None and ray_address is not None:
         raise click.UsageError("give --jobs or --ray, not both")
-    fleets = list(space(loaded, catalogue, names, chosen_presets, most))
+    fleets = list(space(loaded, catalogue, names, chosen_presets, most, settings_grid(max_streams, prefill_windows)))
     pool = _pool(jobs, ray_address)  # before anything is written: a cluster it cannot join is an error of its own
     evaluated, complete, for_users = [], False, None
     try:
@@ -120,7 +127,8 @@ def _pool(jobs: int | None, ray_address: str | None):
 
 
 def _outcome(each) -> str:
-    where = each.candidate.describe() if each.candidate else f"{each.machine.name}, {each.formats}"
+    where = each.candidate.describe() if each.candidate else \
+        ", ".join(filter(None, [each.machine.name, each.formats, each.settings.describe()]))
     if each.pruned or not each.rate:
         return f"{where}: {'not simulated: ' if each.pruned else ''}{each.why}"
     more = "" if each.capacity.bounded else " or more"
@@ -149,19 +157,22 @@ def _print(spec, catalogue, slo, evaluated, load: float | None, for_users) -> No
     if not front:
         return
     currency = catalogue.currency
-    header = ["fleet", "formats", f"price {currency}", "power W", "capacity req/s",
-              *(f"{b.metric.upper()} p{b.percentile:g} ms" for b in slo.bounds), "goodput", f"{currency} per req/s"]
+    settings = any(each.settings.describe() for each in front)  # a column for them where some were given
+    header = ["fleet", "formats", *(["settings"] if settings else []), f"price {currency}", "power W",
+              "capacity req/s", *(f"{b.metric.upper()} p{b.percentile:g} ms" for b in slo.bounds), "goodput",
+              f"{currency} per req/s"]
     rows = [header]
     for each in front:
         fleet, at = each.candidate, each.capacity.at_rate
-        rows.append([f"{fleet.count} x {fleet.machine.name}", fleet.formats, f"{fleet.price:,.0f}",
+        rows.append([f"{fleet.count} x {fleet.machine.name}", fleet.formats,
+                     *([fleet.settings.describe() or "the spec's"] if settings else []), f"{fleet.price:,.0f}",
                      f"{fleet.power_w:,.0f}" if fleet.power_w is not None else "-",
                      f"{each.rate:.3g}" + ("" if each.capacity.bounded else "+"),
                      *(f"{at.quantiles[b.metric] * 1e3:.1f}" if at.quantiles[b.metric] is not None else "-"
                        for b in slo.bounds),
                      f"{at.goodput:.0%}", f"{fleet.price / each.rate:.3g}"])
     click.echo("the frontier: each fleet carries more than every cheaper one")
-    click.echo(format_rows(rows, left={0, 1}))
+    click.echo(format_rows(rows, left={0, 1, 2} if settings else {0, 1}))
     if load is not None:
         best = cheapest(evaluated, load)
         click.echo(f"cheapest carrying {load:g} requests/s: {best.candidate.describe()}, {best.candidate.price:,.0f} "

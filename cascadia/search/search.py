@@ -1,13 +1,14 @@
 """`cascadia search`: which machines to buy for a model and a workload under a latency objective.
 
 The space (`cascadia.search.space`) is every machine type of a catalogue, from the fewest that hold the model at the
-spec's runtime up to a most, in each weight-format preset asked for. Fleets are taken cheapest first. Each is
-planned by the planner; one whose bounds (`cascadia.search.bounds`) miss the objective even alone, or whose most
-requests a second no more than a cheaper fleet already carries (it cannot be on the frontier, nor the cheapest for
-any load), is dropped without a simulation. The rest get their capacity (`cascadia.search.capacity`), simulated from
-the catalogue's figures (`cascadia.sim.analytic`: a roofline of memory bandwidth and compute, links as listed, no
-host overheads), or from the times measured on one of its machines where the catalogue names a calibration. The
-frontier is the fleets no cheaper (or equally priced) fleet carries as much as.
+spec's runtime up to a most, in each weight-format preset and with each runtime setting asked for. Fleets are taken
+cheapest first. Each is planned by the planner; one whose bounds (`cascadia.search.bounds`) miss the objective even
+alone, or whose most requests a second no more than a cheaper fleet already carries (it cannot be on the frontier,
+nor the cheapest for any load), is dropped without a simulation. The rest get their capacity
+(`cascadia.search.capacity`), simulated from the catalogue's figures (`cascadia.sim.analytic`: a roofline of memory
+bandwidth and compute, links as listed, no host overheads), or from the times measured on one of its machines where
+the catalogue names a calibration. The frontier is the fleets no cheaper (or equally priced) fleet carries as much
+as.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from cascadia.search.bounds import Bounds, bounds
 from cascadia.search.capacity import TOLERANCE, Capacity, capacity, serves_users
 from cascadia.search.fanout import InProcess, Pool
 from cascadia.search.slo import LatencySlo, Verdict
-from cascadia.search.space import Candidate, Unfit
+from cascadia.search.space import Candidate, Settings, Unfit
 from cascadia.spec.types import Catalogue, MachineType, Spec
 
 SCHEMA = "cascadia.search/1"
@@ -37,6 +38,7 @@ class Evaluated:
     machine: MachineType
     formats: str
     candidate: Candidate | None  # None: no number of these machines holds the model
+    settings: Settings = Settings()
     plan: Plan | None = None
     bounds: Bounds | None = None
     capacity: Capacity | None = None
@@ -54,6 +56,7 @@ class Evaluated:
         return {
             "machine": self.machine.name,
             "formats": self.formats,
+            **{key: value for key, value in attrs.asdict(self.settings).items() if value is not None},
             "times": self.machine.times,
             "count": fleet.count if fleet else None,
             "price": fleet.price if fleet else None,
@@ -101,7 +104,8 @@ def evaluate(spec: Spec, candidate: Candidate, slo: LatencySlo, tolerance: float
     plan = make_plan(fleet_spec)
     calibration = candidate.calibration(fleet_spec)
     found = bounds(fleet_spec, plan, calibration)
-    common = dict(machine=candidate.machine, formats=candidate.formats, candidate=candidate, plan=plan, bounds=found)
+    common = dict(machine=candidate.machine, formats=candidate.formats, candidate=candidate,
+                  settings=candidate.settings, plan=plan, bounds=found)
     if prune and (missed := missed_alone(slo, found)):
         return Evaluated(**common, pruned=BOUNDS, why=f"misses it even alone: {missed}",
                          seconds=time.perf_counter() - start)
@@ -122,7 +126,7 @@ def search(spec: Spec, fleets: Sequence[Candidate | Unfit], slo: LatencySlo, tol
     fleets no dearer (all those done: they started before it), so a pool rules out fewer than one at a time, never
     others. A caller stopped part way (Ctrl-C) keeps what it was given; the pool is closed either way."""
     for unfit in (each for each in fleets if isinstance(each, Unfit)):
-        yield Evaluated(unfit.machine, unfit.formats, None, pruned=MEMORY,
+        yield Evaluated(unfit.machine, unfit.formats, None, unfit.settings, pruned=MEMORY,
                         why="a layer with its state does not fit one machine's memory")
     pool = pool or InProcess()
     waiting = iter(sorted((each for each in fleets if isinstance(each, Candidate)), key=lambda c: (c.price, c.count)))
@@ -200,7 +204,8 @@ def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequenc
     from cascadia.metrics import spec_summary
 
     evaluated = sorted(evaluated, key=lambda e: (e.candidate is not None, *(
-        (e.candidate.price, e.candidate.count) if e.candidate else ()), e.machine.name, e.formats))
+        (e.candidate.price, e.candidate.count) if e.candidate else ()), e.machine.name, e.formats,
+        e.settings.describe()))
     best = cheapest(evaluated, load) if load is not None else None
     front = frontier(evaluated)
     return {

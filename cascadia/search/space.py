@@ -8,6 +8,7 @@ in groups of 32, the embedding and head int8 per row, as llama.cpp's Q4_0 files 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import attrs
@@ -18,6 +19,7 @@ from cascadia.graph.planner import fewest_nodes
 from cascadia.models.base import LayerKind
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration, weight_formats
+from cascadia.workload import misfits
 from cascadia.spec.types import PAPER_FORMATS, Catalogue, ClusterSpec, MachineType, Spec, WeightFormat, WeightFormats
 
 _INT8 = WeightFormat("int8", symmetric=False)
@@ -38,13 +40,36 @@ def with_formats(spec: Spec, preset: str) -> Spec:
 
 
 @attrs.frozen
+class Settings:
+    """Runtime settings a fleet is weighed with, where they are not the spec's (None: the spec's)."""
+
+    max_streams: int | None = None
+    prefill_window: int | None = None
+
+    def apply(self, spec: Spec) -> Spec:
+        """`spec` with these settings in its runtime."""
+        given = {key: value for key, value in attrs.asdict(self).items() if value is not None}
+        return attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, **given)) if given else spec
+
+    def describe(self) -> str:
+        """The settings given, in words ("" for none)."""
+        return ", ".join(f"{key} {value}" for key, value in attrs.asdict(self).items() if value is not None)
+
+
+def settings_grid(max_streams: Sequence[int] = (), prefill_windows: Sequence[int] = ()) -> list[Settings]:
+    """Every combination of the values given for each setting (none given: the spec's)."""
+    return [Settings(streams, window) for streams in max_streams or (None,) for window in prefill_windows or (None,)]
+
+
+@attrs.frozen
 class Candidate:
     """`count` machines of one type, linked through a switch at each one's port speed, with the weights in the
-    formats of a preset."""
+    formats of a preset, running with `settings`."""
 
     machine: MachineType
     count: int
     formats: str = "spec"
+    settings: Settings = Settings()
 
     @property
     def price(self) -> float:
@@ -55,13 +80,15 @@ class Candidate:
         return None if self.machine.power_w is None else self.machine.power_w * self.count
 
     def describe(self) -> str:
-        return f"{self.count} x {self.machine.name}" + ("" if self.formats == "spec" else f", {self.formats}")
+        return ", ".join([f"{self.count} x {self.machine.name}", *([self.formats] if self.formats != "spec" else []),
+                          *filter(None, [self.settings.describe()])])
 
     def spec(self, base: Spec) -> Spec:
-        """`base` (model, runtime, workload, reserve) on this fleet, nodes NAME0..NAME{count-1}, in its formats."""
+        """`base` (model, runtime, workload, reserve) on this fleet, nodes NAME0..NAME{count-1}, in its formats and
+        with its settings."""
         nodes = tuple(self.machine.node(f"{self.machine.name}{i}") for i in range(self.count))
         cluster = ClusterSpec(nodes, default_link=self.machine.link, reserve_bytes=base.cluster.reserve_bytes)
-        return with_formats(attrs.evolve(base, cluster=cluster), self.formats)
+        return self.settings.apply(with_formats(attrs.evolve(base, cluster=cluster), self.formats))
 
     def calibration(self, fleet: Spec) -> Calibration:
         """What the simulator takes each layer of `fleet` (this fleet's `spec`) to cost, for any load: the times
@@ -77,28 +104,43 @@ class Candidate:
 
 @attrs.frozen
 class Unfit:
-    """A machine type that holds no layer of the model in a preset's formats, whatever their number."""
+    """A machine type that holds no layer of the model in a preset's formats with some settings, whatever their
+    number."""
 
     machine: MachineType
     formats: str
+    settings: Settings = Settings()
 
 
 def space(spec: Spec, catalogue: Catalogue, machines: Sequence[str] = (), presets: Sequence[str] = ("spec",),
-          most: int | None = None) -> Iterator[Candidate | Unfit]:
-    """For each machine type (of `machines`, or every one) and preset: the fleets from the fewest machines that hold
-    the model to `most` (default: twice the fewest), never more than the model's layers. A SpecError for a machine
-    measured on another model, in other weight formats or at another precision than a preset's fleets run."""
+          most: int | None = None, settings: Sequence[Settings] = (Settings(),)) -> Iterator[Candidate | Unfit]:
+    """For each machine type (of `machines`, or every one), preset and settings: the fleets from the fewest machines
+    that hold the model to `most` (default: twice the fewest), never more than the model's layers. A SpecError for a
+    machine measured on another model, in other weight formats or at another precision than a preset's fleets run,
+    and for settings the spec's runtime and workload cannot take."""
     layers = spec.model.config.num_hidden_layers
+    for each in settings:
+        _check_settings(each.apply(spec), each)
     for machine in [catalogue.machine(name) for name in machines] if machines else catalogue.machines:
-        for preset in presets:
+        for preset, each in itertools.product(presets, settings):
+            weighed = each.apply(with_formats(spec, preset))
             if machine.calibration is not None:
-                _check_measured(with_formats(spec, preset), machine, preset)
-            fewest = fewest_nodes(with_formats(spec, preset), machine.node(machine.name))
+                _check_measured(weighed, machine, preset)
+            fewest = fewest_nodes(weighed, machine.node(machine.name))
             if fewest is None:
-                yield Unfit(machine, preset)
+                yield Unfit(machine, preset, each)
                 continue
             for count in range(fewest, max(fewest, min(2 * fewest if most is None else most, layers)) + 1):
-                yield Candidate(machine, count, preset)
+                yield Candidate(machine, count, preset, each)
+
+
+def _check_settings(spec: Spec, settings: Settings) -> None:
+    """Raise where `settings` leave the spec's runtime or its workload's requests (arriving at a rate, as a
+    search's probes do) unable to run, as the spec's loader would."""
+    problems = [spec.runtime.window_misfit(), *(message for _, message in misfits(
+        attrs.evolve(spec.workload, rate=(1.0,)), spec.runtime))]
+    if problems := [problem for problem in problems if problem]:
+        raise SpecError(f"{settings.describe()}: {'; '.join(problems)}")
 
 
 def _check_measured(fleet: Spec, machine: MachineType, preset: str) -> None:

@@ -672,10 +672,8 @@ def _check_runtime_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, mode
     if runtime.context_budget > limit:
         ctx.report(at.get("context_budget", node), "runtime.context_budget",
                    f"{runtime.context_budget} positions exceed the model's max_position_embeddings ({limit})")
-    if runtime.prefill_window > runtime.max_streams * runtime.context_budget:
-        ctx.report(at.get("prefill_window", node), "runtime.prefill_window",
-                   f"{runtime.prefill_window} prompt rows exceed what max_streams ({runtime.max_streams}) x "
-                   f"context_budget ({runtime.context_budget}) positions hold")
+    if misfit := runtime.window_misfit():
+        ctx.report(at.get("prefill_window", node), "runtime.prefill_window", misfit)
 
 
 def _check_workload_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, workload: WorkloadSpec) -> None:

@@ -228,6 +228,13 @@ class RuntimeSpec:
         """The most draft rows a stream's frame carries, and so the most positions a stage rewinds (0: off)."""
         return parse_speculate(self.speculate)
 
+    def window_misfit(self) -> str:
+        """Why the prefill window cannot be filled ("" when it can): more prompt rows than the slots hold."""
+        if self.prefill_window <= self.max_streams * self.context_budget:
+            return ""
+        return (f"{self.prefill_window} prompt rows exceed what max_streams ({self.max_streams}) x context_budget "
+                f"({self.context_budget}) positions hold")
+
     def blocks_for(self, positions: int) -> int:
         """K/V pool blocks a stream of `positions` positions holds."""
         return -(-positions // self.kv_block)
