@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from cascadia.cli import cli
-from cascadia.errors import SpecError
+from cascadia.errors import PlanError, SpecError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.metrics import RequestRecord
 from cascadia.search.capacity import arrival_seconds, highest_rate, serves_users
@@ -33,7 +33,8 @@ from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.load import load_catalogue, load_spec
-from cascadia.spec.types import Catalogue
+from cascadia.spec.dump import write_spec
+from cascadia.spec.types import Catalogue, LinkSpec
 from cascadia.workload import MEASURED
 
 ROOT = Path(__file__).parent.parent
@@ -208,11 +209,11 @@ def test_the_space_runs_from_the_fewest_machines_to_twice_as_many_in_each_preset
     spec, machines = load_spec(TINY), load_catalogue(catalogue)
     fleets = list(space(spec, machines, ["small", "big"], ["spec", "int8"]))
     assert [(c.machine.name, c.formats, c.count) for c in fleets] == [
-        ("small", "spec", 1), ("small", "spec", 2), ("small", "int8", 1), ("small", "int8", 2),
-        ("big", "spec", 1), ("big", "spec", 2), ("big", "int8", 1), ("big", "int8", 2)]
+        ("small", "spec", 1), ("small", "spec", 2), ("big", "spec", 1), ("big", "spec", 2),
+        ("small", "int8", 1), ("small", "int8", 2), ("big", "int8", 1), ("big", "int8", 2)]
     assert [c.count for c in space(spec, machines, ["small"], most=5)] == [1, 2, 3, 4, 5]
     assert [c.count for c in space(spec, machines, ["small"], most=9)] == [1, 2, 3, 4, 5, 6]  # one layer each at most
-    fleet_spec = fleets[2].spec(spec)
+    fleet_spec = fleets[4].spec(spec)
     assert fleet_spec.model.formats.attention.dtype == "int8"
     assert [node.name for node in fleet_spec.cluster.nodes] == ["small0"]
     path = tmp_path / "small.yaml"
@@ -296,7 +297,7 @@ def test_each_setting_is_weighed_from_the_fewest_machines_that_hold_it(tmp_path)
         counts.setdefault(fleet.settings.max_streams, []).append(fleet.count)
         fleet_spec = fleet.spec(spec)
         assert (fleet_spec.runtime.max_streams, fleet_spec.runtime.prefill_window) == (fleet.settings.max_streams, 4)
-    assert counts == {4: [1, 2], 16: [2, 3, 4], 64: [4, 5, 6]}  # twice the fewest, at most a machine a layer
+    assert counts == {4: [1, 2], 16: [2, 3, 4], 64: [3, 4, 5, 6]}  # twice the fewest, at most a machine a layer
     assert fleets[2].describe() == "2 x tight, max_streams 16, prefill_window 4"
     with pytest.raises(SpecError, match="max_streams 1, prefill_window 100: 100 prompt rows exceed what max_streams "
                                         r"\(1\) x context_budget \(64\) positions hold"):
@@ -318,6 +319,90 @@ def test_search_weighs_runtime_settings_and_writes_them_into_the_frontier_specs(
             (written["candidates"][index]["max_streams"], written["candidates"][index]["prefill_window"])
     # more slots carry more here (the frames grow), so the frontier's dearest fleet has the most
     assert written["candidates"][written["frontier"][-1]]["max_streams"] == 16
+
+
+# ---- mixes of two types --------------------------------------------------------------------------------------------
+MIX = """\
+machines:
+  - {name: narrow, memory: 66MiB, memory_bandwidth: 1GB/s, price: 50, power: 10}
+  - {name: wide, memory: 68MiB, memory_bandwidth: 4GB/s, price: 150, power: 20,
+     link: {bandwidth: 10gbit, latency: 20us}}
+"""
+
+
+def test_mixes_of_two_types_just_hold_the_model(tmp_path):
+    """At 64 streams the tiny model's K/V pool needs 5 narrow machines or 2 wide ones: a mix is k of one type short
+    of its fewest and the fewest of the other that make up the rest, no fewer."""
+    path = tmp_path / "mix.yaml"
+    path.write_text(MIX)
+    machines, base = load_catalogue(path), load_spec(TINY)
+    spec = Settings(max_streams=64).apply(base)
+    fleets = list(space(base, machines, settings=[Settings(max_streams=64)], mixes=True))
+    assert [f.fleet() for f in fleets if not f.mix] == ["5 x narrow", "6 x narrow", "2 x wide", "3 x wide", "4 x wide"]
+    mixes = [f for f in fleets if f.mix]
+    assert [f.fleet() for f in mixes] == ["1 x narrow + 2 x wide", "2 x narrow + 1 x wide", "3 x narrow + 1 x wide",
+                                          "4 x narrow + 1 x wide", "1 x wide + 3 x narrow"]
+    for fleet in fleets:  # each holds the model; the fewest of a type, or of a mix's second, do so just
+        make_plan(fleet.spec(base))
+        second, rest = fleet.mix or (fleet.machine, fleet.count)
+        short = attrs.evolve(fleet, mix=(second, rest - 1) if rest > 1 else None) if fleet.mix else \
+            attrs.evolve(fleet, count=fleet.count - 1)
+        if fleet.mix or fleet.count in (5, 2):
+            with pytest.raises((PlanError, ValueError)):
+                make_plan(short.spec(base))
+    mix = mixes[0]
+    assert (mix.price, mix.power_w, mix.size, mix.types) == (350, 50, 3, "narrow + wide")
+    fleet_spec = mix.spec(base)
+    assert [n.name for n in fleet_spec.cluster.nodes] == ["narrow0", "wide0", "wide1"]
+    gigabit, ten = LinkSpec(125e6, 100e-6), LinkSpec(1.25e9, 20e-6)
+    assert fleet_spec.cluster.link("narrow0", "wide0") == gigabit  # the slower port between the types
+    assert fleet_spec.cluster.link("wide0", "wide1") == ten and fleet_spec.cluster.link("wide1", "narrow0") == gigabit
+    assert load_spec(write_spec(fleet_spec, tmp_path / "mix-spec.yaml")).cluster == fleet_spec.cluster
+    assert fleet_spec.runtime.max_streams == spec.runtime.max_streams
+    # a mix is simulated as any fleet: each node from its own type's figures
+    calibration = mix.calibration(fleet_spec)
+    assert calibration.nodes["narrow0"] != calibration.nodes["wide0"] == calibration.nodes["wide1"]
+    assert evaluate(base, mix, LatencySlo.parse("ttft_p90=40ms,tpot_p99=10ms")).rate > 0
+
+
+def test_a_mix_of_measured_machines_takes_each_ones_times_and_none_mixes_measured_with_estimated(tmp_path):
+    measured_catalogue(tmp_path)
+    path = tmp_path / "measured-mix.yaml"
+    path.write_text("""\
+machines:
+  - {name: mine, memory: 66MiB, price: 50, calibration: {file: mine.json, node: pc0}}
+  - {name: mine-wide, memory: 68MiB, price: 150, calibration: {file: mine.json, node: pc1}}
+  - {name: wide, memory: 68MiB, memory_bandwidth: 4GB/s, price: 150}
+""")
+    base, machines = load_spec(TINY), load_catalogue(path)
+    mixes = [f for f in space(base, machines, settings=[Settings(max_streams=64)], mixes=True) if f.mix]
+    assert mixes and all({f.machine.name, f.mix[0].name} == {"mine", "mine-wide"} for f in mixes)
+    mix = next(f for f in mixes if f.machine.name == "mine")
+    calibration = mix.calibration(mix.spec(base))
+    pc0, pc1 = (machines.machine(name).calibration.nodes for name in ("mine", "mine-wide"))
+    assert [calibration.nodes[name] for name in ("mine0", "mine-wide0")] == [pc0["pc0"], pc1["pc1"]]
+
+
+def test_search_with_mixes_names_them_and_writes_their_specs(tmp_path):
+    """A machine with room for the whole model but slow memory, and a fast one with little room: one of each
+    carries more than the first alone, for less than two of it."""
+    path, out = tmp_path / "mix.yaml", tmp_path / "out"
+    path.write_text("""\
+machines:
+  - {name: narrow, memory: 66MiB, memory_bandwidth: 4GB/s, price: 100}
+  - {name: deep, memory: 1GiB, memory_bandwidth: 0.5GB/s, price: 120, link: {bandwidth: 10gbit, latency: 20us}}
+""")
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(path), "--slo",
+                                      "ttft_p90=40ms,tpot_p99=10ms", "--max-streams", "64", "--mixes", "--most", "4",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"\n1 x narrow \+ 1 x deep +spec +max_streams 64 +220 ", result.output), result.output
+    written = json.loads((out / "search.json").read_text())
+    front = [written["candidates"][index] for index in written["frontier"]]
+    mix = next(i for i, fleet in enumerate(front) if fleet["mix"])
+    assert (front[mix]["machine"], front[mix]["count"], front[mix]["mix"]) == ("narrow", 1, {"machine": "deep",
+                                                                                             "count": 1})
+    assert [node.name for node in load_spec(out / f"frontier-{mix}.yaml").cluster.nodes] == ["narrow0", "deep0"]
 
 
 # ---- machines measured ----------------------------------------------------------------------------------------------

@@ -48,6 +48,9 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 @click.option("--prefill-window", "prefill_windows", type=IntList(),
               help="runtime prefill_window to weigh, comma-separated: prompt rows admitted a step [default: the "
                    "spec's]")
+@click.option("--mixes", is_flag=True,
+              help="weigh mixes of two machine types too: k of one (short of the fewest that hold the model alone) "
+                   "and the fewest of the other that make up the rest")
 @click.option("--most", type=click.IntRange(min=1),
               help="the most machines of a fleet [default: twice the fewest that hold the model]")
 @click.option("--load", type=click.FloatRange(min=0, min_open=True),
@@ -67,11 +70,12 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="folder for search.json, pareto.png and a spec per frontier fleet (made if missing)")
 def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, max_streams, prefill_windows,
-           most: int | None, load: float | None, users: int | None, tolerance: float, keep_all: bool,
+           mixes: bool, most: int | None, load: float | None, users: int | None, tolerance: float, keep_all: bool,
            jobs: int | None, ray_address: str | None, out_dir: str | None) -> None:
     """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
-    model at its runtime up to --most, in each weight-format preset and with each combination of the runtime
-    settings given (--max-streams, --prefill-window); for each, the highest rate of the spec's
+    model at its runtime up to --most (with --mixes, and mixes of two types that just hold it), in each weight-format
+    preset and with each combination of the runtime settings given (--max-streams, --prefill-window); for each, the
+    highest rate of the spec's
     workload it serves within the objective (simulated from the catalogue's figures, or from times measured on one
     of its machines where the catalogue names a calibration) and its price. Prints the
     frontier of price against capacity and, with --load or --users, the cheapest fleet that carries it. The spec's
@@ -93,7 +97,8 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
             raise click.BadParameter(f"{out_dir}: cannot make it ({e.strerror})", param_hint="--out") from None
     if jobs is not None and ray_address is not None:
         raise click.UsageError("give --jobs or --ray, not both")
-    fleets = list(space(loaded, catalogue, names, chosen_presets, most, settings_grid(max_streams, prefill_windows)))
+    fleets = list(space(loaded, catalogue, names, chosen_presets, most, settings_grid(max_streams, prefill_windows),
+                        mixes))
     pool = _pool(jobs, ray_address)  # before anything is written: a cluster it cannot join is an error of its own
     evaluated, complete, for_users = [], False, None
     try:
@@ -164,7 +169,7 @@ def _print(spec, catalogue, slo, evaluated, load: float | None, for_users) -> No
     rows = [header]
     for each in front:
         fleet, at = each.candidate, each.capacity.at_rate
-        rows.append([f"{fleet.count} x {fleet.machine.name}", fleet.formats,
+        rows.append([fleet.fleet(), fleet.formats,
                      *([fleet.settings.describe() or "the spec's"] if settings else []), f"{fleet.price:,.0f}",
                      f"{fleet.power_w:,.0f}" if fleet.power_w is not None else "-",
                      f"{each.rate:.3g}" + ("" if each.capacity.bounded else "+"),

@@ -12,6 +12,7 @@ least full. Both are exact dynamic programs over (stage, last layer).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -99,18 +100,30 @@ class _Memory:
     for every slot's rings and one stream's global K/V at the context (`PoolLayout.least_blocks`)."""
 
     def __init__(self, spec: Spec, nodes: tuple[NodeSpec, ...]) -> None:
-        self.spec, self.nodes = spec, nodes
+        self.spec = spec
         self.costs = layer_costs(spec.model, spec.runtime)
         self._weights = [0, *itertools.accumulate(c.held_bytes for c in self.costs)]
         self._slot = [0, *itertools.accumulate(c.conv_state_bytes for c in self.costs)]
         self._pool = [0, *itertools.accumulate(c.pool_bytes_per_position for c in self.costs)]
         self._sliding = [0, *itertools.accumulate(c.kv_window is not None for c in self.costs)]
         self._sliding_cost = next((c for c in self.costs if c.kv_window is not None), None)  # all alike
-        ends = {EMBED: embedding_cost(spec.model).weight_bytes, HEAD: head_cost(spec.model).weight_bytes}
-        self._all_weights = self._weights[-1] + sum(ends.values())
-        self._end_weights = [sum(size for role, size in ends.items() if role in stage_roles(j, len(nodes)))
+        self._ends = {EMBED: embedding_cost(spec.model).weight_bytes, HEAD: head_cost(spec.model).weight_bytes}
+        self._all_weights = self._weights[-1] + sum(self._ends.values())
+        self._pools: dict[tuple[int, int, int, int], int] = {}
+        self._place(nodes)
+
+    def _place(self, nodes: tuple[NodeSpec, ...]) -> None:
+        self.nodes = nodes
+        self._end_weights = [sum(size for role, size in self._ends.items() if role in stage_roles(j, len(nodes)))
                              for j in range(len(nodes))]
-        self._reserves = [spec.cluster.reserve(node) for node in nodes]
+        self._reserves = [self.spec.cluster.reserve(node) for node in nodes]
+
+    def with_nodes(self, nodes: tuple[NodeSpec, ...]) -> _Memory:
+        """The same model and runtime on other nodes: the layers' sums and the pools' sizes shared, not worked out
+        again (a search for the fewest nodes asks about many fleets)."""
+        other = copy.copy(self)
+        other._place(nodes)
+        return other
 
     def all_weights(self) -> int:
         return self._all_weights
@@ -130,9 +143,13 @@ class _Memory:
                              sliding.kv_positions(context) if sliding else 0, self.spec.runtime.kv_block)
 
     def least_pool(self, first: int, last: int, streams: int, context: int) -> int:
-        """Pool bytes for `streams` streams' rings, one of which reaches `context` positions."""
-        layout = self.layout(first, last, context)
-        return layout.least_blocks(streams, context) * layout.block_bytes if layout else 0
+        """Pool bytes for `streams` streams' rings, one of which reaches `context` positions (kept: the splits ask
+        for each stage many times over)."""
+        key = (first, last, streams, context)
+        if key not in self._pools:
+            layout = self.layout(first, last, context)
+            self._pools[key] = layout.least_blocks(streams, context) * layout.block_bytes if layout else 0
+        return self._pools[key]
 
     def state(self, first: int, last: int, streams: int, context: int) -> int:
         """Slots for `streams` streams, pool blocks for their rings and one of `context` positions."""
@@ -210,21 +227,20 @@ def _extra_nodes_needed(spec: Spec, memory: _Memory, like: NodeSpec) -> int | No
     room = like.memory_bytes - spec.cluster.reserve(like)
     if room <= 0 or any(c.held_bytes + memory.state(c.layer, c.layer, streams, context) > room for c in memory.costs):
         return None  # some layer does not fit even alone
-    # start from what the total memory demands, then check the cuts themselves
+    # start from what the weights alone demand, then check the cuts themselves: the state is no lower bound, as a
+    # stage's K/V pool rounds its rings up to whole blocks of all its layers (fewer layers, smaller blocks)
     nodes = memory.nodes
-    total_need = (memory.all_weights() + memory.state(0, n_layers - 1, streams, context)
-                  + sum(spec.cluster.reserve(n) for n in nodes))
-    shortage = total_need - sum(n.memory_bytes for n in nodes)
+    shortage = memory.all_weights() + sum(spec.cluster.reserve(n) for n in nodes) - sum(n.memory_bytes for n in nodes)
     for extra in range(max(1, math.ceil(shortage / room)), n_layers - len(nodes) + 1):
-        if _Memory(spec, nodes + (like,) * extra).fits(streams, context):
+        if memory.with_nodes(nodes + (like,) * extra).fits(streams, context):
             return extra
     return None
 
 
-def fewest_nodes(spec: Spec, like: NodeSpec) -> int | None:
-    """Fewest nodes like `like` that hold the spec's model and runtime between them (their cluster's reserve
-    kept free on each), or None if no number does: a layer that does not fit one alone."""
-    return _extra_nodes_needed(spec, _Memory(spec, ()), like)
+def fewest_nodes(spec: Spec, like: NodeSpec, beside: tuple[NodeSpec, ...] = ()) -> int | None:
+    """Fewest nodes like `like` that, after the nodes `beside`, hold the spec's model and runtime between them
+    (their cluster's reserve kept free on each), or None if no number does: a layer that does not fit one alone."""
+    return _extra_nodes_needed(spec, _Memory(spec, beside), like)
 
 
 def _infeasible_message(spec: Spec, memory: _Memory, firsts: list[int]) -> str:

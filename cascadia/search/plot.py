@@ -14,12 +14,12 @@ from cascadia.search.slo import LatencySlo  # noqa: E402
 
 
 def pareto(evaluated: Sequence[Evaluated], slo: LatencySlo, currency: str, path: str) -> str:
-    """A PNG at `path` (returned): each simulated fleet that carries anything a point, by machine type; the
+    """A PNG at `path` (returned): each simulated fleet that carries anything a point, by machine types; the
     frontier a line through its fleets, each labelled."""
     fig, axes = plt.subplots(figsize=(9, 5.5))
     carrying = [e for e in evaluated if e.rate > 0]
-    for name in dict.fromkeys(e.machine.name for e in carrying):
-        mine = [e for e in carrying if e.machine.name == name]
+    for name in dict.fromkeys(e.candidate.types for e in carrying):
+        mine = [e for e in carrying if e.candidate.types == name]
         axes.scatter([e.candidate.price for e in mine], [e.rate for e in mine], s=18, alpha=0.6, label=name)
     front = frontier(evaluated)
     axes.plot([e.candidate.price for e in front], [e.rate for e in front], color="black", lw=1.2, marker="o",

@@ -59,6 +59,7 @@ class Evaluated:
             **{key: value for key, value in attrs.asdict(self.settings).items() if value is not None},
             "times": self.machine.times,
             "count": fleet.count if fleet else None,
+            "mix": {"machine": fleet.mix[0].name, "count": fleet.mix[1]} if fleet and fleet.mix else None,
             "price": fleet.price if fleet else None,
             "power_w": fleet.power_w if fleet else None,
             "pruned": self.pruned,
@@ -129,7 +130,7 @@ def search(spec: Spec, fleets: Sequence[Candidate | Unfit], slo: LatencySlo, tol
         yield Evaluated(unfit.machine, unfit.formats, None, unfit.settings, pruned=MEMORY,
                         why="a layer with its state does not fit one machine's memory")
     pool = pool or InProcess()
-    waiting = iter(sorted((each for each in fleets if isinstance(each, Candidate)), key=lambda c: (c.price, c.count)))
+    waiting = iter(sorted((each for each in fleets if isinstance(each, Candidate)), key=lambda c: (c.price, c.size)))
     running: dict = {}
     best: Carried | None = None
 
@@ -204,7 +205,7 @@ def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequenc
     from cascadia.metrics import spec_summary
 
     evaluated = sorted(evaluated, key=lambda e: (e.candidate is not None, *(
-        (e.candidate.price, e.candidate.count) if e.candidate else ()), e.machine.name, e.formats,
+        (e.candidate.price, e.candidate.size) if e.candidate else ()), e.machine.name, e.formats,
         e.settings.describe()))
     best = cheapest(evaluated, load) if load is not None else None
     front = frontier(evaluated)

@@ -20,7 +20,8 @@ from cascadia.models.base import LayerKind
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration, weight_formats
 from cascadia.workload import misfits
-from cascadia.spec.types import PAPER_FORMATS, Catalogue, ClusterSpec, MachineType, Spec, WeightFormat, WeightFormats
+from cascadia.spec.types import (PAPER_FORMATS, Catalogue, ClusterSpec, LinkSpec, MachineType, Spec, WeightFormat,
+                                 WeightFormats)
 
 _INT8 = WeightFormat("int8", symmetric=False)
 _INT4 = WeightFormat("int4", 32, symmetric=False)
@@ -61,44 +62,82 @@ def settings_grid(max_streams: Sequence[int] = (), prefill_windows: Sequence[int
     return [Settings(streams, window) for streams in max_streams or (None,) for window in prefill_windows or (None,)]
 
 
+def _slower(a: LinkSpec, b: LinkSpec) -> LinkSpec:
+    """What a switch gives between two ports: the lower bandwidth and the longer latency."""
+    return LinkSpec(min(a.bandwidth, b.bandwidth), max(a.latency, b.latency))
+
+
 @attrs.frozen
 class Candidate:
-    """`count` machines of one type, linked through a switch at each one's port speed, with the weights in the
-    formats of a preset, running with `settings`."""
+    """`count` machines of one type, then `mix`'s count of a second type if given, linked through a switch at each
+    one's port speed (the slower port of two between types), with the weights in the formats of a preset, running
+    with `settings`."""
 
     machine: MachineType
     count: int
     formats: str = "spec"
     settings: Settings = Settings()
+    mix: tuple[MachineType, int] | None = None  # the second type and how many, after the first's
+
+    @property
+    def parts(self) -> tuple[tuple[MachineType, int], ...]:
+        """Each machine type and how many of it, in the fleet's order."""
+        return ((self.machine, self.count),) + ((self.mix,) if self.mix else ())
+
+    @property
+    def size(self) -> int:
+        """Machines in all."""
+        return sum(count for _, count in self.parts)
 
     @property
     def price(self) -> float:
-        return self.machine.price * self.count
+        return sum(machine.price * count for machine, count in self.parts)
 
     @property
     def power_w(self) -> float | None:
-        return None if self.machine.power_w is None else self.machine.power_w * self.count
+        if any(machine.power_w is None for machine, _ in self.parts):
+            return None
+        return sum(machine.power_w * count for machine, count in self.parts)
+
+    @property
+    def types(self) -> str:
+        """Its machine types: "a", or "a + b" for a mix."""
+        return " + ".join(machine.name for machine, _ in self.parts)
+
+    def fleet(self) -> str:
+        """Its machines: "3 x a", or "2 x a + 1 x b"."""
+        return " + ".join(f"{count} x {machine.name}" for machine, count in self.parts)
 
     def describe(self) -> str:
-        return ", ".join([f"{self.count} x {self.machine.name}", *([self.formats] if self.formats != "spec" else []),
+        return ", ".join([self.fleet(), *([self.formats] if self.formats != "spec" else []),
                           *filter(None, [self.settings.describe()])])
 
     def spec(self, base: Spec) -> Spec:
-        """`base` (model, runtime, workload, reserve) on this fleet, nodes NAME0..NAME{count-1}, in its formats and
-        with its settings."""
-        nodes = tuple(self.machine.node(f"{self.machine.name}{i}") for i in range(self.count))
-        cluster = ClusterSpec(nodes, default_link=self.machine.link, reserve_bytes=base.cluster.reserve_bytes)
+        """`base` (model, runtime, workload, reserve) on this fleet, nodes NAME0..NAME{count-1} of each type, in its
+        formats and with its settings."""
+        nodes = tuple(machine.node(f"{machine.name}{i}") for machine, count in self.parts for i in range(count))
+        links = {}
+        if self.mix:  # between the types, and so by default, the slower port; within the faster type, its own
+            default = _slower(self.machine.link, self.mix[0].link)
+            kinds = [machine for machine, count in self.parts for _ in range(count)]
+            links = {tuple(sorted((a.name, b.name))): kind.link
+                     for a, b, kind, after in zip(nodes, nodes[1:], kinds, kinds[1:])
+                     if kind is after and kind.link != default}
+        else:
+            default = self.machine.link
+        cluster = ClusterSpec(nodes, default_link=default, links=links, reserve_bytes=base.cluster.reserve_bytes)
         return self.settings.apply(with_formats(attrs.evolve(base, cluster=cluster), self.formats))
 
     def calibration(self, fleet: Spec) -> Calibration:
         """What the simulator takes each layer of `fleet` (this fleet's `spec`) to cost, for any load: the times
-        measured on one of its machines, on each of them, or the roofline of its figures; links as listed."""
-        measured = self.machine.calibration
-        if measured is None:
+        measured on one machine of each type, on each of that type, or the roofline of their figures (a fleet's
+        types are all measured or none is); links as listed."""
+        if self.machine.calibration is None:
             return analytic_calibration(fleet, open_loop=True)
         names = [node.name for node in fleet.cluster.nodes]
-        (node,) = measured.nodes.values()
-        return attrs.evolve(measured, nodes=dict.fromkeys(names, node),
+        measured = [machine.calibration for machine, count in self.parts for _ in range(count)]
+        return attrs.evolve(self.machine.calibration,
+                            nodes={name: next(iter(each.nodes.values())) for name, each in zip(names, measured)},
                             links={(a, b): fleet.cluster.link(a, b) for a, b in ring_pairs(names) if a != b})
 
 
@@ -113,25 +152,42 @@ class Unfit:
 
 
 def space(spec: Spec, catalogue: Catalogue, machines: Sequence[str] = (), presets: Sequence[str] = ("spec",),
-          most: int | None = None, settings: Sequence[Settings] = (Settings(),)) -> Iterator[Candidate | Unfit]:
+          most: int | None = None, settings: Sequence[Settings] = (Settings(),),
+          mixes: bool = False) -> Iterator[Candidate | Unfit]:
     """For each machine type (of `machines`, or every one), preset and settings: the fleets from the fewest machines
-    that hold the model to `most` (default: twice the fewest), never more than the model's layers. A SpecError for a
-    machine measured on another model, in other weight formats or at another precision than a preset's fleets run,
-    and for settings the spec's runtime and workload cannot take."""
+    that hold the model to `most` (default: twice the fewest), never more than the model's layers. With `mixes`,
+    then for each two types (both measured, or neither) the mixes that just hold the model: k of the first (k short
+    of the fewest that hold it alone) and the fewest of the second that make up the rest, at most `most` in all. A
+    SpecError for a machine measured on another model, in other weight formats or at another precision than a
+    preset's fleets run, and for settings the spec's runtime and workload cannot take."""
     layers = spec.model.config.num_hidden_layers
     for each in settings:
         _check_settings(each.apply(spec), each)
-    for machine in [catalogue.machine(name) for name in machines] if machines else catalogue.machines:
-        for preset, each in itertools.product(presets, settings):
-            weighed = each.apply(with_formats(spec, preset))
+    chosen = [catalogue.machine(name) for name in machines] if machines else list(catalogue.machines)
+    for preset, each in itertools.product(presets, settings):
+        weighed = each.apply(with_formats(spec, preset))
+        fewest = {}
+        for machine in chosen:
             if machine.calibration is not None:
                 _check_measured(weighed, machine, preset)
-            fewest = fewest_nodes(weighed, machine.node(machine.name))
-            if fewest is None:
+            fewest[machine.name] = fewest_nodes(weighed, machine.node(machine.name))
+        for machine in chosen:
+            least = fewest[machine.name]
+            if least is None:
                 yield Unfit(machine, preset, each)
                 continue
-            for count in range(fewest, max(fewest, min(2 * fewest if most is None else most, layers)) + 1):
+            for count in range(least, max(least, min(2 * least if most is None else most, layers)) + 1):
                 yield Candidate(machine, count, preset, each)
+        if not mixes:
+            continue
+        for first, second in itertools.permutations([m for m in chosen if fewest[m.name] is not None], 2):
+            if (first.calibration is None) != (second.calibration is None):
+                continue
+            for count in range(1, fewest[first.name]):
+                beside = tuple(first.node(f"{first.name}{i}") for i in range(count))
+                rest = fewest_nodes(weighed, second.node(second.name), beside)
+                if rest is not None and count + rest <= min(most or layers, layers):
+                    yield Candidate(first, count, preset, each, (second, rest))
 
 
 def _check_settings(spec: Spec, settings: Settings) -> None:
