@@ -9,15 +9,11 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import attrs
 
 from cascadia.models.base import ModelConfig
 from cascadia.speculation import parse_speculate
-
-if TYPE_CHECKING:  # the calibration module reads specs
-    from cascadia.sim.calibration import Calibration
 
 WEIGHT_DTYPES = ("int4", "int8", "f16", "bf16", "f32")
 PRECISIONS = ("f32", "bf16", "f16")
@@ -170,7 +166,9 @@ class MachineType:
     price: float = 0.0  # what one costs, in the catalogue's currency
     power_w: float | None = None  # watts it draws under load
     source: str = ""  # where the figures come from
-    calibration: Calibration | None = None  # measured on one of them: a single node's; None: the roofline's
+    # measured on one of them: a `cascadia.sim.calibration.Calibration` of that one node (not imported here: it
+    # reads specs); None: the roofline of the figures above
+    calibration: object | None = None
 
     @property
     def times(self) -> str:
