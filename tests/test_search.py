@@ -34,7 +34,7 @@ from cascadia.sim.calibration import Calibration
 from cascadia.sim.simulate import simulate
 from cascadia.spec.load import load_catalogue, load_spec
 from cascadia.spec.dump import write_spec
-from cascadia.spec.types import Catalogue, LinkSpec
+from cascadia.spec.types import Catalogue, LinkSpec, MachineType
 from cascadia.workload import MEASURED
 
 ROOT = Path(__file__).parent.parent
@@ -321,6 +321,37 @@ def test_search_weighs_runtime_settings_and_writes_them_into_the_frontier_specs(
     assert written["candidates"][written["frontier"][-1]]["max_streams"] == 16
 
 
+def test_speculation_is_weighed_with_the_acceptance_given(catalogue, tmp_path):
+    """Three slow machines make a token every 1.4 ms alone; n-gram drafts accepted 9 times in 10 bring it under 1.2 ms
+    (a stage idle between frames verifies them), never accepted they do not."""
+    spec, slo = load_spec(TINY), LatencySlo.parse("ttft_p90=20ms,tpot_p99=1.2ms")
+    slow = load_catalogue(catalogue).machine("slow")
+    drafting = Candidate(slow, 3, settings=Settings(speculate="ngram:4"))
+    assert evaluate(spec, attrs.evolve(drafting, settings=Settings(speculate="off")), slo).rate == 0
+    assert evaluate(spec, drafting, slo, acceptance=0.0).rate == 0
+    assert evaluate(spec, drafting, slo, acceptance=0.9).rate > 0
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), "--slo",
+                                      "ttft_p90=20ms,tpot_p99=1.2ms", "--machines", "slow", "--most", "3",
+                                      "--speculate", "off,ngram:4", "--acceptance", "0.9", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    written = json.loads((out / "search.json").read_text())
+    assert written["acceptance"] == 0.9
+    assert {c["speculate"] for c in written["candidates"]} == {"off", "ngram:4"}
+    for i, index in enumerate(written["frontier"]):
+        assert written["candidates"][index]["speculate"] == "ngram:4"
+        assert load_spec(out / f"frontier-{i}.yaml").runtime.speculate == "ngram:4"
+
+
+@pytest.mark.parametrize("arguments, words", [
+    (["--acceptance", "0.9"], "--acceptance is the simulated drafts' acceptance: weigh speculation"),
+    (["--speculate", "off,ngram:0"], "speculate must be ngram or ngram:MAX_DRAFT"),
+])
+def test_search_refuses_speculation_it_cannot_weigh(catalogue, arguments, words):
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), "--slo", SLO, *arguments])
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output, result.output
+
+
 # ---- mixes of two types --------------------------------------------------------------------------------------------
 MIX = """\
 machines:
@@ -403,6 +434,26 @@ machines:
     assert (front[mix]["machine"], front[mix]["count"], front[mix]["mix"]) == ("narrow", 1, {"machine": "deep",
                                                                                              "count": 1})
     assert [node.name for node in load_spec(out / f"frontier-{mix}.yaml").cluster.nodes] == ["narrow0", "deep0"]
+
+
+def test_spares_are_priced_and_listed_but_carry_nothing_more(catalogue, tmp_path):
+    spec, slo = load_spec(TINY), LatencySlo.parse(SLO)
+    (spared,) = [f for f in space(spec, load_catalogue(catalogue), ["small"], most=1, spares=2)]
+    assert (spared.fleet(), spared.price, spared.power_w) == ("1 x small + 2 spares", 900, 15)
+    fleet_spec = spared.spec(spec)
+    assert [n.name for n in fleet_spec.cluster.spares] == ["small-spare0", "small-spare1"]
+    assert load_spec(write_spec(fleet_spec, tmp_path / "spared.yaml")).cluster.spares == fleet_spec.cluster.spares
+    assert evaluate(spec, spared, slo).capacity == evaluate(spec, attrs.evolve(spared, spares=0), slo).capacity
+    # a mix's spares are of its type with the most memory: any stage fits them
+    narrow, wide = (MachineType(name, memory, 1e9, price=price) for name, memory, price in
+                    (("narrow", 66 * 2**20, 50), ("wide", 68 * 2**20, 150)))
+    mix = Candidate(narrow, 1, mix=(wide, 2), spares=1)
+    assert (mix.spare, mix.price, mix.fleet()) == (wide, 500, "1 x narrow + 2 x wide + 1 spare")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), "--slo", SLO, "--machines",
+                                      "slow", "--most", "1", "--spares", "1", "--load", "10", "--out", str(out)])
+    assert "cheapest carrying 10 requests/s: 1 x slow + 1 spare, 200 USD" in result.output, result.output
+    assert [n.name for n in load_spec(out / "frontier-0.yaml").cluster.spares] == ["slow-spare0"]
 
 
 # ---- machines measured ----------------------------------------------------------------------------------------------

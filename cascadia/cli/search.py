@@ -48,9 +48,17 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 @click.option("--prefill-window", "prefill_windows", type=IntList(),
               help="runtime prefill_window to weigh, comma-separated: prompt rows admitted a step [default: the "
                    "spec's]")
+@click.option("--speculate", "speculation", metavar="off,ngram:K",
+              help="speculative decoding to weigh, comma-separated: off, or n-gram drafts of up to K tokens "
+                   "[default: the spec's]")
+@click.option("--acceptance", type=click.FloatRange(0, 1),
+              help="with speculation: the chance the simulator gives each draft token of being accepted (how "
+                   "predictable the workload's text is) [default: 0.5]")
 @click.option("--mixes", is_flag=True,
               help="weigh mixes of two machine types too: k of one (short of the fewest that hold the model alone) "
                    "and the fewest of the other that make up the rest")
+@click.option("--spares", type=click.IntRange(min=0), default=0, show_default=True,
+              help="machines each fleet keeps standing by to take a lost one's stage (priced, not serving)")
 @click.option("--most", type=click.IntRange(min=1),
               help="the most machines of a fleet [default: twice the fewest that hold the model]")
 @click.option("--load", type=click.FloatRange(min=0, min_open=True),
@@ -70,8 +78,9 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="folder for search.json, pareto.png and a spec per frontier fleet (made if missing)")
 def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, max_streams, prefill_windows,
-           mixes: bool, most: int | None, load: float | None, users: int | None, tolerance: float, keep_all: bool,
-           jobs: int | None, ray_address: str | None, out_dir: str | None) -> None:
+           speculation: str | None, acceptance: float | None, mixes: bool, spares: int, most: int | None,
+           load: float | None, users: int | None, tolerance: float, keep_all: bool, jobs: int | None,
+           ray_address: str | None, out_dir: str | None) -> None:
     """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
     model at its runtime up to --most (with --mixes, and mixes of two types that just hold it), in each weight-format
     preset and with each combination of the runtime settings given (--max-streams, --prefill-window); for each, the
@@ -85,6 +94,7 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
     from cascadia.search.search import cheapest_for_users
     from cascadia.search.search import search as evaluations
     from cascadia.search.space import PRESETS, settings_grid, space
+    from cascadia.sim.drafts import DEFAULT_ACCEPTANCE
     from cascadia.spec.load import load_catalogue, load_spec
 
     loaded, catalogue = load_spec(spec), load_catalogue(catalogue_path)
@@ -97,20 +107,27 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
             raise click.BadParameter(f"{out_dir}: cannot make it ({e.strerror})", param_hint="--out") from None
     if jobs is not None and ray_address is not None:
         raise click.UsageError("give --jobs or --ray, not both")
-    fleets = list(space(loaded, catalogue, names, chosen_presets, most, settings_grid(max_streams, prefill_windows),
-                        mixes))
+    drafts = _speculations(speculation)
+    if acceptance is not None and not (loaded.runtime.max_draft or any(d != "off" for d in drafts)):
+        raise click.UsageError("--acceptance is the simulated drafts' acceptance: weigh speculation (--speculate) "
+                               "with it")
+    settings = settings_grid(max_streams, prefill_windows, drafts)
+    speculates = any(each.apply(loaded).runtime.max_draft for each in settings)
+    accepted = DEFAULT_ACCEPTANCE if acceptance is None else acceptance  # where any fleet speculates
+    fleets = list(space(loaded, catalogue, names, chosen_presets, most, settings, mixes, spares))
     pool = _pool(jobs, ray_address)  # before anything is written: a cluster it cannot join is an error of its own
     evaluated, complete, for_users = [], False, None
     try:
-        for each in evaluations(loaded, fleets, slo, tolerance, prune=not keep_all, pool=pool):
+        for each in evaluations(loaded, fleets, slo, tolerance, prune=not keep_all, pool=pool, acceptance=accepted):
             evaluated.append(each)
             click.echo(f"[{len(evaluated)}/{len(fleets)}] {_outcome(each)} ({each.seconds:.1f} s)", err=True)
         if users is not None:
             click.echo(f"trying the fleets for {users} users, cheapest first", err=True)
-            for_users = cheapest_for_users(loaded, evaluated, slo, users)
+            for_users = cheapest_for_users(loaded, evaluated, slo, users, accepted)
         complete = True
     finally:
-        written = _write(out_dir, loaded, catalogue, slo, evaluated, tolerance, load, complete, for_users) \
+        written = _write(out_dir, loaded, catalogue, slo, evaluated, tolerance, load, complete, for_users,
+                         accepted if speculates else None) \
             if out_dir else []
         if not complete and written:
             click.echo(f"interrupted: wrote the {len(evaluated)} of {len(fleets)} fleets evaluated to {written[0]}",
@@ -119,6 +136,19 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
     say_written(click.echo, *written)
     if not any(each.rate > 0 for each in evaluated):
         raise click.ClickException(f"no fleet meets {slo} at any load: see each one's reason above")
+
+
+def _speculations(value: str | None) -> list[str]:
+    """--speculate's comma-separated choices, each "off" or as runtime.speculate (none given: the spec's)."""
+    from cascadia.speculation import parse_speculate
+
+    choices = [choice.strip() for choice in value.split(",")] if value else []
+    for choice in choices:
+        try:
+            parse_speculate(choice)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--speculate") from None
+    return choices
 
 
 def _pool(jobs: int | None, ray_address: str | None):
@@ -194,8 +224,8 @@ def _print(spec, catalogue, slo, evaluated, load: float | None, for_users) -> No
                        "fleets tried did not)")
 
 
-def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load: float | None,
-           complete: bool, for_users) -> list[str]:
+def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load: float | None, complete: bool,
+           for_users, acceptance: float | None) -> list[str]:
     """search.json, pareto.png (where matplotlib is installed) and frontier-N.yaml; the paths written."""
     import json
     import os
@@ -209,7 +239,8 @@ def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load
 
     path = os.path.join(out_dir, "search.json")
     with open(path, "w") as f:
-        json.dump(report(spec, catalogue, slo, evaluated, tolerance, load, complete, for_users), f, indent=1)
+        json.dump(report(spec, catalogue, slo, evaluated, tolerance, load, complete, for_users, acceptance), f,
+                  indent=1)
     written = [path]
     for i, each in enumerate(frontier(evaluated)):
         # the fleet's spec, its workload arriving at the capacity as the search's probe did, goodput counted

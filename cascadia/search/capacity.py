@@ -26,6 +26,7 @@ from cascadia.graph.plan import Plan
 from cascadia.metrics import RequestRecord
 from cascadia.search.slo import LatencySlo, Verdict
 from cascadia.sim.calibration import Calibration
+from cascadia.sim.drafts import DEFAULT_ACCEPTANCE
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
 from cascadia.units import format_duration
@@ -100,29 +101,33 @@ def probe_requests(rate: float, slo: LatencySlo, tolerance: float = TOLERANCE,
     return max(least_requests, math.ceil(rate * arrival_seconds(slo, tolerance)))
 
 
-def _judged(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo) -> tuple[Verdict, list[RequestRecord]]:
-    """`spec`'s one-level workload simulated on `plan` and judged against `slo`, with its measured requests. No
-    warm-up: the measured phase is the same without (`simulate`), at half the cost."""
-    records, rejected = _measured(simulate(spec, calibration, plan, warm_up=spec.runtime.speculate is not None))
+def _judged(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo,
+            acceptance: float) -> tuple[Verdict, list[RequestRecord]]:
+    """`spec`'s one-level workload simulated on `plan` (drafts, with speculation, accepted at `acceptance`) and
+    judged against `slo`, with its measured requests. No warm-up: the measured phase is the same without
+    (`simulate`), at half the cost."""
+    records, rejected = _measured(simulate(spec, calibration, plan, acceptance=acceptance,
+                                           warm_up=spec.runtime.speculate is not None))
     return slo.judge(records, rejected), records
 
 
-def serves_users(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo, users: int) -> Verdict:
+def serves_users(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo, users: int,
+                 acceptance: float = DEFAULT_ACCEPTANCE) -> Verdict:
     """Whether `plan` serves `users` clients within `slo`, each sending its next request of `spec.workload` when its
     last is done (a closed loop; USER_REQUESTS each, all starting at once, as a level of `cascadia run` does)."""
     workload = attrs.evolve(spec.workload, concurrency=(users,), rate=(), requests=users * USER_REQUESTS, slo=None)
-    return _judged(attrs.evolve(spec, workload=workload), plan, calibration, slo)[0]
+    return _judged(attrs.evolve(spec, workload=workload), plan, calibration, slo, acceptance)[0]
 
 
 def capacity(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo, tolerance: float = TOLERANCE,
-             least_requests: int = LEAST_REQUESTS) -> Capacity:
+             least_requests: int = LEAST_REQUESTS, acceptance: float = DEFAULT_ACCEPTANCE) -> Capacity:
     """The highest open-loop rate of `spec.workload`'s requests that `plan` serves within `slo` (which bounds the
-    first token), simulated with `calibration`: each probe's requests arrive for `arrival_seconds`, at least
-    `least_requests` of them."""
+    first token), simulated with `calibration` (drafts, with speculation, accepted at `acceptance`): each probe's
+    requests arrive for `arrival_seconds`, at least `least_requests` of them."""
     probes: list[Probe] = []
 
     def run(workload) -> tuple[Verdict, list[RequestRecord]]:
-        verdict, records = _judged(attrs.evolve(spec, workload=workload), plan, calibration, slo)
+        verdict, records = _judged(attrs.evolve(spec, workload=workload), plan, calibration, slo, acceptance)
         probes.append(Probe(workload.rate[0] if workload.rate else None, verdict))
         return verdict, records
 

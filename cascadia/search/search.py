@@ -25,6 +25,7 @@ from cascadia.search.capacity import TOLERANCE, Capacity, capacity, serves_users
 from cascadia.search.fanout import InProcess, Pool
 from cascadia.search.slo import LatencySlo, Verdict
 from cascadia.search.space import Candidate, Settings, Unfit
+from cascadia.sim.drafts import DEFAULT_ACCEPTANCE
 from cascadia.spec.types import Catalogue, MachineType, Spec
 
 SCHEMA = "cascadia.search/1"
@@ -60,6 +61,7 @@ class Evaluated:
             "times": self.machine.times,
             "count": fleet.count if fleet else None,
             "mix": {"machine": fleet.mix[0].name, "count": fleet.mix[1]} if fleet and fleet.mix else None,
+            "spares": fleet.spares if fleet else None,
             "price": fleet.price if fleet else None,
             "power_w": fleet.power_w if fleet else None,
             "pruned": self.pruned,
@@ -97,9 +99,10 @@ class Carried:
 
 
 def evaluate(spec: Spec, candidate: Candidate, slo: LatencySlo, tolerance: float = TOLERANCE,
-             better: Carried | None = None, prune: bool = True) -> Evaluated:
+             better: Carried | None = None, prune: bool = True, acceptance: float = DEFAULT_ACCEPTANCE) -> Evaluated:
     """`candidate` planned, its bounds taken and, unless (with `prune`) they rule it out against `slo` or against
-    what `better`, a fleet no dearer, carries, its capacity found."""
+    what `better`, a fleet no dearer, carries, its capacity found (drafts, where it speculates, accepted at
+    `acceptance`)."""
     start = time.perf_counter()
     fleet_spec = candidate.spec(spec)
     plan = make_plan(fleet_spec)
@@ -114,13 +117,14 @@ def evaluate(spec: Spec, candidate: Candidate, slo: LatencySlo, tolerance: float
         return Evaluated(**common, pruned=DOMINATED,
                          why=f"carries at most {found.capacity_rps:.3g}/s; {better.fleet} carries {better.rate:.3g}/s "
                              f"for {better.price:,.0f}", seconds=time.perf_counter() - start)
-    found_capacity = capacity(fleet_spec, plan, calibration, slo, tolerance)
+    found_capacity = capacity(fleet_spec, plan, calibration, slo, tolerance, acceptance=acceptance)
     return Evaluated(**common, capacity=found_capacity, why=found_capacity.reason,
                      seconds=time.perf_counter() - start)
 
 
 def search(spec: Spec, fleets: Sequence[Candidate | Unfit], slo: LatencySlo, tolerance: float = TOLERANCE,
-           prune: bool = True, pool: Pool | None = None) -> Iterator[Evaluated]:
+           prune: bool = True, pool: Pool | None = None,
+           acceptance: float = DEFAULT_ACCEPTANCE) -> Iterator[Evaluated]:
     """The fleets of a space (`cascadia.search.space.space`) evaluated on `pool` (default: here, one at a time),
     machine types that hold no layer first, then the fleets, started cheapest first and given as they finish
     (`prune`: dropping what the bounds rule out). Each fleet starts with the best capacity known by then of the
@@ -136,7 +140,7 @@ def search(spec: Spec, fleets: Sequence[Candidate | Unfit], slo: LatencySlo, tol
 
     def start_next() -> None:
         if (candidate := next(waiting, None)) is not None:
-            running[pool.submit(evaluate, spec, candidate, slo, tolerance, best, prune)] = candidate
+            running[pool.submit(evaluate, spec, candidate, slo, tolerance, best, prune, acceptance)] = candidate
 
     try:
         for _ in range(pool.width):
@@ -183,7 +187,8 @@ class ForUsers:
         return self.tried[-1][0] if self.tried and self.tried[-1][1].met else None
 
 
-def cheapest_for_users(spec: Spec, evaluated: Sequence[Evaluated], slo: LatencySlo, users: int) -> ForUsers:
+def cheapest_for_users(spec: Spec, evaluated: Sequence[Evaluated], slo: LatencySlo, users: int,
+                       acceptance: float = DEFAULT_ACCEPTANCE) -> ForUsers:
     """The cheapest fleet that serves `users` clients within `slo`, each sending its next request when its last is
     done: the fleets that carry anything, or that a cheaper fleet ruled out (it may still serve them), tried
     cheapest first until one does."""
@@ -191,7 +196,7 @@ def cheapest_for_users(spec: Spec, evaluated: Sequence[Evaluated], slo: LatencyS
     for each in sorted((e for e in evaluated if e.rate > 0 or e.pruned == DOMINATED),
                        key=lambda e: (e.candidate.price, -e.rate)):
         fleet_spec = each.candidate.spec(spec)
-        verdict = serves_users(fleet_spec, each.plan, each.candidate.calibration(fleet_spec), slo, users)
+        verdict = serves_users(fleet_spec, each.plan, each.candidate.calibration(fleet_spec), slo, users, acceptance)
         tried.append((each, verdict))
         if verdict.met:
             break
@@ -199,9 +204,11 @@ def cheapest_for_users(spec: Spec, evaluated: Sequence[Evaluated], slo: LatencyS
 
 
 def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequence[Evaluated], tolerance: float,
-           load: float | None = None, complete: bool = True, for_users: ForUsers | None = None) -> dict:
-    """What `search.json` holds: the question, every fleet evaluated (those that hold no layer first, then by
-    price), the frontier and the answer to `load` (indexes into the fleets)."""
+           load: float | None = None, complete: bool = True, for_users: ForUsers | None = None,
+           acceptance: float | None = None) -> dict:
+    """What `search.json` holds: the question (with `acceptance`, the drafts' where fleets speculate), every fleet
+    evaluated (those that hold no layer first, then by price), the frontier and the answer to `load` (indexes into
+    the fleets)."""
     from cascadia.metrics import spec_summary
 
     evaluated = sorted(evaluated, key=lambda e: (e.candidate is not None, *(
@@ -216,6 +223,7 @@ def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequenc
         "currency": catalogue.currency,
         "slo": str(slo),
         "tolerance": tolerance,
+        "acceptance": acceptance,
         "complete": complete,
         "load_rps": load,
         "cheapest": evaluated.index(best) if best else None,

@@ -46,10 +46,13 @@ class Settings:
 
     max_streams: int | None = None
     prefill_window: int | None = None
+    speculate: str | None = None  # "off", or as `runtime.speculate` ("ngram:4")
 
     def apply(self, spec: Spec) -> Spec:
         """`spec` with these settings in its runtime."""
         given = {key: value for key, value in attrs.asdict(self).items() if value is not None}
+        if given.get("speculate") == "off":
+            given["speculate"] = None
         return attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, **given)) if given else spec
 
     def describe(self) -> str:
@@ -57,9 +60,11 @@ class Settings:
         return ", ".join(f"{key} {value}" for key, value in attrs.asdict(self).items() if value is not None)
 
 
-def settings_grid(max_streams: Sequence[int] = (), prefill_windows: Sequence[int] = ()) -> list[Settings]:
+def settings_grid(max_streams: Sequence[int] = (), prefill_windows: Sequence[int] = (),
+                  speculate: Sequence[str] = ()) -> list[Settings]:
     """Every combination of the values given for each setting (none given: the spec's)."""
-    return [Settings(streams, window) for streams in max_streams or (None,) for window in prefill_windows or (None,)]
+    return [Settings(*values) for values in itertools.product(max_streams or (None,), prefill_windows or (None,),
+                                                               speculate or (None,))]
 
 
 def _slower(a: LinkSpec, b: LinkSpec) -> LinkSpec:
@@ -78,6 +83,12 @@ class Candidate:
     formats: str = "spec"
     settings: Settings = Settings()
     mix: tuple[MachineType, int] | None = None  # the second type and how many, after the first's
+    spares: int = 0  # machines standing by to take a lost one's stage, of the type with the most memory
+
+    @property
+    def spare(self) -> MachineType:
+        """The type its spares are: the one with the most memory, so that any stage fits one."""
+        return max((machine for machine, _ in self.parts), key=lambda machine: machine.memory_bytes)
 
     @property
     def parts(self) -> tuple[tuple[MachineType, int], ...]:
@@ -91,10 +102,12 @@ class Candidate:
 
     @property
     def price(self) -> float:
-        return sum(machine.price * count for machine, count in self.parts)
+        """What its machines cost, spares included."""
+        return sum(machine.price * count for machine, count in self.parts) + self.spare.price * self.spares
 
     @property
     def power_w(self) -> float | None:
+        """What its machines serving draw (spares stand by)."""
         if any(machine.power_w is None for machine, _ in self.parts):
             return None
         return sum(machine.power_w * count for machine, count in self.parts)
@@ -105,8 +118,9 @@ class Candidate:
         return " + ".join(machine.name for machine, _ in self.parts)
 
     def fleet(self) -> str:
-        """Its machines: "3 x a", or "2 x a + 1 x b"."""
-        return " + ".join(f"{count} x {machine.name}" for machine, count in self.parts)
+        """Its machines: "3 x a", "2 x a + 1 x b", or with spares "3 x a + 1 spare"."""
+        spares = f" + {self.spares} spare{'s' if self.spares > 1 else ''}" if self.spares else ""
+        return " + ".join(f"{count} x {machine.name}" for machine, count in self.parts) + spares
 
     def describe(self) -> str:
         return ", ".join([self.fleet(), *([self.formats] if self.formats != "spec" else []),
@@ -125,7 +139,9 @@ class Candidate:
                      if kind is after and kind.link != default}
         else:
             default = self.machine.link
-        cluster = ClusterSpec(nodes, default_link=default, links=links, reserve_bytes=base.cluster.reserve_bytes)
+        spares = tuple(self.spare.node(f"{self.spare.name}-spare{i}") for i in range(self.spares))
+        cluster = ClusterSpec(nodes, default_link=default, links=links, reserve_bytes=base.cluster.reserve_bytes,
+                              spares=spares)
         return self.settings.apply(with_formats(attrs.evolve(base, cluster=cluster), self.formats))
 
     def calibration(self, fleet: Spec) -> Calibration:
@@ -153,9 +169,10 @@ class Unfit:
 
 def space(spec: Spec, catalogue: Catalogue, machines: Sequence[str] = (), presets: Sequence[str] = ("spec",),
           most: int | None = None, settings: Sequence[Settings] = (Settings(),),
-          mixes: bool = False) -> Iterator[Candidate | Unfit]:
+          mixes: bool = False, spares: int = 0) -> Iterator[Candidate | Unfit]:
     """For each machine type (of `machines`, or every one), preset and settings: the fleets from the fewest machines
-    that hold the model to `most` (default: twice the fewest), never more than the model's layers. With `mixes`,
+    that hold the model to `most` (default: twice the fewest), never more than the model's layers, each with
+    `spares` more standing by (not counted in `most`). With `mixes`,
     then for each two types (both measured, or neither) the mixes that just hold the model: k of the first (k short
     of the fewest that hold it alone) and the fewest of the second that make up the rest, at most `most` in all. A
     SpecError for a machine measured on another model, in other weight formats or at another precision than a
@@ -177,7 +194,7 @@ def space(spec: Spec, catalogue: Catalogue, machines: Sequence[str] = (), preset
                 yield Unfit(machine, preset, each)
                 continue
             for count in range(least, max(least, min(2 * least if most is None else most, layers)) + 1):
-                yield Candidate(machine, count, preset, each)
+                yield Candidate(machine, count, preset, each, spares=spares)
         if not mixes:
             continue
         for first, second in itertools.permutations([m for m in chosen if fewest[m.name] is not None], 2):
@@ -187,7 +204,7 @@ def space(spec: Spec, catalogue: Catalogue, machines: Sequence[str] = (), preset
                 beside = tuple(first.node(f"{first.name}{i}") for i in range(count))
                 rest = fewest_nodes(weighed, second.node(second.name), beside)
                 if rest is not None and count + rest <= min(most or layers, layers):
-                    yield Candidate(first, count, preset, each, (second, rest))
+                    yield Candidate(first, count, preset, each, (second, rest), spares)
 
 
 def _check_settings(spec: Spec, settings: Settings) -> None:
