@@ -594,6 +594,18 @@ def test_search_prints_the_fleets_names_the_cheapest_and_writes_what_it_found(ca
         assert f"wrote {out / f'frontier-{i}.yaml'}" in result.output
 
 
+def test_a_search_with_longer_probes_keeps_them_longer_and_says_so(catalogue, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), "--slo", SLO, "--machines",
+                                      "slow", "--most", "1", "--probe-requests", "2000", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    written = json.loads((out / "search.json").read_text())
+    (fleet,) = written["candidates"]
+    assert written["probe_requests"] == 2000
+    assert all(probe["requests"] >= 2000 for probe in fleet["probes"] if probe["rate"] is not None)
+    assert load_spec(out / "frontier-0.yaml").workload.requests >= 2000  # the rate times its span is a few hundred
+
+
 @pytest.mark.parametrize("arguments, status, words", [
     (["--slo", "ttft_p90=1us"], 1, "no fleet meets ttft_p90=1000ns at any load"),
     (["--slo", "tpot_p99=1s"], 2, "bounds no first token"),

@@ -68,6 +68,10 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
                    "fleet that serves them within the objective is named")
 @click.option("--tolerance", type=click.FloatRange(0.001, 1), default=0.05, show_default=True,
               help="relative width of each capacity's boundary when the bisection stops")
+@click.option("--probe-requests", type=click.IntRange(min=8), default=64, show_default=True,
+              help="the fewest requests a probe simulates: at low rates, more make a capacity less optimistic and "
+                   "less scattered (bench/search_scatter.py: a quarter high and 15% at 64, within 5% at 1024), at "
+                   "the search's time")
 @click.option("--no-prune", "keep_all", is_flag=True,
               help="simulate every fleet, even those the bounds rule out (slower; the same frontier)")
 @click.option("--jobs", type=click.IntRange(min=1),
@@ -79,8 +83,8 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
               help="folder for search.json, pareto.png and a spec per frontier fleet (made if missing)")
 def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, max_streams, prefill_windows,
            speculation: str | None, acceptance: float | None, mixes: bool, spares: int, most: int | None,
-           load: float | None, users: int | None, tolerance: float, keep_all: bool, jobs: int | None,
-           ray_address: str | None, out_dir: str | None) -> None:
+           load: float | None, users: int | None, tolerance: float, probe_requests: int, keep_all: bool,
+           jobs: int | None, ray_address: str | None, out_dir: str | None) -> None:
     """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
     model at its runtime up to --most (with --mixes, and mixes of two types that just hold it), in each weight-format
     preset and with each combination of the runtime settings given (--max-streams, --prefill-window); for each, the
@@ -118,7 +122,8 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
     pool = _pool(jobs, ray_address)  # before anything is written: a cluster it cannot join is an error of its own
     evaluated, complete, for_users = [], False, None
     try:
-        for each in evaluations(loaded, fleets, slo, tolerance, prune=not keep_all, pool=pool, acceptance=accepted):
+        for each in evaluations(loaded, fleets, slo, tolerance, prune=not keep_all, pool=pool, acceptance=accepted,
+                                least_requests=probe_requests):
             evaluated.append(each)
             click.echo(f"[{len(evaluated)}/{len(fleets)}] {_outcome(each)} ({each.seconds:.1f} s)", err=True)
         if users is not None:
@@ -127,7 +132,7 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
         complete = True
     finally:
         written = _write(out_dir, loaded, catalogue, slo, evaluated, tolerance, load, complete, for_users,
-                         accepted if speculates else None) \
+                         accepted if speculates else None, probe_requests) \
             if out_dir else []
         if not complete and written:
             click.echo(f"interrupted: wrote the {len(evaluated)} of {len(fleets)} fleets evaluated to {written[0]}",
@@ -225,7 +230,7 @@ def _print(spec, catalogue, slo, evaluated, load: float | None, for_users) -> No
 
 
 def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load: float | None, complete: bool,
-           for_users, acceptance: float | None) -> list[str]:
+           for_users, acceptance: float | None, least_requests: int) -> list[str]:
     """search.json, pareto.png (where matplotlib is installed) and frontier-N.yaml; the paths written."""
     import json
     import os
@@ -239,13 +244,13 @@ def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load
 
     path = os.path.join(out_dir, "search.json")
     with open(path, "w") as f:
-        json.dump(report(spec, catalogue, slo, evaluated, tolerance, load, complete, for_users, acceptance), f,
-                  indent=1)
+        json.dump(report(spec, catalogue, slo, evaluated, tolerance, load, complete, for_users, acceptance,
+                         least_requests), f, indent=1)
     written = [path]
     for i, each in enumerate(frontier(evaluated)):
         # the fleet's spec, its workload arriving at the capacity as the search's probe did, goodput counted
-        workload = attrs.evolve(spec.workload, rate=(each.rate,), requests=probe_requests(each.rate, slo, tolerance),
-                                slo=slo.per_request())
+        requests = probe_requests(each.rate, slo, tolerance, least_requests)
+        workload = attrs.evolve(spec.workload, rate=(each.rate,), requests=requests, slo=slo.per_request())
         fleet_spec = attrs.evolve(each.candidate.spec(spec), workload=workload)
         written.append(str(write_spec(fleet_spec, Path(out_dir) / f"frontier-{i}.yaml")))
         if each.machine.calibration is not None:  # what `simulate --calibration` and `validate` take beside it
