@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import IntList, say_written
+from cascadia.cli.common import IntList, Speculate, say_written
 
 
 class Objective(click.ParamType):
@@ -22,6 +22,17 @@ class Objective(click.ParamType):
             return LatencySlo.parse(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+
+
+class Speculations(click.ParamType):
+    """Comma-separated speculation settings, each "off" or as runtime.speculate (`cascadia.cli.common.Speculate`)."""
+
+    name = "off,ngram:K"
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        return tuple(Speculate().convert(choice.strip(), param, ctx) for choice in value.split(","))
 
 
 def _names(value: str | None, known: list[str], option: str) -> list[str]:
@@ -48,7 +59,7 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 @click.option("--prefill-window", "prefill_windows", type=IntList(),
               help="runtime prefill_window to weigh, comma-separated: prompt rows admitted a step [default: the "
                    "spec's]")
-@click.option("--speculate", "speculation", metavar="off,ngram:K",
+@click.option("--speculate", "drafts", type=Speculations(), default=(),
               help="speculative decoding to weigh, comma-separated: off, or n-gram drafts of up to K tokens "
                    "[default: the spec's]")
 @click.option("--acceptance", type=click.FloatRange(0, 1),
@@ -82,7 +93,7 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="folder for search.json, pareto.png and a spec per frontier fleet (made if missing)")
 def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, max_streams, prefill_windows,
-           speculation: str | None, acceptance: float | None, mixes: bool, spares: int, most: int | None,
+           drafts: tuple[str, ...], acceptance: float | None, mixes: bool, spares: int, most: int | None,
            load: float | None, users: int | None, tolerance: float, probe_requests: int, keep_all: bool,
            jobs: int | None, ray_address: str | None, out_dir: str | None) -> None:
     """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
@@ -111,7 +122,6 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
             raise click.BadParameter(f"{out_dir}: cannot make it ({e.strerror})", param_hint="--out") from None
     if jobs is not None and ray_address is not None:
         raise click.UsageError("give --jobs or --ray, not both")
-    drafts = _speculations(speculation)
     if acceptance is not None and not (loaded.runtime.max_draft or any(d != "off" for d in drafts)):
         raise click.UsageError("--acceptance is the simulated drafts' acceptance: weigh speculation (--speculate) "
                                "with it")
@@ -141,19 +151,6 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
     say_written(click.echo, *written)
     if not any(each.rate > 0 for each in evaluated):
         raise click.ClickException(f"no fleet meets {slo} at any load: see each one's reason above")
-
-
-def _speculations(value: str | None) -> list[str]:
-    """--speculate's comma-separated choices, each "off" or as runtime.speculate (none given: the spec's)."""
-    from cascadia.speculation import parse_speculate
-
-    choices = [choice.strip() for choice in value.split(",")] if value else []
-    for choice in choices:
-        try:
-            parse_speculate(choice)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--speculate") from None
-    return choices
 
 
 def _pool(jobs: int | None, ray_address: str | None):

@@ -1,5 +1,6 @@
 """The fleets a search weighs: each machine type of a catalogue, from the fewest that hold the model up to a most,
-in each of the weight-format presets asked for.
+and mixes of two types that just hold it, in each of the weight-format presets and runtime settings asked for, with
+the spares asked for.
 
 Presets: "spec" (the spec's own formats), "paper" (the Cascadia paper's: experts and dense MLP int4 in groups of 32,
 attention and head int8 per row, embedding bf16), "int8" (every matrix int8 per row) and "int4" (every matrix int4
@@ -19,9 +20,9 @@ from cascadia.graph.planner import fewest_nodes
 from cascadia.models.base import LayerKind
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration, weight_formats
-from cascadia.workload import misfits
 from cascadia.spec.types import (PAPER_FORMATS, Catalogue, ClusterSpec, LinkSpec, MachineType, Spec, WeightFormat,
                                  WeightFormats)
+from cascadia.workload import misfits
 
 _INT8 = WeightFormat("int8", symmetric=False)
 _INT4 = WeightFormat("int4", 32, symmetric=False)
@@ -96,6 +97,11 @@ class Candidate:
         return ((self.machine, self.count),) + ((self.mix,) if self.mix else ())
 
     @property
+    def machines(self) -> list[MachineType]:
+        """Each node's machine type, in the fleet's order."""
+        return [machine for machine, count in self.parts for _ in range(count)]
+
+    @property
     def size(self) -> int:
         """Machines in all."""
         return sum(count for _, count in self.parts)
@@ -133,7 +139,7 @@ class Candidate:
         links = {}
         if self.mix:  # between the types, and so by default, the slower port; within the faster type, its own
             default = _slower(self.machine.link, self.mix[0].link)
-            kinds = [machine for machine, count in self.parts for _ in range(count)]
+            kinds = self.machines
             links = {tuple(sorted((a.name, b.name))): kind.link
                      for a, b, kind, after in zip(nodes, nodes[1:], kinds, kinds[1:])
                      if kind is after and kind.link != default}
@@ -151,9 +157,9 @@ class Candidate:
         if self.machine.calibration is None:
             return analytic_calibration(fleet, open_loop=True)
         names = [node.name for node in fleet.cluster.nodes]
-        measured = [machine.calibration for machine, count in self.parts for _ in range(count)]
         return attrs.evolve(self.machine.calibration,
-                            nodes={name: next(iter(each.nodes.values())) for name, each in zip(names, measured)},
+                            nodes={name: next(iter(machine.calibration.nodes.values()))
+                                   for name, machine in zip(names, self.machines)},
                             links={(a, b): fleet.cluster.link(a, b) for a, b in ring_pairs(names) if a != b})
 
 
