@@ -241,13 +241,13 @@ class Policy:
         self._seq = 0
 
     @classmethod
-    def for_runtime(cls, runtime: RuntimeSpec, n_groups: int, kv_pools: Sequence[KVPool] | None = None,
+    def for_runtime(cls, runtime: RuntimeSpec, stages: int, kv_pools: Sequence[KVPool] | None = None,
                     drafter: Drafter | None = None) -> Policy:
-        """The policy `runtime` says. `kv_pools`: the nodes' (`Plan.kv_pools`); with `runtime.speculate`, drafts
-        from `drafter` (default: prompt lookup)."""
+        """The policy `runtime` says on a plan of `stages` stages. `kv_pools`: the nodes' (`Plan.kv_pools`); with
+        `runtime.speculate`, drafts from `drafter` (default: prompt lookup)."""
         speculation = Speculation(drafter or NgramDrafter(), runtime.max_draft) if runtime.max_draft else None
-        return cls(n_groups, runtime.max_streams, runtime.prefill_window, runtime.row_buckets, runtime.context_budget,
-                   kv_pools, runtime.kv_block, speculation)
+        return cls(runtime.groups(stages), runtime.max_streams, runtime.prefill_window, runtime.row_buckets,
+                   runtime.context_budget, kv_pools, runtime.kv_block, speculation)
 
     # ---- state ------------------------------------------------------------------------------------------------
     @property

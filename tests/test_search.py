@@ -321,6 +321,27 @@ def test_search_weighs_runtime_settings_and_writes_them_into_the_frontier_specs(
     assert written["candidates"][written["frontier"][-1]]["max_streams"] == 16
 
 
+def test_row_buckets_and_pipeline_groups_are_weighed_and_written_into_the_frontier_specs(catalogue, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), "--slo", SLO, "--machines",
+                                      "slow", "--most", "3", "--row-buckets", "1,8", "--row-buckets", "1,2,4,8",
+                                      "--groups", "1,3", "--no-prune", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    written = json.loads((out / "search.json").read_text())
+    weighed = {(c["count"], tuple(c["row_buckets"]), c["pipeline_groups"]) for c in written["candidates"]}
+    assert weighed == {(count, buckets, groups) for count in (1, 2, 3) for buckets in ((1, 8), (1, 2, 4, 8))
+                       for groups in (1, 3)}
+    rates = {(c["count"], tuple(c["row_buckets"]), c["pipeline_groups"]): c["capacity_rps"]
+             for c in written["candidates"]}
+    for buckets in ((1, 8), (1, 2, 4, 8)):  # one group on three machines keeps two of them idle at any time
+        assert rates[3, buckets, 1] < rates[3, buckets, 3] / 2
+    for i, index in enumerate(written["frontier"]):
+        runtime, chosen = load_spec(out / f"frontier-{i}.yaml").runtime, written["candidates"][index]
+        assert list(runtime.row_buckets) == chosen["row_buckets"]
+        assert runtime.pipeline_groups == chosen["pipeline_groups"]
+    assert re.search(r"3 x slow +spec +row_buckets [\d,]+, pipeline_groups 3 ", result.output), result.output
+
+
 def test_speculation_is_weighed_with_the_acceptance_given(catalogue, tmp_path):
     """Three slow machines make a token every 1.4 ms alone; n-gram drafts accepted 9 times in 10 bring it under 1.2 ms
     (a stage idle between frames verifies them), never accepted they do not."""
@@ -346,8 +367,10 @@ def test_speculation_is_weighed_with_the_acceptance_given(catalogue, tmp_path):
 @pytest.mark.parametrize("arguments, words", [
     (["--acceptance", "0.9"], "--acceptance is the simulated drafts' acceptance: weigh speculation"),
     (["--speculate", "off,ngram:0"], "speculate must be ngram or ngram:MAX_DRAFT"),
+    (["--row-buckets", "8,2"], "'8,2': must be increasing"),
+    (["--groups", "0"], "every value must be at least 1"),
 ])
-def test_search_refuses_speculation_it_cannot_weigh(catalogue, arguments, words):
+def test_search_refuses_settings_it_cannot_weigh(catalogue, arguments, words):
     result = CliRunner().invoke(cli, ["search", str(TINY), "--catalogue", str(catalogue), "--slo", SLO, *arguments])
     assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output, result.output
 

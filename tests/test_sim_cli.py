@@ -2,6 +2,7 @@ import errno
 import json
 import sys
 
+import attrs
 import click
 import pytest
 from click.testing import CliRunner
@@ -10,6 +11,7 @@ from sim_specs import tiny_spec_yaml
 from cascadia.cli import cli
 from cascadia.cli.common import writing
 from cascadia.sim.analytic import analytic_calibration
+from cascadia.spec.dump import write_spec
 from cascadia.spec.load import load_spec
 from cascadia.tokenizer import TOKENIZER_FILE, build_tokenizer
 
@@ -75,6 +77,20 @@ def test_a_saved_plan_and_groups(spec_path, tmp_path):
     out = tmp_path / "result.json"
     assert invoke(spec_path, "--plan", plan, "--groups", "1", "--json", out).exit_code == 0
     assert json.loads(out.read_text())["plan"] == json.loads(plan.read_text())
+
+
+def test_pipeline_groups_come_from_the_spec_or_the_command_line(spec_path, tmp_path):
+    one_group = tmp_path / "one.yaml"
+    write_spec(attrs.evolve(spec := load_spec(spec_path), runtime=attrs.evolve(spec.runtime, pipeline_groups=1)),
+               one_group)
+    levels = {}
+    for name, args in {"spec": [one_group], "flag": [spec_path, "--groups", "1"], "stages": [spec_path]}.items():
+        out = tmp_path / f"{name}.json"
+        assert invoke(*args, "--concurrency", "3", "--requests", "6", "--json", out).exit_code == 0
+        levels[name] = json.loads(out.read_text())["levels"]
+    assert levels["spec"] == levels["flag"]
+    # three streams in one group take turns round the three stages; in a group each, all three are busy
+    assert levels["stages"][0]["decode_tokens_per_s"] > 1.5 * levels["flag"][0]["decode_tokens_per_s"]
 
 
 @pytest.mark.parametrize("args, code, message", [

@@ -27,7 +27,7 @@ def run(spec, cal, requests, clients=1, groups=None, traced=False):
     plan = even_plan(spec)
     model = PipelineModel(spec, plan, cal)
     model.timings = [] if traced else None
-    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages))
+    policy = Policy.for_runtime(attrs.evolve(spec.runtime, pipeline_groups=groups), len(plan.stages))
     recorder = Recorder(clients, "measured")
     busy = model.run_phase(policy, ClosedLoop([(r,) for r in requests], clients), len(requests), recorder)
     return recorder.records, busy, model

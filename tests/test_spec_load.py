@@ -371,6 +371,7 @@ def test_a_curve_keys_folder_without_public_keys_is_refused(tmp_path):
     ("{max_streams: 2, context_budget: 8, prefill_window: 17}",
      "runtime.prefill_window: 17 prompt rows exceed what max_streams (2) x context_budget (8) positions hold"),
     ("{row_buckets: [1, 1000000000]}", "runtime.row_buckets: a call holds at most 4096 rows, got 1000000000"),
+    ("{pipeline_groups: 0}", "runtime.pipeline_groups: expected an integer >= 1, got 0"),
 ])
 def test_runtime_values_beyond_what_a_run_can_use_are_refused(tmp_path, runtime, message):
     path = write(tmp_path, "s.yaml", f"model: {{hf_config: {TINY_CONFIG}}}\n{CLUSTER}runtime: {runtime}\n")

@@ -233,6 +233,11 @@ class Slo(click.ParamType):
 WORKLOAD_CHOICES = ("concurrency", "rate", "requests", "prompts", "prompt_tokens", "max_new_tokens", "slo")
 
 
+groups_option = click.option("--groups", type=click.IntRange(min=1),
+                             help="pipeline groups: streams split into this many, each with one frame in flight "
+                                  "(default: the spec's runtime.pipeline_groups, else one per stage)")
+
+
 def workload_options(command):
     """The plan, checkpoint, workload and group options that `run`, `simulate` and `validate` share. The workload's
     reach the command gathered as one `choices` argument (a dict), for `workload_overrides`."""
@@ -259,7 +264,7 @@ def workload_options(command):
             click.option("--max-new-tokens", type=click.IntRange(min=1), help="output tokens per request"),
             click.option("--slo", type=Slo(), help="count the requests meeting both bounds (goodput), e.g. "
                                                      "ttft=2s,tpot=200ms"),
-            click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)"),
+            groups_option,
     )):
         gathered = option(gathered)
     return gathered
@@ -281,20 +286,21 @@ class Speculate(click.ParamType):
 
 
 def speculate_option(command):
-    """--speculate, for the commands that serve or simulate a workload. Apply it with `with_speculation`."""
+    """--speculate, for the commands that serve or simulate a workload. Apply it with `with_runtime`."""
     return click.option("--speculate", type=Speculate(),
                         help="speculative decoding: verify up to MAX_DRAFT (default 4) prompt-lookup drafts per "
                              "stream as extra rows while stages are idle; the tokens are the same (default: the "
                              "spec's runtime.speculate, off)")(command)
 
 
-def with_speculation(loaded, speculate: str | None):
-    """The spec with --speculate as its runtime's, when given."""
+def with_runtime(loaded, **settings):
+    """The spec with the runtime settings given on the command line (--speculate, --groups) as its runtime's; those
+    not given (None) stay the spec's."""
     import attrs
 
-    if speculate is None:
-        return loaded
-    return attrs.evolve(loaded, runtime=attrs.evolve(loaded.runtime, speculate=speculate))
+    if given := {key: value for key, value in settings.items() if value is not None}:
+        return attrs.evolve(loaded, runtime=attrs.evolve(loaded.runtime, **given))
+    return loaded
 
 
 def emulate_links_option(command):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from cascadia.cli.common import (CpuList, OutputPath, TcpAddress, chosen_plan, emulate_links_option, report_to,
-                                 sampling_options, speculate_option, with_sampling, with_speculation, workload_options,
+                                 sampling_options, speculate_option, with_sampling, with_runtime, workload_options,
                                  say_written, workload_overrides, write_trace, writing)
 from cascadia.spec.load import load_spec
 
@@ -95,7 +95,7 @@ def run_command(spec: str, plan_path: str | None, checkpoint: str | None, choice
     `cascadia node ... --control ADDRESS` (the last one also with --successor set to the --tokens address). With
     --url the workload goes to a running server through its OpenAI API instead: the load generator for a
     deployment."""
-    loaded = with_speculation(load_spec(spec), speculate)
+    loaded = with_runtime(load_spec(spec), speculate=speculate, pipeline_groups=groups)
     workload = with_sampling(workload_overrides(loaded, choices), greedy, temperature, top_p, seed, top_k, min_p)
     if url is not None:
         pipeline_only = {"--plan": plan_path, "--groups": groups, "--outputs": outputs_path, "--trace": trace_path,
@@ -107,7 +107,7 @@ def run_command(spec: str, plan_path: str | None, checkpoint: str | None, choice
         return
     if api_key_file is not None or model is not None:
         raise click.UsageError("--api-key-file and --model go with --url")
-    _run_and_report(loaded, plan_path, workload, checkpoint=checkpoint, groups=groups, json_path=json_path,
+    _run_and_report(loaded, plan_path, workload, checkpoint=checkpoint, json_path=json_path,
                     outputs_path=outputs_path, trace_path=trace_path, control=control, tokens=tokens,
                     node_timeout=node_timeout, emulate_links=emulate_links)
 
@@ -138,7 +138,7 @@ def _load_and_report(loaded, workload, url: str, api_key_file, model: str | None
 
 
 def _run_and_report(loaded, plan_path: str | None, workload, *, checkpoint: str | None = None,
-                    groups: int | None = None, json_path: str | None = None, outputs_path: str | None = None,
+                    json_path: str | None = None, outputs_path: str | None = None,
                     trace_path: str | None = None, control: str | None = None, tokens: str | None = None,
                     node_timeout: float | None = None, emulate_links: bool = False) -> None:
     """Run the workload through the pipeline, with progress on stderr; print the table, write the files."""
@@ -167,7 +167,7 @@ def _run_and_report(loaded, plan_path: str | None, workload, *, checkpoint: str 
         raise click.UsageError("give both --control and --tokens, or neither")
     chosen = chosen_plan(loaded, plan_path)
     try:
-        done = run(loaded, chosen, workload, groups=groups, checkpoint=Path(checkpoint) if checkpoint else None,
+        done = run(loaded, chosen, workload, checkpoint=Path(checkpoint) if checkpoint else None,
                    addresses=Addresses(control, tokens) if control else None,
                    node_timeout_s=node_timeout or NODE_TIMEOUT_S,
                    on_message=lambda node, message: click.echo(describe(node, message), err=True),

@@ -24,6 +24,22 @@ class Objective(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class RowBuckets(click.ParamType):
+    """One set of row buckets, "1,2,8,32", as runtime.row_buckets."""
+
+    name = "1,2,8,..."
+
+    def convert(self, value, param, ctx):
+        from cascadia.spec.load import parse_row_buckets
+
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_row_buckets(value)
+        except ValueError as e:
+            self.fail(f"{value!r}: {e}", param, ctx)
+
+
 class Speculations(click.ParamType):
     """Comma-separated speculation settings, each "off" or as runtime.speculate (`cascadia.cli.common.Speculate`)."""
 
@@ -62,6 +78,12 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 @click.option("--speculate", "drafts", type=Speculations(), default=(),
               help="speculative decoding to weigh, comma-separated: off, or n-gram drafts of up to K tokens "
                    "[default: the spec's]")
+@click.option("--row-buckets", type=RowBuckets(), multiple=True,
+              help="runtime row_buckets to weigh, one set each time it is given, e.g. --row-buckets 1,8,32 "
+                   "--row-buckets 1,2,8,16,24,32 (the row counts an engine call is padded to) [default: the spec's]")
+@click.option("--groups", "pipeline_groups", type=IntList(),
+              help="runtime pipeline_groups to weigh, comma-separated: groups of streams, each with one frame in "
+                   "flight [default: the spec's, one per stage]")
 @click.option("--acceptance", type=click.FloatRange(0, 1),
               help="with speculation: the chance the simulator gives each draft token of being accepted (how "
                    "predictable the workload's text is) [default: 0.5]")
@@ -93,17 +115,17 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="folder for search.json, pareto.png and a spec per frontier fleet (made if missing)")
 def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, max_streams, prefill_windows,
-           drafts: tuple[str, ...], acceptance: float | None, mixes: bool, spares: int, most: int | None,
-           load: float | None, users: int | None, tolerance: float, probe_requests: int, keep_all: bool,
-           jobs: int | None, ray_address: str | None, out_dir: str | None) -> None:
+           drafts: tuple[str, ...], row_buckets: tuple[tuple[int, ...], ...], pipeline_groups,
+           acceptance: float | None, mixes: bool, spares: int, most: int | None, load: float | None,
+           users: int | None, tolerance: float, probe_requests: int, keep_all: bool, jobs: int | None,
+           ray_address: str | None, out_dir: str | None) -> None:
     """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
     model at its runtime up to --most (with --mixes, and mixes of two types that just hold it), in each weight-format
-    preset and with each combination of the runtime settings given (--max-streams, --prefill-window); for each, the
-    highest rate of the spec's
-    workload it serves within the objective (simulated from the catalogue's figures, or from times measured on one
-    of its machines where the catalogue names a calibration) and its price. Prints the
-    frontier of price against capacity and, with --load or --users, the cheapest fleet that carries it. The spec's
-    cluster is not used."""
+    preset and with each combination of the runtime settings given (--max-streams, --prefill-window, --speculate,
+    --row-buckets, --groups); for each, the highest rate of the spec's workload it serves within the objective
+    (simulated from the catalogue's figures, or from times measured on one of its machines where the catalogue
+    names a calibration) and its price. Prints the frontier of price against capacity and, with --load or --users,
+    the cheapest fleet that carries it. The spec's cluster is not used."""
     import os
 
     from cascadia.search.search import cheapest_for_users
@@ -125,7 +147,7 @@ def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: s
     if acceptance is not None and not (loaded.runtime.max_draft or any(d != "off" for d in drafts)):
         raise click.UsageError("--acceptance is the simulated drafts' acceptance: weigh speculation (--speculate) "
                                "with it")
-    settings = settings_grid(max_streams, prefill_windows, drafts)
+    settings = settings_grid(max_streams, prefill_windows, drafts, row_buckets, pipeline_groups)
     speculates = any(each.apply(loaded).runtime.max_draft for each in settings)
     accepted = DEFAULT_ACCEPTANCE if acceptance is None else acceptance  # where any fleet speculates
     fleets = list(space(loaded, catalogue, names, chosen_presets, most, settings, mixes, spares))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import Quantity, TcpAddress, chosen_plan, speculate_option, with_speculation
+from cascadia.cli.common import Quantity, TcpAddress, chosen_plan, groups_option, speculate_option, with_runtime
 from cascadia.spec.load import load_spec
 
 
@@ -24,7 +24,7 @@ from cascadia.spec.load import load_spec
               help="the largest request body")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="seconds open requests may take to finish after SIGTERM or Ctrl-C, before they are cancelled")
-@click.option("--groups", type=click.IntRange(min=1), help="pipeline groups (default: one per stage)")
+@groups_option
 @click.option("--control", type=TcpAddress(to_bind=True),
               help="tcp nodes: the control address to bind, e.g. tcp://0.0.0.0:5555")
 @click.option("--tokens", type=TcpAddress(to_bind=True),
@@ -64,11 +64,11 @@ def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, p
         if not key:
             raise click.BadParameter("the file's first line is empty", param_hint="--api-key-file")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    loaded = with_speculation(load_spec(spec), speculate)
+    loaded = with_runtime(load_spec(spec), speculate=speculate, pipeline_groups=groups)
     runtime = loaded.runtime
     settings = ServeSettings(model_name or loaded.model.name, runtime.context_budget,
                              2 * runtime.max_streams if max_waiting is None else max_waiting, max_body, key)
     run_server(loaded, chosen_plan(loaded, plan_path), settings, host=host, port=port,
                checkpoint=Path(checkpoint) if checkpoint else None,
                shutdown_timeout_s=shutdown_timeout, addresses=Addresses(control, tokens) if control else None,
-               node_timeout_s=node_timeout, groups=groups, stall_s=stall_timeout, replace_timeout_s=replace_timeout)
+               node_timeout_s=node_timeout, stall_s=stall_timeout, replace_timeout_s=replace_timeout)

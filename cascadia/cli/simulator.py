@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from cascadia.cli.common import (WORKLOAD_CHOICES, IntList, NodeAtSeconds, OutputPath, chosen_plan,
-                                 emulate_links_option, report_to, speculate_option, with_speculation, workload_options,
+                                 emulate_links_option, report_to, speculate_option, with_runtime, workload_options,
                                  say_written, workload_overrides, write_trace, writing)
 from cascadia.sim.drafts import DEFAULT_ACCEPTANCE
 from cascadia.sim.loss import DETECT_S
@@ -61,7 +61,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     if detect_s is not None and loss is None:
         raise click.UsageError("--detect is the detection time of a loss: give --fail NODE@SECONDS with it")
     report = report_to(json_path, plot_path, trace_path)
-    loaded = with_speculation(load_spec(spec), speculate)
+    loaded = with_runtime(load_spec(spec), speculate=speculate, pipeline_groups=groups)
     trace = _acceptance_trace(loaded, trace_file, acceptance)
     acceptance = _acceptance(loaded, acceptance)
     model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
@@ -70,7 +70,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     chosen = chosen_plan(loaded, plan_path)  # first: it refuses a runtime no node can hold, before any table is built
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
     timings = [] if trace_path else None
-    result = run_simulation(loaded, calibration, chosen, groups=groups, timings=timings, loss=loss,
+    result = run_simulation(loaded, calibration, chosen, timings=timings, loss=loss,
                             detect_s=DETECT_S if detect_s is None else detect_s, acceptance=acceptance,
                             acceptance_trace=trace)
     report(describe_workload(loaded.workload))
@@ -157,12 +157,12 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
 
     from cascadia.sim.calibration import Calibration
 
-    loaded = with_speculation(load_spec(spec), speculate)
+    loaded = with_runtime(load_spec(spec), speculate=speculate, pipeline_groups=groups)
     _acceptance(loaded, acceptance)
     workload = workload_overrides(loaded, choices)
     calibration = Calibration.load(calibration_path)
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
-                         checkpoint, groups, repeats, json_path, emulate_links, trace_dir, acceptance)
+                         checkpoint, repeats, json_path, emulate_links, trace_dir, acceptance)
 
 
 def _acceptance_trace(loaded, path: str | None, acceptance: float | None) -> dict | None:
@@ -191,7 +191,7 @@ def _acceptance(loaded, acceptance: float | None) -> float:
     return DEFAULT_ACCEPTANCE if acceptance is None else acceptance
 
 
-def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = None, groups: int | None = None,
+def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = None,
                          repeats: int = 1, json_path: str | None = None, emulate_links: bool = False,
                          trace_dir: str | None = None, acceptance: float | None = None) -> None:
     """Simulate and run with progress on stderr; print the comparison, write the JSON and the timelines."""
@@ -218,7 +218,7 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
         except OSError as e:
             raise click.ClickException(f"{trace_dir}: cannot make the directory ({e.strerror})") from None
     try:
-        result = validate(loaded, chosen, calibration, repeats=repeats, groups=groups,
+        result = validate(loaded, chosen, calibration, repeats=repeats,
                           checkpoint=Path(checkpoint) if checkpoint else None,
                           on_message=lambda node, message: click.echo(describe(node, message), err=True),
                           on_phase=phase_done, emulate_links=emulate_links, timelines=timelines,

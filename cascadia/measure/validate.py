@@ -153,7 +153,7 @@ class ValidationFailed(NodeError):
         self.result = result
 
 
-def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1, groups: int | None = None,
+def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1,
              checkpoint: Path | None = None, on_message: Callable = lambda node, message: None,
              on_phase: Callable = lambda level, phase, records: None, emulate_links: bool = False,
              timelines: dict | None = None, acceptance: float | None = None) -> dict:
@@ -171,12 +171,12 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
         calibration = _with_emulated_links(calibration, spec, plan)
     traced = timelines is not None
     predicted_frames: list[FrameTiming] | None = [] if traced else None
-    predicted = simulate(spec, calibration, plan, groups=groups, timings=predicted_frames,
+    predicted = simulate(spec, calibration, plan, timings=predicted_frames,
                          acceptance=DEFAULT_ACCEPTANCE if acceptance is None else acceptance)
     runs, run_timelines, first_outputs = [], [], None
     for i in range(repeats):
         try:
-            done = run(spec, plan, spec.workload, groups=groups, checkpoint=checkpoint, on_message=on_message,
+            done = run(spec, plan, spec.workload, checkpoint=checkpoint, on_message=on_message,
                        on_phase=on_phase, emulate_links=emulate_links, trace=traced)
         except RunFailed as e:
             raise ValidationFailed(str(e), {"schema": SCHEMA, "failed": str(e), "measured": [*runs, e.result],
@@ -188,7 +188,7 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
             timelines[f"run-{i + 1}" if repeats > 1 else "run"] = (done.frames, done.result, done.clock_error_s)
     if spec.runtime.max_draft and acceptance is None:
         predicted_frames = [] if traced else None
-        predicted = simulate(spec, calibration, plan, groups=groups, timings=predicted_frames,
+        predicted = simulate(spec, calibration, plan, timings=predicted_frames,
                              acceptance_trace=acceptance_trace(first_outputs, "the first run's outputs"))
     result = {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
     if traced:

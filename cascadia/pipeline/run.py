@@ -177,7 +177,7 @@ class Pipeline:
             trace: bool = False, drafter: Drafter | None = None) -> RunResult:
         """Every concurrency level of `workload` (warm-up and measured phase); `prompts` default to the workload's
         prompts file (text encoded by the checkpoint's tokenizer), or seeded random prompts without one; `groups`
-        (pipeline groups) to one per stage; with `trace`, each frame's timing too. With `spec.runtime.speculate`,
+        (pipeline groups) to the spec's; with `trace`, each frame's timing too. With `spec.runtime.speculate`,
         drafts come from `drafter` (default: prompt lookup).
         Raises RunFailed, holding what finished, when the pipeline fails or the run is interrupted (Ctrl-C)."""
         spec = self.spec
@@ -185,7 +185,8 @@ class Pipeline:
             prompts = workload_prompts(workload, self.checkpoint, spec.model.config)
         notes = prompt_length_notes(prompts, workload, spec.runtime) if prompts else []
         recorded = RecordedDrafter(drafter or NgramDrafter()) if spec.runtime.max_draft else None
-        policy = Policy.for_runtime(spec.runtime, groups or len(self.plan.stages), self.plan.kv_pools, recorded)
+        runtime = attrs.evolve(spec.runtime, pipeline_groups=groups) if groups else spec.runtime
+        policy = Policy.for_runtime(runtime, len(self.plan.stages), self.plan.kv_pools, recorded)
         served, outputs = Served(), Outputs(recorded)
         coordinator = self.coordinator
         coordinator.frame_log = FrameLog(coordinator.nodes) if trace else None
@@ -330,7 +331,7 @@ def _close(coordinator: Coordinator, local: LocalNodes | None, run_dir, affinity
         host_cpus.restore(affinity)
 
 
-def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts=None, groups: int | None = None,
+def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts=None,
         checkpoint: Path | None = None, addresses: Addresses | None = None,
         node_timeout_s: float = NODE_TIMEOUT_S, on_message=lambda node, message: None,
         on_phase=lambda level, phase, records: None, emulate_links: bool = False, trace: bool = False) -> RunResult:
@@ -344,7 +345,7 @@ def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts
     with Pipeline.start(spec, plan, checkpoint=checkpoint,
                         addresses=addresses, node_timeout_s=node_timeout_s, on_message=on_message,
                         emulate_links=emulate_links) as pipeline:
-        return pipeline.run(workload, prompts, groups, on_phase, trace)
+        return pipeline.run(workload, prompts, None, on_phase, trace)
 
 
 def score_on_pipeline(spec: Spec, plan: Plan, ids: Sequence[int], prefill: int | None = None, *,

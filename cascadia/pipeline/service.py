@@ -75,16 +75,16 @@ class Status:
 
 class PipelineService:
     def __init__(self, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, addresses: Addresses | None = None,
-                 node_timeout_s: float = NODE_TIMEOUT_S, groups: int | None = None, stall_s: float = STALL_S,
+                 node_timeout_s: float = NODE_TIMEOUT_S, stall_s: float = STALL_S,
                  replace_timeout_s: float = REPLACE_TIMEOUT_S) -> None:
         """Start serving `plan` on a thread of its own (see the module's text); `status().ready` says when the nodes
-        are up. The arguments are `Pipeline.start`'s, `groups` the policy's pipeline groups (one per stage), and
-        `replace_timeout_s` how long a lost remote node may take to come back before its stage is down."""
+        are up. The arguments are `Pipeline.start`'s, and `replace_timeout_s` how long a lost remote node may take
+        to come back before its stage is down."""
         self.spec, self.plan = spec, plan
         self._start = {"checkpoint": checkpoint, "addresses": addresses, "node_timeout_s": node_timeout_s,
                        "stall_s": stall_s}
         self._replace_timeout_s = replace_timeout_s
-        self._policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_pools)
+        self._policy = Policy.for_runtime(spec.runtime, len(plan.stages), plan.kv_pools)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._wake_reader.setblocking(False)
@@ -302,7 +302,7 @@ class PipelineService:
             on_event(Failed(request_id, reason), 0.0)
         self._listeners.clear()
         self._prompts.clear()
-        self._policy = Policy.for_runtime(self.spec.runtime, self._policy.n_groups, self._policy.kv_pools)
+        self._policy = Policy.for_runtime(self.spec.runtime, len(self.plan.stages), self._policy.kv_pools)
 
     def _refuse_waiting(self, reason: str) -> None:
         """While a stage is down: requests that came fail at once, and stats requests get nothing."""

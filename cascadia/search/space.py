@@ -48,24 +48,30 @@ class Settings:
     max_streams: int | None = None
     prefill_window: int | None = None
     speculate: str | None = None  # "off", or as `runtime.speculate` ("ngram:4")
+    row_buckets: tuple[int, ...] | None = None
+    pipeline_groups: int | None = None
 
     def apply(self, spec: Spec) -> Spec:
         """`spec` with these settings in its runtime."""
-        given = {key: value for key, value in attrs.asdict(self).items() if value is not None}
+        given = {key: value for key, value in attrs.asdict(self, recurse=False).items()
+                 if value is not None}
         if given.get("speculate") == "off":
             given["speculate"] = None
         return attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, **given)) if given else spec
 
     def describe(self) -> str:
-        """The settings given, in words ("" for none)."""
-        return ", ".join(f"{key} {value}" for key, value in attrs.asdict(self).items() if value is not None)
+        """The settings given, in words ("" for none): "max_streams 8, row_buckets 1,8,32"."""
+        return ", ".join(f"{key} {','.join(map(str, value)) if isinstance(value, tuple) else value}"
+                         for key, value in attrs.asdict(self, recurse=False).items()
+                         if value is not None)
 
 
 def settings_grid(max_streams: Sequence[int] = (), prefill_windows: Sequence[int] = (),
-                  speculate: Sequence[str] = ()) -> list[Settings]:
+                  speculate: Sequence[str] = (), row_buckets: Sequence[tuple[int, ...]] = (),
+                  pipeline_groups: Sequence[int] = ()) -> list[Settings]:
     """Every combination of the values given for each setting (none given: the spec's)."""
-    return [Settings(*values) for values in itertools.product(max_streams or (None,), prefill_windows or (None,),
-                                                               speculate or (None,))]
+    axes = (max_streams, prefill_windows, speculate, row_buckets, pipeline_groups)
+    return [Settings(*values) for values in itertools.product(*(axis or (None,) for axis in axes))]
 
 
 def _slower(a: LinkSpec, b: LinkSpec) -> LinkSpec:

@@ -20,13 +20,13 @@ from cascadia.trace import FrameTiming
 from cascadia.workload import MEASURED, prompt_length_notes
 
 
-def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, groups: int | None = None,
+def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None,
              timings: list[FrameTiming] | None = None, loss: Loss | None = None, detect_s: float = DETECT_S,
              acceptance: float = DEFAULT_ACCEPTANCE, acceptance_trace: dict[int, list[Step]] | None = None,
              warm_up: bool = True) -> dict:
     """Simulate every concurrency level of `spec.workload` (warm-up and measured phase) on `plan`.
 
-    `plan` defaults to the planner's; `groups` (pipeline groups) to one per stage. Prompts come from the workload's
+    `plan` defaults to the planner's. Prompts come from the workload's
     prompts file (text encoded by the checkpoint's tokenizer), or are seeded random ones without one. `timings`: a
     list that takes every frame's way round the pipeline, for a trace. `loss`: a node lost in each level's measured
     phase, found `detect_s` later (`cascadia.sim.loss`); the result then says, per level, what it cost ("losses").
@@ -47,7 +47,7 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None, gro
     model.timings = timings
     how = recovery(loss, spec, plan.stages, calibration, detect_s) if loss else None
     drafter = TraceDrafter(acceptance_trace) if acceptance_trace else RateDrafter(acceptance, spec.workload.seed)
-    policy = Policy.for_runtime(spec.runtime, groups or len(plan.stages), plan.kv_pools, drafter)
+    policy = Policy.for_runtime(spec.runtime, len(plan.stages), plan.kv_pools, drafter)
 
     def run_phase(level, phase, recorder):
         if not warm_up and phase.name != MEASURED:

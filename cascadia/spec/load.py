@@ -8,6 +8,7 @@ and key path.
                links: {default: {bandwidth: 1gbit, latency: 100us}, pairs: [{between: [pc0, pc1], ...}]}
                reserve: 2GiB                             # kept free on every node
     runtime:   context_budget, max_streams, kv_block, precision, kv_precision, row_buckets, prefill_window,
+               pipeline_groups,
                moe_grouped_from, fused_attention_from, speculate
     workload:  concurrency: 1,2,4  requests  prompt_tokens: {uniform: [8, 24]}  output_tokens  greedy ...
     include:   [models/inkling.yaml, clusters/lab.yaml]  # merged first, in order; this file's keys win
@@ -241,7 +242,8 @@ def _cpu_list(value: Any) -> tuple[int, ...]:
         raise _Invalid(str(e)) from None
 
 
-def _buckets(value: Any) -> tuple[int, ...]:
+def parse_row_buckets(value: Any) -> tuple[int, ...]:
+    """`runtime.row_buckets` from its YAML value or a string "1,2,8"; a ValueError saying what is wrong."""
     buckets = _int_list(value)
     if list(buckets) != sorted(buckets):
         raise _Invalid(f"must be increasing, got {shown(value)}")
@@ -575,8 +577,9 @@ def _runtime(ctx: _Context, node: Node | None) -> RuntimeSpec:
         "kv_block": fields.take("kv_block", _positive_int),
         "precision": fields.take("precision", _choice(PRECISIONS)),
         "kv_precision": fields.take("kv_precision", _choice(PRECISIONS)),
-        "row_buckets": fields.take("row_buckets", _buckets),
+        "row_buckets": fields.take("row_buckets", parse_row_buckets),
         "prefill_window": fields.take("prefill_window", _positive_int),
+        "pipeline_groups": fields.take("pipeline_groups", _positive_int),
         "moe_grouped_from": fields.take("moe_grouped_from", _rows_or("auto", "never")),
         "fused_attention_from": fields.take("fused_attention_from", _rows_or("never")),
         "speculate": fields.take("speculate", _speculate),

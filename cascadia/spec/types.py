@@ -211,6 +211,8 @@ class RuntimeSpec:
     kv_precision: str = "f32"  # dtype of the K/V cache and convolution states
     row_buckets: tuple[int, ...] = (1, 2, 8, 16, 24, 32)  # increasing: rows of a call are padded up to one
     prefill_window: int = 8  # most prompt rows admitted per step
+    # groups the streams are split into, each with one frame in flight: None, one per stage (every stage busy)
+    pipeline_groups: int | None = None
     # MoE calls of at least this many rows (their bucket) run expert-grouped, smaller ones fused; "auto": from the
     # engine's own measurement at start-up; "never": always fused.
     moe_grouped_from: int | str = "never"
@@ -225,6 +227,10 @@ class RuntimeSpec:
     def max_draft(self) -> int:
         """The most draft rows a stream's frame carries, and so the most positions a stage rewinds (0: off)."""
         return parse_speculate(self.speculate)
+
+    def groups(self, stages: int) -> int:
+        """Pipeline groups on a plan of `stages` stages."""
+        return self.pipeline_groups or stages
 
     def window_misfit(self) -> str:
         """Why the prefill window cannot be filled ("" when it can): more prompt rows than the slots hold."""
