@@ -1,14 +1,15 @@
 """Write tests/fixtures/param_counts.json: parameter counts per op kind of transformers' InklingForCausalLM,
-LlamaForCausalLM and Qwen3MoeForCausalLM, for the released sizes and for small configurations of odd shapes.
+LlamaForCausalLM, Qwen3MoeForCausalLM and DeepseekV3ForCausalLM, for the released sizes and for small configurations
+of odd shapes.
 
 Reference tooling, run by a developer (needs torch and transformers, `pip install -e .[dev]`), never by the tests:
     python scripts/count_params.py
 The models are built on the meta device, so even the full 947B-parameter configuration takes no memory. Counts
 cover every stored tensor (the state dict: parameters and persistent buffers such as the router's correction bias;
 a tied head is stored once, as the embedding), and the parameters one token uses (`active`: top-k of the routed
-experts). The small configurations also record every tensor's shape (but Qwen3-MoE's: transformers holds its experts
-stacked in memory and saves them one by one), and each Llama or Qwen3-MoE its RoPE as transformers reads it
-(`rope_parameters`).
+experts). The small configurations also record every tensor's shape (but the routed experts of Qwen3-MoE and
+DeepSeek-V3: transformers holds them stacked in memory and saves them one by one), and each Llama, Qwen3-MoE or
+DeepSeek-V3 its RoPE as transformers reads it (`rope_parameters`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 from transformers.models.inkling.configuration_inkling import InklingTextConfig
 from transformers.models.inkling.modeling_inkling import InklingForCausalLM
 
@@ -35,6 +37,17 @@ LLAMA_31 = {"model_type": "llama", "vocab_size": 128256, "num_attention_heads": 
 QWEN3 = {"model_type": "qwen3_moe", "vocab_size": 151936, "num_key_value_heads": 4, "head_dim": 128,
          "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "rope_theta": 1e6,
          "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+# DeepSeek-V3's config.json as released; Kimi K2 Instruct 0905's differs in the keys below
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": 129280, "max_position_embeddings": 163840,
+               "rope_theta": 10000.0, "num_nextn_predict_layers": 1,
+               "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+KIMI_K2 = DEEPSEEK_V3 | {"vocab_size": 163840, "num_attention_heads": 64, "num_key_value_heads": 64,
+                         "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                         "routed_scaling_factor": 2.827, "max_position_embeddings": 262144, "rope_theta": 50000.0,
+                         "rope_scaling": {"type": "yarn", "factor": 64, "original_max_position_embeddings": 4096,
+                                          "beta_fast": 1, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
 
 CONFIGS = {
     # the released model
@@ -96,10 +109,33 @@ CONFIGS = {
         "attention_bias": True, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
         "decoder_sparse_step": 2, "mlp_only_layers": [3], "rope_theta": 1e6,
     },
+    "deepseek-v3": DEEPSEEK_V3,
+    "kimi-k2": KIMI_K2,
+    # low ranks, several expert groups, two dense layers, two shared experts, biases, YaRN in transformers 5's keys
+    "deepseek_small_odd": {
+        "model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": 48, "intermediate_size": 72,
+        "moe_intermediate_size": 12, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 24, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10,
+        "n_routed_experts": 12, "n_group": 3, "topk_group": 2, "num_experts_per_tok": 3, "n_shared_experts": 2,
+        "first_k_dense_replace": 2, "attention_bias": True, "routed_scaling_factor": 1.5,
+        "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 64, "mscale_all_dim": 0.7},
+    },
+    # a plain q_proj (no q_lora_rank), one group, one shared expert, no dense layer, plain RoPE
+    "deepseek_small_plain": {
+        "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 40,
+        "moe_intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "q_lora_rank": None, "kv_lora_rank": 12, "qk_rope_head_dim": 4, "qk_nope_head_dim": 6, "v_head_dim": 8,
+        "n_routed_experts": 5, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 0,
+    },
 }
 
 
-REFERENCES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+REFERENCES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+              "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}
+STACKED_EXPERTS = ("qwen3_moe", "deepseek_v3")  # families whose routed experts transformers holds stacked
 
 
 def count(raw: dict, with_shapes: bool) -> dict:
@@ -123,8 +159,9 @@ def count(raw: dict, with_shapes: bool) -> dict:
     experts, top_k = ours.routed_experts
     routed = by_kind.get("routed_experts", 0)
     out["active"] = out["total"] - routed + routed // experts * top_k if experts else out["total"]
-    if with_shapes and raw.get("model_type") != "qwen3_moe":
-        out["shapes"] = shapes
+    if with_shapes:
+        stacked = raw.get("model_type") in STACKED_EXPERTS
+        out["shapes"] = {name: shape for name, shape in shapes.items() if not (stacked and ".mlp.experts." in name)}
     if raw.get("model_type") in REFERENCES:
         out["rope_parameters"] = dict(config.rope_parameters)
     return out

@@ -61,15 +61,15 @@ def test_a_real_spec_still_plans():
 def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path, command):
     """A checkpoint of a family Cascadia does not know is not read as Inkling (a Llama one used to fail on a missing
     `embed_norm` tensor)."""
-    ckpt = tmp_path / "deepseek"
+    ckpt = tmp_path / "mixtral"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 64,
-                                                  "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2}))
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_size": 64,
+                                                  "architectures": ["MixtralForCausalLM"], "num_hidden_layers": 2}))
     (ckpt / "model.safetensors").write_bytes(b"")
     (tmp_path / "ids.json").write_text("[1, 2, 3]")
     paths = {"ckpt": ckpt, "ids": tmp_path / "ids.json", "out": tmp_path / "out"}
     result = CliRunner().invoke(cli, [part.format(**paths) for part in command])
     assert result.exit_code == 2
-    assert result.output == (f"Error: {ckpt}/config.json: model_type 'deepseek_v3' is not supported "
-                             "(supported: inkling, inkling_text, llama, qwen3_moe)\n")
+    assert result.output == (f"Error: {ckpt}/config.json: model_type 'mixtral' is not supported "
+                             "(supported: inkling, inkling_text, llama, qwen3_moe, deepseek_v3)\n")
     assert not (tmp_path / "out").exists()

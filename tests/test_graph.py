@@ -42,9 +42,13 @@ def test_parameter_counts_match_transformers(name):
 
 @pytest.mark.parametrize("name", sorted(n for n in FIXTURE if "shapes" in FIXTURE[n]))
 def test_tensor_shapes_match_transformers(name):
-    cfg = config_from_hf_dict(FIXTURE[name]["config"])
-    shapes = {tensor: list(shape) for tensor, (shape, _) in family(cfg).all_tensors(cfg).items()}
-    assert shapes == FIXTURE[name]["shapes"]
+    """Every tensor but, for the families transformers holds them stacked for, the routed experts (the fixture
+    leaves them out; their counts are checked above)."""
+    cfg, expected = config_from_hf_dict(FIXTURE[name]["config"]), FIXTURE[name]["shapes"]
+    stacked = not any(".mlp.experts." in tensor for tensor in expected)
+    shapes = {tensor: list(shape) for tensor, (shape, _) in family(cfg).all_tensors(cfg).items()
+              if not (stacked and ".mlp.experts." in tensor)}
+    assert shapes == expected
 
 
 def test_inkling_has_947b_parameters_41b_active():

@@ -71,7 +71,7 @@ def test_a_config_that_is_no_llama_is_refused_naming_the_key(raw, problem):
 def test_llama_is_known_by_its_architectures_and_other_families_still_are_not():
     assert family(config_from_hf_dict({"architectures": ["LlamaForCausalLM"]})) is llama
     with pytest.raises(UnsupportedModel, match=r"model_type 'mistral' is not supported \(supported: inkling, "
-                                               r"inkling_text, llama, qwen3_moe\)"):
+                                               r"inkling_text, llama, qwen3_moe, deepseek_v3\)"):
         config_from_hf_dict({"model_type": "mistral"})
 
 

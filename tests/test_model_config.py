@@ -125,12 +125,12 @@ def test_a_config_file_over_the_size_limit_is_refused_unread(tmp_path):
 
 # ---- which model a config describes --------------------------------------------------------------------------------
 OTHER_MODELS = [
-    ({"model_type": "gpt2", "n_layer": 12, "n_embd": 768}, "model_type 'gpt2' is not supported "
-                                                            r"\(supported: inkling, inkling_text, llama, qwen3_moe\)"),
+    ({"model_type": "gpt2", "n_layer": 12, "n_embd": 768},
+     r"model_type 'gpt2' is not supported \(supported: inkling, inkling_text, llama, qwen3_moe, deepseek_v3\)"),
     # refused before any field is read
-    ({"model_type": "deepseek_v3", "hidden_size": "junk"}, "model_type 'deepseek_v3' is not supported"),
-    ({"architectures": ["DeepseekV3ForCausalLM"]},
-     r"architectures \['DeepseekV3ForCausalLM'\] names no supported model"),
+    ({"model_type": "mixtral", "hidden_size": "junk"}, "model_type 'mixtral' is not supported"),
+    ({"architectures": ["MixtralForCausalLM"]},
+     r"architectures \['MixtralForCausalLM'\] names no supported model"),
     ({"model_type": "llama", "architectures": ["InklingForCausalLM"]}, r"architectures \['InklingForCausalLM'\] "
                                                                        r"names no supported model \(supported: "
                                                                        r"LlamaForCausalLM\)"),
@@ -141,7 +141,7 @@ OTHER_MODELS = [
 ]
 
 
-@pytest.mark.parametrize("raw, problem", OTHER_MODELS, ids=["gpt2", "deepseek_v3 with junk", "architectures only",
+@pytest.mark.parametrize("raw, problem", OTHER_MODELS, ids=["gpt2", "mixtral with junk", "architectures only",
                                                             "architectures of another family",
                                                             "architectures not a list", "multimodal", "unnamed",
                                                             "model_type not text"])
@@ -165,5 +165,5 @@ def test_inkling_is_known_by_its_model_type_or_architectures(tmp_path, named):
 def test_a_config_dict_must_name_its_model_and_may_not_name_another():
     with pytest.raises(UnsupportedModel, match=r"^model_type missing \(a model config names its model's type"):
         config_from_hf_dict({"hidden_size": 64})  # as a spec's inline config must too
-    with pytest.raises(UnsupportedModel, match="^model_type 'deepseek_v3' is not supported"):
-        config_from_hf_dict({"model_type": "deepseek_v3", "hidden_size": 64})
+    with pytest.raises(UnsupportedModel, match="^model_type 'mixtral' is not supported"):
+        config_from_hf_dict({"model_type": "mixtral", "hidden_size": 64})

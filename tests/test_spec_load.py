@@ -547,7 +547,7 @@ def test_cli_from_hf_of_another_model_writes_nothing(tmp_path, output):
                                       "-o", output if output == "-" else str(tmp_path / output)])
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr == (f"Error: {tmp_path}/gpt2/config.json: model_type 'gpt2' is not supported "
-                             "(supported: inkling, inkling_text, llama, qwen3_moe)\n")
+                             "(supported: inkling, inkling_text, llama, qwen3_moe, deepseek_v3)\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
 
 
@@ -568,10 +568,10 @@ def test_a_spec_of_another_model_is_refused_at_its_line(tmp_path):
     write(tmp_path, "gemma.json", json.dumps({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]}))
     assert problems(write(tmp_path, "s.yaml", CLUSTER + "model: {hf_config: gemma.json}\n")) == [
         f"{tmp_path}/s.yaml:2: model.hf_config: {tmp_path}/gemma.json: model_type 'gemma3' is not supported "
-        "(supported: inkling, inkling_text, llama, qwen3_moe)"]
-    assert problems(write(tmp_path, "t.yaml", CLUSTER + "model:\n  config:\n    model_type: deepseek_v3\n")) == [
-        f"{tmp_path}/t.yaml:4: model.config.model_type: model_type 'deepseek_v3' is not supported "
-        "(supported: inkling, inkling_text, llama, qwen3_moe)"]
+        "(supported: inkling, inkling_text, llama, qwen3_moe, deepseek_v3)"]
+    assert problems(write(tmp_path, "t.yaml", CLUSTER + "model:\n  config:\n    model_type: mixtral\n")) == [
+        f"{tmp_path}/t.yaml:4: model.config.model_type: model_type 'mixtral' is not supported "
+        "(supported: inkling, inkling_text, llama, qwen3_moe, deepseek_v3)"]
 
 
 def test_the_paper_specs_figures_are_the_plans():

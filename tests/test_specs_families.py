@@ -1,6 +1,7 @@
-"""The ready specs of the new families (specs/llama-*, specs/qwen3-*): each loads from its published config.json,
-plans with its published parameter count, and simulates; and the pipeline-shards paper's headline, Llama-3.1-8B
-INT4 on two AI PCs serving two users at 1.79x one PC's single stream, predicted from the same figures."""
+"""The ready specs of the new families (specs/llama-*, specs/qwen3-*, specs/deepseek-v3-*, specs/kimi-k2-*): each
+loads from its published config.json, plans with its published parameter count, and simulates; and the
+pipeline-shards paper's headline, Llama-3.1-8B INT4 on two AI PCs serving two users at 1.79x one PC's single stream,
+predicted from the same figures."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ SPECS = Path(__file__).parent.parent / "specs"
 SIZES = {"llama-3.1-8b-1pc": (8_030_261_248, 8_030_261_248), "llama-3.1-8b-2pc": (8_030_261_248, 8_030_261_248),
          "llama-3.1-70b-4pc": (70_553_706_496, 70_553_706_496),
          "qwen3-30b-a3b-1pc": (30_532_122_624, 3_353_032_704), "qwen3-30b-a3b-2pc": (30_532_122_624, 3_353_032_704),
-         "qwen3-235b-a22b-4pc": (235_093_634_560, 22_190_763_520)}
+         "qwen3-235b-a22b-4pc": (235_093_634_560, 22_190_763_520),
+         "deepseek-v3-6pc": (671_026_419_200, 37_552_297_472), "kimi-k2-9pc": (1_026_408_232_448, 32_861_500_928)}
 
 
 @pytest.mark.parametrize("name", sorted(SIZES))

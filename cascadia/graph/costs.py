@@ -63,7 +63,7 @@ class LayerCost:
     expert_bytes: int  # bytes of ONE routed expert (0 for dense layers)
     flops_per_row: float  # matmul FLOPs of one row at context 0
     attn_flops_per_position: float  # extra FLOPs per row per attended position (QK and PV)
-    kv_bytes_per_position: int  # K+V bytes per position per stream
+    kv_bytes_per_position: int  # K+V (or latent) bytes per position per stream
     kv_window: int | None  # K/V entries a sliding layer keeps, whatever the context (`kv_entries`); None = all
     conv_state_bytes: int  # the four short-convolution states per stream
 
@@ -141,8 +141,7 @@ def conv_state_bytes(model: ModelSpec, layer: int, kv_precision: str, rewind: in
 
 
 def kv_bytes_per_position(model: ModelSpec, layer: int, kv_precision: str) -> int:
-    n_kv, head_dim = model.config.heads(layer)[1:]
-    return 2 * n_kv * head_dim * STATE_DTYPE_BYTES[kv_precision]
+    return model.config.kv_values(layer) * STATE_DTYPE_BYTES[kv_precision]
 
 
 def layer_costs(model: ModelSpec, runtime: RuntimeSpec = RuntimeSpec()) -> list[LayerCost]:
@@ -152,7 +151,6 @@ def layer_costs(model: ModelSpec, runtime: RuntimeSpec = RuntimeSpec()) -> list[
     out = []
     for layer in range(cfg.num_hidden_layers):
         ops = layer_ops(model, layer).values()
-        n_heads, _, head_dim = cfg.heads(layer)
         routed = [op for op in ops if op.kind == "routed_experts"]
         weight_bytes = sum(op.weight_bytes for op in ops)
         experts = sum(op.weight_bytes for op in ops if op.kind in ("routed_experts", "shared_experts"))
@@ -167,7 +165,7 @@ def layer_costs(model: ModelSpec, runtime: RuntimeSpec = RuntimeSpec()) -> list[
             bytes_per_row=sum(op.bytes_per_row for op in ops),
             expert_bytes=routed[0].weight_bytes // cfg.routed_experts[0] if routed else 0,
             flops_per_row=sum(op.flops_per_row for op in ops),
-            attn_flops_per_position=4.0 * n_heads * head_dim,  # q.k and p.v, 2 FLOPs per multiply-add each
+            attn_flops_per_position=2.0 * cfg.attention_macs(layer),
             kv_bytes_per_position=kv_bytes_per_position(model, layer, kv_precision),
             kv_window=cfg.kv_entries(layer, math.inf, runtime.largest_bucket) if cfg.is_sliding(layer) else None,
             conv_state_bytes=sum(conv_state_bytes(model, layer, kv_precision, runtime.max_draft).values()),

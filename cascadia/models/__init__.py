@@ -19,10 +19,10 @@ from types import ModuleType
 from typing import Any
 
 from cascadia.errors import shown
-from cascadia.models import inkling, llama, qwen3_moe
+from cascadia.models import deepseek_v3, inkling, llama, qwen3_moe
 from cascadia.models.base import ConfigError, UnsupportedModel, read_config_json
 
-FAMILIES: dict[str, ModuleType] = {model_type: module for module in (inkling, llama, qwen3_moe)
+FAMILIES: dict[str, ModuleType] = {model_type: module for module in (inkling, llama, qwen3_moe, deepseek_v3)
                                    for model_type in module.MODEL_TYPES}
 
 

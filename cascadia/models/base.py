@@ -73,9 +73,28 @@ class ModelConfig(typing.Protocol):
 
     def heads(self, layer: int) -> tuple[int, int, int]: ...  # (query heads, key/value heads, head dim)
 
+    def kv_values(self, layer: int) -> int: ...  # values a stream keeps per position: its keys and values, or a latent
+
+    def attention_macs(self, layer: int) -> int: ...  # multiply-adds of one row per position it attends to
+
     def kv_entries(self, layer: int, context_budget: int, largest_bucket: int) -> int: ...
 
     def to_hf_dict(self) -> dict[str, Any]: ...
+
+
+class HeadAttention:
+    """What a layer's attention keeps and computes per position where every head has its keys and values (all but
+    DeepSeek-V3's latent attention): for the config's `heads(layer)`."""
+
+    def kv_values(self, layer: int) -> int:
+        """A key and a value of each key/value head."""
+        _, kv_heads, head_dim = self.heads(layer)
+        return 2 * kv_heads * head_dim
+
+    def attention_macs(self, layer: int) -> int:
+        """Each query head's q.k and p.v."""
+        heads, _, head_dim = self.heads(layer)
+        return 2 * heads * head_dim
 
 
 class ConfigError(CascadiaError):

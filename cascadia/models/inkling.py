@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import attrs
 import numpy as np
 
-from cascadia.models.base import MAX_LAYERS, ConfigError, LayerKind, conform_fields
+from cascadia.models.base import MAX_LAYERS, ConfigError, HeadAttention, LayerKind, conform_fields
 from cascadia.models.names import EMBED, FINAL_NORM, HEAD, VECTOR, Tensors, checkpoint_tensors, op_by_prefix
 
 # The `model_type`s of Inkling's configs (transformers picks a config's class by it) and the classes an
@@ -49,7 +49,7 @@ def text_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 @attrs.frozen(kw_only=True)
-class InklingConfig:
+class InklingConfig(HeadAttention):
     model_type: ClassVar[str] = "inkling_text"
 
     vocab_size: int = 201024

@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 import attrs
 import numpy as np
 
-from cascadia.models.base import MAX_LAYERS, ConfigError, LayerKind, conform_fields
+from cascadia.models.base import MAX_LAYERS, ConfigError, HeadAttention, LayerKind, conform_fields
 from cascadia.models.names import EMBED, FINAL_NORM, HEAD, VECTOR, Tensors, checkpoint_tensors, op_by_prefix
-from cascadia.models.rope import RopeScaling, read_rope
+from cascadia.models.rope import ROPE_TYPES, RopeScaling, read_rope
 
 MODEL_TYPES = ("llama",)
 ARCHITECTURES = ("LlamaForCausalLM",)
@@ -27,9 +27,10 @@ MTP_PREFIX = "model.mtp."  # no Llama has multi-token-prediction layers: nothing
 
 
 @attrs.frozen(kw_only=True)
-class LlamaConfig:
+class LlamaConfig(HeadAttention):
     model_type: ClassVar[str] = "llama"
     FIELD_TYPES: ClassVar[dict[str, Any]]  # the keys a config may hold, with their types (set below)
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ROPE_TYPES  # the RoPE scalings it may have
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -70,7 +71,7 @@ class LlamaConfig:
         n_layers = d.get("num_hidden_layers", 32)
         if not 0 < n_layers <= MAX_LAYERS:
             raise ConfigError(f"num_hidden_layers must be an integer in 1..{MAX_LAYERS}, got {n_layers!r}")
-        if problems := read_rope(d, d.get("max_position_embeddings", 2048)):
+        if problems := read_rope(d, d.get("max_position_embeddings", 2048), cls.ROPE_TYPES):
             raise ConfigError("; ".join(problems))
         known = {f.name for f in attrs.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
@@ -112,7 +113,7 @@ class LlamaConfig:
             if getattr(self, name) <= 0:
                 out.append(f"{name} must be a positive number, got {getattr(self, name)!r}")
         if self.rope_scaling is not None:
-            out += self.rope_scaling.problems()
+            out += self.rope_scaling.problems(self.ROPE_TYPES)
         for name in ("bos_token_id", "pad_token_id"):
             if (token := getattr(self, name)) is not None and not 0 <= token < self.vocab_size:
                 out.append(f"{name} {token!r} lies outside the vocabulary (0..{self.vocab_size - 1})")

@@ -36,3 +36,26 @@ def op_by_prefix(name: str, prefixes: Iterable[tuple[str, str]]) -> str:
         if name.startswith(prefix):
             return kind
     raise KeyError(f"no op kind for layer tensor {name!r}")
+
+
+def expert(j: int, projection: str) -> str:
+    """Routed expert j's `gate`, `up` or `down` projection relative to the layer prefix, as released checkpoints and
+    `save_pretrained` name them one expert at a time (Qwen3-MoE, DeepSeek-V3)."""
+    return f"mlp.experts.{j}.{projection}_proj.weight"
+
+
+Stacked = tuple[tuple[int, ...], list[tuple[str, int]]]  # a stored stack's shape, and each part's name and first row
+
+
+def stacked_experts(stored: str, n: int, hidden: int, width: int) -> Stacked | None:
+    """A layer's `n` experts (each `width` wide) as transformers holds them in memory, and saves them with
+    `save_original_format=False`: `mlp.experts.gate_up_proj` [n, 2 width, hidden] (each expert's gate rows, then its
+    up rows) and `mlp.experts.down_proj` [n, hidden, width]. Their shape, and each expert's tensor (as `expert`
+    names it) with its first row of the stack's first two axes flattened; None for any other stored tensor."""
+    prefix, sep, rest = stored.partition("mlp.experts.")
+    if not sep or rest not in ("gate_up_proj", "down_proj"):
+        return None
+    if rest == "down_proj":
+        return (n, hidden, width), [(prefix + expert(j, "down"), j * hidden) for j in range(n)]
+    return (n, 2 * width, hidden), [(prefix + expert(j, projection), (2 * j + half) * width)
+                                    for j in range(n) for half, projection in enumerate(("gate", "up"))]

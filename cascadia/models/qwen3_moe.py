@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import attrs
 import numpy as np
 
-from cascadia.models import llama
+from cascadia.models import llama, names
 from cascadia.models.base import LayerKind
 from cascadia.models.llama import LlamaConfig
 from cascadia.models.names import VECTOR, Tensors, checkpoint_tensors, op_by_prefix
@@ -116,9 +116,7 @@ GATE, UP, DOWN = llama.GATE, llama.UP, llama.DOWN  # a dense layer's MLP
 ROUTER = "mlp.gate.weight"
 
 
-def expert(j: int, projection: str) -> str:
-    """Expert j's `gate`, `up` or `down` projection, relative to the layer prefix."""
-    return f"mlp.experts.{j}.{projection}_proj.weight"
+expert = names.expert
 
 
 _OP_PREFIXES = (("mlp.gate.", "router"), ("mlp.experts.", "routed_experts"), *llama.OP_PREFIXES)
@@ -162,18 +160,8 @@ kept_f32 = llama.kept_f32
 
 
 def stacked_parts(cfg: Qwen3MoeConfig, stored: str) -> tuple[tuple[int, ...], list[tuple[str, int]]] | None:
-    """A layer's experts as transformers holds them in memory, and saves them with `save_original_format=False`:
-    `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
-    [E, H, I]. Their shape, and each expert's tensor (as this module names it) with its first row of the stack's
-    first two axes flattened; None for any other stored tensor."""
-    prefix, sep, rest = stored.partition("mlp.experts.")
-    hidden, width, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    if not sep or rest not in ("gate_up_proj", "down_proj"):
-        return None
-    if rest == "down_proj":
-        return (n, hidden, width), [(prefix + expert(j, "down"), j * hidden) for j in range(n)]
-    return (n, 2 * width, hidden), [(prefix + expert(j, projection), (2 * j + half) * width)
-                                    for j in range(n) for half, projection in enumerate(("gate", "up"))]
+    """A layer's experts stacked as transformers holds them (`names.stacked_experts`); None for other tensors."""
+    return names.stacked_experts(stored, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
 
 def random_values(name: str, shape: tuple[int, ...], noise: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """RoPE's settings as transformers' configs write them, shared by the families that rotate their queries and keys:
 `rope_theta` and a scaling, read from `rope_parameters` (transformers 5) or from `rope_theta` and `rope_scaling`
 (released configs; a scaling's `type` is the older name of its `rope_type`). The rotation itself is
-`cascadia.engine.rope`.
+`cascadia.engine.rope`, of the types in ROPE_TYPES; a family that plans with another (DeepSeek-V3's `yarn`) names it.
 """
 
 from __future__ import annotations
@@ -14,25 +14,35 @@ import attrs
 from cascadia.errors import shown
 from cascadia.models.base import conform_fields
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3")  # what the engine rotates by
+YARN = "yarn"
 
 
 @attrs.frozen
 class RopeScaling:
     """How RoPE's frequencies are stretched beyond the trained context (`rope_scaling`): `linear` divides every
-    position by `factor`; `llama3` divides the low frequencies by it, keeps the high ones and blends between."""
+    position by `factor`; `llama3` divides the low frequencies by it, keeps the high ones and blends between; `yarn`
+    blends between the frequencies divided by it and the trained ones along a ramp set by `beta_fast` and
+    `beta_slow`, and scales the attention by `mscale` terms."""
 
     rope_type: str
     factor: float = 1.0
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None  # llama3
-    original_max_position_embeddings: int | None = None  # llama3: the trained context
+    original_max_position_embeddings: int | None = None  # llama3, yarn: the trained context
+    beta_fast: float | None = None  # yarn (transformers' default: 32)
+    beta_slow: float | None = None  # yarn (default 1)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn
+    truncate: bool | None = None  # yarn
 
-    def problems(self) -> list[str]:
+    def problems(self, types: tuple[str, ...] = ROPE_TYPES) -> list[str]:
+        """What makes it no scaling of `types`, each message starting with "rope_scaling"."""
         out = []
-        if self.rope_type not in ROPE_TYPES:
+        if self.rope_type not in types:
             out.append(f"rope_scaling type {shown(self.rope_type)} is not supported (supported: "
-                       f"{', '.join(ROPE_TYPES)})")
+                       f"{', '.join(types)})")
         if self.factor <= 0:
             out.append(f"rope_scaling factor must be a positive number, got {self.factor!r}")
         if self.rope_type == "llama3":
@@ -49,12 +59,16 @@ class RopeScaling:
 
 
 _SCALING_TYPES = {name: hint for name, hint in typing.get_type_hints(RopeScaling).items() if name != "rope_type"}
+_KEYS = {"linear": {"factor"},  # each type's keys
+         "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+         YARN: {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "attention_factor", "truncate"}}
 
 
-def read_rope(d: dict[str, Any], max_positions: int) -> list[str]:
+def read_rope(d: dict[str, Any], max_positions: int, types: tuple[str, ...] = ROPE_TYPES) -> list[str]:
     """Set `rope_theta` and `rope_scaling` (a `RopeScaling`, None for plain RoPE) in config keys `d`, read from
     `rope_parameters` (transformers 5) or `rope_theta` and `rope_scaling` (a scaling's `type` is the older name of
-    its `rope_type`); the problems, each starting with the key it is about."""
+    its `rope_type`), of one of `types`; the problems, each starting with the key it is about."""
     params = d.pop("rope_parameters", None)
     scaling = dict(params if params is not None else d.get("rope_scaling") or {})
     if "rope_theta" in scaling:
@@ -64,12 +78,12 @@ def read_rope(d: dict[str, Any], max_positions: int) -> list[str]:
     d["rope_scaling"] = None
     if rope_type == "default":
         return []
-    if rope_type not in ROPE_TYPES:
-        return [f"rope_scaling type {shown(rope_type)} is not supported (supported: {', '.join(ROPE_TYPES)})"]
-    if rope_type == "llama3":
+    if rope_type not in types:
+        return [f"rope_scaling type {shown(rope_type)} is not supported (supported: {', '.join(types)})"]
+    if rope_type in ("llama3", YARN):
         scaling.setdefault("original_max_position_embeddings", max_positions)
     scaling, problems = conform_fields(scaling, _SCALING_TYPES)
-    problems += [f"unknown key {key!r} for type {rope_type!r}" for key in sorted(set(scaling) - set(_SCALING_TYPES))]
+    problems += [f"unknown key {key!r} for type {rope_type!r}" for key in sorted(set(scaling) - _KEYS[rope_type])]
     if problems:
         return [f"rope_scaling: {problem}" for problem in problems]
     d["rope_scaling"] = RopeScaling(rope_type=rope_type, **scaling)
