@@ -5,6 +5,9 @@ in tests/test_graph.py (tests/fixtures/param_counts.json)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import attrs
 import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
@@ -14,12 +17,17 @@ from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.init_model import init_model
 from cascadia.graph.build import build_graph, graph_totals
 from cascadia.graph.costs import layer_costs
+from cascadia.graph.planner import plan as make_plan
 from cascadia.models import config_from_hf_dict, deepseek_v3, family
 from cascadia.models.base import ConfigError, LayerKind
 from cascadia.models.names import EMBED
-from cascadia.spec.types import ModelSpec, RuntimeSpec
+from cascadia.sim.analytic import analytic_calibration
+from cascadia.sim.simulate import simulate
+from cascadia.spec.load import load_spec
+from cascadia.spec.types import LengthSpec, ModelSpec, RuntimeSpec
 from test_graph import FIXTURE
 
+SPECS = Path(__file__).parent.parent / "specs"
 DEEPSEEK = sorted(n for n in FIXTURE if FIXTURE[n]["config"].get("model_type") == "deepseek_v3")
 
 
@@ -113,3 +121,22 @@ def test_a_random_checkpoint_is_written_and_read_whole_and_the_engine_refuses_it
     assert result.exit_code == 2 and result.output == (
         "Error: model_type 'deepseek_v3': the engine does not run this family yet (it plans and simulates it); it runs "
         "inkling, inkling_text, llama, qwen3_moe\n")
+
+
+def test_a_long_context_costs_each_decode_token_the_latents_read():
+    """DeepSeek-V3 on its 6 PCs, one stream at a 131,072-token prompt: every PC's pool holds it, and each later token
+    costs what reading the 61 layers' latents costs beyond a 128-token prompt's (131,072 x 1152 bytes a layer at
+    120 GB/s: 77 ms), as the simulator predicts it: decode is memory-bound, and keys and values per head would cost
+    71 times as much."""
+    spec = load_spec(SPECS / "deepseek-v3-6pc.yaml")
+    long = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, context_budget=131_200, kv_block=256, max_streams=1,
+                                                   row_buckets=(1, 2, 8, 32, 256), prefill_window=256))
+    tpot = {}
+    for prompt in (128, 131_072):
+        run = attrs.evolve(long, workload=attrs.evolve(long.workload, concurrency=(1,), requests=1,
+                                                       prompt_tokens=LengthSpec.fixed(prompt), output_tokens=16))
+        plan = make_plan(run)
+        assert min(pool.blocks for pool in plan.kv_pools) * 256 >= 131_072 + 16
+        tpot[prompt] = simulate(run, analytic_calibration(run), plan)["levels"][0]["tpot_s"]["p50"]
+    latents = 61 * 131_072 * 1152 / 120e9
+    assert tpot[131_072] - tpot[128] == pytest.approx(latents, rel=0.02)
