@@ -2,8 +2,8 @@
 
 For each case: seeded random weights (cascadia.engine.init_model.random_weights, so every parameter, including norm
 weights, global scales and routing corrections, is away from its trivial init) are loaded into transformers'
-InklingForCausalLM, LlamaForCausalLM or Qwen3MoeForCausalLM, saved with save_pretrained, read back in float32 with
-eager attention, and run to record reference logits. Run from the repository root:
+InklingForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM, saved with save_pretrained,
+read back in float32 with eager attention, and run to record reference logits. Run from the repository root:
 
     python scripts/make_fixtures.py            # writes tests/fixtures/<case>/, long/ and sampling/
     python scripts/make_fixtures.py --only long
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (DynamicCache, InklingForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache, InklingForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -108,6 +108,27 @@ CASES = {
         moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=2, tie_word_embeddings=True,
         rope_theta=1e6,
     ), dict(max_shard_size="200KB"), 7),
+    # DeepSeek-V3: low q and kv ranks, odd head widths (rope 8, nope 12, v 10), 12 experts in 3 groups of which 2
+    # are kept, top-3 renormalised and scaled, two shared experts, two dense layers first, biases, YaRN with
+    # mscale_all_dim (the softmax scale too), interleaved RoPE.
+    "deepseek_odd": (dict(
+        model_type="deepseek_v3", vocab_size=300, hidden_size=48, intermediate_size=72, moe_intermediate_size=12,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=12, n_group=3, topk_group=2,
+        num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=2, attention_bias=True,
+        routed_scaling_factor=1.5, max_position_embeddings=256,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=64,
+                             mscale=1.0, mscale_all_dim=0.7, beta_fast=8.0, beta_slow=1.0),
+    ), dict(), 10),
+    # a plain q_proj, one expert group, unnormalised weights, no dense layer, plain RoPE laid out in halves, a tied
+    # head, sharded
+    "deepseek_plain": (dict(
+        model_type="deepseek_v3", vocab_size=256, hidden_size=32, intermediate_size=40, moe_intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=12,
+        qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=8, n_routed_experts=5, n_group=1, topk_group=1,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=False,
+        rope_interleave=False, tie_word_embeddings=True, rope_theta=10000.0,
+    ), dict(max_shard_size="100KB"), 7),
 }
 
 
@@ -128,7 +149,8 @@ LONG_DECODE = 64
 LONG_SAMPLED = 48  # prompt positions whose full-forward logits are kept (besides the last)
 
 
-REFERENCES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+REFERENCES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+              "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}
 
 
 def model_class(hf: dict):
@@ -136,8 +158,8 @@ def model_class(hf: dict):
 
 
 def stacked_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Qwen3-MoE's experts as transformers holds them in memory: per layer gate_up_proj [E, 2I, H] (gate's rows,
-    then up's) and down_proj [E, H, I], from the checkpoint's one expert at a time."""
+    """Qwen3-MoE's and DeepSeek-V3's experts as transformers holds them in memory: per layer gate_up_proj [E, 2I, H]
+    (gate's rows, then up's) and down_proj [E, H, I], from the checkpoint's one expert at a time."""
     out, stacks = {}, {}
     for name, w in weights.items():
         prefix, sep, rest = name.partition(".mlp.experts.")
@@ -162,7 +184,7 @@ def build_model(hf: dict, seed: int):
         model = InklingForCausalLM(InklingTextConfig(**hf, attn_implementation="eager"))
     weights = {name: torch.from_numpy(w)
                for name, w in random_weights(config_from_hf_dict({"model_type": "inkling_text"} | hf), seed)}
-    if hf.get("model_type") == "qwen3_moe":
+    if hf.get("model_type") in ("qwen3_moe", "deepseek_v3"):
         weights = stacked_experts(weights)
     # also proves the family's module names every parameter (a tied head is the embedding's, loaded with it)
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -19,7 +19,8 @@ from cascadia.models.inkling import all_tensors, canonical_name, embedding_tenso
 from cascadia.models.names import EMBED, HEAD, layer_prefix
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CASES = ("base", "sharded", "bf16_unpadded", "llama_odd", "llama_plain", "qwen3_odd", "qwen3_norm", "qwen3_stacked")
+CASES = ("base", "sharded", "bf16_unpadded", "llama_odd", "llama_plain", "qwen3_odd", "qwen3_norm", "qwen3_stacked",
+         "deepseek_odd", "deepseek_plain")
 
 
 def small_config(**over) -> dict:
@@ -52,7 +53,7 @@ def test_fixture_lists_exactly_the_model_tensors_and_validates(case):
 
 
 @pytest.mark.parametrize("case", ["base", "sharded", "llama_odd", "llama_plain", "qwen3_odd", "qwen3_norm",
-                                  "qwen3_stacked"])
+                                  "qwen3_stacked", "deepseek_odd", "deepseek_plain"])
 def test_f32_fixture_values_are_the_seeded_random_weights(case):
     # scripts/make_fixtures.py loads random_weights(seed 0) into transformers and saves: values come back exactly
     ckpt = Checkpoint.open(FIXTURES / case)

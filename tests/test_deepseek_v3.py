@@ -103,10 +103,10 @@ def test_the_published_sizes_plan_with_their_parameter_counts(name, total, activ
     assert (totals.params, totals.active_params) == (total, active) == (FIXTURE[name]["total"], FIXTURE[name]["active"])
 
 
-def test_a_random_checkpoint_is_written_and_read_whole_and_the_engine_refuses_it_by_name(tmp_path):
+def test_a_random_checkpoint_is_written_read_whole_and_generates(tmp_path):
     """init-model writes every tensor the description names (transformers loads such a checkpoint with no key missing
-    or unexpected: checked by hand, as transformers is no test dependency); the checkpoint reads them back at their
-    shapes, the bf16 one keeps the correction bias in f32, and the engine says it does not run the family yet."""
+    or unexpected: scripts/make_fixtures.py builds its reference models so); the checkpoint reads them back at their
+    shapes, the bf16 one keeps the correction bias in f32, and `generate` runs it (exactness: test_engine_exact)."""
     cfg = config_from_hf_dict(FIXTURE["deepseek_small_odd"]["config"])
     init_model(cfg, tmp_path / "f32")
     checkpoint = Checkpoint.open(tmp_path / "f32")
@@ -117,10 +117,9 @@ def test_a_random_checkpoint_is_written_and_read_whole_and_the_engine_refuses_it
     with safe_open(tmp_path / "bf16" / "model.safetensors", "np") as stored:
         dtypes = {name: stored.get_slice(name).get_dtype() for name in stored.keys()}
     assert dtypes["model.layers.2." + deepseek_v3.ROUTER_BIAS] == "F32" and dtypes[EMBED] == "BF16"
-    result = CliRunner().invoke(cli, ["generate", str(tmp_path / "f32"), "--prompt", "hi"])
-    assert result.exit_code == 2 and result.output == (
-        "Error: model_type 'deepseek_v3': the engine does not run this family yet (it plans and simulates it); it runs "
-        "inkling, inkling_text, llama, qwen3_moe\n")
+    result = CliRunner().invoke(cli, ["generate", str(tmp_path / "bf16"), "--ids", "1,2,3", "--max-new-tokens", "4",
+                                      "--greedy"])
+    assert result.exit_code == 0, result.output
 
 
 def test_a_long_context_costs_each_decode_token_the_latents_read():

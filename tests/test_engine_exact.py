@@ -1,7 +1,8 @@
 """The f32 engine against transformers' logits (tests/fixtures/<case>/reference.npz, made by
 scripts/make_fixtures.py): prefill, cached decode, and batches mixing streams at different positions; Inkling's MoE
-and Qwen3-MoE's layers fused, and expert-grouped at every call size; Llamas of odd shapes (GQA, head_dim, biases,
-a tied head, llama3 and linear RoPE)."""
+and Qwen3-MoE's and DeepSeek-V3's layers fused, and expert-grouped at every call size; Llamas of odd shapes (GQA,
+head_dim, biases, a tied head, llama3 and linear RoPE); DeepSeek-V3 attending in the latent (YaRN, interleaved RoPE,
+grouped routing, shared experts)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from cascadia.engine.rows import BatchError
 from cascadia.spec.types import RuntimeSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CASES = ("base", "sharded", "bf16_unpadded", "qwen3_odd", "qwen3_norm", "qwen3_stacked")
+CASES = ("base", "sharded", "bf16_unpadded", "qwen3_odd", "qwen3_norm", "qwen3_stacked", "deepseek_odd",
+         "deepseek_plain")
 DENSE_CASES = ("llama_odd", "llama_plain")  # no experts: one path
 # Largest |engine - reference| allowed, relative to the largest |reference logit|. Measured: below 1e-6.
 TOLERANCE = 1e-4

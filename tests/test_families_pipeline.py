@@ -1,7 +1,8 @@
 """Each new family through the distributed pipeline: three real node processes on 127.0.0.1 serving a fixture saved
 by transformers (llama_odd: GQA, head_dim 12, biases, a tied head, llama3 RoPE; qwen3_odd: q/k norms, 6 experts
-top-2 and a dense layer) give the tokens of the single-process engine, greedy and sampled, with and without
-speculation; served, a node killed under 24 streaming clients costs no request and no token."""
+top-2 and a dense layer; deepseek_odd: latent attention, YaRN, grouped sigmoid routing, shared experts) give the
+tokens of the single-process engine, greedy and sampled, with and without speculation; served, a node killed under
+24 streaming clients costs no request and no token."""
 
 import asyncio
 import os
@@ -38,6 +39,13 @@ FAMILIES = {
                                 "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [0],
                                 "max_position_embeddings": 256}),
+    "deepseek_v3": ("deepseek_odd", {"model_type": "deepseek_v3", "vocab_size": 512, "hidden_size": 64,
+                                     "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+                                     "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32,
+                                     "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                                     "v_head_dim": 8, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
+                                     "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                                     "max_position_embeddings": 256}),
 }
 SPEC = """\
 model: {{name: {name}, hf_config: {checkpoint}/config.json, checkpoint: {checkpoint}, formats: f32}}

@@ -67,15 +67,18 @@ def test_a_convolution_over_a_chunk_is_the_one_over_its_rows_one_call_each(preci
     assert np.array_equal(chunk, steps) and np.array_equal(chunk_state, step_state)
 
 
-@pytest.mark.parametrize("model", ["inkling", "qwen3_odd", "llama_plain"])
+@pytest.mark.parametrize("model", ["inkling", "qwen3_odd", "llama_plain", "deepseek_odd"])
 @pytest.mark.parametrize("precision, formats", [("f32", WeightFormats()), ("bf16", WeightFormats()),
                                                 ("bf16", COMPRESSED)], ids=["f32", "bf16", "bf16-compressed"])
 def test_a_streams_decode_step_is_the_same_alone_padded_or_beside_others(checkpoint, model, precision, formats):
     """Stream 0's logits for its next token, its prompt prefilled alone each time (the same state): alone, padded
     to every bucket, and in a call with every other stream, bit for bit; for each family (the tiny Inkling, the
-    fixtures' Qwen3-MoE and Llama)."""
+    fixtures' Qwen3-MoE, Llama and DeepSeek-V3)."""
     if runs_as(precision, "CPU") != precision:
         pytest.skip(f"this CPU has no {precision} arithmetic: OpenVINO computes it in {runs_as(precision, 'CPU')}")
+    if model == "deepseek_odd" and formats.attention.is_integer:
+        pytest.skip("deepseek_odd's q_b_proj has 24 input columns: OpenVINO's bf16 matmul of int8 weights with fewer "
+                    "than 32 (int4: 64) computes a row differently beyond 2 rows (a released model's have 1536)")
     runtime = RuntimeSpec(context_budget=32, max_streams=BUCKETS[-1], precision=precision, kv_precision=precision,
                           row_buckets=BUCKETS)
     engine = Engine(Checkpoint.open(checkpoint if model == "inkling" else FIXTURES / model), runtime, formats=formats)
@@ -97,7 +100,7 @@ def test_a_streams_decode_step_is_the_same_alone_padded_or_beside_others(checkpo
         assert np.array_equal(step(bucket, bucket), alone), f"beside {bucket - 1} other streams"
 
 
-@pytest.mark.parametrize("model", ["inkling", "qwen3_odd", "llama_plain"])
+@pytest.mark.parametrize("model", ["inkling", "qwen3_odd", "llama_plain", "deepseek_odd"])
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 def test_a_stream_taken_in_again_gives_the_logits_of_its_decode_steps(checkpoint, model, precision):
     """A prompt and the tokens a stream went on with, taken in again in one call (as a replay after a node's loss
@@ -122,7 +125,7 @@ def assert_taken_in_again_as_decoded(engine: Engine, tokens: int) -> None:
     assert np.array_equal(engine.prefill(0, np.concatenate([prompt, ids])), logits)
 
 
-@pytest.mark.parametrize("model", ["qwen3_odd", "llama_plain"])
+@pytest.mark.parametrize("model", ["qwen3_odd", "llama_plain", "deepseek_odd"])
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 def test_a_long_stream_taken_in_again_in_chunks_gives_the_logits_of_its_decode_steps(model, precision):
     """A prompt of 6 and 140 tokens decoded a step at a time, taken in again in chunks of 64 rows (the second and

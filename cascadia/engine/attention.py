@@ -62,6 +62,7 @@ class AttentionShape:
     bias_extent: int  # the relative-bias bank covers distances 0 .. bias_extent-1; zero beyond (0: no bank)
     log_scaling: tuple[int, float] | None  # (n_floor, alpha) on global layers that scale queries and bias
     scale: float  # of the scores q.k (Inkling's q and k are RMS-normalised: 1/d; Llama's d^-0.5)
+    values_are_keys: bool = False  # a latent's store: each position's value is its key (`PagedKV`)
 
 
 def log_scale(positions: np.ndarray, n_floor: int, alpha: float) -> np.ndarray:

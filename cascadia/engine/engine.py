@@ -105,7 +105,7 @@ class StageEngine:
                 place = sum(map(cfg.is_sliding, layers[:len(self.states)]))  # among the stage's sliding layers
                 kv = PagedRing(self.pool, place, shape.kv_heads, shape.head_dim, fmt)
             else:
-                kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt, fused_from)
+                kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt, fused_from, shape.values_are_keys)
             self.states.append(host.slot_state(cfg, kv, runtime.max_streams, fmt, self.rewind))
             advance()
         if head:

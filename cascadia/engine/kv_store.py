@@ -182,14 +182,18 @@ class PagedRing:
 class PagedKV:
     """A global layer's keys and values in its stage's pool: blocks [blocks, kv, block, d]; entry p is position p.
     A stream's call of at least `fused_from` rows (a prompt's chunk) reads its far keys gathered, through OpenVINO's
-    fused attention (`cascadia.engine.attention`); None: never, every row through the spans a decode step reads."""
+    fused attention (`cascadia.engine.attention`); None: never, every row through the spans a decode step reads.
+    With `values_are_keys` (a latent attention's store: DeepSeek-V3 attends over one latent per position, which is
+    its key and, in part, its value), the values are the keys themselves, kept once."""
 
     span = None  # never wraps
 
-    def __init__(self, pool: BlockPool, kv_heads: int, head_dim: int, fmt: StateFormat, fused_from: int | None = None):
+    def __init__(self, pool: BlockPool, kv_heads: int, head_dim: int, fmt: StateFormat, fused_from: int | None = None,
+                 values_are_keys: bool = False):
         self.pool, self.fmt, self.fused_from = pool, fmt, fused_from
         shape = (kv_heads, pool.block, head_dim)
-        (self.k, self._k_part), (self.v, self._v_part) = (pool.global_view(fmt.dtype, shape) for _ in "kv")
+        self.k, self._k_part = pool.global_view(fmt.dtype, shape)
+        self.v, self._v_part = (self.k, self._k_part) if values_are_keys else pool.global_view(fmt.dtype, shape)
         self._parts = pool.parts(fmt.dtype, shape)
 
     @classmethod
@@ -204,7 +208,8 @@ class PagedKV:
         block = self.pool.block
         ids = np.take_along_axis(self.pool.table(slots, int(positions.max()) // block + 1), positions // block, 1)
         self.k[ids, :, positions % block] = self.fmt.encode(k)
-        self.v[ids, :, positions % block] = self.fmt.encode(v)
+        if self.v is not self.k:
+            self.v[ids, :, positions % block] = self.fmt.encode(v)
 
     def blocks(self, slots: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Keys and values where they lie, [blocks, kv, block, d] views of the pool in the stored format, and
