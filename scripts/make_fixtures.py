@@ -31,7 +31,6 @@ from transformers.models.inkling.configuration_inkling import InklingTextConfig
 
 from cascadia.engine.init_model import random_weights
 from cascadia.models import config_from_hf_dict
-from cascadia.models.inkling import InklingConfig
 
 S, G = "hybrid_sliding", "hybrid"
 SEQ_LEN = 40  # > sliding window and > rel_extent in every case
@@ -143,6 +142,16 @@ LONG = dict(
     intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
     n_shared_experts=2, route_scale=2.5, logits_mup_width_multiplier=2.0, conv_kernel_size=4,
     max_position_embeddings=8192,
+)
+# DeepSeek-V3 at long positions: YaRN over a trained context of 512 (factor 16), so that most of the prompt lies
+# beyond it; latents in many blocks and spans.
+LONG_DEEPSEEK = dict(
+    model_type="deepseek_v3", vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=8, n_group=2, topk_group=1,
+    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=8192,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=16.0, original_max_position_embeddings=512,
+                         mscale=1.0, mscale_all_dim=1.0),
 )
 LONG_PROMPT = 6080  # prompt tokens; then LONG_DECODE greedy tokens, one at a time with the cache
 LONG_DECODE = 64
@@ -269,23 +278,24 @@ def greedy(model: InklingForCausalLM, prompt: np.ndarray, n: int) -> tuple[np.nd
     return np.array(tokens, np.int64), torch.stack(rows).numpy()
 
 
-def make_long_case(root: Path, seed: int) -> None:
-    """tests/fixtures/long: config.json and reference.npz (see tests/fixtures/README.md)."""
-    out = root / "long"
+def make_long_case(root: Path, seed: int, name: str = "long", hf: dict = LONG) -> None:
+    """tests/fixtures/<name> (long, long_deepseek): config.json and reference.npz (see tests/fixtures/README.md)."""
+    out = root / name
     out.mkdir(parents=True, exist_ok=True)
-    model = build_model(LONG, seed)
-    (out / "config.json").write_text(json.dumps(InklingConfig.from_hf_dict(LONG).to_hf_dict(), indent=2) + "\n")
+    model = build_model(hf, seed)
+    config = config_from_hf_dict({"model_type": "inkling_text"} | hf)
+    (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     rng = np.random.default_rng(seed)
-    prompt = rng.integers(0, LONG["vocab_size"], LONG_PROMPT, dtype=np.int64)
+    prompt = rng.integers(0, hf["vocab_size"], LONG_PROMPT, dtype=np.int64)
     full = logits(model, prompt)
     positions = np.unique(np.r_[np.sort(rng.choice(LONG_PROMPT - 1, LONG_SAMPLED, replace=False)), LONG_PROMPT - 1])
     tokens, decode = greedy(model, prompt, LONG_DECODE)
     whole = logits(model, np.r_[prompt, tokens[:-1]])[LONG_PROMPT - 1:]
     gap = np.abs(decode - whole).max()
-    assert gap <= TOLERANCE, f"long: cached decode differs from the full forward by {gap}"
+    assert gap <= TOLERANCE, f"{name}: cached decode differs from the full forward by {gap}"
     np.savez_compressed(out / "reference.npz", seed=np.int64(seed), prompt_ids=prompt, positions=positions,
                         prompt_logits=full[positions], greedy_ids=tokens, greedy_logits=decode)
-    print(f"long: {LONG_PROMPT} prompt tokens, logits at {len(positions)} positions (std {full.std():.3f}), "
+    print(f"{name}: {LONG_PROMPT} prompt tokens, logits at {len(positions)} positions (std {full.std():.3f}), "
           f"{LONG_DECODE} greedy tokens; cached decode vs full forward max |diff| {gap:.2e}")
 
 
@@ -352,13 +362,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/fixtures"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=[*CASES, "long", "sampling"], help="write this case alone")
+    parser.add_argument("--only", choices=[*CASES, "long", "long_deepseek", "sampling"], help="write this case alone")
     args = parser.parse_args()
     for name, (hf, save_options, prefill_len) in CASES.items():
         if args.only in (None, name):
             make_case(name, hf, save_options, prefill_len, args.out, args.seed)
     if args.only in (None, "long"):
         make_long_case(args.out, args.seed)
+    if args.only in (None, "long_deepseek"):
+        make_long_case(args.out, args.seed, "long_deepseek", LONG_DEEPSEEK)
     if args.only in (None, "sampling"):
         make_sampling_case(args.out, args.seed)
         make_adjustments_case(args.out, args.seed)

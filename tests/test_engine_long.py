@@ -1,7 +1,8 @@
 """The f32 engine against transformers at long positions (tests/fixtures/long, made by scripts/make_fixtures.py):
 a 6,080-token prompt in chunked prefill, then 64 greedy tokens, on a model whose sliding rings wrap hundreds of times
-and whose global layers are log-scaled (tau 2.8 at the end). The checkpoint is rewritten from the fixture's config
-and seed; only some positions' logits are stored."""
+and whose global layers are log-scaled (tau 2.8 at the end); and on a DeepSeek-V3 attending in its latents, mostly
+beyond its YaRN-scaled trained context (tests/fixtures/long_deepseek). The checkpoints are rewritten from the
+fixtures' configs and seeds; only some positions' logits are stored."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from cascadia.engine.init_model import init_model
 from cascadia.engine.kv_store import PagedKV
 from cascadia.engine.state_format import StateFormat
 from cascadia.graph.planner import plan as make_plan
+from cascadia.models import config_from_hf_dict
 from cascadia.models.inkling import InklingConfig
 from cascadia.pipeline.run import Pipeline
 from cascadia.spec.types import RuntimeSpec
@@ -91,6 +93,39 @@ def test_chunked_prefill_and_greedy_decode_match_transformers(long_checkpoint, r
         chunks = -(-len(prompt) // max(row_buckets))
         assert len(fused_calls) == 2 * 2 * (chunks - 1)
         assert (max(fused_calls) > fused_keys) == (fused_keys < FUSED_KEYS)  # several pieces only when asked
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """tests/fixtures/long_deepseek's reference, and its checkpoint rewritten from its config and seed."""
+    reference = dict(np.load(FIXTURE.with_name("long_deepseek") / "reference.npz"))
+    config = config_from_hf_dict(json.loads((FIXTURE.with_name("long_deepseek") / "config.json").read_text()))
+    folder = tmp_path_factory.mktemp("long-deepseek")
+    init_model(config, folder, seed=int(reference["seed"]))
+    return reference, folder
+
+
+@pytest.mark.parametrize("fused_from, span_keys, fused_keys", [("never", SPAN_KEYS, FUSED_KEYS), (64, 192, 128)],
+                         ids=["spans", "spans-192-fused-128"])
+def test_deepseek_v3s_latents_at_long_positions_match_transformers(deepseek, fused_from, span_keys, fused_keys,
+                                                                   monkeypatch):
+    """DeepSeek-V3 (tests/fixtures/long_deepseek) to position 6,143, most of it beyond its YaRN-scaled trained
+    context of 512: each position's latent is its key and its value, read in spans (two of 4,096, or 32 of 192
+    combined on the thread pool) and, from chunks of 64 rows, fused (the far latents in pieces of 128)."""
+    reference, checkpoint = deepseek
+    monkeypatch.setattr(attention, "SPAN_KEYS", span_keys)
+    monkeypatch.setattr(attention, "FUSED_KEYS", fused_keys)
+    fused_calls = []
+    fused = attention._fused
+    monkeypatch.setattr(attention, "_fused", lambda *args: fused_calls.append(args[4]) or fused(*args))
+    engine = Engine(Checkpoint.open(checkpoint), long_runtime(row_buckets=(1, 8, 256), fused_attention_from=fused_from),
+                    threads=1)
+    prompt = reference["prompt_ids"]
+    assert_close(engine.score(prompt)[reference["positions"]], reference["prompt_logits"])
+    tokens, logits = greedy_continuation(engine, prompt, len(reference["greedy_ids"]), slot=1)
+    assert tokens == reference["greedy_ids"].tolist()
+    assert_close(logits, reference["greedy_logits"])
+    assert bool(fused_calls) == (fused_from != "never")
 
 
 def test_the_pipeline_matches_transformers_at_long_positions(spec, long_checkpoint, reference):

@@ -78,7 +78,7 @@ def test_a_streams_decode_step_is_the_same_alone_padded_or_beside_others(checkpo
         pytest.skip(f"this CPU has no {precision} arithmetic: OpenVINO computes it in {runs_as(precision, 'CPU')}")
     if model == "deepseek_odd" and formats.attention.is_integer:
         pytest.skip("deepseek_odd's q_b_proj has 24 input columns: OpenVINO's bf16 matmul of int8 weights with fewer "
-                    "than 32 (int4: 64) computes a row differently beyond 2 rows (a released model's have 1536)")
+                    "than 32 (int4: 64) computes a row differently beyond 2 rows (a released model's have 1,536)")
     runtime = RuntimeSpec(context_budget=32, max_streams=BUCKETS[-1], precision=precision, kv_precision=precision,
                           row_buckets=BUCKETS)
     engine = Engine(Checkpoint.open(checkpoint if model == "inkling" else FIXTURES / model), runtime, formats=formats)

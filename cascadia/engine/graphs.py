@@ -48,6 +48,34 @@ def attention_input(projections: Sequence[np.ndarray], fmt: WeightFormat, norm: 
     return ov.Model([q, rest], [x], "attention_input")
 
 
+def _per_head(x: ov.Output, heads: int, w: np.ndarray, fmt: WeightFormat) -> ov.Output:
+    """x [T, h in] -> [T, h out]: each head's columns through its own matrix of w [h, out, in], as one product of a
+    row and a matrix for each row and head (batched over rows, a product's kernel would depend on their count)."""
+    rows = ops.reshape(x, ints(0, heads, 1, -1), True)  # [T, h, 1, in]
+    return ops.reshape(linear(rows.output(0), weight(w, fmt)), ints(0, -1), True).output(0)
+
+
+def latent_query(q_b: np.ndarray | None, w_uk: np.ndarray, rope: int, fmt: WeightFormat) -> ov.Model:
+    """DeepSeek-V3's queries in the latent (the absorbed form): x [T, in], the normed q latent through `q_b`
+    [h (N + R), in] (or, with None, the queries themselves) -> each head's non-rotated part through its key rows of
+    kv_b_proj, w_uk [h, L, N] -> [T, h L], and the rotated parts, before RoPE, [T, h R]."""
+    heads, _, nope = w_uk.shape
+    x = _rows(q_b.shape[1] if q_b is not None else heads * (nope + rope))
+    q = x.output(0) if q_b is None else linear(x.output(0), weight(q_b, fmt))
+    by_head = ops.reshape(q, ints(0, heads, nope + rope), True)
+    q_nope, q_rot = ops.variadic_split(by_head, const(np.int64(-1)), ints(nope, rope)).outputs()
+    latent = _per_head(ops.reshape(q_nope, ints(0, -1), True).output(0), heads, w_uk, fmt)
+    return ov.Model([latent, ops.reshape(q_rot, ints(0, -1), True).output(0)], [x], "latent_query")
+
+
+def latent_output(w_uv: np.ndarray, o_proj: np.ndarray, fmt: WeightFormat) -> ov.Model:
+    """DeepSeek-V3's attention output from the latent: x [T, h L], each head's attention over the latents, through its
+    value rows of kv_b_proj, w_uv [h, V, L], then o_proj [H, h V] -> [T, H]."""
+    heads, _, latent = w_uv.shape
+    x = _rows(heads * latent)
+    return ov.Model([linear(_per_head(x.output(0), heads, w_uv, fmt), weight(o_proj, fmt))], [x], "latent_output")
+
+
 def swiglu_mlp(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: WeightFormat) -> ov.Model:
     """x [T, H] -> down(silu(gate x) * up x) [T, H]."""
     x = _rows(gate.shape[1])

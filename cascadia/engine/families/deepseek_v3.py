@@ -6,15 +6,17 @@ The absorbed form attends over c itself: q_nope . (W_uk c) = (W_uk^T q_nope) . c
 So a stream keeps [c, k_rot] per position, one "head" of kv_lora_rank + qk_rope_head_dim values that is both key
 and value (`PagedKV` with `values_are_keys`), and each query head attends with [W_uk^T q_nope, q_rot]; the first
 kv_lora_rank columns of its output, times W_uv, are that head's value. The same sums as the reference's, in
-another order: f32 logits agree to about 1e-6.
+another order: f32 logits agree to about 1e-6. kv_b_proj's rows are compiled per head into the blocks before and
+after the attention, in the attention's weight format.
 
     DecoderLayer.forward(x [T, H])
       q_a | kv_a = q_a_proj | kv_a_proj_with_mqa (input_layernorm(x)) (+ bias)     compiled
-      q = q_b_proj(q_a_layernorm(q_a))              (or q_proj with no q_lora_rank) compiled q_b
-      q_nope | q_rot = q;  c | k_rot = kv_a;  c = kv_a_layernorm(c)
+      q = q_b_proj(q_a_layernorm(q_a))              (or q_proj with no q_lora_rank) compiled query
+      q_latent = W_uk^T q_nope, q_rot                                              in the same block
+      c | k_rot = kv_a;  c = kv_a_layernorm(c)
       q_rot, k_rot = rope(q_rot), rope(k_rot)       YaRN, interleaved pairs where the config says
-      o = attention([W_uk^T q_nope, q_rot], [c, k_rot])[:, :, :kv_lora_rank] W_uv^T   scaled by qk_head_dim^-0.5 m^2
-      x = x + o_proj(o) (+ bias)                                                   compiled
+      o = attention([q_latent, q_rot], [c, k_rot])[:, :, :kv_lora_rank]           scaled by qk_head_dim^-0.5 m^2
+      x = x + o_proj(W_uv o) (+ bias)                                              compiled output
       h = post_attention_layernorm(x)
       x = x + experts(h, router(h)) + shared(h)     MoE layers (from first_k_dense_replace on), compiled
             | mlp(h)                                dense layers
@@ -92,18 +94,17 @@ class DecoderLayer(Mlp):
     rope_factor: float  # cos and sin times this (YaRN's attention factor)
     interleaved: bool
     q_width: int  # columns of the first projection: q_a (L_q) or, with no q_lora_rank, q (h (N + R))
+    latent: int  # L
     inputs: CompiledBlock  # x [T, H] -> q_a or q [T, q_width], kv_a [T, L + R]
     input_bias: np.ndarray | None  # [q_width + L + R]
     q_a_norm: np.ndarray | None  # [L_q]
-    q_b: CompiledBlock | None  # q_a [T, L_q] -> q [T, h (N + R)]
+    query: CompiledBlock  # q_a (normed) or q [T, q_width] -> q_latent [T, h L], q_rot [T, h R] (`graphs.latent_query`)
     kv_a_norm: np.ndarray  # [L]
-    w_uk: np.ndarray  # [h, N, L]: kv_b_proj's key rows, per head
-    w_uv: np.ndarray  # [h, V, L]: its value rows
-    o_proj: CompiledBlock  # [T, h V] -> [T, H]
+    output: CompiledBlock  # [T, h L] -> [T, H] (`graphs.latent_output`)
     o_bias: np.ndarray | None  # [H]
 
     def blocks(self) -> list[Compiled]:
-        return [block for block in (self.inputs, self.q_b, self.o_proj, self.mlp, self.grouped) if block is not None]
+        return [block for block in (self.inputs, self.query, self.output, self.mlp, self.grouped) if block is not None]
 
     def forward(self, x: np.ndarray, rows: Rows, state: SlotState) -> np.ndarray:
         """x [T, H], the residual stream of the rows -> after this layer. Updates the rows' latents."""
@@ -115,19 +116,19 @@ class DecoderLayer(Mlp):
         q, kv = self.inputs(x, bucket=rows.bucket)
         if self.input_bias is not None:
             q, kv = q + self.input_bias[:self.q_width], kv + self.input_bias[self.q_width:]
-        if self.q_b is not None:
-            q = self.q_b(rms_norm(q, self.q_a_norm, LATENT_EPS), bucket=rows.bucket)[0]
-        heads, (_, nope, latent) = self.shape.heads, self.w_uk.shape
-        q = q.reshape(len(x), heads, -1)
+        if self.q_a_norm is not None:
+            q = rms_norm(q, self.q_a_norm, LATENT_EPS)
+        q_latent, q_rot = self.query(q, bucket=rows.bucket)
+        heads, latent = self.shape.heads, self.latent
         c, k_rot = rms_norm(kv[:, :latent], self.kv_a_norm, LATENT_EPS), kv[:, None, latent:]
-        q_rot = rotate(q[..., nope:], rows.positions, self.inv_freq, self.rope_factor, self.interleaved)
+        q_rot = rotate(q_rot.reshape(len(x), heads, -1), rows.positions, self.inv_freq, self.rope_factor,
+                       self.interleaved)
         k_rot = rotate(k_rot, rows.positions, self.inv_freq, self.rope_factor, self.interleaved)
-        q_latent = np.matmul(q[:, :, None, :nope], self.w_uk)[:, :, 0]  # [T, h, L], each row's own products
+        query = np.concatenate([q_latent.reshape(len(x), heads, latent), q_rot], axis=-1)  # [T, h, L + R]
         key = np.concatenate([c[:, None], k_rot], axis=-1)  # [T, 1, L + R]
         no_bias = np.empty((len(x), heads, 0), np.float32)
-        out = attend_rows(self.shape, np.concatenate([q_latent, q_rot], axis=-1), key, key, no_bias, state.kv, rows)
-        values = np.matmul(out.reshape(len(x), heads, 1, -1)[..., :latent], self.w_uv.transpose(0, 2, 1))
-        out = self.o_proj(values.reshape(len(x), -1), bucket=rows.bucket)[0]
+        out = attend_rows(self.shape, query, key, key, no_bias, state.kv, rows).reshape(len(x), heads, -1)
+        out = self.output(np.ascontiguousarray(out[..., :latent]).reshape(len(x), -1), bucket=rows.bucket)[0]
         return out if self.o_bias is None else out + self.o_bias
 
 
@@ -152,20 +153,21 @@ def attention_parts(cfg: DeepseekV3Config, t: Mapping[str, np.ndarray], formats:
         input_bias = np.concatenate([q_bias, t[names.KV_A.replace(".weight", ".bias")]])
         o_bias = t[names.O_PROJ.replace(".weight", ".bias")]
     kv_b = t[names.KV_B].reshape(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, latent)
+    w_uk = np.ascontiguousarray(kv_b[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1))  # [h, L, N]: q_nope -> latent
+    w_uv = np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim:])  # [h, V, L]: latent -> value
+    q_b = None if cfg.q_lora_rank is None else t[names.Q_B]
     return dict(
         shape=AttentionShape(heads, 1, latent + rope, window=None, bias_extent=0, log_scaling=None,
                              scale=_scale(cfg), values_are_keys=True),
         eps=cfg.rms_norm_eps, post_norm=t[llama.POST_NORM],
         inv_freq=inverse_frequencies(rope, cfg.rope_theta, cfg.rope_scaling),
         rope_factor=cos_sin_factor(cfg.rope_scaling), interleaved=cfg.rope_interleave, q_width=t[first].shape[0],
+        latent=latent,
         inputs=compile(graphs.attention_input([t[first], t[names.KV_A]], formats.attention,
                                               t[llama.INPUT_NORM], None, cfg.rms_norm_eps)),
-        input_bias=input_bias,
-        q_a_norm=None if cfg.q_lora_rank is None else t[names.Q_A_NORM],
-        q_b=None if cfg.q_lora_rank is None else compile(graphs.projection([t[names.Q_B]], formats.attention)),
-        kv_a_norm=t[names.KV_A_NORM], w_uk=np.ascontiguousarray(kv_b[:, :cfg.qk_nope_head_dim]),
-        w_uv=np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim:]),
-        o_proj=compile(graphs.projection([t[names.O_PROJ]], formats.attention)), o_bias=o_bias)
+        input_bias=input_bias, q_a_norm=None if q_b is None else t[names.Q_A_NORM],
+        query=compile(graphs.latent_query(q_b, w_uk, rope, formats.attention)), kv_a_norm=t[names.KV_A_NORM],
+        output=compile(graphs.latent_output(w_uv, t[names.O_PROJ], formats.attention)), o_bias=o_bias)
 
 
 def build_layer(cfg: DeepseekV3Config, layer: int, t: Mapping[str, np.ndarray], formats: WeightFormats,
