@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache, InklingForCausalLM, LlamaConfig,
                           LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
@@ -245,6 +246,11 @@ def make_case(name: str, hf: dict, save_options: dict, prefill_len: int, root: P
     out = root / name
     save(build_model(hf, seed), out, **save_options)
     model = model_class(hf).from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    write_references(name, model, hf, prefill_len, out, seed)
+
+
+def write_references(name: str, model, hf: dict, prefill_len: int, out: Path, seed: int) -> None:
+    """reference.npz of a case: its model's logits for seeded token sequences, prefilled and decoded."""
     vocab = hf.get("unpadded_vocab_size") or hf["vocab_size"]
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab, SEQ_LEN, dtype=np.int64)
@@ -262,6 +268,63 @@ def make_case(name: str, hf: dict, save_options: dict, prefill_len: int, root: P
           f"decode vs prefill max |diff| {gap:.2e}, files {files}")
     if model_class(hf) is InklingForCausalLM:
         print(f"  {check_window(model, ids)}")
+
+
+# DeepSeek-V3 as DeepSeek releases its checkpoints: each matrix of the decoder layers in FP8 (e4m3) with a float32
+# factor per block (`weight_scale_inv`; blocks of 8 x 8 here, of 128 x 128 in the releases, so that the fixture's
+# small matrices hold several), everything else unquantised, and a multi-token-prediction layer after the last.
+FP8_BLOCK = (8, 8)
+FP8_LAYER_PARTS = (".self_attn.", ".mlp.")  # matrices of these, but the router's (`mlp.gate.weight`), go FP8
+
+
+def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A matrix as FP8 values and their blocks' factors: each block divided by its largest magnitude over 448."""
+    rows, cols = w.shape
+    blocks = -(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1])
+    scale = torch.ones(blocks)
+    for i in range(blocks[0]):
+        for j in range(blocks[1]):
+            block = w[i * FP8_BLOCK[0]:(i + 1) * FP8_BLOCK[0], j * FP8_BLOCK[1]:(j + 1) * FP8_BLOCK[1]]
+            scale[i, j] = max(float(block.abs().max()), 1e-12) / 448.0
+    expanded = scale.repeat_interleave(FP8_BLOCK[0], 0)[:rows].repeat_interleave(FP8_BLOCK[1], 1)[:, :cols]
+    return (w / expanded).to(torch.float8_e4m3fn), scale
+
+
+def make_fp8_case(root: Path, seed: int) -> None:
+    """tests/fixtures/deepseek_fp8: deepseek_odd's weights stored as DeepSeek releases them; references from a
+    transformers model of the values the FP8 bytes and factors hold."""
+    name, (hf, _, prefill_len) = "deepseek_fp8", CASES["deepseek_odd"]
+    out = root / name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    config = config_from_hf_dict(hf)
+    stored, held = {}, {}
+    for tensor_name, w in random_weights(config, seed):
+        w = torch.from_numpy(w)
+        if w.ndim == 2 and any(part in tensor_name for part in FP8_LAYER_PARTS) and not tensor_name.endswith(
+                "mlp.gate.weight"):
+            values, scale = fp8_blocks(w)
+            stored[tensor_name], stored[tensor_name.removesuffix("weight") + "weight_scale_inv"] = values, scale
+            expanded = scale.repeat_interleave(FP8_BLOCK[0], 0).repeat_interleave(FP8_BLOCK[1], 1)
+            w = values.float() * expanded[:w.shape[0], :w.shape[1]]
+        else:
+            stored[tensor_name] = w
+        held[tensor_name] = w
+    mtp = f"model.layers.{hf['num_hidden_layers']}."  # what a release holds there, in part
+    generator = torch.Generator().manual_seed(seed)
+    stored |= {mtp + "enorm.weight": torch.ones(hf["hidden_size"]),
+               mtp + "eh_proj.weight": torch.randn(hf["hidden_size"], 2 * hf["hidden_size"], generator=generator)}
+    save_file({key: value.contiguous() for key, value in stored.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{k: v for k, v in hf.items() if k != "model_type"},
+                                                   attn_implementation="eager"))
+    missing, unexpected = model.load_state_dict(stacked_experts(held), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    raw = model.config.to_dict() | {"num_nextn_predict_layers": 1, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}}
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_references(name, model.float().eval(), hf, prefill_len, out, seed)
 
 
 @torch.no_grad()
@@ -362,11 +425,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/fixtures"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=[*CASES, "long", "long_deepseek", "sampling"], help="write this case alone")
+    parser.add_argument("--only", choices=[*CASES, "deepseek_fp8", "long", "long_deepseek", "sampling"],
+                        help="write this case alone")
     args = parser.parse_args()
     for name, (hf, save_options, prefill_len) in CASES.items():
         if args.only in (None, name):
             make_case(name, hf, save_options, prefill_len, args.out, args.seed)
+    if args.only in (None, "deepseek_fp8"):
+        make_fp8_case(args.out, args.seed)
     if args.only in (None, "long"):
         make_long_case(args.out, args.seed)
     if args.only in (None, "long_deepseek"):

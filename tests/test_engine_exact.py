@@ -18,7 +18,7 @@ from cascadia.spec.types import RuntimeSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded", "qwen3_odd", "qwen3_norm", "qwen3_stacked", "deepseek_odd",
-         "deepseek_plain")
+         "deepseek_plain", "deepseek_fp8")
 DENSE_CASES = ("llama_odd", "llama_plain")  # no experts: one path
 # Largest |engine - reference| allowed, relative to the largest |reference logit|. Measured: below 1e-6.
 TOLERANCE = 1e-4

@@ -8,7 +8,7 @@ import pytest
 from cascadia.engine.families import HOST_LAYERS, host_layers
 from cascadia.models import FAMILIES, config_from_hf_dict, family
 
-DESCRIPTION = ("Config", "MODEL_TYPES", "ARCHITECTURES", "FIELD_TYPES", "ALIASES", "MTP_PREFIX", "text_fields",
+DESCRIPTION = ("Config", "MODEL_TYPES", "ARCHITECTURES", "FIELD_TYPES", "ALIASES", "is_mtp", "text_fields",
                "layer_tensors", "embedding_tensors", "head_tensors", "all_tensors", "op_kind", "canonical_name",
                "stacked_parts",
                "kept_f32", "random_values", "extra_row_flops", "conv_history", "conv_state_channels", "layer_flows")

@@ -5,7 +5,9 @@ file's JSON header), a shard's header is parsed the first time one of its tensor
 read by byte range. The safetensors header is parsed here rather than through `safe_open` because numpy has no
 bfloat16, so `safe_open(framework="numpy")` cannot return BF16 tensors; reading the documented layout (8-byte
 little-endian header length, JSON header with dtype, shape and data offsets, then the data) handles F32, F16 and BF16
-the same way. Vision and audio tensors are ignored; multi-token-prediction tensors (`model.mtp.*`) are listed apart.
+the same way, and FP8 (`F8_E4M3`, as DeepSeek-V3's and Kimi K2's releases store their matrices): each matrix scaled
+back by its `weight_scale_inv`, one factor per block of `quantization_config.weight_block_size` (128 x 128). Vision
+and audio tensors are ignored; multi-token-prediction tensors (the family's `is_mtp`) are listed apart.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import attrs
@@ -23,13 +25,27 @@ from cascadia.engine.quantize import bf16_to_f32
 from cascadia.errors import CheckpointError, shown
 from cascadia.files import UnreadableFile, read_json, regular_file_size
 from cascadia.models import family, read_config
-from cascadia.models.base import ConfigError, ModelConfig, UnsupportedModel
+from cascadia.models.base import ConfigError, ModelConfig, UnsupportedModel, read_config_json
 from cascadia.models.names import EMBED, HEAD, layer_prefix
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Stored dtype -> numpy dtype of the raw little-endian values. BF16 is read as its 16 raw bits.
-_RAW_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+# Stored dtype -> numpy dtype of the raw little-endian values. BF16 is read as its 16 raw bits, F8_E4M3 as its 8.
+_RAW_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F8_E4M3": np.dtype("u1")}
+SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv`: the block factors of an FP8 `X.weight`
+
+
+def _e4m3_values() -> np.ndarray:
+    """The float32 value of each FP8 e4m3fn byte: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities,
+    S.1111.111 NaN."""
+    byte = np.arange(256)
+    exponent, mantissa = (byte >> 3) & 0xF, byte & 7
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    magnitude = np.where((exponent == 15) & (mantissa == 7), np.nan, magnitude)
+    return np.where(byte >> 7, -magnitude, magnitude).astype(np.float32)
+
+
+E4M3 = _e4m3_values()
 MAX_HEADER_BYTES = 100 * 1024**2  # the safetensors format's own limit on a file's JSON header
 MAX_INDEX_BYTES = 64 * 1024**2  # a shard index lists every tensor once: a few MiB for the largest models
 
@@ -133,12 +149,15 @@ class Checkpoint:
     """One checkpoint directory. Use `Checkpoint.open(path)`."""
 
     def __init__(self, path: Path, config: ModelConfig, listing: Path, files: dict[str, _Place],
-                 headers: dict[Path, _Header]):
+                 headers: dict[Path, _Header], scales: dict[str, _Place] | None = None,
+                 fp8_block: tuple[int, int] = (128, 128)):
         self.path = path
         self.config = config
         self._listing = listing  # the file that says which tensors exist (index or single file)
         self._files = files  # canonical name -> where it is stored
         self._headers = headers  # safetensors headers parsed so far
+        self._scales = scales or {}  # stored name of an FP8 matrix -> where its block factors are
+        self._fp8_block = fp8_block  # rows and columns of a block of one factor
         self._family = family(config)
         self._expected = self._family.all_tensors(config)  # canonical name -> (shape, group)
 
@@ -147,10 +166,13 @@ class Checkpoint:
         path = Path(path)
         try:
             config = read_config(path / "config.json")
+            fp8_block = _fp8_block(read_config_json(path / "config.json")[0].get("quantization_config"))
         except UnsupportedModel:
             raise  # not a fault of the checkpoint: a model Cascadia does not run
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
+        except ValueError as e:
+            raise CheckpointError(f"{path / 'config.json'}: quantization_config: {e}") from None
         headers = {}
         if (listing := path / INDEX_FILE).is_file():
             stored = _weight_map(listing)
@@ -162,14 +184,16 @@ class Checkpoint:
             stored = dict.fromkeys(headers[listing].entries, listing)
         else:
             raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE}")
-        files, described = {}, family(config)
+        files, scales, described = {}, {}, family(config)
         for name, file in stored.items():
-            if (stacked := described.stacked_parts(config, name)) is not None:
+            if name.endswith(SCALE_SUFFIX):
+                scales[name.removesuffix(SCALE_SUFFIX)] = _Place(file, name)
+            elif (stacked := described.stacked_parts(config, name)) is not None:
                 shape, parts = stacked
                 files |= {canonical: _Place(file, name, shape, first) for canonical, first in parts}
             elif (canonical := described.canonical_name(name)) is not None:
                 files[canonical] = _Place(file, name)
-        return cls(path, config, listing, files, headers)
+        return cls(path, config, listing, files, headers, scales, fp8_block)
 
     # ---- listing ------------------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -230,7 +254,7 @@ class Checkpoint:
         return self._family.layer_tensors(self.config, layer)
 
     def _is_mtp(self, name: str) -> bool:
-        return name.startswith(self._family.MTP_PREFIX)
+        return self._family.is_mtp(self.config, name)
 
     def _checked_entry(self, name: str) -> tuple[Path, _Entry]:
         """Where a tensor's bytes are, after checking everything that can be checked without reading them."""
@@ -246,42 +270,87 @@ class Checkpoint:
         if name not in self._files:
             raise fail(self._listing, "missing from the checkpoint")
         place = self._files[name]
-        file, stored = place.file, place.stored
-        if file not in self._headers:
-            try:
-                self._headers[file] = _read_header(file)
-            except ValueError as e:
-                raise fail(file, str(e)) from None
-        header = self._headers[file]
-        entry = header.entries.get(stored)
-        if entry is None:
-            raise fail(file, f"the index places {stored!r} in this file but the file does not hold it")
-        if entry.dtype not in _RAW_DTYPES:
-            raise fail(file, f"stored as {entry.dtype}; only {', '.join(_RAW_DTYPES)} can be read")
+        file, entry = place.file, self._stored_entry(place, fail)
         if expected is not None and entry.shape != (place.stacked or expected):
-            raise fail(file, f"stored with shape {entry.shape}" + (f" in {stored!r}, not {place.stacked}"
+            raise fail(file, f"stored with shape {entry.shape}" + (f" in {place.stored!r}, not {place.stacked}"
                                                                      if place.stacked else ""))
-        if entry.nbytes != math.prod(entry.shape) * _RAW_DTYPES[entry.dtype].itemsize:
-            raise fail(file, f"its {entry.nbytes} bytes do not hold shape {entry.shape} in {entry.dtype}")
-        if entry.offset + entry.nbytes > header.file_size:
-            raise fail(file, f"the file is truncated: the tensor ends at byte {entry.offset + entry.nbytes}, "
-                             f"the file has {header.file_size} bytes")
         if place.stacked:  # its rows of the stack's first two axes, flattened: contiguous bytes
             itemsize = _RAW_DTYPES[entry.dtype].itemsize
             entry = _Entry(entry.dtype, expected, entry.offset + place.first_row * expected[1] * itemsize,
                            math.prod(expected) * itemsize)
         return file, entry
 
+    def _scaled_back(self, name: str, file: Path, entry: _Entry, values: np.ndarray, first: int) -> np.ndarray:
+        """Rows first.. of an FP8 matrix times their blocks' factors (its `weight_scale_inv`)."""
+        place = self._files[name]
+        scale_place = self._scales.get(place.stored)
+        if len(entry.shape) != 2 or place.stacked:
+            raise CheckpointError(f"{file}: tensor {name!r}: an FP8 tensor of shape {entry.shape} (only matrices "
+                                  "stored one by one are read)")
+        if scale_place is None:
+            raise CheckpointError(f"{file}: tensor {name!r} is stored as F8_E4M3 without its "
+                                  f"{place.stored + SCALE_SUFFIX!r}")
+        (rows, cols), (block_rows, block_cols) = entry.shape, self._fp8_block
+        wanted = (-(-rows // block_rows), -(-cols // block_cols))
+        scale = self._stored_entry(scale_place, lambda at, problem: CheckpointError(
+            f"{at}: tensor {scale_place.stored!r}: {problem}"))
+        if scale.dtype not in ("F32", "BF16") or scale.shape != wanted:
+            raise CheckpointError(f"{scale_place.file}: tensor {scale_place.stored!r}: expected F32 factors of shape "
+                                  f"{wanted} (blocks of {block_rows} x {block_cols}), got {scale.dtype} {scale.shape}")
+        factors = _read(scale_place.file, scale, 0, wanted[0])
+        at_rows = (first + np.arange(len(values))) // block_rows
+        return values * factors[at_rows][:, np.arange(cols) // block_cols]
+
+    def _stored_entry(self, place: _Place, fail: Callable[[Path, str], CheckpointError]) -> _Entry:
+        """A stored tensor's header entry (its file's header parsed the first time), checked to be readable whole:
+        a dtype read here, as many bytes as its shape holds, all in the file; `fail(file, problem)` says what is
+        not."""
+        file = place.file
+        if file not in self._headers:
+            try:
+                self._headers[file] = _read_header(file)
+            except ValueError as e:
+                raise fail(file, str(e)) from None
+        header = self._headers[file]
+        entry = header.entries.get(place.stored)
+        if entry is None:
+            raise fail(file, f"the index places {place.stored!r} in this file but the file does not hold it")
+        if entry.dtype not in _RAW_DTYPES:
+            raise fail(file, f"stored as {entry.dtype}; only {', '.join(_RAW_DTYPES)} can be read")
+        if entry.nbytes != math.prod(entry.shape) * _RAW_DTYPES[entry.dtype].itemsize:
+            raise fail(file, f"its {entry.nbytes} bytes do not hold shape {entry.shape} in {entry.dtype}")
+        if entry.offset + entry.nbytes > header.file_size:
+            raise fail(file, f"the file is truncated: the tensor ends at byte {entry.offset + entry.nbytes}, "
+                             f"the file has {header.file_size} bytes")
+        return entry
+
     def _read_finite(self, name: str, file: Path, entry: _Entry, first: int, count: int) -> np.ndarray:
         """`_read`, refusing NaN and infinite weights here, where the tensor and file can be named: downstream they
         would end in an error naming neither (or, in unquantised weights, in NaN logits)."""
         values = _read(file, entry, first, count)
+        if entry.dtype == "F8_E4M3":
+            values = self._scaled_back(name, file, entry, values, first)
         if not _all_finite(values):
             index = np.unravel_index(np.argmin(np.isfinite(values)), values.shape)  # the first non-finite value
             at = [first + int(index[0]), *map(int, index[1:])] if index else []
             raise CheckpointError(f"{file}: tensor {name!r}: holds NaN or infinite values (the first, at {at}, "
                                   f"is {values[index]})")
         return values
+
+
+def _fp8_block(quantization: object) -> tuple[int, int]:
+    """A config's `quantization_config`: none, or FP8 with its block of one scale factor (DeepSeek's `fp8`,
+    `weight_block_size` [128, 128] by default); a ValueError for any other."""
+    if quantization is None:
+        return (128, 128)
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"quant_method {shown(method)} is not read (only unquantised checkpoints and fp8 ones with "
+                         "block scales are)")
+    block = quantization.get("weight_block_size", [128, 128])
+    if not (_counts(block) and len(block) == 2 and min(block) > 0):
+        raise ValueError(f"weight_block_size must be two positive integers, got {shown(block)}")
+    return block[0], block[1]
 
 
 def _all_finite(values: np.ndarray) -> bool:
@@ -303,6 +372,8 @@ def _read(file: Path, entry: _Entry, first: int, count: int) -> np.ndarray:
     shape = (count, *entry.shape[1:]) if entry.shape else ()
     if entry.dtype == "BF16":
         return bf16_to_f32(raw).reshape(shape)
+    if entry.dtype == "F8_E4M3":
+        return E4M3[raw].reshape(shape)  # not yet scaled back (`Checkpoint._scaled_back`)
     return raw.astype(np.float32, copy=False).reshape(shape)
 
 

@@ -4,7 +4,7 @@ chooses a config's class, and mlx-lm a model's module): a plain dict, no registr
 A family module holds its `Config` (frozen; transformers' field names and defaults), `MODEL_TYPES`,
 `ARCHITECTURES`, `FIELD_TYPES` and `ALIASES` (the keys a config may hold), `text_fields` (a config's text-model
 keys), its checkpoint tensors (`layer_tensors`, `embedding_tensors`, `head_tensors`, `all_tensors`, `op_kind`,
-`canonical_name`, `stacked_parts`: tensors a checkpoint may store stacked, `kept_f32`, `MTP_PREFIX`), what those
+`canonical_name`, `stacked_parts`: tensors a checkpoint may store stacked, `kept_f32`, `is_mtp`), what those
 tensors hold (`random_values`, the draw of a random checkpoint), and the costs that are no weight matmul
 (`extra_row_flops`, `conv_history`, `conv_state_channels`).
 Everything downstream reads a model through `family(config)`; what every `Config` answers is

@@ -32,7 +32,6 @@ from cascadia.models.rope import ROPE_TYPES, YARN
 MODEL_TYPES = ("deepseek_v3",)
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 ALIASES = {"num_local_experts": "n_routed_experts", "num_nextn_predict_layers": "num_mtp_layers"}
-MTP_PREFIX = llama.MTP_PREFIX
 
 
 @attrs.frozen(kw_only=True)
@@ -232,6 +231,14 @@ def op_kind(name: str) -> str:
 
 
 canonical_name = llama.canonical_name
+
+
+def is_mtp(cfg: DeepseekV3Config, name: str) -> bool:
+    """Whether a stored tensor belongs to the multi-token-prediction layers released checkpoints hold after the
+    last (`model.layers.N.*` .. for N = num_hidden_layers, num_mtp_layers of them), which transformers ignores."""
+    prefix, _, rest = name.partition("model.layers.")
+    index = rest.split(".", 1)[0]
+    return not prefix and index.isdigit() and 0 <= int(index) - cfg.num_hidden_layers < cfg.num_mtp_layers
 
 
 def kept_f32(name: str) -> bool:

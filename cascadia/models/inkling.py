@@ -256,6 +256,12 @@ Config = InklingConfig
 # ---- checkpoint tensors ------------------------------------------------------------------------------------------
 EMBED_NORM = "model.embed_tokens.embed_norm.weight"
 MTP_PREFIX = "model.mtp."  # multi-token-prediction layers: listed apart, not part of the text model's forward
+
+
+def is_mtp(cfg: InklingConfig, name: str) -> bool:
+    """Whether a stored tensor belongs to the multi-token-prediction layers (`model.mtp.*`)."""
+    return name.startswith(MTP_PREFIX)
+
 _IGNORED_PREFIXES = ("model.vision_tower.", "model.audio_tower.")
 _MULTIMODAL_TEXT_PREFIX = "model.language_model."
 

@@ -225,6 +225,11 @@ def op_kind(name: str) -> str:
     return op_by_prefix(name, OP_PREFIXES)
 
 
+def is_mtp(cfg: LlamaConfig, name: str) -> bool:
+    """Whether a stored tensor belongs to multi-token-prediction layers (`model.mtp.*`, as Inkling's)."""
+    return name.startswith(MTP_PREFIX)
+
+
 def canonical_name(stored: str) -> str | None:
     """A stored tensor's name as this module spells it (Llama checkpoints store them so); rotary tables some older
     checkpoints save are ignored."""

@@ -25,7 +25,6 @@ from cascadia.models.names import VECTOR, Tensors, checkpoint_tensors, op_by_pre
 MODEL_TYPES = ("qwen3_moe",)
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 ALIASES = {"num_local_experts": "num_experts"}
-MTP_PREFIX = llama.MTP_PREFIX
 
 
 @attrs.frozen(kw_only=True)
@@ -156,6 +155,7 @@ def op_kind(name: str) -> str:
 
 
 canonical_name = llama.canonical_name
+is_mtp = llama.is_mtp
 kept_f32 = llama.kept_f32
 
 
