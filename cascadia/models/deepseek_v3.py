@@ -204,10 +204,7 @@ def layer_tensors(cfg: DeepseekV3Config, layer: int) -> dict[str, tuple[tuple[in
                       DOWN: ((hidden, width), "dense_mlp")}
     width, n = cfg.moe_intermediate_size, cfg.n_routed_experts
     out |= {ROUTER: ((n, hidden), VECTOR), ROUTER_BIAS: ((n,), VECTOR)}  # routing is computed in FP32
-    for j in range(n):
-        out |= {expert(j, "gate"): ((width, hidden), "routed_experts"),
-                expert(j, "up"): ((width, hidden), "routed_experts"),
-                expert(j, "down"): ((hidden, width), "routed_experts")}
+    out |= names.expert_tensors(n, width, hidden)
     if cfg.n_shared_experts:
         wide = width * cfg.n_shared_experts
         out |= {shared("gate"): ((wide, hidden), "shared_experts"), shared("up"): ((wide, hidden), "shared_experts"),

@@ -44,6 +44,12 @@ def expert(j: int, projection: str) -> str:
     return f"mlp.experts.{j}.{projection}_proj.weight"
 
 
+def expert_tensors(n: int, width: int, hidden: int) -> Tensors:
+    """The gate, up and down projections of `n` routed experts `width` wide, named by `expert`."""
+    shapes = (("gate", (width, hidden)), ("up", (width, hidden)), ("down", (hidden, width)))
+    return {expert(j, projection): (shape, "routed_experts") for j in range(n) for projection, shape in shapes}
+
+
 Stacked = tuple[tuple[int, ...], list[tuple[str, int]]]  # a stored stack's shape, and each part's name and first row
 
 

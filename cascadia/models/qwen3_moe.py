@@ -132,10 +132,7 @@ def layer_tensors(cfg: Qwen3MoeConfig, layer: int) -> dict[str, tuple[tuple[int,
             del out[name]
         hidden, width = cfg.hidden_size, cfg.moe_intermediate_size
         out[ROUTER] = ((cfg.num_experts, hidden), VECTOR)  # routing is computed in FP32
-        for j in range(cfg.num_experts):
-            out |= {expert(j, "gate"): ((width, hidden), "routed_experts"),
-                    expert(j, "up"): ((width, hidden), "routed_experts"),
-                    expert(j, "down"): ((hidden, width), "routed_experts")}
+        out |= names.expert_tensors(cfg.num_experts, width, hidden)
     return out
 
 
