@@ -544,6 +544,12 @@ def test_search_writes_a_measured_fleets_calibration_beside_its_spec(tmp_path):
     ("calibration: {file: catalogue.yaml, node: pc0}", "machines[3].calibration.file: "),
     ("calibration: {node: pc0}", "machines[3].calibration.file: missing"),
     ("calibration: {file: mine.json, node: pc0, rounds: 3}", "machines[3].calibration.rounds: unknown key"),
+    ("calibration: {file: mine.json, node: pc0, nodes: [pc1]}", "machines[3].calibration.nodes: give node or nodes, "
+                                                               "not both"),
+    ("calibration: {file: mine.json, nodes: [pc0, pc7, pc8]}", "machines[3].calibration.nodes: 'pc7', 'pc8' are "
+                                                              "not nodes of"),
+    ("calibration: {file: mine.json, nodes: [pc0, pc0]}", "machines[3].calibration.nodes: names repeat"),
+    ("calibration: {file: mine.json, nodes: []}", "machines[3].calibration.nodes: expected a list of node names"),
     ("calibration: mine.json", "machines[3].calibration: expected a mapping"),
     ("price: 1", "machines[3].memory_bandwidth: missing"),
 ])
@@ -569,6 +575,29 @@ def test_a_measured_machine_is_weighed_only_as_it_was_measured(tmp_path, change,
     with pytest.raises(SpecError) as caught:
         list(space(change(load_spec(TINY)), machines, ["mine"], [formats]))
     assert str(caught.value).startswith("machine mine: ") and words in str(caught.value), str(caught.value)
+
+
+def test_a_machine_measured_as_a_pipeline_takes_each_kind_from_the_node_that_measured_it(tmp_path):
+    """A PC that cannot hold the model alone is measured as a pipeline of its kind: here pcA held every layer and
+    the embedding, pcB the head. Named together they are its whole measurement, and weigh as the same times measured
+    on one node do; pcA alone lacks the head."""
+    path = measured_catalogue(tmp_path)
+    mine = load_catalogue(path).machine("mine")
+    (node,) = mine.calibration.nodes.values()
+    pipeline = {"pcA": attrs.evolve(node, tables={k: t for k, t in node.tables.items() if k != "head"}),
+                "pcB": attrs.evolve(node, tables={"head": node.tables["head"]}, frame_s=1.0)}
+    attrs.evolve(mine.calibration, nodes=pipeline).save(tmp_path / "pipeline.json")
+    path.write_text(path.read_text() + """\
+  - {name: split, memory: 1GiB, price: 300, calibration: {file: pipeline.json, nodes: [pcA, pcB]}}
+  - {name: part, memory: 1GiB, price: 300, calibration: {file: pipeline.json, nodes: [pcA]}}
+""")
+    machines, spec, slo = load_catalogue(path), load_spec(TINY), LatencySlo.parse(SLO)
+    split = machines.machine("split")
+    assert list(split.calibration.nodes) == ["pcA+pcB"]  # pcA's host overheads, not pcB's
+    assert evaluate(spec, Candidate(split, 2), slo).rate == evaluate(spec, Candidate(mine, 2), slo).rate > 0
+    with pytest.raises(SpecError, match=r"node pcA of .*pipeline.json has no times for head, .* or name the nodes "
+                                        r"of a pipeline of this type that together hold it"):
+        list(space(spec, Catalogue((machines.machine("part"),))))
 
 
 def test_a_machine_measured_without_some_layer_kind_is_refused_by_name(tmp_path):

@@ -239,7 +239,8 @@ def _check_measured(fleet: Spec, machine: MachineType, preset: str) -> None:
     if missing := sorted(kinds - set(node.tables)):
         raise SpecError(f"machine {machine.name}: node {name} of {measured.source} has no times for "
                         f"{', '.join(missing)}, which a node of its fleets may hold: calibrate a spec whose one "
-                        "node holds the whole model")
+                        "node holds the whole model, or name the nodes of a pipeline of this type that together "
+                        "hold it (calibration: {nodes: [...]})")
     try:
         measured.check_model(fleet)  # the notes are of the machine measuring, not of the one searching: not ours
     except CalibrationError as e:

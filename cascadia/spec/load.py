@@ -755,7 +755,10 @@ def _machine(ctx: _Context, entry: Node, path: str) -> MachineType | None:
 
 def _measured(ctx: _Context, entry: Node | None, path: str):
     """A machine's `calibration: {file: CALIBRATION.json, node: NAME}`: that node's measured times (`node` may be left
-    out when the file has one), as a calibration of a single node; None when absent or invalid (reported)."""
+    out when the file has one), or `nodes: [NAME, ...]`: nodes of this type that a pipeline's calibration measured
+    (no one of them holding the whole model), each layer kind's times from the first that has them and the host
+    overheads of the first; as a calibration of a single node (named NAME+NAME..); None when absent or invalid
+    (reported)."""
     from cascadia.errors import CalibrationError
     from cascadia.sim.calibration import Calibration
 
@@ -765,7 +768,11 @@ def _measured(ctx: _Context, entry: Node | None, path: str):
     fields.get("file", required=True)
     file = fields.path_value("file", must_exist=True)
     node = fields.take("node", _node_name)
+    several = fields.take("nodes", _node_names)
     fields.finish()
+    if node is not None and several is not None:
+        ctx.report(entry, f"{path}.nodes", "give node or nodes, not both")
+        return None
     if file is None or not _is_file(file):
         return None
     try:
@@ -774,15 +781,34 @@ def _measured(ctx: _Context, entry: Node | None, path: str):
         ctx.report(entry, f"{path}.file", str(e))
         return None
     names = list(calibration.nodes)
-    if node is None and len(names) > 1:
+    if node is None and several is None and len(names) > 1:
         ctx.report(entry, f"{path}.node", f"missing: {file} measured {len(names)} nodes ({', '.join(names)}); "
-                                          "name the one that is this machine")
+                                          "name the one that is this machine, or the nodes of this type")
         return None
-    node = node or names[0]
-    if node not in calibration.nodes:
-        ctx.report(entry, f"{path}.node", f"{node!r} is not a node of {file} (it measured {', '.join(names)})")
+    chosen = several or [node or names[0]]
+    if unknown := [name for name in chosen if name not in calibration.nodes]:
+        key = "nodes" if several else "node"
+        ctx.report(entry, f"{path}.{key}", f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} "
+                                          f"not {'a node' if len(unknown) == 1 else 'nodes'} of {file} (it measured "
+                                          f"{', '.join(names)})")
         return None
-    return attrs.evolve(calibration, nodes={node: calibration.nodes[node]}, links={}, hosts={})
+    measured = [calibration.nodes[name] for name in chosen]
+    tables = {}
+    for each in measured:
+        for kind, table in each.tables.items():
+            tables.setdefault(kind, table)
+    merged = attrs.evolve(measured[0], tables=tables)
+    return attrs.evolve(calibration, nodes={"+".join(chosen): merged}, links={}, hosts={})
+
+
+def _node_names(value: Any) -> list[str]:
+    """Node names, at least one, each once."""
+    if not isinstance(value, list) or not value:
+        raise _Invalid(f"expected a list of node names, got {shown(value)}")
+    names = [_node_name(item) for item in value]
+    if len(set(names)) != len(names):
+        raise _Invalid(f"names repeat: {shown(value)}")
+    return names
 
 
 def load_catalogue(path: str | Path) -> Catalogue:
