@@ -123,13 +123,12 @@ def test_a_random_checkpoint_is_written_read_whole_and_generates(tmp_path):
 
 
 def test_a_long_context_costs_each_decode_token_the_latents_read():
-    """DeepSeek-V3 on its 6 PCs, one stream at a 131,072-token prompt: every PC's pool holds it, and each later token
+    """DeepSeek-V3 on its 6 PCs, one stream at a 131,072-token prompt (specs/deepseek-v3-6pc-long.yaml, as
+    `cascadia simulate --prompt-tokens 131072` takes it): every PC's pool holds it, and each later token
     costs what reading the 61 layers' latents costs beyond a 128-token prompt's (131,072 x 1152 bytes a layer at
     120 GB/s: 77 ms), as the simulator predicts it: decode is memory-bound, and keys and values per head would cost
     71 times as much."""
-    spec = load_spec(SPECS / "deepseek-v3-6pc.yaml")
-    long = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, context_budget=131_200, kv_block=256, max_streams=1,
-                                                   row_buckets=(1, 2, 8, 32, 256), prefill_window=256))
+    long = load_spec(SPECS / "deepseek-v3-6pc-long.yaml")
     tpot = {}
     for prompt in (128, 131_072):
         run = attrs.evolve(long, workload=attrs.evolve(long.workload, concurrency=(1,), requests=1,
