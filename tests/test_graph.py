@@ -40,6 +40,16 @@ def test_parameter_counts_match_transformers(name):
     assert (totals.params, totals.active_params) == (expected["total"], expected["active"])
 
 
+@pytest.mark.parametrize("name", sorted(n for n in FIXTURE if "rope_parameters" in FIXTURE[n]))
+def test_rope_is_read_as_transformers_reads_it(name):
+    """Llama's, Qwen3-MoE's and DeepSeek-V3's RoPE (default, linear, llama3, yarn), under either set of keys."""
+    cfg = config_from_hf_dict(FIXTURE[name]["config"])
+    expected = FIXTURE[name]["rope_parameters"]
+    assert cfg.rope_theta == expected["rope_theta"]
+    scaling = {k: v for k, v in expected.items() if k not in ("rope_theta", "type")}
+    assert (cfg.rope_scaling.to_hf_dict() if cfg.rope_scaling else {"rope_type": "default"}) == scaling
+
+
 @pytest.mark.parametrize("name", sorted(n for n in FIXTURE if "shapes" in FIXTURE[n]))
 def test_tensor_shapes_match_transformers(name):
     """Every tensor but, for the families transformers holds them stacked for, the routed experts (the fixture

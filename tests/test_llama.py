@@ -20,15 +20,6 @@ from cascadia.spec.types import ModelSpec, RuntimeSpec
 from test_graph import FIXTURE
 
 
-@pytest.mark.parametrize("name", sorted(n for n in FIXTURE if FIXTURE[n]["config"].get("model_type") == "llama"))
-def test_rope_is_read_as_transformers_reads_it(name):
-    cfg = config_from_hf_dict(FIXTURE[name]["config"])
-    expected = FIXTURE[name]["rope_parameters"]
-    assert cfg.rope_theta == expected["rope_theta"]
-    scaling = {k: v for k, v in expected.items() if k not in ("rope_theta", "type")}
-    assert (cfg.rope_scaling.to_hf_dict() if cfg.rope_scaling else {"rope_type": "default"}) == scaling
-
-
 def test_defaults_are_transformers_and_every_layer_is_global_and_dense():
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
     assert cfg.heads(1) == (4, 4, 16)  # key/value heads and head_dim from the query heads
