@@ -128,14 +128,17 @@ def test_deepseek_v3s_latents_at_long_positions_match_transformers(deepseek, fus
     assert bool(fused_calls) == (fused_from != "never")
 
 
-def test_the_pipeline_matches_transformers_at_long_positions(spec, long_checkpoint, reference):
-    """The long model on the tiny spec's three local nodes: prompt in frames of 64 rows, then the greedy tokens
+@pytest.mark.parametrize("model", ["inkling", "deepseek_v3"])
+def test_the_pipeline_matches_transformers_at_long_positions(spec, long_checkpoint, reference, deepseek, model):
+    """The long models on the tiny spec's three local nodes: prompt in frames of 64 rows, then the greedy tokens
     one frame each (teacher-forced: each row's logits are those greedy decoding takes its token from)."""
-    model = attrs.evolve(spec.model, config=Checkpoint.open(long_checkpoint).config, checkpoint=long_checkpoint)
-    spec = attrs.evolve(spec, model=model, runtime=long_runtime(row_buckets=(1, 8, 64)),
+    reference, checkpoint = (reference, long_checkpoint) if model == "inkling" else deepseek
+    spec = attrs.evolve(spec, model=attrs.evolve(spec.model, config=Checkpoint.open(checkpoint).config,
+                                                 checkpoint=checkpoint),
+                        runtime=long_runtime(row_buckets=(1, 8, 64)),
                         workload=attrs.evolve(spec.workload, concurrency=(1,)))
     prompt, greedy = reference["prompt_ids"], reference["greedy_ids"]
-    with Pipeline.start(spec, make_plan(spec), checkpoint=long_checkpoint, with_logits=True,
+    with Pipeline.start(spec, make_plan(spec), checkpoint=checkpoint, with_logits=True,
                         node_timeout_s=60) as pipeline:
         logits = pipeline.score(np.r_[prompt, greedy[:-1]], prefill=len(prompt))
     assert_close(logits[reference["positions"]], reference["prompt_logits"])
