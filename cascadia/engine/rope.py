@@ -81,14 +81,11 @@ def rotate(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, factor: f
     """x [T, h, d] rotated by each row's position [T], with cos and sin of f = position * inv_freq times `factor`:
     x cos + rotate_half(x) sin over cat(f, f), or each pair (x[2i], x[2i+1]) by f[i], the rotated evens then odds
     (`interleaved`)."""
-    freqs = positions.astype(np.float32)[:, None] * inv_freq  # [T, d/2]
+    freqs = positions.astype(np.float32)[:, None, None] * inv_freq  # [T, 1, d/2]
+    cos, sin = np.float32(factor) * np.cos(freqs), np.float32(factor) * np.sin(freqs)
     if interleaved:
-        cos, sin = (np.float32(factor) * fn(freqs)[:, None, :] for fn in (np.cos, np.sin))
         evens, odds = x[..., 0::2], x[..., 1::2]
         return np.concatenate([evens * cos - odds * sin, odds * cos + evens * sin], axis=-1)
-    angles = np.concatenate([freqs, freqs], axis=1)[:, None, :]  # [T, 1, d]
     half = x.shape[-1] // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    if factor == 1.0:
-        return x * np.cos(angles) + rotated * np.sin(angles)
-    return x * (np.cos(angles) * np.float32(factor)) + rotated * (np.sin(angles) * np.float32(factor))
+    return x * np.concatenate([cos, cos], axis=-1) + rotated * np.concatenate([sin, sin], axis=-1)

@@ -345,7 +345,7 @@ def run(spec: Spec, plan: Plan, workload: WorkloadSpec | None = None, *, prompts
     with Pipeline.start(spec, plan, checkpoint=checkpoint,
                         addresses=addresses, node_timeout_s=node_timeout_s, on_message=on_message,
                         emulate_links=emulate_links) as pipeline:
-        return pipeline.run(workload, prompts, None, on_phase, trace)
+        return pipeline.run(workload, prompts, on_phase=on_phase, trace=trace)
 
 
 def score_on_pipeline(spec: Spec, plan: Plan, ids: Sequence[int], prefill: int | None = None, *,

@@ -94,12 +94,11 @@ class DecoderLayer(Mlp):
     rope_factor: float  # cos and sin times this (YaRN's attention factor)
     interleaved: bool
     q_width: int  # columns of the first projection: q_a (L_q) or, with no q_lora_rank, q (h (N + R))
-    latent: int  # L
     inputs: CompiledBlock  # x [T, H] -> q_a or q [T, q_width], kv_a [T, L + R]
     input_bias: np.ndarray | None  # [q_width + L + R]
     q_a_norm: np.ndarray | None  # [L_q]
     query: CompiledBlock  # q_a (normed) or q [T, q_width] -> q_latent [T, h L], q_rot [T, h R] (`graphs.latent_query`)
-    kv_a_norm: np.ndarray  # [L]
+    kv_a_norm: np.ndarray  # [L]: its length is the latent's
     output: CompiledBlock  # [T, h L] -> [T, H] (`graphs.latent_output`)
     o_bias: np.ndarray | None  # [H]
 
@@ -119,7 +118,7 @@ class DecoderLayer(Mlp):
         if self.q_a_norm is not None:
             q = rms_norm(q, self.q_a_norm, LATENT_EPS)
         q_latent, q_rot = self.query(q, bucket=rows.bucket)
-        heads, latent = self.shape.heads, self.latent
+        heads, latent = self.shape.heads, len(self.kv_a_norm)
         c, k_rot = rms_norm(kv[:, :latent], self.kv_a_norm, LATENT_EPS), kv[:, None, latent:]
         q_rot = rotate(q_rot.reshape(len(x), heads, -1), rows.positions, self.inv_freq, self.rope_factor,
                        self.interleaved)
@@ -162,7 +161,6 @@ def attention_parts(cfg: DeepseekV3Config, t: Mapping[str, np.ndarray], formats:
         eps=cfg.rms_norm_eps, post_norm=t[llama.POST_NORM],
         inv_freq=inverse_frequencies(rope, cfg.rope_theta, cfg.rope_scaling),
         rope_factor=cos_sin_factor(cfg.rope_scaling), interleaved=cfg.rope_interleave, q_width=t[first].shape[0],
-        latent=latent,
         inputs=compile(graphs.attention_input([t[first], t[names.KV_A]], formats.attention,
                                               t[llama.INPUT_NORM], None, cfg.rms_norm_eps)),
         input_bias=input_bias, q_a_norm=None if q_b is None else t[names.Q_A_NORM],
