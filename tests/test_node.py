@@ -61,6 +61,10 @@ def node_main(settings: NodeSettings, last: bool, log_path: str) -> None:
     run_node(settings, lambda settings, progress: load_stage(progress, last))
 
 
+def log_state(state: str) -> None:
+    logging.info("state now %s", state)
+
+
 def node_via_middleman(settings: NodeSettings, log_path: str, pids) -> None:
     """Start a node whose parent is this process, report its pid, and wait to be killed."""
     node = SPAWN.Process(target=node_main, args=(attrs.evolve(settings, parent_pid=os.getpid()), True, log_path))
@@ -397,7 +401,7 @@ def test_a_keep_serving_node_serves_the_next_coordinator(tmp_path):
     """After SHUTDOWN, and after losing its coordinator, the node says HELLO and READY to the next one at the same
     address, without loading again, and serves it with fresh sequence numbers."""
     first = Coordinator(Transport(COORDINATOR))
-    settings = first.settings(["keeper"], keep_serving=True)
+    settings = first.settings(["keeper"], keep_serving=True, on_state=log_state)
     processes = start_nodes(settings, tmp_path)
     hello, ready = Hello("keeper", 0, 1), Ready("keeper", 0, 1)
     try:
@@ -428,6 +432,7 @@ def test_a_keep_serving_node_serves_the_next_coordinator(tmp_path):
     assert log.count("run ended (shutdown requested)") == 3
     assert log.count("run ended (its connection closed") == 1
     assert log.count("ready on") == 4
+    assert [line.split()[-1] for line in log.splitlines() if "state now" in line] == ["serving", "waiting"] * 4
 
 
 def test_a_node_whose_curve_keys_the_coordinator_refuses_gives_up_naming_it(tmp_path):

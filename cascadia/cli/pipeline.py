@@ -1,6 +1,9 @@
-"""The real pipeline: `run` (the coordinator) and `node` (one stage, on its machine)."""
+"""The real pipeline: `run` (the coordinator), `node` (one stage, on its machine) and `fleet` (the nodes that
+announce themselves)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import click
 
@@ -34,9 +37,15 @@ from cascadia.spec.load import load_spec
               help="hold no stage, whatever the plan says, until the coordinator assigns one (as a spare does)")
 @click.option("--wait-coordinator", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="seconds to wait at start for the coordinator to accept this node (--keep-serving: for ever)")
+@click.option("--announce", is_flag=True,
+              help="measure this PC (about 2 s) and announce the node over mDNS until it stops (`cascadia fleet` "
+                   "lists it)")
+@click.option("--interface", "interfaces", multiple=True, metavar="IP",
+              help="--announce: announce on the interface with this IPv4 address (repeatable; default: every one)")
 def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, successor: str | None,
          checkpoint: str | None, threads: int | None, logits: bool, cpus: tuple[int, ...] | None,
-         parent_pid: int | None, keep_serving: bool, standby: bool, wait_coordinator: float) -> None:
+         parent_pid: int | None, keep_serving: bool, standby: bool, wait_coordinator: float, announce: bool,
+         interfaces: tuple[str, ...]) -> None:
     """Serve one stage of a plan: load its layers, then compute frames until the coordinator says stop.
 
     `cascadia run` starts these itself for `local` nodes; on other machines, start one per node, before or after
@@ -59,10 +68,57 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
     folder = Path(checkpoint) if checkpoint else loaded.model.checkpoint
     if folder is None:
         raise click.UsageError(f"{spec_path}: the model names no checkpoint; give --checkpoint")
-    try:
-        serve_node(loaded, chosen, settings, folder, threads, logits, cpus)
-    except Exception as e:  # already reported to the coordinator by the node loop; say it here too, briefly
-        raise click.ClickException(f"{name}: {type(e).__name__}: {e}") from None
+    with contextlib.ExitStack() as announced:
+        if announce:
+            settings = attrs.evolve(settings, on_state=announced.enter_context(
+                announcer(loaded, settings, folder, interfaces)).update_state)
+        try:
+            serve_node(loaded, chosen, settings, folder, threads, logits, cpus)
+        except Exception as e:  # already reported to the coordinator by the node loop; say it here too, briefly
+            raise click.ClickException(f"{name}: {type(e).__name__}: {e}") from None
+
+
+def announcer(spec, settings, checkpoint, interfaces: tuple[str, ...]):
+    """The announcement of a node about to serve: its profile measured, its state before any run."""
+    import logging
+
+    from cascadia.fleet.announce import Announcer, announcement_for
+    from cascadia.fleet.profile import measure
+    from cascadia.pipeline.node import STANDBY, WAITING
+
+    profile = measure(checkpoint)
+    logging.getLogger(__name__).info("%s: %s; announcing it", settings.name, profile.describe())
+    state = WAITING if settings.holds_stage else STANDBY
+    port = int(settings.listen.rsplit(":", 1)[1])
+    return Announcer(announcement_for(settings.name, state, profile, spec.cluster.curve_keys), port,
+                     interfaces or None)
+
+
+@click.command("fleet")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=3.0, show_default=True,
+              help="how long to listen for announcements")
+@click.option("--expect", type=click.IntRange(min=1),
+              help="stop listening once this many nodes answered; fewer within --seconds is an error")
+@click.option("--interface", "interfaces", multiple=True, metavar="IP",
+              help="listen on the interface with this IPv4 address (repeatable; default: every one)")
+@click.option("--json", "as_json", is_flag=True, help="print the nodes as JSON")
+def fleet(seconds: float, expect: int | None, interfaces: tuple[str, ...], as_json: bool) -> None:
+    """List the Cascadia nodes that announce themselves on this network (`cascadia node --announce`): name,
+    address, what it does (standing by, serving a run, waiting for one), device and precision, cores, free memory,
+    measured memory and disk speeds and compute, Cascadia version and Curve key fingerprint."""
+    import json
+
+    from cascadia.errors import CascadiaError
+    from cascadia.fleet.announce import Browser
+    from cascadia.fleet.listing import fleet_json, fleet_table
+
+    with Browser(interfaces or None) as browser:
+        browser.wait(seconds, expect)
+        found, unreadable = browser.announcements()
+    click.echo(json.dumps(fleet_json(found, unreadable), indent=2) if as_json else fleet_table(found, unreadable))
+    if expect is not None and len(found) < expect:
+        raise CascadiaError(f"{expect} nodes expected, {len(found)} answered within {seconds:g} s (see `cascadia "
+                            "fleet --help` and the fleet guide for what keeps a node from showing)")
 
 
 @click.command("run")

@@ -10,6 +10,9 @@ Every pair of peers shares a link of its own, so nothing is routed or bridged: a
 coordinator (and carries the first node's frames in, the last node's tokens out, unshaped: one row of token ids),
 and the data link from stage i to stage i + 1 carries the residual rows at `spec.cluster.link(a, b).bandwidth`.
 Latency is not emulated (netem is not available everywhere); a veth hop adds tens of microseconds.
+
+`EmulatedLan` is the other shape: machines on one switched segment (a bridge), where multicast reaches every one, for
+a fleet that finds its nodes by mDNS (`cascadia.fleet`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,23 @@ class LinkEmulationError(PipelineError):
     """The links cannot be emulated here, so the pipeline cannot start; the text says why."""
 
 
-class EmulatedLinks:
+class _Namespaces:
+    """Owns `namespaces`; `close` removes them, and their veth pairs go with them."""
+
+    namespaces: list[str]
+
+    def close(self) -> None:
+        for namespace in self.namespaces:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EmulatedLinks(_Namespaces):
     """Namespaces and links for `len(rates) + 1` nodes; `rates[i]` (bytes/s) shapes the link from stage i to i + 1.
     The coordinator binds `control_port` and `tokens_port` on every interface. `close` removes it all."""
 
@@ -81,16 +100,44 @@ class EmulatedLinks:
             _ip(*where, "addr", "add", f"{ip}/24", "dev", device)
             _ip(*where, "link", "set", device, "up")
 
-    def close(self) -> None:
-        """Remove the namespaces; their veth pairs go with them."""
-        for namespace in self.namespaces:
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
-    def __enter__(self) -> EmulatedLinks:
-        return self
+class EmulatedLan(_Namespaces):
+    """`count` machines on one switched segment, as PCs on an office network: each in a namespace of its own,
+    joined by veth pairs to a Linux bridge in one more namespace (the switch), which passes multicast (mDNS); the
+    machines' addresses are `addresses[i]`, `run_in(i)` the prefix that runs a command on one, and `rates[i]`
+    (bytes/s; None: unshaped) shapes what machine i sends. `close` removes it all."""
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __init__(self, count: int, rates: Sequence[float | None] | None = None):
+        if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+            raise LinkEmulationError("emulating a network needs root and iproute2 (ip, tc) on Linux")
+        _remove_stale_namespaces()
+        made = next(_made)
+        tag = f"{os.getpid() % 10000}{made % 100}"
+        self.namespaces = [f"cascadia-{os.getpid()}-{made}-{i}" for i in range(count + 1)]  # the last: the switch
+        switch = self.namespaces[-1]
+        net = _free_network()
+        self.addresses = [f"{net}.0.{i + 1}" for i in range(count)]
+        try:
+            for namespace in self.namespaces:
+                _ip("netns", "add", namespace)
+                _ip("-n", namespace, "link", "set", "lo", "up")
+            _ip("-n", switch, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
+            _ip("-n", switch, "link", "set", "br0", "up")
+            for i, (namespace, address) in enumerate(zip(self.namespaces, self.addresses)):
+                port, device = f"ln{tag}p{i}", f"ln{tag}m{i}"
+                _ip("link", "add", port, "netns", switch, "type", "veth", "peer", "name", device, "netns", namespace)
+                _ip("-n", switch, "link", "set", port, "master", "br0", "up")
+                _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", device)
+                _ip("-n", namespace, "link", "set", device, "up")
+                _ip("-n", namespace, "route", "add", "224.0.0.0/4", "dev", device)  # multicast leaves by the LAN
+                if rates is not None and rates[i] is not None:
+                    _shape(namespace, device, rates[i])
+        except BaseException:
+            self.close()
+            raise
+
+    def run_in(self, machine: int) -> tuple[str, ...]:
+        return ("ip", "netns", "exec", self.namespaces[machine])
 
 
 def namespaces() -> set[str]:

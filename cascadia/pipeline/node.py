@@ -99,6 +99,8 @@ class NodeSettings:
     stage_key: tuple = ()  # what its loaded stage depends on beyond its layers: a change means a reload
     # the settings for this node's stage of an assigned plan (`Assign`); None: the node cannot be assigned one
     assigned: Callable[[NodeSettings, Assign], NodeSettings] | None = attrs.field(default=None, eq=False)
+    # told what the node now does (one of STATES), for its announcement to a fleet (`cascadia.fleet.announce`)
+    on_state: Callable[[str], None] | None = attrs.field(default=None, eq=False)
 
     @property
     def predecessor(self) -> int:
@@ -115,6 +117,9 @@ class NodeSettings:
         return self.first_layer, self.last_layer, self.stage_key
 
 
+# What a node does: stands by with no stage; serves a run with its stage; holds its stage between runs
+STANDBY, SERVING, WAITING = "standby", "serving", "waiting"
+STATES = (STANDBY, SERVING, WAITING)
 CONTROL_SEND_TIMEOUT_S = 10.0
 MAX_FRAME_TIMES = 100_000  # frame times kept for the next Stats (a trace's); older ones go
 
@@ -310,6 +315,7 @@ class _Node:
         self.tell(Ready(s.name, s.first_layer, s.last_layer))
         what = f"layers {s.first_layer}..{s.last_layer}" if s.holds_stage else "no stage: a spare standing by"
         log.info("%s: ready on %s, %s", s.name, s.listen, what)
+        self._say_state(SERVING if s.holds_stage else STANDBY)
 
     def _take_assignment(self) -> None:
         """Serve the stage an ASSIGN gave: rewired, loaded, READY. One it cannot take is reported, and the node
@@ -336,8 +342,13 @@ class _Node:
             raise NodeStopped(reason)
         self.in_run = False
         self.stale_connection = self.connected
+        self._say_state(WAITING if self.started_with.holds_stage else STANDBY)  # the stage it goes back to
         # Logged here, before any later control message is answered: a coordinator that hears back has its log line.
         log.info("%s: run ended (%s); waiting for the next coordinator", self.settings.name, reason)
+
+    def _say_state(self, state: str) -> None:
+        if self.settings.on_state is not None:
+            self.settings.on_state(state)
 
     def _take_control(self) -> None:
         """Every waiting control message, then every event of the control connection: a connection's messages
