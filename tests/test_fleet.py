@@ -3,18 +3,35 @@
 namespace."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import attrs
 import pytest
+import yaml
+from click.testing import CliRunner
 
-from cascadia.fleet.announce import Announcement, FleetError, Unreadable, announcement_for, key_fingerprint
+from cascadia.cli import cli
+from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.engine import Engine
+from cascadia.engine.generate import generate
+from cascadia.fleet.announce import (Announcement, FleetError, Unreadable, announcement_for, key_fingerprint,
+                                     model_digest)
+from cascadia.fleet.form import choose
 from cascadia.fleet.listing import fleet_json, fleet_table
 from cascadia.fleet.profile import Profile, measure, measure_disk_read
+from cascadia.fleet.standby import Standby, accept
+from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.emulated_links import EmulatedLan, LinkEmulationError, namespaces
 from cascadia.pipeline.transport import generate_keys
-from cascadia.pipeline.wire import VERSION
+from cascadia.pipeline.wire import VERSION, Invite
+from cascadia.sampling import Sampling
+from cascadia.spec.dump import dump_spec
+from cascadia.spec.load import load_spec
+from cascadia.tokenizer import load_tokenizer
 
 PROFILE = Profile(cores=16, memory_bytes=60 * 2**30, device="GPU", precision="f16", memory_bandwidth=1.2e11,
                   compute_flops=4.5e13, disk_bandwidth=3.1e9)
@@ -22,18 +39,20 @@ TIMEOUT_S = 120  # generous bound on a wait; nothing here measures time
 
 
 def test_an_announcement_reads_back_from_its_txt_record_each_entry_within_dns_sds_limit():
-    announcement = announcement_for("pc-07", "standby", PROFILE, None)
+    announcement = announcement_for("pc-07", "standby", PROFILE, None, "0123456789abcdef", 5602)
     txt = announcement.txt()
     assert all(len(f"{key}={value}".encode()) < 255 for key, value in txt.items())
-    assert Announcement.from_txt(txt, "tcp://10.0.0.7:5601") == Announcement(
-        "pc-07", "standby", announcement.version, VERSION, "", PROFILE, "tcp://10.0.0.7:5601")
+    found = Announcement.from_txt(txt, "tcp://10.0.0.7:5601")
+    assert found == Announcement("pc-07", "standby", announcement.version, VERSION, "", PROFILE, "0123456789abcdef",
+                                 5602, "tcp://10.0.0.7:5601")
+    assert found.door_address == "tcp://10.0.0.7:5602"
     unmeasured = Profile(2, 2**30, "CPU", "f32", 1e10, 1e11, None)
     assert Announcement.from_txt(announcement_for("x", "waiting", unmeasured, None).txt()).profile == unmeasured
 
 
 @pytest.mark.parametrize("change, message", [
     ({"memory": None}, "its TXT record has no 'memory'"),
-    ({"cores": "many"}, "its TXT record's 'cores' is 'many', not a int"),
+    ({"cores": "many"}, "its TXT record's 'cores' is 'many', not a whole number"),
     ({"state": "asleep"}, "its TXT record's 'state' is 'asleep', not one of standby, serving, waiting"),
 ])
 def test_an_announcement_that_cannot_be_read_names_the_field(change, message):
@@ -77,6 +96,72 @@ def test_a_machine_measures_itself(tmp_path):
 
 def test_a_disk_that_cannot_take_the_probe_is_left_unmeasured():
     assert measure_disk_read("/proc") is None
+
+
+# ---- forming a fleet of what announced itself ----------------------------------------------------------------------
+def standing_by(name: str, spec, memory: int = 2**30, **changes) -> Announcement:
+    found = Announcement(name, "standby", "0.1.0", VERSION, "", attrs.evolve(PROFILE, memory_bytes=memory),
+                         model_digest(spec.model.config), 5602, f"tcp://10.0.0.{len(name)}:5601")
+    return attrs.evolve(found, **changes)
+
+
+def test_the_fleet_formed_holds_the_usable_nodes_the_least_memory_standing_by_as_spares(spec):
+    found = [standing_by("b", spec, 3 * 2**30), standing_by("a", spec, 2**30), standing_by("c", spec, 2 * 2**30),
+             standing_by("d", spec, 2**30)]
+    formed = choose(spec, found, spares=2)
+    assert [n.name for n in formed.spec.cluster.nodes] == ["b", "c"]
+    assert [n.name for n in formed.spec.cluster.spares] == ["a", "d"]
+    b = formed.spec.cluster.nodes[0]
+    assert (b.address, b.memory_bytes, b.memory_bandwidth, b.compute_flops, b.disk_bandwidth) == (
+        "tcp://10.0.0.1:5601", 3 * 2**30, PROFILE.memory_bandwidth, PROFILE.compute_flops, PROFILE.disk_bandwidth)
+    assert formed.passed_over == () and formed.spec.model == spec.model and formed.spec.runtime == spec.runtime
+
+
+def test_nodes_the_run_cannot_use_are_passed_over_saying_why(spec, tmp_path):
+    generate_keys(tmp_path / "keys", ["ok", "wrong", "coordinator"])
+    generate_keys(tmp_path / "theirs", ["wrong", "unknown"])
+    keyed = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, curve_keys=tmp_path / "keys"))
+    found = [standing_by("ok", spec, key=key_fingerprint(tmp_path / "keys", "ok")),
+             standing_by("old", spec, protocol=VERSION - 1, version="0.0.9"),
+             standing_by("own", spec, door=None, state="waiting"),
+             standing_by("busy", spec, state="serving"),
+             standing_by("other", spec, model="0123456789abcdef"),
+             standing_by("wrong", spec, key=key_fingerprint(tmp_path / "theirs", "wrong")),
+             standing_by("unknown", spec, key=key_fingerprint(tmp_path / "theirs", "unknown"))]
+    formed = choose(keyed, found, spares=0)
+    assert [n.name for n in formed.spec.cluster.nodes] == ["ok"]
+    why = dict(formed.passed_over)
+    assert why["old"] == f"it runs Cascadia 0.0.9, protocol {VERSION - 1}; this build speaks protocol {VERSION}"
+    assert why["own"] == "it serves a spec of its own (started with --spec), not standing by for an invitation"
+    assert why["busy"] == "it is serving in another coordinator's run"
+    assert why["other"].startswith("its checkpoint holds another model (digest 0123456789abcdef; tiny's is ")
+    assert why["wrong"].startswith("its Curve key (fingerprint ") and "is not the one" in why["wrong"]
+    assert why["unknown"] == f"its name has no public key in {tmp_path / 'keys' / 'public'}"
+    keyless = choose(spec, [standing_by("a", spec), standing_by("k", spec, key="ab12")], spares=0)
+    assert dict(keyless.passed_over) == {"k": "it uses Curve keys and this spec's cluster names none"}
+
+
+def test_too_few_usable_nodes_is_one_error_naming_the_others(spec):
+    with pytest.raises(FleetError, match=r"1 usable nodes answered, and 1 are to stand by as spares: none is left "
+                                         r"to hold the model; busy: it is serving in another coordinator's run"):
+        choose(spec, [standing_by("a", spec), standing_by("busy", spec, state="serving")], spares=1)
+
+
+def test_a_node_refuses_an_invitation_into_a_run_of_another_model(spec, checkpoint, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((checkpoint / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
+    plan = json.dumps(make_plan(spec).to_dict())
+    invitation = Invite(yaml.safe_dump(dump_spec(spec)), plan, "tcp://*:5555", "tcp://*:5556")
+    with pytest.raises(FleetError, match=f"its checkpoint {other} holds another model than the invitation's 'tiny'"):
+        accept(Standby("node1", "tcp://0.0.0.0:5601", "tcp://0.0.0.0:5602", other), invitation, "10.0.0.9")
+    with pytest.raises(FleetError, match="the invitation's plan is not JSON"):
+        accept(Standby("node1", "tcp://0.0.0.0:5601", "tcp://0.0.0.0:5602", checkpoint),
+               attrs.evolve(invitation, plan="{"), "10.0.0.9")
+    _, _, last = accept(Standby("node2", "tcp://0.0.0.0:5601", "tcp://0.0.0.0:5602", checkpoint), invitation,
+                        "10.0.0.9")
+    assert (last.control.address, last.successor.address) == ("tcp://10.0.0.9:5555", "tcp://10.0.0.9:5556")
 
 
 # ---- an emulated LAN -----------------------------------------------------------------------------------------------
@@ -175,3 +260,114 @@ def test_fleet_expecting_more_nodes_than_answer_says_how_many_did():
         out, err = listing.communicate(timeout=TIMEOUT_S)
     assert listing.returncode == 1 and out.strip() == "no Cascadia node answered"
     assert err.startswith("Error: 2 nodes expected, 0 answered within 0.5 s")
+
+
+CLIENT = """
+import json, sys, threading, time
+import httpx, openai
+url, streams, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+while True:  # the nodes load; /health says when they have
+    try:
+        if httpx.get(url + "/health").status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.1)
+client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+texts, started = [""] * streams, threading.Barrier(streams + 1)
+
+def ask(i):
+    prompt = [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11]
+    for n, chunk in enumerate(client.completions.create(model="tiny", prompt=prompt, max_tokens=tokens,
+                                                        temperature=0, stream=True)):
+        texts[i] += chunk.choices[0].text if chunk.choices else ""
+        if n == 0:
+            started.wait()
+
+threads = [threading.Thread(target=ask, args=(i,)) for i in range(streams)]
+for t in threads:
+    t.start()
+started.wait()
+print("streaming", flush=True)
+sys.stdin.readline()  # the test has killed a node
+for t in threads:
+    t.join()
+print(json.dumps(texts), flush=True)
+"""
+STREAMS, TOKENS = 6, 24
+
+
+@needs_a_lan
+def test_serve_discover_forms_a_pipeline_of_the_nodes_standing_by_and_a_spare_takes_a_lost_stage(
+        tmp_path, spec, checkpoint):
+    """Four nodes started with no spec stand by and announce themselves; `serve --discover` on a fifth machine forms
+    a 3-stage pipeline and a spare of them, invites them, and serves greedy completions with the single-process
+    engine's texts, also when the middle stage's node is killed while they stream."""
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    tokenizer = load_tokenizer(checkpoint)
+    expected = [tokenizer.decode(list(generate(engine, [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11], TOKENS,
+                                                Sampling()).ids), skip_special_tokens=True) for i in range(STREAMS)]
+    formed_spec = tmp_path / "formed.yaml"
+    before = namespaces()
+    with EmulatedLan(5) as lan:
+        agents = [cascadia(lan, i, "node", "--standby", "--announce", "--name", f"pc{i}", "--listen",
+                           "tcp://0.0.0.0:5601", "--checkpoint", str(checkpoint), "--memory", "1GiB", "--interface",
+                           lan.addresses[i], stderr=subprocess.DEVNULL) for i in range(4)]
+        server = cascadia(lan, 4, "serve", str(TINY), "--discover", str(TIMEOUT_S), "--expect", "4", "--spares", "1",
+                          "--interface", lan.addresses[4], "--host", lan.addresses[4], "--port", "8000",
+                          "--checkpoint", str(checkpoint), "--save-spec", str(formed_spec),
+                          stderr=(tmp_path / "serve.log").open("w"))
+        client = cascadia_python(lan, 4, CLIENT, f"http://{lan.addresses[4]}:8000", str(STREAMS), str(TOKENS))
+        try:
+            assert client.stdout.readline() == "streaming\n", (tmp_path / "serve.log").read_text()[-3000:]
+            formed = load_spec(formed_spec)
+            assert [n.name for n in formed.cluster.nodes] == ["pc0", "pc1", "pc2"]
+            assert [n.name for n in formed.cluster.spares] == ["pc3"]
+            assert [n.address for n in formed.cluster.nodes] == [f"tcp://{a}:5601" for a in lan.addresses[:3]]
+            assert all(n.memory_bytes == 2**30 and n.memory_bandwidth > 1e8 for n in formed.cluster.nodes)
+            agents[1].kill()  # the middle stage's node, mid-stream
+            client.stdin.write("\n")
+            client.stdin.flush()
+            texts = json.loads(client.stdout.readline())
+        finally:
+            for process in (client, server, *agents):
+                process.send_signal(signal.SIGINT)
+            for process in (client, server, *agents):
+                try:
+                    process.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.communicate()
+        log = (tmp_path / "serve.log").read_text()
+        assert texts == expected, log[-3000:]
+        # the planner splits the layers by what each node measured, so which layers pc1 held varies
+        assert re.search(r"pc1 \(layers [\d-]+\) lost.*pc3: ready.*pc1 \(layers [\d-]+\) serves again", log,
+                         re.DOTALL), log[-3000:]
+        assert re.search(r"pc3: up on CPUs [\d,-]+, standing by, a spare", log) and "Traceback" not in log
+    assert namespaces() == before
+    predicted = subprocess.run([sys.executable, "-m", "cascadia", "simulate", str(formed_spec), "--analytic",
+                                "--concurrency", "1,4"], capture_output=True, text=True)
+    assert predicted.returncode == 0 and "decode tok/s" in predicted.stdout, predicted.stderr
+
+
+TINY = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
+
+
+def cascadia_python(lan: EmulatedLan, machine: int, code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([*lan.run_in(machine), sys.executable, "-c", code, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["node", "--name", "pc", "--listen", "tcp://0.0.0.0:5601"],
+     "without --spec a node stands by to be invited: give --standby, --announce and --checkpoint"),
+    (["node", "--name", "pc", "--listen", "tcp://0.0.0.0:5601", "--standby", "--announce", "--checkpoint", ".",
+      "--control", "tcp://10.0.0.1:5555"], "and not --control"),
+    (["node", "--spec", str(TINY), "--name", "node0", "--listen", "tcp://0.0.0.0:5601"],
+     "a node started with --spec needs --plan and --control too"),
+    (["serve", str(TINY), "--discover", "1", "--plan", str(TINY)],
+     "--discover plans over the nodes it finds: leave out --plan"),
+])
+def test_a_fleet_command_line_that_cannot_work_says_what_to_give(args, message):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and message in result.output

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import click
 
 from cascadia import __version__
-from cascadia.cli import doctor, drafts, engine, pipeline, search, serving, simulator, specs
+from cascadia.cli import doctor, drafts, engine, fleet, pipeline, search, serving, simulator, specs
 from cascadia.errors import CascadiaError, Terminated
 
 
@@ -80,7 +80,7 @@ for command in (specs.spec, specs.graph, specs.plan, specs.init_model_command, s
                 engine.generate, engine.score, drafts.draft_eval,
                 simulator.simulate, simulator.calibrate_command, simulator.validate_command, simulator.demo,
                 search.search,
-                pipeline.run_command, pipeline.node, pipeline.fleet, doctor.doctor, serving.serve):
+                pipeline.run_command, pipeline.node, fleet.fleet, doctor.doctor, serving.serve):
     cli.add_command(command)
 
 

@@ -1,5 +1,4 @@
-"""The real pipeline: `run` (the coordinator), `node` (one stage, on its machine) and `fleet` (the nodes that
-announce themselves)."""
+"""The real pipeline: `run` (the coordinator) and `node` (one stage, on its machine)."""
 
 from __future__ import annotations
 
@@ -7,21 +6,21 @@ import contextlib
 
 import click
 
-from cascadia.cli.common import (CpuList, OutputPath, TcpAddress, chosen_plan, emulate_links_option, report_to,
-                                 sampling_options, speculate_option, with_sampling, with_runtime, workload_options,
-                                 say_written, workload_overrides, write_trace, writing)
+from cascadia.cli.common import (CpuList, OutputPath, Quantity, TcpAddress, chosen_plan, emulate_links_option,
+                                 report_to, sampling_options, speculate_option, with_sampling, with_runtime,
+                                 workload_options, say_written, workload_overrides, write_trace, writing)
 from cascadia.spec.load import load_spec
 
 
 @click.command()
-@click.option("--spec", "spec_path", type=click.Path(exists=True, dir_okay=False), required=True)
-@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), required=True,
+@click.option("--spec", "spec_path", type=click.Path(exists=True, dir_okay=False),
+              help="the spec the coordinator runs (without it: stand by to be invited, with --standby --announce)")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
               help="the plan the coordinator runs (`cascadia plan -o`)")
 @click.option("--name", required=True, help="this node's name in the plan")
 @click.option("--listen", type=TcpAddress(to_bind=True), required=True,
               help="address to bind this node's input, e.g. tcp://0.0.0.0:5601")
-@click.option("--control", type=TcpAddress(), required=True,
-              help="the coordinator's control address, e.g. tcp://10.0.0.1:5555")
+@click.option("--control", type=TcpAddress(), help="the coordinator's control address, e.g. tcp://10.0.0.1:5555")
 @click.option("--successor", type=TcpAddress(),
               help="where this node sends its results (default: the next node's address in the "
                                   "spec; the last node: the coordinator's token address)")
@@ -42,25 +41,47 @@ from cascadia.spec.load import load_spec
                    "lists it)")
 @click.option("--interface", "interfaces", multiple=True, metavar="IP",
               help="--announce: announce on the interface with this IPv4 address (repeatable; default: every one)")
-def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, successor: str | None,
-         checkpoint: str | None, threads: int | None, logits: bool, cpus: tuple[int, ...] | None,
-         parent_pid: int | None, keep_serving: bool, standby: bool, wait_coordinator: float, announce: bool,
-         interfaces: tuple[str, ...]) -> None:
+@click.option("--door", type=TcpAddress(to_bind=True),
+              help="without --spec: the address to take invitations at (default: --listen's port + 1)")
+@click.option("--keys", "keys", type=click.Path(exists=True, file_okay=False),
+              help="without --spec: the Curve key folder (`cascadia keys`; default: no keys)")
+@click.option("--memory", type=Quantity("size"),
+              help="without --spec: offer at most this much memory (default: all this PC has free when it starts)")
+def node(spec_path: str | None, plan_path: str | None, name: str, listen: str, control: str | None,
+         successor: str | None, checkpoint: str | None, threads: int | None, logits: bool,
+         cpus: tuple[int, ...] | None, parent_pid: int | None, keep_serving: bool, standby: bool,
+         wait_coordinator: float, announce: bool, interfaces: tuple[str, ...], door: str | None,
+         keys: str | None, memory: int | None) -> None:
     """Serve one stage of a plan: load its layers, then compute frames until the coordinator says stop.
 
     `cascadia run` starts these itself for `local` nodes; on other machines, start one per node, before or after
     `cascadia run`, with the same spec and plan files. With --keep-serving a node loads once and serves every
     later run too, until stopped with Ctrl-C. A spare (`cluster.spares`), or a node started with --standby,
-    loads nothing until `cascadia serve` gives it a lost node's stage."""
+    loads nothing until `cascadia serve` gives it a lost node's stage.
+
+    Without --spec (with --standby --announce --checkpoint): the node announces itself and waits for a
+    `cascadia serve --discover` that finds it to invite it, run after run."""
     import logging
     from pathlib import Path
 
     import attrs
 
+    from cascadia.cli.fleet import announcer, stand_by_invited
     from cascadia.graph.planner import load_plan
     from cascadia.pipeline.stage import node_settings, serve_node
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if spec_path is None:
+        given = [flag for flag, value in (("--plan", plan_path), ("--control", control), ("--successor", successor),
+                                          ("--logits", logits), ("--keep-serving", keep_serving)) if value]
+        if not (standby and announce and checkpoint) or given:
+            raise click.UsageError("without --spec a node stands by to be invited: give --standby, --announce and "
+                                   f"--checkpoint{', and not ' + ', '.join(given) if given else ''}")
+        stand_by_invited(name, listen, door, Path(checkpoint), Path(keys) if keys else None, memory, threads, cpus,
+                         interfaces)
+        return
+    if plan_path is None or control is None:
+        raise click.UsageError("a node started with --spec needs --plan and --control too")
     loaded = load_spec(spec_path)
     chosen = load_plan(plan_path, loaded)
     settings = attrs.evolve(node_settings(loaded, chosen, name, listen, control, successor, parent_pid, standby),
@@ -76,49 +97,6 @@ def node(spec_path: str, plan_path: str, name: str, listen: str, control: str, s
             serve_node(loaded, chosen, settings, folder, threads, logits, cpus)
         except Exception as e:  # already reported to the coordinator by the node loop; say it here too, briefly
             raise click.ClickException(f"{name}: {type(e).__name__}: {e}") from None
-
-
-def announcer(spec, settings, checkpoint, interfaces: tuple[str, ...]):
-    """The announcement of a node about to serve: its profile measured, its state before any run."""
-    import logging
-
-    from cascadia.fleet.announce import Announcer, announcement_for
-    from cascadia.fleet.profile import measure
-    from cascadia.pipeline.node import STANDBY, WAITING
-
-    profile = measure(checkpoint)
-    logging.getLogger(__name__).info("%s: %s; announcing it", settings.name, profile.describe())
-    state = WAITING if settings.holds_stage else STANDBY
-    port = int(settings.listen.rsplit(":", 1)[1])
-    return Announcer(announcement_for(settings.name, state, profile, spec.cluster.curve_keys), port,
-                     interfaces or None)
-
-
-@click.command("fleet")
-@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=3.0, show_default=True,
-              help="how long to listen for announcements")
-@click.option("--expect", type=click.IntRange(min=1),
-              help="stop listening once this many nodes answered; fewer within --seconds is an error")
-@click.option("--interface", "interfaces", multiple=True, metavar="IP",
-              help="listen on the interface with this IPv4 address (repeatable; default: every one)")
-@click.option("--json", "as_json", is_flag=True, help="print the nodes as JSON")
-def fleet(seconds: float, expect: int | None, interfaces: tuple[str, ...], as_json: bool) -> None:
-    """List the Cascadia nodes that announce themselves on this network (`cascadia node --announce`): name,
-    address, what it does (standing by, serving a run, waiting for one), device and precision, cores, free memory,
-    measured memory and disk speeds and compute, Cascadia version and Curve key fingerprint."""
-    import json
-
-    from cascadia.errors import CascadiaError
-    from cascadia.fleet.announce import Browser
-    from cascadia.fleet.listing import fleet_json, fleet_table
-
-    with Browser(interfaces or None) as browser:
-        browser.wait(seconds, expect)
-        found, unreadable = browser.announcements()
-    click.echo(json.dumps(fleet_json(found, unreadable), indent=2) if as_json else fleet_table(found, unreadable))
-    if expect is not None and len(found) < expect:
-        raise CascadiaError(f"{expect} nodes expected, {len(found)} answered within {seconds:g} s (see `cascadia "
-                            "fleet --help` and the fleet guide for what keeps a node from showing)")
 
 
 @click.command("run")

@@ -39,10 +39,21 @@ from cascadia.spec.load import load_spec
               help="seconds a lost tcp node may take to come back before its stage is down (open requests fail, "
                    "new ones get 503, until it does)")
 @speculate_option
+@click.option("--discover", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="form the cluster of the nodes that announce themselves within SECONDS (`cascadia node --standby "
+                   "--announce`), in place of the spec's nodes, and invite them")
+@click.option("--expect", type=click.IntRange(min=1), help="--discover: stop listening once this many nodes answered")
+@click.option("--spares", type=click.IntRange(min=0), default=0, show_default=True,
+              help="--discover: how many of the nodes found (those with the least memory) stand by as spares")
+@click.option("--interface", "interfaces", multiple=True, metavar="IP",
+              help="--discover: listen on the interface with this IPv4 address (repeatable; default: every one)")
+@click.option("--save-spec", type=click.Path(dir_okay=False, writable=True),
+              help="--discover: write the spec of the fleet as it formed here (for `cascadia simulate`)")
 def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, port: int, model_name: str | None,
           max_waiting: int | None, api_key_file, max_body: int, shutdown_timeout: float, groups: int | None,
           control: str | None, tokens: str | None, node_timeout: float, stall_timeout: float,
-          replace_timeout: float, speculate: str | None) -> None:
+          replace_timeout: float, speculate: str | None, discover: float | None, expect: int | None, spares: int,
+          interfaces: tuple[str, ...], save_spec: str | None) -> None:
     """Serve the spec's model with an OpenAI-compatible API (chat and text completions, streamed or not; /v1/models,
     /health, /metrics, and a status page at /) until SIGTERM or Ctrl-C.
 
@@ -68,7 +79,23 @@ def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, p
     runtime = loaded.runtime
     settings = ServeSettings(model_name or loaded.model.name, runtime.context_budget,
                              2 * runtime.max_streams if max_waiting is None else max_waiting, max_body, key)
-    run_server(loaded, chosen_plan(loaded, plan_path), settings, host=host, port=port,
+    if discover is not None:
+        if plan_path is not None:
+            raise click.UsageError("--discover plans over the nodes it finds: leave out --plan")
+        from cascadia.fleet.form import discover as form_fleet
+        from cascadia.fleet.form import invite
+        from cascadia.spec.dump import write_spec
+
+        formed = form_fleet(loaded, discover, expect, spares, interfaces or None)
+        loaded = formed.spec
+        chosen = chosen_plan(loaded, None)
+        if save_spec:
+            write_spec(loaded, Path(save_spec))
+        control, tokens = control or "tcp://0.0.0.0:5555", tokens or "tcp://0.0.0.0:5556"
+        invite(formed, chosen, control, tokens, node_timeout)
+    else:
+        chosen = chosen_plan(loaded, plan_path)
+    run_server(loaded, chosen, settings, host=host, port=port,
                checkpoint=Path(checkpoint) if checkpoint else None,
                shutdown_timeout_s=shutdown_timeout, addresses=Addresses(control, tokens) if control else None,
                node_timeout_s=node_timeout, stall_s=stall_timeout, replace_timeout_s=replace_timeout)

@@ -13,6 +13,7 @@ mDNS is multicast on the local link: announcer and browser must share a network 
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 import threading
 from collections.abc import Iterable, Mapping
@@ -42,7 +43,13 @@ class Announcement:
     protocol: int  # the wire protocol's
     key: str  # its Curve public key's fingerprint; "" without keys
     profile: Profile
+    model: str = ""  # `model_digest` of its checkpoint's config; "" where it has none of its own
+    door: int | None = None  # the port it takes invitations at (`fleet.standby`); None: it serves its own spec
     address: str = ""  # where it was found: its input's tcp://HOST:PORT (a browser fills it in)
+
+    @property
+    def door_address(self) -> str | None:
+        return None if self.door is None else f"{self.address.rsplit(':', 1)[0]}:{self.door}"
 
     @property
     def compatible(self) -> bool:
@@ -53,7 +60,8 @@ class Announcement:
         """The TXT record: short keys, decimal numbers (each key=value well under DNS-SD's 255 bytes)."""
         p = self.profile
         return {"name": self.name, "state": self.state, "version": self.version, "protocol": str(self.protocol),
-                "key": self.key, "cores": str(p.cores), "memory": str(p.memory_bytes), "device": p.device,
+                "key": self.key, "model": self.model, "door": "" if self.door is None else str(self.door),
+                "cores": str(p.cores), "memory": str(p.memory_bytes), "device": p.device,
                 "precision": p.precision, "bandwidth": f"{p.memory_bandwidth:.0f}",
                 "compute": f"{p.compute_flops:.0f}", "disk": "" if p.disk_bandwidth is None else
                 f"{p.disk_bandwidth:.0f}"}
@@ -61,22 +69,29 @@ class Announcement:
     @classmethod
     def from_txt(cls, txt: Mapping[str, str], address: str = "") -> Announcement:
         """Raises FleetError naming the field that is missing or malformed."""
-        def field(key: str, parse=str):
+        def field(key: str, parse=str, what: str = ""):
             if key not in txt:
                 raise FleetError(f"its TXT record has no {key!r}")
             try:
                 return parse(txt[key])
             except ValueError:
-                raise FleetError(f"its TXT record's {key!r} is {txt[key]!r}, not a {parse.__name__}") from None
+                raise FleetError(f"its TXT record's {key!r} is {txt[key]!r}, not {what}") from None
 
         state = field("state")
         if state not in STATES:
             raise FleetError(f"its TXT record's 'state' is {state!r}, not one of {', '.join(STATES)}")
-        disk = field("disk")
-        profile = Profile(cores=field("cores", int), memory_bytes=field("memory", int), device=field("device"),
-                          precision=field("precision"), memory_bandwidth=field("bandwidth", float),
-                          compute_flops=field("compute", float), disk_bandwidth=float(disk) if disk else None)
-        return cls(field("name"), state, field("version"), field("protocol", int), field("key"), profile, address)
+        profile = Profile(cores=field("cores", int, "a whole number"),
+                          memory_bytes=field("memory", int, "a whole number"), device=field("device"),
+                          precision=field("precision"),
+                          memory_bandwidth=field("bandwidth", float, "a number"),
+                          compute_flops=field("compute", float, "a number"),
+                          disk_bandwidth=field("disk", _optional(float), "a number or nothing"))
+        return cls(field("name"), state, field("version"), field("protocol", int, "a whole number"), field("key"),
+                   profile, field("model"), field("door", _optional(int), "a port or nothing"), address)
+
+
+def _optional(parse):
+    return lambda text: parse(text) if text else None
 
 
 def key_fingerprint(curve_keys: Path | None, name: str) -> str:
@@ -112,15 +127,13 @@ class Announcer:
     `update_state` changes what it says. Raises FleetError when another service already holds the name."""
 
     def __init__(self, announcement: Announcement, port: int, interfaces: Iterable[str] | None = None):
-        from zeroconf import NonUniqueNameException, ServiceInfo
+        from zeroconf import NonUniqueNameException
 
-        self.announcement = announcement
-        addresses = list(interfaces) if interfaces else local_addresses()
-        if not addresses:
+        self.announcement, self.port = announcement, port
+        self.addresses = list(interfaces) if interfaces else local_addresses()
+        if not self.addresses:
             raise FleetError("this machine has no IPv4 address to announce on but loopback")
-        self.info = ServiceInfo(SERVICE, f"{announcement.name}.{SERVICE}", port=port,
-                                properties=announcement.txt(), server=f"cascadia-{announcement.name}.local.",
-                                addresses=[socket.inet_aton(a) for a in addresses])
+        self.info = self._service_info()
         self.zeroconf = _zeroconf(interfaces)
         try:
             self.zeroconf.register_service(self.info)
@@ -129,11 +142,18 @@ class Announcer:
             raise FleetError(f"another node on this network already announces the name {announcement.name!r}; "
                              "give each node a name of its own") from None
 
+    def _service_info(self):
+        from zeroconf import ServiceInfo
+
+        name = self.announcement.name
+        return ServiceInfo(SERVICE, f"{name}.{SERVICE}", port=self.port, properties=self.announcement.txt(),
+                           server=f"cascadia-{name}.local.", addresses=[socket.inet_aton(a) for a in self.addresses])
+
     def update_state(self, state: str) -> None:
         if state == self.announcement.state:
             return
         self.announcement = attrs.evolve(self.announcement, state=state)
-        self.info.properties = self.announcement.txt()  # re-encodes the TXT record
+        self.info = self._service_info()
         self.zeroconf.update_service(self.info)
 
     def close(self) -> None:
@@ -212,5 +232,11 @@ class Browser:
         self.close()
 
 
-def announcement_for(name: str, state: str, profile: Profile, curve_keys: Path | None) -> Announcement:
-    return Announcement(name, state, __version__, PROTOCOL, key_fingerprint(curve_keys, name), profile)
+def model_digest(config) -> str:
+    """16 hex digits that tell models apart: of the config's transformers fields (`ModelConfig.to_hf_dict`)."""
+    return hashlib.sha256(json.dumps(config.to_hf_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def announcement_for(name: str, state: str, profile: Profile, curve_keys: Path | None, model: str = "",
+                     door: int | None = None) -> Announcement:
+    return Announcement(name, state, __version__, PROTOCOL, key_fingerprint(curve_keys, name), profile, model, door)

@@ -81,8 +81,9 @@ def describe(node: str, message: Message) -> str:
     """A starting node's message for people."""
     match message:
         case Hello():
-            return (f"{node}: up on CPUs {host_cpus.format_cpus(message.cpus)}, loading layers {message.first_layer}-"
-                    f"{message.last_layer}")
+            doing = (f"loading layers {message.first_layer}-{message.last_layer}"
+                     if message.last_layer >= message.first_layer else "standing by, a spare")
+            return f"{node}: up on CPUs {host_cpus.format_cpus(message.cpus)}, {doing}"
         case Progress():
             return f"{node}: compiled {message.done}/{message.total} blocks"
         case Ready():

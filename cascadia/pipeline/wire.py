@@ -55,7 +55,7 @@ from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 11
+VERSION = 12
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -90,6 +90,7 @@ class Kind(enum.IntEnum):
     STATS_REQUEST = 8
     STATS = 9
     ASSIGN = 10
+    INVITE = 11
 
 
 def _vector(values, dtype: np.dtype) -> np.ndarray:
@@ -269,7 +270,20 @@ class Assign:
     successor: str
 
 
-Message = Frame | Tokens | Hello | Progress | Ready | Shutdown | Error | StatsRequest | Stats | Assign
+@attrs.frozen
+class Invite:
+    """A coordinator that found a node standing by (`cascadia.fleet`) asks it to join its run: the node serves its
+    stage of `plan` (JSON, `Plan.to_dict`) of `spec` (YAML, `spec.dump.dump_spec`), reaching the coordinator at
+    `control` and, holding the last stage, sending its tokens to `tokens`. An address whose host is "*" names the
+    coordinator's host as the node reached it. The node answers HELLO, or ERROR saying why it cannot."""
+
+    spec: str
+    plan: str
+    control: str
+    tokens: str
+
+
+Message = Frame | Tokens | Hello | Progress | Ready | Shutdown | Error | StatsRequest | Stats | Assign | Invite
 
 
 @attrs.frozen
@@ -347,6 +361,9 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
                                            np.array([t[1:] for t in message.frame_times], dtype=_F64).reshape(-1)]
         case Assign():
             return Kind.ASSIGN, _Fields(), [_utf8(message.plan), _utf8(message.successor)]
+        case Invite():
+            return Kind.INVITE, _Fields(), [_utf8(message.spec), _utf8(message.plan), _utf8(message.control),
+                                            _utf8(message.tokens)]
     raise TypeError(f"not a wire message: {message!r}")
 
 
@@ -373,7 +390,8 @@ class Encoder:
 # --- decoding ---------------------------------------------------------------------------------------------------
 
 _BUFFER_COUNTS = {Kind.FRAME: 14, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
-                  Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 2}
+                  Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 2,
+                  Kind.INVITE: 4}
 
 
 def _array(buffer: memoryview, dtype: np.dtype, count: int, name: str) -> np.ndarray:
@@ -519,6 +537,8 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             return Stats(_text(b[0], "node"), *_unpack(_STATS, b[1], "stats"), frame_times)
         case Kind.ASSIGN:
             return Assign(_text(b[0], "plan"), _text(b[1], "successor"))
+        case Kind.INVITE:
+            return Invite(_text(b[0], "spec"), _text(b[1], "plan"), _text(b[2], "control"), _text(b[3], "tokens"))
 
 
 def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Received:

@@ -1,0 +1,144 @@
+"""`serve --discover`: a fleet formed from the nodes that announce themselves, instead of one written by hand.
+
+The coordinator listens for announcements (`fleet.announce`), keeps the nodes it can use (standing by at a door, this
+build's protocol, a checkpoint of the spec's model, and with Curve keys in use the key the keys folder holds under
+the node's name), and writes them into the spec's cluster as they measured themselves: address, free memory,
+memory bandwidth, compute and disk speed. The `spares` with the least memory stand by as spares; the others hold
+stages, in name order, as the planner places layers on them. Then it invites each node (`fleet.standby`) with the
+spec and plan, and the run starts as one over nodes started by hand does. Nodes it cannot use are named with why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+import attrs
+import yaml
+import zmq
+
+from cascadia.errors import CascadiaError, NodeError
+from cascadia.fleet.announce import Announcement, Browser, FleetError, key_fingerprint, model_digest
+from cascadia.graph.plan import Plan
+from cascadia.pipeline.node import STANDBY
+from cascadia.pipeline.transport import COORDINATOR, Transport, receive_waiting, send
+from cascadia.pipeline.wire import COORDINATOR_SENDER, VERSION, Decoder, Encoder, Error, Hello, Invite, WireError
+from cascadia.spec.dump import dump_spec
+from cascadia.spec.types import NodeSpec, Spec
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Formed:
+    spec: Spec  # its cluster: the nodes chosen, then the spares
+    chosen: tuple[Announcement, ...]  # in the cluster's order of members
+    passed_over: tuple[tuple[str, str], ...]  # (name, why) of the nodes found but not used
+
+
+def why_not(spec: Spec, found: Announcement) -> str | None:
+    """Why this spec's run cannot use a node that announced itself, or None when it can."""
+    keys = spec.cluster.curve_keys
+    if not found.compatible:
+        return f"it runs Cascadia {found.version}, protocol {found.protocol}; this build speaks protocol {VERSION}"
+    if found.door is None:
+        return "it serves a spec of its own (started with --spec), not standing by for an invitation"
+    if found.state != STANDBY:
+        return f"it is {found.state} in another coordinator's run"
+    if found.model != model_digest(spec.model.config):
+        return (f"its checkpoint holds another model (digest {found.model or 'none'}; {spec.model.name}'s is "
+                f"{model_digest(spec.model.config)})")
+    if keys is None:
+        return "it uses Curve keys and this spec's cluster names none" if found.key else None
+    try:
+        expected = key_fingerprint(keys, found.name)
+    except CascadiaError:
+        return f"its name has no public key in {keys / 'public'}"
+    if found.key != expected:
+        return f"its Curve key (fingerprint {found.key or 'none'}) is not the one {keys / 'public'} holds ({expected})"
+    return None
+
+
+def choose(spec: Spec, found: Sequence[Announcement], spares: int) -> Formed:
+    """The spec with the usable nodes of `found` as its cluster, `spares` of them (the least memory) as spares.
+    FleetError when fewer than `spares` + 1 are usable."""
+    passed_over = tuple((a.name, why) for a in found if (why := why_not(spec, a)) is not None)
+    usable = [a for a in found if a.name not in dict(passed_over)]
+    if len(usable) <= spares:
+        also = "".join(f"; {name}: {why}" for name, why in passed_over)
+        raise FleetError(f"{len(usable)} usable nodes answered, and {spares} are to stand by as spares: none is left "
+                         f"to hold the model{also}")
+    by_memory = sorted(usable, key=lambda a: (-a.profile.memory_bytes, a.name))
+    holders = sorted(by_memory[:len(usable) - spares], key=lambda a: a.name)
+    standing_by = sorted(by_memory[len(usable) - spares:], key=lambda a: a.name)
+    cluster = attrs.evolve(spec.cluster, nodes=tuple(map(node_spec, holders)),
+                           spares=tuple(map(node_spec, standing_by)), links={})
+    return Formed(attrs.evolve(spec, cluster=cluster), tuple(holders + standing_by), passed_over)
+
+
+def node_spec(found: Announcement) -> NodeSpec:
+    p = found.profile
+    return NodeSpec(found.name, address=found.address, memory_bytes=p.memory_bytes,
+                    memory_bandwidth=p.memory_bandwidth, compute_flops=p.compute_flops, disk_bandwidth=p.disk_bandwidth)
+
+
+def discover(spec: Spec, seconds: float, expect: int | None, spares: int,
+             interfaces: Iterable[str] | None = None) -> Formed:
+    """Listen `seconds` (or until `expect` nodes answered) and form the fleet of what answered."""
+    with Browser(interfaces) as browser:
+        browser.wait(seconds, expect)
+        found, unreadable = browser.announcements()
+    for u in unreadable:
+        log.warning("%s: cannot read its announcement: %s", u.service, u.reason)
+    if not found:
+        raise FleetError(f"no Cascadia node answered within {seconds:g} s (is each PC's node started with "
+                         "--standby --announce, and on this network segment?)")
+    formed = choose(spec, found, spares)
+    for name, why in formed.passed_over:
+        log.warning("%s: not used: %s", name, why)
+    log.info("formed a fleet of %s", ", ".join(f"{a.name} at {a.address}" for a in formed.chosen))
+    return formed
+
+
+def invite(formed: Formed, plan: Plan, control: str, tokens: str, timeout_s: float) -> None:
+    """Invite every chosen node into the run of `formed.spec` and `plan`, whose coordinator binds `control` and
+    `tokens` (tcp://0.0.0.0:PORT: each node reaches it at the host it reached the invitation from). NodeError naming
+    the node that refuses or does not answer within `timeout_s`."""
+    document = dump_spec(formed.spec)
+    del document["workload"]  # the coordinator's alone (its prompts file may be a path on its own machine)
+    message = Invite(yaml.safe_dump(document, sort_keys=False), json.dumps(plan.to_dict()),
+                     _any_host(control), _any_host(tokens))
+    with Transport(COORDINATOR, formed.spec.cluster.curve_keys) as transport:
+        doors = {}
+        for found in formed.chosen:
+            doors[found.name] = transport.connect(zmq.DEALER, found.door_address, found.name)
+            send(doors[found.name], Encoder(COORDINATOR_SENDER).encode(message))
+        poller = zmq.Poller()
+        for door in doors.values():
+            poller.register(door, zmq.POLLIN)
+        waiting, deadline = set(doors), time.monotonic() + timeout_s
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(left * 1000))
+            for name in [name for name in waiting if doors[name] in ready]:
+                if (frames := receive_waiting(doors[name])) is not None:
+                    waiting.discard(name)
+                    _answered(name, frames)
+        if waiting:
+            raise NodeError(f"{', '.join(sorted(waiting))} did not answer the invitation within {timeout_s:g} s")
+
+
+def _answered(name: str, frames) -> None:
+    try:
+        answer = Decoder(COORDINATOR_SENDER + 1, (Hello, Error)).decode(frames).message
+    except WireError as e:
+        raise NodeError(f"{name}: its answer to the invitation does not decode: {e}") from None
+    if isinstance(answer, Error):
+        raise NodeError(f"{name} refused the invitation: {answer.text}")
+
+
+def _any_host(address: str) -> str:
+    """tcp://*:PORT for an address bound on every interface, which each node reaches at a host of its own."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return f"tcp://*:{port}" if host in ("0.0.0.0", "*") else address
