@@ -20,7 +20,7 @@ from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate
 from cascadia.fleet.announce import (Announcement, FleetError, Unreadable, announcement_for, key_fingerprint,
                                      model_digest)
-from cascadia.fleet.form import choose
+from cascadia.fleet.form import choose, link_of
 from cascadia.fleet.listing import fleet_json, fleet_table
 from cascadia.fleet.profile import Profile, measure, measure_disk_read
 from cascadia.fleet.standby import Standby, accept
@@ -145,6 +145,12 @@ def test_too_few_usable_nodes_is_one_error_naming_the_others(spec):
     with pytest.raises(FleetError, match=r"1 usable nodes answered, and 1 are to stand by as spares: none is left "
                                          r"to hold the model; busy: it is serving in another coordinator's run"):
         choose(spec, [standing_by("a", spec), standing_by("busy", spec, state="serving")], spares=1)
+
+
+def test_a_link_is_read_from_the_round_trips_of_two_sizes():
+    link = link_of((2**16, 2**20), (2 * 1e-4 + 2**16 / 125e6, 2 * 1e-4 + 2**20 / 125e6))
+    assert (link.bandwidth, link.latency) == (pytest.approx(125e6), pytest.approx(1e-4))
+    assert link_of((2**16, 2**20), (0.01, 0.01)).bandwidth == 2**20 / 0.01  # no difference seen: the larger alone
 
 
 def test_a_node_refuses_an_invitation_into_a_run_of_another_model(spec, checkpoint, tmp_path):
@@ -295,21 +301,23 @@ for t in threads:
 print(json.dumps(texts), flush=True)
 """
 STREAMS, TOKENS = 6, 24
+RATES = [2e6, 8e6]  # bytes/s that pc0 and pc1 send at
 
 
 @needs_a_lan
 def test_serve_discover_forms_a_pipeline_of_the_nodes_standing_by_and_a_spare_takes_a_lost_stage(
         tmp_path, spec, checkpoint):
     """Four nodes started with no spec stand by and announce themselves; `serve --discover` on a fifth machine forms
-    a 3-stage pipeline and a spare of them, invites them, and serves greedy completions with the single-process
-    engine's texts, also when the middle stage's node is killed while they stream."""
+    a 3-stage pipeline and a spare of them, measures the links it chains (two of them shaped to other rates),
+    invites them, and serves greedy completions with the single-process engine's texts, also when the middle
+    stage's node is killed while they stream."""
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     tokenizer = load_tokenizer(checkpoint)
     expected = [tokenizer.decode(list(generate(engine, [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11], TOKENS,
                                                 Sampling()).ids), skip_special_tokens=True) for i in range(STREAMS)]
     formed_spec = tmp_path / "formed.yaml"
     before = namespaces()
-    with EmulatedLan(5) as lan:
+    with EmulatedLan(5, rates=[RATES[0], RATES[1], None, None, None]) as lan:
         agents = [cascadia(lan, i, "node", "--standby", "--announce", "--name", f"pc{i}", "--listen",
                            "tcp://0.0.0.0:5601", "--checkpoint", str(checkpoint), "--memory", "1GiB", "--interface",
                            lan.addresses[i], stderr=subprocess.DEVNULL) for i in range(4)]
@@ -325,6 +333,8 @@ def test_serve_discover_forms_a_pipeline_of_the_nodes_standing_by_and_a_spare_ta
             assert [n.name for n in formed.cluster.spares] == ["pc3"]
             assert [n.address for n in formed.cluster.nodes] == [f"tcp://{a}:5601" for a in lan.addresses[:3]]
             assert all(n.memory_bytes == 2**30 and n.memory_bandwidth > 1e8 for n in formed.cluster.nodes)
+            measured = [formed.cluster.link("pc0", "pc1").bandwidth, formed.cluster.link("pc1", "pc2").bandwidth]
+            assert measured == pytest.approx(RATES, rel=0.25), measured  # what pc0 and pc1 send is shaped so
             agents[1].kill()  # the middle stage's node, mid-stream
             client.stdin.write("\n")
             client.stdin.flush()

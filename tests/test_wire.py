@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cascadia.pipeline import wire
-from cascadia.pipeline.wire import (VERSION, Assign, Decoder, Encoder, Error, Frame, Hello, Invite, Progress, Ready,
-                                    Shutdown, Stats, StatsRequest, Tokens, WireError, decode, encode)
+from cascadia.pipeline.wire import (VERSION, Assign, Decoder, Encoder, Error, Frame, Hello, Invite, Probe, Progress,
+                                    Ready, Shutdown, Stats, StatsRequest, Timed, Tokens, WireError, decode, encode)
 from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 from cascadia.wire_format import frame_bytes, tokens_bytes
 
@@ -68,6 +68,8 @@ CONTROLS = st.one_of(
                        max_size=4).map(tuple)),
     st.builds(Assign, st.text(max_size=200), NAMES),
     st.builds(Invite, st.text(max_size=200), st.text(max_size=200), NAMES, NAMES),
+    st.builds(Probe, NAMES, NAMES, st.lists(st.integers(0, 2**63), max_size=3).map(tuple), st.binary(max_size=64)),
+    st.builds(Timed, NAMES, st.lists(st.floats(0, 1e6), max_size=3).map(tuple)),
 )
 MESSAGES = st.one_of(frames(), tokens(), CONTROLS)
 

@@ -83,10 +83,10 @@ def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, p
         if plan_path is not None:
             raise click.UsageError("--discover plans over the nodes it finds: leave out --plan")
         from cascadia.fleet.form import discover as form_fleet
-        from cascadia.fleet.form import invite
+        from cascadia.fleet.form import invite, measure_links
         from cascadia.spec.dump import write_spec
 
-        formed = form_fleet(loaded, discover, expect, spares, interfaces or None)
+        formed = measure_links(form_fleet(loaded, discover, expect, spares, interfaces or None), node_timeout)
         loaded = formed.spec
         chosen = chosen_plan(loaded, None)
         if save_spec:

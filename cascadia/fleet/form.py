@@ -6,10 +6,12 @@ the node's name), and writes them into the spec's cluster as they measured thems
 memory bandwidth, compute and disk speed. The `spares` with the least memory stand by as spares; the others hold
 stages, in name order, as the planner places layers on them. Then it invites each node (`fleet.standby`) with the
 spec and plan, and the run starts as one over nodes started by hand does. Nodes it cannot use are named with why.
+Between forming and planning, each node times its link to the next (`measure_links`), which the plan then charges.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -24,11 +26,15 @@ from cascadia.fleet.announce import Announcement, Browser, FleetError, key_finge
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.node import STANDBY
 from cascadia.pipeline.transport import COORDINATOR, Transport, receive_waiting, send
-from cascadia.pipeline.wire import COORDINATOR_SENDER, VERSION, Decoder, Encoder, Error, Hello, Invite, WireError
+from cascadia.fleet.standby import DOOR_SENDER
+from cascadia.pipeline.wire import (COORDINATOR_SENDER, VERSION, Decoder, Encoder, Error, Hello, Invite, Probe, Timed,
+                                    WireError)
 from cascadia.spec.dump import dump_spec
-from cascadia.spec.types import NodeSpec, Spec
+from cascadia.spec.types import LinkSpec, NodeSpec, Spec
+from cascadia.units import format_duration, format_rate
 
 log = logging.getLogger(__name__)
+PROBE_SIZES = (2**16, 2**20)  # bytes; 1 MiB crosses gigabit Ethernet in 8 ms
 
 
 @attrs.frozen
@@ -102,6 +108,31 @@ def discover(spec: Spec, seconds: float, expect: int | None, spares: int,
     return formed
 
 
+def measure_links(formed: Formed, timeout_s: float) -> Formed:
+    """`formed` with the link between each pair of consecutive nodes (in the cluster's order) as measured: the first
+    node times PROBE_SIZES bytes to the second's door (`fleet.standby.time_link`), one pair at a time. Of the two
+    sizes' times t = 2 * latency + size / bandwidth."""
+    doors = {found.name: found.door_address for found in formed.chosen}
+    nodes = [node.name for node in formed.spec.cluster.nodes]
+    links = {}
+    with Transport(COORDINATOR, formed.spec.cluster.curve_keys) as transport:
+        for a, b in itertools.pairwise(nodes):
+            (timed,) = _ask(transport, {a: doors[a]}, Probe(doors[b], b, PROBE_SIZES), timeout_s,
+                            f"the probe of its link to {b}").values()
+            link = links[tuple(sorted((a, b)))] = link_of(PROBE_SIZES, timed.seconds)
+            log.info("link %s -> %s: %s, %s one way", a, b, format_rate(link.bandwidth, bits=True, digits=3),
+                     format_duration(link.latency, digits=2))
+    return attrs.evolve(formed, spec=attrs.evolve(formed.spec, cluster=attrs.evolve(formed.spec.cluster,
+                                                                                    links=links)))
+
+
+def link_of(sizes: tuple[int, int], seconds: tuple[float, float]) -> LinkSpec:
+    """The link whose round trips took `seconds` for `sizes` bytes there (and a few back)."""
+    (small, large), (t_small, t_large) = sizes, seconds
+    bandwidth = (large - small) / (t_large - t_small) if t_large > t_small else large / t_large
+    return LinkSpec(bandwidth, max(t_small - small / bandwidth, 0.0) / 2)
+
+
 def invite(formed: Formed, plan: Plan, control: str, tokens: str, timeout_s: float) -> None:
     """Invite every chosen node into the run of `formed.spec` and `plan`, whose coordinator binds `control` and
     `tokens` (tcp://0.0.0.0:PORT: each node reaches it at the host it reached the invitation from). NodeError naming
@@ -111,31 +142,40 @@ def invite(formed: Formed, plan: Plan, control: str, tokens: str, timeout_s: flo
     message = Invite(yaml.safe_dump(document, sort_keys=False), json.dumps(plan.to_dict()),
                      _any_host(control), _any_host(tokens))
     with Transport(COORDINATOR, formed.spec.cluster.curve_keys) as transport:
-        doors = {}
-        for found in formed.chosen:
-            doors[found.name] = transport.connect(zmq.DEALER, found.door_address, found.name)
-            send(doors[found.name], Encoder(COORDINATOR_SENDER).encode(message))
-        poller = zmq.Poller()
-        for door in doors.values():
-            poller.register(door, zmq.POLLIN)
-        waiting, deadline = set(doors), time.monotonic() + timeout_s
-        while waiting and (left := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(left * 1000))
-            for name in [name for name in waiting if doors[name] in ready]:
-                if (frames := receive_waiting(doors[name])) is not None:
-                    waiting.discard(name)
-                    _answered(name, frames)
-        if waiting:
-            raise NodeError(f"{', '.join(sorted(waiting))} did not answer the invitation within {timeout_s:g} s")
+        _ask(transport, {found.name: found.door_address for found in formed.chosen}, message, timeout_s,
+             "the invitation")
 
 
-def _answered(name: str, frames) -> None:
+def _ask(transport: Transport, doors: dict[str, str], message: Invite | Probe, timeout_s: float,
+         what: str) -> dict[str, Hello | Timed]:
+    """Send `message` to each node's door and wait for every answer; NodeError naming a node that refuses (ERROR)
+    or does not answer within `timeout_s`."""
+    sockets = {name: transport.connect(zmq.DEALER, door, name) for name, door in doors.items()}
+    poller = zmq.Poller()
+    for sock in sockets.values():
+        send(sock, Encoder(COORDINATOR_SENDER).encode(message))
+        poller.register(sock, zmq.POLLIN)
+    answers, deadline = {}, time.monotonic() + timeout_s
+    while len(answers) < len(sockets) and (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(left * 1000))
+        for name, sock in sockets.items():
+            if name not in answers and sock in ready and (frames := receive_waiting(sock)) is not None:
+                answers[name] = _answer(name, frames, what)
+    for sock in sockets.values():
+        sock.close(linger=0)
+    if missing := sorted(set(sockets) - set(answers)):
+        raise NodeError(f"{', '.join(missing)} did not answer {what} within {timeout_s:g} s")
+    return answers
+
+
+def _answer(name: str, frames, what: str) -> Hello | Timed:
     try:
-        answer = Decoder(COORDINATOR_SENDER + 1, (Hello, Error)).decode(frames).message
+        answer = Decoder(DOOR_SENDER, (Hello, Timed, Error)).decode(frames).message
     except WireError as e:
-        raise NodeError(f"{name}: its answer to the invitation does not decode: {e}") from None
+        raise NodeError(f"{name}: its answer to {what} does not decode: {e}") from None
     if isinstance(answer, Error):
-        raise NodeError(f"{name} refused the invitation: {answer.text}")
+        raise NodeError(f"{name} refused {what}: {answer.text}")
+    return answer
 
 
 def _any_host(address: str) -> str:

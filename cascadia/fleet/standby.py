@@ -1,29 +1,36 @@
 """A node that stands by with no spec of its own (`cascadia node --standby --announce`, what a PC's service runs):
 it announces itself and waits at its door for a coordinator that found it to invite it into a run.
 
-The door is a ROUTER socket (with Curve keys, open to the coordinator's key only). An INVITE carries the spec and
-the plan; the node takes the spec's model as its checkpoint's (refusing, with ERROR, a spec of another model or one
-that does not name it), answers HELLO, and serves its stage of the plan, or stands by in it as a spare, exactly as a
-node started with those files would (`cascadia.pipeline.node`). When that run ends, however it ends, it stands by at
-its door again; invitations that came during the run are dropped, as their coordinators have given up on them.
+The door is a ROUTER socket (with Curve keys, open to the coordinator's key and the other nodes'). Before it plans,
+a coordinator may ask the node to time its link to another node's door (PROBE, answered TIMED: `fleet.form`). An
+INVITE carries the spec and the plan; the node takes the spec's model as its checkpoint's (refusing, with ERROR, a
+spec of another model or one that does not name it), answers HELLO, and serves its stage of the plan, or stands by
+in it as a spare, exactly as a node started with those files would (`cascadia.pipeline.node`). When that run ends,
+however it ends, it stands by at its door again; what came to the door during the run is dropped, as its senders
+have given up on an answer.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import attrs
 import zmq
 
-from cascadia.errors import CascadiaError
+from cascadia.errors import CascadiaError, NodeError
 from cascadia.fleet.announce import Announcer, FleetError
 from cascadia.pipeline.node import STANDBY
-from cascadia.pipeline.transport import COORDINATOR, Transport, receive, receive_waiting, send
-from cascadia.pipeline.wire import COORDINATOR_SENDER, Decoder, Encoder, Error, Hello, Invite, WireError
+from cascadia.pipeline.transport import COORDINATOR, CurveKeys, Transport, receive, receive_waiting, send
+from cascadia.pipeline.wire import (COORDINATOR_SENDER, Encoder, Error, Hello, Invite, Probe, Timed, WireError,
+                                    decode)
 
 log = logging.getLogger(__name__)
+DOOR_SENDER = COORDINATOR_SENDER + 1  # the sender id of what a door, or a node timing a link, sends
+PROBE_REPEATS = 3
+PROBE_TIMEOUT_S = 30.0
 
 
 @attrs.frozen
@@ -38,30 +45,71 @@ class Standby:
 
 
 def stand_by(standby: Standby, announcer: Announcer) -> None:
-    """Wait for invitations and serve each run one brings, until stopped (Ctrl-C, SIGTERM)."""
+    """Wait at the door for invitations, and serve each run one brings, until stopped (Ctrl-C, SIGTERM); time the
+    links to other nodes when a coordinator asks, and answer their probes."""
     with Transport(standby.name, standby.curve_keys) as transport:
-        door = transport.bind(zmq.ROUTER, standby.door, [COORDINATOR])
-        encoder = Encoder(COORDINATOR_SENDER + 1)  # the door speaks for this node alone
+        door = transport.bind(zmq.ROUTER, standby.door, _door_senders(standby.curve_keys))
+        encoder = Encoder(DOOR_SENDER)
         log.info("%s: standing by at %s for a coordinator's invitation", standby.name, standby.door)
         while True:
             route, *frames = receive(door)
             try:
-                invite = Decoder(COORDINATOR_SENDER, (Invite,)).decode(frames).message
+                message = decode(frames).message
             except WireError as e:
                 log.warning("%s: dropped a message at the door: %s", standby.name, e)
                 continue
-            try:
-                spec, plan, settings = accept(standby, invite, frames[0].get("Peer-Address"))
-            except CascadiaError as e:
-                log.warning("%s: refused an invitation: %s", standby.name, e)
-                send(door, [route, *encoder.encode(Error(standby.name, str(e)))])
-                continue
-            send(door, [route, *encoder.encode(Hello(standby.name, settings.first_layer, settings.last_layer,
-                                                     settings.digest, ()))])
-            serve_invited(standby, spec, plan, attrs.evolve(settings, on_state=announcer.update_state))
-            announcer.update_state(STANDBY)
-            while receive_waiting(door) is not None:
-                pass  # invitations of coordinators that waited in vain
+            coordinator = transport.key_owner(frames[0]) in (None, COORDINATOR)  # None: no keys, no telling
+            match message:
+                case Probe(data=data) if data:  # another node timing its link to this one
+                    send(door, [route, *encoder.encode(Timed(standby.name))])
+                case Probe() if coordinator:
+                    send(door, [route, *encoder.encode(time_link(transport, standby.name, message))])
+                case Invite() if coordinator:
+                    try:
+                        spec, plan, settings = accept(standby, message, frames[0].get("Peer-Address"))
+                    except CascadiaError as e:
+                        log.warning("%s: refused an invitation: %s", standby.name, e)
+                        send(door, [route, *encoder.encode(Error(standby.name, str(e)))])
+                        continue
+                    send(door, [route, *encoder.encode(Hello(standby.name, settings.first_layer,
+                                                             settings.last_layer, settings.digest, ()))])
+                    serve_invited(standby, spec, plan, attrs.evolve(settings, on_state=announcer.update_state))
+                    announcer.update_state(STANDBY)
+                    while receive_waiting(door) is not None:
+                        pass  # what came during the run: its senders have given up on an answer
+                case _:
+                    log.warning("%s: dropped a %s at the door: not a coordinator's", standby.name,
+                                type(message).__name__.upper())
+
+
+def _door_senders(curve_keys: Path | None) -> list[str]:
+    """Who may connect to the door with keys in use: the coordinator, and every node of the folder (to time its
+    link to this one)."""
+    if curve_keys is None:
+        return [COORDINATOR]
+    return [COORDINATOR, *sorted(key.stem for key in CurveKeys(curve_keys).public_dir.glob("*.key"))]
+
+
+def time_link(transport: Transport, name: str, probe: Probe) -> Timed | Error:
+    """The best of PROBE_REPEATS times each of `probe.sizes` bytes took to reach `probe.target` and be answered;
+    ERROR naming the target when it does not answer."""
+    peer = transport.connect(zmq.DEALER, probe.target, probe.peer)
+    encoder = Encoder(DOOR_SENDER)
+
+    def once(size: int) -> float:
+        start = time.perf_counter()
+        send(peer, encoder.encode(Probe("", name, (), bytes(size))))
+        if not peer.poll(PROBE_TIMEOUT_S * 1000) or receive_waiting(peer) is None:
+            raise NodeError(f"{probe.peer} at {probe.target} did not answer a probe within {PROBE_TIMEOUT_S:g} s")
+        return time.perf_counter() - start
+
+    try:
+        once(1)  # the connection's handshake, not timed
+        return Timed(name, tuple(min(once(size) for _ in range(PROBE_REPEATS)) for size in probe.sizes))
+    except NodeError as e:
+        return Error(name, str(e))
+    finally:
+        peer.close(linger=0)
 
 
 def accept(standby: Standby, invite: Invite, coordinator_host: str):

@@ -91,6 +91,8 @@ class Kind(enum.IntEnum):
     STATS = 9
     ASSIGN = 10
     INVITE = 11
+    PROBE = 12
+    TIMED = 13
 
 
 def _vector(values, dtype: np.dtype) -> np.ndarray:
@@ -283,7 +285,29 @@ class Invite:
     tokens: str
 
 
-Message = Frame | Tokens | Hello | Progress | Ready | Shutdown | Error | StatsRequest | Stats | Assign | Invite
+@attrs.frozen
+class Probe:
+    """Measuring the link from one standing-by node to another, before a fleet is planned (`cascadia.fleet.links`).
+    From the coordinator, at a node's door: send each of `sizes` bytes to `target` (the door of node `peer`), timing
+    each until it is answered, and answer TIMED with the times. From that node, at the target's door: `data`, which
+    the target answers with an empty TIMED."""
+
+    target: str
+    peer: str
+    sizes: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    data: bytes = b""
+
+
+@attrs.frozen
+class Timed:
+    """A node's answer to a PROBE: the seconds each size took (none, from the node that took the data)."""
+
+    node: str
+    seconds: tuple[float, ...] = attrs.field(default=(), converter=tuple)
+
+
+Message = (Frame | Tokens | Hello | Progress | Ready | Shutdown | Error | StatsRequest | Stats | Assign | Invite
+           | Probe | Timed)
 
 
 @attrs.frozen
@@ -364,6 +388,11 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
         case Invite():
             return Kind.INVITE, _Fields(), [_utf8(message.spec), _utf8(message.plan), _utf8(message.control),
                                             _utf8(message.tokens)]
+        case Probe():
+            return Kind.PROBE, _Fields(), [_utf8(message.target), _utf8(message.peer),
+                                           np.asarray(message.sizes, dtype=_U64), message.data]
+        case Timed():
+            return Kind.TIMED, _Fields(), [_utf8(message.node), np.asarray(message.seconds, dtype=_F64)]
     raise TypeError(f"not a wire message: {message!r}")
 
 
@@ -391,7 +420,7 @@ class Encoder:
 
 _BUFFER_COUNTS = {Kind.FRAME: 14, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 2,
-                  Kind.INVITE: 4}
+                  Kind.INVITE: 4, Kind.PROBE: 4, Kind.TIMED: 2}
 
 
 def _array(buffer: memoryview, dtype: np.dtype, count: int, name: str) -> np.ndarray:
@@ -539,6 +568,14 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             return Assign(_text(b[0], "plan"), _text(b[1], "successor"))
         case Kind.INVITE:
             return Invite(_text(b[0], "spec"), _text(b[1], "plan"), _text(b[2], "control"), _text(b[3], "tokens"))
+        case Kind.PROBE:
+            sizes = _array(b[2], _U64, b[2].nbytes // _U64.itemsize, "sizes")
+            return Probe(_text(b[0], "target"), _text(b[1], "peer"), tuple(map(int, sizes)), bytes(b[3]))
+        case Kind.TIMED:
+            seconds = _array(b[1], _F64, b[1].nbytes // _F64.itemsize, "seconds")
+            if not (np.isfinite(seconds).all() and (seconds >= 0).all()):  # NaN fails too
+                raise WireError("seconds: each must be a finite number >= 0")
+            return Timed(_text(b[0], "node"), tuple(map(float, seconds)))
 
 
 def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Received:
