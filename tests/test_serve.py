@@ -1050,6 +1050,9 @@ def test_status_names_every_stage_and_node(server):
     body = status(server.url)
     assert [s["node"] for s in body["stages"]] == ["node0", "node1", "node2"] and body["ready"]
     assert body["stages"][0]["layers"] == [0, 1] and body["stages"][-1]["roles"] == ["layers", "head"]
+    assert body["stages"][0]["machine"] == {"address": "local", "memory": 2**30, "memory_bandwidth": None,
+                                            "compute": None, "disk_bandwidth": None}
+    assert body["spares"] == []
 
 
 @pytest.mark.parametrize("deadline, finish", [("30", "length"), ("0", "cancelled")])

@@ -46,6 +46,8 @@ def test_the_page_shows_the_plan_and_streams_a_chat_reply(server, tmp_path):
             playwright.expect(rows).to_have_count(3, timeout=WAIT_MS)
             assert [rows.nth(i).get_attribute("data-node") for i in range(3)] == ["node0", "node1", "node2"]
             assert rows.nth(2).locator("td").nth(1).inner_text() == "4-5"
+            machine = [rows.nth(0).locator("td").nth(i).inner_text() for i in range(5, 9)]
+            assert machine == ["local", "1.00 GiB", "–", "–"]  # tiny-local.yaml gives memory, no speeds
 
             page.fill("#message", "Hello!")
             page.click("button[type=submit]")

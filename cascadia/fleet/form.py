@@ -23,6 +23,7 @@ import zmq
 
 from cascadia.errors import CascadiaError, NodeError
 from cascadia.fleet.announce import Announcement, Browser, FleetError, key_fingerprint, model_digest
+from cascadia.fleet.profile import significant
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.node import STANDBY
 from cascadia.pipeline.transport import COORDINATOR, Transport, receive_waiting, send
@@ -130,7 +131,7 @@ def link_of(sizes: tuple[int, int], seconds: tuple[float, float]) -> LinkSpec:
     """The link whose round trips took `seconds` for `sizes` bytes there (and a few back)."""
     (small, large), (t_small, t_large) = sizes, seconds
     bandwidth = (large - small) / (t_large - t_small) if t_large > t_small else large / t_large
-    return LinkSpec(bandwidth, max(t_small - small / bandwidth, 0.0) / 2)
+    return LinkSpec(significant(bandwidth), significant(max(t_small - small / bandwidth, 0.0) / 2))
 
 
 def invite(formed: Formed, plan: Plan, control: str, tokens: str, timeout_s: float) -> None:

@@ -55,9 +55,16 @@ def measure(folder: Path | None = None) -> Profile:
     free = available_bytes()
     device = pick_device("auto")
     precision = runs_as(ENGINE_PRECISION, device)
+    disk = measure_disk_read(folder or Path(tempfile.gettempdir()))
     return Profile(cores=len(available()), memory_bytes=free[0] if free else 0, device=device, precision=precision,
-                   memory_bandwidth=measure_bandwidth(), compute_flops=measure_compute(device, precision),
-                   disk_bandwidth=measure_disk_read(folder or Path(tempfile.gettempdir())))
+                   memory_bandwidth=significant(measure_bandwidth()),
+                   compute_flops=significant(measure_compute(device, precision)),
+                   disk_bandwidth=None if disk is None else significant(disk))
+
+
+def significant(measured: float) -> float:
+    """A measured figure to the 3 significant digits it holds (a spec written of it reads as it was measured)."""
+    return float(f"{measured:.3g}")
 
 
 def measure_compute(device: str, precision: str) -> float:

@@ -45,6 +45,7 @@ from cascadia.serve.logprobs import Reported, TokenText, chat_logprobs, completi
 from cascadia.serve.prom import CONTENT_TYPE, Metrics
 from cascadia.serve.responses import ResponseBody, ResponsesRequest, response_status, response_usage
 from cascadia.serve.text import TextStream
+from cascadia.spec.types import NodeSpec
 from cascadia.grammar import GrammarError
 from cascadia.serve.tools import ToolFormat, tool_format
 
@@ -743,6 +744,7 @@ def _status(server: Server, busy_s: dict[str, float]) -> dict:
     """What the page shows: the plan's stages, each node's load, the requests, the recent tokens per second; and
     each node's busy seconds so far (`busy_s`), for a load generator's busy shares."""
     status = server.service.status()
+    cluster = server.service.spec.cluster
     return {
         "model": server.settings.model_name, "ready": status.ready and not server.draining,
         "loading": status.loading, "error": status.error,
@@ -750,7 +752,17 @@ def _status(server: Server, busy_s: dict[str, float]) -> dict:
         "tokens_per_s": server.tokens_per_s(),
         "stages": [{"node": s.node, "layers": [s.first_layer, s.last_layer], "roles": list(s.roles),
                     "busy": status.busy.get(s.node), "frames_per_s": status.frames_per_s.get(s.node),
-                    "busy_s": busy_s.get(s.node)}
+                    "busy_s": busy_s.get(s.node), "machine": _machine(cluster.node(s.node))}
                    for s in server.service.plan.stages],
         "standing_by": list(status.standing_by),
+        # members holding no stage now: spares, and nodes whose stage another took
+        "spares": [{"node": n.name, "machine": _machine(n)} for n in cluster.members
+                   if n.name not in {s.node for s in server.service.plan.stages}],
     }
+
+
+def _machine(node: NodeSpec) -> dict:
+    """A node's machine as the spec says it, or as the node measured it when the fleet formed itself (bytes, bytes/s,
+    FLOP/s; None where not given)."""
+    return {"address": node.address, "memory": node.memory_bytes, "memory_bandwidth": node.memory_bandwidth,
+            "compute": node.compute_flops, "disk_bandwidth": node.disk_bandwidth}
