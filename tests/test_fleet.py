@@ -29,7 +29,7 @@ from cascadia.pipeline.emulated_links import EmulatedLan, LinkEmulationError, na
 from cascadia.pipeline.transport import generate_keys
 from cascadia.pipeline.wire import VERSION, Invite
 from cascadia.sampling import Sampling
-from cascadia.spec.dump import dump_spec
+from cascadia.spec.dump import dump_spec, write_spec
 from cascadia.spec.load import load_spec
 from cascadia.tokenizer import load_tokenizer
 
@@ -366,6 +366,50 @@ def test_serve_discover_forms_a_pipeline_of_the_nodes_standing_by_and_a_spare_ta
     predicted = subprocess.run([sys.executable, "-m", "cascadia", "simulate", str(formed_spec), "--analytic",
                                 "--concurrency", "1,4"], capture_output=True, text=True)
     assert predicted.returncode == 0 and "decode tok/s" in predicted.stdout, predicted.stderr
+
+
+@needs_a_lan
+def test_with_curve_keys_a_node_whose_key_the_folder_does_not_hold_is_listed_but_never_invited(
+        tmp_path, spec, checkpoint):
+    """Two nodes with the fleet's keys, one under a name of the fleet with a key pair of its own, one under a name the
+    keys folder lacks: `serve --discover` forms the fleet of the first two, saying why not the others, and serves
+    over Curve-encrypted links (the probe of the link between them included)."""
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    expected = load_tokenizer(checkpoint).decode(list(generate(engine, [1, 2, 3, 4], TOKENS, Sampling()).ids),
+                                                 skip_special_tokens=True)
+    keys, impostor, stranger = tmp_path / "keys", tmp_path / "impostor", tmp_path / "stranger"
+    generate_keys(keys, ["coordinator", "pc0", "pc1", "pc2"])
+    generate_keys(impostor, ["pc2"])
+    generate_keys(stranger, ["pc3"])
+    keyed = write_spec(attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, curve_keys=keys)), tmp_path / "s.yaml")
+    with EmulatedLan(5) as lan:
+        agents = [cascadia(lan, i, "node", "--standby", "--announce", "--name", f"pc{i}", "--listen",
+                           "tcp://0.0.0.0:5601", "--checkpoint", str(checkpoint), "--memory", "1GiB", "--interface",
+                           lan.addresses[i], "--keys", str(folder), stderr=subprocess.DEVNULL)
+                  for i, folder in enumerate([keys, keys, impostor, stranger])]
+        server = cascadia(lan, 4, "serve", str(keyed), "--discover", str(TIMEOUT_S), "--expect", "4",
+                          "--interface", lan.addresses[4], "--host", lan.addresses[4], "--port", "8000",
+                          "--checkpoint", str(checkpoint), stderr=(tmp_path / "serve.log").open("w"))
+        client = cascadia_python(lan, 4, CLIENT, f"http://{lan.addresses[4]}:8000", "1", str(TOKENS))
+        try:
+            assert client.stdout.readline() == "streaming\n", (tmp_path / "serve.log").read_text()[-3000:]
+            client.stdin.write("\n")
+            client.stdin.flush()
+            texts = json.loads(client.stdout.readline())
+        finally:
+            for process in (client, server, *agents):
+                process.send_signal(signal.SIGINT)
+            for process in (client, server, *agents):
+                try:
+                    process.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.communicate()
+    log = (tmp_path / "serve.log").read_text()
+    assert texts == [expected], log[-3000:]
+    assert "pc2: not used: its Curve key (fingerprint " in log
+    assert f"pc3: not used: its name has no public key in {keys / 'public'}" in log
+    assert "formed a fleet of pc0 at tcp://" in log and re.search(r"link pc0 -> pc1: [\d.]+ [GM]bit/s", log)
 
 
 TINY = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
