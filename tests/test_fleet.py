@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
+from cascadia.errors import SpecError
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate
 from cascadia.fleet.announce import (Announcement, FleetError, Unreadable, announcement_for, key_fingerprint,
@@ -145,6 +146,16 @@ def test_too_few_usable_nodes_is_one_error_naming_the_others(spec):
     with pytest.raises(FleetError, match=r"1 usable nodes answered, and 1 are to stand by as spares: none is left "
                                          r"to hold the model; busy: it is serving in another coordinator's run"):
         choose(spec, [standing_by("a", spec), standing_by("busy", spec, state="serving")], spares=1)
+
+
+def test_a_formed_fleet_is_written_as_a_spec_that_loads_back_equal_doors_and_all(spec, tmp_path):
+    formed = choose(spec, [standing_by("a", spec), standing_by("bb", spec)], spares=1)
+    assert formed.spec.cluster.spares[0].door == "tcp://10.0.0.2:5602"
+    written = write_spec(formed.spec, tmp_path / "formed.yaml")
+    assert load_spec(written).cluster == formed.spec.cluster
+    text = written.read_text().replace("address: tcp://10.0.0.1:5601", "address: local")
+    with pytest.raises(SpecError, match="a node invited at a door needs a tcp address too"):
+        load_spec(written, text=text)
 
 
 def test_a_link_is_read_from_the_round_trips_of_two_sizes():
@@ -373,7 +384,8 @@ def test_with_curve_keys_a_node_whose_key_the_folder_does_not_hold_is_listed_but
         tmp_path, spec, checkpoint):
     """Two nodes with the fleet's keys, one under a name of the fleet with a key pair of its own, one under a name the
     keys folder lacks: `serve --discover` forms the fleet of the first two, saying why not the others, and serves
-    over Curve-encrypted links (the probe of the link between them included)."""
+    over Curve-encrypted links (the probe of the link between them included); stopped, the spec it saved serves
+    the same fleet again (its nodes invited at their doors, no discovery)."""
     engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
     expected = load_tokenizer(checkpoint).decode(list(generate(engine, [1, 2, 3, 4], TOKENS, Sampling()).ids),
                                                  skip_special_tokens=True)
@@ -387,29 +399,50 @@ def test_with_curve_keys_a_node_whose_key_the_folder_does_not_hold_is_listed_but
                            "tcp://0.0.0.0:5601", "--checkpoint", str(checkpoint), "--memory", "1GiB", "--interface",
                            lan.addresses[i], "--keys", str(folder), stderr=subprocess.DEVNULL)
                   for i, folder in enumerate([keys, keys, impostor, stranger])]
-        server = cascadia(lan, 4, "serve", str(keyed), "--discover", str(TIMEOUT_S), "--expect", "4",
-                          "--interface", lan.addresses[4], "--host", lan.addresses[4], "--port", "8000",
-                          "--checkpoint", str(checkpoint), stderr=(tmp_path / "serve.log").open("w"))
-        client = cascadia_python(lan, 4, CLIENT, f"http://{lan.addresses[4]}:8000", "1", str(TOKENS))
+        texts = []
         try:
-            assert client.stdout.readline() == "streaming\n", (tmp_path / "serve.log").read_text()[-3000:]
-            client.stdin.write("\n")
-            client.stdin.flush()
-            texts = json.loads(client.stdout.readline())
+            for log, how in (("serve.log", ["--discover", str(TIMEOUT_S), "--expect", "4", "--interface",
+                                            lan.addresses[4], "--save-spec", str(tmp_path / "formed.yaml")]),
+                             ("again.log", [])):  # the fleet as it formed, served again from the spec it saved
+                spec_file = tmp_path / "formed.yaml" if how == [] else keyed
+                server = cascadia(lan, 4, "serve", str(spec_file), *how, "--host", lan.addresses[4], "--port",
+                                  "8000", "--checkpoint", str(checkpoint), stderr=(tmp_path / log).open("w"))
+                texts += served_once(lan, server, tmp_path / log)
         finally:
-            for process in (client, server, *agents):
+            for process in agents:
                 process.send_signal(signal.SIGINT)
-            for process in (client, server, *agents):
-                try:
-                    process.communicate(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.communicate()
+            for process in agents:
+                stop(process)
     log = (tmp_path / "serve.log").read_text()
-    assert texts == [expected], log[-3000:]
+    assert texts == [expected, expected], log[-3000:] + (tmp_path / "again.log").read_text()[-3000:]
     assert "pc2: not used: its Curve key (fingerprint " in log
     assert f"pc3: not used: its name has no public key in {keys / 'public'}" in log
     assert "formed a fleet of pc0 at tcp://" in log and re.search(r"link pc0 -> pc1: [\d.]+ [GM]bit/s", log)
+    formed = load_spec(tmp_path / "formed.yaml")
+    assert [(n.name, n.door) for n in formed.cluster.nodes] == [("pc0", f"tcp://{lan.addresses[0]}:5602"),
+                                                                ("pc1", f"tcp://{lan.addresses[1]}:5602")]
+
+
+def served_once(lan: EmulatedLan, server: subprocess.Popen, log: Path) -> list[str]:
+    """One greedy completion from the server on the LAN's machine 4, which is then stopped."""
+    client = cascadia_python(lan, 4, CLIENT, f"http://{lan.addresses[4]}:8000", "1", str(TOKENS))
+    try:
+        assert client.stdout.readline() == "streaming\n", log.read_text()[-3000:]
+        client.stdin.write("\n")
+        client.stdin.flush()
+        return json.loads(client.stdout.readline())
+    finally:
+        for process in (client, server):
+            stop(process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGINT)
+    try:
+        process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
 
 
 TINY = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"

@@ -48,7 +48,8 @@ from cascadia.spec.load import load_spec
 @click.option("--interface", "interfaces", multiple=True, metavar="IP",
               help="--discover: listen on the interface with this IPv4 address (repeatable; default: every one)")
 @click.option("--save-spec", type=click.Path(dir_okay=False, writable=True),
-              help="--discover: write the spec of the fleet as it formed here (for `cascadia simulate`)")
+              help="--discover: write the spec of the fleet as it formed here (`cascadia serve` takes it again, "
+                   "`cascadia simulate` predicts it)")
 def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, port: int, model_name: str | None,
           max_waiting: int | None, api_key_file, max_body: int, shutdown_timeout: float, groups: int | None,
           control: str | None, tokens: str | None, node_timeout: float, stall_timeout: float,
@@ -83,18 +84,18 @@ def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, p
         if plan_path is not None:
             raise click.UsageError("--discover plans over the nodes it finds: leave out --plan")
         from cascadia.fleet.form import discover as form_fleet
-        from cascadia.fleet.form import invite, measure_links
+        from cascadia.fleet.form import measure_links
         from cascadia.spec.dump import write_spec
 
-        formed = measure_links(form_fleet(loaded, discover, expect, spares, interfaces or None), node_timeout)
-        loaded = formed.spec
-        chosen = chosen_plan(loaded, None)
+        loaded = measure_links(form_fleet(loaded, discover, expect, spares, interfaces or None), node_timeout).spec
         if save_spec:
             write_spec(loaded, Path(save_spec))
+    chosen = chosen_plan(loaded, plan_path)
+    if any(node.door for node in loaded.cluster.members):  # nodes standing by, to be invited
+        from cascadia.fleet.form import invite
+
         control, tokens = control or "tcp://0.0.0.0:5555", tokens or "tcp://0.0.0.0:5556"
-        invite(formed, chosen, control, tokens, node_timeout)
-    else:
-        chosen = chosen_plan(loaded, plan_path)
+        invite(loaded, chosen, control, tokens, node_timeout)
     run_server(loaded, chosen, settings, host=host, port=port,
                checkpoint=Path(checkpoint) if checkpoint else None,
                shutdown_timeout_s=shutdown_timeout, addresses=Addresses(control, tokens) if control else None,

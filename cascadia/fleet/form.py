@@ -6,6 +6,8 @@ the node's name), and writes them into the spec's cluster as they measured thems
 memory bandwidth, compute and disk speed. The `spares` with the least memory stand by as spares; the others hold
 stages, in name order, as the planner places layers on them. Then it invites each node (`fleet.standby`) with the
 spec and plan, and the run starts as one over nodes started by hand does. Nodes it cannot use are named with why.
+Each node's door is written into the spec, so a spec saved of a fleet that formed is served again as it is
+(`invite` asks every node with a door).
 Between forming and planning, each node times its link to the next (`measure_links`), which the plan then charges.
 """
 
@@ -88,7 +90,8 @@ def choose(spec: Spec, found: Sequence[Announcement], spares: int) -> Formed:
 def node_spec(found: Announcement) -> NodeSpec:
     p = found.profile
     return NodeSpec(found.name, address=found.address, memory_bytes=p.memory_bytes,
-                    memory_bandwidth=p.memory_bandwidth, compute_flops=p.compute_flops, disk_bandwidth=p.disk_bandwidth)
+                    memory_bandwidth=p.memory_bandwidth, compute_flops=p.compute_flops, disk_bandwidth=p.disk_bandwidth,
+                    door=found.door_address)
 
 
 def discover(spec: Spec, seconds: float, expect: int | None, spares: int,
@@ -113,7 +116,7 @@ def measure_links(formed: Formed, timeout_s: float) -> Formed:
     """`formed` with the link between each pair of consecutive nodes (in the cluster's order) as measured: the first
     node times PROBE_SIZES bytes to the second's door (`fleet.standby.time_link`), one pair at a time. Of the two
     sizes' times t = 2 * latency + size / bandwidth."""
-    doors = {found.name: found.door_address for found in formed.chosen}
+    doors = {node.name: node.door for node in formed.spec.cluster.members}
     nodes = [node.name for node in formed.spec.cluster.nodes]
     links = {}
     with Transport(COORDINATOR, formed.spec.cluster.curve_keys) as transport:
@@ -134,16 +137,16 @@ def link_of(sizes: tuple[int, int], seconds: tuple[float, float]) -> LinkSpec:
     return LinkSpec(significant(bandwidth), significant(max(t_small - small / bandwidth, 0.0) / 2))
 
 
-def invite(formed: Formed, plan: Plan, control: str, tokens: str, timeout_s: float) -> None:
-    """Invite every chosen node into the run of `formed.spec` and `plan`, whose coordinator binds `control` and
-    `tokens` (tcp://0.0.0.0:PORT: each node reaches it at the host it reached the invitation from). NodeError naming
-    the node that refuses or does not answer within `timeout_s`."""
-    document = dump_spec(formed.spec)
+def invite(spec: Spec, plan: Plan, control: str, tokens: str, timeout_s: float) -> None:
+    """Invite every member of the spec's cluster with a door into the run of `spec` and `plan`, whose coordinator
+    binds `control` and `tokens` (tcp://0.0.0.0:PORT: each node reaches it at the host it reached the invitation
+    from). NodeError naming the node that refuses or does not answer within `timeout_s`."""
+    document = dump_spec(spec)
     del document["workload"]  # the coordinator's alone (its prompts file may be a path on its own machine)
     message = Invite(yaml.safe_dump(document, sort_keys=False), json.dumps(plan.to_dict()),
                      _any_host(control), _any_host(tokens))
-    with Transport(COORDINATOR, formed.spec.cluster.curve_keys) as transport:
-        _ask(transport, {found.name: found.door_address for found in formed.chosen}, message, timeout_s,
+    with Transport(COORDINATOR, spec.cluster.curve_keys) as transport:
+        _ask(transport, {node.name: node.door for node in spec.cluster.members if node.door}, message, timeout_s,
              "the invitation")
 
 

@@ -35,7 +35,7 @@ def _dump_node(node: NodeSpec) -> dict[str, Any]:
         "compute": node.compute_flops and format_flops(node.compute_flops),
         "disk_bandwidth": node.disk_bandwidth and format_rate(node.disk_bandwidth), "host": node.host,
         "threads": node.threads, "reserve": None if node.reserve_bytes is None else format_bytes(node.reserve_bytes),
-        "layers": node.layers, "cpus": None if node.cpus is None else list(node.cpus),
+        "layers": node.layers, "cpus": None if node.cpus is None else list(node.cpus), "door": node.door,
     }
     return {k: v for k, v in values.items() if v is not None}
 

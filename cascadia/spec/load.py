@@ -261,6 +261,12 @@ def _node_name(value: Any) -> str:
     return value
 
 
+def _tcp_address(value: Any) -> str:
+    if not is_tcp_address(value):
+        raise _Invalid(f"expected 'tcp://HOST:PORT', got {shown(value)}")
+    return value
+
+
 def _address(value: Any) -> str:
     if value != "local" and not is_tcp_address(value):
         raise _Invalid(f"expected 'local' or 'tcp://HOST:PORT', got {shown(value)}")
@@ -446,8 +452,11 @@ def _nodes(ctx: _Context, entry: Node, path: str, cluster_reserve: int | None) -
         "reserve_bytes": fields.take("reserve", parse_bytes),
         "layers": fields.take("layers", _positive_int),
         "cpus": fields.take("cpus", _cpu_list),
+        "door": fields.take("door", _tcp_address),
     }
     fields.finish()
+    if values["door"] is not None and values["address"] in (None, "local"):
+        ctx.report(fields.items["door"], fields.key("door"), "a node invited at a door needs a tcp address too")
     if values["cpus"] is not None and values["threads"] is None and not fields.given("threads"):
         values["threads"] = len(values["cpus"])  # a thread per CPU it may use
     memory = values["memory_bytes"]

@@ -103,6 +103,9 @@ class NodeSpec:
     reserve_bytes: int | None = None  # overrides the cluster's runtime reserve
     layers: int | None = None  # pin: this node holds exactly this many layers; None = the planner chooses
     cpus: tuple[int, ...] | None = None  # the CPUs of its machine its process may run on; None = any
+    # tcp://HOST:PORT where it stands by to be invited into a run (a fleet that formed itself, `cascadia.fleet`);
+    # None: a node started with the spec, which connects to the coordinator by itself
+    door: str | None = None
 
     @property
     def is_local(self) -> bool:
