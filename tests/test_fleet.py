@@ -423,6 +423,66 @@ def test_with_curve_keys_a_node_whose_key_the_folder_does_not_hold_is_listed_but
                                                                 ("pc1", f"tcp://{lan.addresses[1]}:5602")]
 
 
+STANDING_BY = """
+import json, sys, time
+import httpx
+while True:  # until the server serves, with the nodes named standing by as spares
+    try:
+        status = httpx.get(sys.argv[1] + "/status").json()
+        if status["ready"] and set(sys.argv[2:]) <= set(status["standing_by"]):
+            break
+    except (httpx.HTTPError, ValueError):
+        pass
+    time.sleep(0.1)
+print(json.dumps(status))
+"""
+
+
+@needs_a_lan
+def test_a_node_that_announces_itself_after_the_fleet_formed_joins_as_a_spare_and_takes_a_lost_stage(
+        tmp_path, spec, checkpoint):
+    """Two nodes form the fleet; a third, started once it serves, joins as a spare (the server's /status says it
+    stands by); the second node is killed while six completions stream, and the late spare takes its stage: every
+    text is the single-process engine's."""
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    tokenizer = load_tokenizer(checkpoint)
+    expected = [tokenizer.decode(list(generate(engine, [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11], TOKENS,
+                                                Sampling()).ids), skip_special_tokens=True) for i in range(STREAMS)]
+
+    with EmulatedLan(4) as lan:
+        def agent(i: int) -> subprocess.Popen:
+            return cascadia(lan, i, "node", "--standby", "--announce", "--name", f"pc{i}", "--listen",
+                            "tcp://0.0.0.0:5601", "--checkpoint", str(checkpoint), "--memory", "1GiB",
+                            "--interface", lan.addresses[i], stderr=subprocess.DEVNULL)
+
+        url = f"http://{lan.addresses[3]}:8000"
+        agents = [agent(0), agent(1)]
+        server = cascadia(lan, 3, "serve", str(TINY), "--discover", str(TIMEOUT_S), "--expect", "2", "--interface",
+                          lan.addresses[3], "--host", lan.addresses[3], "--port", "8000", "--checkpoint",
+                          str(checkpoint), stderr=(tmp_path / "serve.log").open("w"))
+        try:
+            cascadia_python(lan, 3, STANDING_BY, url).communicate(timeout=TIMEOUT_S)  # the fleet formed: serving
+            agents.append(agent(2))
+            standing = cascadia_python(lan, 3, STANDING_BY, url, "pc2")
+            status = json.loads(standing.communicate(timeout=TIMEOUT_S)[0])
+            assert [s["node"] for s in status["stages"]] == ["pc0", "pc1"]
+            assert [s["node"] for s in status["spares"]] == ["pc2"]
+            client = cascadia_python(lan, 3, CLIENT, url, str(STREAMS), str(TOKENS))
+            assert client.stdout.readline() == "streaming\n", (tmp_path / "serve.log").read_text()[-3000:]
+            agents[1].kill()  # the last stage's node, mid-stream
+            client.stdin.write("\n")
+            client.stdin.flush()
+            texts = json.loads(client.stdout.readline())
+            stop(client)
+        finally:
+            for process in (server, *agents):
+                stop(process)
+    log = (tmp_path / "serve.log").read_text()
+    assert texts == expected, log[-3000:]
+    assert re.search(r"pc2 joined the fleet as a spare.*pc1 \(layers [\d-]+\) lost.*pc2: ready.*"
+                     r"pc1 \(layers [\d-]+\) serves again", log, re.DOTALL), log[-3000:]
+
+
 def served_once(lan: EmulatedLan, server: subprocess.Popen, log: Path) -> list[str]:
     """One greedy completion from the server on the LAN's machine 4, which is then stopped."""
     client = cascadia_python(lan, 4, CLIENT, f"http://{lan.addresses[4]}:8000", "1", str(TOKENS))

@@ -66,7 +66,7 @@ CONTROLS = st.one_of(
     st.builds(Stats, NAMES, st.floats(0, 1e6), st.integers(0, 2**63), st.integers(0, 2**63), st.floats(0, 1e6),
               st.lists(st.tuples(st.integers(0, 2**63), st.floats(0, 1e6), st.floats(0, 1e6), st.floats(0, 1e6)),
                        max_size=4).map(tuple)),
-    st.builds(Assign, st.text(max_size=200), NAMES),
+    st.builds(Assign, st.text(max_size=200), NAMES, st.text(max_size=200)),
     st.builds(Invite, st.text(max_size=200), st.text(max_size=200), NAMES, NAMES),
     st.builds(Probe, NAMES, NAMES, st.lists(st.integers(0, 2**63), max_size=3).map(tuple), st.binary(max_size=64)),
     st.builds(Timed, NAMES, st.lists(st.floats(0, 1e6), max_size=3).map(tuple)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import click
 
 from cascadia.cli.common import Quantity, TcpAddress, chosen_plan, groups_option, speculate_option, with_runtime
@@ -80,23 +82,30 @@ def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, p
     runtime = loaded.runtime
     settings = ServeSettings(model_name or loaded.model.name, runtime.context_budget,
                              2 * runtime.max_streams if max_waiting is None else max_waiting, max_body, key)
-    if discover is not None:
-        if plan_path is not None:
-            raise click.UsageError("--discover plans over the nodes it finds: leave out --plan")
-        from cascadia.fleet.form import discover as form_fleet
-        from cascadia.fleet.form import measure_links
-        from cascadia.spec.dump import write_spec
+    if discover is not None and plan_path is not None:
+        raise click.UsageError("--discover plans over the nodes it finds: leave out --plan")
+    with contextlib.ExitStack() as fleet:
+        beside = None
+        if discover is not None:
+            from cascadia.fleet.announce import Browser
+            from cascadia.fleet.form import LateJoiner, measure_links
+            from cascadia.fleet.form import discover as form_fleet
+            from cascadia.spec.dump import write_spec
 
-        loaded = measure_links(form_fleet(loaded, discover, expect, spares, interfaces or None), node_timeout).spec
-        if save_spec:
-            write_spec(loaded, Path(save_spec))
-    chosen = chosen_plan(loaded, plan_path)
-    if any(node.door for node in loaded.cluster.members):  # nodes standing by, to be invited
-        from cascadia.fleet.form import invite
+            browser = fleet.enter_context(Browser(interfaces or None))  # open while serving: late nodes join
+            loaded = measure_links(form_fleet(loaded, browser, discover, expect, spares), node_timeout).spec
+            if save_spec:
+                write_spec(loaded, Path(save_spec))
+        chosen = chosen_plan(loaded, plan_path)
+        if any(node.door for node in loaded.cluster.members):  # nodes standing by, to be invited
+            from cascadia.fleet.form import invite
 
-        control, tokens = control or "tcp://0.0.0.0:5555", tokens or "tcp://0.0.0.0:5556"
-        invite(loaded, chosen, control, tokens, node_timeout)
-    run_server(loaded, chosen, settings, host=host, port=port,
-               checkpoint=Path(checkpoint) if checkpoint else None,
-               shutdown_timeout_s=shutdown_timeout, addresses=Addresses(control, tokens) if control else None,
-               node_timeout_s=node_timeout, stall_s=stall_timeout, replace_timeout_s=replace_timeout)
+            control, tokens = control or "tcp://0.0.0.0:5555", tokens or "tcp://0.0.0.0:5556"
+            invite(loaded, chosen, control, tokens, node_timeout)
+            if discover is not None:
+                def beside(service):
+                    return LateJoiner(browser, service, control, tokens, node_timeout)
+        run_server(loaded, chosen, settings, host=host, port=port,
+                   checkpoint=Path(checkpoint) if checkpoint else None, shutdown_timeout_s=shutdown_timeout,
+                   addresses=Addresses(control, tokens) if control else None, node_timeout_s=node_timeout,
+                   stall_s=stall_timeout, replace_timeout_s=replace_timeout, beside=beside)

@@ -183,6 +183,7 @@ class Browser:
 
         self.zeroconf = _zeroconf(interfaces)
         self.found: set[str] = set()
+        self.changes = 0  # services found, changed or gone so far
         self.changed = threading.Condition()
         self.browser = ServiceBrowser(self.zeroconf, SERVICE, handlers=[self._on_change])
 
@@ -194,12 +195,20 @@ class Browser:
                 self.found.discard(name)
             else:
                 self.found.add(name)
+            self.changes += 1
             self.changed.notify_all()
 
     def wait(self, seconds: float, count: int | None = None) -> None:
         """Wait `seconds`, or until `count` services have answered."""
         with self.changed:
             self.changed.wait_for(lambda: count is not None and len(self.found) >= count, seconds)
+
+    def wait_change(self, since: int, seconds: float) -> int:
+        """Wait `seconds`, or until a service is found, changes or goes after `since` changes; how many there have
+        been."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.changes != since, seconds)
+            return self.changes
 
     def announcements(self) -> tuple[list[Announcement], list[Unreadable]]:
         """What the services found so far announce, by name; and the ones that could not be read."""

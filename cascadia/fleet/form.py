@@ -16,11 +16,11 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
-import yaml
 import zmq
 
 from cascadia.errors import CascadiaError, NodeError
@@ -32,12 +32,13 @@ from cascadia.pipeline.transport import COORDINATOR, Transport, receive_waiting,
 from cascadia.fleet.standby import DOOR_SENDER
 from cascadia.pipeline.wire import (COORDINATOR_SENDER, VERSION, Decoder, Encoder, Error, Hello, Invite, Probe, Timed,
                                     WireError)
-from cascadia.spec.dump import dump_spec
+from cascadia.spec.dump import spec_for_nodes
 from cascadia.spec.types import LinkSpec, NodeSpec, Spec
 from cascadia.units import format_duration, format_rate
 
 log = logging.getLogger(__name__)
 PROBE_SIZES = (2**16, 2**20)  # bytes; 1 MiB crosses gigabit Ethernet in 8 ms
+JOIN_POLL_S = 1.0  # how often a late node that could not join yet (the pipeline was not serving) is looked at again
 
 
 @attrs.frozen
@@ -94,12 +95,10 @@ def node_spec(found: Announcement) -> NodeSpec:
                     door=found.door_address)
 
 
-def discover(spec: Spec, seconds: float, expect: int | None, spares: int,
-             interfaces: Iterable[str] | None = None) -> Formed:
+def discover(spec: Spec, browser: Browser, seconds: float, expect: int | None, spares: int) -> Formed:
     """Listen `seconds` (or until `expect` nodes answered) and form the fleet of what answered."""
-    with Browser(interfaces) as browser:
-        browser.wait(seconds, expect)
-        found, unreadable = browser.announcements()
+    browser.wait(seconds, expect)
+    found, unreadable = browser.announcements()
     for u in unreadable:
         log.warning("%s: cannot read its announcement: %s", u.service, u.reason)
     if not found:
@@ -137,17 +136,17 @@ def link_of(sizes: tuple[int, int], seconds: tuple[float, float]) -> LinkSpec:
     return LinkSpec(significant(bandwidth), significant(max(t_small - small / bandwidth, 0.0) / 2))
 
 
-def invite(spec: Spec, plan: Plan, control: str, tokens: str, timeout_s: float) -> None:
-    """Invite every member of the spec's cluster with a door into the run of `spec` and `plan`, whose coordinator
-    binds `control` and `tokens` (tcp://0.0.0.0:PORT: each node reaches it at the host it reached the invitation
-    from). NodeError naming the node that refuses or does not answer within `timeout_s`."""
-    document = dump_spec(spec)
-    del document["workload"]  # the coordinator's alone (its prompts file may be a path on its own machine)
-    message = Invite(yaml.safe_dump(document, sort_keys=False), json.dumps(plan.to_dict()),
-                     _any_host(control), _any_host(tokens))
+def invite(spec: Spec, plan: Plan, control: str, tokens: str, timeout_s: float,
+           only: Collection[str] | None = None) -> None:
+    """Invite every member of the spec's cluster with a door (or those of them named in `only`) into the run of
+    `spec` and `plan`, whose coordinator binds `control` and `tokens` (tcp://0.0.0.0:PORT: each node reaches it at
+    the host it reached the invitation from). NodeError naming the node that refuses or does not answer within
+    `timeout_s`."""
+    only = {node.name for node in spec.cluster.members} if only is None else only
+    message = Invite(spec_for_nodes(spec), json.dumps(plan.to_dict()), _any_host(control), _any_host(tokens))
     with Transport(COORDINATOR, spec.cluster.curve_keys) as transport:
-        _ask(transport, {node.name: node.door for node in spec.cluster.members if node.door}, message, timeout_s,
-             "the invitation")
+        _ask(transport, {node.name: node.door for node in spec.cluster.members if node.door and node.name in only},
+             message, timeout_s, "the invitation")
 
 
 def _ask(transport: Transport, doors: dict[str, str], message: Invite | Probe, timeout_s: float,
@@ -186,3 +185,44 @@ def _any_host(address: str) -> str:
     """tcp://*:PORT for an address bound on every interface, which each node reaches at a host of its own."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     return f"tcp://*:{port}" if host in ("0.0.0.0", "*") else address
+
+
+class LateJoiner:
+    """While a fleet that formed itself serves: a node that announces itself later, and that the run can use
+    (`why_not`), joins as a spare: taken into the cluster (`PipelineService.add_spare`), then invited with the spec
+    that names it. One that cannot join is logged and left out."""
+
+    def __init__(self, browser: Browser, service, control: str, tokens: str, timeout_s: float):
+        self.browser, self.service = browser, service
+        self.control, self.tokens, self.timeout_s = control, tokens, timeout_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="cascadia-late-joiner", daemon=True)
+
+    def _watch(self) -> None:
+        seen, pending, left_out = -1, True, set()
+        while not self.stopped.is_set():
+            changes = self.browser.wait_change(seen, JOIN_POLL_S)
+            pending, seen = pending or changes != seen, changes
+            if not pending or not self.service.status().ready:
+                continue  # nothing new; or not serving yet (a start, a recovery): looked at once it is again
+            pending = False
+            found, _ = self.browser.announcements()
+            members = {node.name for node in self.service.spec.cluster.members}
+            for late in found:
+                if late.name in members or late.name in left_out or why_not(self.service.spec, late) is not None:
+                    continue
+                try:
+                    spec, plan = self.service.add_spare(node_spec(late), self.timeout_s)
+                    invite(spec, plan, self.control, self.tokens, self.timeout_s, only={late.name})
+                    log.info("%s joined the fleet as a spare", late.name)
+                except CascadiaError as e:
+                    left_out.add(late.name)
+                    log.warning("%s: could not join the fleet: %s", late.name, e)
+
+    def __enter__(self) -> LateJoiner:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join()

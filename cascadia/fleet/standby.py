@@ -116,18 +116,10 @@ def accept(standby: Standby, invite: Invite, coordinator_host: str):
     """The spec, plan and node settings an invitation gives this node; CascadiaError saying why it cannot take
     it."""
     from cascadia.graph.planner import plan_from_dict
-    from cascadia.models import read_config
     from cascadia.pipeline.settings import settings_digest
     from cascadia.pipeline.stage import node_settings
-    from cascadia.spec.load import load_spec
 
-    spec = load_spec(standby.checkpoint / "invited-spec.yaml", text=invite.spec)  # never written: names its place
-    own = read_config(standby.checkpoint / "config.json")
-    if own.to_hf_dict() != spec.model.config.to_hf_dict():
-        raise FleetError(f"its checkpoint {standby.checkpoint} holds another model than the invitation's "
-                         f"{spec.model.name!r}")
-    spec = attrs.evolve(spec, model=attrs.evolve(spec.model, checkpoint=standby.checkpoint),
-                        cluster=attrs.evolve(spec.cluster, curve_keys=standby.curve_keys))
+    spec = invited_spec(standby, invite.spec)
     try:
         plan = plan_from_dict(json.loads(invite.plan), spec, "the invitation's plan")
     except json.JSONDecodeError as e:
@@ -142,12 +134,28 @@ def accept(standby: Standby, invite: Invite, coordinator_host: str):
     return spec, plan, attrs.evolve(settings, digest=settings_digest(spec, plan, False))
 
 
+def invited_spec(standby: Standby, text: str):
+    """The spec a coordinator sends (YAML), as this node runs it: the model from its own checkpoint, its own keys;
+    FleetError for a spec of another model."""
+    from cascadia.models import read_config
+    from cascadia.spec.load import load_spec
+
+    spec = load_spec(standby.checkpoint / "invited-spec.yaml", text=text)  # never written: names its place
+    own = read_config(standby.checkpoint / "config.json")
+    if own.to_hf_dict() != spec.model.config.to_hf_dict():
+        raise FleetError(f"its checkpoint {standby.checkpoint} holds another model than the invitation's "
+                         f"{spec.model.name!r}")
+    return attrs.evolve(spec, model=attrs.evolve(spec.model, checkpoint=standby.checkpoint),
+                        cluster=attrs.evolve(spec.cluster, curve_keys=standby.curve_keys))
+
+
 def serve_invited(standby: Standby, spec, plan, settings) -> None:
-    """One run, as a node started with the invitation's spec and plan serves it; its end, whatever the cause, is
-    logged and the node stands by again."""
+    """One run, as a node started with the invitation's spec and plan serves it (the spec as each ASSIGN carries it
+    from then on); its end, whatever the cause, is logged and the node stands by again."""
     from cascadia.pipeline.stage import serve_node
 
     try:
-        serve_node(spec, plan, settings, standby.checkpoint, standby.threads, False, standby.cpus)
+        serve_node(spec, plan, settings, standby.checkpoint, standby.threads, False, standby.cpus,
+                   respec=lambda text: invited_spec(standby, text))
     except CascadiaError as e:
         log.warning("%s: the run ended: %s", standby.name, e)

@@ -120,7 +120,7 @@ class Coordinator:
         answers them but no stats request for this long, while no tokens come back, is lost too."""
         self.nodes = list(nodes)
         self.members = list(members or nodes)
-        self.digest = digest
+        self.digests = dict.fromkeys(self.members, digest)  # what each node's HELLO must say (None: unchecked)
         self.stall_s, self.hung_s = stall_s, max(stall_s, hung_s)
         # Called while waiting; raises PipelineError when it sees a node gone. Set once the node processes it
         # watches are started, which is after this binds the addresses they connect to.
@@ -185,6 +185,19 @@ class Coordinator:
         """Members outside the plan that said READY (spares, or lost nodes back), in the spec's order."""
         return [node for node in self.members if node in self._ready and node not in self.nodes]
 
+    def add_member(self, node: str) -> None:
+        """A node that joins after the start, to stand by (a late one of a fleet that formed itself): the next
+        control sender id, its key let in on the control socket. Its HELLO's digest is not checked: it was invited
+        with the spec and plan of the moment, which may change before it says HELLO."""
+        self.members.append(node)
+        self.digests[node] = None
+        self.transport.allow(self.control_address, self.members)
+        self.control_decoders[node] = Decoder(node_sender(len(self.members) - 1), (Hello, Progress, Ready, Stats,
+                                                                                   Error))
+        self._answers[node] = 0
+        self._stats_asked[node] = deque()
+        self._forget(node)
+
     def stand_down(self, node: str, reason: str) -> None:
         """A node standing by is gone (`reason`: how it was found so): logged and counted, it stands by no more,
         until it says READY again, started anew."""
@@ -194,13 +207,13 @@ class Coordinator:
         self._forget(node)
 
     def assign(self, nodes: Sequence[str], plan_json: str, addresses: dict[str, str], timeout_s: float,
-               stop: threading.Event | None = None) -> None:
+               stop: threading.Event | None = None, spec_text: str = "") -> None:
         """Serve a plan whose stages are on `nodes` (in stage order): each gets an ASSIGN with the plan and its
         successor's address (`addresses`: where each node's predecessor reaches it; the last sends to our token
         socket: `tokens_for_nodes`), and we wait for every READY as at the start; then the first node's input is
         ours, from the moment they are told (a loss during the wait must not leave our frames going to the stage's
         previous holder). A node keeps a stage it holds and only rewires, so the survivors of a loss answer at
-        once."""
+        once. `spec_text` goes with each ASSIGN (`wire.Assign.spec`)."""
         self._ready -= set(self.nodes) - set(nodes)  # lost: one that comes back stands by
         first_before, self.nodes = self.nodes[0], list(nodes)
         self.token_decoder = Decoder(node_sender(len(nodes) - 1), (Tokens,))
@@ -212,7 +225,8 @@ class Coordinator:
             self.first = self.transport.connect(zmq.PUSH, addresses[nodes[0]], nodes[0])
         for node, after in zip(nodes, [*nodes[1:], None]):
             self._ready.discard(node)
-            self._tell(node, Assign(plan_json, self.tokens_for_nodes if after is None else addresses[after]))
+            self._tell(node, Assign(plan_json, self.tokens_for_nodes if after is None else addresses[after],
+                                    spec_text))
         self._await_ready(timeout_s, stop)
         self.sync_clocks()
 
@@ -448,9 +462,9 @@ class Coordinator:
                     self.clocks[node].observe(self._stats_asked[node].popleft(), self.now(), message.clock)
                 if self.frame_log is not None:
                     self.frame_log.node_times(node, message.frame_times)
-            case Hello() if self.digest is not None and message.settings != self.digest:
+            case Hello() if self.digests[node] is not None and message.settings != self.digests[node]:
                 raise PipelineError(f"{node}: started with other settings than this run (digest {message.settings}, "
-                                    f"expected {self.digest}): start it with the same spec and plan as "
+                                    f"expected {self.digests[node]}): start it with the same spec and plan as "
                                     "`cascadia run`, and --logits only for `cascadia score`")
             case Hello() | Progress() | Ready():
                 self._last_heard[node] = time.monotonic()

@@ -31,8 +31,8 @@ from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import free_port, tcp_address
 from cascadia.pipeline.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.policy import Policy, padded_size, score_schedule
-from cascadia.spec.dump import write_spec
-from cascadia.spec.types import Spec, WorkloadSpec
+from cascadia.spec.dump import spec_for_nodes, write_spec
+from cascadia.spec.types import NodeSpec, Spec, WorkloadSpec
 from cascadia.speculation import Drafter, NgramDrafter, RecordedDrafter
 from cascadia.tokenizer import workload_prompts
 from cascadia.trace import FrameTiming
@@ -271,13 +271,24 @@ class Pipeline:
 
     def assign(self, plan: Plan, timeout_s: float, stop: threading.Event | None = None) -> None:
         """Serve `plan` from now on: each of its nodes takes its stage (`Coordinator.assign`). The plan is the
-        pipeline's as soon as it is told, so that a node lost while loading is lost from it."""
+        pipeline's as soon as it is told, so that a node lost while loading is lost from it. Nodes invited into the
+        run (those with a door) are told the spec too, which names the nodes that joined since."""
         if self.local is not None:
             addresses = self.local.addresses
         else:
             addresses = {node.name: node.address for node in self.spec.cluster.members}
         self.plan = plan
-        self.coordinator.assign([stage.node for stage in plan.stages], plan.to_json(), addresses, timeout_s, stop)
+        invited = any(node.door for node in self.spec.cluster.members)
+        self.coordinator.assign([stage.node for stage in plan.stages], plan.to_json(), addresses, timeout_s, stop,
+                                spec_for_nodes(self.spec) if invited else "")
+
+    def add_spare(self, node: NodeSpec) -> Spec:
+        """A node that joins after the start, to stand by as a spare (a late one of a fleet that formed itself):
+        the spec with it, which the node is to be invited with."""
+        cluster = self.spec.cluster
+        self.spec = attrs.evolve(self.spec, cluster=attrs.evolve(cluster, spares=(*cluster.spares, node)))
+        self.coordinator.add_member(node.name)
+        return self.spec
 
     def _watch_local(self) -> None:
         """The coordinator's look at the local node processes while it waits: a stage holder's that has ended is

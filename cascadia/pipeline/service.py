@@ -35,7 +35,7 @@ from cascadia.pipeline.coordinator import Flight, Logprobs, NodeLost, PipelineEr
 from cascadia.pipeline.run import NODE_TIMEOUT_S, Addresses, Pipeline, describe
 from cascadia.pipeline.wire import Message
 from cascadia.policy import Event, Finished, KVPool, Policy, Rejected, Request
-from cascadia.spec.types import Spec
+from cascadia.spec.types import NodeSpec, Spec
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,17 @@ class PipelineService:
         except concurrent.futures.TimeoutError:
             return {}
 
+    def add_spare(self, node: NodeSpec, timeout_s: float = 10.0) -> tuple[Spec, Plan]:
+        """Take `node` into the cluster as a spare, which it joins by saying HELLO and READY on its own (a late node
+        of a fleet that formed itself, to be invited); the spec with it and the plan served now. PipelineError when
+        the pipeline is not serving (starting, a stage down, stopped) or does not answer in `timeout_s`."""
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        self._command(("join", node, answer))
+        try:
+            return answer.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise PipelineError(f"{node.name}: the pipeline did not take it in within {timeout_s:g} s") from None
+
     def status(self) -> Status:
         with self._lock:
             return Status(self._ready and not self._down, self._loading, self._error, *self._counts,
@@ -192,7 +203,7 @@ class PipelineService:
                     command = self._commands.get()
                     if command[0] == "stop":
                         return True
-                    self._apply(command, coordinator)
+                    self._apply(command, pipeline)
                 self._launch(flight)
                 completed = flight.wait(until=coordinator.now() + STATS_S, wake=[self._wake_reader])
                 self._drain_wake()
@@ -314,6 +325,8 @@ class PipelineService:
                 command[2](Failed(command[1].id, reason), 0.0)
             elif command[0] == "busy":
                 command[1].set_result({})
+            elif command[0] == "join":
+                command[2].set_exception(PipelineError(f"a stage is down ({reason})"))
 
     def _launch(self, flight: Flight) -> None:
         """Every group with nothing in flight gets its next frame."""
@@ -322,8 +335,12 @@ class PipelineService:
         with self._lock:
             self._counts = (policy.active, policy.waiting)
 
-    def _apply(self, command: tuple, coordinator) -> None:
-        if command[0] == "submit":
+    def _apply(self, command: tuple, pipeline: Pipeline) -> None:
+        coordinator = pipeline.coordinator
+        if command[0] == "join":
+            self.spec = pipeline.add_spare(command[1])
+            command[2].set_result((self.spec, self.plan))
+        elif command[0] == "submit":
             _, requests, on_event = command
             requests = (requests,) if isinstance(requests, Request) else tuple(requests)
             self._listeners.update((request.id, on_event) for request in requests)
@@ -396,6 +413,8 @@ class PipelineService:
                 command[2](Failed(command[1].id, reason), 0.0)
             elif command[0] == "busy":
                 command[1].set_result({})
+            elif command[0] == "join":
+                command[2].set_exception(PipelineError(f"not serving ({reason})"))
 
 
 def _stage_name(plan: Plan, node: str) -> str:

@@ -316,12 +316,20 @@ def load_stage(spec: Spec, stage: Stage, checkpoint: Path, threads: int | None, 
 
 
 def serve_node(spec: Spec, plan: Plan, settings: NodeSettings, checkpoint: Path, threads: int | None,
-               with_logits: bool, cpus: Sequence[int] | None = None) -> None:
+               with_logits: bool, cpus: Sequence[int] | None = None,
+               respec: Callable[[str], Spec] | None = None) -> None:
     """Run node `settings.name` until the coordinator shuts it down (see `cascadia.pipeline.node.run_node`), on
-    `cpus` (default: the node's in the spec, else where it was started)."""
+    `cpus` (default: the node's in the spec, else where it was started). `respec`, for a node invited into the run:
+    how it reads the spec an ASSIGN carries (the cluster may have grown since); None: it keeps its own."""
     cpus = pin(cpus or spec.cluster.node(settings.name).cpus, settings.name, whole_process=True)
-    settings = attrs.evolve(settings, digest=settings_digest(spec, plan, with_logits), cpus=cpus,
-                            assigned=lambda settings, assign: assigned_settings(spec, settings, assign))
+    latest = [spec]
+
+    def assigned(settings: NodeSettings, assign: Assign) -> NodeSettings:
+        if assign.spec and respec is not None:
+            latest[0] = respec(assign.spec)
+        return assigned_settings(latest[0], settings, assign)
+
+    settings = attrs.evolve(settings, digest=settings_digest(spec, plan, with_logits), cpus=cpus, assigned=assigned)
     run_node(settings, lambda settings, progress: load_stage(spec, settings.stage, checkpoint, threads, with_logits,
                                                              progress))
 

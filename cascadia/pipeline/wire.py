@@ -266,10 +266,13 @@ class Stats:
 class Assign:
     """The coordinator gives a node its place in the pipeline: a spare takes a lost node's stage, every node its
     stage of a new plan, a neighbour of a moved stage its new peers. The node serves its stage of `plan` (JSON,
-    `Plan.to_dict`), sends its results to `successor`, and answers READY once it does."""
+    `Plan.to_dict`), sends its results to `successor`, and answers READY once it does. `spec` (YAML), for nodes
+    invited into the run (`cascadia.fleet`): the spec as it is now, its cluster grown by the nodes that joined
+    since; empty: as the node has it."""
 
     plan: str
     successor: str
+    spec: str = ""
 
 
 @attrs.frozen
@@ -384,7 +387,7 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
                                            np.array([t[0] for t in message.frame_times], dtype=_U64),
                                            np.array([t[1:] for t in message.frame_times], dtype=_F64).reshape(-1)]
         case Assign():
-            return Kind.ASSIGN, _Fields(), [_utf8(message.plan), _utf8(message.successor)]
+            return Kind.ASSIGN, _Fields(), [_utf8(message.plan), _utf8(message.successor), _utf8(message.spec)]
         case Invite():
             return Kind.INVITE, _Fields(), [_utf8(message.spec), _utf8(message.plan), _utf8(message.control),
                                             _utf8(message.tokens)]
@@ -419,7 +422,7 @@ class Encoder:
 # --- decoding ---------------------------------------------------------------------------------------------------
 
 _BUFFER_COUNTS = {Kind.FRAME: 14, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
-                  Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 2,
+                  Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 3,
                   Kind.INVITE: 4, Kind.PROBE: 4, Kind.TIMED: 2}
 
 
@@ -565,7 +568,7 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             frame_times = tuple((int(i), *map(float, t)) for i, t in zip(ids, times))
             return Stats(_text(b[0], "node"), *_unpack(_STATS, b[1], "stats"), frame_times)
         case Kind.ASSIGN:
-            return Assign(_text(b[0], "plan"), _text(b[1], "successor"))
+            return Assign(_text(b[0], "plan"), _text(b[1], "successor"), _text(b[2], "spec"))
         case Kind.INVITE:
             return Invite(_text(b[0], "spec"), _text(b[1], "plan"), _text(b[2], "control"), _text(b[3], "tokens"))
         case Kind.PROBE:

@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -38,10 +39,12 @@ log = logging.getLogger(__name__)
 
 
 def serve(spec: Spec, plan: Plan, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
-          checkpoint: Path | None = None, shutdown_timeout_s: float = 30.0, **pipeline) -> None:
-    """Serve until stopped (see the module's text); `pipeline` holds `PipelineService`'s other options. Text needs
-    the checkpoint's tokenizer.json, chat its tokenizer_config.json's chat template; without them only token-id
-    completions are served."""
+          checkpoint: Path | None = None, shutdown_timeout_s: float = 30.0,
+          beside: Callable[[PipelineService], contextlib.AbstractContextManager] | None = None, **pipeline) -> None:
+    """Serve until stopped (see the module's text); `pipeline` holds `PipelineService`'s other options, and
+    `beside` what runs beside the service while it serves (a fleet's late joiner). Text needs the checkpoint's
+    tokenizer.json, chat its tokenizer_config.json's chat template; without them only token-id completions are
+    served."""
     checkpoint = checkpoint or spec.model.checkpoint
     tokenizer = chat = None
     no_chat = f"{checkpoint}/{TOKENIZER_CONFIG_FILE} has no chat_template" if checkpoint else "no checkpoint named"
@@ -60,7 +63,8 @@ def serve(spec: Spec, plan: Plan, settings: ServeSettings, *, host: str = "127.0
         try:
             uv = _Uvicorn(server, shutdown_timeout_s, uvicorn.Config(build_app(server), log_level="info",
                                                                     timeout_graceful_shutdown=5))
-            uv.run([listener])
+            with beside(service) if beside else contextlib.nullcontext():
+                uv.run([listener])
         finally:
             service.close()
     finally:

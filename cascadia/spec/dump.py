@@ -89,6 +89,14 @@ def dump_spec(spec: Spec) -> dict[str, Any]:
     }
 
 
+def spec_for_nodes(spec: Spec) -> str:
+    """The spec as a coordinator sends it to the nodes it invites (`cascadia.fleet`): YAML, without the workload,
+    which is the coordinator's alone (its prompts file may be a path on its own machine)."""
+    document = dump_spec(spec)
+    del document["workload"]
+    return yaml.safe_dump(document, sort_keys=False)
+
+
 def write_spec(spec: Spec, path: Path) -> Path:
     """The resolved spec as a YAML file that loads back to an equal spec (for processes started with it); `path`."""
     path.write_text(yaml.safe_dump(dump_spec(spec), sort_keys=False))
