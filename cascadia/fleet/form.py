@@ -1,14 +1,14 @@
 """`serve --discover`: a fleet formed from the nodes that announce themselves, instead of one written by hand.
 
-The coordinator listens for announcements (`fleet.announce`), keeps the nodes it can use (standing by at a door, this
-build's protocol, a checkpoint of the spec's model, and with Curve keys in use the key the keys folder holds under
-the node's name), and writes them into the spec's cluster as they measured themselves: address, free memory,
-memory bandwidth, compute and disk speed. The `spares` with the least memory stand by as spares; the others hold
-stages, in name order, as the planner places layers on them. Then it invites each node (`fleet.standby`) with the
-spec and plan, and the run starts as one over nodes started by hand does. Nodes it cannot use are named with why.
-Each node's door is written into the spec, so a spec saved of a fleet that formed is served again as it is
-(`invite` asks every node with a door).
-Between forming and planning, each node times its link to the next (`measure_links`), which the plan then charges.
+The coordinator listens for announcements (`fleet.announce`), keeps the nodes it can use (`why_not`: standing by at
+a door, this build's protocol, a checkpoint of the spec's model, and with Curve keys in use the key the keys folder
+holds under the node's name), and writes them into the spec's cluster as they measured themselves: address, door,
+free memory, memory bandwidth, compute and disk speed (`choose`). The `spares` with the least memory stand by as
+spares; the others hold stages, in name order, each timing its link to the next (`measure_links`), as the planner
+places layers on them. Then it invites each node (`invite`, answered at `fleet.standby`'s door) with the spec and
+plan, and the run starts as one over nodes started by hand does; while it serves, a node that announces itself
+later joins as a spare (`LateJoiner`). Nodes it cannot use are named with why. A spec saved of a fleet that formed
+names each node's door, so it is served again as it is: every node with a door is invited.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import zmq
 from cascadia.errors import CascadiaError, NodeError
 from cascadia.fleet.announce import Announcement, Browser, FleetError, key_fingerprint, model_digest
 from cascadia.fleet.profile import significant
+from cascadia.fleet.standby import DOOR_SENDER
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.node import STANDBY
 from cascadia.pipeline.transport import COORDINATOR, Transport, receive_waiting, send
-from cascadia.fleet.standby import DOOR_SENDER
 from cascadia.pipeline.wire import (COORDINATOR_SENDER, VERSION, Decoder, Encoder, Error, Hello, Invite, Probe, Timed,
                                     WireError)
 from cascadia.spec.dump import spec_for_nodes
