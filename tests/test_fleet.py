@@ -26,7 +26,7 @@ from cascadia.fleet.listing import fleet_json, fleet_table
 from cascadia.fleet.profile import Profile, measure, measure_disk_read
 from cascadia.fleet.standby import Standby, accept
 from cascadia.graph.planner import plan as make_plan
-from cascadia.pipeline.emulated_links import EmulatedLan, LinkEmulationError, namespaces
+from cascadia.pipeline.emulated_links import EmulatedLan, LinkEmulationError, made_here
 from cascadia.pipeline.transport import generate_keys
 from cascadia.pipeline.wire import VERSION, Invite
 from cascadia.sampling import Sampling
@@ -195,7 +195,7 @@ needs_a_lan = pytest.mark.skipif(not _can_make_a_lan(), reason="needs root and n
 
 @needs_a_lan
 def test_a_lan_shapes_what_each_machine_sends_and_leaves_nothing_behind():
-    before = namespaces()
+    before = made_here()
     with EmulatedLan(2, rates=[1e6, None]) as lan:
         assert len(set(lan.namespaces) - before) == 3  # two machines and the switch
         shaping = [subprocess.run(["tc", "-n", ns, "qdisc", "show"], capture_output=True, text=True).stdout
@@ -204,7 +204,7 @@ def test_a_lan_shapes_what_each_machine_sends_and_leaves_nothing_behind():
         reach = subprocess.run([*lan.run_in(0), sys.executable, "-c", PROBE, lan.addresses[1]], capture_output=True,
                                text=True)
         assert reach.returncode == 0 and "refused" in reach.stdout  # reached machine 1, where nothing listens
-    assert namespaces() == before
+    assert made_here() == before
 
 
 PROBE = """
@@ -228,7 +228,7 @@ def test_fleet_lists_the_nodes_announced_on_the_lan_and_a_taken_name_is_refused(
     spec = "specs/tiny-local.yaml"
     plan = tmp_path / "plan.json"
     subprocess.run([sys.executable, "-m", "cascadia", "plan", spec, "-o", str(plan)], check=True, capture_output=True)
-    before = namespaces()
+    before = made_here()
     with EmulatedLan(5) as lan:
         control = f"tcp://{lan.addresses[3]}:5555"  # nobody binds it: the nodes wait for a coordinator
 
@@ -258,15 +258,8 @@ def test_fleet_lists_the_nodes_announced_on_the_lan_and_a_taken_name_is_refused(
             assert "another node on this network already announces the name 'node1'" in err
             assert "Traceback" not in err
         finally:
-            for process in nodes:
-                process.send_signal(signal.SIGINT)
-            for process in nodes:
-                try:
-                    process.communicate(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.communicate()
-    assert namespaces() == before
+            stop(*nodes)
+    assert made_here() == before
 
 
 @needs_a_lan
@@ -319,6 +312,21 @@ STREAMS, TOKENS = 6, 24
 RATES = [2e6, 8e6]  # bytes/s that pc0 and pc1 send at
 
 
+def engine_texts(spec, checkpoint: Path, streams: int) -> list[str]:
+    """The greedy texts of the CLIENT script's first `streams` prompts, from the single-process engine."""
+    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
+    tokenizer = load_tokenizer(checkpoint)
+    return [tokenizer.decode(list(generate(engine, [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11], TOKENS,
+                                           Sampling()).ids), skip_special_tokens=True) for i in range(streams)]
+
+
+def standby_node(lan: EmulatedLan, machine: int, checkpoint: Path, *extra: str) -> subprocess.Popen:
+    """A node with no spec, standing by on the LAN's machine `machine` as pc`machine`, offering 1 GiB."""
+    return cascadia(lan, machine, "node", "--standby", "--announce", "--name", f"pc{machine}", "--listen",
+                    "tcp://0.0.0.0:5601", "--checkpoint", str(checkpoint), "--memory", "1GiB", "--interface",
+                    lan.addresses[machine], *extra, stderr=subprocess.DEVNULL)
+
+
 @needs_a_lan
 def test_serve_discover_forms_a_pipeline_of_the_nodes_standing_by_and_a_spare_takes_a_lost_stage(
         tmp_path, spec, checkpoint):
@@ -326,16 +334,11 @@ def test_serve_discover_forms_a_pipeline_of_the_nodes_standing_by_and_a_spare_ta
     a 3-stage pipeline and a spare of them, measures the links it chains (two of them shaped to other rates),
     invites them, shows each node's measured machine at /status, and serves greedy completions with the
     single-process engine's texts, also when the middle stage's node is killed while they stream."""
-    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
-    tokenizer = load_tokenizer(checkpoint)
-    expected = [tokenizer.decode(list(generate(engine, [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11], TOKENS,
-                                                Sampling()).ids), skip_special_tokens=True) for i in range(STREAMS)]
+    expected = engine_texts(spec, checkpoint, STREAMS)
     formed_spec = tmp_path / "formed.yaml"
-    before = namespaces()
+    before = made_here()
     with EmulatedLan(5, rates=[RATES[0], RATES[1], None, None, None]) as lan:
-        agents = [cascadia(lan, i, "node", "--standby", "--announce", "--name", f"pc{i}", "--listen",
-                           "tcp://0.0.0.0:5601", "--checkpoint", str(checkpoint), "--memory", "1GiB", "--interface",
-                           lan.addresses[i], stderr=subprocess.DEVNULL) for i in range(4)]
+        agents = [standby_node(lan, i, checkpoint) for i in range(4)]
         server = cascadia(lan, 4, "serve", str(TINY), "--discover", str(TIMEOUT_S), "--expect", "4", "--spares", "1",
                           "--interface", lan.addresses[4], "--host", lan.addresses[4], "--port", "8000",
                           "--checkpoint", str(checkpoint), "--save-spec", str(formed_spec),
@@ -359,21 +362,14 @@ def test_serve_discover_forms_a_pipeline_of_the_nodes_standing_by_and_a_spare_ta
             client.stdin.flush()
             texts = json.loads(client.stdout.readline())
         finally:
-            for process in (client, server, *agents):
-                process.send_signal(signal.SIGINT)
-            for process in (client, server, *agents):
-                try:
-                    process.communicate(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.communicate()
+            stop(client, server, *agents)
         log = (tmp_path / "serve.log").read_text()
         assert texts == expected, log[-3000:]
         # the planner splits the layers by what each node measured, so which layers pc1 held varies
         assert re.search(r"pc1 \(layers [\d-]+\) lost.*pc3: ready.*pc1 \(layers [\d-]+\) serves again", log,
                          re.DOTALL), log[-3000:]
         assert re.search(r"pc3: up on CPUs [\d,-]+, standing by, a spare", log) and "Traceback" not in log
-    assert namespaces() == before
+    assert made_here() == before
     predicted = subprocess.run([sys.executable, "-m", "cascadia", "simulate", str(formed_spec), "--analytic",
                                 "--concurrency", "1,4"], capture_output=True, text=True)
     assert predicted.returncode == 0 and "decode tok/s" in predicted.stdout, predicted.stderr
@@ -386,18 +382,14 @@ def test_with_curve_keys_a_node_whose_key_the_folder_does_not_hold_is_listed_but
     keys folder lacks: `serve --discover` forms the fleet of the first two, saying why not the others, and serves
     over Curve-encrypted links (the probe of the link between them included); stopped, the spec it saved serves
     the same fleet again (its nodes invited at their doors, no discovery)."""
-    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
-    expected = load_tokenizer(checkpoint).decode(list(generate(engine, [1, 2, 3, 4], TOKENS, Sampling()).ids),
-                                                 skip_special_tokens=True)
+    expected = engine_texts(spec, checkpoint, 1)[0]
     keys, impostor, stranger = tmp_path / "keys", tmp_path / "impostor", tmp_path / "stranger"
     generate_keys(keys, ["coordinator", "pc0", "pc1", "pc2"])
     generate_keys(impostor, ["pc2"])
     generate_keys(stranger, ["pc3"])
     keyed = write_spec(attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, curve_keys=keys)), tmp_path / "s.yaml")
     with EmulatedLan(5) as lan:
-        agents = [cascadia(lan, i, "node", "--standby", "--announce", "--name", f"pc{i}", "--listen",
-                           "tcp://0.0.0.0:5601", "--checkpoint", str(checkpoint), "--memory", "1GiB", "--interface",
-                           lan.addresses[i], "--keys", str(folder), stderr=subprocess.DEVNULL)
+        agents = [standby_node(lan, i, checkpoint, "--keys", str(folder))
                   for i, folder in enumerate([keys, keys, impostor, stranger])]
         texts = []
         try:
@@ -409,10 +401,7 @@ def test_with_curve_keys_a_node_whose_key_the_folder_does_not_hold_is_listed_but
                                   "8000", "--checkpoint", str(checkpoint), stderr=(tmp_path / log).open("w"))
                 texts += served_once(lan, server, tmp_path / log)
         finally:
-            for process in agents:
-                process.send_signal(signal.SIGINT)
-            for process in agents:
-                stop(process)
+            stop(*agents)
     log = (tmp_path / "serve.log").read_text()
     assert texts == [expected, expected], log[-3000:] + (tmp_path / "again.log").read_text()[-3000:]
     assert "pc2: not used: its Curve key (fingerprint " in log
@@ -444,25 +433,17 @@ def test_a_node_that_announces_itself_after_the_fleet_formed_joins_as_a_spare_an
     """Two nodes form the fleet; a third, started once it serves, joins as a spare (the server's /status says it
     stands by); the second node is killed while six completions stream, and the late spare takes its stage: every
     text is the single-process engine's."""
-    engine = Engine(Checkpoint.open(checkpoint), spec.runtime, formats=spec.model.formats, threads=1)
-    tokenizer = load_tokenizer(checkpoint)
-    expected = [tokenizer.decode(list(generate(engine, [1 + i % 7, 2 + i % 5, 3 + i % 3, 4 + i % 11], TOKENS,
-                                                Sampling()).ids), skip_special_tokens=True) for i in range(STREAMS)]
+    expected = engine_texts(spec, checkpoint, STREAMS)
 
     with EmulatedLan(4) as lan:
-        def agent(i: int) -> subprocess.Popen:
-            return cascadia(lan, i, "node", "--standby", "--announce", "--name", f"pc{i}", "--listen",
-                            "tcp://0.0.0.0:5601", "--checkpoint", str(checkpoint), "--memory", "1GiB",
-                            "--interface", lan.addresses[i], stderr=subprocess.DEVNULL)
-
         url = f"http://{lan.addresses[3]}:8000"
-        agents = [agent(0), agent(1)]
+        agents = [standby_node(lan, 0, checkpoint), standby_node(lan, 1, checkpoint)]
         server = cascadia(lan, 3, "serve", str(TINY), "--discover", str(TIMEOUT_S), "--expect", "2", "--interface",
                           lan.addresses[3], "--host", lan.addresses[3], "--port", "8000", "--checkpoint",
                           str(checkpoint), stderr=(tmp_path / "serve.log").open("w"))
         try:
             cascadia_python(lan, 3, STANDING_BY, url).communicate(timeout=TIMEOUT_S)  # the fleet formed: serving
-            agents.append(agent(2))
+            agents.append(standby_node(lan, 2, checkpoint))
             standing = cascadia_python(lan, 3, STANDING_BY, url, "pc2")
             status = json.loads(standing.communicate(timeout=TIMEOUT_S)[0])
             assert [s["node"] for s in status["stages"]] == ["pc0", "pc1"]
@@ -475,8 +456,7 @@ def test_a_node_that_announces_itself_after_the_fleet_formed_joins_as_a_spare_an
             texts = json.loads(client.stdout.readline())
             stop(client)
         finally:
-            for process in (server, *agents):
-                stop(process)
+            stop(server, *agents)
     log = (tmp_path / "serve.log").read_text()
     assert texts == expected, log[-3000:]
     assert re.search(r"pc2 joined the fleet as a spare.*pc1 \(layers [\d-]+\) lost.*pc2: ready.*"
@@ -492,17 +472,19 @@ def served_once(lan: EmulatedLan, server: subprocess.Popen, log: Path) -> list[s
         client.stdin.flush()
         return json.loads(client.stdout.readline())
     finally:
-        for process in (client, server):
-            stop(process)
+        stop(client, server)
 
 
-def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGINT)
-    try:
-        process.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
+def stop(*processes: subprocess.Popen) -> None:
+    """Ctrl-C to each, then wait for each to end (killed, past 30 s)."""
+    for process in processes:
+        process.send_signal(signal.SIGINT)
+    for process in processes:
+        try:
+            process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
 
 
 TINY = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"

@@ -27,7 +27,7 @@ from cascadia.engine.init_model import ensure_random_checkpoint
 from cascadia.errors import CheckpointError, NodeError, RequestError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import PipelineError
-from cascadia.pipeline.emulated_links import EmulatedLinks, LinkEmulationError, namespaces
+from cascadia.pipeline.emulated_links import EmulatedLinks, LinkEmulationError, made_here, namespaces
 from cascadia.pipeline.launch import LocalNodes
 from cascadia.pipeline.run import Addresses, Pipeline, RunFailed, run
 from cascadia.pipeline.settings import settings_digest
@@ -628,27 +628,27 @@ needs_link_emulation = pytest.mark.skipif(not _can_emulate_links(), reason="need
 
 @needs_link_emulation
 def test_emulated_links_shape_each_stage_to_the_next_and_leave_nothing_behind():
-    before = namespaces()
+    before = made_here()
     with EmulatedLinks([1e6, 2.5e5], 5555, 5556) as links:
         made = [place.prefix[-1] for place in links.places]
-        assert len(made) == 3 and set(made) == namespaces() - before
+        assert len(made) == 3 and set(made) == made_here() - before
         shaping = [subprocess.run(["tc", "-n", ns, "qdisc", "show"], capture_output=True, text=True).stdout
                    for ns in made]
         assert "tbf" in shaping[0] and "rate 8Mbit" in shaping[0] and "rate 2Mbit" in shaping[1]
         assert "tbf" not in shaping[2]  # the last node sends only tokens, to the coordinator
         assert [place.control.rsplit(":", 1)[1] for place in links.places] == ["5555"] * 3
-    assert namespaces() == before
+    assert made_here() == before
 
 
 @needs_link_emulation
 def test_a_run_over_emulated_links_gives_the_engines_tokens(spec, plan, checkpoint, engine):
     """At 20 kB/s a stage's rows wait for the link; the tokens are the single-process engine's all the same."""
-    before, processes = namespaces(), child_processes()
+    before, processes = made_here(), child_processes()
     slow = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, default_link=LinkSpec(2e4, 1e-4)))
     done = run(slow, plan, attrs.evolve(spec.workload, concurrency=(2,), output_tokens=4), checkpoint=checkpoint,
                node_timeout_s=TIMEOUT_S, emulate_links=True)
     assert_outputs_match_engine(done.outputs, engine, Sampling())
-    assert namespaces() == before and child_processes() == processes
+    assert made_here() == before and child_processes() == processes
 
 
 @needs_link_emulation

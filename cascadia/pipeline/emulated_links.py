@@ -146,6 +146,12 @@ def namespaces() -> set[str]:
     return {line.split()[0] for line in listed.splitlines() if line.strip()}
 
 
+def made_here() -> set[str]:
+    """The namespaces of this machine made by this process (its id is in their names), and not yet removed."""
+    return {name for name in namespaces() if (match := _NAMESPACE.fullmatch(name)) and int(match.group(1)) ==
+            os.getpid()}
+
+
 def _remove_stale_namespaces() -> None:
     """Remove the namespaces of runs whose process is gone (killed before it could remove them)."""
     for name in namespaces():
