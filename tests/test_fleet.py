@@ -158,6 +158,22 @@ def test_a_formed_fleet_is_written_as_a_spec_that_loads_back_equal_doors_and_all
         load_spec(written, text=text)
 
 
+def test_a_spec_whose_fleet_forms_itself_names_no_nodes_and_cannot_be_planned_before(spec, tmp_path):
+    discovering = attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=(), discover=True))
+    written = write_spec(discovering, tmp_path / "fleet.yaml")
+    assert load_spec(written).cluster == discovering.cluster
+    validated = CliRunner().invoke(cli, ["spec", "validate", str(written)])
+    assert validated.exit_code == 0 and "the nodes found when served (cluster.discover)" in validated.output
+    planned = CliRunner().invoke(cli, ["plan", str(written)])
+    assert planned.exit_code == 1 and "the cluster names no nodes: its fleet forms itself when served" in \
+        planned.output
+    formed = choose(discovering, [standing_by("a", spec)], spares=0)
+    assert not formed.spec.cluster.discover  # served again as it formed
+    text = written.read_text().replace("discover: true", "discover: false")
+    with pytest.raises(SpecError, match="cluster.nodes: expected a list of nodes"):
+        load_spec(written, text=text)
+
+
 def test_a_link_is_read_from_the_round_trips_of_two_sizes():
     link = link_of((2**16, 2**20), (2 * 1e-4 + 2**16 / 125e6, 2 * 1e-4 + 2**20 / 125e6))
     assert (link.bandwidth, link.latency) == (125e6, 1e-4)  # to the 3 digits a measurement holds
@@ -430,17 +446,20 @@ print(json.dumps(status))
 @needs_a_lan
 def test_a_node_that_announces_itself_after_the_fleet_formed_joins_as_a_spare_and_takes_a_lost_stage(
         tmp_path, spec, checkpoint):
-    """Two nodes form the fleet; a third, started once it serves, joins as a spare (the server's /status says it
-    stands by); the second node is killed while six completions stream, and the late spare takes its stage: every
-    text is the single-process engine's."""
+    """Two nodes form the fleet of a spec that names none (`cluster: {discover: true}`, served without --discover);
+    a third, started once it serves, joins as a spare (the server's /status says it stands by); the second node is
+    killed while six completions stream, and the late spare takes its stage: every text is the single-process
+    engine's."""
     expected = engine_texts(spec, checkpoint, STREAMS)
+    discovering = write_spec(attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=(), discover=True)),
+                             tmp_path / "discovering.yaml")
 
     with EmulatedLan(4) as lan:
         url = f"http://{lan.addresses[3]}:8000"
         agents = [standby_node(lan, 0, checkpoint), standby_node(lan, 1, checkpoint)]
-        server = cascadia(lan, 3, "serve", str(TINY), "--discover", str(TIMEOUT_S), "--expect", "2", "--interface",
-                          lan.addresses[3], "--host", lan.addresses[3], "--port", "8000", "--checkpoint",
-                          str(checkpoint), stderr=(tmp_path / "serve.log").open("w"))
+        server = cascadia(lan, 3, "serve", str(discovering), "--expect", "2", "--interface", lan.addresses[3],
+                          "--host", lan.addresses[3], "--port", "8000", "--checkpoint", str(checkpoint),
+                          stderr=(tmp_path / "serve.log").open("w"))
         try:
             cascadia_python(lan, 3, STANDING_BY, url).communicate(timeout=TIMEOUT_S)  # the fleet formed: serving
             agents.append(standby_node(lan, 2, checkpoint))

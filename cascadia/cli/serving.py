@@ -9,6 +9,8 @@ import click
 from cascadia.cli.common import Quantity, TcpAddress, chosen_plan, groups_option, speculate_option, with_runtime
 from cascadia.spec.load import load_spec
 
+DISCOVER_S = 10.0  # how long `serve --discover` listens for nodes, unless told
+
 
 @click.command("serve")
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
@@ -41,9 +43,11 @@ from cascadia.spec.load import load_spec
               help="seconds a lost tcp node may take to come back before its stage is down (open requests fail, "
                    "new ones get 503, until it does)")
 @speculate_option
-@click.option("--discover", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
-              help="form the cluster of the nodes that announce themselves within SECONDS (`cascadia node --standby "
-                   "--announce`), in place of the spec's nodes, and invite them")
+@click.option("--discover", type=click.FloatRange(min=0, min_open=True), metavar="[SECONDS]", is_flag=False,
+              flag_value=DISCOVER_S,
+              help=f"form the cluster of the nodes that announce themselves within SECONDS ({DISCOVER_S:g} when not "
+                   "given; `cascadia node --standby --announce`), in place of the spec's nodes, and invite them "
+                   "(a spec with `cluster: {discover: true}` does so without it)")
 @click.option("--expect", type=click.IntRange(min=1), help="--discover: stop listening once this many nodes answered")
 @click.option("--spares", type=click.IntRange(min=0), default=0, show_default=True,
               help="--discover: how many of the nodes found (those with the least memory) stand by as spares")
@@ -82,6 +86,8 @@ def serve(spec: str, checkpoint: str | None, plan_path: str | None, host: str, p
     runtime = loaded.runtime
     settings = ServeSettings(model_name or loaded.model.name, runtime.context_budget,
                              2 * runtime.max_streams if max_waiting is None else max_waiting, max_body, key)
+    if discover is None and loaded.cluster.discover:
+        discover = DISCOVER_S
     if discover is not None and plan_path is not None:
         raise click.UsageError("--discover plans over the nodes it finds: leave out --plan")
     with contextlib.ExitStack() as fleet:

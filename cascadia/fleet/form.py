@@ -84,7 +84,7 @@ def choose(spec: Spec, found: Sequence[Announcement], spares: int) -> Formed:
     holders = sorted(by_memory[:len(usable) - spares], key=lambda a: a.name)
     standing_by = sorted(by_memory[len(usable) - spares:], key=lambda a: a.name)
     cluster = attrs.evolve(spec.cluster, nodes=tuple(map(node_spec, holders)),
-                           spares=tuple(map(node_spec, standing_by)), links={})
+                           spares=tuple(map(node_spec, standing_by)), links={}, discover=False)
     return Formed(attrs.evolve(spec, cluster=cluster), tuple(holders + standing_by), passed_over)
 
 

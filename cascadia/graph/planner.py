@@ -290,6 +290,9 @@ def plan(spec: Spec, stage_time: StageTime | None = None, cost_source: str = "cu
     """The fastest partition that fits (then the least full); `stage_time` defaults to `RooflineStageTime`."""
     nodes, runtime = spec.cluster.nodes, spec.runtime
     n_layers, n_nodes = spec.model.config.num_hidden_layers, len(spec.cluster.nodes)
+    if not nodes:
+        raise InfeasiblePlan("the cluster names no nodes: its fleet forms itself when served (cluster.discover; "
+                             "`cascadia serve SPEC` finds the nodes that announce themselves and plans over them)")
     if n_nodes > n_layers:
         raise InfeasiblePlan(f"{n_nodes} nodes but only {n_layers} layers: every node must hold at least one "
                              f"layer, so use at most {n_layers} nodes")

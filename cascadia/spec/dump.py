@@ -82,6 +82,7 @@ def dump_spec(spec: Spec) -> dict[str, Any]:
             **({"coordinator_cpus": list(cluster.coordinator_cpus)} if cluster.coordinator_cpus else {}),
             "nodes": [_dump_node(node) for node in cluster.nodes],
             **({"spares": [_dump_node(node) for node in cluster.spares]} if cluster.spares else {}),
+            **({"discover": True} if cluster.discover else {}),
             "links": links,
         },
         "runtime": _dump_runtime(spec.runtime),
@@ -112,8 +113,8 @@ def summarize(spec: Spec) -> str:
     concurrency = f"{min(levels)}-{max(levels)} in {len(levels)} levels" if len(levels) > 1 else str(levels[0])
     experts, top_k = cfg.routed_experts
     mlp = f"{experts} experts top-{top_k}" if experts else "dense"
-    return (f"{spec.model.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {mlp}; "
-            f"{len(nodes)} nodes ({memory}); "
+    fleet = f"{len(nodes)} nodes ({memory})" if nodes else "the nodes found when served (cluster.discover)"
+    return (f"{spec.model.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {mlp}; {fleet}; "
             f"context {spec.runtime.context_budget} x {spec.runtime.max_streams} streams; concurrency {concurrency}")
 
 

@@ -536,20 +536,21 @@ def _cluster(ctx: _Context, node: Node) -> ClusterSpec | None:
                    f"{curve_keys}: no folder of public keys ({curve_keys / 'public'}); make one with `cascadia keys "
                    "generate`")
     coordinator_cpus = fields.take("coordinator_cpus", _cpu_list)
-    nodes_node = fields.get("nodes", required=True)
+    discover = fields.take("discover", _boolean) or False
+    nodes_node = fields.get("nodes", required=not discover)
     spares_node = fields.get("spares")
     links_node = fields.get("links")
     fields.finish()
-    if nodes_node is None:
+    if nodes_node is None and not discover:
         return None
-    if not isinstance(nodes_node.value, list) or not nodes_node.value:
+    if nodes_node is not None and (not isinstance(nodes_node.value, list) or not (nodes_node.value or discover)):
         ctx.report(nodes_node, "cluster.nodes", "expected a list of nodes ({name, memory, ...})")
         return None
     if spares_node is not None and not isinstance(spares_node.value, list):
         ctx.report(spares_node, "cluster.spares", "expected a list of nodes ({name, memory, ...})")
         spares_node = None
     seen: dict[str, str] = {}  # name or tcp address -> key path of the entry that introduced it
-    nodes = _node_list(ctx, nodes_node, "cluster.nodes", reserve, seen)
+    nodes = [] if nodes_node is None else _node_list(ctx, nodes_node, "cluster.nodes", reserve, seen)
     spares = [] if spares_node is None else _node_list(ctx, spares_node, "cluster.spares", reserve, seen)
     for spare in spares:
         if spare.layers is not None:
@@ -557,7 +558,7 @@ def _cluster(ctx: _Context, node: Node) -> ClusterSpec | None:
                                                       "of the plan")
     default, pairs = _links(ctx, links_node, {n.name for n in nodes + spares})
     return None if reserve is None else ClusterSpec(tuple(nodes), default, pairs, reserve, curve_keys,
-                                                    coordinator_cpus, tuple(spares))
+                                                    coordinator_cpus, tuple(spares), discover)
 
 
 def _node_list(ctx: _Context, node: Node, key: str, reserve: int | None, seen: dict[str, str]) -> list[NodeSpec]:

@@ -133,6 +133,9 @@ class ClusterSpec:
     coordinator_cpus: tuple[int, ...] | None = None  # the CPUs the coordinator's thread may run on; None = any
     # Nodes the plan leaves out: they start, load nothing and stand by to take a lost node's stage (`serve`)
     spares: tuple[NodeSpec, ...] = ()
+    # The fleet forms itself when served: `serve` plans over the nodes that announce themselves (`cascadia.fleet`),
+    # in place of any named here
+    discover: bool = False
 
     @property
     def members(self) -> tuple[NodeSpec, ...]:
