@@ -113,8 +113,9 @@ def test_the_fleet_formed_holds_the_usable_nodes_the_least_memory_standing_by_as
     assert [n.name for n in formed.spec.cluster.nodes] == ["b", "c"]
     assert [n.name for n in formed.spec.cluster.spares] == ["a", "d"]
     b = formed.spec.cluster.nodes[0]
-    assert (b.address, b.memory_bytes, b.memory_bandwidth, b.compute_flops, b.disk_bandwidth) == (
-        "tcp://10.0.0.1:5601", 3 * 2**30, PROFILE.memory_bandwidth, PROFILE.compute_flops, PROFILE.disk_bandwidth)
+    assert (b.address, b.device, b.memory_bytes, b.memory_bandwidth, b.compute_flops, b.disk_bandwidth) == (
+        "tcp://10.0.0.1:5601", "GPU", 3 * 2**30, PROFILE.memory_bandwidth, PROFILE.compute_flops,
+        PROFILE.disk_bandwidth)
     assert formed.passed_over == () and formed.spec.model == spec.model and formed.spec.runtime == spec.runtime
 
 

@@ -1050,8 +1050,8 @@ def test_status_names_every_stage_and_node(server):
     body = status(server.url)
     assert [s["node"] for s in body["stages"]] == ["node0", "node1", "node2"] and body["ready"]
     assert body["stages"][0]["layers"] == [0, 1] and body["stages"][-1]["roles"] == ["layers", "head"]
-    assert body["stages"][0]["machine"] == {"address": "local", "memory": 2**30, "memory_bandwidth": None,
-                                            "compute": None, "disk_bandwidth": None}
+    assert body["stages"][0]["machine"] == {"address": "local", "device": "auto", "memory": 2**30,
+                                            "memory_bandwidth": None, "compute": None, "disk_bandwidth": None}
     assert body["spares"] == []
 
 

@@ -90,7 +90,7 @@ def choose(spec: Spec, found: Sequence[Announcement], spares: int) -> Formed:
 
 def node_spec(found: Announcement) -> NodeSpec:
     p = found.profile
-    return NodeSpec(found.name, address=found.address, memory_bytes=p.memory_bytes,
+    return NodeSpec(found.name, address=found.address, device=p.device, memory_bytes=p.memory_bytes,
                     memory_bandwidth=p.memory_bandwidth, compute_flops=p.compute_flops, disk_bandwidth=p.disk_bandwidth,
                     door=found.door_address)
 

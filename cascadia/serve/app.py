@@ -764,5 +764,6 @@ def _status(server: Server, busy_s: dict[str, float]) -> dict:
 def _machine(node: NodeSpec) -> dict:
     """A node's machine as the spec says it, or as the node measured it when the fleet formed itself (bytes, bytes/s,
     FLOP/s; None where not given)."""
-    return {"address": node.address, "memory": node.memory_bytes, "memory_bandwidth": node.memory_bandwidth,
+    return {"address": node.address, "device": node.device, "memory": node.memory_bytes,
+            "memory_bandwidth": node.memory_bandwidth,
             "compute": node.compute_flops, "disk_bandwidth": node.disk_bandwidth}
