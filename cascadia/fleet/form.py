@@ -29,6 +29,7 @@ from cascadia.fleet.profile import significant
 from cascadia.fleet.standby import DOOR_SENDER
 from cascadia.graph.plan import Plan
 from cascadia.pipeline.node import STANDBY
+from cascadia.pipeline.coordinator import PipelineError
 from cascadia.pipeline.transport import COORDINATOR, Transport, receive_waiting, send
 from cascadia.pipeline.wire import (COORDINATOR_SENDER, VERSION, Decoder, Encoder, Error, Hello, Invite, Probe, Timed,
                                     WireError)
@@ -39,6 +40,7 @@ from cascadia.units import format_duration, format_rate
 log = logging.getLogger(__name__)
 PROBE_SIZES = (2**16, 2**20)  # bytes; 1 MiB crosses gigabit Ethernet in 8 ms
 JOIN_POLL_S = 1.0  # how often a late node that could not join yet (the pipeline was not serving) is looked at again
+JOIN_TIMEOUT_S = 10.0  # how long taking a late node in, and its answer to the invitation, may take
 
 
 @attrs.frozen
@@ -190,16 +192,17 @@ def _any_host(address: str) -> str:
 class LateJoiner:
     """While a fleet that formed itself serves: a node that announces itself later, and that the run can use
     (`why_not`), joins as a spare: taken into the cluster (`PipelineService.add_spare`), then invited with the spec
-    that names it. One that cannot join is logged and left out."""
+    that names it. One that does not take the invitation is logged, and never given a stage."""
 
     def __init__(self, browser: Browser, service, control: str, tokens: str, timeout_s: float):
         self.browser, self.service = browser, service
-        self.control, self.tokens, self.timeout_s = control, tokens, timeout_s
+        self.control, self.tokens = control, tokens
+        self.timeout_s = min(timeout_s, JOIN_TIMEOUT_S)  # what a stopping server may wait on a late node
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="cascadia-late-joiner", daemon=True)
 
     def _watch(self) -> None:
-        seen, pending, left_out = -1, True, set()
+        seen, pending = -1, True
         while not self.stopped.is_set():
             changes = self.browser.wait_change(seen, JOIN_POLL_S)
             pending, seen = pending or changes != seen, changes
@@ -209,14 +212,17 @@ class LateJoiner:
             found, _ = self.browser.announcements()
             members = {node.name for node in self.service.spec.cluster.members}
             for late in found:
-                if late.name in members or late.name in left_out or why_not(self.service.spec, late) is not None:
+                if late.name in members or why_not(self.service.spec, late) is not None:
                     continue
                 try:
                     spec, plan = self.service.add_spare(node_spec(late), self.timeout_s)
+                except PipelineError:  # no longer serving (a stage lost meanwhile): looked at again once it is
+                    pending = True
+                    continue
+                try:
                     invite(spec, plan, self.control, self.tokens, self.timeout_s, only={late.name})
                     log.info("%s joined the fleet as a spare", late.name)
-                except CascadiaError as e:
-                    left_out.add(late.name)
+                except CascadiaError as e:  # a member now, which never says READY: it is not given a stage
                     log.warning("%s: could not join the fleet: %s", late.name, e)
 
     def __enter__(self) -> LateJoiner:
