@@ -4,6 +4,7 @@ namespace."""
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -404,6 +405,8 @@ def test_with_curve_keys_a_node_whose_key_the_folder_does_not_hold_is_listed_but
     generate_keys(keys, ["coordinator", "pc0", "pc1", "pc2"])
     generate_keys(impostor, ["pc2"])
     generate_keys(stranger, ["pc3"])
+    for folder in (impostor, stranger):  # public keys are everyone's: theirs hold the coordinator's too
+        shutil.copy(keys / "public" / "coordinator.key", folder / "public")
     keyed = write_spec(attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, curve_keys=keys)), tmp_path / "s.yaml")
     with EmulatedLan(5) as lan:
         agents = [standby_node(lan, i, checkpoint, "--keys", str(folder))

@@ -50,8 +50,8 @@ def stand_by_invited(name: str, listen: str, door: str | None, checkpoint: Path,
     if memory is not None:
         profile = attrs.evolve(profile, memory_bytes=min(memory, profile.memory_bytes))
     announcement = announcement_for(name, STANDBY, profile, keys, model, _port(door))
-    with Announcer(announcement, _port(listen), interfaces or None) as announced:
-        stand_by(Standby(name, listen, door, checkpoint, keys, threads, cpus), announced)
+    stand_by(Standby(name, listen, door, checkpoint, keys, threads, cpus),
+             lambda: Announcer(announcement, _port(listen), interfaces or None))
 
 
 @click.command("fleet")

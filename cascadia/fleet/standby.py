@@ -12,9 +12,11 @@ have given up on an answer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -44,11 +46,13 @@ class Standby:
     cpus: tuple[int, ...] | None = None
 
 
-def stand_by(standby: Standby, announcer: Announcer) -> None:
-    """Wait at the door for invitations, and serve each run one brings, until stopped (Ctrl-C, SIGTERM); time the
-    links to other nodes when a coordinator asks, and answer their probes."""
-    with Transport(standby.name, standby.curve_keys) as transport:
+def stand_by(standby: Standby, announce: Callable[[], Announcer]) -> None:
+    """Open the door, then announce the node (`announce`), wait at the door for invitations, and serve each run one
+    brings, until stopped (Ctrl-C, SIGTERM); time the links to other nodes when a coordinator asks, and answer their
+    probes. A door that cannot open (its port taken, a key missing) stops the node before it is announced."""
+    with Transport(standby.name, standby.curve_keys) as transport, contextlib.ExitStack() as announced:
         door = transport.bind(zmq.ROUTER, standby.door, _door_senders(standby.curve_keys))
+        announcer = announced.enter_context(announce())
         encoder = Encoder(DOOR_SENDER)
         log.info("%s: standing by at %s for a coordinator's invitation", standby.name, standby.door)
         while True:
