@@ -8,7 +8,7 @@ up to the model's output vocabulary.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -80,9 +80,10 @@ def tokenizer_config(cfg: ModelConfig) -> dict[str, str]:
         "chat_template": CHAT_TEMPLATE}
 
 
-def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
-    """Train the tokenizer for a model; at most `cfg.output_vocab_size` entries (fewer when the text runs out of
-    merges). Raises TokenizerError when the vocabulary cannot even hold the bytes and the special tokens."""
+def build_tokenizer(cfg: ModelConfig, texts: Iterable[str] | None = None) -> Tokenizer:
+    """Train the tokenizer for a model on `texts` (default: `TEXT`'s paragraphs); at most `cfg.output_vocab_size`
+    entries (fewer when the text runs out of merges). Raises TokenizerError when the vocabulary cannot even hold the
+    bytes and the special tokens."""
     specials = special_tokens(cfg)
     if cfg.output_vocab_size < BYTES + len(specials):
         raise TokenizerError(f"a byte-level tokenizer needs {BYTES + len(specials)} entries ({len(specials)} special "
@@ -92,7 +93,7 @@ def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=cfg.output_vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(TEXT.split("\n\n"), trainer)
+    tokenizer.train_from_iterator(TEXT.split("\n\n") if texts is None else texts, trainer)
     return tokenizer
 
 

@@ -39,6 +39,7 @@ from cascadia.pipeline.wire import encode, node_sender
 from cascadia.sampling import Sampling
 from cascadia.spec.types import LinkSpec
 from cascadia.workload import MEASURED, WARMUP
+from tests.test_tiny_chat import words_share
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
 TIMEOUT_S = 20  # bound on any wait for a node; the tests never measure time
@@ -296,18 +297,19 @@ def test_run_command_refuses_contradictory_options(args, message):
     assert result.exit_code == 2 and message in result.stderr
 
 
-def test_demo_runs_the_tiny_model_on_three_nodes():
+def test_demo_runs_the_trained_tiny_model_on_three_nodes_and_it_answers_in_words():
     result = CliRunner().invoke(cli, ["demo", "--concurrency", "1,3"])
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "Inkling 975B on 11 PCs" in out and "pc10  60-65   layers+head" in out and "(analytic estimate)" in out
-    tiny = out[out.index("specs/tiny-local.yaml"):]
+    tiny = out[out.index("specs/tiny-chat.yaml"):]
     assert "node2  4-5     layers+head" in tiny and "host localhost:" in tiny
-    comparison = tiny[tiny.index("simulated and measured"):].splitlines()
+    comparison = tiny[tiny.index("simulated and measured"):tiny.index("asked")].strip().splitlines()
     assert [line.split()[:2] for line in comparison if line.split()[1:3] == ["decode", "tok/s"]] == [
         ["1", "decode"], ["3", "decode"]]
     assert comparison[-1].startswith("median |error|: decode tok/s")
-    assert (SPEC.parent / "tiny-checkpoint" / "config.json").is_file()
+    answer = tiny[tiny.index("the model answers"):].split("\n", 1)[1]
+    assert len(answer.split()) >= 5 and words_share(answer) >= 0.7, answer
 
 
 def test_random_checkpoint_is_written_once(spec, tmp_path):

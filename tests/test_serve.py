@@ -33,8 +33,10 @@ from cascadia.sampling import LogitAdjustments, Sampling
 from cascadia.serve.chat import ChatTemplate
 from cascadia.serve.logprobs import TokenText
 from cascadia.tokenizer import load_tokenizer
+from tests.test_tiny_chat import words_share
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
+TRAINED = SPEC.parent / "tiny-chat"  # the quick start's checkpoint
 KEY = "sk-test-cascadia"
 
 
@@ -61,14 +63,23 @@ def one_slot(tmp_path_factory, checkpoint):
 
 
 @pytest.fixture(scope="module")
-def quick_start(tmp_path_factory, checkpoint):
-    """The README's server (specs/tiny-serve.yaml): its streams hold the tiny model's whole context, 1,024
-    positions, as the prompts of clients and serving benchmarks need; it says so as it starts."""
-    served = Served(tmp_path_factory.mktemp("serve-quick-start"), SPEC.parent / "tiny-serve.yaml", checkpoint)
+def quick_start(tmp_path_factory):
+    """The README's server (specs/tiny-serve.yaml, the trained tiny model): its streams hold the model's whole
+    context, 1,024 positions, as the prompts of clients and serving benchmarks need; it says so as it starts."""
+    served = Served(tmp_path_factory.mktemp("serve-quick-start"), SPEC.parent / "tiny-serve.yaml", TRAINED)
     assert ("serving tiny: 1,024 positions a stream (runtime.context_budget; the model's whole context), 16 streams "
             "at once") in served.log.read_text()
     yield served
     assert served.stop() == 0
+
+
+def test_the_quick_starts_first_chat_is_answered_in_words(quick_start):
+    """The README's first request, to the trained model: a reply in words (the random tiny model's is noise)."""
+    client = openai.OpenAI(base_url=f"{quick_start.url}/v1", api_key="none", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model="tiny", messages=[
+        {"role": "user", "content": "What is a generator?"}], max_tokens=32, temperature=0)
+    text = reply.choices[0].message.content
+    assert len(text.split()) >= 5 and words_share(text) >= 0.7, text
 
 
 @pytest.fixture(scope="module")
@@ -747,16 +758,16 @@ def streamed_calls(chunks) -> tuple[list[dict], str | None]:
 
 
 @pytest.fixture(scope="module")
-def llama_calls(tmp_path_factory, checkpoint):
-    """The quick start's server over the tiny checkpoint with a chat template that writes Llama 3.1's JSON calls
+def llama_calls(tmp_path_factory):
+    """The quick start's server over its checkpoint with a chat template that writes Llama 3.1's JSON calls
     (tests/fixtures/chat_templates/llama3_json.jinja)."""
     folder = tmp_path_factory.mktemp("serve-llama-calls")
     copied = folder / "checkpoint"
     copied.mkdir()
-    for path in checkpoint.iterdir():
+    for path in TRAINED.iterdir():
         if path.name != "tokenizer_config.json":
             (copied / path.name).symlink_to(path)
-    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    config = json.loads((TRAINED / "tokenizer_config.json").read_text())
     config["chat_template"] = (Path(__file__).parent / "fixtures" / "chat_templates" / "llama3_json.jinja").read_text()
     (copied / "tokenizer_config.json").write_text(json.dumps(config))
     served = Served(folder, SPEC.parent / "tiny-serve.yaml", copied)

@@ -26,7 +26,7 @@ def _engine_options(func):
     return func
 
 
-def _open_engine(checkpoint: str, ids: list[int], new_tokens: int, precision: str, compressed: bool, device: str,
+def open_engine(checkpoint: str, ids: list[int], new_tokens: int, precision: str, compressed: bool, device: str,
                  threads: int | None):
     """The engine for one stream of `ids` and `new_tokens` more, once the model and this machine can hold them."""
     from cascadia.engine.checkpoint import Checkpoint
@@ -164,7 +164,7 @@ def generate(checkpoint: str, prompt: str | None, ids_text: str | None, max_new_
                                   repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                                   presence_penalty=presence_penalty, logit_bias=logit_bias, schema_path=schema_path,
                                   json_object=json_object)
-    engine = _open_engine(checkpoint, prompt_ids, max_new_tokens, precision, compressed, device, threads)
+    engine = open_engine(checkpoint, prompt_ids, max_new_tokens, precision, compressed, device, threads)
     stop = () if ignore_eos else engine.config.eos_ids
     several_calls = len(prompt_ids) > engine.stage.max_rows
     result = run_generation(engine, prompt_ids, max_new_tokens, attrs.evolve(sampling, adjust=adjust), stop,
@@ -217,7 +217,7 @@ def score(checkpoint: str, ids_path: str, prefill: int | None, out: str, precisi
     if spec_path:
         logits = _score_on_pipeline(spec_path, plan_path, checkpoint, ids, prefill)
     else:
-        engine = _open_engine(checkpoint, ids, 0, precision, compressed, device, threads)
+        engine = open_engine(checkpoint, ids, 0, precision, compressed, device, threads)
         logits = engine.score(ids, prefill=prefill)
     result = score_logits(logits, ids)
     with writing(out, binary=True) as f:

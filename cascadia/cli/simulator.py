@@ -1,4 +1,4 @@
-"""Predicting and checking: `simulate`, `calibrate`, `validate`, and `demo`, the whole loop on the tiny model."""
+"""Predicting and checking: `simulate`, `calibrate`, `validate`, and `demo`, the whole loop on a trained tiny model."""
 
 from __future__ import annotations
 
@@ -243,30 +243,49 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
 @click.command()
 @click.option("--concurrency", type=IntList(), help="concurrency levels (default: the spec's, 1,2,4,8)")
 def demo(concurrency) -> None:
-    """The whole loop on the tiny model (specs/tiny-local.yaml) and 3 local node processes: plan, calibrate with the
-    real engine, simulate and run the same workload, and compare the prediction with the measurement. Its random
-    weights are written to specs/tiny-checkpoint on first use."""
+    """The whole loop on the tiny trained model (specs/tiny-chat.yaml) and 3 local node processes: plan, calibrate
+    with the real engine, simulate and run the same workload, compare the prediction with the measurement, and ask
+    the model a question."""
     from pathlib import Path
 
     import attrs
 
-    from cascadia.engine.init_model import ensure_random_checkpoint
     from cascadia.measure.calibrate import format_calibration
 
     specs = Path(__file__).resolve().parents[2] / "specs"
-    if not (specs / "tiny-local.yaml").is_file():
+    if not (specs / "tiny-chat.yaml").is_file():
         raise click.ClickException(f"{specs}: not found (the demo runs from a source checkout)")
     _describe_paper_deployment(specs / "inkling-975b-11pc.yaml")
-    loaded = load_spec(str(specs / "tiny-local.yaml"))
+    loaded = load_spec(str(specs / "tiny-chat.yaml"))
     workload = workload_overrides(loaded, dict.fromkeys(WORKLOAD_CHOICES) | {"concurrency": concurrency})
-    if ensure_random_checkpoint(loaded):
-        click.echo(f"wrote random weights to {loaded.model.checkpoint}", err=True)
     chosen = chosen_plan(loaded, None)
-    click.echo(f"The tiny model on 3 local node processes (specs/tiny-local.yaml)\n\nplan\n{chosen.table()}\n")
+    click.echo("The tiny model, trained on Python's documentation, on 3 local node processes "
+               f"(specs/tiny-chat.yaml)\n\nplan\n{chosen.table()}\n")
     calibration = _calibrate(loaded, chosen)
     click.echo(f"calibration, measured now (ms)\n{format_calibration(calibration)}\n")
     click.echo("simulated and measured")
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen, calibration)
+    _ask(loaded.model.checkpoint, DEMO_QUESTION)
+
+
+DEMO_QUESTION = "What is a generator?"
+
+
+def _ask(checkpoint, question: str, new_tokens: int = 48) -> None:
+    """The model's greedy answer to a question, from the engine in this process."""
+    from cascadia.cli.engine import open_engine
+    from cascadia.engine.generate import generate
+    from cascadia.sampling import Sampling
+    from cascadia.serve.chat import ChatTemplate
+    from cascadia.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(checkpoint)
+    prompt = tokenizer.encode(ChatTemplate.of_checkpoint(checkpoint).render([{"role": "user", "content": question}]))
+    engine = open_engine(str(checkpoint), prompt.ids, new_tokens, "f32", False, "auto", None)
+    answer = generate(engine, prompt.ids, new_tokens, Sampling(), engine.config.eos_ids)
+    ids = answer.ids[:-1] if answer.stopped else answer.ids
+    click.echo(f"\nasked {question!r}, the model answers (greedy, {len(answer.ids)} tokens):\n"
+               f"{tokenizer.decode(list(ids)).strip()}")
 
 
 def _describe_paper_deployment(path) -> None:
