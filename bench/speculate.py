@@ -1,17 +1,19 @@
 """What speculative decoding buys on a pipeline: tokens/s with and without, and the simulator's prediction beside it.
 
 Scenario: the spec's pipeline (default specs/tiny-local.yaml, its local nodes) serves closed-loop levels of
-STREAMS clients, REQUESTS greedy requests of OUTPUT_TOKENS per phase, on repetitive prompts (a short phrase
-repeated, so that prompt lookup has something to find): fresh ones (a prompt per request), three ways: without
-speculation; with prompt-lookup (n-gram) drafts; and with the replay of the first run's outputs as drafts (every
-draft accepted: the ceiling); then REPEATED prompts over and over, without speculation and with n-gram drafts,
-which then come from the phrase table (the outputs of the requests that finished before). Every speculating run's
-tokens are compared with the run without on the same prompts (the same in f32; bf16 rounding moves with a call's
-rows, so there they may differ).
-A run without speculation first warms the machine up and gives the replay its outputs; then each of ROUNDS rounds
-runs all five, one after another (every other round in reverse order), so that the machine's load moves them alike;
-reported per level, medians over the rounds: decode tokens/s, the speed-up (each round's against the same round's run
-without; and the range of the rounds' own: where no drafts were proposed, the machine's noise),
+STREAMS clients, REQUESTS greedy requests of OUTPUT_TOKENS per phase, on sets of prompts, each run three ways:
+without speculation, with prompt-lookup (n-gram) drafts, and with the replay of the first run's outputs as drafts
+(every draft accepted: the ceiling). A random model's sets (the default) are repetitive prompts (a short phrase
+repeated, so that prompt lookup has something to find), fresh ones (a prompt per request), and REPEATED of them over
+and over, where the drafts come from the phrase table (the outputs of the requests that finished before). With
+`--text` (a trained model, such as specs/tiny-chat.yaml) the sets are text of three kinds, fresh prompts each,
+encoded by the checkpoint's tokenizer: prose, code, and a repeated structure (lines that follow one pattern), at
+TEXT_STREAMS. Every speculating run's tokens are compared with the run without on the same prompts (the same in f32;
+bf16 rounding moves with a call's rows, so there they may differ).
+A run without speculation of each set first warms the machine up and gives the replay its outputs; then each of
+ROUNDS rounds runs them all, one after another (every other round in reverse order), so that the machine's load
+moves them alike; reported per level, medians over the rounds: decode tokens/s, the speed-up (each round's against
+the same round's run without; and the range of the rounds' own: where no drafts were proposed, the machine's noise),
 drafts accepted of proposed, mean accepted per verifying step, and, with a calibration (`cascadia calibrate`), the
 simulator's decode tokens/s and speed-up for the same workload, its drafts accepted as the first round's run
 accepted them (its acceptance trace: request by request, step by step; `--calibrate` measures one first with
@@ -20,12 +22,14 @@ accepted them (its acceptance trace: request by request, step by step; `--calibr
 streams. The tables go to bench/results/speculate-SPEC.json (SPEC: the spec's file name).
 
     python bench/speculate.py [SPEC] [--calibration cal.json | --calibrate] [--max-draft 4] [--rounds 3] [--paper-only]
+    python bench/speculate.py specs/tiny-chat.yaml --text --calibrate --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -39,6 +43,7 @@ from cascadia.sim.drafts import acceptance_trace
 from cascadia.sim.simulate import simulate
 from cascadia.spec.load import load_spec
 from cascadia.speculation import ReplayDrafter
+from cascadia.tokenizer import load_tokenizer
 
 STREAMS = (1, 4)
 REQUESTS = 8
@@ -50,9 +55,36 @@ PAPER_OUTPUT_TOKENS = 64
 ACCEPTANCE = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 
+TEXT_STREAMS = (1, 4, 16)
+TEXT_REQUESTS = 16
+NOUNS = ("list", "dictionary", "string", "tuple", "set", "file", "module", "class", "function", "generator",
+         "iterator", "socket", "thread", "queue", "method", "decorator")
+# a few words of a kind, filled with each noun: fresh prompts of text such as the model was trained on
+TEXT_KINDS = {
+    "prose": ("The {} object is", "A {} can be used to", "When a {} is created, the", "In Python, a {} is",
+              "This module provides a {} that", "Each {} has an attribute that"),
+    "code": (">>> {0} = make_{0}()\n>>> {0}.", "def get_{0}(self):\n    return self.", "for {0} in {0}s:\n    print(",
+             "import {0}\n\n{0}.", "class {0}Error(Exception):\n    pass\n\n", "if isinstance(x, {0}):\n    "),
+    "repeated structure": ("x.{0}(1)\nx.{0}(2)\nx.",
+                           "- {0}: a {0}\n- {0}s: the {0}s\n- {0}:", "{0}[0] = 0\n{0}[1] = 1\n{0}[",
+                           ">>> {0}(1)\n1\n>>> {0}(2)\n2\n>>> {0}(", "a = {0}('a')\nb = {0}('b')\nc",
+                           "The {0} is a {0}. The {0} is a {0}. The"),
+}
+
+
 def repetitive_prompts(vocab: int, n: int) -> list[tuple[int, ...]]:
     """A phrase of 3..5 tokens repeated to 16..23 tokens, a different phrase per prompt."""
     return [tuple(([(11 * i + 7 * j + 1) % vocab for j in range(3 + i % 3)] * 8)[:16 + i % 8]) for i in range(n)]
+
+
+def text_prompts(spec, kind: str, n: int) -> list[tuple[int, ...]]:
+    """`n` different prompts of a kind, each a template filled with a noun, encoded by the checkpoint's tokenizer
+    after the model's BOS (as its training documents begin)."""
+    tokenizer = load_tokenizer(spec.model.checkpoint)
+    texts = [template.format(noun) for noun in NOUNS for template in TEXT_KINDS[kind]]
+    if n > len(texts):
+        raise SystemExit(f"{n} {kind} prompts asked for, {len(texts)} made")
+    return [(spec.model.config.bos_token_id, *tokenizer.encode(text).ids) for text in texts[:n]]
 
 
 def served(spec, prompts, drafter=None, speculate: str | None = None):
@@ -69,38 +101,46 @@ def by_prompt(outputs: dict) -> dict[tuple[int, ...], list[int]]:
     return {prompt: tokens for (prompt, _, _), tokens in outputs.items()}
 
 
-BASES = {"none": "none", "none, repeated prompts": "none, repeated prompts", "n-gram": "none", "replay": "none",
-         "n-gram, repeated prompts": "none, repeated prompts"}  # each run's run without speculation
-
-
-def one_round(spec, fresh, repeated, speculate: str, expected: dict, reverse: bool) -> dict:
+def one_round(spec, sets: dict, speculate: str, expected: dict, reverse: bool) -> dict:
     """Each run of the scenario once, in reverse order when `reverse` (so that a drift of the machine's speed within
-    a round does not favour one side); the replay proposes `expected`: name -> (levels, outputs by prompt, output
-    lines, the run without's name)."""
-    runs = {"none": lambda: served(spec, fresh), "none, repeated prompts": lambda: served(spec, repeated),
-            "n-gram": lambda: served(spec, fresh, None, speculate),
-            "replay": lambda: served(spec, fresh, ReplayDrafter(expected), speculate),
-            "n-gram, repeated prompts": lambda: served(spec, repeated, None, speculate)}
-    done = {name: runs[name]() for name in (reversed(BASES) if reverse else BASES)}
-    return {name: (*done[name], BASES[name]) for name in BASES}
+    a round does not favour one side). `sets`: label -> (prompts, whether the replay runs on them); the replay
+    proposes `expected`. Returns name -> (levels, outputs by prompt, output lines, the run without's name)."""
+    runs = {}
+    for label, (prompts, replayed) in sets.items():
+        runs[f"none{label}"] = (partial(served, spec, prompts), f"none{label}")
+        runs[f"n-gram{label}"] = (partial(served, spec, prompts, None, speculate), f"none{label}")
+        if replayed:
+            runs[f"replay{label}"] = (partial(served, spec, prompts, ReplayDrafter(expected), speculate),
+                                      f"none{label}")
+    done = {name: runs[name][0]() for name in (reversed(runs) if reverse else runs)}
+    return {name: (*done[name], base) for name, (_, base) in runs.items()}
 
 
-def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int) -> Table:
-    workload = attrs.evolve(spec.workload, concurrency=STREAMS, requests=REQUESTS, output_tokens=OUTPUT_TOKENS,
+def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int, text: bool) -> Table:
+    streams, requests = (TEXT_STREAMS, TEXT_REQUESTS) if text else (STREAMS, REQUESTS)
+    workload = attrs.evolve(spec.workload, concurrency=streams, requests=requests, output_tokens=OUTPUT_TOKENS,
                             greedy=True, prompts_file=None)
     spec = attrs.evolve(spec, workload=workload)
-    vocab = spec.model.config.output_vocab_size
-    fresh = repetitive_prompts(vocab, 2 * len(STREAMS) * REQUESTS)  # every request of every phase its own
-    repeated = repetitive_prompts(vocab, REPEATED)
+    fresh = 2 * len(streams) * requests  # every request of every phase its own prompt
+    if text:
+        sets = {f", {kind}": (text_prompts(spec, kind, fresh), True) for kind in TEXT_KINDS}
+    else:
+        vocab = spec.model.config.output_vocab_size
+        sets = {"": (repetitive_prompts(vocab, fresh), True),
+                ", repeated prompts": (repetitive_prompts(vocab, REPEATED), False)}
     speculate = f"ngram:{max_draft}"
-    expected = by_prompt(served(spec, fresh)[1])  # also warms the machine up before the first round
-    runs = [one_round(spec, fresh, repeated, speculate, expected, bool(i % 2)) for i in range(rounds)]
+    expected = {}  # the replay's drafts; the runs that make them also warm the machine up before the first round
+    for prompts, replayed in sets.values():
+        if replayed:
+            expected |= by_prompt(served(spec, prompts)[1])
+    runs = [one_round(spec, sets, speculate, expected, bool(i % 2)) for i in range(rounds)]
     first = runs[0]
     differ = {name: sum(outputs[key] != first[base][1][key] for key in outputs)
               for name, (_, outputs, _, base) in first.items() if name != base}
     predicted_plain = simulate(spec, calibration)["levels"] if calibration else None
-    table = Table(f"{shown(spec.source)}: {REQUESTS} requests of {OUTPUT_TOKENS} greedy tokens a phase, repetitive "
-                  f"prompts, up to {max_draft} drafts, {spec.runtime.precision} compute",
+    prompts = "text prompts of three kinds" if text else "repetitive prompts"
+    table = Table(f"{shown(spec.source)}: {requests} requests of {OUTPUT_TOKENS} greedy tokens a phase, {prompts}, "
+                  f"up to {max_draft} drafts, {spec.runtime.precision} compute",
                   ["drafts", "streams", "decode tok/s", "speed-up", "accepted/proposed", "accepted a step",
                    "simulated tok/s", "simulated speed-up"])
     for name, (levels, _, lines, base) in first.items():
@@ -155,6 +195,7 @@ def main() -> None:
     parser.add_argument("--max-draft", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--paper-only", action="store_true", help="only the paper deployment's simulated table")
+    parser.add_argument("--text", action="store_true", help="text prompts of three kinds (a trained model's spec)")
     parser.add_argument("--out", type=Path, help="default bench/results/speculate-SPEC.json")
     args = parser.parse_args()
     started, tables = now(), []
@@ -162,7 +203,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="cascadia-speculate-") as folder:
             calibration = (Calibration.load(calibrate(args.spec, Path(folder))) if args.calibrate else
                            Calibration.load(args.calibration) if args.calibration else None)
-        tables.append(measured(load_spec(args.spec), calibration, args.max_draft, args.rounds))
+        tables.append(measured(load_spec(args.spec), calibration, args.max_draft, args.rounds, args.text))
     tables.append(paper(args.max_draft))
     write(f"speculate-{Path(args.spec).stem}", "What speculative decoding buys on a pipeline, measured and simulated",
           started, tables, args.out, quick=args.paper_only)
