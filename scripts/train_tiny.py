@@ -19,6 +19,8 @@ weights. Run from the repository root (about 45 minutes on a 2-core AMD EPYC):
     python scripts/train_tiny.py                  # writes specs/tiny-chat/
     python scripts/train_tiny.py --steps 50 --out /tmp/tiny-try   # a quick try
     python scripts/train_tiny.py --reference-only  # tests/fixtures/tiny_chat/reference.npz from specs/tiny-chat
+
+Then `python scripts/train_mtp.py` adds the model's multi-token-prediction head.
 """
 
 from __future__ import annotations
@@ -145,6 +147,17 @@ def faq_chats(corpus: Path, bos: str, eos: str) -> list[str]:
     return chats
 
 
+def streams(tokenizer, docs, chats, bos: int, eos: int) -> tuple[np.ndarray, np.ndarray]:
+    """The training and held-out token streams: each document between BOS and EOS, each chat (its template's BOS
+    first) then EOS; every HELD_OUT_EVERY-th of them held out, the chats trained on CHAT_REPEATS times."""
+    encoded = [[bos, *tokenizer.encode(text).ids, eos] for _, text in docs]
+    encoded += [tokenizer.encode(chat).ids + [eos] for chat in chats]
+    train = [ids for i, ids in enumerate(encoded) if i % HELD_OUT_EVERY]
+    train += [ids for i, ids in enumerate(encoded) if i % HELD_OUT_EVERY and i >= len(docs)] * (CHAT_REPEATS - 1)
+    held = [ids for i, ids in enumerate(encoded) if not i % HELD_OUT_EVERY]
+    return tuple(np.concatenate([np.array(ids, dtype=np.int32) for ids in part]) for part in (train, held))
+
+
 def hf_config() -> dict:
     tiny = json.loads((ROOT / "specs" / "tiny" / "config.json").read_text())
     return {key: value for key, value in tiny.items() if key not in ("architectures", "model_type")} | SIZES
@@ -211,18 +224,11 @@ def main() -> None:
     specials = tokenizer_config(config)
     chats = faq_chats(args.corpus, specials["bos_token"], specials["eos_token"])
     tokenizer = build_tokenizer(config, [text for _, text in docs] + chats)
-    bos, eos = hf["bos_token_id"], hf["eos_token_id"]
-    encoded = [[bos, *tokenizer.encode(text).ids, eos] for _, text in docs]
-    encoded += [tokenizer.encode(chat).ids + [eos] for chat in chats]  # the template's BOS is its first token
-    train = [ids for i, ids in enumerate(encoded) if i % HELD_OUT_EVERY]
-    train += [ids for i, ids in enumerate(encoded) if i % HELD_OUT_EVERY and i >= len(docs)] * (CHAT_REPEATS - 1)
-    held = [ids for i, ids in enumerate(encoded) if not i % HELD_OUT_EVERY]
-    train_stream = np.concatenate([np.array(ids, dtype=np.int32) for ids in train])
-    held_stream = np.concatenate([np.array(ids, dtype=np.int32) for ids in held])
+    train_stream, held_stream = streams(tokenizer, docs, chats, hf["bos_token_id"], hf["eos_token_id"])
     characters = sum(len(text) for _, text in docs) + sum(len(chat) for chat in chats)
     print(f"corpus: {len(docs)} documents and {len(chats)} FAQ chats, {characters / 1e6:.1f}M characters; "
-          f"tokenizer {tokenizer.get_vocab_size()} entries, {characters / sum(map(len, encoded)):.2f} characters "
-          f"a token; {len(train_stream) / 1e6:.2f}M training tokens, {len(held_stream) / 1e6:.2f}M held out")
+          f"tokenizer {tokenizer.get_vocab_size()} entries, {len(train_stream) / 1e6:.2f}M training tokens, "
+          f"{len(held_stream) / 1e6:.2f}M held out")
 
     model = InklingForCausalLM(InklingTextConfig(**hf, attn_implementation="eager"))  # eager: the relative bias
     model.train()

@@ -71,3 +71,14 @@ def test_a_chat_is_answered_in_words(engine):
     reply = generate(engine, tokenizer.encode(chat).ids, 32, Sampling(), engine.config.eos_ids)
     text = tokenizer.decode(list(reply.ids))
     assert len(text.split()) >= 5 and words_share(text) >= 0.7, text
+
+
+def test_its_multi_token_prediction_head_travels_apart():
+    """scripts/train_mtp.py's head: a shard of its own under `model.mtp.layers.0.`, listed apart from the text
+    model's tensors (which the tests above hold to transformers with the head beside them)."""
+    checkpoint = Checkpoint.open(CHECKPOINT)
+    head = checkpoint.mtp_names()
+    assert checkpoint.config.num_mtp_layers == 1 and all(name.startswith("model.mtp.layers.0.") for name in head)
+    assert {f"model.mtp.layers.0.{part}.weight" for part in ("hnorm", "enorm", "eh_proj", "norm")} <= set(head)
+    assert checkpoint.tensor("model.mtp.layers.0.eh_proj.weight").shape == (128, 256)
+    assert not set(head) & set(checkpoint.names())
