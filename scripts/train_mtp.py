@@ -18,7 +18,6 @@ position i+1 (both reading the true text): the share of drafts that greedy decod
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -35,7 +34,7 @@ from transformers.models.inkling.configuration_inkling import InklingTextConfig
 from transformers.models.inkling.modeling_inkling import InklingRMSNorm, InklingTextModel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_tiny import (CORPUS, HELD_OUT_EVERY, ROOT, documents, faq_chats, learning_rate, streams,  # noqa: E402
+from train_tiny import (HELD_OUT_EVERY, batches, documents, faq_chats, start, streams, training_options,  # noqa: E402
                         windows)
 
 from cascadia.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE  # noqa: E402
@@ -118,21 +117,8 @@ def save(out: Path, head: MultiTokenPrediction) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", type=Path, default=CORPUS)
-    parser.add_argument("--out", type=Path, default=ROOT / "specs" / "tiny-chat")
-    parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    if not args.corpus.is_dir():
-        sys.exit(f"{args.corpus}: not found (apt-get install python3.11-doc)")
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
+    args = training_options(__doc__.split("\n\n")[0], STEPS).parse_args()
+    start(args)
     began = time.perf_counter()
     model = InklingForCausalLM.from_pretrained(args.out, dtype=torch.float32, attn_implementation="eager").eval()
     for parameter in model.parameters():
@@ -147,12 +133,7 @@ def main() -> None:
     trained = [p for name, p in head.named_parameters() if not name.startswith("block.embed_tokens.")]
     optimizer = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     print(f"head: {sum(p.numel() for p in trained) / 1e6:.2f}M parameters")
-    rng = np.random.default_rng(args.seed)
-    warmup = max(1, args.steps // 24)
-    for step in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args.steps, args.lr, warmup)
-        ids = windows(train_stream, rng.integers(0, len(train_stream) - args.length, args.batch), args.length)
+    for step, ids in batches(args, train_stream, optimizer):
         drafted, _ = mtp_logits(model, head, ids)
         loss = nn.functional.cross_entropy(drafted[:, :-1].flatten(0, 1), ids[:, 2:].flatten())
         loss.backward()
