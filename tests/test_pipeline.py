@@ -23,7 +23,6 @@ from cascadia.cli import cli
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import generate
-from cascadia.engine.init_model import ensure_random_checkpoint
 from cascadia.errors import CheckpointError, NodeError, RequestError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import PipelineError
@@ -310,13 +309,6 @@ def test_demo_runs_the_trained_tiny_model_on_three_nodes_and_it_answers_in_words
     assert comparison[-1].startswith("median |error|: decode tok/s")
     answer = tiny[tiny.index("the model answers"):].split("\n", 1)[1]
     assert len(answer.split()) >= 5 and words_share(answer) >= 0.7, answer
-
-
-def test_random_checkpoint_is_written_once(spec, tmp_path):
-    local = attrs.evolve(spec, model=attrs.evolve(spec.model, checkpoint=tmp_path / "weights"))
-    assert ensure_random_checkpoint(local)
-    assert Checkpoint.open(tmp_path / "weights").config == spec.model.config
-    assert not ensure_random_checkpoint(local)
 
 
 # ---- nodes on other machines: started by hand, found by their spec addresses -----------------------------------

@@ -283,9 +283,8 @@ def _ask(checkpoint, question: str, new_tokens: int = 48) -> None:
     prompt = tokenizer.encode(ChatTemplate.of_checkpoint(checkpoint).render([{"role": "user", "content": question}]))
     engine = open_engine(str(checkpoint), prompt.ids, new_tokens, "f32", False, "auto", None)
     answer = generate(engine, prompt.ids, new_tokens, Sampling(), engine.config.eos_ids)
-    ids = answer.ids[:-1] if answer.stopped else answer.ids
     click.echo(f"\nasked {question!r}, the model answers (greedy, {len(answer.ids)} tokens):\n"
-               f"{tokenizer.decode(list(ids)).strip()}")
+               f"{tokenizer.decode(list(answer.ids)).strip()}")  # the end-of-turn token, special, is not shown
 
 
 def _describe_paper_deployment(path) -> None:

@@ -23,10 +23,8 @@ import numpy as np
 
 from cascadia.engine.checkpoint import INDEX_FILE, SINGLE_FILE
 from cascadia.engine.quantize import round_to_bf16
-from cascadia.errors import CheckpointError
 from cascadia.models import family
 from cascadia.models.base import ModelConfig
-from cascadia.spec.types import Spec
 from cascadia.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TokenizerError, build_tokenizer, tokenizer_config
 
 DTYPES = ("f32", "bf16")
@@ -161,14 +159,3 @@ def _write_tokenizer(config: ModelConfig, out_dir: Path) -> tuple[int | None, tu
         return size, (f"{TOKENIZER_FILE} has {size} entries, fewer than the model's {config.output_vocab_size}: "
                       f"the embedded training text allows no more merges",)
     return size, ()
-
-
-def ensure_random_checkpoint(spec: Spec, seed: int = 0) -> bool:
-    """Write random weights to the spec's checkpoint folder when it holds none; True if it did."""
-    folder = spec.model.checkpoint
-    if folder is None:
-        raise CheckpointError(f"{spec.source}: the model names no checkpoint folder")
-    if (Path(folder) / "config.json").is_file():
-        return False
-    init_model(spec.model.config, folder, seed=seed)
-    return True
