@@ -86,10 +86,11 @@ class PhaseDriver:
         """The requests due by `now` are sent; returns the frames to launch."""
         return self._submit(self._arrivals.due(now), now)
 
-    def complete(self, frame: Frame, tokens: Sequence[int], now: float) -> list[Frame]:
-        """A frame's sampled tokens (one per sampled row, in row order) came back at `now`; returns the frames to
-        launch."""
-        return self._submit(self._observe(self._policy.complete_frame(frame, tokens), now), now)
+    def complete(self, frame: Frame, tokens: Sequence[int], now: float,
+                 proposed: Mapping[int, tuple[int, Sequence[int]]] | None = None) -> list[Frame]:
+        """A frame's sampled tokens (one per sampled row, in row order) came back at `now`, maybe with the drafts
+        the last stage proposed (`Policy.complete_frame`); returns the frames to launch."""
+        return self._submit(self._observe(self._policy.complete_frame(frame, tokens, proposed), now), now)
 
     def replay(self, now: float) -> list[Frame]:
         """The nodes lost every stream's state at `now`: the policy rebuilds them (`Policy.replay`); returns the

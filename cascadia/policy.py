@@ -47,14 +47,14 @@ import bisect
 import functools
 import heapq
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import attrs
 
 from cascadia.sampling import Sampling
 from cascadia.spec.types import RuntimeSpec
-from cascadia.speculation import Drafter, NgramDrafter, Speculation
+from cascadia.speculation import Drafter, Speculation, drafter_of
 
 GREEDY = Sampling()
 
@@ -244,8 +244,9 @@ class Policy:
     def for_runtime(cls, runtime: RuntimeSpec, stages: int, kv_pools: Sequence[KVPool] | None = None,
                     drafter: Drafter | None = None) -> Policy:
         """The policy `runtime` says on a plan of `stages` stages. `kv_pools`: the nodes' (`Plan.kv_pools`); with
-        `runtime.speculate`, drafts from `drafter` (default: prompt lookup)."""
-        speculation = Speculation(drafter or NgramDrafter(), runtime.max_draft) if runtime.max_draft else None
+        `runtime.speculate`, drafts from `drafter` (default: those it names, `drafter_of`)."""
+        speculation = Speculation(drafter or drafter_of(runtime.drafters), runtime.max_draft) \
+            if runtime.max_draft else None
         return cls(runtime.groups(stages), runtime.max_streams, runtime.prefill_window, runtime.row_buckets,
                    runtime.context_budget, kv_pools, runtime.kv_block, speculation)
 
@@ -354,9 +355,12 @@ class Policy:
                 if group not in self._in_flight and self._groups[group]  # a group without streams has no rows
                 and (frame := self.next_frame(group)) is not None]
 
-    def complete_frame(self, frame: Frame, tokens: Sequence[int]) -> list[Event]:
+    def complete_frame(self, frame: Frame, tokens: Sequence[int],
+                       proposed: Mapping[int, tuple[int, Sequence[int]]] | None = None) -> list[Event]:
         """Take the tokens sampled from a frame's sampled rows, in row order; accept drafts up to the first that
-        differs from the token sampled before it; finish streams, admit waiting ones."""
+        differs from the token sampled before it; finish streams, admit waiting ones. `proposed`: drafts the last
+        stage proposed with these tokens, by request id (the length of the stream's tokens they follow, and
+        themselves), for the drafter (`Drafter.offer`)."""
         in_flight = self._in_flight.get(frame.group)
         if in_flight is not frame and in_flight != frame:  # the same frame, as a rule: no need to compare its rows
             raise ValueError(f"frame {frame.seq} of group {frame.group} is not in flight")
@@ -366,6 +370,9 @@ class Policy:
         if len(tokens) != len(frame.sampled_ids):
             raise ValueError(f"frame {frame.seq} samples {len(frame.sampled_ids)} rows, got {len(tokens)} tokens")
         del self._in_flight[frame.group]
+        if proposed and self.speculation is not None:
+            for request_id, (length, drafts) in proposed.items():
+                self.speculation.drafter.offer(request_id, length, drafts)
         events: list[Event] = []
         if not frame.drafted:  # a token per stream: as a rule, and the simulator's every frame, so kept short
             cancelling, streams = self._cancelling, self._streams

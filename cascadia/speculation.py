@@ -14,33 +14,46 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
-NGRAM = "ngram"
-DEFAULT_MAX_DRAFT = 4
+NGRAM, MTP = "ngram", "mtp"  # prompt lookup; the checkpoint's multi-token-prediction layer (`cascadia.engine.mtp`)
+DRAFTERS = (NGRAM, MTP, f"{NGRAM}+{MTP}")  # ngram+mtp: prompt lookup's drafts where it finds some, else the layer's
+DEFAULT_MAX_DRAFT = {NGRAM: 4, MTP: 1}  # by drafter; with both, the larger
 MIN_N, MAX_N = 2, 4  # suffix lengths prompt lookup tries
 PHRASE_TABLE_SEQUENCES = 32  # finished requests' token sequences a policy's phrase table keeps
 
 
-def parse_speculate(value: str | None) -> int:
-    """The most draft tokens per step of `--speculate` / `runtime.speculate`: "ngram" or "ngram:MAX_DRAFT" (None,
-    "off": 0, no speculation). ValueError with the accepted forms otherwise."""
+def speculate_setting(value: str | None) -> tuple[tuple[str, ...], int]:
+    """The drafters and the most draft tokens per step of `--speculate` / `runtime.speculate`: "ngram", "mtp" or
+    "ngram+mtp", each optionally ":MAX_DRAFT" (None, "off": none, 0). ValueError with the accepted forms
+    otherwise."""
     if value is None or value == "off":
-        return 0
+        return (), 0
     name, _, count = str(value).partition(":")
-    if name == NGRAM and not count:
-        return DEFAULT_MAX_DRAFT
-    if name == NGRAM and count.isdigit() and int(count) >= 1:
-        return int(count)
-    raise ValueError(f"speculate must be {NGRAM} or {NGRAM}:MAX_DRAFT (a draft length >= 1) or off, got {value!r}")
+    if name in DRAFTERS and (not count or count.isdigit() and int(count) >= 1):
+        drafters = tuple(name.split("+"))
+        return drafters, int(count) if count else max(DEFAULT_MAX_DRAFT[d] for d in drafters)
+    raise ValueError(f"speculate must be {', '.join(DRAFTERS)}, each optionally :MAX_DRAFT (a draft length >= 1), "
+                     f"or off, got {value!r}")
 
 
-class Drafter(Protocol):
+def parse_speculate(value: str | None) -> int:
+    """The most draft tokens per step of a `speculate` setting (`speculate_setting`)."""
+    return speculate_setting(value)[1]
+
+
+class Drafter:
+    """Proposes draft tokens; the policy asks it at each of a stream's steps and tells it when the stream ends."""
+
     def propose(self, request_id: int, prompt: Sequence[int], output: Sequence[int], limit: int) -> Sequence[int]:
         """At most `limit` tokens that might follow a stream's `prompt` and `output` so far."""
+        raise NotImplementedError
 
     def finish(self, request_id: int, prompt: Sequence[int], output: Sequence[int]) -> None:
         """The stream ended with this `output`: forget it."""
+
+    def offer(self, request_id: int, length: int, drafts: Sequence[int]) -> None:
+        """The last stage proposed `drafts` to follow a stream's first `length` tokens (prompt and output: the MTP
+        layer's, `cascadia.engine.mtp`). Only a `StageDrafter` takes them."""
 
 
 class NgramIndex:
@@ -65,7 +78,7 @@ class NgramIndex:
         return [] if start is None else self.tokens[start:start + limit]
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup over each stream's own tokens, then over a phrase table shared by the streams of one policy."""
 
     def __init__(self, min_n: int = MIN_N, max_n: int = MAX_N, table_size: int = PHRASE_TABLE_SEQUENCES) -> None:
@@ -95,7 +108,7 @@ class NgramDrafter:
         self._table.append(finished)
 
 
-class RecordedDrafter:
+class RecordedDrafter(Drafter):
     """Another drafter, its proposals counted: for each stream, how many drafts it was given at each step it was
     asked (0: none found), so that a run's acceptance can be replayed in the simulator (`cascadia.sim.drafts`)."""
 
@@ -111,8 +124,11 @@ class RecordedDrafter:
     def finish(self, request_id: int, prompt: Sequence[int], output: Sequence[int]) -> None:
         self.drafter.finish(request_id, prompt, output)
 
+    def offer(self, request_id: int, length: int, drafts: Sequence[int]) -> None:
+        self.drafter.offer(request_id, length, drafts)
 
-class ReplayDrafter:
+
+class ReplayDrafter(Drafter):
     """Proposes what a previous run's stream with the same prompt made next: when the run is the same, every draft
     is accepted (the ceiling of speculation)."""
 
@@ -123,8 +139,52 @@ class ReplayDrafter:
         recorded = self._outputs.get(tuple(prompt), [])
         return recorded[len(output):len(output) + limit]
 
+
+
+class StageDrafter(Drafter):
+    """The drafts the last stage proposed with a stream's latest tokens (its MTP layer's), while the stream stands
+    where they follow."""
+
+    def __init__(self) -> None:
+        self._offered: dict[int, tuple[int, list[int]]] = {}  # by request id: (length, drafts)
+
+    def offer(self, request_id: int, length: int, drafts: Sequence[int]) -> None:
+        self._offered[request_id] = (length, list(drafts))
+
+    def propose(self, request_id: int, prompt: Sequence[int], output: Sequence[int], limit: int) -> list[int]:
+        length, drafts = self._offered.get(request_id, (-1, []))
+        return drafts[:limit] if length == len(prompt) + len(output) else []
+
     def finish(self, request_id: int, prompt: Sequence[int], output: Sequence[int]) -> None:
-        pass
+        self._offered.pop(request_id, None)
+
+
+class FirstOf(Drafter):
+    """The drafts of the first of several drafters that proposes some."""
+
+    def __init__(self, *drafters: Drafter) -> None:
+        self.drafters = drafters
+
+    def propose(self, request_id: int, prompt: Sequence[int], output: Sequence[int], limit: int) -> Sequence[int]:
+        for drafter in self.drafters:
+            if drafts := drafter.propose(request_id, prompt, output, limit):
+                return drafts
+        return []
+
+    def finish(self, request_id: int, prompt: Sequence[int], output: Sequence[int]) -> None:
+        for drafter in self.drafters:
+            drafter.finish(request_id, prompt, output)
+
+    def offer(self, request_id: int, length: int, drafts: Sequence[int]) -> None:
+        for drafter in self.drafters:
+            drafter.offer(request_id, length, drafts)
+
+
+def drafter_of(drafters: Sequence[str]) -> Drafter:
+    """The drafter a `speculate` setting names (`speculate_setting`): prompt lookup, the last stage's MTP drafts, or
+    prompt lookup's where it finds some and the MTP layer's otherwise."""
+    made = [NgramDrafter() if name == NGRAM else StageDrafter() for name in drafters]
+    return made[0] if len(made) == 1 else FirstOf(*made)
 
 
 class Speculation:

@@ -14,6 +14,7 @@ position i+1 (both reading the true text): the share of drafts that greedy decod
 
     python scripts/train_mtp.py                       # specs/tiny-chat: adds the head and its line in the card
     python scripts/train_mtp.py --steps 20 --out /tmp/tiny-try
+    python scripts/train_mtp.py --reference-only      # tests/fixtures/tiny_chat/mtp_reference.npz from specs/tiny-chat
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from transformers.models.inkling.configuration_inkling import InklingTextConfig
 from transformers.models.inkling.modeling_inkling import InklingRMSNorm, InklingTextModel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_tiny import (HELD_OUT_EVERY, batches, documents, faq_chats, start, streams, training_options,  # noqa: E402
-                        windows)
+from train_tiny import (CHECKPOINT, HELD_OUT_EVERY, REFERENCE, ROOT, batches, documents, faq_chats,  # noqa: E402
+                        start, streams, training_options, windows)
 
 from cascadia.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE  # noqa: E402
 
 MTP_FILE = "mtp.safetensors"
+MTP_REFERENCE = REFERENCE.with_name("mtp_reference.npz")
 INDEX_FILE = "model.safetensors.index.json"
 PREFIX = "model.mtp.layers.0."
 STEPS = 1200
@@ -65,6 +67,21 @@ class MultiTokenPrediction(nn.Module):
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.hnorm(hidden), self.enorm(next_embeds)], dim=-1))
         return self.block(inputs_embeds=x).last_hidden_state
+
+    @classmethod
+    def saved(cls, checkpoint: Path) -> MultiTokenPrediction:
+        """The head stored in a checkpoint's mtp.safetensors, in f32."""
+        head = cls(InklingTextConfig.from_pretrained(checkpoint), json.loads((checkpoint / "config.json").read_text()))
+        own = head.state_dict()
+        stored = {name.removeprefix(PREFIX): tensor for name, tensor in load_file(checkpoint / MTP_FILE).items()}
+        for name in own:
+            if not name.startswith("block.embed_tokens."):
+                rel = name.removeprefix("block.layers.0.").removeprefix("block.")
+                own[name] = stored.pop(rel)
+        if stored:
+            raise ValueError(f"{checkpoint / MTP_FILE}: tensors the head does not have: {sorted(stored)}")
+        head.load_state_dict(own)
+        return head.eval()
 
     def stored(self) -> dict[str, torch.Tensor]:
         """The head's tensors under the checkpoint's names (model.mtp.layers.0.*)."""
@@ -117,7 +134,9 @@ def save(out: Path, head: MultiTokenPrediction) -> None:
 
 
 def main() -> None:
-    args = training_options(__doc__.split("\n\n")[0], STEPS).parse_args()
+    args = training_options(__doc__.split("\n\n")[0], STEPS, MTP_REFERENCE).parse_args()
+    if args.reference_only:
+        return write_reference(args.out)
     start(args)
     began = time.perf_counter()
     model = InklingForCausalLM.from_pretrained(args.out, dtype=torch.float32, attn_implementation="eager").eval()
@@ -152,6 +171,19 @@ def main() -> None:
                            f"parameters, `mtp.safetensors`) trained on the frozen model by `scripts/train_mtp.py`, "
                            f"{args.steps:,} steps, {minutes:.0f} minutes; held out, its top token is the model's next "
                            f"one at {agreement:.0%} of positions (loss {held_loss:.3f}).")
+    if args.out.resolve() == CHECKPOINT:  # the tests' reference is of the committed checkpoint only
+        write_reference(args.out)
+
+
+def write_reference(checkpoint: Path) -> None:
+    """What the tests hold the engine's MTP layer to: the head's f32 logits at every position of the model's
+    reference text (tests/fixtures/tiny_chat/reference.npz's ids), teacher-forced."""
+    model = InklingForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.from_numpy(np.load(REFERENCE)["ids"])[None]
+    with torch.no_grad():
+        drafted, _ = mtp_logits(model, MultiTokenPrediction.saved(checkpoint), ids)
+    np.savez_compressed(MTP_REFERENCE, ids=ids[0].numpy(), mtp_logits=drafted[0].numpy())
+    print(f"wrote {MTP_REFERENCE.relative_to(ROOT)}: {drafted.shape[1]} positions")
 
 
 def note_in_card(out: Path, line: str) -> None:

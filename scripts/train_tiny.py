@@ -206,9 +206,11 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
 
 
-def training_options(description: str, steps: int) -> argparse.ArgumentParser:
-    """The options this script and scripts/train_mtp.py share."""
+def training_options(description: str, steps: int, reference: Path) -> argparse.ArgumentParser:
+    """The options this script and scripts/train_mtp.py share (`reference`: the tests' reference each writes)."""
     parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--reference-only", action="store_true",
+                        help=f"only write {reference.relative_to(ROOT)} from the checkpoint in --out")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--out", type=Path, default=CHECKPOINT)
     parser.add_argument("--steps", type=int, default=steps)
@@ -230,13 +232,9 @@ def start(args) -> None:
 
 
 def main() -> None:
-    parser = training_options(__doc__.split("\n\n")[0], STEPS)
-    parser.add_argument("--reference-only", action="store_true",
-                        help=f"only write {REFERENCE.relative_to(ROOT)} from the model in --out")
-    args = parser.parse_args()
+    args = training_options(__doc__.split("\n\n")[0], STEPS, REFERENCE).parse_args()
     if args.reference_only:
-        write_reference(args.out)
-        return
+        return write_reference(args.out)
     start(args)
     began = time.perf_counter()
 

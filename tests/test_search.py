@@ -366,7 +366,7 @@ def test_speculation_is_weighed_with_the_acceptance_given(catalogue, tmp_path):
 
 @pytest.mark.parametrize("arguments, words", [
     (["--acceptance", "0.9"], "--acceptance is the simulated drafts' acceptance: weigh speculation"),
-    (["--speculate", "off,ngram:0"], "speculate must be ngram or ngram:MAX_DRAFT"),
+    (["--speculate", "off,ngram:0"], "speculate must be ngram, mtp, ngram+mtp, each optionally :MAX_DRAFT"),
     (["--row-buckets", "8,2"], "'8,2': must be increasing"),
     (["--groups", "0"], "every value must be at least 1"),
 ])

@@ -87,8 +87,8 @@ def test_a_bad_acceptance_trace_says_which_line(spec_path, tmp_path, text, messa
 @pytest.mark.parametrize("options, message", [
     (["--acceptance-trace", "x.jsonl"], "give --speculate with it"),
     (["--speculate", "ngram", "--acceptance", "0.5", "--acceptance-trace", "x.jsonl"], "not both"),
-    (["--speculate", "ngram:0"], "speculate must be ngram or ngram:MAX_DRAFT"),
-    (["--speculate", "eagle"], "speculate must be ngram or ngram:MAX_DRAFT"),
+    (["--speculate", "ngram:0"], "speculate must be ngram, mtp, ngram+mtp, each optionally :MAX_DRAFT"),
+    (["--speculate", "eagle"], "speculate must be ngram, mtp, ngram+mtp, each optionally :MAX_DRAFT"),
     (["--acceptance", "0.5"], "give --speculate with it"),
     (["--speculate", "ngram", "--acceptance", "2"], "--acceptance"),
 ])

@@ -58,16 +58,19 @@ def test_draft_length_adapts_to_acceptance():
     assert len(s.drafts(0, (1,), [], room=9)) == 3 and len(s.drafts(0, (1,), [], room=1)) == 1
 
 
-@pytest.mark.parametrize("value, max_draft", [(None, 0), ("off", 0), ("ngram", 4), ("ngram:7", 7)])
-def test_speculate_settings(value, max_draft):
+@pytest.mark.parametrize("value, drafters, max_draft", [
+    (None, (), 0), ("off", (), 0), ("ngram", ("ngram",), 4), ("ngram:7", ("ngram",), 7), ("mtp", ("mtp",), 1),
+    ("mtp:3", ("mtp",), 3), ("ngram+mtp", ("ngram", "mtp"), 4), ("ngram+mtp:2", ("ngram", "mtp"), 2)])
+def test_speculate_settings(value, drafters, max_draft):
     assert parse_speculate(value) == max_draft
+    assert RuntimeSpec(speculate=value).drafters == drafters
 
 
-@pytest.mark.parametrize("value", ["ngram:0", "ngram:x", "medusa", "ngram:-1", ""])
+@pytest.mark.parametrize("value", ["ngram:0", "ngram:x", "medusa", "ngram:-1", "", "mtp+ngram", "mtp:0"])
 def test_bad_speculate_settings_say_what_is_accepted(value):
-    with pytest.raises(ValueError, match=r"ngram or ngram:MAX_DRAFT"):
+    with pytest.raises(ValueError, match=r"ngram, mtp, ngram\+mtp, each optionally :MAX_DRAFT"):
         parse_speculate(value)
-    with pytest.raises(ValueError, match=r"ngram or ngram:MAX_DRAFT"):
+    with pytest.raises(ValueError, match=r"ngram, mtp, ngram\+mtp, each optionally :MAX_DRAFT"):
         RuntimeSpec(speculate=value)
 
 
@@ -230,5 +233,5 @@ def test_the_spec_runtime_may_speculate(tmp_path, value, problem):
     if problem is None:
         assert load_spec(tmp_path / "spec.yaml").runtime.max_draft == 3
     else:
-        with pytest.raises(SpecError, match=rf"{problem}.*ngram or ngram:MAX_DRAFT"):
+        with pytest.raises(SpecError, match=rf"{problem}.*ngram, mtp, ngram\+mtp, each optionally :MAX_DRAFT"):
             load_spec(tmp_path / "spec.yaml")

@@ -271,9 +271,9 @@ def workload_options(command):
 
 
 class Speculate(click.ParamType):
-    """`ngram` or `ngram:MAX_DRAFT` (`cascadia.speculation.parse_speculate`)."""
+    """`ngram`, `mtp` or `ngram+mtp`, maybe with `:MAX_DRAFT` (`cascadia.speculation.speculate_setting`)."""
 
-    name = "ngram[:MAX_DRAFT]"
+    name = "ngram|mtp|ngram+mtp[:MAX_DRAFT]"
 
     def convert(self, value, param, ctx):
         from cascadia.speculation import parse_speculate
@@ -288,9 +288,11 @@ class Speculate(click.ParamType):
 def speculate_option(command):
     """--speculate, for the commands that serve or simulate a workload. Apply it with `with_runtime`."""
     return click.option("--speculate", type=Speculate(),
-                        help="speculative decoding: verify up to MAX_DRAFT (default 4) prompt-lookup drafts per "
-                             "stream as extra rows while stages are idle; the tokens are the same (default: the "
-                             "spec's runtime.speculate, off)")(command)
+                        help="speculative decoding: verify up to MAX_DRAFT drafts per stream as extra rows while "
+                             "stages are idle, from prompt lookup (ngram, default 4), the checkpoint's multi-token-"
+                             "prediction layer at the last stage (mtp, default 1) or both (ngram+mtp: prompt "
+                             "lookup's where it finds some); the tokens are the same (default: the spec's "
+                             "runtime.speculate, off)")(command)
 
 
 def with_runtime(loaded, **settings):
@@ -299,7 +301,10 @@ def with_runtime(loaded, **settings):
     import attrs
 
     if given := {key: value for key, value in settings.items() if value is not None}:
-        return attrs.evolve(loaded, runtime=attrs.evolve(loaded.runtime, **given))
+        runtime = attrs.evolve(loaded.runtime, **given)
+        if misfit := runtime.drafting_misfit(loaded.model.config):
+            raise click.UsageError(f"--speculate {misfit}")
+        return attrs.evolve(loaded, runtime=runtime)
     return loaded
 
 

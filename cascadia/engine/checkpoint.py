@@ -230,6 +230,21 @@ class Checkpoint:
         read when first asked for."""
         return LayerTensors(self, layer_prefix(layer), self._layer_tensors(layer).keys())
 
+    def mtp_layer(self, index: int = 0) -> LayerTensors:
+        """A multi-token-prediction layer's tensors, by name relative to its prefix (the family's `mtp_tensors`),
+        each checked for its shape first: CheckpointError for a family or checkpoint without such a layer."""
+        cfg, described = self.config, self._family
+        count = getattr(cfg, "num_mtp_layers", None) or 0
+        if not hasattr(described, "mtp_tensors") or not 0 <= index < count:
+            raise CheckpointError(f"{self.path}: the model has no multi-token-prediction layer {index} (its config "
+                                  f"says num_mtp_layers: {count}; Cascadia drafts with Inkling's)")
+        prefix, expected = described.mtp_layer_prefix(index), described.mtp_tensors(cfg)
+        for rel, (shape, _) in expected.items():
+            if (stored := self._checked_entry(prefix + rel)[1].shape) != shape:
+                raise CheckpointError(f"{self._files[prefix + rel].file}: tensor {prefix + rel!r} (expected shape "
+                                      f"{shape}): stored with shape {stored}")
+        return LayerTensors(self, prefix, expected.keys())
+
     def embedding(self) -> dict[str, np.ndarray]:
         return {name: self.tensor(name) for name in self._family.embedding_tensors(self.config)}
 

@@ -26,6 +26,7 @@ from cascadia.engine.kv_store import BlockPool, PagedKV, PagedRing
 from cascadia.engine.layers import rms_norm
 from cascadia.engine.mlp import Mlp
 from cascadia.engine.moe_choice import measured_grouped_from
+from cascadia.engine.mtp import MtpLayer
 from cascadia.engine.quantize import Quantized, quantize_stacks
 from cascadia.engine.rows import BatchError, Rows
 from cascadia.engine.state_format import StateFormat
@@ -38,6 +39,7 @@ from cascadia.policy import padded_size, score_schedule
 from cascadia.models import family
 from cascadia.models.names import EMBED, FINAL_NORM
 from cascadia.spec.types import ModelSpec, RuntimeSpec, Spec, WeightFormat, WeightFormats
+from cascadia.speculation import MTP
 
 ProgressFn = Callable[[int, int], None]  # (parts built, parts to build): embedding, each layer, head
 
@@ -81,12 +83,16 @@ class StageEngine:
             if progress:
                 progress(done, total)
 
-        self.embedding = self.head = None
-        if embed:
-            self.embedding = compile_block(graphs.embedding(_matrix(checkpoint, EMBED, formats.embedding),
-                                                            formats.embedding))
+        self.embedding = self.head = self.mtp = None  # the embedding as this stage's role
+        drafts_with_mtp = head and MTP in runtime.drafters
+        self._table = None  # the embedding table, also at a last stage whose MTP layer reads it
+        if embed or drafts_with_mtp:
+            self._table = compile_block(graphs.embedding(_matrix(checkpoint, EMBED, formats.embedding),
+                                                         formats.embedding))
             self.embed_tensors = {name: checkpoint.tensor(name) for name in family(cfg).embedding_tensors(cfg)
                                   if name != EMBED}
+        if embed:
+            self.embedding = self._table
             advance()
         self.layers, self.states = [], []
         fmt = StateFormat(runtime.kv_precision)
@@ -112,6 +118,9 @@ class StageEngine:
             self.final_norm = checkpoint.tensor(FINAL_NORM)
             self.head = compile_block(graphs.projection([_matrix(checkpoint, checkpoint.head_weight, formats.head)],
                                                         formats.head))
+            if drafts_with_mtp:
+                self.mtp = MtpLayer(checkpoint, runtime, formats, compile_block, self.final_norm, self.embed,
+                                    self.head_logits)
             advance()
         self.lengths = np.zeros(runtime.max_streams, np.int64)  # next position of each slot
         self.reach = np.zeros(runtime.max_streams, np.int64)  # how far before it the slot's next rows may start
@@ -146,13 +155,15 @@ class StageEngine:
 
     @property
     def blocks(self) -> list[CompiledBlock]:
-        return [b for b in (self.embedding, self.head) if b] + [b for layer in self.layers for b in layer.blocks()]
+        return [b for b in (self._table, self.head) if b] + [b for layer in self.layers for b in layer.blocks()] + \
+            (self.mtp.blocks if self.mtp else [])
 
     @property
     def state_bytes(self) -> int:
         """Bytes of the per-stream state allocated: the convolution histories of every slot and the K/V pool
         (committed as it is written)."""
-        return sum(state.nbytes for state in self.states) + (self.pool.arena.nbytes if self.pool else 0)
+        return sum(state.nbytes for state in self.states) + (self.pool.arena.nbytes if self.pool else 0) + \
+            (self.mtp.state_bytes if self.mtp else 0)
 
     @property
     def precision(self) -> str:
@@ -161,13 +172,13 @@ class StageEngine:
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token ids [T] -> the first layer's input [T, H] (the embedding table's rows, as the family treats them)."""
-        if self.embedding is None:
+        if self._table is None:
             raise RuntimeError("this stage was built without the embedding")
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         vocab = self.config.vocab_size
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise RequestError(f"token ids must lie in 0..{vocab - 1}, got {ids.min()}..{ids.max()}")
-        return self.host.embedded(self.config, self.embedding(ids)[0], self.embed_tensors)
+        return self.host.embedded(self.config, self._table(ids)[0], self.embed_tensors)
 
     def forward(self, hidden: np.ndarray, slots, positions, bucket: int | None = None) -> np.ndarray:
         """Rows [T, H] of several streams, each at its own position, through this stage's layers, every block
@@ -219,12 +230,19 @@ class StageEngine:
             self.head_input_observer(head_input)
         return self.head(head_input)[0][:, : cfg.output_vocab_size]
 
+    def head_logits(self, normed: np.ndarray) -> np.ndarray:
+        """Rows after a final norm (the model's or the MTP layer's) -> logits [T, V], as `logits`, unobserved."""
+        cfg = self.config
+        return self.head(self.host.head_input(cfg, normed))[0][:, : cfg.output_vocab_size]
+
     def release(self, slot: int) -> None:
         """Forget a slot's stream; its next rows start at position 0."""
         for state in self.states:
             state.release(slot)
         if self.pool:
             self.pool.release(slot)
+        if self.mtp:
+            self.mtp.release(slot)
         self.lengths[slot] = self.reach[slot] = 0
 
     def fork(self, source: int, target: int) -> None:
@@ -239,6 +257,8 @@ class StageEngine:
             self.pool.fork(source, target, int(self.lengths[source]))
         for state in self.states:
             state.fork(source, target)
+        if self.mtp:
+            self.mtp.fork(source, target)
         self.lengths[target], self.reach[target] = self.lengths[source], 0
 
 

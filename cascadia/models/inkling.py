@@ -262,6 +262,31 @@ def is_mtp(cfg: InklingConfig, name: str) -> bool:
     """Whether a stored tensor belongs to the multi-token-prediction layers (`model.mtp.*`)."""
     return name.startswith(MTP_PREFIX)
 
+
+# A multi-token-prediction layer, DeepSeek-V3's in Inkling's terms (scripts/train_mtp.py holds its reference): at
+# position i the final hidden state (after the model's norm) and the normed embedding of token i+1, each RMS-normed
+# (hnorm, enorm), side by side hidden first, projected back to the width (eh_proj), through one decoder layer with
+# global attention and a dense MLP, and a norm; the model's own head turns that into logits for token i+2.
+MTP_HNORM, MTP_ENORM, MTP_PROJ, MTP_NORM = "hnorm.weight", "enorm.weight", "eh_proj.weight", "norm.weight"
+
+
+def mtp_layer_prefix(index: int) -> str:
+    return f"{MTP_PREFIX}layers.{index}."
+
+
+def mtp_config(cfg: InklingConfig) -> InklingConfig:
+    """The decoder layer of a multi-token-prediction layer, as the one layer of a model."""
+    return attrs.evolve(cfg, num_hidden_layers=1, layer_types=(HF_GLOBAL,), mlp_layer_types=(HF_DENSE,),
+                        num_mtp_layers=None)
+
+
+def mtp_tensors(cfg: InklingConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name relative to `mtp_layer_prefix`: (shape, group)} for one multi-token-prediction layer."""
+    hidden = cfg.hidden_size
+    return layer_tensors(mtp_config(cfg), 0) | {
+        MTP_HNORM: ((hidden,), VECTOR), MTP_ENORM: ((hidden,), VECTOR), MTP_PROJ: ((hidden, 2 * hidden), "attention"),
+        MTP_NORM: ((hidden,), VECTOR)}
+
 _IGNORED_PREFIXES = ("model.vision_tower.", "model.audio_tower.")
 _MULTIMODAL_TEXT_PREFIX = "model.language_model."
 

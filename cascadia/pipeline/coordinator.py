@@ -273,7 +273,7 @@ class Coordinator:
             if completed is None:  # an open-loop request is due
                 flight.launch(driver.arrive(self.now()))
             else:
-                flight.launch(driver.complete(completed.frame, completed.tokens, self.now()))
+                flight.launch(driver.complete(completed.frame, completed.tokens, self.now(), completed.proposed))
         return {node: stats.busy_s - busy_before[node] for node, stats in self.stats().items()}
 
     def send_frame(self, frame: Frame) -> None:
@@ -540,6 +540,7 @@ class Completed(NamedTuple):
     tokens: list[int]
     logprobs: list[Logprobs | None] | None = None
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    proposed: dict[int, tuple[int, list[int]]] | None = None  # the last stage's drafts (`frame_drafts`)
 
 
 def with_logprobs(events: Iterable[Event], logprobs: Sequence[Logprobs | None] | None,
@@ -614,9 +615,20 @@ class Flight:
             del self.frames[tokens.group]
             if (log := self.coordinator.frame_log) is not None:
                 log.done(frame.seq, self.coordinator.now())
-            return Completed(frame, tokens.token_ids.tolist(), *frame_logprobs(frame, tokens, targets))
+            return Completed(frame, tokens.token_ids.tolist(), *frame_logprobs(frame, tokens, targets),
+                             frame_drafts(frame, tokens))
         self.coordinator._drop("token socket", stray)
         return None
+
+
+def frame_drafts(frame: PolicyFrame, tokens: Tokens) -> dict[int, tuple[int, list[int]]] | None:
+    """The drafts the last stage proposed with a frame's tokens (its MTP layer's), by request id: the length of the
+    stream's tokens they follow (those up to the drafting row's sampled token) and themselves. None: none."""
+    if tokens.drafts is None:
+        return None
+    sampled = [row for row in frame.rows if row.sampled]
+    return {row.request_id: (row.position + 2, [int(d) for d in drafts if d >= 0])
+            for row, drafts in zip(sampled, tokens.drafts) if drafts[0] >= 0}
 
 
 def prompt_targets(frame: PolicyFrame, prompts: Mapping[int, Sequence[int]]) -> list[int] | None:

@@ -33,7 +33,7 @@ from cascadia.pipeline.wire import Frame, Hello, Message, Progress, Ready
 from cascadia.policy import Policy, padded_size, score_schedule
 from cascadia.spec.dump import spec_for_nodes, write_spec
 from cascadia.spec.types import NodeSpec, Spec, WorkloadSpec
-from cascadia.speculation import Drafter, NgramDrafter, RecordedDrafter
+from cascadia.speculation import Drafter, RecordedDrafter, drafter_of
 from cascadia.tokenizer import workload_prompts
 from cascadia.trace import FrameTiming
 from cascadia.workload import Level, Phase, prompt_length_notes
@@ -179,13 +179,13 @@ class Pipeline:
         """Every concurrency level of `workload` (warm-up and measured phase); `prompts` default to the workload's
         prompts file (text encoded by the checkpoint's tokenizer), or seeded random prompts without one; `groups`
         (pipeline groups) to the spec's; with `trace`, each frame's timing too. With `spec.runtime.speculate`,
-        drafts come from `drafter` (default: prompt lookup).
+        drafts come from `drafter` (default: those it names).
         Raises RunFailed, holding what finished, when the pipeline fails or the run is interrupted (Ctrl-C)."""
         spec = self.spec
         if prompts is None:
             prompts = workload_prompts(workload, self.checkpoint, spec.model.config)
         notes = prompt_length_notes(prompts, workload, spec.runtime) if prompts else []
-        recorded = RecordedDrafter(drafter or NgramDrafter()) if spec.runtime.max_draft else None
+        recorded = RecordedDrafter(drafter or drafter_of(spec.runtime.drafters)) if spec.runtime.max_draft else None
         runtime = attrs.evolve(spec.runtime, pipeline_groups=groups) if groups else spec.runtime
         policy = Policy.for_runtime(runtime, len(self.plan.stages), self.plan.kv_pools, recorded)
         served, outputs = Served(), Outputs(recorded)

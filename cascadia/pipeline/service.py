@@ -208,7 +208,7 @@ class PipelineService:
                 completed = flight.wait(until=coordinator.now() + STATS_S, wake=[self._wake_reader])
                 self._drain_wake()
                 if completed is not None:
-                    events = policy.complete_frame(completed.frame, completed.tokens)
+                    events = policy.complete_frame(completed.frame, completed.tokens, completed.proposed)
                     try:
                         self._launch(flight)  # the pipeline busy again before the tokens go to the HTTP side
                     finally:  # ... and they go even when the launch finds a node lost: the policy counts them made

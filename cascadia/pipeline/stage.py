@@ -174,7 +174,20 @@ class EngineStage:
         chosen[sampled] = tokens
         return Tokens(frame.frame_id, frame.group, frame.slots[frame.sample], tokens,
                       logits[sampled] if self.with_logits else None,
-                      *reported(logits, chosen, frame.logprobs[reporting]))
+                      *reported(logits, chosen, frame.logprobs[reporting]), self._drafts(frame, hidden, tokens))
+
+    def _drafts(self, frame: Frame, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray | None:
+        """The MTP layer's drafts after each sampled row's token [n, K] (-1: none; None without the layer, or
+        where it proposes nothing)."""
+        mtp = self.engine.mtp
+        if mtp is None or not (proposed := mtp.advance(frame.slots, frame.positions, frame.token_ids, hidden,
+                                                      frame.sample, tokens)):
+            return None
+        drafts = np.full((len(tokens), mtp.max_draft), -1, np.int32)
+        among_sampled = np.cumsum(frame.sample) - 1
+        for row, proposal in proposed.items():
+            drafts[among_sampled[row], :len(proposal)] = proposal
+        return drafts
 
     def _bucket(self, frame: Frame) -> int | None:
         """The rows each call of the frame is padded to. Beyond the largest bucket a frame runs as calls of the

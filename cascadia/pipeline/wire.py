@@ -55,7 +55,7 @@ from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 12
+VERSION = 13
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -195,9 +195,14 @@ class Tokens:
         lambda v: np.ascontiguousarray(v, _I32)))  # [m, k]: the likeliest tokens, most likely first
     top_logprobs: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
         lambda v: np.ascontiguousarray(v, _F64)))  # [m, k]: theirs
+    # [n, K]: drafts the last stage's MTP layer proposes after each row's token (-1: none), or None
+    drafts: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
+        lambda v: np.ascontiguousarray(v, _I32)))
 
     def __attrs_post_init__(self) -> None:
-        _same_rows(self, ("slots", "token_ids", "logits"))
+        _same_rows(self, ("slots", "token_ids", "logits", "drafts"))
+        if self.drafts is not None and (self.drafts.ndim != 2 or (self.drafts.size and self.drafts.min() < -1)):
+            raise ValueError(f"Tokens: drafts must be [n, K] token ids or -1, got shape {self.drafts.shape}")
         _same_rows(self, ("logprobs", "top_ids", "top_logprobs"))
         reported = [name for name in ("logprobs", "top_ids", "top_logprobs") if getattr(self, name) is not None]
         if reported and len(reported) < 3:
@@ -366,7 +371,7 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
         case Tokens():
             fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
             return Kind.TOKENS, fields, [message.slots, message.token_ids, *map(_payload, (
-                message.logprobs, message.top_ids, message.top_logprobs, message.logits))]
+                message.logprobs, message.top_ids, message.top_logprobs, message.logits, message.drafts))]
         case Hello():
             return Kind.HELLO, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer),
                                            _utf8(message.settings), np.asarray(message.cpus, dtype=_I32)]
@@ -421,7 +426,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 14, Kind.TOKENS: 6, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+_BUFFER_COUNTS = {Kind.FRAME: 14, Kind.TOKENS: 7, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 3,
                   Kind.INVITE: 4, Kind.PROBE: 4, Kind.TIMED: 2}
 
@@ -485,6 +490,18 @@ def _forks(buffer: memoryview, rows: int, slots: np.ndarray) -> np.ndarray | Non
     return forks
 
 
+def _drafts(buffer: memoryview, rows: int) -> np.ndarray | None:
+    """A TOKENS message's drafts [rows, K] (None: none sent)."""
+    if not buffer.nbytes:
+        return None
+    if not rows or buffer.nbytes % (_I32.itemsize * rows):
+        raise WireError(f"drafts: {buffer.nbytes} bytes, not a whole number of ids for each of {rows} rows")
+    drafts = _array(buffer, _I32, buffer.nbytes // _I32.itemsize, "drafts").reshape(rows, -1)
+    if drafts.min() < -1:
+        raise WireError(f"drafts: value {drafts.min()} is neither a token id nor -1")
+    return drafts
+
+
 def _reported(buffers: list[memoryview]) -> tuple:
     """A TOKENS message's log-probabilities, ids and values of the likeliest (None, None, None: none asked for)."""
     chosen, ids, values = buffers
@@ -546,7 +563,7 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
                          _targets(b[11], rows, sample.view(np.bool_)), forks)
         case Kind.TOKENS:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
-                          _payload_matrix(b[5], rows, cols, code, "logits"), *_reported(b[2:5]))
+                          _payload_matrix(b[5], rows, cols, code, "logits"), *_reported(b[2:5]), _drafts(b[6], rows))
         case Kind.HELLO:
             if b[3].nbytes % _I32.itemsize:
                 raise WireError(f"cpus: {b[3].nbytes} bytes, not a whole number of ids")

@@ -16,12 +16,13 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from cascadia.sim.model import PLACEHOLDER_TOKEN
+from cascadia.speculation import Drafter
 
 REJECTED_TOKEN = PLACEHOLDER_TOKEN + 1
 DEFAULT_ACCEPTANCE = 0.5
 
 
-class RateDrafter:
+class RateDrafter(Drafter):
     def __init__(self, acceptance: float, seed: int = 0) -> None:
         if not 0 <= acceptance <= 1:
             raise ValueError(f"an acceptance rate lies in 0..1, got {acceptance}")
@@ -32,14 +33,11 @@ class RateDrafter:
         accepted = self._rng.random(limit) < self.acceptance
         return np.where(accepted, PLACEHOLDER_TOKEN, REJECTED_TOKEN).tolist()
 
-    def finish(self, request_id: int, prompt: Sequence[int], output: Sequence[int]) -> None:
-        pass
-
 
 Step = tuple[int, int]  # drafts proposed at one step of a stream, and how many of them were accepted
 
 
-class TraceDrafter:
+class TraceDrafter(Drafter):
     """Each request proposes what the traced run's request of the same id proposed at the same step, as many
     accepted as there (cut to the policy's limit); a request beyond its trace, or absent from it, proposes none."""
 

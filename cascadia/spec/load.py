@@ -611,7 +611,7 @@ def _rows_or(*words: str) -> Callable[[Any], int | str]:
 
 
 def _speculate(value: Any) -> str:
-    """`ngram` or `ngram:MAX_DRAFT`."""
+    """`ngram`, `mtp` or `ngram+mtp`, maybe with `:MAX_DRAFT`."""
     try:
         parse_speculate(value)
     except ValueError as e:
@@ -687,6 +687,8 @@ def _check_runtime_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, mode
                    f"{runtime.context_budget} positions exceed the model's max_position_embeddings ({limit})")
     if misfit := runtime.window_misfit():
         ctx.report(at.get("prefill_window", node), "runtime.prefill_window", misfit)
+    if misfit := runtime.drafting_misfit(model.config):
+        ctx.report(at.get("speculate", node), "runtime.speculate", misfit)
 
 
 def _check_workload_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, workload: WorkloadSpec) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 
 from cascadia.models.base import ModelConfig
-from cascadia.speculation import parse_speculate
+from cascadia.speculation import MTP, parse_speculate, speculate_setting
 
 WEIGHT_DTYPES = ("int4", "int8", "f16", "bf16", "f32")
 PRECISIONS = ("f32", "bf16", "f16")
@@ -226,13 +226,19 @@ class RuntimeSpec:
     # attention (a chunk of 256 rows' attention 1.4-1.9x faster at 4k-64k positions); "never": every row by the spans
     # a decode step takes, so that its result does not depend on how its prompt was cut into chunks
     fused_attention_from: int | str = "never"
-    # "ngram[:MAX_DRAFT]": speculative decoding with prompt-lookup drafts (`cascadia.speculation`); None: off
+    # "ngram", "mtp" or "ngram+mtp", each maybe ":MAX_DRAFT": speculative decoding with prompt-lookup drafts, the
+    # checkpoint's multi-token-prediction layer's, or both (`cascadia.speculation`); None: off
     speculate: str | None = attrs.field(default=None, validator=lambda _, __, value: parse_speculate(value))
 
     @property
     def max_draft(self) -> int:
         """The most draft rows a stream's frame carries, and so the most positions a stage rewinds (0: off)."""
         return parse_speculate(self.speculate)
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """Who proposes drafts: `cascadia.speculation.NGRAM`, `MTP`, both or none."""
+        return speculate_setting(self.speculate)[0]
 
     def groups(self, stages: int) -> int:
         """Pipeline groups on a plan of `stages` stages."""
@@ -244,6 +250,14 @@ class RuntimeSpec:
             return ""
         return (f"{self.prefill_window} prompt rows exceed what max_streams ({self.max_streams}) x context_budget "
                 f"({self.context_budget}) positions hold")
+
+    def drafting_misfit(self, config) -> str:
+        """Why the model cannot draft as `speculate` says ("" when it can): MTP drafts from a model without a
+        multi-token-prediction layer."""
+        if MTP not in self.drafters or getattr(config, "num_mtp_layers", None):
+            return ""
+        return (f"{self.speculate} drafts with the model's multi-token-prediction layer, and its config has none "
+                "(num_mtp_layers); use ngram")
 
     def blocks_for(self, positions: int) -> int:
         """K/V pool blocks a stream of `positions` positions holds."""

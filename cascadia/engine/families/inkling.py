@@ -133,6 +133,15 @@ class SlotState:
         for states in (self.conv_kv, self.conv_attn, self.conv_mlp):
             states[target] = states[source]
 
+    def saved(self, slots: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Copies of the slots' convolution states, for `restore` (keys and values past a slot's length are never
+        read, so they need none)."""
+        return tuple(states[slots] for states in (self.conv_kv, self.conv_attn, self.conv_mlp))
+
+    def restore(self, slots: np.ndarray, saved: tuple[np.ndarray, ...]) -> None:
+        for states, kept in zip((self.conv_kv, self.conv_attn, self.conv_mlp), saved, strict=True):
+            states[slots] = kept
+
 
 # ---- the layer ---------------------------------------------------------------------------------------------------
 @attrs.define(eq=False, slots=False, kw_only=True)  # no slots: calibration times a layer's methods by wrapping them
