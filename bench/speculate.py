@@ -5,11 +5,13 @@ STREAMS clients, REQUESTS greedy requests of OUTPUT_TOKENS per phase, on sets of
 without speculation, with prompt-lookup (n-gram) drafts, and with the replay of the first run's outputs as drafts
 (every draft accepted: the ceiling). A random model's sets (the default) are repetitive prompts (a short phrase
 repeated, so that prompt lookup has something to find), fresh ones (a prompt per request), and REPEATED of them over
-and over, where the drafts come from the phrase table (the outputs of the requests that finished before). With
-`--text` (a trained model, such as specs/tiny-chat.yaml) the sets are text of three kinds, fresh prompts each,
-encoded by the checkpoint's tokenizer: prose, code, and a repeated structure (lines that follow one pattern), at
-TEXT_STREAMS. Every speculating run's tokens are compared with the run without on the same prompts (the same in f32;
-bf16 rounding moves with a call's rows, so there they may differ).
+and over, where the drafts come from the phrase table (the outputs of the requests that finished before). With `--text`
+(a trained model, such as specs/tiny-chat.yaml) the sets are text of three kinds, fresh prompts each, encoded by the
+checkpoint's tokenizer: prose, code, and a repeated structure (lines that follow one pattern), at TEXT_STREAMS; where
+the checkpoint has a multi-token-prediction layer, a fourth way drafts with it (MTP_DRAFT a step; `--calibrate` then
+measures the calibration with those drafts, so that it holds the layer's table). Every speculating run's tokens are
+compared with the run without on the same prompts (the same in f32; bf16 rounding moves with a call's rows, so there
+they may differ).
 A run without speculation of each set first warms the machine up and gives the replay its outputs; then each of
 ROUNDS rounds runs them all, one after another (every other round in reverse order), so that the machine's load
 moves them alike; reported per level, medians over the rounds: decode tokens/s, the speed-up (each round's against
@@ -36,6 +38,7 @@ import attrs
 from record import ROOT, Table, calibrate, now, shown, spread, write
 
 from cascadia.graph.planner import plan as make_plan
+from cascadia.models import mtp_layers
 from cascadia.pipeline.run import Pipeline
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration
@@ -101,14 +104,17 @@ def by_prompt(outputs: dict) -> dict[tuple[int, ...], list[int]]:
     return {prompt: tokens for (prompt, _, _), tokens in outputs.items()}
 
 
-def one_round(spec, sets: dict, speculate: str, expected: dict, reverse: bool) -> dict:
+def one_round(spec, sets: dict, speculate: str, expected: dict, reverse: bool, mtp: str | None) -> dict:
     """Each run of the scenario once, in reverse order when `reverse` (so that a drift of the machine's speed within
     a round does not favour one side). `sets`: label -> (prompts, whether the replay runs on them); the replay
-    proposes `expected`. Returns name -> (levels, outputs by prompt, output lines, the run without's name)."""
+    proposes `expected`; `mtp`: the speculate setting of a run drafting with the MTP layer (None: none).
+    Returns name -> (levels, outputs by prompt, output lines, the run without's name)."""
     runs = {}
     for label, (prompts, replayed) in sets.items():
         runs[f"none{label}"] = (partial(served, spec, prompts), f"none{label}")
         runs[f"n-gram{label}"] = (partial(served, spec, prompts, None, speculate), f"none{label}")
+        if mtp:
+            runs[f"MTP{label}"] = (partial(served, spec, prompts, None, mtp), f"none{label}")
         if replayed:
             runs[f"replay{label}"] = (partial(served, spec, prompts, ReplayDrafter(expected), speculate),
                                       f"none{label}")
@@ -116,7 +122,8 @@ def one_round(spec, sets: dict, speculate: str, expected: dict, reverse: bool) -
     return {name: (*done[name], base) for name, (_, base) in runs.items()}
 
 
-def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int, text: bool) -> Table:
+def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int, text: bool,
+             mtp_draft: int) -> Table:
     streams, requests = (TEXT_STREAMS, TEXT_REQUESTS) if text else (STREAMS, REQUESTS)
     workload = attrs.evolve(spec.workload, concurrency=streams, requests=requests, output_tokens=OUTPUT_TOKENS,
                             greedy=True, prompts_file=None)
@@ -133,14 +140,16 @@ def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int,
     for prompts, replayed in sets.values():
         if replayed:
             expected |= by_prompt(served(spec, prompts)[1])
-    runs = [one_round(spec, sets, speculate, expected, bool(i % 2)) for i in range(rounds)]
+    mtp = mtp_setting(spec, text, mtp_draft)
+    runs = [one_round(spec, sets, speculate, expected, bool(i % 2), mtp) for i in range(rounds)]
     first = runs[0]
     differ = {name: sum(outputs[key] != first[base][1][key] for key in outputs)
               for name, (_, outputs, _, base) in first.items() if name != base}
     predicted_plain = simulate(spec, calibration)["levels"] if calibration else None
     prompts = "text prompts of three kinds" if text else "repetitive prompts"
     table = Table(f"{shown(spec.source)}: {requests} requests of {OUTPUT_TOKENS} greedy tokens a phase, {prompts}, "
-                  f"up to {max_draft} drafts, {spec.runtime.precision} compute",
+                  f"up to {max_draft} drafts" + (f" ({mtp_draft} from the MTP layer)" if mtp else "")
+                  + f", {spec.runtime.precision} compute",
                   ["drafts", "streams", "decode tok/s", "speed-up", "accepted/proposed", "accepted a step",
                    "simulated tok/s", "simulated speed-up"])
     for name, (levels, _, lines, base) in first.items():
@@ -150,12 +159,13 @@ def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int,
                          for run in runs]
             drafts, sim = level["speculation"], (None, None)
             if calibration and name != base:
+                setting = mtp if name.startswith("MTP") else speculate
                 sped = attrs.evolve(spec, workload=attrs.evolve(workload, concurrency=(level["concurrency"],)),
-                                    runtime=attrs.evolve(spec.runtime, speculate=speculate))
+                                    runtime=attrs.evolve(spec.runtime, speculate=setting))
                 trace = acceptance_trace(lines, f"the {name} run")
                 rate = simulate(sped, calibration, acceptance_trace=trace)["levels"][0]["decode_tokens_per_s"]
                 sim = rate, rate / predicted_plain[i]["decode_tokens_per_s"]
-            elif calibration:
+            elif calibration and name == base:
                 sim = predicted_plain[i]["decode_tokens_per_s"], 1.0
             table.add(name, level["concurrency"], spread(rates), spread(speed_ups),
                       None if name == base else f"{drafts['accepted']}/{drafts['proposed']}",
@@ -167,6 +177,11 @@ def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int,
                   "spread is the machine's noise."
     print(table.text())
     return table
+
+
+def mtp_setting(spec, text: bool, mtp_draft: int) -> str | None:
+    """The speculate setting of the runs drafting with the MTP layer (None: no such runs)."""
+    return f"mtp:{mtp_draft}" if text and mtp_layers(spec.model.config) else None
 
 
 def paper(max_draft: int) -> Table:
@@ -193,6 +208,7 @@ def main() -> None:
     given.add_argument("--calibration", help="the spec's measured calibration, for the simulator's prediction")
     given.add_argument("--calibrate", action="store_true", help="measure the spec's calibration first")
     parser.add_argument("--max-draft", type=int, default=4)
+    parser.add_argument("--mtp-draft", type=int, default=1, help="with --text: drafts a step from the MTP layer")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--paper-only", action="store_true", help="only the paper deployment's simulated table")
     parser.add_argument("--text", action="store_true", help="text prompts of three kinds (a trained model's spec)")
@@ -200,10 +216,13 @@ def main() -> None:
     args = parser.parse_args()
     started, tables = now(), []
     if not args.paper_only:
+        mtp = mtp_setting(load_spec(args.spec), args.text, args.mtp_draft)
         with tempfile.TemporaryDirectory(prefix="cascadia-speculate-") as folder:
-            calibration = (Calibration.load(calibrate(args.spec, Path(folder))) if args.calibrate else
+            options = ("--speculate", mtp) if mtp else ()
+            calibration = (Calibration.load(calibrate(args.spec, Path(folder), *options)) if args.calibrate else
                            Calibration.load(args.calibration) if args.calibration else None)
-        tables.append(measured(load_spec(args.spec), calibration, args.max_draft, args.rounds, args.text))
+        tables.append(measured(load_spec(args.spec), calibration, args.max_draft, args.rounds, args.text,
+                               args.mtp_draft))
     tables.append(paper(args.max_draft))
     write(f"speculate-{Path(args.spec).stem}", "What speculative decoding buys on a pipeline, measured and simulated",
           started, tables, args.out, quick=args.paper_only)

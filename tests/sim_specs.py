@@ -8,6 +8,7 @@ from pathlib import Path
 from cascadia.graph.plan import Plan, Stage, ring_pairs
 from cascadia.graph.planner import stage_roles
 from cascadia.models import read_config
+from cascadia.models.base import LayerKind
 from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration, NodeCalibration, Table, make_meta
 from cascadia.spec.types import ClusterSpec, LinkSpec, ModelSpec, NodeSpec, RuntimeSpec, Spec, WorkloadSpec
 
@@ -61,11 +62,11 @@ def even_plan(spec: Spec) -> Plan:
 def calibration(spec: Spec, time: Callable[[str, float, float], float], rows=(1, 64), context=(1, 64),
                 experts=(1, 8), frame_s: float = 0.0, row_s: float = 0.0, stream_s: float = 0.0,
                 links: dict[tuple[str, str], LinkSpec] | None = None) -> Calibration:
-    """Every node's tables from time(kind, rows, x) on the given grids."""
+    """Every node's tables from time(kind, rows, x) on the given grids (those of a model without an MTP layer)."""
     grids = {"context": context, "experts": experts, None: (0,)}
     tables = {kind: Table(tuple(rows), tuple(grids[axis]) if axis else (),
                           tuple(tuple(time(kind, r, x) for x in grids[axis]) for r in rows))
-              for kind, axis in KIND_AXES.items()}
+              for kind, axis in KIND_AXES.items() if kind != LayerKind.MTP}
     nodes = {node.name: NodeCalibration(tables, frame_s, row_s, stream_s) for node in spec.cluster.nodes}
     if links is None:
         names = [node.name for node in spec.cluster.nodes]

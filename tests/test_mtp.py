@@ -20,12 +20,18 @@ from cascadia.engine.engine import Engine, StageEngine
 from cascadia.engine.init_model import init_model
 from cascadia.engine.layers import rms_norm
 from cascadia.errors import SpecError
+from cascadia.graph.costs import embedding_cost, layer_costs, mtp_memory, pool_layout
 from cascadia.graph.planner import plan as make_plan
 from cascadia.pipeline.coordinator import frame_drafts, wire_frame
 from cascadia.pipeline.run import Pipeline
 from cascadia.pipeline.stage import EngineStage, RowSampler
 from cascadia.policy import Policy, Request, Token, Verified
 from cascadia.sampling import Sampling
+from cascadia.measure.tables import Grid, StageProbe
+from cascadia.pipeline.stage import load_stage
+from cascadia.sim.analytic import analytic_calibration
+from cascadia.sim.calibration import Extrapolations
+from cascadia.sim.model import FrameShape, StageCost, stage_kinds
 from cascadia.sim.simulate import simulate
 from cascadia.spec.load import load_spec
 from cascadia.spec.types import RuntimeSpec
@@ -197,10 +203,48 @@ def test_the_pipeline_drafts_with_it_exactly(mtp_pipeline, sampled):
     assert speculation[0]["proposed"] > 0 and sum(s["accepted"] for s in speculation) > 0
 
 
-def test_the_simulator_says_it_does_not_model_the_layer_yet():
-    spec = attrs.evolve(PIPELINE_SPEC, runtime=attrs.evolve(PIPELINE_SPEC.runtime, speculate="mtp"))
-    with pytest.raises(SpecError, match="does not model the time of the MTP layer"):
-        simulate(spec, calibration=None)  # refused before any calibration is read
+def with_bandwidth(spec, speculate: str | None):
+    """The spec drafting as `speculate` says, its nodes given a memory bandwidth (for an analytic calibration)."""
+    nodes = tuple(attrs.evolve(node, memory_bandwidth=20e9) for node in spec.cluster.nodes)
+    return attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=nodes),
+                        runtime=attrs.evolve(spec.runtime, speculate=speculate))
+
+
+def test_the_simulator_charges_the_layer_at_the_head_stage():
+    """Every frame's rows through the layer, and for each of its streams the rest of a chain of 3 through it and the
+    head for each draft, at the last stage only; drafts that are never accepted cost time, drafts that always are
+    make decode faster."""
+    spec = with_bandwidth(PIPELINE_SPEC, "mtp:3")
+    calibration, config, buckets = analytic_calibration(spec), spec.model.config, spec.runtime.row_buckets
+    shape = FrameShape(padded_rows=8, rows=6, sliding_context=20.0, global_context=30.0, streams=3, sampled=6)
+    for stage in make_plan(spec).stages:
+        node = calibration.nodes[stage.node]
+        drafting = StageCost(stage.node, stage_kinds(stage, config, spec.runtime), node, config, calibration,
+                             Extrapolations(), buckets, max_draft=3)
+        plain = StageCost(stage.node, stage_kinds(stage, config), node, config, calibration, Extrapolations(), buckets)
+        mtp, head = node.tables["mtp"], node.tables["head"]
+        added = mtp.lookup(8, 30.0)[0] + 2 * mtp.lookup(4, 30.0)[0] + 3 * head.lookup(4)[0] if stage.roles[-1] == \
+            "head" else 0.0
+        assert drafting(shape) - plain(shape) == pytest.approx(added, rel=1e-9)
+    assert added > 0
+    decode = {acceptance: simulate(spec, calibration, acceptance=acceptance)["levels"][0]["decode_tokens_per_s"]
+              for acceptance in (0.0, 1.0)}
+    off = simulate(with_bandwidth(PIPELINE_SPEC, None), calibration)["levels"][0]["decode_tokens_per_s"]
+    assert decode[0.0] < off < decode[1.0]
+
+
+def test_the_stage_probe_times_the_layer():
+    """Calibration measures the layer at the last stage, on the grid of the analytic one, where the runtime drafts
+    with it."""
+    spec = attrs.evolve(PIPELINE_SPEC, runtime=attrs.evolve(PIPELINE_SPEC.runtime, speculate="mtp:2"))
+    stage = make_plan(spec).stages[-1]
+    kinds = stage_kinds(stage, spec.model.config, spec.runtime)
+    assert "mtp" in kinds and "mtp" not in stage_kinds(stage, spec.model.config, PIPELINE_SPEC.runtime)
+    probe = StageProbe(load_stage(spec, stage, CHECKPOINT, 1, False, lambda done, total: None), kinds)
+    grid = attrs.evolve(Grid.of(spec), rounds=1)
+    table = probe.tables(grid, lambda text: None)["mtp"]
+    assert table.rows == grid.rows and table.points == grid.points["mtp"] == (1, 2, 4, 8, 16, 32, 64)
+    assert all(t > 0 for line in table.time_s for t in line)
 
 
 def test_a_model_without_the_layer_cannot_draft_with_it(tmp_path):
@@ -211,5 +255,24 @@ def test_a_model_without_the_layer_cannot_draft_with_it(tmp_path):
     with pytest.raises(SpecError, match=r"runtime\.speculate.*mtp:2 drafts with the model's multi-token-prediction"):
         load_spec(tmp_path / "spec.yaml")
     result = CliRunner().invoke(cli, ["run", str(tiny), "--speculate", "mtp"])
-    assert result.exit_code == 2 and "--speculate mtp drafts with the model's multi-token-prediction layer, and its " \
-        "config has none" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 2 and "--speculate mtp drafts with the model's multi-token-prediction layer, and " \
+        "Cascadia runs none of its config's (num_mtp_layers: None" in result.output and "Traceback" not in result.output
+
+
+def test_the_plan_counts_what_the_layer_holds():
+    """At the last of three stages: the state the layer allocates, and its weights (f32 here: the checkpoint's own
+    bytes, with the embedding table it reads), are what the plan adds to that stage beside prompt lookup's plan."""
+    spec = attrs.evolve(PIPELINE_SPEC, runtime=attrs.evolve(PIPELINE_SPEC.runtime, speculate="mtp:3"))
+    checkpoint = Checkpoint.open(CHECKPOINT)
+    last = StageEngine(checkpoint, range(4, 6), embed=False, head=True, runtime=spec.runtime,
+                       formats=spec.model.formats, warm_up=False)
+    weights, state = mtp_memory(spec.model, spec.runtime, embed=False)
+    assert state == last.mtp.state_bytes
+    stored = sum(4 * checkpoint.tensor(name).size for name in checkpoint.mtp_names())
+    assert weights == stored + embedding_cost(spec.model).weight_bytes
+    planned = make_plan(spec).stages[-1]
+    ngram = make_plan(attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, speculate="ngram:3"))).stages[-1]
+    assert planned.weight_bytes - ngram.weight_bytes == weights
+    layout = pool_layout(layer_costs(spec.model, spec.runtime)[4:6], spec.runtime)
+    assert ngram.kv_blocks - planned.kv_blocks == -(-(weights + state) // layout.block_bytes) or \
+        ngram.kv_blocks - planned.kv_blocks == (weights + state) // layout.block_bytes

@@ -104,16 +104,18 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
                    "analytic): minutes, not an hour, for a spec with large prefill buckets")
 @click.option("-o", "--output", type=OutputPath(), required=True,
               help="the calibration JSON to write (for `cascadia simulate --calibration`)")
+@speculate_option
 def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, rounds: int | None,
-                      layers_only: bool, output: str) -> None:
+                      layers_only: bool, output: str, speculate: str | None) -> None:
     """Measure what the simulator needs with the real engine and transport on the plan's local nodes: per node and
     layer kind, time over rows, attended positions (1, 2, 4 ... up to the spec's context_budget: a stream's length
     is set where a frame starts, so a long context costs one frame, no prefill) and distinct experts; the links;
-    the host overheads; the cores of a shared host."""
+    the host overheads; the cores of a shared host. Speculating as --speculate says, the pipeline's frames carry
+    its drafts' state, and with MTP drafts the head's node is measured with the layer too."""
     from cascadia.measure.calibrate import format_calibration
 
     report = report_to(output)
-    loaded = load_spec(spec)
+    loaded = with_runtime(load_spec(spec), speculate=speculate)
     measured = _calibrate(loaded, chosen_plan(loaded, plan_path), checkpoint, rounds, layers_only)
     with writing(output) as f:
         f.write(measured.to_json())

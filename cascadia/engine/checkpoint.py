@@ -24,7 +24,7 @@ import numpy as np
 from cascadia.engine.quantize import bf16_to_f32
 from cascadia.errors import CheckpointError, shown
 from cascadia.files import UnreadableFile, read_json, regular_file_size
-from cascadia.models import family, read_config
+from cascadia.models import family, mtp_layers, read_config
 from cascadia.models.base import ConfigError, ModelConfig, UnsupportedModel, read_config_json
 from cascadia.models.names import EMBED, HEAD, layer_prefix
 
@@ -234,10 +234,10 @@ class Checkpoint:
         """A multi-token-prediction layer's tensors, by name relative to its prefix (the family's `mtp_tensors`),
         each checked for its shape first: CheckpointError for a family or checkpoint without such a layer."""
         cfg, described = self.config, self._family
-        count = getattr(cfg, "num_mtp_layers", None) or 0
-        if not hasattr(described, "mtp_tensors") or not 0 <= index < count:
-            raise CheckpointError(f"{self.path}: the model has no multi-token-prediction layer {index} (its config "
-                                  f"says num_mtp_layers: {count}; Cascadia drafts with Inkling's)")
+        if not 0 <= index < mtp_layers(cfg):
+            raise CheckpointError(f"{self.path}: the model has no multi-token-prediction layer {index} that Cascadia "
+                                  f"runs (its config says num_mtp_layers: {getattr(cfg, 'num_mtp_layers', None)}; "
+                                  "only Inkling's are run)")
         prefix, expected = described.mtp_layer_prefix(index), described.mtp_tensors(cfg)
         for rel, (shape, _) in expected.items():
             if (stored := self._checked_entry(prefix + rel)[1].shape) != shape:

@@ -25,6 +25,7 @@ from cascadia.models.base import LayerKind
 from cascadia.models import names
 from cascadia.policy import stream_blocks
 from cascadia.spec.types import ModelSpec, RuntimeSpec
+from cascadia.speculation import MTP
 
 STATE_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 VECTOR_BYTES = 4  # small tensors are f32
@@ -283,9 +284,40 @@ def least_state_bytes(costs: list[LayerCost], runtime: RuntimeSpec) -> int:
     return runtime.max_streams * sum(c.conv_state_bytes for c in costs) + pool
 
 
+def mtp_cost(model: ModelSpec, runtime: RuntimeSpec) -> LayerCost:
+    """The model's multi-token-prediction layer (`cascadia.engine.mtp`), as a decoder layer's costs with what
+    surrounds its decoder layer (its norms, `eh_proj`) folded in; its state as it keeps it under `runtime`
+    (`kv_precision`; its convolutions never step back). The embedding rows it reads are not in it."""
+    cfg, fam = model.config, family(model.config)
+    layer_config = fam.mtp_config(cfg)
+    layer = layer_costs(attrs.evolve(model, config=layer_config), attrs.evolve(runtime, speculate=None))[0]
+    decoder = fam.layer_tensors(layer_config, 0)
+    around = [entry for name, entry in fam.mtp_tensors(cfg).items() if name not in decoder]
+    params = sum(math.prod(shape) for shape, _ in around)
+    stored = sum(_tensor_bytes(model, shape, group) for shape, group in around)
+    flops = sum(_matmul_flops(shape) for shape, group in around if group != names.VECTOR)
+    return attrs.evolve(layer, params=layer.params + params, active_params=layer.active_params + params,
+                        weight_bytes=layer.weight_bytes + stored, held_bytes=layer.held_bytes + stored,
+                        bytes_per_row=layer.bytes_per_row + stored, flops_per_row=layer.flops_per_row + flops)
+
+
+def mtp_memory(model: ModelSpec, runtime: RuntimeSpec, embed: bool) -> tuple[int, int]:
+    """What drafting with the model's multi-token-prediction layer (`runtime.speculate` names mtp; (0, 0)
+    otherwise) adds to the stage holding the head, as `cascadia.engine.mtp` allocates it: the layer's weights, and
+    the embedding table it reads where the stage does not embed; and its state, whole from the start: every slot's
+    convolution states and K/V up to the context budget plus the drafts."""
+    if MTP not in runtime.drafters:
+        return 0, 0
+    layer = mtp_cost(model, runtime)
+    positions = runtime.blocks_for(runtime.context_budget + runtime.max_draft) * runtime.kv_block
+    state = runtime.max_streams * (layer.conv_state_bytes + positions * layer.kv_bytes_per_position)
+    return layer.held_bytes + (0 if embed else embedding_cost(model).weight_bytes), state
+
+
 def stage_memory(model: ModelSpec, runtime: RuntimeSpec, layers: range, embed: bool, head: bool) -> tuple[int, int]:
     """What a stage holding `layers` (and the embedding, the head) needs at least, as the planner counts it: its
-    weight bytes as the engine holds them, and `least_state_bytes`."""
+    weight bytes as the engine holds them, and `least_state_bytes` (and, holding the head, `mtp_memory`)."""
     costs = layer_costs(model, runtime)[layers.start:layers.stop]
     ends = (embed and embedding_cost(model).weight_bytes) + (head and head_cost(model).weight_bytes)
-    return sum(c.held_bytes for c in costs) + ends, least_state_bytes(costs, runtime)
+    mtp_weights, mtp_state = mtp_memory(model, runtime, embed) if head else (0, 0)
+    return sum(c.held_bytes for c in costs) + ends + mtp_weights, least_state_bytes(costs, runtime) + mtp_state

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cascadia.errors import PlanError
-from cascadia.graph.costs import PoolLayout, embedding_cost, head_cost, layer_costs
+from cascadia.graph.costs import PoolLayout, embedding_cost, head_cost, layer_costs, mtp_memory
 from cascadia.graph.plan import EMBED, HEAD, LAYERS, Plan, Stage, ring_pairs, stage_state_words
 from cascadia.spec.types import NodeSpec, Spec
 from cascadia.units import binary_unit
@@ -108,14 +108,22 @@ class _Memory:
         self._sliding = [0, *itertools.accumulate(c.kv_window is not None for c in self.costs)]
         self._sliding_cost = next((c for c in self.costs if c.kv_window is not None), None)  # all alike
         self._ends = {EMBED: embedding_cost(spec.model).weight_bytes, HEAD: head_cost(spec.model).weight_bytes}
-        self._all_weights = self._weights[-1] + sum(self._ends.values())
+        # the MTP layer that drafts at the head's stage (nothing without mtp drafts), by whether the stage embeds
+        self._mtp = {embed: mtp_memory(spec.model, spec.runtime, embed) for embed in (False, True)}
+        self._all_weights = self._weights[-1] + sum(self._ends.values()) + self._mtp[True][0]
         self._pools: dict[tuple[int, int, int, int], int] = {}
         self._place(nodes)
 
     def _place(self, nodes: tuple[NodeSpec, ...]) -> None:
         self.nodes = nodes
-        self._end_weights = [sum(size for role, size in self._ends.items() if role in stage_roles(j, len(nodes)))
+        roles = [stage_roles(j, len(nodes)) for j in range(len(nodes))]
+        self._end_weights = [sum(size for role, size in self._ends.items() if role in roles[j])
                              for j in range(len(nodes))]
+        self._end_states = [0] * len(nodes)  # fixed state of a stage beside its layers'
+        if nodes:
+            mtp_weights, self._end_states[-1] = self._mtp[EMBED in roles[-1]]
+            self._end_weights[-1] += mtp_weights
+
         self._reserves = [self.spec.cluster.reserve(node) for node in nodes]
 
     def with_nodes(self, nodes: tuple[NodeSpec, ...]) -> _Memory:
@@ -158,14 +166,19 @@ class _Memory:
     def reserve(self, stage: int) -> int:
         return self._reserves[stage]
 
+    def end_state(self, stage: int) -> int:
+        """State a stage holds beside its layers' (the MTP layer's, at the head's)."""
+        return self._end_states[stage]
+
     def need(self, stage: int, first: int, last: int, streams: int, context: int) -> int:
-        return self.weights(stage, first, last) + self.state(first, last, streams, context) + self._reserves[stage]
+        return self.weights(stage, first, last) + self.state(first, last, streams, context) + \
+            self._end_states[stage] + self._reserves[stage]
 
     def shortfall(self, streams: int, context: int) -> Callable[[int, int, int], float]:
         """Score of a stage for `min_max_split`: bytes it needs beyond its node's memory (<= 0 when it fits);
         math.inf for a stage whose length breaks its node's `layers` pin."""
-        fixed = [ends + reserve - node.memory_bytes
-                 for ends, reserve, node in zip(self._end_weights, self._reserves, self.nodes)]
+        fixed = [ends + end_state + reserve - node.memory_bytes for ends, end_state, reserve, node
+                 in zip(self._end_weights, self._end_states, self._reserves, self.nodes)]
         pins = [node.layers for node in self.nodes]
 
         def score(j: int, a: int, b: int) -> float:
@@ -323,7 +336,8 @@ def plan(spec: Spec, stage_time: StageTime | None = None, cost_source: str = "cu
     stages = []
     for j, (first, end) in enumerate(zip(firsts, [*firsts[1:], n_layers])):
         last, node = end - 1, nodes[j]
-        weights, slots = memory.weights(j, first, last), streams * memory.slot_state(first, last)
+        # every slot's convolution states, and the state beside the layers'
+        weights, slots = memory.weights(j, first, last), streams * memory.slot_state(first, last) + memory.end_state(j)
         room_for_pool = node.memory_bytes - weights - memory.reserve(j) - slots
         layout = memory.layout(first, last, context)
         blocks = room_for_pool // layout.block_bytes if layout else None  # None: no attention layer, no pool

@@ -3,15 +3,16 @@
 A process with the node's thread settings builds its stage as the node process does (`load_stage`) and sends frames
 through the same stage wrapper, on the analytic calibration's grid: rows = every padded frame size the policy
 produces; attended positions 1, 2, 4, ... up to the context budget (a sliding layer's window); for MoE, distinct
-experts top_k ... n_routed_experts. A frame is one stream's consecutive rows, their mean attended positions on the
-grid point where the context budget allows (what each further stream in a frame costs is measured on the pipeline,
+experts top_k ... n_routed_experts. A frame is one stream's consecutive rows, their mean attended positions on the grid
+point where the context budget allows (what each further stream in a frame costs is measured on the pipeline,
 `cascadia.measure.pipeline_probe`). Timers around each layer's forward and its MLP give the MLP's kind (dense or moe)
-and the attention's (the rest of the layer: norms, attention, convolutions, residuals); timers around the embedding
-and the head (final norm, head, sampling) give theirs. A point is the median over `rounds` sweeps of the grid,
-interleaved so that a burst of other load touches every point alike. The stream's length is set where its rows start
-(the time does not depend on the cached values). Distinct experts D: the layer's own router runs, then row i's
-experts are rewritten to i*k ... i*k + k - 1 modulo D, so that the frame touches exactly D; R rows touch at most R*k,
-and a point beyond that holds the time at R*k.
+and the attention's (the rest of the layer: norms, attention, convolutions, residuals); timers around the embedding and
+the head (final norm, head, sampling) give theirs; where the stage drafts with the MTP layer, one call of it over the
+frame's rows (its rows alone: what a frame's drafts add is the simulator's to count) gives its. A point is the median
+over `rounds` sweeps of the grid, interleaved so that a burst of other load touches every point alike. The stream's
+length is set where its rows start (the time does not depend on the cached values). Distinct experts D: the layer's own
+router runs, then row i's experts are rewritten to i*k ... i*k + k - 1 modulo D, so that the frame touches exactly D; R
+rows touch at most R*k, and a point beyond that holds the time at R*k.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def tables_worker(argv: Sequence[str]) -> None:
         engine = loaded.engine
         device = f"{engine.device} {core().get_property(engine.device, 'FULL_DEVICE_NAME')}"
         say(progress=f"MoE {paths_text(engine.moe_grouped_from, engine.row_buckets)}")
-        probe = StageProbe(loaded, stage_kinds(stage, spec.model.config))
+        probe = StageProbe(loaded, stage_kinds(stage, spec.model.config, spec.runtime))
         tables = probe.tables(Grid.of(spec, int(rounds)), lambda text: say(progress=text))
         say(tables={kind: attrs.asdict(table) for kind, table in tables.items()}, device=device)
     except Exception as e:  # reported by the parent, naming the node
@@ -172,6 +173,8 @@ class StageProbe:
         engine = self.engine
         start = min(max(0, context - (rows + 1) // 2), engine.context_budget - rows)
         engine.lengths[0] = start
+        if engine.mtp is not None:
+            engine.mtp.lengths[0] = start
         self._frames += 1
         tokens = self._rng.integers(0, engine.config.vocab_size, rows)
         residual = None if engine.embedding is not None else \
@@ -194,13 +197,24 @@ class StageProbe:
         for kind in (LayerKind.EMBEDDING, LayerKind.HEAD):
             if kind in seconds:
                 out[kind].append(seconds[kind])
+        if LayerKind.MTP in self.kinds:
+            out[LayerKind.MTP].append(self._mtp_call(frame))
         return out
+
+    def _mtp_call(self, frame: Frame) -> float:
+        """Seconds of one call of the MTP layer over the frame's rows (random inputs), where they start."""
+        mtp, rows = self.engine.mtp, len(frame.positions)
+        mtp.lengths[0] = frame.positions[0]
+        hidden = self._rng.standard_normal((rows, self.engine.config.hidden_size), dtype=np.float32)
+        start = time.perf_counter()
+        mtp.step(hidden, frame.token_ids, frame.slots, frame.positions)
+        return time.perf_counter() - start
 
     def tables(self, grid: Grid, progress: Progress) -> dict[str, Table]:
         """This stage's kinds on the grid: medians over the rounds (and over the stage's layers of a kind)."""
         top_k = self.engine.config.routed_experts[1]
-        attention = (LayerKind.SLIDING, LayerKind.GLOBAL)
-        contexts = sorted({c for kind in attention if kind in self.kinds for c in grid.points[kind]} or {1})
+        attention = [kind for kind in self.kinds if KIND_AXES[kind] == "context"]  # the MTP layer's too
+        contexts = sorted({c for kind in attention for c in grid.points[kind]} or {1})
         moe = LayerKind.MOE
         experts = grid.points[moe] if moe in self.kinds else ()
         samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)  # (kind, rows, point) -> seconds

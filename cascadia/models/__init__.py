@@ -60,6 +60,12 @@ def family(config: Any) -> ModuleType:
     return FAMILIES[config.model_type]
 
 
+def mtp_layers(config: Any) -> int:
+    """The multi-token-prediction layers of a config that Cascadia can draft with (`cascadia.engine.mtp`): its
+    `num_mtp_layers`, in a family that describes the layer (`mtp_config`, `mtp_tensors`: Inkling's); 0 otherwise."""
+    return (getattr(config, "num_mtp_layers", None) or 0) if hasattr(family(config), "mtp_config") else 0
+
+
 def config_from_hf_dict(raw: Any) -> Any:
     """The config of a transformers config dict, of the family it names (`family_of`)."""
     if not isinstance(raw, dict):

@@ -26,8 +26,9 @@ MAX_CONFIG_FILE_BYTES = 1024**2
 
 class LayerKind(str, enum.Enum):
     """The kinds of work the parts of a model do, one name for the graph, the planner, the engine, calibration and
-    the simulator: a decoder layer's attention half (sliding or global) and its MLP half (MoE or dense), and the
-    two ends of the pipeline (the embedding; the head with the final norm and sampling)."""
+    the simulator: a decoder layer's attention half (sliding or global) and its MLP half (MoE or dense), the
+    two ends of the pipeline (the embedding; the head with the final norm and sampling), and the multi-token-
+    prediction layer drafting at the head's stage (`cascadia.engine.mtp`)."""
 
     SLIDING = "sliding"
     GLOBAL = "global"
@@ -35,6 +36,7 @@ class LayerKind(str, enum.Enum):
     DENSE = "dense"
     EMBEDDING = "embedding"
     HEAD = "head"
+    MTP = "mtp"
 
     def __str__(self) -> str:
         return self.value

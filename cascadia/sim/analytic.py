@@ -11,7 +11,10 @@ Each table entry is max(bytes read / memory_bandwidth, FLOPs / compute_flops) fo
   FLOPs per row for the router, top-k routed and shared experts;
 - dense: the dense MLP's weights once; its FLOPs per row;
 - embedding: each row reads its own table row; head: final norm and head weights once, FLOPs per row, plus reading the
-  R x vocabulary logits to sample.
+  R x vocabulary logits to sample;
+- mtp (a model with a multi-token-prediction layer), over C attended positions: the layer's weights once, each row's
+  embedding row, and one stream's K/V over C positions; FLOPs per row for its projections and MLP, plus attention
+  FLOPs per row and position.
 Links come from the spec; host overheads are not estimated (zero). Every output labels it kind "analytic".
 """
 
@@ -20,8 +23,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from cascadia.graph.costs import ACTIVATION_BYTES, embedding_cost, head_cost, layer_costs, layer_ops
+from cascadia.graph.costs import ACTIVATION_BYTES, embedding_cost, head_cost, layer_costs, layer_ops, mtp_cost
 from cascadia.graph.plan import ring_pairs
+from cascadia.models import mtp_layers
 from cascadia.models.base import LayerKind
 from cascadia.policy import padded_size
 from cascadia.sim.calibration import ANALYTIC, Calibration, CalibrationError, NodeCalibration, Table, make_meta
@@ -101,6 +105,11 @@ def kind_costs(spec: Spec) -> dict[str, tuple[tuple[int, ...], Cost]]:
     logits_bytes = cfg.output_vocab_size * ACTIVATION_BYTES
     out[LayerKind.EMBEDDING] = ((), lambda r, _: (r * embed.bytes_per_row, 0.0))
     out[LayerKind.HEAD] = ((), lambda r, _: (head.weight_bytes + r * logits_bytes, r * head.flops_per_row))
+    if mtp_layers(cfg):
+        mtp = mtp_cost(spec.model, runtime)
+        out[LayerKind.MTP] = (_doubling(1, runtime.context_budget), lambda r, c: (
+            mtp.bytes_per_row + r * embed.bytes_per_row + c * mtp.kv_bytes_per_position,
+            r * (mtp.flops_per_row + c * mtp.attn_flops_per_position)))
     return out
 
 

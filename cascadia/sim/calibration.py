@@ -49,7 +49,7 @@ MAX_CALIBRATION_FILE_BYTES = 64 * 1024**2  # the paper's 11 nodes take 111 KiB (
 MEASURED, ANALYTIC = "measured", "analytic"
 # Each layer kind's second table axis; None: the time depends on rows alone.
 KIND_AXES = {LayerKind.SLIDING: "context", LayerKind.GLOBAL: "context", LayerKind.MOE: "experts",
-             LayerKind.DENSE: None, LayerKind.EMBEDDING: None, LayerKind.HEAD: None}
+             LayerKind.DENSE: None, LayerKind.EMBEDDING: None, LayerKind.HEAD: None, LayerKind.MTP: "context"}
 
 
 def interpolate(grid: Sequence[float], values: Sequence[float], x: float) -> tuple[float, bool]:

@@ -83,8 +83,8 @@ def fit_overheads(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[
     progress(f"message handling: {frame_s * 1e3:.2f} ms per frame + {row_s * 1e3:.3f} ms per row, each node")
     nodes = {}
     for i, stage in enumerate(plan.stages):
-        cost = StageCost(f"node {stage.node}", stage_kinds(stage, config), layers.nodes[stage.node], config, layers,
-                         Extrapolations(), spec.runtime.row_buckets)
+        cost = StageCost(f"node {stage.node}", stage_kinds(stage, config, spec.runtime), layers.nodes[stage.node],
+                         config, layers, Extrapolations(), spec.runtime.row_buckets, spec.runtime.max_draft)
         scale, stream_s = fit_non_negative([[sum(map(cost, f.shapes)) for f in frames],
                                             [sum(s.streams for s in f.shapes) for f in frames]],
                                            [f.busy[i] for f in frames])

@@ -39,7 +39,8 @@ from cascadia.policy import Frame, Policy, Row, padded_size
 from cascadia.sim.calibration import (KIND_AXES, Calibration, CalibrationError, Extrapolations, NodeCalibration,
                                       interpolate)
 from cascadia.sim.loss import Loss, Recovery
-from cascadia.spec.types import LinkSpec, Spec
+from cascadia.spec.types import LinkSpec, RuntimeSpec, Spec
+from cascadia.speculation import MTP
 from cascadia.trace import FrameTiming, StageTiming
 from cascadia.wire_format import frame_bytes, tokens_bytes
 from cascadia.workload import Arrivals
@@ -91,11 +92,14 @@ def message_sizes(shape: FrameShape, hidden: int, stages: int) -> list[int]:
     return [frame_bytes(shape.rows, hidden)] * (stages - 1) + [tokens_bytes(shape.sampled)]
 
 
-def stage_kinds(stage: Stage, config: ModelConfig) -> Counter[str]:
-    """How many layers of each kind a stage computes per frame (embedding and head count as one each)."""
+def stage_kinds(stage: Stage, config: ModelConfig, runtime: RuntimeSpec | None = None) -> Counter[str]:
+    """How many layers of each kind a stage computes per frame (embedding and head count as one each; the MTP
+    layer too, at the head's stage where `runtime` drafts with it)."""
     kinds = Counter(config.attention_kind(i) for i in stage.layers)
     kinds.update(config.mlp_kind(i) for i in stage.layers)
     kinds.update(kind for role, kind in ((EMBED, LayerKind.EMBEDDING), (HEAD, LayerKind.HEAD)) if role in stage.roles)
+    if runtime is not None and HEAD in stage.roles and MTP in runtime.drafters:
+        kinds[LayerKind.MTP] = 1
     return kinds
 
 
@@ -107,11 +111,14 @@ class StageCost:
     """
 
     def __init__(self, nodes: str, kinds: Counter[str], node: NodeCalibration, config: ModelConfig,
-                 calibration: Calibration, extrapolations: Extrapolations, buckets: tuple[int, ...]) -> None:
+                 calibration: Calibration, extrapolations: Extrapolations, buckets: tuple[int, ...],
+                 max_draft: int = 0) -> None:
+        """`max_draft`: the drafts a stream's MTP chain makes, where `kinds` has the MTP layer."""
         self._nodes, self._node, self._calibration, self._log = nodes, node, calibration, extrapolations
         self._experts, self._top_k = config.routed_experts
         self._kinds = kinds
         self._buckets = buckets
+        self._chain = max_draft if LayerKind.MTP in kinds else 0
         self._fixed: dict[tuple[int, int], float] = {}
         self._head: dict[int, float] = {}  # by sampled rows
         self._attention: dict[int, list[tuple[int, str, tuple[float, ...], tuple[float, ...], float]]] = {}
@@ -175,7 +182,16 @@ class StageCost:
             if outside:
                 self._log.note(self._nodes, kind, f"context {context:g}")
             total += count * (value + others * per_position * context)
-        return total
+        return total + (self._drafting(shape) if self._chain else 0.0)
+
+    def _drafting(self, shape: FrameShape) -> float:
+        """The MTP layer at the head's stage (`cascadia.engine.mtp`): every row through it; then, for the streams
+        that draft (each of the frame's, at most), the rest of their chain through it and the head for each draft.
+        Every call reads the frame's mean global context."""
+        streams, context = padded_size(shape.streams, self._buckets), shape.global_context
+        return (self._lookup(LayerKind.MTP, shape.padded_rows, context)
+                + (self._chain - 1) * self._lookup(LayerKind.MTP, streams, context)
+                + self._chain * self._lookup(LayerKind.HEAD, streams))
 
 
 def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -285,7 +301,7 @@ class PipelineModel:
                                    f"{', '.join(missing)} (has {', '.join(calibration.nodes)})")
         self._names = [s.node for s in plan.stages]
         self._nodes = list(dict.fromkeys(self._names))  # the stages' nodes, each once
-        self.costs, self._cost_index = self._stage_costs(plan, calibration, config, spec.runtime.row_buckets)
+        self.costs, self._cost_index = self._stage_costs(plan, calibration, config, spec.runtime)
         host_names = stage_hosts(spec, plan)
         shared = {name: SharedHost(self.env, calibration.hosts.get(name, (1.0,))) for name in shared_hosts(spec, plan)}
         self.notes: list[str] = []
@@ -325,16 +341,19 @@ class PipelineModel:
         return legs
 
     def _stage_costs(self, plan: Plan, calibration: Calibration, config: ModelConfig,
-                     buckets: tuple[int, ...]) -> tuple[list[StageCost], list[int]]:
+                     runtime: RuntimeSpec) -> tuple[list[StageCost], list[int]]:
         """One StageCost per distinct (layer kinds, node calibration), and which one each stage uses."""
         where = calibration.source or "calibration"
         groups: list[tuple[Counter[str], NodeCalibration, list[str]]] = []
         index = []
         for stage in plan.stages:
-            kinds, node = stage_kinds(stage, config), calibration.nodes[stage.node]
+            kinds, node = stage_kinds(stage, config, runtime), calibration.nodes[stage.node]
             if missing := sorted(set(kinds) - set(node.tables)):
+                hint = "; a calibration measures the MTP layer where its spec's runtime.speculate drafts with it" \
+                    if LayerKind.MTP in missing else ""
                 raise CalibrationError(f"{where}: nodes.{stage.node}.tables: missing {', '.join(missing)} (layers "
-                                       f"{stage.first_layer}-{stage.last_layer}, roles {', '.join(stage.roles)})")
+                                       f"{stage.first_layer}-{stage.last_layer}, roles {', '.join(stage.roles)}"
+                                       f"{hint})")
             same = next((i for i, (k, n, _) in enumerate(groups) if k == kinds and n == node), None)
             if same is None:
                 same = len(groups)
@@ -342,7 +361,7 @@ class PipelineModel:
             groups[same][2].append(stage.node)
             index.append(same)
         costs = [StageCost(f"node{'s' * (len(names) > 1)} {', '.join(names)}", kinds, node, config, calibration,
-                           self.extrapolations, buckets)
+                           self.extrapolations, runtime.row_buckets, runtime.max_draft)
                  for kinds, node, names in groups]
         return costs, index
 

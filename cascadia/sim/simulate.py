@@ -7,7 +7,7 @@ from typing import BinaryIO
 
 from cascadia import metrics
 from cascadia.driver import Served, serve_workload
-from cascadia.errors import CascadiaError, SpecError
+from cascadia.errors import CascadiaError
 from cascadia.graph.plan import Plan
 from cascadia.policy import Policy
 from cascadia.sim.calibration import Calibration
@@ -15,7 +15,6 @@ from cascadia.sim.drafts import DEFAULT_ACCEPTANCE, RateDrafter, Step, TraceDraf
 from cascadia.sim.loss import DETECT_S, Loss, recovery
 from cascadia.sim.model import PipelineModel
 from cascadia.spec.types import Spec
-from cascadia.speculation import MTP
 from cascadia.tokenizer import workload_prompts
 from cascadia.trace import FrameTiming
 from cascadia.workload import MEASURED, prompt_length_notes
@@ -37,10 +36,6 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None,
     same (to the rounding of the clock's later start), unless drafts are accepted at random (the draws run on
     through the phases).
     """
-    if MTP in spec.runtime.drafters:
-        raise SpecError(f"runtime.speculate {spec.runtime.speculate}: the simulator does not model the time of the "
-                        "MTP layer at the last stage yet; measure it with `cascadia run`, or simulate prompt lookup "
-                        "(ngram) with the acceptance the run measured")
     if plan is None:
         from cascadia.graph.planner import plan as make_plan
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import attrs
 
+from cascadia.models import mtp_layers
 from cascadia.models.base import ModelConfig
 from cascadia.speculation import MTP, parse_speculate, speculate_setting
 
@@ -254,10 +255,10 @@ class RuntimeSpec:
     def drafting_misfit(self, config) -> str:
         """Why the model cannot draft as `speculate` says ("" when it can): MTP drafts from a model without a
         multi-token-prediction layer."""
-        if MTP not in self.drafters or getattr(config, "num_mtp_layers", None):
+        if MTP not in self.drafters or mtp_layers(config):
             return ""
-        return (f"{self.speculate} drafts with the model's multi-token-prediction layer, and its config has none "
-                "(num_mtp_layers); use ngram")
+        return (f"{self.speculate} drafts with the model's multi-token-prediction layer, and Cascadia runs none of "
+                f"its config's (num_mtp_layers: {getattr(config, 'num_mtp_layers', None)}; only Inkling's); use ngram")
 
     def blocks_for(self, positions: int) -> int:
         """K/V pool blocks a stream of `positions` positions holds."""
