@@ -112,6 +112,24 @@ def test_a_fork_drafts_as_its_source(stage, reference):
         assert stage.mtp.advance([slot], [7], ids[7:8], hidden, np.ones(1, bool), ids[8:9])[0][0] == expected[7]
 
 
+def test_rows_off_its_path_lose_the_stream_until_it_starts_afresh(stage, reference):
+    """Teacher-forced rows (scoring, calibration's probes): every row sampled, the next frame going on after the
+    last whatever was sampled. The layer stops at the first row whose token was not the one after it; rows that
+    then do not continue where it stands are not its stream's any more: no drafts, no error, until the slot starts
+    afresh."""
+    ids, expected, mtp = reference["ids"], reference["mtp_logits"].argmax(axis=1), stage.mtp
+    vocab = stage.config.vocab_size
+    hidden = stage.forward(stage.embed(ids[:8]), np.zeros(8), np.arange(8))
+    assert list(mtp.advance(np.zeros(8), np.arange(8), ids[:8], hidden, np.ones(8, bool), (ids[1:9] + 1) % vocab)) \
+        == [0]
+    hidden = stage.forward(stage.embed(ids[8:12]), np.zeros(4), np.arange(8, 12))
+    assert mtp.advance(np.zeros(4), np.arange(8, 12), ids[8:12], hidden, np.ones(4, bool), ids[9:13]) == {}
+    stage.release(0)
+    hidden = stage.forward(stage.embed(ids[:8]), np.zeros(8), np.arange(8))
+    sampled = np.arange(8) == 7
+    assert mtp.advance(np.zeros(8), np.arange(8), ids[:8], hidden, sampled, ids[8:9])[7][0] == expected[7]
+
+
 def test_a_checkpoint_without_the_layer_is_named(tmp_path):
     init_model(attrs.evolve(Checkpoint.open(CHECKPOINT).config, num_mtp_layers=None), tmp_path, seed=0)
     checkpoint = Checkpoint.open(tmp_path)

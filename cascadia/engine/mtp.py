@@ -12,7 +12,9 @@ proposals: the policy verifies them (`cascadia.policy`), so they never change a 
 The layer keeps its own state per slot as a decoder layer does (keys and values in a pool of its own, short-
 convolution histories), its length, and the final hidden state of a row whose next token is not known yet (a prompt
 chunk's last row: the next frame's first row completes it). Chained positions are guesses: the state is put back
-as it was before them, so the next frame's rows continue where the stream truly stands.
+as it was before them, so the next frame's rows continue where the stream truly stands. Rows that do not continue
+a stream's path as the layer knows it (teacher-forced scoring, calibration's probes) lose the stream: it drafts
+nothing until its slot starts afresh.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from cascadia.engine.state_format import StateFormat
 from cascadia.models import family
 from cascadia.policy import padded_size
 from cascadia.spec.types import RuntimeSpec, WeightFormats
+
+
+LOST = -1  # the length of a slot whose stream the layer lost: it drafts nothing until the slot starts afresh
 
 
 class MtpLayer:
@@ -117,7 +122,11 @@ class MtpLayer:
         starts = np.flatnonzero(np.append(True, slots[1:] != slots[:-1]))
         for first, end in zip(starts.tolist(), [*starts[1:].tolist(), len(slots)]):
             slot = int(slots[first])
-            if (pending := self._pending.pop(slot, None)) is not None and pending[0] == positions[first] - 1:
+            pending = self._pending.pop(slot, None)
+            if positions[first] != (self.lengths[slot] if pending is None else pending[0] + 1):
+                self.lengths[slot] = LOST  # rows that do not follow its path (scoring, calibration's frames)
+                continue
+            if pending is not None:
                 rows.append((slot, pending[0], pending[1], int(token_ids[first])))
             for i in range(first, end):
                 last = i + 1 == end
@@ -160,6 +169,9 @@ class MtpLayer:
 
     def fork(self, source: int, target: int) -> None:
         """`target` starts as `source` stands (after `release(target)`)."""
+        if self.lengths[source] == LOST:
+            self.lengths[target] = LOST
+            return
         self.pool.fork(source, target, int(self.lengths[source]))
         self.state.fork(source, target)
         self.lengths[target] = self.lengths[source]
