@@ -47,7 +47,7 @@ class MtpLayer:
         slots up to its context budget plus its drafts. `final_norm`: the model's; `embed`: token ids -> the first
         layer's input rows (the normed embedding); `head`: normed rows -> logits, the model's own."""
         cfg, described = checkpoint.config, family(checkpoint.config)
-        self.config, self.eps = described.mtp_config(cfg), cfg.rms_norm_eps
+        layer_config, self.eps = described.mtp_config(cfg), cfg.rms_norm_eps
         self.final_norm, self.embed, self.head = final_norm, embed, head
         self.max_draft, self.context_budget = runtime.max_draft, runtime.context_budget
         self.row_buckets = runtime.row_buckets
@@ -55,14 +55,14 @@ class MtpLayer:
         self.hnorm, self.enorm, self.norm = t[described.MTP_HNORM], t[described.MTP_ENORM], t[described.MTP_NORM]
         self.eh_proj = compile_block(graphs.projection([t[described.MTP_PROJ]], formats.attention))
         host = host_layers(cfg)
-        self.layer = host.build_layer(self.config, 0, t, formats, compile_block)
+        self.layer = host.build_layer(layer_config, 0, t, formats, compile_block)
         shape, fmt = self.layer.shape, StateFormat(runtime.kv_precision)
         fused_from = None if runtime.fused_attention_from == "never" else runtime.fused_attention_from
-        blocks = -(-(runtime.context_budget + runtime.max_draft) // runtime.kv_block)
+        blocks = runtime.blocks_for(runtime.context_budget + runtime.max_draft)  # as the plan counts them
         kv = PagedKV.alone(runtime.max_streams * blocks, runtime.kv_block, runtime.max_streams, shape.kv_heads,
                            shape.head_dim, fmt, fused_from)
         self.pool = kv.pool
-        self.state = host.slot_state(self.config, kv, runtime.max_streams, fmt, 0)
+        self.state = host.slot_state(layer_config, kv, runtime.max_streams, fmt, 0)
         self.conv_kernel = described.conv_history(cfg) + 1
         self.lengths = np.zeros(runtime.max_streams, np.int64)  # next position of each slot
         self._pending: dict[int, tuple[int, np.ndarray]] = {}  # slot: (position, final hidden state after norm)
