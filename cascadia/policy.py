@@ -29,7 +29,8 @@ right after its stream's decode row at the positions that follow, every one samp
 first whose token differs from the one sampled from the row before it: a draw depends only on the seed and the
 stream's tokens, so each accepted token is the one the stream gets without speculation. The next frame's rows start
 where the stream stands, and every stage rewinds to there (K/V are masked by position; convolution inputs and the
-sampler's history are kept for the positions a rewind can drop).
+sampler's history are kept for the positions a rewind can drop). Such frames ask the last stage to propose drafts
+(`Frame.propose`: drafters there, the MTP layer, spend time only when they will be used).
 
 Memory by need: K/V live in blocks from a pool per node (`KVPool`): a stream holds a few for its sliding layers'
 rings and, on a node with global layers, one per `kv_block` positions. Every node holds every stream, so a request
@@ -96,6 +97,9 @@ class Frame:
     rows: tuple[Row, ...]  # decode rows (by admission order), each followed by its stream's drafts, then prompt rows
     padded_rows: int  # the row bucket the engine runs; rows beyond len(rows) are padding
     drafted: bool = False  # some rows are drafts
+    # the last stage proposes drafts after the sampled rows' tokens (its MTP layer runs their rows now, for the next
+    # frame's drafts; otherwise it holds them to run later): set while the pipeline has idle stages
+    propose: bool = False
     # the request ids of the sampled rows, in order (a speculating stream's once per row): made with the frame, as
     # the backend, the policy and the simulator's costs all read them
     sampled_ids: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
@@ -340,11 +344,12 @@ class Policy:
         if not rows:
             return None
         drafted = False
-        if self.speculation is not None and decoding and sum(map(bool, self._groups)) < self.n_groups:
+        speculating = self.speculation is not None and sum(map(bool, self._groups)) < self.n_groups
+        if speculating and decoding:
             undrafted = len(rows)
             rows = self._with_drafts(rows, decoding)
             drafted = len(rows) > undrafted
-        frame = Frame(self._seq, group, tuple(rows), padded_size(len(rows), self.row_buckets), drafted)
+        frame = Frame(self._seq, group, tuple(rows), padded_size(len(rows), self.row_buckets), drafted, speculating)
         self._seq += 1
         self._in_flight[group] = frame
         return frame

@@ -77,10 +77,10 @@ def test_its_logits_are_the_reference_modules(stage, reference):
 
 
 def test_drafts_follow_the_streams_path(stage, reference):
-    """A 20-token prompt in chunks of 8 (the layer waits for each chunk's next token), its last row sampled: drafts
-    from position 19. Then a decode row and two drafts, the second rejected: drafts from the accepted one's
-    position. Each first draft is the reference's top token there; after the chained drafts (3 a step) the layer
-    goes on as teacher-forced, exact."""
+    """A 20-token prompt in chunks of 8 (the layer waits for each chunk's next token, and holds rows that no drafts
+    wait on until they fill its largest call, 8 rows), its last row sampled: drafts from position 19. Then a decode
+    row and two drafts, the second rejected: drafts from the accepted one's position. Each first draft is the
+    reference's top token there; after the chained drafts (3 a step) the layer goes on as teacher-forced, exact."""
     ids, expected = reference["ids"], reference["mtp_logits"].argmax(axis=1)
     mtp = stage.mtp
     for at in range(0, 20, 8):
@@ -88,14 +88,15 @@ def test_drafts_follow_the_streams_path(stage, reference):
         positions = np.arange(at, at + len(chunk))
         hidden = stage.forward(stage.embed(chunk), np.zeros(len(chunk)), positions)
         sampled = positions == 19
-        drafts = mtp.advance(np.zeros(len(chunk)), positions, chunk, hidden, sampled, ids[20:20 + sampled.sum()])
+        drafts = mtp.advance(np.zeros(len(chunk)), positions, chunk, hidden, sampled, ids[20:20 + sampled.sum()],
+                             propose=sampled)
         assert list(drafts) == ([] if at < 16 else [3])  # by the row's index in the frame
-        assert mtp.lengths[0] == (20 if at == 16 else at + 7)  # a chunk's last row waits for the next token
+        assert mtp.lengths[0] == {0: 0, 8: 15, 16: 20}[at]  # 7 rows held; 15 run; the rest, as drafts follow
     assert len(drafts[3]) == 3 and drafts[3][0] == expected[19]
     wrong = (ids[22] + 1) % stage.config.vocab_size
     rows = np.array([ids[20], ids[21], wrong])  # the decode row, an accepted draft, a rejected one
     hidden = stage.forward(stage.embed(rows), np.zeros(3), [20, 21, 22])
-    drafts = mtp.advance(np.zeros(3), [20, 21, 22], rows, hidden, np.ones(3, bool), ids[21:24])
+    drafts = mtp.advance(np.zeros(3), [20, 21, 22], rows, hidden, np.ones(3, bool), ids[21:24], np.ones(3, bool))
     assert list(drafts) == [1] and drafts[1][0] == expected[21] and mtp.lengths[0] == 22
     rest = normed(stage, hidden_of(stage, ids[22:], start=22))[:-1]  # the model rewinds past the rejected row
     assert_close(mtp.logits(mtp.step(rest, ids[23:], np.zeros(len(rest)), np.arange(22, 22 + len(rest)))),
@@ -109,7 +110,26 @@ def test_a_fork_drafts_as_its_source(stage, reference):
     stage.fork(0, 1)  # before the prompt's last row, as a policy forks a prompt's choices
     for slot in (0, 1):
         hidden = stage.forward(stage.embed(ids[7:8]), [slot], [7])
-        assert stage.mtp.advance([slot], [7], ids[7:8], hidden, np.ones(1, bool), ids[8:9])[0][0] == expected[7]
+        assert stage.mtp.advance([slot], [7], ids[7:8], hidden, np.ones(1, bool), ids[8:9], [True])[0][0] \
+            == expected[7]
+
+
+def test_rows_held_while_no_drafts_are_wanted_give_the_same_drafts(stage, reference):
+    """Decode rows of frames that propose no drafts wait (a full call's worth at most) until one does: then they
+    run, and the drafts are those of a layer that ran every row."""
+    ids, expected, mtp = reference["ids"], reference["mtp_logits"].argmax(axis=1), stage.mtp
+    hidden = stage.forward(stage.embed(ids[:4]), np.zeros(4), np.arange(4))
+    assert mtp.advance(np.zeros(4), np.arange(4), ids[:4], hidden, np.arange(4) == 3, ids[4:5]) == {}
+    assert mtp.lengths[0] == 0
+    for position in range(4, 30):
+        row = ids[position:position + 1]
+        hidden = stage.forward(stage.embed(row), [0], [position])
+        proposes = position in (13, 29)
+        drafts = mtp.advance([0], [position], row, hidden, [True], ids[position + 1:position + 2], [proposes])
+        assert list(drafts) == ([0] if proposes else [])
+        if proposes:
+            assert drafts[0][0] == expected[position] and mtp.lengths[0] == position + 1
+        assert 0 <= position + 1 - mtp.lengths[0] <= RUNTIME.row_buckets[-1]  # rows held: a call's worth at most
 
 
 def test_rows_off_its_path_lose_the_stream_until_it_starts_afresh(stage, reference):
@@ -120,14 +140,15 @@ def test_rows_off_its_path_lose_the_stream_until_it_starts_afresh(stage, referen
     ids, expected, mtp = reference["ids"], reference["mtp_logits"].argmax(axis=1), stage.mtp
     vocab = stage.config.vocab_size
     hidden = stage.forward(stage.embed(ids[:8]), np.zeros(8), np.arange(8))
-    assert list(mtp.advance(np.zeros(8), np.arange(8), ids[:8], hidden, np.ones(8, bool), (ids[1:9] + 1) % vocab)) \
-        == [0]
+    assert list(mtp.advance(np.zeros(8), np.arange(8), ids[:8], hidden, np.ones(8, bool), (ids[1:9] + 1) % vocab,
+                            np.ones(8, bool))) == [0]
     hidden = stage.forward(stage.embed(ids[8:12]), np.zeros(4), np.arange(8, 12))
-    assert mtp.advance(np.zeros(4), np.arange(8, 12), ids[8:12], hidden, np.ones(4, bool), ids[9:13]) == {}
+    assert mtp.advance(np.zeros(4), np.arange(8, 12), ids[8:12], hidden, np.ones(4, bool), ids[9:13],
+                       np.ones(4, bool)) == {}
     stage.release(0)
     hidden = stage.forward(stage.embed(ids[:8]), np.zeros(8), np.arange(8))
     sampled = np.arange(8) == 7
-    assert mtp.advance(np.zeros(8), np.arange(8), ids[:8], hidden, sampled, ids[8:9])[7][0] == expected[7]
+    assert mtp.advance(np.zeros(8), np.arange(8), ids[:8], hidden, sampled, ids[8:9], sampled)[7][0] == expected[7]
 
 
 def test_a_checkpoint_without_the_layer_is_named(tmp_path):
@@ -229,12 +250,15 @@ def with_bandwidth(spec, speculate: str | None):
 
 
 def test_the_simulator_charges_the_layer_at_the_head_stage():
-    """Every frame's rows through the layer, and for each of its streams the rest of a chain of 3 through it and the
-    head for each draft, at the last stage only; drafts that are never accepted cost time, drafts that always are
-    make decode faster."""
+    """At the last stage only: in a frame that proposes drafts, every row through the layer, and for each of its
+    streams the rest of a chain of 3 through it and the head for each draft; in one that does not, the rows' share
+    of a call of the largest bucket. Drafts that are never accepted cost time, drafts that always are make decode
+    faster."""
     spec = with_bandwidth(PIPELINE_SPEC, "mtp:3")
     calibration, config, buckets = analytic_calibration(spec), spec.model.config, spec.runtime.row_buckets
-    shape = FrameShape(padded_rows=8, rows=6, sliding_context=20.0, global_context=30.0, streams=3, sampled=6)
+    shape = FrameShape(padded_rows=8, rows=6, sliding_context=20.0, global_context=30.0, streams=3, sampled=6,
+                       proposes=True)
+    busy = attrs.evolve(shape, proposes=False)
     for stage in make_plan(spec).stages:
         node = calibration.nodes[stage.node]
         drafting = StageCost(stage.node, stage_kinds(stage, config, spec.runtime), node, config, calibration,
@@ -244,7 +268,9 @@ def test_the_simulator_charges_the_layer_at_the_head_stage():
         added = mtp.lookup(8, 30.0)[0] + 2 * mtp.lookup(4, 30.0)[0] + 3 * head.lookup(4)[0] if stage.roles[-1] == \
             "head" else 0.0
         assert drafting(shape) - plain(shape) == pytest.approx(added, rel=1e-9)
-    assert added > 0
+        held = 6 / buckets[-1] * mtp.lookup(buckets[-1], 30.0)[0] if stage.roles[-1] == "head" else 0.0
+        assert drafting(busy) - plain(busy) == pytest.approx(held, rel=1e-9)
+    assert 0 < held < added
     decode = {acceptance: simulate(spec, calibration, acceptance=acceptance)["levels"][0]["decode_tokens_per_s"]
               for acceptance in (0.0, 1.0)}
     off = simulate(with_bandwidth(PIPELINE_SPEC, None), calibration)["levels"][0]["decode_tokens_per_s"]

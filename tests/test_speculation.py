@@ -111,11 +111,17 @@ def test_speculation_only_with_idle_groups_and_rows_left_in_the_largest_bucket()
     outputs = {(i,): [1] * 20 for i in range(4)}
     p = speculating(outputs, n_groups=2, buckets=(1, 2, 4))
     p.add_request(Request(0, (0,), 20))
-    p.complete_frame(p.next_frame(0), [1])
+    first = p.next_frame(0)
+    assert first.propose and not first.drafted  # a prompt's frame asks the last stage for drafts to come
+    p.complete_frame(first, [1])
     assert [r.kind for r in p.next_frame(0).rows] == [DECODE, DRAFT, DRAFT, DRAFT]  # the largest bucket: 4 rows
     p.add_request(Request(1, (1,), 20))  # now every group holds a stream: no idle stage
     assert p.complete_frame(p.in_flight[0], [1] * 4) == [Token(0, 1, i) for i in (1, 2, 3, 4)] + [Verified(0, 3, 3)]
-    assert [r.kind for r in p.next_frame(0).rows] == [DECODE]
+    busy = p.next_frame(0)
+    assert [r.kind for r in busy.rows] == [DECODE] and not busy.propose
+    plain = Policy(2, 4, 4, (1, 2, 4), 64)  # without speculation, never
+    plain.add_request(Request(0, (0,), 3))
+    assert not plain.next_frame(0).propose
 
 
 def test_decode_and_prompt_rows_come_before_drafts():

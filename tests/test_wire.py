@@ -338,11 +338,19 @@ def test_forks_name_the_slot_a_stream_starts_as_a_copy_of():
         decode(as_bytes(encode(attrs.evolve(frame, adjustments={3: LogitAdjustments(prompt_tokens=21)}), 0, 1)))
 
 
+def test_propose_marks_sampled_rows_that_drafts_should_follow():
+    frame = Frame(1, 0, [3, 3, 4], [20, 21, 5], [7, 8, 9], [False, True, True], propose=[False, True, True])
+    assert decode(as_bytes(encode(frame, 0, 1))).message.propose.tolist() == [False, True, True]
+    assert decode(as_bytes(encode(attrs.evolve(frame, propose=None), 0, 1))).message.propose is None
+    with pytest.raises(WireError, match="propose: each is 0 or 1, and 0 for a row not sampled"):
+        decode(as_bytes(encode(attrs.evolve(frame, propose=[True, True, True]), 0, 1)))
+
+
 def test_decoded_arrays_view_the_received_buffers():
     residual = np.arange(8, dtype=np.float32).reshape(2, 4)
     parts = as_bytes(encode(Frame(1, 0, [0, 1], [0, 0], [1, 2], [True, False], residual), 0, 1))
     frame = decode(parts).message
-    assert np.shares_memory(frame.residual, np.frombuffer(parts[14], np.uint8))
+    assert np.shares_memory(frame.residual, np.frombuffer(parts[15], np.uint8))
     assert not frame.residual.flags.writeable
 
 

@@ -15,6 +15,10 @@ chunk's last row: the next frame's first row completes it). Chained positions ar
 as it was before them, so the next frame's rows continue where the stream truly stands. Rows that do not continue
 a stream's path as the layer knows it (teacher-forced scoring, calibration's probes) lose the stream: it drafts
 nothing until its slot starts afresh.
+
+The layer runs a stream's rows only when it drafts for it (the frame proposes drafts after the stream's last row:
+the policy asks while the pipeline has idle stages) or when they fill a full call: until then it holds them, up to
+the largest row bucket per slot, so that on busy stages it costs a share of full calls instead of a call a frame.
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ class MtpLayer:
         self.conv_kernel = described.conv_history(cfg) + 1
         self.lengths = np.zeros(runtime.max_streams, np.int64)  # next position of each slot
         self._pending: dict[int, tuple[int, np.ndarray]] = {}  # slot: (position, final hidden state after norm)
+        # rows on each slot's path not run yet, from its length on: their hidden states and the tokens after them
+        held = (runtime.max_streams, self.row_buckets[-1])
+        self._held_hidden = np.zeros((*held, cfg.hidden_size), np.float32)
+        self._held_after = np.zeros(held, np.int32)
+        self._held = np.zeros(runtime.max_streams, np.int64)  # how many
 
     @property
     def blocks(self) -> list[CompiledBlock]:
@@ -73,7 +82,7 @@ class MtpLayer:
 
     @property
     def state_bytes(self) -> int:
-        return self.state.nbytes + self.pool.arena.nbytes
+        return self.state.nbytes + self.pool.arena.nbytes + self._held_hidden.nbytes + self._held_after.nbytes
 
     # ---- teacher-forced rows ------------------------------------------------------------------------------------
     def step(self, hidden: np.ndarray, next_ids: np.ndarray, slots, positions) -> np.ndarray:
@@ -107,38 +116,31 @@ class MtpLayer:
         return np.concatenate([self.head(normed[s:s + most]) for s in range(0, len(normed), most)])
 
     # ---- a frame's rows -----------------------------------------------------------------------------------------
-    def advance(self, slots, positions, token_ids, hidden: np.ndarray, sampled: np.ndarray,
-                tokens: np.ndarray) -> dict[int, list[int]]:
+    def advance(self, slots, positions, token_ids, hidden: np.ndarray, sampled: np.ndarray, tokens: np.ndarray,
+                propose: np.ndarray | None = None) -> dict[int, list[int]]:
         """Take a frame's rows as the last stage computed them: their slots, positions and input tokens, the model's
         final hidden states before its norm [T, H], which rows were `sampled` [T] and the `tokens` sampled from
-        them, in row order. Returns up to `max_draft` drafts to follow the sampled token of each slot's last row on
-        its path, where that row was sampled, by the row's index."""
+        them, in row order, and the sampled rows after whose token drafts are wanted (`propose` [T]; None: none).
+        Returns up to `max_draft` drafts to follow the sampled token of each slot's last row on its path, where
+        that row was sampled and proposes, by the row's index."""
         slots, positions, token_ids = (np.asarray(a, np.int64).reshape(-1) for a in (slots, positions, token_ids))
         normed = rms_norm(np.asarray(hidden, np.float32), self.final_norm, self.eps)
         drawn = np.full(len(slots), -1, np.int64)
         drawn[sampled] = tokens
-        rows: list[tuple[int, int, np.ndarray, int]] = []  # (slot, position, hidden, token after)
+        wanted = np.zeros(len(slots), bool) if propose is None else np.asarray(propose, bool)
+        rows: list[tuple[int, int, np.ndarray, int]] = []  # to run now: (slot, position, hidden, token after)
         drafting: dict[int, int] = {}  # the last row of each slot that drafts: its index in `rows`, by its own
         starts = np.flatnonzero(np.append(True, slots[1:] != slots[:-1]))
         for first, end in zip(starts.tolist(), [*starts[1:].tolist(), len(slots)]):
             slot = int(slots[first])
-            pending = self._pending.pop(slot, None)
-            if positions[first] != (self.lengths[slot] if pending is None else pending[0] + 1):
-                self.lengths[slot] = LOST  # rows that do not follow its path (scoring, calibration's frames)
+            path, last = self._path(slot, range(first, end), positions, token_ids, normed, sampled, drawn)
+            drafts = last is not None and wanted[last]
+            if not drafts and self._held[slot] + len(path) <= self._held_after.shape[1]:
+                self._hold(slot, path)
                 continue
-            if pending is not None:
-                rows.append((slot, pending[0], pending[1], int(token_ids[first])))
-            for i in range(first, end):
-                last = i + 1 == end
-                if last and not sampled[i]:  # a prompt chunk's last row: the next frame's first row completes it
-                    self._pending[slot] = (int(positions[i]), normed[i])
-                    break
-                after = int(drawn[i] if sampled[i] else token_ids[i + 1])
-                rows.append((slot, int(positions[i]), normed[i], after))
-                if last or token_ids[i + 1] != after:  # its path ends here: the frame's end, or a rejected draft
-                    if sampled[i]:
-                        drafting[i] = len(rows) - 1
-                    break
+            rows += self._take_held(slot) + [(slot, *row) for row in path]
+            if drafts:
+                drafting[last] = len(rows) - 1
         if not rows:
             return {}
         row_slots, row_positions, row_hidden, row_after = (np.array(column) for column in zip(*rows))
@@ -146,6 +148,39 @@ class MtpLayer:
         at = np.array(list(drafting.values()), np.int64)
         drafts = self._drafts(out[at], row_slots[at], row_positions[at]) if len(at) else []
         return dict(zip(drafting, drafts))
+
+    def _path(self, slot: int, frame_rows: range, positions: np.ndarray, token_ids: np.ndarray, normed: np.ndarray,
+              sampled: np.ndarray, drawn: np.ndarray) -> tuple[list[tuple[int, np.ndarray, int]], int | None]:
+        """A slot's rows of the frame (`frame_rows`) that join its path: (position, hidden, token after) each, the
+        pending row first; and the index of the path's last row where it was sampled (its drafts would follow it)."""
+        first = frame_rows[0]
+        pending = self._pending.pop(slot, None)
+        if positions[first] != (self.lengths[slot] + self._held[slot] if pending is None else pending[0] + 1):
+            self.lengths[slot], self._held[slot] = LOST, 0  # rows that do not follow its path (scoring, probes)
+            return [], None
+        path = [] if pending is None else [(pending[0], pending[1], int(token_ids[first]))]
+        for i in frame_rows:
+            last = i + 1 == frame_rows.stop
+            if last and not sampled[i]:  # a prompt chunk's last row: the next frame's first row completes it
+                self._pending[slot] = (int(positions[i]), normed[i])
+                return path, None
+            after = int(drawn[i] if sampled[i] else token_ids[i + 1])
+            path.append((int(positions[i]), normed[i], after))
+            if last or token_ids[i + 1] != after:  # its path ends here: the frame's end, or a rejected draft
+                return path, i if sampled[i] else None
+        raise AssertionError("a path ends at the frame's last row")
+
+    def _hold(self, slot: int, path: list[tuple[int, np.ndarray, int]]) -> None:
+        at = self._held[slot]
+        for k, (_, row, after) in enumerate(path, start=at):
+            self._held_hidden[slot, k], self._held_after[slot, k] = row, after
+        self._held[slot] = at + len(path)
+
+    def _take_held(self, slot: int) -> list[tuple[int, int, np.ndarray, int]]:
+        """The slot's rows held so far (to run now, before its next ones), as `advance` lists rows."""
+        count, length = int(self._held[slot]), int(self.lengths[slot])
+        self._held[slot] = 0
+        return [(slot, length + k, self._held_hidden[slot, k], int(self._held_after[slot, k])) for k in range(count)]
 
     def _drafts(self, out: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> list[list[int]]:
         """Chain drafts from the layer's outputs at each drafting slot's last row, then put its state back."""
@@ -164,7 +199,7 @@ class MtpLayer:
     def release(self, slot: int) -> None:
         self.state.release(slot)
         self.pool.release(slot)
-        self.lengths[slot] = 0
+        self.lengths[slot] = self._held[slot] = 0
         self._pending.pop(slot, None)
 
     def fork(self, source: int, target: int) -> None:
@@ -174,6 +209,9 @@ class MtpLayer:
             return
         self.pool.fork(source, target, int(self.lengths[source]))
         self.state.fork(source, target)
-        self.lengths[target] = self.lengths[source]
+        self.lengths[target], held = self.lengths[source], self._held[source]
+        self._held_hidden[target, :held], self._held_after[target, :held] = self._held_hidden[source, :held], \
+            self._held_after[source, :held]
+        self._held[target] = held
         if (pending := self._pending.get(source)) is not None:
             self._pending[target] = pending

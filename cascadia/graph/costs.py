@@ -305,12 +305,14 @@ def mtp_memory(model: ModelSpec, runtime: RuntimeSpec, embed: bool) -> tuple[int
     """What drafting with the model's multi-token-prediction layer (`runtime.speculate` names mtp; (0, 0)
     otherwise) adds to the stage holding the head, as `cascadia.engine.mtp` allocates it: the layer's weights, and
     the embedding table it reads where the stage does not embed; and its state, whole from the start: every slot's
-    convolution states and K/V up to the context budget plus the drafts."""
+    convolution states, K/V up to the context budget plus the drafts, and the rows it may hold back (a largest row
+    bucket's: f32 hidden states and i32 tokens)."""
     if MTP not in runtime.drafters:
         return 0, 0
     layer = mtp_cost(model, runtime)
     positions = runtime.blocks_for(runtime.context_budget + runtime.max_draft) * runtime.kv_block
-    state = runtime.max_streams * (layer.conv_state_bytes + positions * layer.kv_bytes_per_position)
+    held = runtime.row_buckets[-1] * (model.config.hidden_size + 1) * 4
+    state = runtime.max_streams * (layer.conv_state_bytes + positions * layer.kv_bytes_per_position + held)
     return layer.held_bytes + (0 if embed else embedding_cost(model).weight_bytes), state
 
 

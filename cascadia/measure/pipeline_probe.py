@@ -84,13 +84,15 @@ class PipelineProbe:
 
     def send(self, group: int, slots: Sequence[int], positions: Sequence[int]) -> FrameShape:
         """A frame of rows at these slots and positions (0 starts a stream afresh), of random tokens, each slot's
-        last row sampled (as a policy samples a decode row, and a prompt's last); its shape for the simulator."""
+        last row sampled (as a policy samples a decode row, and a prompt's last) and proposing drafts (as one stream's
+        frames do); its shape for the simulator."""
         self.frame_id += 1
         tokens = self.rng.integers(0, self.spec.model.config.vocab_size, len(slots)).tolist()
         last = [slots[i] != slots[i + 1] for i in range(len(slots) - 1)] + [True]
         rows = tuple(Row(slot, slot, position, DECODE, token, sampled)
                      for slot, position, token, sampled in zip(slots, positions, tokens, last))
-        frame = Frame(self.frame_id, group, rows, padded_size(len(rows), self.spec.runtime.row_buckets))
+        frame = Frame(self.frame_id, group, rows, padded_size(len(rows), self.spec.runtime.row_buckets),
+                      propose=True)
         self.coordinator.send_frame(wire_frame(frame))
         return FrameShape.of(frame, self.spec.model.config.sliding_window or math.inf)
 

@@ -682,4 +682,5 @@ def wire_frame(frame: PolicyFrame, targets: list[int] | None = None) -> Frame:
                  min_p=[r.sampling.min_p for r in rows], logprobs=[r.sampling.logprobs for r in rows],
                  adjustments={r.slot: r.sampling.adjust for r in rows
                               if (r.position == 0 or r.fork >= 0) and r.sampling.adjust is not None}, targets=targets,
-                 forks=[r.fork for r in rows] if any(r.fork >= 0 for r in rows) else None)
+                 forks=[r.fork for r in rows] if any(r.fork >= 0 for r in rows) else None,
+                 propose=[r.sampled for r in rows] if frame.propose else None)

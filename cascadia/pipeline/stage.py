@@ -181,7 +181,7 @@ class EngineStage:
         where it proposes nothing)."""
         mtp = self.engine.mtp
         if mtp is None or not (proposed := mtp.advance(frame.slots, frame.positions, frame.token_ids, hidden,
-                                                      frame.sample, tokens)):
+                                                      frame.sample, tokens, frame.propose)):
             return None
         drafts = np.full((len(tokens), mtp.max_draft), -1, np.int32)
         among_sampled = np.cumsum(frame.sample) - 1

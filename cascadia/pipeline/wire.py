@@ -13,8 +13,9 @@ Kinds and their buffers (n = header rows, c = header cols):
                  that starts in the frame and asks for them; empty: none), targets i32[n] (empty: none; for a row
                  not sampled, the token after it, whose log-probability the last stage reports: a prompt's own;
                  -1: none), forks i32[n] (empty: none; for a stream's first row, the slot whose stream it starts
-                 as a copy of, as that stands before the frame; -1: none), residual dtype[n, c] (c = 0: absent);
-                 the header's bucket is the row count every call of the frame's rows is padded to
+                 as a copy of, as that stands before the frame; -1: none), propose u8[n] (empty: none; 1 on a
+                 sampled row whose token the last stage proposes drafts to follow), residual dtype[n, c] (c = 0:
+                 absent); the header's bucket is the row count every call of the frame's rows is padded to
   TOKENS         slots i32[n], token_ids i32[n], then for the m rows of the frame that report (sampled, or with a
                  target), in order: logprobs f64[m], top_ids i32[m, k], top_logprobs f64[m, k] (the log-probability
                  of the row's token or target, and of the k likeliest tokens; all three empty when no row asked for
@@ -55,7 +56,7 @@ from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 13
+VERSION = 14
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -147,10 +148,13 @@ class Frame:
     # [n] or None: for the first row of a stream that starts as a copy of another's, that one's slot (-1: none)
     forks: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
         lambda v: _vector(v, _I32)))
+    # [n] or None: the sampled rows whose token the last stage proposes drafts to follow (its MTP layer's)
+    propose: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
+        lambda v: _vector(v, np.bool_)))
 
     def __attrs_post_init__(self) -> None:
         _same_rows(self, ("slots", "positions", "token_ids", "sample", "residual", "temperature", "top_p", "seed",
-                          "top_k", "min_p", "logprobs", "targets", "forks"))
+                          "top_k", "min_p", "logprobs", "targets", "forks", "propose"))
 
     @property
     def starting(self) -> np.ndarray:
@@ -358,6 +362,10 @@ def _payload(matrix: np.ndarray | None):
     return b"" if matrix is None else matrix
 
 
+def _as_bytes(flags: np.ndarray | None) -> np.ndarray | None:
+    return None if flags is None else flags.view(np.uint8)
+
+
 def _body(message: Message) -> tuple[Kind, _Fields, list]:
     """The kind, header fields and buffers of a message."""
     match message:
@@ -367,7 +375,8 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
                                         message.sample.view(np.uint8), message.temperature, message.top_p,
                                         message.seed, message.top_k, message.min_p, message.logprobs,
                                         _adjustments_json(message.adjustments), _payload(message.targets),
-                                        _payload(message.forks), _payload(message.residual)]
+                                        _payload(message.forks), _payload(_as_bytes(message.propose)),
+                                        _payload(message.residual)]
         case Tokens():
             fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
             return Kind.TOKENS, fields, [message.slots, message.token_ids, *map(_payload, (
@@ -426,7 +435,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 14, Kind.TOKENS: 7, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+_BUFFER_COUNTS = {Kind.FRAME: 15, Kind.TOKENS: 7, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 3,
                   Kind.INVITE: 4, Kind.PROBE: 4, Kind.TIMED: 2}
 
@@ -488,6 +497,15 @@ def _forks(buffer: memoryview, rows: int, slots: np.ndarray) -> np.ndarray | Non
     if not ((forks >= -1) & (forks != slots)).all():
         raise WireError("forks: each is another row's slot or -1")
     return forks
+
+
+def _propose(buffer: memoryview, rows: int, sample: np.ndarray) -> np.ndarray | None:
+    if not buffer.nbytes:
+        return None
+    propose = _array(buffer, np.dtype(np.uint8), rows, "propose")
+    if not ((propose <= 1) & (sample | (propose == 0))).all():
+        raise WireError("propose: each is 0 or 1, and 0 for a row not sampled")
+    return propose.view(np.bool_)
 
 
 def _drafts(buffer: memoryview, rows: int) -> np.ndarray | None:
@@ -557,10 +575,11 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
             slots, positions = _indices(b[0], rows, "slots"), _indices(b[1], rows, "positions")
             forks = _forks(b[12], rows, slots)
             return Frame(frame_id, group, slots, positions, _indices(b[2], rows, "token_ids"), sample.view(np.bool_),
-                         _payload_matrix(b[13], rows, cols, code, "residual"), bucket, temperature, top_p,
+                         _payload_matrix(b[14], rows, cols, code, "residual"), bucket, temperature, top_p,
                          _array(b[6], _U64, rows, "seed"), top_k, min_p, logprobs,
                          _adjustments(b[10], set(slots[_starting(positions, forks)].tolist())),
-                         _targets(b[11], rows, sample.view(np.bool_)), forks)
+                         _targets(b[11], rows, sample.view(np.bool_)), forks,
+                         _propose(b[13], rows, sample.view(np.bool_)))
         case Kind.TOKENS:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
                           _payload_matrix(b[5], rows, cols, code, "logits"), *_reported(b[2:5]), _drafts(b[6], rows))

@@ -58,20 +58,22 @@ class FrameShape:
     global_context: float  # ... on a global layer
     streams: int  # distinct streams among its rows: decode rows are one each, a prompt window's rows share one
     sampled: int  # rows the last stage samples a token from (their tokens go back)
+    proposes: bool = False  # the last stage proposes drafts after them (`cascadia.policy.Frame.propose`)
 
     @classmethod
     def of(cls, frame: Frame, window: int) -> FrameShape:
         return cls(*cls.figures(frame, window))
 
     @staticmethod
-    def figures(frame: Frame, window: int) -> tuple[int, int, float, float, int, int]:
+    def figures(frame: Frame, window: int) -> tuple[int, int, float, float, int, int, bool]:
         """The shape's fields as a plain tuple: a cheap key for the costs of frames already seen."""
         rows = frame.rows
         positions = list(map(_position, rows))  # map and itemgetter: no Python call per frame, unlike a comprehension
         n = len(positions)
         total = sum(positions) + n  # a row attends its position + 1
         sliding = total if max(positions) < window else sum(min(p + 1, window) for p in positions)
-        return (frame.padded_rows, n, sliding / n, total / n, len(set(map(_request_id, rows))), len(frame.sampled_ids))
+        return (frame.padded_rows, n, sliding / n, total / n, len(set(map(_request_id, rows))), len(frame.sampled_ids),
+                frame.propose)
 
 
 # a row's fields by index (rows are named tuples): quicker than by name
@@ -185,10 +187,17 @@ class StageCost:
         return total + (self._drafting(shape) if self._chain else 0.0)
 
     def _drafting(self, shape: FrameShape) -> float:
-        """The MTP layer at the head's stage (`cascadia.engine.mtp`): every row through it; then, for the streams
-        that draft (each of the frame's, at most), the rest of their chain through it and the head for each draft.
-        Every call reads the frame's mean global context."""
-        streams, context = padded_size(shape.streams, self._buckets), shape.global_context
+        """The MTP layer at the head's stage (`cascadia.engine.mtp`). In a frame that proposes drafts: every row
+        through it; then, for the streams that draft (each of the frame's, at most), the rest of their chain
+        through it and the head for each draft. Otherwise the layer holds the rows to run them later in calls of
+        the largest bucket: their share of such a call. Every call reads the frame's mean global context (the rows
+        a proposing frame runs that an earlier one held are not counted: they pile up only while no frame
+        proposes)."""
+        context = shape.global_context
+        if not shape.proposes:
+            most = self._buckets[-1]
+            return shape.rows / most * self._lookup(LayerKind.MTP, most, context)
+        streams = padded_size(shape.streams, self._buckets)
         return (self._lookup(LayerKind.MTP, shape.padded_rows, context)
                 + (self._chain - 1) * self._lookup(LayerKind.MTP, streams, context)
                 + self._chain * self._lookup(LayerKind.HEAD, streams))
