@@ -188,6 +188,24 @@ def test_cli_draft_eval_prints_the_heads_and_the_view_and_writes_json(checkpoint
     assert json.loads(to_stdout.stdout)["heads"] == body["heads"] and "2x2 view" in to_stdout.stderr
 
 
+def test_cli_draft_eval_captures_on_the_pipeline_what_one_process_does(checkpoint, prompts_file, tmp_path):
+    """The spec's three local nodes, the last sending back what its head read: the same tokens, and the heads
+    agree with them as on the single process's capture."""
+    args = ["--prompts", str(prompts_file), "--vocab", "100", "--chain", "2", "--max-new-tokens", "5"]
+    bodies = {}
+    for path in ("one", "pipeline"):
+        out = tmp_path / f"{path}.json"
+        result = draft_cli(checkpoint, *args, *(["--pipeline"] if path == "pipeline" else []), "--json", str(out))
+        assert result.exit_code == 0, result.output
+        bodies[path] = json.loads(out.read_text())
+    one, pipeline = bodies["one"], bodies["pipeline"]
+    assert pipeline["deployed"]["path"] == "pipeline (node0, node1, node2)" and one["deployed"]["path"] == "one process"
+    assert pipeline["sequences"] == one["sequences"] and pipeline["positions"] == 15
+    for mine, theirs in zip(pipeline["heads"], one["heads"]):
+        assert mine["expected_accepted"] == pytest.approx(theirs["expected_accepted"], abs=1e-12), mine["name"]
+    assert draft_cli(checkpoint, *args, "--plan", str(prompts_file)).exit_code == 2  # --plan goes with --pipeline
+
+
 @pytest.mark.parametrize("args, status, message", [
     (["--prompts", "missing.jsonl", "--vocab", "8"], 2, "'missing.jsonl' does not exist"),
     (["--vocab", "8"], 2, "give --prompts: "),

@@ -28,14 +28,16 @@ def frames(draw, min_rows=0):
     if hidden:
         values = draw(st.lists(st.floats(-1e4, 1e4, width=16), min_size=n * hidden, max_size=n * hidden))
         residual = np.array(values, dtype=draw(FLOAT_DTYPES)).reshape(n, hidden)
+    sample = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    propose = [s and draw(st.booleans()) for s in sample] if draw(st.booleans()) else None  # sampled rows only
     return Frame(draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)), draw(ints), draw(ints), draw(ints),
-                 draw(st.lists(st.booleans(), min_size=n, max_size=n)), residual, draw(st.integers(0, 2**32 - 1)),
+                 sample, residual, draw(st.integers(0, 2**32 - 1)),
                  draw(st.lists(st.floats(0, 4), min_size=n, max_size=n)),
                  draw(st.lists(st.floats(0, 1, exclude_min=True), min_size=n, max_size=n)),
                  draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n)),
                  draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)),
                  draw(st.lists(st.floats(0, 1), min_size=n, max_size=n)),
-                 draw(st.lists(st.integers(-1, MAX_LOGPROBS), min_size=n, max_size=n)))
+                 draw(st.lists(st.integers(-1, MAX_LOGPROBS), min_size=n, max_size=n)), propose=propose)
 
 
 @st.composite
@@ -53,7 +55,13 @@ def tokens(draw, min_rows=0):
                              (st.floats(-1e4, 0), np.float64, n, (n,)),
                              (IDS, np.int32, n * k, (n, k)),
                              (st.floats(-1e4, 0), np.float64, n * k, (n, k))))
-    return Tokens(draw(IDS), draw(IDS), draw(ints), draw(ints), logits, *reported)
+    drafts = head_inputs = None
+    if n and draw(st.booleans()):  # the MTP layer's drafts, and what the head read (scoring): never for no rows
+        k, width = draw(st.integers(1, 3)), draw(st.integers(1, 5))
+        drafts = np.array(draw(st.lists(st.integers(-1, 2**31 - 1), min_size=n * k, max_size=n * k))).reshape(n, k)
+        head_inputs = np.array(draw(st.lists(st.floats(-1e4, 1e4, width=32), min_size=n * width,
+                                             max_size=n * width)), np.float32).reshape(n, width)
+    return Tokens(draw(IDS), draw(IDS), draw(ints), draw(ints), logits, *reported, drafts, head_inputs)
 
 
 CONTROLS = st.one_of(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cascadia.cli.common import OutputPath, report_to, writing
+from cascadia.cli.common import OutputPath, chosen_plan, report_to, writing
 from cascadia.spec.load import load_spec
 
 
@@ -24,16 +24,20 @@ from cascadia.spec.load import load_spec
               help="tokens generated per prompt (default: the spec's workload output_tokens)")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
 @click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: OpenVINO's choice)")
+@click.option("--pipeline", is_flag=True,
+              help="capture on the spec's pipeline (its nodes; local ones are started here) instead of in one process")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
+              help="with --pipeline: a plan saved by `cascadia plan -o` (default: plan now)")
 @click.option("--json", "json_path", type=OutputPath(), help="write the heads' results and the 2x2 view as JSON")
 def draft_eval(spec: str, prompts: str | None, reduced_tokens: int, corpus: str | None, chain: int,
-               max_new_tokens: int | None, checkpoint: str | None, threads: int | None,
-               json_path: str | None) -> None:
+               max_new_tokens: int | None, checkpoint: str | None, threads: int | None, pipeline: bool,
+               plan_path: str | None, json_path: str | None) -> None:
     """Draft heads on the deployed path's own hidden states: generate greedily from each prompt with the spec's
-    precision and weight formats (single process), capture what the head reads at each generated position, and feed
-    it to the LM head in f32, in the spec's head format and in int4, over the full vocabulary and over the --vocab
-    most frequent tokens. Prints per head the top-1 agreement with the deployed token and the expected accepted
-    drafts for chains of 1..K, and a 2x2 view (vocabulary x precision) separating vocabulary selection from
-    quantisation."""
+    precision and weight formats (in one process, or on its pipeline), capture what the head reads at each
+    generated position, and feed it to the LM head in f32, in the spec's head format and in int4, over the full
+    vocabulary and over the --vocab most frequent tokens. Prints per head the top-1 agreement with the deployed
+    token and the expected accepted drafts for chains of 1..K, and a 2x2 view (vocabulary x precision) separating
+    vocabulary selection from quantisation."""
     import json
     from pathlib import Path
 
@@ -46,6 +50,8 @@ def draft_eval(spec: str, prompts: str | None, reduced_tokens: int, corpus: str 
     from cascadia.tokenizer import workload_prompts
 
     report = report_to(json_path)
+    if plan_path and not pipeline:
+        raise click.UsageError("--plan goes with --pipeline")
     loaded = load_spec(spec)
     workload = loaded.workload
     prompts_file = prompts or workload.prompts_file
@@ -68,7 +74,8 @@ def draft_eval(spec: str, prompts: str | None, reduced_tokens: int, corpus: str 
 
     result = evaluate(loaded, Checkpoint.open(folder), read(prompts_file), reduced_tokens, chain, new_tokens,
                       corpus=read(corpus) if corpus else None, corpus_name=corpus or PROMPTS, threads=threads,
-                      progress=lambda message: click.echo(message, err=True))
+                      progress=lambda message: click.echo(message, err=True),
+                      plan=chosen_plan(loaded, plan_path) if pipeline else None)
     report(format_report(result))
     if json_path:
         with writing(json_path) as f:

@@ -26,7 +26,8 @@ from cascadia.spec.load import load_spec
                                   "spec; the last node: the coordinator's token address)")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="default: the spec's")
 @click.option("--threads", type=click.IntRange(min=1), help="inference threads (default: the node's, in the spec)")
-@click.option("--logits", is_flag=True, help="last node: send the logits of sampled rows back too (scoring)")
+@click.option("--logits", is_flag=True,
+              help="last node: send the logits of sampled rows back too, and what the head read (scoring, draft-eval)")
 @click.option("--cpus", type=CpuList(), help="the CPUs to run on, e.g. 0-3 (default: the node's cpus in the spec, "
                                              "else wherever it is started)")
 @click.option("--parent-pid", type=int, help="stop when this process is no longer our parent")

@@ -5,8 +5,9 @@ reduced precision) that separates vocabulary selection from quantisation; the de
 vocabulary is the deployed head itself, and agrees everywhere.
 
 The deployed path is the spec's: its runtime precision and weight formats, on the single-process engine (the
-pipeline's stages run the same engine code in the same formats). The deployed token at a position is the argmax of
-its logits (greedy). The reduced vocabulary is the N tokens a reference corpus holds most often; by default the
+pipeline's stages run the same engine code in the same formats), or on the spec's pipeline itself: its last node
+sends back what its head read with each token. The deployed token at a position is the argmax of its logits
+(greedy). The reduced vocabulary is the N tokens a reference corpus holds most often; by default the
 prompts (not the generated tokens: those are what the heads are measured on).
 """
 
@@ -22,10 +23,13 @@ from cascadia.drafts.acceptance import expected_accepted, most_frequent_tokens
 from cascadia.drafts.capture import Captured, capture
 from cascadia.drafts.heads import DEPLOYED, F32, FULL, INT4, REDUCED, CompiledHead, DraftHead
 from cascadia.engine.checkpoint import Checkpoint
+from cascadia.engine.device import pick_device, runs_as
 from cascadia.engine.engine import Engine
 from cascadia.engine.generate import check_request
-from cascadia.errors import CheckpointError
+from cascadia.errors import CheckpointError, RequestError
+from cascadia.graph.plan import Plan
 from cascadia.models.base import config_differences
+from cascadia.pipeline.run import Pipeline
 from cascadia.spec.types import Spec, WeightFormat
 from cascadia.workload import stop_ids
 
@@ -114,14 +118,15 @@ def draft_heads(output_vocabulary: int, reduced_ids: np.ndarray, deployed_format
 def draft_eval(spec: Spec, checkpoint: Checkpoint, prompts: Sequence[tuple[int, ...]], reduced_tokens: int,
                chain: int, max_new_tokens: int, corpus: Sequence[tuple[int, ...]] | None = None,
                corpus_name: str = PROMPTS, threads: int | None = None,
-               progress: Callable[[str], None] = lambda message: None) -> DraftEvaluation:
-    """Capture the deployed path for each prompt (`capture_deployed`), then measure the `draft_heads` on the
-    captured states for chains of 1..`chain`, the reduced vocabulary being the `reduced_tokens` most frequent in
-    `corpus` (default: the prompts)."""
+               progress: Callable[[str], None] = lambda message: None, plan: Plan | None = None) -> DraftEvaluation:
+    """Capture the deployed path for each prompt (`capture_deployed`; on the pipeline of `plan` where one is given,
+    `capture_pipeline`), then measure the `draft_heads` on the captured states for chains of 1..`chain`, the
+    reduced vocabulary being the `reduced_tokens` most frequent in `corpus` (default: the prompts)."""
     cfg = checkpoint.config
     corpus = prompts if corpus is None else corpus
     reduced_ids = most_frequent_tokens(corpus, reduced_tokens, cfg.output_vocab_size)
-    captured, deployed = capture_deployed(spec, checkpoint, prompts, max_new_tokens, threads, progress)
+    captured, deployed = capture_deployed(spec, checkpoint, prompts, max_new_tokens, threads, progress) \
+        if plan is None else capture_pipeline(spec, plan, checkpoint, prompts, max_new_tokens, progress)
     head_inputs = np.concatenate([c.head_inputs for c in captured])
     tokens = np.concatenate([c.tokens for c in captured])
     ends = np.cumsum([len(c.tokens) for c in captured])[:-1]  # where each sequence's positions begin
@@ -145,10 +150,7 @@ def capture_deployed(spec: Spec, checkpoint: Checkpoint, prompts: Sequence[tuple
     `max_new_tokens` (ending at EOS when the spec's workload says `stop_at_eos`), with what its head reads; and
     the deployed path as it ran (precision, device, head format, CPU)."""
     cfg = checkpoint.config
-    if differences := config_differences(cfg, spec.model.config):
-        more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
-        raise CheckpointError(f"{checkpoint.path}: its config.json describes another model than {spec.source}'s: "
-                              f"{', '.join(differences[:3])}{more} (checkpoint vs spec)")
+    _check_model(spec, checkpoint)
     runtime = attrs.evolve(spec.runtime, max_streams=1, context_budget=max(map(len, prompts)) + max_new_tokens)
     formats = spec.model.formats
     check_request(checkpoint, max(prompts, key=len), max_new_tokens, formats, runtime)
@@ -158,5 +160,37 @@ def capture_deployed(spec: Spec, checkpoint: Checkpoint, prompts: Sequence[tuple
     for number, prompt in enumerate(prompts, 1):
         captured.append(capture(engine, prompt, max_new_tokens, stop_ids(spec.workload, cfg)))
         progress(f"captured prompt {number}/{len(prompts)}: {len(prompt)} + {len(captured[-1].tokens)} tokens")
-    return captured, {"precision": engine.stage.precision, "device": engine.stage.device,
+    return captured, {"path": "one process", "precision": engine.stage.precision, "device": engine.stage.device,
                       "head_format": str(formats.head), "cpu": host_cpus.describe(host_cpus.identity())}
+
+
+def capture_pipeline(spec: Spec, plan: Plan, checkpoint: Checkpoint, prompts: Sequence[tuple[int, ...]],
+                     max_new_tokens: int, progress: Callable[[str], None] = lambda message: None
+                     ) -> tuple[list[Captured], dict]:
+    """As `capture_deployed`, on the plan's nodes (local ones started here, reading `checkpoint`; remote ones
+    started with --logits): their last node sends back what its head read with each token. The precision and
+    device are those this machine's nodes run."""
+    _check_model(spec, checkpoint)
+    longest = max(map(len, prompts)) + max_new_tokens
+    if longest > spec.runtime.context_budget:
+        raise RequestError(f"the longest prompt plus {max_new_tokens} tokens is {longest} positions, beyond "
+                              f"{spec.source}'s context budget of {spec.runtime.context_budget}")
+    nodes = ", ".join(stage.node for stage in plan.stages)
+    progress(f"starting the pipeline: {nodes}")
+    captured = []
+    with Pipeline.start(spec, plan, checkpoint=checkpoint.path, with_logits=True) as pipeline:
+        for number, prompt in enumerate(prompts, 1):
+            tokens, head_inputs = pipeline.greedy(prompt, max_new_tokens, stop_ids(spec.workload, checkpoint.config))
+            captured.append(Captured(tuple(prompt), head_inputs, np.array(tokens, np.int64)))
+            progress(f"captured prompt {number}/{len(prompts)}: {len(prompt)} + {len(tokens)} tokens")
+    device = pick_device()
+    return captured, {"path": f"pipeline ({nodes})", "precision": runs_as(spec.runtime.precision, device),
+                      "device": device, "head_format": str(spec.model.formats.head),
+                      "cpu": host_cpus.describe(host_cpus.identity())}
+
+
+def _check_model(spec: Spec, checkpoint: Checkpoint) -> None:
+    if differences := config_differences(checkpoint.config, spec.model.config):
+        more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
+        raise CheckpointError(f"{checkpoint.path}: its config.json describes another model than {spec.source}'s: "
+                              f"{', '.join(differences[:3])}{more} (checkpoint vs spec)")

@@ -12,8 +12,9 @@ def format_report(evaluation: DraftEvaluation) -> str:
     e, chain = evaluation, evaluation.chain
     deployed = e.deployed
     source = "the prompts" if e.vocabulary_source == PROMPTS else e.vocabulary_source
-    lines = [f"{len(e.captured)} prompts, {e.positions} generated positions; deployed: {deployed['precision']} on "
-             f"{deployed['device']}, head {deployed['head_format']}", f"CPU: {deployed['cpu']}",
+    lines = [f"{len(e.captured)} prompts, {e.positions} generated positions; deployed ({deployed['path']}): "
+             f"{deployed['precision']} on {deployed['device']}, head {deployed['head_format']}",
+             f"CPU: {deployed['cpu']}",
              f"reduced vocabulary: the {e.reduced_tokens} tokens most frequent in {source} ({e.reduced_seen} of them "
              f"occur there, the rest by id), holding {e.coverage:.1%} of the deployed tokens", ""]
     header = ["head", "tokens", "format", "runs as", "weights", "top-1", *(f"k={k}" for k in range(2, chain + 1))]

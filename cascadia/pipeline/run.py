@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import attrs
@@ -29,7 +29,7 @@ from cascadia.pipeline.launch import LocalNodes, NodeCommand, check_host_memory
 from cascadia.pipeline.places import LOCALHOST
 from cascadia.pipeline.settings import settings_digest
 from cascadia.pipeline.transport import free_port, tcp_address
-from cascadia.pipeline.wire import Frame, Hello, Message, Progress, Ready
+from cascadia.pipeline.wire import Frame, Hello, Message, Progress, Ready, Tokens
 from cascadia.policy import Policy, padded_size, score_schedule
 from cascadia.spec.dump import spec_for_nodes, write_spec
 from cascadia.spec.types import NodeSpec, Spec, WorkloadSpec
@@ -223,13 +223,39 @@ class Pipeline:
             self._score_frames += 1
             self.coordinator.send_frame(Frame(self._score_frames, 0, [0] * rows, range(start, end), ids[start:end],
                                               [True] * rows, bucket=padded_size(rows, runtime.row_buckets)))
-            tokens = self.coordinator.next_tokens()
-            if tokens.frame_id != self._score_frames or tokens.logits is None:
-                raise PipelineError(f"frame {self._score_frames}: the last node sent back frame {tokens.frame_id} "
-                                    f"{'without' if tokens.logits is None else 'with'} logits (were the nodes "
-                                    "started with --logits?)")
-            logits.append(np.array(tokens.logits))
+            logits.append(np.array(self._tokens_with_logits().logits))
         return np.concatenate(logits)
+
+    def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Collection[int] = ()
+               ) -> tuple[list[int], np.ndarray]:
+        """Greedy tokens of a fresh stream in slot 0 (up to `max_new_tokens`, ending after a stop token), the
+        prompt in chunks of the largest row bucket, then a row a frame; and what the head read for each [n, H].
+        The nodes must have been started `with_logits`."""
+        buckets, tokens, read = self.spec.runtime.row_buckets, [], []
+        position, ids = 0, list(prompt_ids)  # the rows to send: the prompt's, then each last token
+        while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in stop_ids):
+            rows = ids[:buckets[-1]]
+            last = len(rows) == len(ids)  # its last row gives the next token
+            self._score_frames += 1
+            n = len(rows)
+            self.coordinator.send_frame(Frame(self._score_frames, 0, [0] * n, range(position, position + n), rows,
+                                              [False] * (n - 1) + [last], bucket=padded_size(n, buckets)))
+            back = self._tokens_with_logits()
+            position, ids = position + n, ids[n:]
+            if last:
+                tokens += back.token_ids.tolist()
+                read.append(np.array(back.head_inputs))
+                ids = tokens[-1:]
+        return tokens, np.concatenate(read)
+
+    def _tokens_with_logits(self) -> Tokens:
+        """The tokens of the last frame sent, with logits and head inputs."""
+        tokens = self.coordinator.next_tokens()
+        if tokens.frame_id != self._score_frames or tokens.logits is None:
+            raise PipelineError(f"frame {self._score_frames}: the last node sent back frame {tokens.frame_id} "
+                                f"{'without' if tokens.logits is None else 'with'} logits (were the nodes "
+                                "started with --logits?)")
+        return tokens
 
     def replace(self, node: str, timeout_s: float, stop: threading.Event | None = None) -> None:
         """Take a lost node back: a local one is started again here; a remote one must be started again on its

@@ -145,7 +145,7 @@ class EngineStage:
             raise ValueError("the last stage needs a sampler")
         self.engine = engine
         self.sampler = sampler
-        self.with_logits = with_logits  # send the sampled rows' logits back (for scoring)
+        self.with_logits = with_logits  # send the sampled rows' logits and head inputs back (scoring, draft-eval)
 
     def process(self, frame: Frame) -> Frame | Tokens:
         engine = self.engine
@@ -165,16 +165,21 @@ class EngineStage:
         reporting = frame.reporting  # the sampled rows, and those whose next token's log-probability is reported
         heads = hidden[reporting]  # none in a frame that only carries the middle of prompts
         logits = np.zeros((0, engine.config.output_vocab_size), np.float32)
+        head_inputs = []  # what the head reads, where it is sent back
         if len(heads):
+            engine.head_input_observer = head_inputs.append if self.with_logits else None
             logits = np.concatenate([engine.logits(heads[rows]) for rows in self._calls(len(heads))])
+            engine.head_input_observer = None
         sampled = frame.sample[reporting]
         self.sampler.observe(frame)
         tokens = self.sampler.sample(logits[sampled], frame)
         chosen = np.zeros(len(heads), np.int64) if frame.targets is None else frame.targets[reporting].astype(np.int64)
         chosen[sampled] = tokens
+        read = np.concatenate([*head_inputs, np.zeros((0, hidden.shape[1]), np.float32)])[sampled] \
+            if self.with_logits else None
         return Tokens(frame.frame_id, frame.group, frame.slots[frame.sample], tokens,
                       logits[sampled] if self.with_logits else None,
-                      *reported(logits, chosen, frame.logprobs[reporting]), self._drafts(frame, hidden, tokens))
+                      *reported(logits, chosen, frame.logprobs[reporting]), self._drafts(frame, hidden, tokens), read)
 
     def _drafts(self, frame: Frame, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray | None:
         """The MTP layer's drafts after each sampled row's token [n, K] (-1: none; None without the layer, or

@@ -19,7 +19,9 @@ Kinds and their buffers (n = header rows, c = header cols):
   TOKENS         slots i32[n], token_ids i32[n], then for the m rows of the frame that report (sampled, or with a
                  target), in order: logprobs f64[m], top_ids i32[m, k], top_logprobs f64[m, k] (the log-probability
                  of the row's token or target, and of the k likeliest tokens; all three empty when no row asked for
-                 them; m and k from the buffers' sizes), logits dtype[n, c] (c = 0: absent)
+                 them; m and k from the buffers' sizes), logits dtype[n, c] (c = 0: absent), drafts i32[n, K]
+                 (empty: none; K from the size), head_inputs f32[n, h] (empty: none; h from the size: the rows the
+                 head read, sent back with the logits)
   HELLO          node utf-8, layers i32[2] (first, last), settings utf-8 (the digest of what it was started with),
                  cpus i32[any] (the CPUs its process may run on)
   READY          node utf-8, layers i32[2] (first, last)
@@ -56,7 +58,7 @@ from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 14
+VERSION = 15
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
@@ -67,6 +69,7 @@ _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 _I32 = np.dtype("<i4")
 _F64 = np.dtype("<f8")
 _U64 = np.dtype("<u8")
+_F32 = np.dtype("<f4")
 _LAYERS = struct.Struct("<ii")
 _PROGRESS = struct.Struct("<qq")
 _STATS = struct.Struct("<dQQd")
@@ -202,9 +205,12 @@ class Tokens:
     # [n, K]: drafts the last stage's MTP layer proposes after each row's token (-1: none), or None
     drafts: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
         lambda v: np.ascontiguousarray(v, _I32)))
+    # [n, hidden]: what the head read for each row (its final hidden state after the norm), when scoring, or None
+    head_inputs: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(
+        lambda v: np.ascontiguousarray(v, _F32)))
 
     def __attrs_post_init__(self) -> None:
-        _same_rows(self, ("slots", "token_ids", "logits", "drafts"))
+        _same_rows(self, ("slots", "token_ids", "logits", "drafts", "head_inputs"))
         if self.drafts is not None and (self.drafts.ndim != 2 or (self.drafts.size and self.drafts.min() < -1)):
             raise ValueError(f"Tokens: drafts must be [n, K] token ids or -1, got shape {self.drafts.shape}")
         _same_rows(self, ("logprobs", "top_ids", "top_logprobs"))
@@ -380,7 +386,8 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
         case Tokens():
             fields = _payload_fields(message.frame_id, message.group, len(message.slots), message.logits)
             return Kind.TOKENS, fields, [message.slots, message.token_ids, *map(_payload, (
-                message.logprobs, message.top_ids, message.top_logprobs, message.logits, message.drafts))]
+                message.logprobs, message.top_ids, message.top_logprobs, message.logits, message.drafts,
+                message.head_inputs))]
         case Hello():
             return Kind.HELLO, _Fields(), [_utf8(message.node), _LAYERS.pack(message.first_layer, message.last_layer),
                                            _utf8(message.settings), np.asarray(message.cpus, dtype=_I32)]
@@ -435,7 +442,7 @@ class Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
-_BUFFER_COUNTS = {Kind.FRAME: 15, Kind.TOKENS: 7, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
+_BUFFER_COUNTS = {Kind.FRAME: 15, Kind.TOKENS: 8, Kind.HELLO: 4, Kind.READY: 2, Kind.PROGRESS: 2, Kind.SHUTDOWN: 0,
                   Kind.ERROR: 2, Kind.STATS_REQUEST: 0, Kind.STATS: 4, Kind.ASSIGN: 3,
                   Kind.INVITE: 4, Kind.PROBE: 4, Kind.TIMED: 2}
 
@@ -508,13 +515,19 @@ def _propose(buffer: memoryview, rows: int, sample: np.ndarray) -> np.ndarray | 
     return propose.view(np.bool_)
 
 
-def _drafts(buffer: memoryview, rows: int) -> np.ndarray | None:
-    """A TOKENS message's drafts [rows, K] (None: none sent)."""
+def _per_row(buffer: memoryview, rows: int, dtype: np.dtype, name: str) -> np.ndarray | None:
+    """A matrix of `rows` rows whose width its size gives (None: none sent)."""
     if not buffer.nbytes:
         return None
-    if not rows or buffer.nbytes % (_I32.itemsize * rows):
-        raise WireError(f"drafts: {buffer.nbytes} bytes, not a whole number of ids for each of {rows} rows")
-    drafts = _array(buffer, _I32, buffer.nbytes // _I32.itemsize, "drafts").reshape(rows, -1)
+    if not rows or buffer.nbytes % (dtype.itemsize * rows):
+        raise WireError(f"{name}: {buffer.nbytes} bytes, not a whole number of values for each of {rows} rows")
+    return _array(buffer, dtype, buffer.nbytes // dtype.itemsize, name).reshape(rows, -1)
+
+
+def _drafts(buffer: memoryview, rows: int) -> np.ndarray | None:
+    """A TOKENS message's drafts [rows, K] (None: none sent)."""
+    if (drafts := _per_row(buffer, rows, _I32, "drafts")) is None:
+        return None
     if drafts.min() < -1:
         raise WireError(f"drafts: value {drafts.min()} is neither a token id nor -1")
     return drafts
@@ -582,7 +595,8 @@ def _message(kind: Kind, fields: _Fields, b: list[memoryview]) -> Message:
                          _propose(b[13], rows, sample.view(np.bool_)))
         case Kind.TOKENS:
             return Tokens(frame_id, group, _indices(b[0], rows, "slots"), _indices(b[1], rows, "token_ids"),
-                          _payload_matrix(b[5], rows, cols, code, "logits"), *_reported(b[2:5]), _drafts(b[6], rows))
+                          _payload_matrix(b[5], rows, cols, code, "logits"), *_reported(b[2:5]), _drafts(b[6], rows),
+                          _per_row(b[7], rows, _F32, "head_inputs"))
         case Kind.HELLO:
             if b[3].nbytes % _I32.itemsize:
                 raise WireError(f"cpus: {b[3].nbytes} bytes, not a whole number of ids")
