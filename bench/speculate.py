@@ -19,9 +19,11 @@ the same round's run without; and the range of the rounds' own: where no drafts 
 drafts accepted of proposed, mean accepted per verifying step, and, with a calibration (`cascadia calibrate`), the
 simulator's decode tokens/s and speed-up for the same workload, its drafts accepted as the first round's run
 accepted them (its acceptance trace: request by request, step by step; `--calibrate` measures one first with
-`cascadia calibrate`). Not a test: it prints ratios of one machine's runs. Then, for the paper's deployment
-(specs/inkling-975b-11pc.yaml, analytic), the simulator's speed-up against the acceptance rate at 1, 4 and 11
-streams. The tables go to bench/results/speculate-SPEC.json (SPEC: the spec's file name).
+`cascadia calibrate`), and its speed-up with drafts proposed and accepted at the rates fitted to that run's first
+level alone (`cascadia.sim.drafts.fitted_rates`: one stream's acceptance predicting the others'). Not a test: it
+prints ratios of one machine's runs. Then, for the paper's deployment (specs/inkling-975b-11pc.yaml, analytic),
+the simulator's speed-up against the acceptance rate at 1, 4 and 11 streams. The tables go to
+bench/results/speculate-SPEC.json (SPEC: the spec's file name).
 
     python bench/speculate.py [SPEC] [--calibration cal.json | --calibrate] [--max-draft 4] [--rounds 3] [--paper-only]
     python bench/speculate.py specs/tiny-chat.yaml --text --calibrate --rounds 2
@@ -42,7 +44,7 @@ from cascadia.models import mtp_layers
 from cascadia.pipeline.run import Pipeline
 from cascadia.sim.analytic import analytic_calibration
 from cascadia.sim.calibration import Calibration
-from cascadia.sim.drafts import acceptance_trace
+from cascadia.sim.drafts import acceptance_trace, fitted_rates
 from cascadia.sim.simulate import simulate
 from cascadia.spec.load import load_spec
 from cascadia.speculation import ReplayDrafter
@@ -151,22 +153,27 @@ def measured(spec, calibration: Calibration | None, max_draft: int, rounds: int,
                   f"up to {max_draft} drafts" + (f" ({mtp_draft} from the MTP layer)" if mtp else "")
                   + f", {spec.runtime.precision} compute",
                   ["drafts", "streams", "decode tok/s", "speed-up", "accepted/proposed", "accepted a step",
-                   "simulated tok/s", "simulated speed-up"])
+                   "simulated tok/s", "simulated speed-up", f"modelled from {streams[0]} stream"])
     for name, (levels, _, lines, base) in first.items():
+        traced = modelled = None  # the simulator's levels: with the run's trace; with rates fitted at one level
+        if calibration and name != base:
+            sped = attrs.evolve(spec, runtime=attrs.evolve(
+                spec.runtime, speculate=mtp if name.startswith("MTP") else speculate))
+            traced = simulate(sped, calibration, acceptance_trace=acceptance_trace(lines, f"the {name} run"))
+            fitted = fitted_rates(acceptance_trace([line for line in lines if line["concurrency"] == streams[0]],
+                                                   f"the {name} run at {streams[0]} streams"))
+            modelled = simulate(sped, calibration, acceptance=fitted[0], proposing=fitted[1])
         for i, level in enumerate(levels):
             rates = [run[name][0][i]["decode_tokens_per_s"] for run in runs]
             speed_ups = [run[name][0][i]["decode_tokens_per_s"] / run[base][0][i]["decode_tokens_per_s"]
                          for run in runs]
-            drafts, sim = level["speculation"], (None, None)
-            if calibration and name != base:
-                setting = mtp if name.startswith("MTP") else speculate
-                sped = attrs.evolve(spec, workload=attrs.evolve(workload, concurrency=(level["concurrency"],)),
-                                    runtime=attrs.evolve(spec.runtime, speculate=setting))
-                trace = acceptance_trace(lines, f"the {name} run")
-                rate = simulate(sped, calibration, acceptance_trace=trace)["levels"][0]["decode_tokens_per_s"]
-                sim = rate, rate / predicted_plain[i]["decode_tokens_per_s"]
-            elif calibration and name == base:
-                sim = predicted_plain[i]["decode_tokens_per_s"], 1.0
+            drafts, sim = level["speculation"], (None, None, None)
+            if traced:
+                plain = predicted_plain[i]["decode_tokens_per_s"]
+                rate = traced["levels"][i]["decode_tokens_per_s"]
+                sim = rate, rate / plain, modelled["levels"][i]["decode_tokens_per_s"] / plain
+            elif calibration:
+                sim = predicted_plain[i]["decode_tokens_per_s"], 1.0, 1.0
             table.add(name, level["concurrency"], spread(rates), spread(speed_ups),
                       None if name == base else f"{drafts['accepted']}/{drafts['proposed']}",
                       drafts["mean_accepted_per_step"], *sim)

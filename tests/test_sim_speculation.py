@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from sim_specs import tiny_spec_yaml
 
 from cascadia.cli import cli
-from cascadia.sim.drafts import REJECTED_TOKEN, TraceDrafter
+from cascadia.sim.drafts import REJECTED_TOKEN, RateDrafter, TraceDrafter, fitted_rates
 from cascadia.sim.model import PLACEHOLDER_TOKEN
 
 
@@ -70,6 +70,22 @@ def test_a_trace_is_replayed_request_by_request_step_by_step():
     assert drafter.propose(7, (), (), 4) == []
     assert drafter.propose(7, (), (), 2) == [PLACEHOLDER_TOKEN] * 2  # cut to the policy's limit
     assert drafter.propose(7, (), (), 4) == [] and drafter.propose(8, (), (), 4) == []  # beyond its trace; absent
+
+
+def test_rates_fitted_to_a_trace_are_those_it_was_drawn_with():
+    """By hand: 3 accepted of 4 (a rejection), 2 of 2, 0 of 1 (a rejection), and a step without drafts: 5
+    acceptances, 2 rejections, 3 of 4 steps proposing. Then a trace of RateDrafter's own drafts gives back its
+    rates, to the draws' error."""
+    assert fitted_rates({0: [(4, 3), (2, 2)], 1: [(1, 0), (0, 0)]}) == (5 / 7, 3 / 4)
+    drafter, steps = RateDrafter(0.6, seed=1, proposing=0.7), []
+    for _ in range(20000):
+        drafts = drafter.propose(0, (), (), 4)
+        steps.append((len(drafts), next((i for i, token in enumerate(drafts) if token != PLACEHOLDER_TOKEN),
+                                        len(drafts))))
+    acceptance, proposing = fitted_rates({0: steps})
+    assert acceptance == pytest.approx(0.6, abs=0.01) and proposing == pytest.approx(0.7, abs=0.01)
+    with pytest.raises(ValueError, match="the trace proposes no drafts"):
+        fitted_rates({0: [(0, 0)]})
 
 
 @pytest.mark.parametrize("text, message", [

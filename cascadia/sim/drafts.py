@@ -2,11 +2,14 @@
 run's were.
 
 Every token the simulator samples is PLACEHOLDER_TOKEN, so a draft is accepted exactly when it is PLACEHOLDER_TOKEN
-and the drafts before it were. `RateDrafter` proposes each draft as PLACEHOLDER_TOKEN with probability `acceptance`
-(seeded, so a simulation is the same every time), and the policy verifies them as it verifies real ones: a step
-accepts a drafts with probability acceptance^a (1 - acceptance), the last draft aside. `TraceDrafter` replays a run's
-acceptance trace (`cascadia run --outputs` with speculation: each request's [proposed, accepted] at every step its
-drafter was asked, 0 proposed where it found nothing): the same request's steps, in order.
+and the drafts before it were. `RateDrafter` proposes drafts at a share of steps (`proposing`), each draft as
+PLACEHOLDER_TOKEN with probability `acceptance` (seeded, so a simulation is the same every time), and the policy
+verifies them as it verifies real ones: a step accepts a drafts with probability acceptance^a (1 - acceptance), the
+last draft aside. `TraceDrafter` replays a run's acceptance trace (`cascadia run --outputs` with speculation: each
+request's [proposed, accepted] at every step its drafter was asked, 0 proposed where it found nothing): the same
+request's steps, in order. `fitted_rates` gives a trace's two rates, so that one run's (one stream's, say) predicts
+what the same drafts do at any concurrency: how often the policy asks for drafts, and how many rows it has for them,
+the simulator plays out as it does in a run.
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ DEFAULT_ACCEPTANCE = 0.5
 
 
 class RateDrafter(Drafter):
-    def __init__(self, acceptance: float, seed: int = 0) -> None:
-        if not 0 <= acceptance <= 1:
-            raise ValueError(f"an acceptance rate lies in 0..1, got {acceptance}")
-        self.acceptance = acceptance
+    def __init__(self, acceptance: float, seed: int = 0, proposing: float = 1.0) -> None:
+        for name, rate in (("an acceptance rate", acceptance), ("a share of steps proposing", proposing)):
+            if not 0 <= rate <= 1:
+                raise ValueError(f"{name} lies in 0..1, got {rate}")
+        self.acceptance, self.proposing = acceptance, proposing
         self._rng = np.random.default_rng(seed)
 
     def propose(self, request_id: int, prompt: Sequence[int], output: Sequence[int], limit: int) -> list[int]:
+        if self.proposing < 1 and self._rng.random() >= self.proposing:
+            return []
         accepted = self._rng.random(limit) < self.acceptance
         return np.where(accepted, PLACEHOLDER_TOKEN, REJECTED_TOKEN).tolist()
 
@@ -55,6 +61,20 @@ class TraceDrafter(Drafter):
 
     def finish(self, request_id: int, prompt: Sequence[int], output: Sequence[int]) -> None:
         self._steps.pop(request_id, None)
+
+
+def fitted_rates(steps: dict[int, Sequence[Step]]) -> tuple[float, float]:
+    """The acceptance rate and the share of steps proposing drafts that make a trace likeliest under
+    `RateDrafter`'s model: each draft accepted with the same chance while those before it were (a step of k
+    drafts, a accepted, counts a acceptances and, where a < k, one rejection). Its steps without drafts count
+    only towards the share."""
+    taken = [step for trace in steps.values() for step in trace]
+    proposing = [(proposed, accepted) for proposed, accepted in taken if proposed]
+    if not proposing:
+        raise ValueError("the trace proposes no drafts: there is no acceptance rate to fit")
+    accepted = sum(a for _, a in proposing)
+    rejected = sum(a < k for k, a in proposing)
+    return accepted / (accepted + rejected), len(proposing) / len(taken)
 
 
 def acceptance_trace(lines: Iterable[dict], where: str) -> dict[int, list[Step]]:

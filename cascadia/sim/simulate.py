@@ -23,18 +23,18 @@ from cascadia.workload import MEASURED, prompt_length_notes
 def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None,
              timings: list[FrameTiming] | None = None, loss: Loss | None = None, detect_s: float = DETECT_S,
              acceptance: float = DEFAULT_ACCEPTANCE, acceptance_trace: dict[int, list[Step]] | None = None,
-             warm_up: bool = True) -> dict:
+             warm_up: bool = True, proposing: float = 1.0) -> dict:
     """Simulate every concurrency level of `spec.workload` (warm-up and measured phase) on `plan`.
 
     `plan` defaults to the planner's. Prompts come from the workload's
     prompts file (text encoded by the checkpoint's tokenizer), or are seeded random ones without one. `timings`: a
     list that takes every frame's way round the pipeline, for a trace. `loss`: a node lost in each level's measured
     phase, found `detect_s` later (`cascadia.sim.loss`); the result then says, per level, what it cost ("losses").
-    With `spec.runtime.speculate`, each draft is accepted with probability `acceptance`, or as in a run's
-    `acceptance_trace` (`cascadia.sim.drafts`). Without `warm_up`, each level's warm-up phase is not simulated: a
-    phase starts from an idle pipeline and draws its own arrivals either way, so the measured phases come out the
-    same (to the rounding of the clock's later start), unless drafts are accepted at random (the draws run on
-    through the phases).
+    With `spec.runtime.speculate`, drafts are proposed at a share `proposing` of the steps where the policy asks,
+    each accepted with probability `acceptance`, or as in a run's `acceptance_trace` (`cascadia.sim.drafts`).
+    Without `warm_up`, each level's warm-up phase is not simulated: a phase starts from an idle pipeline and draws
+    its own arrivals either way, so the measured phases come out the same (to the rounding of the clock's later
+    start), unless drafts are accepted at random (the draws run on through the phases).
     """
     if plan is None:
         from cascadia.graph.planner import plan as make_plan
@@ -46,7 +46,8 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None,
     model = PipelineModel(spec, plan, calibration)
     model.timings = timings
     how = recovery(loss, spec, plan.stages, calibration, detect_s) if loss else None
-    drafter = TraceDrafter(acceptance_trace) if acceptance_trace else RateDrafter(acceptance, spec.workload.seed)
+    drafter = TraceDrafter(acceptance_trace) if acceptance_trace else \
+        RateDrafter(acceptance, spec.workload.seed, proposing)
     policy = Policy.for_runtime(spec.runtime, len(plan.stages), plan.kv_pools, drafter)
 
     def run_phase(level, phase, recorder):
