@@ -26,7 +26,7 @@ the simulator's speed-up against the acceptance rate at 1, 4 and 11 streams. The
 bench/results/speculate-SPEC.json (SPEC: the spec's file name).
 
     python bench/speculate.py [SPEC] [--calibration cal.json | --calibrate] [--max-draft 4] [--rounds 3] [--paper-only]
-    python bench/speculate.py specs/tiny-chat.yaml --text --calibrate --rounds 2
+    python bench/speculate.py specs/tiny-chat.yaml --text --calibrate --rounds 3
 """
 
 from __future__ import annotations
