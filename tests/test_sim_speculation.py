@@ -64,6 +64,25 @@ def test_a_trace_of_every_draft_accepted_is_acceptance_one_and_one_of_none_found
     assert levels[0]["speculation"]["proposed"] == 0
 
 
+def test_rates_fitted_to_one_levels_trace_draft_at_every_level(spec_path, tmp_path):
+    """Level 1's requests (0..5) only, every draft accepted: fitted, acceptance 1 at every step, for level 3's
+    requests too, which the trace does not hold (there the busy stages leave no drafting); a trace of half the
+    steps proposing proposes less."""
+    speculate = ("--speculate", "ngram:4")
+    level_one = trace_file(tmp_path, {r: [[4, 4]] * 24 for r in range(6)})
+    fitted = simulate(spec_path, tmp_path, *speculate, "--acceptance-trace", str(level_one), "--fit-acceptance")
+    assert fitted == simulate(spec_path, tmp_path, *speculate, "--acceptance", "1")
+    half = trace_file(tmp_path, {r: [[4, 4], [0, 0]] * 12 for r in range(6)})
+    sparse = simulate(spec_path, tmp_path, *speculate, "--acceptance-trace", str(half), "--fit-acceptance")
+    assert 0 < sparse[0]["speculation"]["proposed"] < fitted[0]["speculation"]["proposed"]
+    assert sparse[0]["speculation"]["accepted"] == sparse[0]["speculation"]["proposed"]
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), *speculate, "--acceptance-trace",
+                                      str(trace_file(tmp_path, {0: [[0, 0]]})), "--fit-acceptance"])
+    assert result.exit_code == 1 and "the trace proposes no drafts" in result.output
+    result = CliRunner().invoke(cli, ["simulate", str(spec_path), *speculate, "--fit-acceptance"])
+    assert result.exit_code == 2 and "give --acceptance-trace with it" in result.output
+
+
 def test_a_trace_is_replayed_request_by_request_step_by_step():
     drafter = TraceDrafter({7: [(3, 1), (0, 0), (4, 4)]})
     assert drafter.propose(7, (), (), 4) == [PLACEHOLDER_TOKEN, REJECTED_TOKEN, REJECTED_TOKEN]

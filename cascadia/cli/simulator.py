@@ -36,10 +36,14 @@ MAX_TRACE_BYTES = 256 * 2**20  # an outputs file of a long run
 @click.option("--acceptance-trace", "trace_file", type=click.Path(dir_okay=False),
               help="with --speculate: accept drafts as the run that wrote this `--outputs` file did, request by "
                    "request and step by step")
+@click.option("--fit-acceptance", "fit", is_flag=True,
+              help="with --acceptance-trace: draft at every level at the rates fitted to the trace (how often its "
+                   "steps proposed, how often a draft was accepted once those before it were) instead of replaying "
+                   "it: one concurrency's run predicting the others")
 def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None, checkpoint: str | None,
              choices: dict, groups: int | None, json_path: str | None, plot_path: str | None,
              trace_path: str | None, loss, detect_s: float, speculate: str | None, acceptance: float | None,
-             trace_file: str | None) -> None:
+             trace_file: str | None, fit: bool) -> None:
     """Predict throughput and latency of the plan at each level (closed-loop concurrency or open-loop arrival rate)
     with the calibrated simulator. It reads no weights: a checkpoint matters only for the tokenizer of text
     prompts."""
@@ -51,6 +55,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     from cascadia.metrics import format_table
     from cascadia.sim.analytic import analytic_calibration
     from cascadia.sim.calibration import Calibration
+    from cascadia.sim.drafts import fitted_rates
     from cascadia.sim.loss import format_losses
     from cascadia.sim.simulate import plot
     from cascadia.sim.simulate import simulate as run_simulation
@@ -63,7 +68,14 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     report = report_to(json_path, plot_path, trace_path)
     loaded = with_runtime(load_spec(spec), speculate=speculate, pipeline_groups=groups)
     trace = _acceptance_trace(loaded, trace_file, acceptance)
-    acceptance = _acceptance(loaded, acceptance)
+    acceptance, proposing = _acceptance(loaded, acceptance), 1.0
+    if fit:
+        if trace is None:
+            raise click.UsageError("--fit-acceptance fits the rates of a trace: give --acceptance-trace with it")
+        try:
+            (acceptance, proposing), trace = fitted_rates(trace), None
+        except ValueError as e:
+            raise click.ClickException(f"{trace_file}: {e}") from None
     model = attrs.evolve(loaded.model, checkpoint=Path(checkpoint)) if checkpoint else loaded.model
     workload = workload_overrides(loaded, choices)
     loaded = attrs.evolve(loaded, model=model, workload=workload)
@@ -72,8 +84,11 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     timings = [] if trace_path else None
     result = run_simulation(loaded, calibration, chosen, timings=timings, loss=loss,
                             detect_s=DETECT_S if detect_s is None else detect_s, acceptance=acceptance,
-                            acceptance_trace=trace)
+                            acceptance_trace=trace, proposing=proposing)
     report(describe_workload(loaded.workload))
+    if fit:
+        report(f"drafts proposed at {proposing:.0%} of the steps asked, each accepted at {acceptance:.3f} once "
+               f"those before it were (fitted to {trace_file})")
     report(format_table(result))
     if calibration.is_analytic:
         report("(analytic estimate)")
