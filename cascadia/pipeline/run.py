@@ -98,7 +98,7 @@ class Pipeline:
         self.spec, self.plan, self.checkpoint = spec, plan, checkpoint
         self.started_plan = plan  # what the nodes were started with; `plan` is what they serve now
         self.coordinator, self.local, self._run_dir, self._affinity = coordinator, local, run_dir, affinity
-        self._score_frames = 0
+        self._own_frames = 0  # frames sent by `score` and `greedy`, not by a policy
 
     @classmethod
     def start(cls, spec: Spec, plan: Plan, *, checkpoint: Path | None = None, with_logits: bool = False,
@@ -220,8 +220,8 @@ class Pipeline:
         logits = []
         for start, end in score_schedule(len(ids), prefill, runtime.largest_bucket):
             rows = end - start
-            self._score_frames += 1
-            self.coordinator.send_frame(Frame(self._score_frames, 0, [0] * rows, range(start, end), ids[start:end],
+            self._own_frames += 1
+            self.coordinator.send_frame(Frame(self._own_frames, 0, [0] * rows, range(start, end), ids[start:end],
                                               [True] * rows, bucket=padded_size(rows, runtime.row_buckets)))
             logits.append(np.array(self._tokens_with_logits().logits))
         return np.concatenate(logits)
@@ -236,9 +236,9 @@ class Pipeline:
         while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in stop_ids):
             rows = ids[:buckets[-1]]
             last = len(rows) == len(ids)  # its last row gives the next token
-            self._score_frames += 1
+            self._own_frames += 1
             n = len(rows)
-            self.coordinator.send_frame(Frame(self._score_frames, 0, [0] * n, range(position, position + n), rows,
+            self.coordinator.send_frame(Frame(self._own_frames, 0, [0] * n, range(position, position + n), rows,
                                               [False] * (n - 1) + [last], bucket=padded_size(n, buckets)))
             back = self._tokens_with_logits()
             position, ids = position + n, ids[n:]
@@ -251,8 +251,8 @@ class Pipeline:
     def _tokens_with_logits(self) -> Tokens:
         """The tokens of the last frame sent, with logits and head inputs."""
         tokens = self.coordinator.next_tokens()
-        if tokens.frame_id != self._score_frames or tokens.logits is None:
-            raise PipelineError(f"frame {self._score_frames}: the last node sent back frame {tokens.frame_id} "
+        if tokens.frame_id != self._own_frames or tokens.logits is None:
+            raise PipelineError(f"frame {self._own_frames}: the last node sent back frame {tokens.frame_id} "
                                 f"{'without' if tokens.logits is None else 'with'} logits (were the nodes "
                                 "started with --logits?)")
         return tokens
