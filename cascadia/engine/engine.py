@@ -219,21 +219,19 @@ class StageEngine:
     head_input_observer: Callable[[np.ndarray], None] | None = None
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """Final norm, the family's head input (Inkling's: divided by the muP width multiplier), head; only the
-        unpadded vocabulary [T, V]."""
+        """The model's final hidden states [T, H] -> final norm -> `head_logits`, its head input observed."""
         if self.head is None:
             raise RuntimeError("this stage was built without the head")
-        cfg = self.config
-        h = rms_norm(np.asarray(hidden, dtype=np.float32), self.final_norm, cfg.rms_norm_eps)
-        head_input = self.host.head_input(cfg, h)
-        if self.head_input_observer is not None:
-            self.head_input_observer(head_input)
-        return self.head(head_input)[0][:, : cfg.output_vocab_size]
+        normed = rms_norm(np.asarray(hidden, dtype=np.float32), self.final_norm, self.config.rms_norm_eps)
+        return self.head_logits(normed, self.head_input_observer)
 
-    def head_logits(self, normed: np.ndarray) -> np.ndarray:
-        """Rows after a final norm (the model's or the MTP layer's) -> logits [T, V], as `logits`, unobserved."""
-        cfg = self.config
-        return self.head(self.host.head_input(cfg, normed))[0][:, : cfg.output_vocab_size]
+    def head_logits(self, normed: np.ndarray, observer: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        """Rows after a final norm (the model's or the MTP layer's) -> the family's head input (Inkling's: divided
+        by the muP width multiplier), told to `observer` -> the head's logits, only the unpadded vocabulary [T, V]."""
+        head_input = self.host.head_input(self.config, normed)
+        if observer is not None:
+            observer(head_input)
+        return self.head(head_input)[0][:, : self.config.output_vocab_size]
 
     def release(self, slot: int) -> None:
         """Forget a slot's stream; its next rows start at position 0."""
