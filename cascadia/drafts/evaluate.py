@@ -174,7 +174,7 @@ def capture_pipeline(spec: Spec, plan: Plan, checkpoint: Checkpoint, prompts: Se
     longest = max(map(len, prompts)) + max_new_tokens
     if longest > spec.runtime.context_budget:
         raise RequestError(f"the longest prompt plus {max_new_tokens} tokens is {longest} positions, beyond "
-                              f"{spec.source}'s context budget of {spec.runtime.context_budget}")
+                           f"{spec.source}'s context budget of {spec.runtime.context_budget}")
     nodes = ", ".join(stage.node for stage in plan.stages)
     progress(f"starting the pipeline: {nodes}")
     captured = []

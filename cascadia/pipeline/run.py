@@ -235,9 +235,8 @@ class Pipeline:
         position, ids = 0, list(prompt_ids)  # the rows to send: the prompt's, then each last token
         while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in stop_ids):
             rows = ids[:buckets[-1]]
-            last = len(rows) == len(ids)  # its last row gives the next token
+            n, last = len(rows), len(rows) == len(ids)  # the frame's last row gives the next token
             self._own_frames += 1
-            n = len(rows)
             self.coordinator.send_frame(Frame(self._own_frames, 0, [0] * n, range(position, position + n), rows,
                                               [False] * (n - 1) + [last], bucket=padded_size(n, buckets)))
             back = self._tokens_with_logits()
