@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import struct
 
-# magic, version, kind, sender, sequence number, then: frame id, group, rows, bucket, cols, dtype code
-HEADER_LAYOUT = "<4sHBIQQIIIIB"
+# magic, version, kind, sender, sequence number, then: frame id, group, rows, bucket, cols, dtype code; last the body's
+# bytes (all buffers together), so that a receiver tells a cut buffer from an array the sender left out
+HEADER_LAYOUT = "<4sHBIQQIIIIBQ"
 HEADER_BYTES = struct.calcsize(HEADER_LAYOUT)
 INDEX_BYTES = 4  # i32: a slot, position or token id
 # a row: slot, position, token id, top-k and logprobs (i32), the sample flag (u8), temperature, top-p, seed and min-p

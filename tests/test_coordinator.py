@@ -14,6 +14,7 @@ from cascadia.pipeline.transport import (COORDINATOR, CurveKeys, Transport, free
 from cascadia.pipeline.wire import (VERSION, Encoder, Error, Frame, Hello, Progress, Ready, Stats, StatsRequest, Tokens,
                                     decode, encode, node_sender)
 from cascadia.policy import Policy, Request
+from cascadia.wire_format import HEADER_BYTES
 from cascadia.workload import ClosedLoop
 
 STALL_S = 0.5
@@ -117,7 +118,7 @@ def test_stray_messages_on_the_token_socket_are_dropped_and_the_tokens_go_throug
     assert (received.frame_id, received.token_ids.tolist()) == (1, [7])
     assert coordinator.dropped == 3
     assert [m.removeprefix("coordinator: dropped a message on its token socket: ") for m in caplog.messages] == [
-        "header of 7 bytes, expected 44", "Tokens from sender 77; only sender 2 sends here",
+        f"header of 7 bytes, expected {HEADER_BYTES}", "Tokens from sender 77; only sender 2 sends here",
         "unexpected Frame from sender 2"]
 
 

@@ -201,8 +201,8 @@ def mutated(frames: list[bytes], data) -> list[bytes]:
         del frames[i]
     elif how == "add":
         frames.insert(i, data.draw(st.binary(max_size=16)))
-    elif how == "header field":  # one of the header's integers after the magic: version .. dtype code
-        at = data.draw(st.sampled_from([4, 6, 7, 11, 19, 27, 31, 35, 39, 42]))  # wire_format.HEADER_LAYOUT
+    elif how == "header field":  # one of the header's integers after the magic: version .. body bytes
+        at = data.draw(st.sampled_from([4, 6, 7, 11, 19, 27, 31, 35, 39, 42, 44, 50]))  # wire_format.HEADER_LAYOUT
         frames[0] = frames[0][:at] + struct.pack("<H", data.draw(st.integers(0, 2**16 - 1))) + frames[0][at + 2:]
     return frames
 

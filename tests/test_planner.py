@@ -251,11 +251,11 @@ def test_link_time_is_added_to_the_sending_stage():
     spec = small_spec(rng, n_layers=4, n_nodes=2)
     timing = RooflineStageTime(spec)
     node = spec.cluster.nodes[0]
-    # the n0-n1 link of small_spec, carrying a frame of one row: the 44-byte header, 53 bytes of row (slot,
+    # the n0-n1 link of small_spec, carrying a frame of one row: the 52-byte header, 53 bytes of row (slot,
     # position, token, sample flag, temperature, top-p, seed, top-k, min-p, logprobs), the residual
-    frame = 44 + 53 + spec.model.config.hidden_size * 4
+    frame = 52 + 53 + spec.model.config.hidden_size * 4
     assert timing.send_time(node, ("embed", "layers")) == 1e-3 + frame / 1e6
-    assert timing.send_time(spec.cluster.nodes[1], ("layers", "head")) == 1e-3 + (44 + 8) / 1e6  # a token back
+    assert timing.send_time(spec.cluster.nodes[1], ("layers", "head")) == 1e-3 + (52 + 8) / 1e6  # a token back
     alone = attrs.evolve(spec, cluster=ClusterSpec(spec.cluster.nodes[:1]))
     assert RooflineStageTime(alone).send_time(node, ("embed", "layers", "head")) == 0.0
 

@@ -44,7 +44,7 @@ def _three_stages_and_their_links():
     stages = [k["embedding"] + 2 * k["sliding"] + k["dense"] + k["moe"] + overhead,
               k["global"] + k["sliding"] + 2 * k["moe"] + overhead,
               k["sliding"] + k["global"] + 2 * k["moe"] + k["head"] + overhead]
-    frame, token = 44 + 53 + HIDDEN_BYTES, 44 + 8  # header, a row's indices, flag, sampling and logprobs, residual
+    frame, token = 52 + 53 + HIDDEN_BYTES, 52 + 8  # header, a row's indices, flag, sampling and logprobs, residual
     wires = [1e-4 + frame / 1e8, 2e-4 + frame / 2e8, 3e-4 + token / 5e7]  # the last sends one token back
     return spec, cal, stages, wires
 

@@ -1,8 +1,9 @@
 """The pipeline's message codec: a fixed versioned header plus raw little-endian buffers, one ZeroMQ frame each.
 
-A message is a list of frames: the 44-byte header first (laid out in `cascadia.wire_format`), then the buffers its
+A message is a list of frames: the 52-byte header first (laid out in `cascadia.wire_format`), then the buffers its
 kind expects, always the same number (an absent optional array is an empty buffer). The header says how many rows
-and columns the arrays hold, so every buffer's byte length is checked before a single value is read. Nothing is
+and columns the arrays hold and how many bytes the buffers hold together, so every buffer's byte length is checked
+before a single value is read, and a buffer cut short never reads as a smaller array or as one left out. Nothing is
 pickled; decoding only ever builds numpy arrays over the received bytes (no copy) and short UTF-8 strings.
 
 Kinds and their buffers (n = header rows, c = header cols):
@@ -58,11 +59,12 @@ from cascadia.sampling import MAX_LOGPROBS, LogitAdjustments
 from cascadia.wire_format import HEADER_LAYOUT
 
 MAGIC = b"CSCD"
-VERSION = 15
+VERSION = 16
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 2**20  # 128 rows of f32 logits over a 201k vocabulary fit
 COORDINATOR_SENDER = 0  # the nodes follow in stage order (`node_sender`)
 
-# magic, version, kind, sender, sequence number, then _Fields: frame id, group, rows, bucket, cols, dtype code
+# magic, version, kind, sender, sequence number, then _Fields: frame id, group, rows, bucket, cols, dtype code; then
+# the body's bytes
 _HEADER = struct.Struct(HEADER_LAYOUT)
 _DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2")}  # payload dtype codes; 0 = no payload
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
@@ -423,7 +425,8 @@ def _body(message: Message) -> tuple[Kind, _Fields, list]:
 def encode(message: Message, sender: int, seq: int) -> list:
     """The frames of a message: header bytes, then buffers (numpy arrays are sent as they are, without a copy)."""
     kind, fields, buffers = _body(message)
-    return [_HEADER.pack(MAGIC, VERSION, kind, sender, seq, *fields), *buffers]
+    body_bytes = sum(memoryview(buffer).nbytes for buffer in buffers)
+    return [_HEADER.pack(MAGIC, VERSION, kind, sender, seq, *fields, body_bytes), *buffers]
 
 
 class Encoder:
@@ -642,7 +645,7 @@ def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
         raise WireError(f"message of {size} bytes exceeds the limit of {max_message_bytes}")
     if views[0].nbytes != _HEADER.size:
         raise WireError(f"header of {views[0].nbytes} bytes, expected {_HEADER.size}")
-    magic, version, kind, sender, seq, *fields = _HEADER.unpack(views[0])
+    magic, version, kind, sender, seq, *fields, body_bytes = _HEADER.unpack(views[0])
     fields = _Fields(*fields)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}, expected {MAGIC!r}")
@@ -654,6 +657,8 @@ def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
     buffers = views[1:]
     if len(buffers) != _BUFFER_COUNTS[kind]:
         raise WireError(f"{kind.name} with {len(buffers)} buffers, expected {_BUFFER_COUNTS[kind]}")
+    if size - views[0].nbytes != body_bytes:
+        raise WireError(f"{kind.name} with {size - views[0].nbytes} bytes of buffers, the header says {body_bytes}")
     message = _message(kind, fields, buffers)
     # Header fields this kind does not use must be zero, so that every header byte is accounted for.
     if _body(message)[1] != fields:
