@@ -10,7 +10,8 @@ coordinator's process holds the link into the first stage and each request as an
 its last token.
 `frame_times` gives each node's per-frame compute and onward link times, for comparing two timelines node by node
 (a link there reaches the next stage's compute, so that it holds the whole of the message's handling: a run's node
-decodes a frame after taking it in).
+decodes a frame after taking it in). `frame_timings` reads a trace document back into its nodes and frames (what
+`cascadia simulate --replay-trace` replays).
 """
 
 from __future__ import annotations
@@ -72,6 +73,50 @@ def chrome_trace(frames: Iterable[FrameTiming], records: Iterable[RequestRecord]
         events.append(common | {"ph": "e", "ts": record.t_finish * _US})
     other = {"source": source, "nodes": list(nodes)} | ({"clock_error_s": clock_error_s} if clock_error_s else {})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def frame_timings(document) -> tuple[list[str], list[FrameTiming]]:
+    """The nodes and frames of a document `chrome_trace` wrote (a run's or a simulation's), the frames in the order
+    they were sent: its inverse, to the rounding of its microseconds. ValueError, saying what is wrong, for anything
+    else."""
+    other = document.get("otherData") if isinstance(document, dict) else None
+    nodes = other.get("nodes") if isinstance(other, dict) else None
+    events = document.get("traceEvents") if isinstance(document, dict) else None
+    if not (isinstance(nodes, list) and nodes and all(isinstance(n, str) for n in nodes) and isinstance(events, list)):
+        raise ValueError("not a Cascadia trace (`run --trace` or `simulate --trace` writes one): it needs "
+                         "otherData.nodes and traceEvents")
+    spans: dict[int, dict[tuple[int, int], tuple[float, float]]] = {}
+    shapes: dict[int, tuple[int, int, int]] = {}
+    for i, event in enumerate(events):
+        if not (isinstance(event, dict) and event.get("ph") == "X"):
+            continue  # names, and requests' spans
+        try:
+            args, place = event["args"], (int(event["pid"]), int(event["tid"]))
+            frame, start = int(args["frame"]), float(event["ts"]) / _US
+            spans.setdefault(frame, {})[place] = (start, start + float(event["dur"]) / _US)
+            shapes[frame] = int(args["group"]), int(args["rows"]), int(args["bucket"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"traceEvents[{i}]: a span without a frame's pid, tid, ts, dur and args (frame, group, "
+                             f"rows, bucket)") from None
+    frames = [_frame_timing(frame_id, shapes[frame_id], placed, nodes) for frame_id, placed in spans.items()]
+    return nodes, sorted(frames, key=lambda frame: frame.sent)
+
+
+def _frame_timing(frame_id: int, shape: tuple[int, int, int], placed: dict[tuple[int, int], tuple[float, float]],
+                  nodes: Sequence[str]) -> FrameTiming:
+    """One frame from its spans, by (pid, tid): the link into the first node, then each node's compute and link."""
+    def span(pid: int, tid: int, what: str) -> tuple[float, float]:
+        if (pid, tid) not in placed:
+            raise ValueError(f"frame {frame_id}: no {what}")
+        return placed[pid, tid]
+
+    sent, received = span(0, 1, f"link span into {nodes[0]}")
+    stages = []
+    for pid, node in enumerate(nodes, 1):
+        start, end = span(pid, 1, f"compute span on {node}")
+        stages.append(StageTiming(received, start, end))
+        received = span(pid, 2, f"link span from {node}")[1]
+    return FrameTiming(frame_id, *shape, sent, tuple(stages), received)
 
 
 def records_of(result: dict) -> list[RequestRecord]:

@@ -40,10 +40,14 @@ MAX_TRACE_BYTES = 256 * 2**20  # an outputs file of a long run
               help="with --acceptance-trace: draft at every level at the rates fitted to the trace (how often its "
                    "steps proposed, how often a draft was accepted once those before it were) instead of replaying "
                    "it: one concurrency's run predicting the others")
+@click.option("--replay-trace", "replay_path", type=click.Path(dir_okay=False),
+              help="take each frame's compute on each node from this trace of a run on the same plan (`run "
+                   "--trace`) instead of the calibration's tables, so that what differs from the run is the model's "
+                   "error alone; frames of a shape the trace lacks are costed from the tables")
 def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None, checkpoint: str | None,
              choices: dict, groups: int | None, json_path: str | None, plot_path: str | None,
              trace_path: str | None, loss, detect_s: float, speculate: str | None, acceptance: float | None,
-             trace_file: str | None, fit: bool) -> None:
+             trace_file: str | None, fit: bool, replay_path: str | None) -> None:
     """Predict throughput and latency of the plan at each level (closed-loop concurrency or open-loop arrival rate)
     with the calibrated simulator. It reads no weights: a checkpoint matters only for the tokenizer of text
     prompts."""
@@ -82,10 +86,14 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     chosen = chosen_plan(loaded, plan_path)  # first: it refuses a runtime no node can hold, before any table is built
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
     timings = [] if trace_path else None
+    replay = _replay(replay_path) if replay_path else None
     result = run_simulation(loaded, calibration, chosen, timings=timings, loss=loss,
                             detect_s=DETECT_S if detect_s is None else detect_s, acceptance=acceptance,
-                            acceptance_trace=trace, proposing=proposing)
+                            acceptance_trace=trace, proposing=proposing, replay=replay)
     report(describe_workload(loaded.workload))
+    if replay:
+        report(f"replayed the compute of {replay.replayed} of {replay.replayed + replay.tabled} frames from "
+               f"{replay_path} ({replay.frames} traced)")
     if fit:
         report(f"drafts proposed at {proposing:.0%} of the steps asked, each accepted at {acceptance:.3f} once "
                f"those before it were (fitted to {trace_file})")
@@ -180,6 +188,20 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
     calibration = Calibration.load(calibration_path)
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
                          checkpoint, repeats, json_path, emulate_links, trace_dir, acceptance)
+
+
+def _replay(path: str):
+    """--replay-trace, read."""
+    from cascadia.errors import CalibrationError
+    from cascadia.files import read_json
+    from cascadia.sim.replay import ReplayTimes
+    from cascadia.trace import frame_timings
+
+    try:
+        nodes, frames = frame_timings(read_json(path, MAX_TRACE_BYTES, "a trace file"))
+    except ValueError as e:  # the file's too (files.UnreadableFile)
+        raise CalibrationError(f"{path}: {e}") from None
+    return ReplayTimes(nodes, frames, path)
 
 
 def _acceptance_trace(loaded, path: str | None, acceptance: float | None) -> dict | None:

@@ -39,6 +39,7 @@ from cascadia.policy import Frame, Policy, Row, padded_size
 from cascadia.sim.calibration import (KIND_AXES, Calibration, CalibrationError, Extrapolations, NodeCalibration,
                                       interpolate)
 from cascadia.sim.loss import Loss, Recovery
+from cascadia.sim.replay import ReplayTimes
 from cascadia.spec.types import LinkSpec, RuntimeSpec, Spec
 from cascadia.speculation import MTP
 from cascadia.trace import FrameTiming, StageTiming
@@ -295,7 +296,9 @@ class PipelineModel:
     frame shape.
     """
 
-    def __init__(self, spec: Spec, plan: Plan, calibration: Calibration) -> None:
+    def __init__(self, spec: Spec, plan: Plan, calibration: Calibration, replay: ReplayTimes | None = None) -> None:
+        """`replay`: each frame's compute from a run's trace where it has one of the frame's shape
+        (`cascadia.sim.replay`); a stage's handling of the frame's messages stays the calibration's."""
         self.env = simpy.Environment()
         self.extrapolations = Extrapolations()
         config = spec.model.config
@@ -309,10 +312,15 @@ class PipelineModel:
             raise CalibrationError(f"{calibration.source or 'calibration'}: nodes: no entry for "
                                    f"{', '.join(missing)} (has {', '.join(calibration.nodes)})")
         self._names = [s.node for s in plan.stages]
+        if replay is not None:
+            replay.check_nodes(self._names)
         self._nodes = list(dict.fromkeys(self._names))  # the stages' nodes, each once
         self.costs, self._cost_index = self._stage_costs(plan, calibration, config, spec.runtime)
+        self._replay = replay
         host_names = stage_hosts(spec, plan)
-        shared = {name: SharedHost(self.env, calibration.hosts.get(name, (1.0,))) for name in shared_hosts(spec, plan)}
+        # a replayed compute time was measured as the host was shared then: it is not shared out again
+        shared = {} if replay else {name: SharedHost(self.env, calibration.hosts.get(name, (1.0,)))
+                                    for name in shared_hosts(spec, plan)}
         self.notes: list[str] = []
         self._links = [self._link(calibration, spec, a, b) for a, b in plan.hops()]
         self._stage_hops: list[int] = []  # each stage's compute hop
@@ -385,10 +393,22 @@ class PipelineModel:
         return figures
 
     def frame_costs(self, frame: Frame) -> FrameCosts:
+        """What `frame` takes on each hop: called once as it sets off (a replay takes its traced times then)."""
         figures = FrameShape.figures(frame, self._window)
         if (costs := self._by_shape.get(figures)) is None:
             costs = self._by_shape[figures] = self._costs_of(FrameShape(*figures))
+        if self._replay is not None and (computed := self._replay.take(len(frame.rows), frame.padded_rows)):
+            costs = self._replayed(costs, computed, len(frame.rows))
         return costs
+
+    def _replayed(self, costs: FrameCosts, computed: tuple[float, ...], rows: int) -> FrameCosts:
+        """`costs` with each stage's time its traced compute plus its handling of the frame's messages (which a
+        trace counts in the link, as a run's node handles them outside its compute)."""
+        stage_s = tuple(seconds + self.costs[cost].handling(rows) for seconds, cost in zip(computed, self._cost_index))
+        hop_s = list(costs.hop_s)
+        for seconds, hop in zip(stage_s, self._stage_hops):
+            hop_s[hop] = seconds
+        return FrameCosts(stage_s, tuple(hop_s))
 
     def alone_s(self, shape: FrameShape) -> tuple[tuple[float, ...], float]:
         """A frame of `shape` alone in the pipeline: each stage's compute seconds, and its whole way round the ring

@@ -14,6 +14,7 @@ from cascadia.sim.calibration import Calibration
 from cascadia.sim.drafts import DEFAULT_ACCEPTANCE, RateDrafter, Step, TraceDrafter
 from cascadia.sim.loss import DETECT_S, Loss, recovery
 from cascadia.sim.model import PipelineModel
+from cascadia.sim.replay import ReplayTimes
 from cascadia.spec.types import Spec
 from cascadia.tokenizer import workload_prompts
 from cascadia.trace import FrameTiming
@@ -23,7 +24,7 @@ from cascadia.workload import MEASURED, prompt_length_notes
 def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None,
              timings: list[FrameTiming] | None = None, loss: Loss | None = None, detect_s: float = DETECT_S,
              acceptance: float = DEFAULT_ACCEPTANCE, acceptance_trace: dict[int, list[Step]] | None = None,
-             warm_up: bool = True, proposing: float = 1.0) -> dict:
+             warm_up: bool = True, proposing: float = 1.0, replay: ReplayTimes | None = None) -> dict:
     """Simulate every concurrency level of `spec.workload` (warm-up and measured phase) on `plan`.
 
     `plan` defaults to the planner's. Prompts come from the workload's
@@ -34,7 +35,9 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None,
     each accepted with probability `acceptance`, or as in a run's `acceptance_trace` (`cascadia.sim.drafts`).
     Without `warm_up`, each level's warm-up phase is not simulated: a phase starts from an idle pipeline and draws
     its own arrivals either way, so the measured phases come out the same (to the rounding of the clock's later
-    start), unless drafts are accepted at random (the draws run on through the phases).
+    start), unless drafts are accepted at random (the draws run on through the phases). `replay`: each frame's
+    compute from a run's trace (`cascadia.sim.replay`), for a plan on the trace's nodes; the result then says how
+    many frames it replayed ("replay").
     """
     if plan is None:
         from cascadia.graph.planner import plan as make_plan
@@ -43,7 +46,7 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None,
     prompts = workload_prompts(spec.workload, spec.model.checkpoint, spec.model.config)
     notes = [*calibration.check_model(spec), *(prompt_length_notes(prompts, spec.workload, spec.runtime)
                                                if prompts else [])]
-    model = PipelineModel(spec, plan, calibration)
+    model = PipelineModel(spec, plan, calibration, replay)
     model.timings = timings
     how = recovery(loss, spec, plan.stages, calibration, detect_s) if loss else None
     drafter = TraceDrafter(acceptance_trace) if acceptance_trace else \
@@ -65,8 +68,11 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None,
         return busy
 
     served = serve_workload(spec, spec.workload, prompts, run_phase, Served())
+    replayed = replay.notes() if replay else []
     result = metrics.result("simulate", spec, served.levels, served.records, calibration=calibration.describe(),
-                            plan=plan.to_dict(), warnings=notes + model.notes + model.extrapolations.notes)
+                            plan=plan.to_dict(), warnings=notes + model.notes + model.extrapolations.notes + replayed)
+    if replay:
+        result["replay"] = {"frames": replay.frames, "replayed": replay.replayed, "tabled": replay.tabled}
     return result | ({"losses": model.losses} if loss else {})
 
 
