@@ -12,7 +12,7 @@ from sim_specs import calibration
 
 from cascadia.cli import cli
 from cascadia.measure.validate import (METRICS, SCHEMA, compare, compare_frame_times, compare_phase_frame_times,
-                                      format_comparison, format_phase_frame_times, frames_by_phase)
+                                      compare_replays, format_comparison, format_phase_frame_times, frames_by_phase)
 from cascadia.pipeline.run import RunFailed, RunResult
 from cascadia.trace import FrameTiming, StageTiming
 
@@ -80,6 +80,28 @@ def test_the_comparison_table():
     two = format_comparison(compare([MEASURED, MEASURED], PREDICTED)).splitlines()
     assert two[1].split() == ["1", "decode", "tok/s", "100.00", "0.0%", "110.00", "+10.0%"]
     assert two[-2].startswith("median spread of the runs: decode tok/s 0.0%")
+
+
+def test_each_run_is_compared_with_its_own_replay():
+    slow = {"levels": [level(1, 80.0, 70.0, 0.070, None, 0.012), level(4, 180.0, 150.0, 0.120, 0.250, None),
+                       level(8, 240.0, 0.0, 0.250, 0.350, None)]}
+    replayed_slow = {"levels": [level(1, 84.0, 70.0, 0.070, 0.060, 0.012), *PREDICTED["levels"][1:]]}
+    one = compare_replays([MEASURED], [PREDICTED])  # one run: its replay's errors are compare's
+    assert [{name: m["error"] for name, m in lv["metrics"].items()} for lv in one["levels"]] == [
+        {name: m["error"] for name, m in lv["metrics"].items()} for lv in compare([MEASURED], PREDICTED)["levels"]]
+    two = compare_replays([MEASURED, slow], [PREDICTED, replayed_slow])
+    decode = two["levels"][0]["metrics"]["decode tok/s"]
+    # the median of the replays (110, 84) against the median of the runs (100, 80); each run against its own
+    assert decode == {"replayed": 97.0, "error": pytest.approx(97 / 90 - 1), "run_errors": pytest.approx([0.1, 0.05])}
+    assert two["levels"][0]["metrics"]["TTFT p95"]["run_errors"] == [0.0, None]  # the slow run measured none
+    table = format_comparison({**compare([MEASURED], PREDICTED), "replay": one,
+                               "replayed": [PREDICTED | {"replay": {"frames": 9, "replayed": 7, "tabled": 2}}]})
+    lines = table.splitlines()
+    assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error", "replayed", "replay",
+                                "error"]
+    assert lines[1].split() == ["1", "decode", "tok/s", "100.00", "-", "110.00", "+10.0%", "110.00", "+10.0%"]
+    assert lines[-2].startswith("median |error| replayed: decode tok/s 10.0%")
+    assert lines[-1] == "replayed from each run's trace: run 1: 7 of 9 frames"
 
 
 def test_open_loop_levels_are_headed_load_not_streams():
@@ -238,6 +260,29 @@ def test_validate_writes_both_timelines_and_compares_each_node_per_frame(spec, c
     assert [line.split()[:3] for line in phases[:-1]] == [["1", "1", "warmup"], ["1", "1", "measured"]]
     assert [sum(int(line.split()[3].split("/")[side]) for line in phases[:-1]) for side in (0, 1)] == [frames] * 2
     assert phases[-1] == f"wrote the timelines to {traces}: run.json, simulate.json"
+
+
+def test_validate_replays_each_run_from_its_own_trace(spec, checkpoint, tmp_path):
+    """One stream: the simulation cuts the frames the run did, so each takes its compute from the run's trace."""
+    cal_path, out = tmp_path / "cal.json", tmp_path / "validation.json"
+    calibration(spec, lambda kind, r, x: 1e-4 * r).save(cal_path)  # hand-made: the tables' errors mean nothing here
+    result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(cal_path), "--checkpoint",
+                                      str(checkpoint), "--concurrency", "1", "--max-new-tokens", "4",
+                                      "--prompt-tokens", "5", "--replay", "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error", "replayed", "replay",
+                                "error"]
+    saved = json.loads(out.read_text())
+    [replayed] = saved["replayed"]
+    frames = replayed["replay"]["frames"]
+    assert frames > 0 and replayed["replay"] == {"frames": frames, "replayed": frames, "tabled": 0}
+    assert lines[-2] == f"replayed from each run's trace: run 1: {frames} of {frames} frames"
+    decode = saved["replay"]["levels"][0]["metrics"]["decode tok/s"]
+    measured = saved["measured"][0]["levels"][0]["decode_tokens_per_s"]
+    assert decode["replayed"] == replayed["levels"][0]["decode_tokens_per_s"] != \
+        saved["predicted"]["levels"][0]["decode_tokens_per_s"]
+    assert decode["error"] == pytest.approx(decode["replayed"] / measured - 1) == decode["run_errors"][0]
 
 
 def test_validate_with_speculation_simulates_the_drafts_the_run_accepted(spec, checkpoint, tmp_path):

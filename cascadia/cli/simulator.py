@@ -173,11 +173,14 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
 @click.option("--acceptance", type=click.FloatRange(0, 1), help="with --speculate: the chance the simulator gives "
               "a draft of being accepted once the drafts before it were [default: as in the first run, request by "
               "request and step by step]")
+@click.option("--replay", is_flag=True, help="simulate each run again with its own frames' compute, from its trace "
+                                             "(as `simulate --replay-trace`), and print that error too: the model's "
+                                             "alone, without the machine's drift since calibrating")
 def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, choices: dict,
-                     groups, repeats, json_path, trace_dir, emulate_links, speculate, acceptance) -> None:
+                     groups, repeats, json_path, trace_dir, emulate_links, speculate, acceptance, replay) -> None:
     """Simulate and run the same workload on the same plan, and print per level and metric the measured and
     predicted values and the error, then each metric's median absolute error; with --trace-dir, each node's compute
-    time per frame in both."""
+    time per frame in both; with --replay, the error of each run's replay beside."""
     import attrs
 
     from cascadia.sim.calibration import Calibration
@@ -187,7 +190,7 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
     workload = workload_overrides(loaded, choices)
     calibration = Calibration.load(calibration_path)
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
-                         checkpoint, repeats, json_path, emulate_links, trace_dir, acceptance)
+                         checkpoint, repeats, json_path, emulate_links, trace_dir, acceptance, replay)
 
 
 def _replay(path: str):
@@ -232,7 +235,7 @@ def _acceptance(loaded, acceptance: float | None) -> float:
 
 def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = None,
                          repeats: int = 1, json_path: str | None = None, emulate_links: bool = False,
-                         trace_dir: str | None = None, acceptance: float | None = None) -> None:
+                         trace_dir: str | None = None, acceptance: float | None = None, replay: bool = False) -> None:
     """Simulate and run with progress on stderr; print the comparison, write the JSON and the timelines."""
     import json
     from pathlib import Path
@@ -261,7 +264,7 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
                           checkpoint=Path(checkpoint) if checkpoint else None,
                           on_message=lambda node, message: click.echo(describe(node, message), err=True),
                           on_phase=phase_done, emulate_links=emulate_links, timelines=timelines,
-                          acceptance=acceptance)
+                          acceptance=acceptance, replay=replay)
     except ValidationFailed as e:
         write(e.result)
         raise click.ClickException(f"run failed: {e}") from None

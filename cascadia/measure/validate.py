@@ -7,7 +7,9 @@ a few runs is what it typically does. Per concurrency level and metric, error = 
 with the median over the runs as measured, and the runs' spread = (largest - smallest) / median: an error smaller
 than the spread says little about the model. Per metric, the median of the absolute errors and of the spreads over
 the levels. With timelines, per node the per-frame compute and link times of both (median and p95), over all the
-runs, and each node's compute phase by phase of each run: to see where they part, and when.
+runs, and each node's compute phase by phase of each run: to see where they part, and when. With replays, each run
+is simulated again with its own frames' compute (`cascadia.sim.replay`): the error left is the model's, not the
+machine's drift since calibrating.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from cascadia.metrics import describe_level, level_label, load_heading
 from cascadia.pipeline.run import RunFailed, run
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.drafts import DEFAULT_ACCEPTANCE, acceptance_trace
+from cascadia.sim.replay import ReplayTimes
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
 from cascadia.table import format_rows
@@ -99,6 +102,27 @@ def compare(runs: Sequence[dict], predicted: dict) -> dict:
             "median_spread": {name: statistics.median(s) if s else None for name, s in spreads.items()}}
 
 
+def compare_replays(runs: Sequence[dict], replays: Sequence[dict]) -> dict:
+    """Each run against its own replay (the same workload simulated with the run's compute, `cascadia.sim.replay`):
+    per level and metric the median of the replayed values, its error against the measured median (as `compare`'s)
+    and each run's error against its own replay; per metric the median absolute error over the levels."""
+    per_run = [compare([run], replayed) for run, replayed in zip(runs, replays)]
+    levels = []
+    errors: dict[str, list[float]] = {name: [] for name in METRICS}
+    for i, level in enumerate(compare(runs, replays[0])["levels"]):
+        metrics = {}
+        for name in METRICS:
+            replayed = _median([one["levels"][i]["metrics"][name]["predicted"] for one in per_run])
+            error = _error(replayed, level["metrics"][name]["measured"])
+            if error is not None:
+                errors[name].append(abs(error))
+            metrics[name] = {"replayed": replayed, "error": error,
+                             "run_errors": [one["levels"][i]["metrics"][name]["error"] for one in per_run]}
+        levels.append({"concurrency": level["concurrency"], "rate": level["rate"], "metrics": metrics})
+    return {"levels": levels,
+            "median_abs_error": {name: statistics.median(e) if e else None for name, e in errors.items()}}
+
+
 def compare_frame_times(measured: Sequence[FrameTiming], predicted: Sequence[FrameTiming],
                         nodes: Sequence[str]) -> dict:
     """Per node, for its compute and its link onward (`trace.frame_times`): how many frames each backend timed,
@@ -156,14 +180,15 @@ class ValidationFailed(NodeError):
 def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1,
              checkpoint: Path | None = None, on_message: Callable = lambda node, message: None,
              on_phase: Callable = lambda level, phase, records: None, emulate_links: bool = False,
-             timelines: dict | None = None, acceptance: float | None = None) -> dict:
+             timelines: dict | None = None, acceptance: float | None = None, replay: bool = False) -> dict:
     """Simulate, then run `repeats` times, the spec's workload on `plan`; the results and their comparison. With
     `emulate_links` the runs go over links shaped to the spec's bandwidths, and so does the simulation. `timelines`:
     a dict that takes each backend's timeline, as (frames, metrics result, clock errors) by name ("simulate", "run";
     "run-1".. with repeats); the comparison then holds each node's per-frame times (`compare_frame_times`), over
     all the runs and phase by phase of each (`compare_phase_frame_times`).
     With speculation, the simulated drafts are accepted at `acceptance`, or (None) as the first run's were, request
-    by request and step by step (`cascadia.sim.drafts`).
+    by request and step by step (`cascadia.sim.drafts`). With `replay`, each run is simulated again replaying its
+    own compute and drafts (`compare_replays`: "replay" in the result, the simulations in "replayed").
 
     The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts (with the
     measured acceptance, it is simulated again after the runs)."""
@@ -173,11 +198,12 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
     predicted_frames: list[FrameTiming] | None = [] if traced else None
     predicted = simulate(spec, calibration, plan, timings=predicted_frames,
                          acceptance=DEFAULT_ACCEPTANCE if acceptance is None else acceptance)
-    runs, run_timelines, first_outputs = [], [], None
+    runs, run_timelines, first_outputs, replays = [], [], None, []
+    nodes = [stage.node for stage in plan.stages]
     for i in range(repeats):
         try:
             done = run(spec, plan, spec.workload, checkpoint=checkpoint, on_message=on_message,
-                       on_phase=on_phase, emulate_links=emulate_links, trace=traced)
+                       on_phase=on_phase, emulate_links=emulate_links, trace=traced or replay)
         except RunFailed as e:
             raise ValidationFailed(str(e), {"schema": SCHEMA, "failed": str(e), "measured": [*runs, e.result],
                                             "predicted": predicted}) from None
@@ -186,14 +212,21 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
         if traced:
             run_timelines.append((done.frames, done.result))
             timelines[f"run-{i + 1}" if repeats > 1 else "run"] = (done.frames, done.result, done.clock_error_s)
+        if replay:
+            drafts = {"acceptance_trace": acceptance_trace(done.outputs, f"run {i + 1}'s outputs")} \
+                if spec.runtime.max_draft and acceptance is None else \
+                {"acceptance": DEFAULT_ACCEPTANCE if acceptance is None else acceptance}
+            replays.append(simulate(spec, calibration, plan, replay=ReplayTimes(nodes, done.frames,
+                                                                                f"run {i + 1}'s trace"), **drafts))
     if spec.runtime.max_draft and acceptance is None:
         predicted_frames = [] if traced else None
         predicted = simulate(spec, calibration, plan, timings=predicted_frames,
                              acceptance_trace=acceptance_trace(first_outputs, "the first run's outputs"))
     result = {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
+    if replay:
+        result |= {"replay": compare_replays(runs, replays), "replayed": replays}
     if traced:
         timelines["simulate"] = (predicted_frames, predicted, None)
-        nodes = [stage.node for stage in plan.stages]
         result["frame_times"] = compare_frame_times([f for frames, _ in run_timelines for f in frames],
                                                     predicted_frames, nodes)
         result["phase_frame_times"] = compare_phase_frame_times(run_timelines, predicted_frames, predicted, nodes)
@@ -250,21 +283,33 @@ def format_phase_frame_times(phases: list[dict]) -> str:
 
 
 def format_comparison(comparison: dict) -> str:
-    """Per level and metric: measured, the runs' spread, predicted, error; then each metric's median spread (with
-    several runs) and median absolute error."""
-    rows = [(load_heading(comparison["levels"]), "metric", "measured", "spread", "predicted", "error")]
-    for level in comparison["levels"]:
+    """Per level and metric: measured, the runs' spread, predicted, error (and, with replays, the replayed value and
+    its error); then each metric's median spread (with several runs) and median absolute error."""
+    replay = comparison.get("replay")
+    rows = [(load_heading(comparison["levels"]), "metric", "measured", "spread", "predicted", "error",
+             *(("replayed", "replay error") if replay else ()))]
+    for j, level in enumerate(comparison["levels"]):
         for i, (name, (_, unit, scale)) in enumerate(METRICS.items()):
             m = level["metrics"][name]
+            replayed = ()
+            if replay:
+                r = replay["levels"][j]["metrics"][name]
+                replayed = (_shown(r["replayed"], scale), _percent(r["error"], "+"))
             rows.append((level_label(level) if i == 0 else "", f"{name} ({unit})" if unit == "ms" else name,
                          _shown(m["measured"], scale), _percent(m["spread"]), _shown(m["predicted"], scale),
-                         _percent(m["error"], "+")))
+                         _percent(m["error"], "+"), *replayed))
     lines = [format_rows(rows, left={1})]
     if any(s is not None for s in comparison["median_spread"].values()):
         lines.append("median spread of the runs: " + ", ".join(f"{name} {_percent(s)}"
                                                                for name, s in comparison["median_spread"].items()))
     lines.append("median |error|: " + ", ".join(f"{name} {_percent(e)}"
                                                 for name, e in comparison["median_abs_error"].items()))
+    if replay:
+        lines.append("median |error| replayed: " + ", ".join(f"{name} {_percent(e)}"
+                                                             for name, e in replay["median_abs_error"].items()))
+        counts = [r["replay"] for r in comparison["replayed"]]
+        lines.append("replayed from each run's trace: " + ", ".join(
+            f"run {i}: {c['replayed']} of {c['replayed'] + c['tabled']} frames" for i, c in enumerate(counts, 1)))
     if "frame_times" in comparison:
         lines.append("\n" + format_frame_times(comparison["frame_times"]))
     if comparison.get("phase_frame_times"):
