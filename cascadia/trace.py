@@ -43,6 +43,7 @@ class FrameTiming:
     sent: float  # the coordinator sent it into the first stage
     stages: tuple[StageTiming, ...]  # in stage order
     done: float  # its tokens reached the coordinator
+    sampled: int | None = None  # its rows whose tokens came back (None: a trace that did not say)
 
 
 def chrome_trace(frames: Iterable[FrameTiming], records: Iterable[RequestRecord], nodes: Sequence[str],
@@ -57,7 +58,8 @@ def chrome_trace(frames: Iterable[FrameTiming], records: Iterable[RequestRecord]
                    _name("thread_name", pid, 2, f"link to {after}")]
     for frame in frames:
         label = f"group {frame.group}, {frame.rows} rows"
-        args = {"frame": frame.frame_id, "group": frame.group, "rows": frame.rows, "bucket": frame.bucket}
+        args = {"frame": frame.frame_id, "group": frame.group, "rows": frame.rows, "bucket": frame.bucket,
+                "sampled": frame.sampled}
         left, left_place = frame.sent, (0, 1)
         for pid, stage in enumerate(frame.stages, 1):
             events.append(_span(label, *left_place, left, stage.received, args))
@@ -94,16 +96,18 @@ def frame_timings(document) -> tuple[list[str], list[FrameTiming]]:
             args, place = event["args"], (int(event["pid"]), int(event["tid"]))
             frame, start = int(args["frame"]), float(event["ts"]) / _US
             spans.setdefault(frame, {})[place] = (start, start + float(event["dur"]) / _US)
-            shapes[frame] = int(args["group"]), int(args["rows"]), int(args["bucket"])
+            sampled = args.get("sampled")
+            shapes[frame] = (int(args["group"]), int(args["rows"]), int(args["bucket"]),
+                             None if sampled is None else int(sampled))
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"traceEvents[{i}]: a span without a frame's pid, tid, ts, dur and args (frame, group, "
-                             f"rows, bucket)") from None
+                             f"rows, bucket; sampled, if any)") from None
     frames = [_frame_timing(frame_id, shapes[frame_id], placed, nodes) for frame_id, placed in spans.items()]
     return nodes, sorted(frames, key=lambda frame: frame.sent)
 
 
-def _frame_timing(frame_id: int, shape: tuple[int, int, int], placed: dict[tuple[int, int], tuple[float, float]],
-                  nodes: Sequence[str]) -> FrameTiming:
+def _frame_timing(frame_id: int, shape: tuple[int, int, int, int | None],
+                  placed: dict[tuple[int, int], tuple[float, float]], nodes: Sequence[str]) -> FrameTiming:
     """One frame from its spans, by (pid, tid): the link into the first node, then each node's compute and link."""
     def span(pid: int, tid: int, what: str) -> tuple[float, float]:
         if (pid, tid) not in placed:
@@ -116,7 +120,8 @@ def _frame_timing(frame_id: int, shape: tuple[int, int, int], placed: dict[tuple
         start, end = span(pid, 1, f"compute span on {node}")
         stages.append(StageTiming(received, start, end))
         received = span(pid, 2, f"link span from {node}")[1]
-    return FrameTiming(frame_id, *shape, sent, tuple(stages), received)
+    group, rows, bucket, sampled = shape
+    return FrameTiming(frame_id, group, rows, bucket, sent, tuple(stages), received, sampled)
 
 
 def records_of(result: dict) -> list[RequestRecord]:

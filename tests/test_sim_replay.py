@@ -15,7 +15,7 @@ from cascadia.errors import CalibrationError
 from cascadia.sim.replay import ReplayTimes
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import LengthSpec, WorkloadSpec
-from cascadia.trace import chrome_trace, frame_timings, records_of
+from cascadia.trace import FrameTiming, StageTiming, chrome_trace, frame_timings, records_of
 
 CLOSED = WorkloadSpec(concurrency=(1, 4), requests=6, prompt_tokens=LengthSpec(3, 9), output_tokens=5)
 OPEN = WorkloadSpec(rate=(20.0, 200.0), requests=8, prompt_tokens=LengthSpec(3, 9), output_tokens=5)
@@ -79,7 +79,8 @@ def test_replaying_its_own_trace_a_simulation_gives_its_figures_whatever_its_tab
     original, document = traced(spec)
     nodes, frames = frame_timings(document)
     replay = ReplayTimes(nodes, frames)
-    three_times = calibration(spec, tables(3.0), frame_s=2e-5, row_s=1e-6, stream_s=3e-6)
+    # tables three times over, and handling too: a replay fits the handling on the trace's frames that went alone
+    three_times = calibration(spec, tables(3.0), frame_s=6e-5, row_s=3e-6, stream_s=9e-6)
     replayed = simulate(spec, three_times, even_plan(spec), replay=replay)
     assert (replay.replayed, replay.tabled) == (len(frames), 0)
     assert figures(replayed) == pytest.approx(figures(original), rel=1e-9)
@@ -87,6 +88,15 @@ def test_replaying_its_own_trace_a_simulation_gives_its_figures_whatever_its_tab
         assert busy(replayed) == pytest.approx(busy(original), rel=1e-9)
     assert replayed["replay"] == {"frames": len(frames), "replayed": len(frames), "tabled": 0}
     assert figures(simulate(spec, three_times, even_plan(spec))) != pytest.approx(figures(original), rel=0.1)
+
+
+def test_the_frames_alone_in_the_pipeline_are_those_nothing_overlapped():
+    def frame(i, sent, done, rows=1):
+        return FrameTiming(i, 0, rows, rows, sent, (StageTiming(sent, sent + 0.1, sent + 0.2),), done, 1)
+
+    replay = ReplayTimes(["n0"], [frame(0, 0.0, 1.0), frame(1, 1.0, 2.0, rows=2), frame(2, 2.5, 3.5),
+                                  frame(3, 3.0, 4.0), frame(4, 5.0, 6.0)])
+    assert replay.alone == [(1, 1, 1, pytest.approx(0.9)), (2, 2, 1, pytest.approx(0.9)), (1, 1, 1, pytest.approx(0.9))]
 
 
 def test_frames_the_trace_lacks_are_costed_from_the_tables_and_counted():

@@ -577,7 +577,8 @@ class Flight:
                 self._progress = time.monotonic()
             self.frames[frame.group] = frame
             if (log := self.coordinator.frame_log) is not None:  # before it goes: the first node takes it after
-                log.sent(frame.seq, frame.group, len(frame.rows), frame.padded_rows, self.coordinator.now())
+                log.sent(frame.seq, frame.group, len(frame.rows), frame.padded_rows, len(frame.sampled_ids),
+                         self.coordinator.now())
             self._targets[frame.group] = targets = prompt_targets(frame, self.prompts)
             self.coordinator.send_frame(wire_frame(frame, targets))
 

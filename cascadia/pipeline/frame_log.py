@@ -34,12 +34,12 @@ class NodeClock:
 class FrameLog:
     def __init__(self, nodes: Sequence[str]) -> None:
         self.nodes = list(nodes)
-        self._sent: dict[int, tuple[int, int, int, float]] = {}  # frame id -> group, rows, bucket, sent
+        self._sent: dict[int, tuple[int, int, int, int, float]] = {}  # frame id -> group, rows, bucket, sampled, sent
         self._done: dict[int, float] = {}
         self._stages: dict[str, dict[int, tuple[float, float, float]]] = {node: {} for node in nodes}
 
-    def sent(self, frame_id: int, group: int, rows: int, bucket: int, t: float) -> None:
-        self._sent[frame_id] = (group, rows, bucket, t)
+    def sent(self, frame_id: int, group: int, rows: int, bucket: int, sampled: int, t: float) -> None:
+        self._sent[frame_id] = (group, rows, bucket, sampled, t)
 
     def done(self, frame_id: int, t: float) -> None:
         self._done[frame_id] = t
@@ -53,10 +53,10 @@ class FrameLog:
         """Every frame known end to end (sent, computed on every node, its tokens back), on the coordinator's clock,
         in the order sent."""
         out = []
-        for frame_id, (group, rows, bucket, sent) in self._sent.items():
+        for frame_id, (group, rows, bucket, sampled, sent) in self._sent.items():
             if frame_id not in self._done or any(frame_id not in self._stages[node] for node in self.nodes):
                 continue
             stages = tuple(StageTiming(*(t - clocks[node].offset for t in self._stages[node][frame_id]))
                            for node in self.nodes)
-            out.append(FrameTiming(frame_id, group, rows, bucket, sent, stages, self._done[frame_id]))
+            out.append(FrameTiming(frame_id, group, rows, bucket, sent, stages, self._done[frame_id], sampled))
         return out

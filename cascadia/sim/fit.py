@@ -26,6 +26,7 @@ from cascadia.graph.plan import Plan
 from cascadia.policy import DECODE, Frame, Row, padded_size
 from cascadia.sim.calibration import Calibration, Extrapolations, NodeCalibration
 from cascadia.sim.model import FrameShape, PipelineModel, StageCost, message_sizes, shared_hosts, stage_kinds
+from cascadia.sim.replay import ReplayTimes
 from cascadia.spec.types import Spec
 
 SPEEDUP_LOW = 0.5  # the least speedup a fit gives k nodes computing at once on a shared host
@@ -65,22 +66,32 @@ def fit_non_negative(columns: Sequence[Sequence[float]], y: Sequence[float]) -> 
     return min(candidates, key=lambda c: float(((c[0] * a + c[1] * b - y) ** 2).sum()))
 
 
+def fit_handling(spec: Spec, plan: Plan, links: dict, frames: Sequence[tuple[Sequence[FrameShape], float]],
+                 progress: Progress = lambda text: None) -> tuple[float, float]:
+    """Each node's handling of a frame's messages, (frame_s, row_s): `frames` (the shapes of frames that went through
+    the pipeline alone, and the seconds they spent outside the nodes' compute, summed) less the wires of `links`,
+    shared evenly by the nodes."""
+    config, nodes = spec.model.config, len(plan.stages)
+    hops = [links.get(hop) for hop in plan.hops()]
+
+    def wires(shape: FrameShape) -> float:
+        sizes = message_sizes(shape, config.hidden_size, nodes)
+        return sum(hop.latency + size / hop.bandwidth for hop, size in zip(hops, sizes) if hop is not None)
+
+    handling = [(outside - sum(map(wires, shapes))) / nodes for shapes, outside in frames]
+    frame_s, row_s = fit_non_negative([[len(shapes) for shapes, _ in frames],
+                                       [sum(shape.rows for shape in shapes) for shapes, _ in frames]], handling)
+    progress(f"message handling: {frame_s * 1e3:.2f} ms per frame + {row_s * 1e3:.3f} ms per row, each node")
+    return frame_s, row_s
+
+
 def fit_overheads(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[AloneFrames],
                   progress: Progress = lambda text: None) -> Calibration:
     """`layers` (each node's tables and the links) with each node's tables scaled and its stream_s, frame_s and
     row_s fitted to the frames that went alone (see the module's text)."""
     config = spec.model.config
-    names = [stage.node for stage in plan.stages]
-    hops = [layers.links.get(hop) for hop in plan.hops()]
-
-    def wires(shape: FrameShape) -> float:
-        sizes = message_sizes(shape, config.hidden_size, len(names))
-        return sum(hop.latency + size / hop.bandwidth for hop, size in zip(hops, sizes) if hop is not None)
-
-    handling = [(f.round_trips - sum(f.busy) - sum(map(wires, f.shapes))) / len(names) for f in frames]
-    frame_s, row_s = fit_non_negative([[len(f.shapes) for f in frames],
-                                       [sum(shape.rows for shape in f.shapes) for f in frames]], handling)
-    progress(f"message handling: {frame_s * 1e3:.2f} ms per frame + {row_s * 1e3:.3f} ms per row, each node")
+    frame_s, row_s = fit_handling(spec, plan, layers.links, [(f.shapes, f.round_trips - sum(f.busy)) for f in frames],
+                                  progress)
     nodes = {}
     for i, stage in enumerate(plan.stages):
         cost = StageCost(f"node {stage.node}", stage_kinds(stage, config, spec.runtime), layers.nodes[stage.node],
@@ -93,6 +104,19 @@ def fit_overheads(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[
                   for kind, table in layers.nodes[stage.node].tables.items()}
         nodes[stage.node] = NodeCalibration(tables, frame_s, row_s, stream_s)
     return attrs.evolve(layers, nodes=nodes)
+
+
+def replayed_handling(spec: Spec, plan: Plan, calibration: Calibration, replay: ReplayTimes) -> Calibration:
+    """`calibration` with each node's handling fitted as `fit_overheads` fits it, on the frames a replayed run's
+    trace shows alone in its pipeline (`ReplayTimes.alone`), where it has two or more: a node's handling is CPU work
+    that drifts with the machine as its compute does."""
+    if len(replay.alone) < 2:
+        return calibration
+    frames = [((FrameShape(padded, rows, 0.0, 0.0, 1, sampled),), outside)
+              for rows, padded, sampled, outside in replay.alone]
+    frame_s, row_s = fit_handling(spec, plan, calibration.links, frames)
+    return attrs.evolve(calibration, nodes={name: attrs.evolve(node, frame_s=frame_s, row_s=row_s)
+                                            for name, node in calibration.nodes.items()})
 
 
 def burst_streams(spec: Spec, plan: Plan) -> list[int]:

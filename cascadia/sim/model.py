@@ -494,7 +494,7 @@ class PipelineModel:
             stages = tuple(StageTiming(served[hop][0], served[hop][0], served[hop][1] - handled)
                            for hop, handled in zip(self._stage_hops, handling))
             self.timings.append(FrameTiming(frame.seq, frame.group, len(frame.rows), frame.padded_rows, sent, stages,
-                                            self.env.now))
+                                            self.env.now, len(frame.sampled_ids)))
         land(frame)
 
     def run_phase(self, policy: Policy, arrivals: Arrivals, requests: int, recorder: Recorder,

@@ -6,12 +6,16 @@ A run's trace (`cascadia run --trace`) holds each frame's rows, the row count it
 every stage computed it. The simulator's frames come from the same policy, but how the policy cuts them depends on
 when tokens come back, so a simulated frame is not matched by its number: it takes the next unused traced frame of
 the same rows and padding, in the order the run sent them (so the machine's drift over the run is replayed in its
-order too). A frame with no such frame left is costed from the tables, and counted. Everything else (the policy,
-links, message handling, the coordinator) is the model's, as in any simulation.
+order too). A frame with no such frame left is costed from the tables, and counted. A node's handling of a frame's
+messages (receiving, decoding, encoding, sending: CPU work that drifts with the machine as compute does) is fitted
+as a calibration fits it, on the traced frames that were alone in the pipeline (`cascadia.sim.fit.replayed_handling`).
+Everything else (the policy, the links' wires, how handling adds up, the coordinator) is the model's, as in any
+simulation.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -28,9 +32,19 @@ class ReplayTimes:
         self.nodes, self.source = tuple(nodes), source
         self.frames = len(frames)
         self._left: dict[tuple[int, int], deque[tuple[float, ...]]] = {}
-        for frame in frames:
+        # (rows, padded rows, sampled rows, seconds outside the nodes' compute) of each frame that nothing overlapped:
+        # sent after every earlier frame was back, and back before the next was sent (a trace that does not say how
+        # many rows were sampled: as if all were)
+        self.alone: list[tuple[int, int, int, float]] = []
+        ordered = sorted(frames, key=lambda frame: frame.sent)
+        back = -math.inf  # when every frame sent so far was back
+        for i, frame in enumerate(ordered):
             computed = tuple(stage.end - stage.start for stage in frame.stages)
             self._left.setdefault((frame.rows, frame.bucket), deque()).append(computed)
+            if frame.sent >= back and (i + 1 == len(ordered) or frame.done <= ordered[i + 1].sent):
+                sampled = frame.rows if frame.sampled is None else frame.sampled
+                self.alone.append((frame.rows, frame.bucket, sampled, frame.done - frame.sent - sum(computed)))
+            back = max(back, frame.done)
         self.replayed = 0  # simulated frames that took a traced frame's times
         self.tabled = 0  # ... that found none of their shape left, and were costed from the tables
 

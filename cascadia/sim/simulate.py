@@ -12,6 +12,7 @@ from cascadia.graph.plan import Plan
 from cascadia.policy import Policy
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.drafts import DEFAULT_ACCEPTANCE, RateDrafter, Step, TraceDrafter
+from cascadia.sim.fit import replayed_handling
 from cascadia.sim.loss import DETECT_S, Loss, recovery
 from cascadia.sim.model import PipelineModel
 from cascadia.sim.replay import ReplayTimes
@@ -46,6 +47,8 @@ def simulate(spec: Spec, calibration: Calibration, plan: Plan | None = None,
     prompts = workload_prompts(spec.workload, spec.model.checkpoint, spec.model.config)
     notes = [*calibration.check_model(spec), *(prompt_length_notes(prompts, spec.workload, spec.runtime)
                                                if prompts else [])]
+    if replay is not None:
+        calibration = replayed_handling(spec, plan, calibration, replay)
     model = PipelineModel(spec, plan, calibration, replay)
     model.timings = timings
     how = recovery(loss, spec, plan.stages, calibration, detect_s) if loss else None
