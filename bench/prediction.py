@@ -2,11 +2,12 @@
 
 Scenario: a spec's local plan (default specs/tiny-pinned.yaml: two nodes pinned to a core each). Each cycle measures
 a fresh calibration (`cascadia calibrate`), then simulates and serves the workload REPEATS times (`cascadia validate
---repeats`) at the given concurrency levels. Printed per cycle: the median absolute error over the levels of decode
-tokens/s and of TTFT p50 (the targets: 5% and 10%), and beside each the median spread of the repeated runs, (largest
-- smallest) / median: an error within the spread says little about the model. Not a test: it prints figures and
-writes them to bench/results/prediction-SPEC.json (SPEC: the spec's file name), with every cycle's errors by
-level.
+--repeats --replay`) at the given concurrency levels. Printed per cycle: the median absolute error over the levels of
+decode tokens/s and of TTFT p50 (the targets: 5% and 10%), the same replayed (each run simulated again with its own
+frames' compute and handling, `simulate --replay-trace`: the model's error without the machine's drift; the target:
+2%), and the median spread of the repeated runs, (largest - smallest) / median: an error within the spread says
+little about the model. Not a test: it prints figures and writes them to bench/results/prediction-SPEC.json (SPEC:
+the spec's file name), with every cycle's errors by level.
 
     python bench/prediction.py [SPEC] [--cycles 3] [--repeats 3] [--concurrency 1,2,4,8,16] [--requests 32]
 """
@@ -44,17 +45,20 @@ def main() -> None:
     plan = make_plan(spec)
     table = Table(f"{shown(args.spec)}: concurrency {args.concurrency}, {args.requests} requests a phase, "
                   f"{args.repeats} runs a cycle", ["cycle", *(f"{name} |error| %" for name in METRICS),
+                                                   *(f"{name} replayed |error| %" for name in METRICS),
                                                    *(f"{name} spread %" for name in METRICS)],
-                  note="Median over the levels; spread: (largest - smallest) / median of the repeated runs. The "
-                       "targets: decode within 5%, TTFT within 10%.")
+                  note="Median over the levels; replayed: each run against its own trace's replay (median of the "
+                       "replays against median of the runs); spread: (largest - smallest) / median of the repeated "
+                       "runs. The targets: decode within 5%, TTFT within 10%; replayed, 2%.")
     cycles = []
     for cycle in range(1, args.cycles + 1):
         calibration = calibrate(spec, plan)
-        result = validate(spec, plan, calibration, repeats=args.repeats)
-        errors, spreads = result["median_abs_error"], result["median_spread"]
-        table.add(cycle, *(100 * errors[name] for name in METRICS),
+        result = validate(spec, plan, calibration, repeats=args.repeats, replay=True)
+        errors, replayed, spreads = (result["median_abs_error"], result["replay"]["median_abs_error"],
+                                     result["median_spread"])
+        table.add(cycle, *(100 * errors[name] for name in METRICS), *(100 * replayed[name] for name in METRICS),
                   *(None if spreads[name] is None else 100 * spreads[name] for name in METRICS))
-        cycles.append(result)
+        cycles.append({key: value for key, value in result.items() if key != "replayed"})  # its errors are kept
         print(f"cycle {cycle} done", flush=True)
     print(table.text())
     write(f"prediction-{Path(args.spec).stem}",
