@@ -268,16 +268,22 @@ def test_validate_replays_each_run_from_its_own_trace(spec, checkpoint, tmp_path
     calibration(spec, lambda kind, r, x: 1e-4 * r).save(cal_path)  # hand-made: the tables' errors mean nothing here
     result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(cal_path), "--checkpoint",
                                       str(checkpoint), "--concurrency", "1", "--max-new-tokens", "4",
-                                      "--prompt-tokens", "5", "--replay", "--json", str(out)], catch_exceptions=False)
+                                      "--prompt-tokens", "5", "--replay", "--json", str(out), "--trace-dir",
+                                      str(tmp_path / "traces")], catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    assert sorted(path.name for path in (tmp_path / "traces").iterdir()) == ["replay.json", "run.json",
+                                                                             "simulate.json"]
     lines = result.stdout.splitlines()
+    replayed = lines[lines.index("per frame (ms; frames measured/replayed)") + 2::2][:3]  # the nodes' compute rows
+    assert [line.split()[0] for line in replayed] == ["node0", "node1", "node2"]
+    assert all(line.split()[3] == line.split()[5] for line in replayed)  # the run's own compute, replayed
     assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error", "replayed", "replay",
                                 "error"]
     saved = json.loads(out.read_text())
     [replayed] = saved["replayed"]
     frames = replayed["replay"]["frames"]
     assert frames > 0 and replayed["replay"] == {"frames": frames, "replayed": frames, "tabled": 0}
-    assert lines[-2] == f"replayed from each run's trace: run 1: {frames} of {frames} frames"
+    assert f"replayed from each run's trace: run 1: {frames} of {frames} frames" in lines
     decode = saved["replay"]["levels"][0]["metrics"]["decode tok/s"]
     measured = saved["measured"][0]["levels"][0]["decode_tokens_per_s"]
     assert decode["replayed"] == replayed["levels"][0]["decode_tokens_per_s"] != \

@@ -188,7 +188,9 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
     all the runs and phase by phase of each (`compare_phase_frame_times`).
     With speculation, the simulated drafts are accepted at `acceptance`, or (None) as the first run's were, request
     by request and step by step (`cascadia.sim.drafts`). With `replay`, each run is simulated again replaying its
-    own compute and drafts (`compare_replays`: "replay" in the result, the simulations in "replayed").
+    own compute and drafts (`compare_replays`: "replay" in the result, the simulations in "replayed"); with
+    timelines too, theirs ("replay", "replay-1"..) and each node's per-frame times against the runs'
+    ("replay_frame_times").
 
     The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts (with the
     measured acceptance, it is simulated again after the runs)."""
@@ -198,7 +200,7 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
     predicted_frames: list[FrameTiming] | None = [] if traced else None
     predicted = simulate(spec, calibration, plan, timings=predicted_frames,
                          acceptance=DEFAULT_ACCEPTANCE if acceptance is None else acceptance)
-    runs, run_timelines, first_outputs, replays = [], [], None, []
+    runs, run_timelines, first_outputs, replays, replayed_frames = [], [], None, [], []
     nodes = [stage.node for stage in plan.stages]
     for i in range(repeats):
         try:
@@ -216,8 +218,12 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
             drafts = {"acceptance_trace": acceptance_trace(done.outputs, f"run {i + 1}'s outputs")} \
                 if spec.runtime.max_draft and acceptance is None else \
                 {"acceptance": DEFAULT_ACCEPTANCE if acceptance is None else acceptance}
-            replays.append(simulate(spec, calibration, plan, replay=ReplayTimes(nodes, done.frames,
-                                                                                f"run {i + 1}'s trace"), **drafts))
+            frames: list[FrameTiming] | None = [] if traced else None
+            replays.append(simulate(spec, calibration, plan, timings=frames,
+                                    replay=ReplayTimes(nodes, done.frames, f"run {i + 1}'s trace"), **drafts))
+            if traced:
+                replayed_frames += frames
+                timelines[f"replay-{i + 1}" if repeats > 1 else "replay"] = (frames, replays[-1], None)
     if spec.runtime.max_draft and acceptance is None:
         predicted_frames = [] if traced else None
         predicted = simulate(spec, calibration, plan, timings=predicted_frames,
@@ -230,6 +236,9 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
         result["frame_times"] = compare_frame_times([f for frames, _ in run_timelines for f in frames],
                                                     predicted_frames, nodes)
         result["phase_frame_times"] = compare_phase_frame_times(run_timelines, predicted_frames, predicted, nodes)
+        if replay:  # the same compute by construction: the links say where the model parts from the runs
+            result["replay_frame_times"] = compare_frame_times([f for frames, _ in run_timelines for f in frames],
+                                                               replayed_frames, nodes)
     return result
 
 
@@ -250,10 +259,11 @@ def _percent(value: float | None, sign: str = "") -> str:
     return "-" if value is None else f"{value:{sign}.1%}"
 
 
-def format_frame_times(frame_times: dict) -> str:
-    """`compare_frame_times` as a table: per node, its compute and its link onward, ms per frame."""
+def format_frame_times(frame_times: dict, simulated: str = "predicted") -> str:
+    """`compare_frame_times` as a table: per node, its compute and its link onward, ms per frame, measured and
+    `simulated` ("predicted", or "replayed")."""
     onward = [*list(frame_times)[1:], "coordinator"]
-    rows = [("node", "per frame", "frames", "measured p50", "p95", "predicted p50", "p95", "error p50")]
+    rows = [("node", "per frame", "frames", "measured p50", "p95", f"{simulated} p50", "p95", "error p50")]
     for i, (node, parts) in enumerate(frame_times.items()):
         for part, both in parts.items():
             real, model = both["measured"], both["predicted"]
@@ -262,7 +272,7 @@ def format_frame_times(frame_times: dict) -> str:
             rows.append((node if part == "compute" else "", what, f"{real['frames']}/{model['frames']}",
                          _shown(real["p50"], 1e3), _shown(real["p95"], 1e3), _shown(model["p50"], 1e3),
                          _shown(model["p95"], 1e3), _percent(error, "+")))
-    return "per frame (ms; frames measured/predicted)\n" + format_rows(rows, left={0, 1})
+    return f"per frame (ms; frames measured/{simulated})\n" + format_rows(rows, left={0, 1})
 
 
 def format_phase_frame_times(phases: list[dict]) -> str:
@@ -314,5 +324,7 @@ def format_comparison(comparison: dict) -> str:
         lines.append("\n" + format_frame_times(comparison["frame_times"]))
     if comparison.get("phase_frame_times"):
         lines.append("\n" + format_phase_frame_times(comparison["phase_frame_times"]))
+    if "replay_frame_times" in comparison:
+        lines.append("\n" + format_frame_times(comparison["replay_frame_times"], "replayed"))
     return "\n".join(lines)
 
