@@ -298,7 +298,8 @@ class PipelineModel:
 
     def __init__(self, spec: Spec, plan: Plan, calibration: Calibration, replay: ReplayTimes | None = None) -> None:
         """`replay`: each frame's compute from a run's trace where it has one of the frame's shape
-        (`cascadia.sim.replay`); a stage's handling of the frame's messages stays the calibration's."""
+        (`cascadia.sim.replay`); a stage's handling of the frame's messages is the calibration's (which `simulate`
+        fits to the trace's frames alone, `cascadia.sim.fit.replayed_handling`)."""
         self.env = simpy.Environment()
         self.extrapolations = Extrapolations()
         config = spec.model.config
