@@ -218,12 +218,12 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
             drafts = {"acceptance_trace": acceptance_trace(done.outputs, f"run {i + 1}'s outputs")} \
                 if spec.runtime.max_draft and acceptance is None else \
                 {"acceptance": DEFAULT_ACCEPTANCE if acceptance is None else acceptance}
-            frames: list[FrameTiming] | None = [] if traced else None
-            replays.append(simulate(spec, calibration, plan, timings=frames,
+            timings: list[FrameTiming] | None = [] if traced else None
+            replays.append(simulate(spec, calibration, plan, timings=timings,
                                     replay=ReplayTimes(nodes, done.frames, f"run {i + 1}'s trace"), **drafts))
             if traced:
-                replayed_frames += frames
-                timelines[f"replay-{i + 1}" if repeats > 1 else "replay"] = (frames, replays[-1], None)
+                replayed_frames += timings
+                timelines[f"replay-{i + 1}" if repeats > 1 else "replay"] = (timings, replays[-1], None)
     if spec.runtime.max_draft and acceptance is None:
         predicted_frames = [] if traced else None
         predicted = simulate(spec, calibration, plan, timings=predicted_frames,
@@ -233,12 +233,11 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
         result |= {"replay": compare_replays(runs, replays), "replayed": replays}
     if traced:
         timelines["simulate"] = (predicted_frames, predicted, None)
-        result["frame_times"] = compare_frame_times([f for frames, _ in run_timelines for f in frames],
-                                                    predicted_frames, nodes)
+        run_frames = [f for frames, _ in run_timelines for f in frames]
+        result["frame_times"] = compare_frame_times(run_frames, predicted_frames, nodes)
         result["phase_frame_times"] = compare_phase_frame_times(run_timelines, predicted_frames, predicted, nodes)
         if replay:  # the same compute by construction: the links say where the model parts from the runs
-            result["replay_frame_times"] = compare_frame_times([f for frames, _ in run_timelines for f in frames],
-                                                               replayed_frames, nodes)
+            result["replay_frame_times"] = compare_frame_times(run_frames, replayed_frames, nodes)
     return result
 
 

@@ -112,6 +112,7 @@ def replayed_handling(spec: Spec, plan: Plan, calibration: Calibration, replay: 
     that drifts with the machine as its compute does."""
     if len(replay.alone) < 2:
         return calibration
+    # a shape for its messages' sizes, which only its rows and sampled rows set
     frames = [((FrameShape(padded, rows, 0.0, 0.0, 1, sampled),), outside)
               for rows, padded, sampled, outside in replay.alone]
     frame_s, row_s = fit_handling(spec, plan, calibration.links, frames)
