@@ -29,6 +29,14 @@ from cascadia.table import format_rows
 
 SCHEMA = "cascadia.metrics/1"
 PERCENTILE_METHOD = "linear"
+# The figures a prediction is checked on: name -> (keys into a level summary, unit shown, scale to that unit)
+FIGURES = {
+    "decode tok/s": (("decode_tokens_per_s",), "tok/s", 1.0),
+    "phase tok/s": (("phase_tokens_per_s",), "tok/s", 1.0),
+    "TTFT p50": (("ttft_s", "p50"), "ms", 1e3),
+    "TTFT p95": (("ttft_s", "p95"), "ms", 1e3),
+    "TPOT p50": (("tpot_s", "p50"), "ms", 1e3),
+}
 
 
 @attrs.frozen
@@ -196,6 +204,13 @@ def result(source: str, spec: Spec, levels: Sequence[dict], records: Sequence[Re
         "levels": list(levels),
         "requests": [attrs.asdict(r, recurse=False) for r in records],  # plain fields: no visit to each token time
     }
+
+
+def figure(level: dict, name: str) -> float | None:
+    """A level summary's value of one of the FIGURES."""
+    for key in FIGURES[name][0]:
+        level = level[key]
+    return level
 
 
 def _ms(seconds: float | None) -> str:

@@ -22,7 +22,7 @@ from cascadia.measure import pipeline_probe
 from cascadia.measure.calibrate import format_calibration
 from cascadia.measure.tables import Grid, StageProbe, SteeredRouter
 from cascadia.pipeline.stage import load_stage
-from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration
+from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration, Spread
 from cascadia.sim.fit import burst_streams, fit_non_negative, shared_speedup, simulate_burst
 from cascadia.sim.model import stage_kinds
 from cascadia.spec.types import RuntimeSpec
@@ -92,12 +92,13 @@ def test_stage_probe_measures_every_kind_of_the_stage_on_the_grid(spec, checkpoi
     stage = plan.stages[0]  # embedding, layer 0 (sliding, dense), layer 1 (sliding, moe)
     loaded = load_stage(spec, stage, checkpoint, 1, False, lambda done, total: None)
     kinds = stage_kinds(stage, spec.model.config)
-    grid = attrs.evolve(Grid.of(spec), rounds=1)
+    grid = attrs.evolve(Grid.of(spec), rounds=3)
     probe = StageProbe(loaded, kinds)
     frame = probe.frame(4, 10)
     assert frame.slots.tolist() == [0] * 4 and frame.positions.tolist() == [8, 9, 10, 11]  # mean attended 10.5
     assert probe.engine.lengths[0] == 8
-    tables = probe.tables(grid, lambda text: None)
+    tables, levels = probe.tables(grid, lambda text: None)
+    assert len(levels) == 3 and sorted(levels)[1] == 1.0 and all(level > 0 for level in levels)  # over their median
     assert set(tables) == set(kinds) == {"embedding", "sliding", "dense", "moe"}
     for kind, table in tables.items():
         assert table.rows == grid.rows == (1, 2, 4, 8, 16, 24)
@@ -151,8 +152,10 @@ def test_calibrate_writes_a_measured_calibration_with_every_table_the_plan_needs
     assert all(link.latency > 0 and link.bandwidth > 0 for link in calibration.links.values())
     speedup = calibration.hosts["localhost"]  # three nodes share this machine
     assert len(speedup) == 3 and speedup[0] == 1 and all(0.5 <= s <= k for k, s in enumerate(speedup, start=1))
+    assert calibration.spread == Spread({name: (1.0,) for name in calibration.nodes}, (1.0,))  # one round each
     raw = json.loads(path.read_text())
     assert raw["grid_bounds"]["global"] == {"rows": [1, 24], "context": [1, 64]}
+    assert "rounds: each took 1.00-1.00x the median round's time (4 rounds)" in output
     assert output.splitlines()[0].split() == ["node", "sliding", "global", "moe", "dense", "embedding", "head",
                                               "per", "stream", "per", "frame", "per", "row", "restart", "s"]
     assert output.splitlines()[-1] == f"wrote {path}"
@@ -162,12 +165,15 @@ def test_simulate_takes_the_measured_calibration(calibration_file, tmp_path):
     path, _ = calibration_file
     out = tmp_path / "predicted.json"
     result = CliRunner().invoke(cli, ["simulate", str(SPEC), "--calibration", str(path), "--concurrency", "1,4",
-                                      "--json", str(out)], catch_exceptions=False)
+                                      "--interval", "80", "--json", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     predicted = json.loads(out.read_text())
     assert predicted["calibration"]["kind"] == MEASURED and predicted["warnings"] == []
     assert [level["concurrency"] for level in predicted["levels"]] == [1, 4]
     assert all(level["decode_tokens_per_s"] > 0 for level in predicted["levels"])
+    for level, interval in zip(predicted["levels"], predicted["interval"]["levels"]):  # its rounds all ran alike
+        tokens = interval["figures"]["decode tok/s"]
+        assert tokens["low"] == tokens["high"] == pytest.approx(level["decode_tokens_per_s"], rel=1e-9)
 
 
 def test_a_simulated_loss_takes_the_measured_restart(calibration_file, tmp_path):
@@ -231,5 +237,6 @@ def test_calibrate_layers_only_measures_the_tables_to_the_budget_without_the_pip
     calibration = Calibration.load(out)
     assert calibration.grid_bounds()["global"]["context"] == [1, 1024]
     assert calibration.hosts == {} and len(calibration.links) == 3
+    assert calibration.spread == Spread({name: (1.0,) for name in calibration.nodes})  # no pipeline passes
     assert all((node.frame_s, node.row_s, node.stream_s, node.restart_s) == (0, 0, 0, None)
                for node in calibration.nodes.values())

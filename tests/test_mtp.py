@@ -286,7 +286,7 @@ def test_the_stage_probe_times_the_layer():
     assert "mtp" in kinds and "mtp" not in stage_kinds(stage, spec.model.config, PIPELINE_SPEC.runtime)
     probe = StageProbe(load_stage(spec, stage, CHECKPOINT, 1, False, lambda done, total: None), kinds)
     grid = attrs.evolve(Grid.of(spec), rounds=1)
-    table = probe.tables(grid, lambda text: None)["mtp"]
+    table = probe.tables(grid, lambda text: None)[0]["mtp"]
     assert table.rows == grid.rows and table.points == grid.points["mtp"] == (1, 2, 4, 8, 16, 32, 64)
     assert all(t > 0 for line in table.time_s for t in line)
 

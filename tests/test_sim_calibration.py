@@ -7,8 +7,8 @@ import pytest
 from sim_specs import calibration, tiny_spec
 
 from cascadia import host_cpus
-from cascadia.sim.calibration import (Calibration, CalibrationError, Extrapolations, Table, interpolate,
-                                      uniform_distinct_experts)
+from cascadia.sim.calibration import (Calibration, CalibrationError, Extrapolations, Spread, Table, interpolate,
+                                      relative_levels, uniform_distinct_experts)
 from cascadia.spec.types import WeightFormat, WeightFormats
 
 
@@ -73,13 +73,19 @@ def test_save_and_load_round_trip(tmp_path):
     spec = tiny_spec()
     cal = attrs.evolve(calibration(spec, lambda kind, r, x: 1e-3 * r + 1e-6 * x, frame_s=1e-4, row_s=1e-6,
                                    stream_s=1e-5),
-                       routing=((1, 8), (2.0, 7.5)), hosts={"box": (1.0, 1.5, 1.25)})
+                       routing=((1, 8), (2.0, 7.5)), hosts={"box": (1.0, 1.5, 1.25)},
+                       spread=Spread({"n0": (0.9, 1.0, 1.2), "n1": (1.0, 1.1)}, (0.95, 1.0, 1.3)))
     cal = attrs.evolve(cal, nodes={**cal.nodes, "n1": attrs.evolve(cal.nodes["n1"], restart_s=1.5)})
     path = tmp_path / "cal.json"
     cal.save(path)
     loaded = Calibration.load(path)
     assert loaded == attrs.evolve(cal, source=str(path))
     assert json.loads(path.read_text())["grid_bounds"]["sliding"] == {"rows": [1, 64], "context": [1, 64]}
+    assert loaded.spread.levels() == (0.9, 0.95, 1.0, 1.0, 1.0, 1.1, 1.2, 1.3)
+
+
+def test_relative_levels_are_each_round_over_the_median_round():
+    assert relative_levels([2.0, 4.0, 3.0]) == (2 / 3, 4 / 3, 1.0)
 
 
 def test_check_model():
@@ -163,6 +169,9 @@ TABLES = "nodes.n0.tables"
     ("hosts", {"box": {"speedup": [1, 0]}}, r"hosts.box.speedup\[1\]: must be positive"),
     ("hosts", {"box": {"speedup": []}}, "hosts.box.speedup: expected a non-empty list"),
     ("hosts", {"box": {"cores": 2}}, "hosts.box: missing 'speedup'"),
+    ("spread", {"pipeline": [1.0]}, "spread: missing 'tables'"),
+    ("spread", {"tables": {"n0": []}}, "spread.tables.n0: expected a non-empty list"),
+    ("spread", {"tables": {"n0": [1.0]}, "pipeline": [1.0, 0]}, r"spread.pipeline\[1\]: must be positive"),
 ])
 def test_bad_calibration_files_name_file_and_key(tmp_path, path, value, message):
     good = calibration(tiny_spec(), lambda kind, r, x: 1e-3).to_dict()

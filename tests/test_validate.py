@@ -11,9 +11,12 @@ from click.testing import CliRunner
 from sim_specs import calibration
 
 from cascadia.cli import cli
-from cascadia.measure.validate import (METRICS, SCHEMA, compare, compare_frame_times, compare_phase_frame_times,
-                                      compare_replays, format_comparison, format_phase_frame_times, frames_by_phase)
+from cascadia.metrics import FIGURES
+from cascadia.measure.validate import (SCHEMA, compare, compare_frame_times, compare_interval,
+                                      compare_phase_frame_times, compare_replays, format_comparison,
+                                      format_phase_frame_times, frames_by_phase)
 from cascadia.pipeline.run import RunFailed, RunResult
+from cascadia.sim.calibration import Spread
 from cascadia.trace import FrameTiming, StageTiming
 
 SPEC = Path(__file__).parent.parent / "specs" / "tiny-local.yaml"
@@ -60,7 +63,7 @@ def test_several_runs_are_measured_by_their_median():
     alike = compare([MEASURED] * 3, PREDICTED)
     assert alike["median_abs_error"] == compare([MEASURED], PREDICTED)["median_abs_error"]
     assert alike["median_spread"]["decode tok/s"] == 0.0
-    assert compare([MEASURED], PREDICTED)["median_spread"] == dict.fromkeys(METRICS)  # one run: no spread
+    assert compare([MEASURED], PREDICTED)["median_spread"] == dict.fromkeys(FIGURES)  # one run: no spread
 
 
 def test_a_level_the_prediction_lacks_is_an_error():
@@ -71,7 +74,7 @@ def test_a_level_the_prediction_lacks_is_an_error():
 def test_the_comparison_table():
     lines = format_comparison(compare([MEASURED], PREDICTED)).splitlines()
     assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error"]
-    assert len(lines) == 1 + 3 * len(METRICS) + 1
+    assert len(lines) == 1 + 3 * len(FIGURES) + 1
     assert lines[1].split() == ["1", "decode", "tok/s", "100.00", "-", "110.00", "+10.0%"]
     assert lines[3].split() == ["TTFT", "p50", "(ms)", "50.00", "-", "45.00", "-10.0%"]
     assert lines[10].split() == ["TPOT", "p50", "(ms)", "-", "-", "30.00", "-"]
@@ -102,6 +105,40 @@ def test_each_run_is_compared_with_its_own_replay():
     assert lines[1].split() == ["1", "decode", "tok/s", "100.00", "-", "110.00", "+10.0%", "110.00", "+10.0%"]
     assert lines[-2].startswith("median |error| replayed: decode tok/s 10.0%")
     assert lines[-1] == "replayed from each run's trace: run 1: 7 of 9 frames"
+
+
+def bounds(low, high):
+    return {"low": low, "median": (low + high) / 2, "high": high}
+
+
+INTERVAL = {"percent": 80, "samples": 5, "machine_levels": [0.9, 0.95, 1.0, 1.05, 1.2], "levels": [
+    {"concurrency": 1, "rate": None, "figures": {"decode tok/s": bounds(90.0, 105.0), "phase tok/s": bounds(70.0, 75.0),
+                                                 "TTFT p50": bounds(0.04, 0.05), "TTFT p95": None,
+                                                 "TPOT p50": bounds(0.009, 0.011)}}]}
+
+
+def test_an_interval_counts_the_runs_values_it_holds():
+    slow = {"levels": [level(1, 80.0, 70.0, 0.070, None, 0.012)]}
+    held = compare_interval([MEASURED, slow], INTERVAL)
+    figures = held["levels"][0]["figures"]
+    assert figures["decode tok/s"] == {**bounds(90.0, 105.0), "measured": [100.0, 80.0], "inside": [True, False]}
+    assert figures["phase tok/s"]["inside"] == [False, True]  # 80 above it; 70 on its edge
+    assert figures["TTFT p50"]["inside"] == [True, False]  # its bounds held: 0.05 at the edge
+    assert figures["TTFT p95"] == {"measured": [0.060, None], "inside": [None, None]}  # no interval: not counted
+    assert figures["TPOT p50"]["inside"] == [True, False]
+    assert (held["held"], held["values"], held["coverage"]) == (4, 8, 0.5)
+    assert held["coverage_by_figure"] == {"decode tok/s": 0.5, "phase tok/s": 0.5, "TTFT p50": 0.5, "TTFT p95": None,
+                                          "TPOT p50": 0.5}
+    one = {"levels": MEASURED["levels"][:1]}
+    lines = format_comparison({**compare([one, slow], {"levels": PREDICTED["levels"][:1]}),
+                               "interval": held}).splitlines()
+    assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error", "80%", "interval",
+                                "runs", "in", "it"]
+    assert lines[1].split()[-2:] == ["90.00-105.00", "1/2"]
+    assert lines[4].split()[-2:] == ["-", "0/0"]  # TTFT p95
+    assert lines[-1] == ("80% intervals (over 5 speeds, 0.90-1.20x the calibration's time) held 4 of 8 measured "
+                         "values (50.0%): decode tok/s 50.0%, phase tok/s 50.0%, TTFT p50 50.0%, TTFT p95 -, "
+                         "TPOT p50 50.0%")
 
 
 def test_open_loop_levels_are_headed_load_not_streams():
@@ -175,17 +212,20 @@ def test_frames_go_to_the_phase_they_were_sent_in_and_each_runs_phases_are_compa
 # ---- against the real pipeline -----------------------------------------------------------------------------------
 def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_path):
     cal_path, out = tmp_path / "cal.json", tmp_path / "validation.json"
-    calibration(spec, lambda kind, r, x: 1e-4 * r).save(cal_path)  # hand-made: the errors mean nothing here
+    hand_made = calibration(spec, lambda kind, r, x: 1e-4 * r)  # the errors and intervals mean nothing here
+    attrs.evolve(hand_made, spread=Spread({}, (0.5, 1.0, 2.0))).save(cal_path)
     result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(cal_path), "--checkpoint",
                                       str(checkpoint), "--concurrency", "1,3", "--max-new-tokens", "3",
-                                      "--prompt-tokens", "5", "--repeats", "2", "--json", str(out)],
+                                      "--prompt-tokens", "5", "--repeats", "2", "--interval", "80", "--json", str(out)],
                            catch_exceptions=False)
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error"]
-    assert [line.split()[0] for line in lines[1::len(METRICS)][:2]] == ["1", "3"]
-    assert lines[-3].startswith("median spread of the runs: decode tok/s ")
-    assert lines[-2].startswith("median |error|: decode tok/s ")
+    assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error", "80%", "interval",
+                                "runs", "in", "it"]
+    assert [line.split()[0] for line in lines[1::len(FIGURES)][:2]] == ["1", "3"]
+    assert lines[-4].startswith("median spread of the runs: decode tok/s ")
+    assert lines[-3].startswith("median |error|: decode tok/s ")
+    assert lines[-2].startswith("80% intervals (over 11 speeds, 0.50-2.00x the calibration's time) held ")
     assert lines[-1] == f"wrote {out}"
     saved = json.loads(out.read_text())
     assert saved["schema"] == SCHEMA
@@ -195,12 +235,16 @@ def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_pat
         requests = sorted((r["request_id"], r["prompt_tokens"], r["output_tokens"]) for r in result["requests"])
         assert requests == [(i, 5, 3) for i in range(8)]  # warm-up and measured phases of both levels
     assert [lv["concurrency"] for lv in saved["levels"]] == [1, 3]
-    assert set(saved["median_abs_error"]) == set(METRICS)
+    assert set(saved["median_abs_error"]) == set(FIGURES)
     first = saved["levels"][0]["metrics"]["decode tok/s"]
     assert all(run["source"] == "run" for run in saved["measured"])
     assert first["measured"] == pytest.approx(statistics.median(
         run["levels"][0]["decode_tokens_per_s"] for run in saved["measured"]))
     assert first["predicted"] == saved["predicted"]["levels"][0]["decode_tokens_per_s"]
+    interval = saved["interval"]["levels"][0]["figures"]["decode tok/s"]
+    assert interval["measured"] == [run["levels"][0]["decode_tokens_per_s"] for run in saved["measured"]]
+    assert interval["low"] < first["predicted"] < interval["high"]  # a steady 2x either way of the calibration
+    assert saved["interval"]["values"] == 2 * 2 * len(FIGURES)  # two runs, two levels, every figure measured
 
 
 def test_a_calibration_for_another_model_fails_before_the_pipeline_starts(spec, tmp_path):
@@ -210,6 +254,9 @@ def test_a_calibration_for_another_model_fails_before_the_pipeline_starts(spec, 
     result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(path)])
     assert result.exit_code == 1
     assert "made for another model: hidden_size 32" in result.output
+    calibration(spec, lambda kind, r, x: 1e-4).save(path)  # measured before calibrations kept their rounds
+    result = CliRunner().invoke(cli, ["validate", str(SPEC), "--calibration", str(path), "--interval", "80"])
+    assert result.exit_code == 1 and "has no spread of its rounds" in result.output
 
 
 def test_a_failed_run_keeps_the_prediction_and_the_runs_before_it(spec, tmp_path, monkeypatch):

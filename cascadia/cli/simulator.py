@@ -8,10 +8,20 @@ from cascadia.cli.common import (WORKLOAD_CHOICES, IntList, NodeAtSeconds, Outpu
                                  emulate_links_option, report_to, speculate_option, with_runtime, workload_options,
                                  say_written, workload_overrides, write_trace, writing)
 from cascadia.sim.drafts import DEFAULT_ACCEPTANCE
+from cascadia.sim.interval import SAMPLES
 from cascadia.sim.loss import DETECT_S
 from cascadia.spec.load import load_spec
 
 MAX_TRACE_BYTES = 256 * 2**20  # an outputs file of a long run
+
+
+def interval_options(command):
+    """--interval and --interval-samples (`cascadia.sim.interval`)."""
+    command = click.option("--interval-samples", "samples", type=click.IntRange(min=2), default=SAMPLES,
+                           show_default=True, help="with --interval: the machine speeds simulated")(command)
+    return click.option("--interval", type=click.FloatRange(0, 100, min_open=True, max_open=True),
+                        metavar="PERCENT", help="each figure also as a median and its PERCENT interval over the "
+                        "speeds the machine had while it was calibrated (the calibration's rounds)")(command)
 
 
 @click.command()
@@ -44,10 +54,12 @@ MAX_TRACE_BYTES = 256 * 2**20  # an outputs file of a long run
               help="take each frame's compute on each node from this trace of a run on the same plan (`run "
                    "--trace`) instead of the calibration's tables, so that what differs from the run is the model's "
                    "error alone; frames of a shape the trace lacks are costed from the tables")
+@interval_options
 def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path: str | None, checkpoint: str | None,
              choices: dict, groups: int | None, json_path: str | None, plot_path: str | None,
              trace_path: str | None, loss, detect_s: float, speculate: str | None, acceptance: float | None,
-             trace_file: str | None, fit: bool, replay_path: str | None) -> None:
+             trace_file: str | None, fit: bool, replay_path: str | None, interval: float | None,
+             samples: int) -> None:
     """Predict throughput and latency of the plan at each level (closed-loop concurrency or open-loop arrival rate)
     with the calibrated simulator. It reads no weights: a checkpoint matters only for the tokenizer of text
     prompts."""
@@ -60,6 +72,7 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     from cascadia.sim.analytic import analytic_calibration
     from cascadia.sim.calibration import Calibration
     from cascadia.sim.drafts import fitted_rates
+    from cascadia.sim.interval import format_interval, simulate_interval
     from cascadia.sim.loss import format_losses
     from cascadia.sim.simulate import plot
     from cascadia.sim.simulate import simulate as run_simulation
@@ -69,6 +82,9 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
         raise click.UsageError("give --calibration or --analytic, not both")
     if detect_s is not None and loss is None:
         raise click.UsageError("--detect is the detection time of a loss: give --fail NODE@SECONDS with it")
+    if interval is not None and replay_path:
+        raise click.UsageError("--interval draws the machine's speed from the calibration; --replay-trace takes it "
+                               "from a run: give one of them")
     report = report_to(json_path, plot_path, trace_path)
     loaded = with_runtime(load_spec(spec), speculate=speculate, pipeline_groups=groups)
     trace = _acceptance_trace(loaded, trace_file, acceptance)
@@ -87,9 +103,12 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
     timings = [] if trace_path else None
     replay = _replay(replay_path) if replay_path else None
+    drafts = {"acceptance": acceptance, "acceptance_trace": trace, "proposing": proposing}
     result = run_simulation(loaded, calibration, chosen, timings=timings, loss=loss,
-                            detect_s=DETECT_S if detect_s is None else detect_s, acceptance=acceptance,
-                            acceptance_trace=trace, proposing=proposing, replay=replay)
+                            detect_s=DETECT_S if detect_s is None else detect_s, replay=replay, **drafts)
+    if interval is not None:
+        result["interval"] = simulate_interval(loaded, calibration, chosen, interval, samples, loss=loss,
+                                               detect_s=DETECT_S if detect_s is None else detect_s, **drafts)
     report(describe_workload(loaded.workload))
     if replay:
         report(f"replayed the compute of {replay.replayed} of {replay.replayed + replay.tabled} frames from "
@@ -98,6 +117,8 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
         report(f"drafts proposed at {proposing:.0%} of the steps asked, each accepted at {acceptance:.3f} once "
                f"those before it were (fitted to {trace_file})")
     report(format_table(result))
+    if interval is not None:
+        report(f"\n{format_interval(result['interval'])}")
     if calibration.is_analytic:
         report("(analytic estimate)")
     if result.get("losses"):
@@ -176,11 +197,14 @@ def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None
 @click.option("--replay", is_flag=True, help="simulate each run again with its own frames' compute, from its trace "
                                              "(as `simulate --replay-trace`), and print that error too: the model's "
                                              "alone, without the machine's drift since calibrating")
+@interval_options
 def validate_command(spec: str, calibration_path: str, plan_path: str | None, checkpoint: str | None, choices: dict,
-                     groups, repeats, json_path, trace_dir, emulate_links, speculate, acceptance, replay) -> None:
+                     groups, repeats, json_path, trace_dir, emulate_links, speculate, acceptance, replay,
+                     interval: float | None, samples: int) -> None:
     """Simulate and run the same workload on the same plan, and print per level and metric the measured and
     predicted values and the error, then each metric's median absolute error; with --trace-dir, each node's compute
-    time per frame in both; with --replay, the error of each run's replay beside."""
+    time per frame in both; with --replay, the error of each run's replay beside; with --interval, each figure's
+    interval and how many runs it held."""
     import attrs
 
     from cascadia.sim.calibration import Calibration
@@ -190,7 +214,8 @@ def validate_command(spec: str, calibration_path: str, plan_path: str | None, ch
     workload = workload_overrides(loaded, choices)
     calibration = Calibration.load(calibration_path)
     _validate_and_report(attrs.evolve(loaded, workload=workload), chosen_plan(loaded, plan_path), calibration,
-                         checkpoint, repeats, json_path, emulate_links, trace_dir, acceptance, replay)
+                         checkpoint, repeats, json_path, emulate_links, trace_dir, acceptance, replay,
+                         (interval, samples))
 
 
 def _replay(path: str):
@@ -235,7 +260,8 @@ def _acceptance(loaded, acceptance: float | None) -> float:
 
 def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = None,
                          repeats: int = 1, json_path: str | None = None, emulate_links: bool = False,
-                         trace_dir: str | None = None, acceptance: float | None = None, replay: bool = False) -> None:
+                         trace_dir: str | None = None, acceptance: float | None = None, replay: bool = False,
+                         interval: tuple[float | None, int] = (None, SAMPLES)) -> None:
     """Simulate and run with progress on stderr; print the comparison, write the JSON and the timelines."""
     import json
     from pathlib import Path
@@ -264,7 +290,7 @@ def _validate_and_report(loaded, chosen, calibration, checkpoint: str | None = N
                           checkpoint=Path(checkpoint) if checkpoint else None,
                           on_message=lambda node, message: click.echo(describe(node, message), err=True),
                           on_phase=phase_done, emulate_links=emulate_links, timelines=timelines,
-                          acceptance=acceptance, replay=replay)
+                          acceptance=acceptance, replay=replay, interval=interval[0], interval_samples=interval[1])
     except ValidationFailed as e:
         write(e.result)
         raise click.ClickException(f"run failed: {e}") from None

@@ -23,7 +23,7 @@ from cascadia.graph.plan import Plan
 from cascadia.measure.links import describe_link, measure_link
 from cascadia.measure.pipeline_probe import measure_pipeline
 from cascadia.measure.tables import ROUNDS, Grid, measure_tables
-from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration, NodeCalibration, make_meta
+from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration, NodeCalibration, Spread, make_meta
 from cascadia.spec.types import Spec
 from cascadia.table import format_rows
 
@@ -41,14 +41,15 @@ def calibrate(spec: Spec, plan: Plan, checkpoint: Path | None = None, rounds: in
     if remote := [s.node for s in plan.stages if not nodes[s.node].is_local]:
         raise SpecError(f"calibrate measures local nodes only; {', '.join(remote)} have tcp addresses")
     grid = Grid.of(spec, rounds)
-    tables, devices = {}, []
+    tables, levels, devices = {}, {}, []
     for stage in plan.stages:
-        tables[stage.node], device = measure_tables(spec, plan, stage.node, Path(checkpoint), grid, progress)
+        tables[stage.node], levels[stage.node], device = measure_tables(spec, plan, stage.node, Path(checkpoint),
+                                                                        grid, progress)
         devices.append(f"{stage.node} {device} ({nodes[stage.node].threads or 'all'} threads)")
     loopback = measure_link(spec.model.config.hidden_size, progress)
     links = {(a, b): loopback for a, b in plan.hops() if a != b}
     meta = make_meta(spec, MEASURED, device="; ".join(devices), openvino=ov.get_version())
-    layers = Calibration(meta, {name: NodeCalibration(t) for name, t in tables.items()}, links)
+    layers = Calibration(meta, {name: NodeCalibration(t) for name, t in tables.items()}, links, spread=Spread(levels))
     return layers if layers_only else measure_pipeline(spec, plan, Path(checkpoint), layers, progress)
 
 
@@ -68,4 +69,6 @@ def format_calibration(calibration: Calibration) -> str:
         *(f"link {a} -> {b}: {describe_link(link)}" for (a, b), link in calibration.links.items()),
         *(f"host {host}: speedup {', '.join(f'{s:.2f}' for s in speedup)} with 1, 2, ... nodes computing at once"
           for host, speedup in calibration.hosts.items()),
+        *([f"rounds: each took {levels[0]:.2f}-{levels[-1]:.2f}x the median round's time ({len(levels)} rounds)"]
+          if calibration.spread and (levels := calibration.spread.levels()) else []),
     ])

@@ -4,7 +4,8 @@ overheads, and how fast a shared host's nodes compute together (the fits: `casca
 The pipeline (`Pipeline.start`) serves passes that interleave two kinds of traffic (a figure is the median over the
 passes): frames alone in the pipeline, of decode rows (one stream each) and of prompt windows (one stream), of
 1 ... the largest bucket rows; and bursts of one-row streams all in flight (`burst_streams`). Then each node is
-started again, as `cascadia serve` does after its loss, and timed until it is ready (for `simulate --fail`).
+started again, as `cascadia serve` does after its loss, and timed until it is ready (for `simulate --fail`). Each
+pass's level (its frames' round trips over the median pass's) joins the calibration's spread.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from cascadia.graph.plan import Plan
 from cascadia.pipeline.coordinator import wire_frame
 from cascadia.pipeline.run import NODE_TIMEOUT_S, Pipeline, describe
 from cascadia.policy import DECODE, Frame, Row, padded_size
-from cascadia.sim.calibration import Calibration
+from cascadia.sim.calibration import Calibration, Spread, relative_levels
 from cascadia.sim.fit import AloneFrames, burst_streams, fit_overheads, shared_speedup
 from cascadia.sim.model import FrameShape
 from cascadia.spec.types import Spec
@@ -61,7 +62,9 @@ def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibrati
                                 progress)
     calibration = attrs.evolve(calibration, nodes={name: attrs.evolve(node, restart_s=restarts[name])
                                                    for name, node in calibration.nodes.items()})
-    return attrs.evolve(calibration, hosts=shared_speedup(spec, plan, calibration, bursts, progress))
+    levels = relative_levels([sum(shape.round_trips for shape in sweep) for sweep in frames])
+    spread = attrs.evolve(layers.spread or Spread({}), pipeline=levels)
+    return attrs.evolve(calibration, hosts=shared_speedup(spec, plan, calibration, bursts, progress), spread=spread)
 
 
 def restart_time(pipeline: Pipeline, node: str, progress: Progress) -> float:

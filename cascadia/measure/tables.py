@@ -39,7 +39,7 @@ from cascadia.pipeline.stage import EngineStage, find_stage, load_stage
 from cascadia.pipeline.wire import Frame
 from cascadia.policy import padded_size
 from cascadia.sim.analytic import kind_costs, row_grid
-from cascadia.sim.calibration import KIND_AXES, Table
+from cascadia.sim.calibration import KIND_AXES, Table, relative_levels
 from cascadia.sim.model import stage_kinds
 from cascadia.spec.dump import write_spec
 from cascadia.spec.load import load_spec
@@ -63,8 +63,9 @@ class Grid:
 
 
 def measure_tables(spec: Spec, plan: Plan, name: str, checkpoint: Path, grid: Grid,
-                   progress: Progress) -> tuple[dict[str, Table], str]:
-    """Node `name`'s tables and its device, measured in a process with the node's thread settings."""
+                   progress: Progress) -> tuple[dict[str, Table], tuple[float, ...], str]:
+    """Node `name`'s tables, each round's level (`StageProbe.tables`) and its device, measured in a process with the
+    node's thread settings."""
     threads = spec.cluster.node(name).threads
     with tempfile.TemporaryDirectory(prefix="cascadia-calibrate-") as folder:
         spec_path, plan_path = write_spec(spec, Path(folder) / "spec.yaml"), plan.save(Path(folder) / "plan.json")
@@ -78,7 +79,7 @@ def measure_tables(spec: Spec, plan: Plan, name: str, checkpoint: Path, grid: Gr
                 else:
                     tables = {kind: Table(tuple(t["rows"]), tuple(t["points"]), tuple(map(tuple, t["time_s"])))
                               for kind, t in message["tables"].items()}
-                    return tables, message["device"]
+                    return tables, tuple(message["levels"]), message["device"]
     raise CalibrationFailed(f"{name}: the measuring process ended without a result")
 
 
@@ -96,8 +97,8 @@ def tables_worker(argv: Sequence[str]) -> None:
         device = f"{engine.device} {core().get_property(engine.device, 'FULL_DEVICE_NAME')}"
         say(progress=f"MoE {paths_text(engine.moe_grouped_from, engine.row_buckets)}")
         probe = StageProbe(loaded, stage_kinds(stage, spec.model.config, spec.runtime))
-        tables = probe.tables(Grid.of(spec, int(rounds)), lambda text: say(progress=text))
-        say(tables={kind: attrs.asdict(table) for kind, table in tables.items()}, device=device)
+        tables, levels = probe.tables(Grid.of(spec, int(rounds)), lambda text: say(progress=text))
+        say(tables={kind: attrs.asdict(table) for kind, table in tables.items()}, levels=levels, device=device)
     except Exception as e:  # reported by the parent, naming the node
         say(error=f"{type(e).__name__}: {e}")
 
@@ -210,15 +211,18 @@ class StageProbe:
         mtp.step(hidden, frame.token_ids, frame.slots, frame.positions)
         return time.perf_counter() - start
 
-    def tables(self, grid: Grid, progress: Progress) -> dict[str, Table]:
-        """This stage's kinds on the grid: medians over the rounds (and over the stage's layers of a kind)."""
+    def tables(self, grid: Grid, progress: Progress) -> tuple[dict[str, Table], tuple[float, ...]]:
+        """This stage's kinds on the grid: medians over the rounds (and over the stage's layers of a kind); and each
+        round's level, the seconds its sweep measured over their median (`Calibration.spread`)."""
         top_k = self.engine.config.routed_experts[1]
         attention = [kind for kind in self.kinds if KIND_AXES[kind] == "context"]  # the MTP layer's too
         contexts = sorted({c for kind in attention for c in grid.points[kind]} or {1})
         moe = LayerKind.MOE
         experts = grid.points[moe] if moe in self.kinds else ()
         samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)  # (kind, rows, point) -> seconds
+        swept = []  # each round's measured seconds: the same work each time
         for done in range(grid.rounds):
+            before = sum(map(sum, samples.values()))
             for rows in grid.rows:
                 for context in contexts:
                     for kind, seconds in self.run(rows, context, None).items():
@@ -228,10 +232,11 @@ class StageProbe:
                             samples[kind, rows, 0] += seconds
                 for distinct in experts:
                     samples[moe, rows, distinct] += self.run(rows, 1, min(distinct, rows * top_k))[moe]
+            swept.append(sum(map(sum, samples.values())) - before)
             progress(f"measured round {done + 1}/{grid.rounds} of {len(grid.rows)} row counts")
         out = {}
         for kind in self.kinds:
             points = grid.points[kind] if KIND_AXES[kind] else (0,)
             times = tuple(tuple(statistics.median(samples[kind, rows, p]) for p in points) for rows in grid.rows)
             out[kind] = Table(grid.rows, points if KIND_AXES[kind] else (), times)
-        return out
+        return out, relative_levels(swept)

@@ -9,7 +9,8 @@ than the spread says little about the model. Per metric, the median of the absol
 the levels. With timelines, per node the per-frame compute and link times of both (median and p95), over all the
 runs, and each node's compute phase by phase of each run: to see where they part, and when. With replays, each run
 is simulated again with its own frames' compute (`cascadia.sim.replay`): the error left is the model's, not the
-machine's drift since calibrating.
+machine's drift since calibrating. With intervals, each figure's predicted interval over the speeds the calibration's
+rounds ran at (`cascadia.sim.interval`), and the share of the runs' values it holds: its coverage.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import numpy as np
 
 from cascadia.errors import NodeError
 from cascadia.graph.plan import Plan
-from cascadia.metrics import describe_level, level_label, load_heading
+from cascadia.metrics import FIGURES, describe_level, figure, level_label, load_heading
 from cascadia.pipeline.run import RunFailed, run
 from cascadia.sim.calibration import Calibration
 from cascadia.sim.drafts import DEFAULT_ACCEPTANCE, acceptance_trace
+from cascadia.sim.interval import SAMPLES, simulate_interval, stratified_levels
 from cascadia.sim.replay import ReplayTimes
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import Spec
@@ -35,25 +37,11 @@ from cascadia.table import format_rows
 from cascadia.trace import FrameTiming, frame_times
 
 SCHEMA = "cascadia.validation/2"
-# name -> (keys into a level summary, unit shown, scale to that unit)
-METRICS = {
-    "decode tok/s": (("decode_tokens_per_s",), "tok/s", 1.0),
-    "phase tok/s": (("phase_tokens_per_s",), "tok/s", 1.0),
-    "TTFT p50": (("ttft_s", "p50"), "ms", 1e3),
-    "TTFT p95": (("ttft_s", "p95"), "ms", 1e3),
-    "TPOT p50": (("tpot_s", "p50"), "ms", 1e3),
-}
 
 
 def _load(level: dict) -> tuple[int | None, float | None]:
     """A level's concurrency and arrival rate (one of them None)."""
     return level["concurrency"], level.get("rate")
-
-
-def _value(level: dict, keys: tuple[str, ...]) -> float | None:
-    for key in keys:
-        level = level[key]
-    return level
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -80,16 +68,16 @@ def compare(runs: Sequence[dict], predicted: dict) -> dict:
     predicted_levels = {_load(level): level for level in predicted["levels"]}
     run_levels = [{_load(level): level for level in run["levels"]} for run in runs]
     levels = []
-    errors: dict[str, list[float]] = {name: [] for name in METRICS}
-    spreads: dict[str, list[float]] = {name: [] for name in METRICS}
+    errors: dict[str, list[float]] = {name: [] for name in FIGURES}
+    spreads: dict[str, list[float]] = {name: [] for name in FIGURES}
     for load in run_levels[0]:
         if load not in predicted_levels:
             raise ValueError(f"the prediction has no level of {describe_level(run_levels[0][load])}")
         metrics = {}
-        for name, (keys, _, _) in METRICS.items():
-            values = [_value(by_level[load], keys) for by_level in run_levels]
+        for name in FIGURES:
+            values = [figure(by_level[load], name) for by_level in run_levels]
             real, spread = _median(values), _spread(values)
-            model = _value(predicted_levels[load], keys)
+            model = figure(predicted_levels[load], name)
             error = _error(model, real)
             if error is not None:
                 errors[name].append(abs(error))
@@ -108,10 +96,10 @@ def compare_replays(runs: Sequence[dict], replays: Sequence[dict]) -> dict:
     and each run's error against its own replay; per metric the median absolute error over the levels."""
     per_run = [compare([run], replayed) for run, replayed in zip(runs, replays)]
     levels = []
-    errors: dict[str, list[float]] = {name: [] for name in METRICS}
+    errors: dict[str, list[float]] = {name: [] for name in FIGURES}
     for i, level in enumerate(compare(runs, replays[0])["levels"]):
         metrics = {}
-        for name in METRICS:
+        for name in FIGURES:
             replayed = _median([one["levels"][i]["metrics"][name]["predicted"] for one in per_run])
             error = _error(replayed, level["metrics"][name]["measured"])
             if error is not None:
@@ -121,6 +109,27 @@ def compare_replays(runs: Sequence[dict], replays: Sequence[dict]) -> dict:
         levels.append({"concurrency": level["concurrency"], "rate": level["rate"], "metrics": metrics})
     return {"levels": levels,
             "median_abs_error": {name: statistics.median(e) if e else None for name, e in errors.items()}}
+
+
+def compare_interval(runs: Sequence[dict], interval: dict) -> dict:
+    """Each run's figures against the predicted intervals (`cascadia.sim.interval`): per level and figure, each run's
+    value and whether the interval holds it; the share of all runs' values it holds ("coverage"), overall and per
+    figure."""
+    run_levels = [{_load(level): level for level in run["levels"]} for run in runs]
+    held: dict[str, list[bool]] = {name: [] for name in FIGURES}
+    levels = []
+    for level in interval["levels"]:
+        figures = {}
+        for name, bounds in level["figures"].items():
+            values = [figure(by_level[_load(level)], name) for by_level in run_levels]
+            inside = [None if v is None or bounds is None else bounds["low"] <= v <= bounds["high"] for v in values]
+            held[name] += [i for i in inside if i is not None]
+            figures[name] = {**(bounds or {}), "measured": values, "inside": inside}
+        levels.append({"concurrency": level["concurrency"], "rate": level["rate"], "figures": figures})
+    every = [i for inside in held.values() for i in inside]
+    return {**{key: interval[key] for key in ("percent", "samples", "machine_levels")}, "levels": levels,
+            "held": sum(every), "values": len(every), "coverage": sum(every) / len(every) if every else None,
+            "coverage_by_figure": {name: sum(i) / len(i) if i else None for name, i in held.items()}}
 
 
 def compare_frame_times(measured: Sequence[FrameTiming], predicted: Sequence[FrameTiming],
@@ -180,7 +189,8 @@ class ValidationFailed(NodeError):
 def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int = 1,
              checkpoint: Path | None = None, on_message: Callable = lambda node, message: None,
              on_phase: Callable = lambda level, phase, records: None, emulate_links: bool = False,
-             timelines: dict | None = None, acceptance: float | None = None, replay: bool = False) -> dict:
+             timelines: dict | None = None, acceptance: float | None = None, replay: bool = False,
+             interval: float | None = None, interval_samples: int = SAMPLES) -> dict:
     """Simulate, then run `repeats` times, the spec's workload on `plan`; the results and their comparison. With
     `emulate_links` the runs go over links shaped to the spec's bandwidths, and so does the simulation. `timelines`:
     a dict that takes each backend's timeline, as (frames, metrics result, clock errors) by name ("simulate", "run";
@@ -190,16 +200,19 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
     by request and step by step (`cascadia.sim.drafts`). With `replay`, each run is simulated again replaying its
     own compute and drafts (`compare_replays`: "replay" in the result, the simulations in "replayed"); with
     timelines too, theirs ("replay", "replay-1"..) and each node's per-frame times against the runs'
-    ("replay_frame_times").
+    ("replay_frame_times"). With an `interval` (a percent), each figure's interval over `interval_samples` speeds of
+    the calibration's rounds, and whether each run's value lies in it (`compare_interval`: "interval").
 
-    The simulation goes first: a calibration that does not fit the plan fails before the pipeline starts (with the
-    measured acceptance, it is simulated again after the runs)."""
+    The simulation goes first: a calibration that does not fit the plan, or has no rounds for an interval, fails
+    before the pipeline starts (with the measured acceptance, it is simulated again after the runs)."""
     if emulate_links:
         calibration = _with_emulated_links(calibration, spec, plan)
+    if interval is not None:
+        stratified_levels(calibration, interval_samples)
     traced = timelines is not None
     predicted_frames: list[FrameTiming] | None = [] if traced else None
-    predicted = simulate(spec, calibration, plan, timings=predicted_frames,
-                         acceptance=DEFAULT_ACCEPTANCE if acceptance is None else acceptance)
+    drafts = {"acceptance": DEFAULT_ACCEPTANCE if acceptance is None else acceptance}
+    predicted = simulate(spec, calibration, plan, timings=predicted_frames, **drafts)
     runs, run_timelines, first_outputs, replays, replayed_frames = [], [], None, [], []
     nodes = [stage.node for stage in plan.stages]
     for i in range(repeats):
@@ -226,9 +239,12 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
                 timelines[f"replay-{i + 1}" if repeats > 1 else "replay"] = (timings, replays[-1], None)
     if spec.runtime.max_draft and acceptance is None:
         predicted_frames = [] if traced else None
-        predicted = simulate(spec, calibration, plan, timings=predicted_frames,
-                             acceptance_trace=acceptance_trace(first_outputs, "the first run's outputs"))
+        drafts = {"acceptance_trace": acceptance_trace(first_outputs, "the first run's outputs")}
+        predicted = simulate(spec, calibration, plan, timings=predicted_frames, **drafts)
     result = {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
+    if interval is not None:
+        result["interval"] = compare_interval(runs, simulate_interval(spec, calibration, plan, interval,
+                                                                      interval_samples, **drafts))
     if replay:
         result |= {"replay": compare_replays(runs, replays), "replayed": replays}
     if traced:
@@ -294,19 +310,25 @@ def format_phase_frame_times(phases: list[dict]) -> str:
 def format_comparison(comparison: dict) -> str:
     """Per level and metric: measured, the runs' spread, predicted, error (and, with replays, the replayed value and
     its error); then each metric's median spread (with several runs) and median absolute error."""
-    replay = comparison.get("replay")
+    replay, interval = comparison.get("replay"), comparison.get("interval")
     rows = [(load_heading(comparison["levels"]), "metric", "measured", "spread", "predicted", "error",
-             *(("replayed", "replay error") if replay else ()))]
+             *(("replayed", "replay error") if replay else ()),
+             *((f"{interval['percent']:g}% interval", "runs in it") if interval else ()))]
     for j, level in enumerate(comparison["levels"]):
-        for i, (name, (_, unit, scale)) in enumerate(METRICS.items()):
+        for i, (name, (_, unit, scale)) in enumerate(FIGURES.items()):
             m = level["metrics"][name]
-            replayed = ()
+            replayed, bounds = (), ()
             if replay:
                 r = replay["levels"][j]["metrics"][name]
                 replayed = (_shown(r["replayed"], scale), _percent(r["error"], "+"))
+            if interval:
+                f = interval["levels"][j]["figures"][name]
+                held = [inside for inside in f["inside"] if inside is not None]
+                bounds = (f"{_shown(f['low'], scale)}-{_shown(f['high'], scale)}" if "low" in f else "-",
+                          f"{sum(held)}/{len(held)}")
             rows.append((level_label(level) if i == 0 else "", f"{name} ({unit})" if unit == "ms" else name,
                          _shown(m["measured"], scale), _percent(m["spread"]), _shown(m["predicted"], scale),
-                         _percent(m["error"], "+"), *replayed))
+                         _percent(m["error"], "+"), *replayed, *bounds))
     lines = [format_rows(rows, left={1})]
     if any(s is not None for s in comparison["median_spread"].values()):
         lines.append("median spread of the runs: " + ", ".join(f"{name} {_percent(s)}"
@@ -319,6 +341,12 @@ def format_comparison(comparison: dict) -> str:
         counts = [r["replay"] for r in comparison["replayed"]]
         lines.append("replayed from each run's trace: " + ", ".join(
             f"run {i}: {c['replayed']} of {c['replayed'] + c['tabled']} frames" for i, c in enumerate(counts, 1)))
+    if interval:
+        speeds = interval["machine_levels"]
+        lines.append(f"{interval['percent']:g}% intervals (over {interval['samples']} speeds, {speeds[0]:.2f}-"
+                     f"{speeds[-1]:.2f}x the calibration's time) held {interval['held']} of {interval['values']} "
+                     f"measured values ({_percent(interval['coverage'])}): " + ", ".join(
+                         f"{name} {_percent(c)}" for name, c in interval["coverage_by_figure"].items()))
     if "frame_times" in comparison:
         lines.append("\n" + format_frame_times(comparison["frame_times"]))
     if comparison.get("phase_frame_times"):

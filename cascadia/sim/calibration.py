@@ -13,7 +13,8 @@ from the spec's hardware figures (kind "analytic", see `analytic.py`):
                       "tables": {KIND: TABLE}}},
      "links": [{"from": A, "to": B, "latency_s": S, "bandwidth_Bps": B}],
      "hosts": {HOST: {"speedup": [S1, S2, ...]}}, # optional: nodes sharing HOST (default: one core, S = [1])
-     "routing": {"rows": [...], "distinct_experts": [...]}}   # optional: measured from real routing
+     "routing": {"rows": [...], "distinct_experts": [...]},  # optional: measured from real routing
+     "spread": {"tables": {NODE: [L...]}, "pipeline": [L...]}}  # optional: a measured one's rounds (below)
 
 A TABLE is the time (s) of ONE layer of its kind over a grid: "sliding" and "global" attention over rows x "context"
 (attended positions: a sliding layer attends at most its window), "moe" over rows x "experts" (distinct routed experts
@@ -24,6 +25,10 @@ node computing alone (each of the k progresses at S_k / k); beyond the list, its
 fairly would be S_k = min(k, N).
 A second axis with a single point means the time does not depend on it. Lookups interpolate linearly along each axis
 (bilinear) and extrapolate linearly from the edge segment outside the grid, noting that they did.
+The spread says how the machine's speed moved while it was measured: each round's level L, the seconds it measured
+over the median round's (1.1: 10% slower), for each node's sweeps of its layer grid and for the pipeline's passes
+(their frames' round trips). A measured figure is the rounds' median; `simulate --interval` reads the levels as the
+speeds a later run may meet (`cascadia.sim.interval`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import bisect
 import datetime
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -111,6 +117,24 @@ class NodeCalibration:
 
 
 @attrs.frozen
+class Spread:
+    """Each measuring round's level (its seconds over the median round's): see the module's text."""
+
+    tables: dict[str, tuple[float, ...]]  # by node: the sweeps of its layer grid
+    pipeline: tuple[float, ...] = ()  # the pipeline's passes; () for a calibration of the layers alone
+
+    def levels(self) -> tuple[float, ...]:
+        """Every round's level, sorted."""
+        return tuple(sorted([*self.pipeline, *(level for levels in self.tables.values() for level in levels)]))
+
+
+def relative_levels(seconds: Sequence[float]) -> tuple[float, ...]:
+    """Each round's seconds over the median round's."""
+    middle = statistics.median(seconds)
+    return tuple(s / middle for s in seconds)
+
+
+@attrs.frozen
 class CalibrationMeta:
     kind: str  # MEASURED or ANALYTIC
     cascadia: str
@@ -131,6 +155,7 @@ class Calibration:
     hosts: dict[str, tuple[float, ...]] = attrs.Factory(dict)  # speedup of the nodes naming a host; absent: (1,)
     routing: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # (rows, expected distinct experts)
     source: str | None = None  # the file it came from
+    spread: Spread | None = None  # a measured one's rounds; None: analytic, or measured before they were kept
 
     @property
     def is_analytic(self) -> bool:
@@ -197,6 +222,9 @@ class Calibration:
             out["hosts"] = {host: {"speedup": list(speedup)} for host, speedup in self.hosts.items()}
         if self.routing is not None:
             out["routing"] = {"rows": list(self.routing[0]), "distinct_experts": list(self.routing[1])}
+        if self.spread is not None:
+            out["spread"] = {"tables": {node: list(levels) for node, levels in self.spread.tables.items()},
+                             "pipeline": list(self.spread.pipeline)}
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -272,7 +300,13 @@ class Calibration:
             if len(experts) != len(rows):
                 r.fail("routing.distinct_experts", f"has {len(experts)} values for {len(rows)} rows")
             routing = (rows, experts)
-        return cls(meta, nodes, links, hosts, routing, source=where)
+        spread = None
+        if "spread" in raw:
+            sp = r.mapping(raw["spread"], "spread")
+            tables = {node: r.levels(levels, f"spread.tables.{node}")
+                      for node, levels in r.mapping(r.get(sp, "tables", "spread"), "spread.tables").items()}
+            spread = Spread(tables, r.levels(sp.get("pipeline", []), "spread.pipeline", empty=True))
+        return cls(meta, nodes, links, hosts, routing, source=where, spread=spread)
 
 
 class Extrapolations:
@@ -353,6 +387,9 @@ class _Reader:
         if self.number(value, at) <= 0:
             self.fail(at, f"must be positive, got {value!r}")
         return float(value)
+
+    def levels(self, value: Any, at: str, empty: bool = False) -> tuple[float, ...]:
+        return tuple(self.positive(v, f"{at}[{i}]") for i, v in enumerate(self.list(value, at, empty)))
 
     def grid(self, value: Any, at: str) -> tuple[float, ...]:
         grid = tuple(self.number(v, f"{at}[{i}]") for i, v in enumerate(self.list(value, at)))
