@@ -1,15 +1,18 @@
 """How close the simulator comes, cycle after cycle: calibrate, then validate, CYCLES times in a row.
 
 Scenario: a spec's local plan (default specs/tiny-pinned.yaml: two nodes pinned to a core each). Each cycle measures
-a fresh calibration (`cascadia calibrate`), then simulates and serves the workload REPEATS times (`cascadia validate
---repeats --replay`) at the given concurrency levels. Printed per cycle: the median absolute error over the levels of
-decode tokens/s and of TTFT p50 (the targets: 5% and 10%), the same replayed (each run simulated again with its own
-frames' compute and handling, `simulate --replay-trace`: the model's error without the machine's drift; the target:
-2%), and the median spread of the repeated runs, (largest - smallest) / median: an error within the spread says
-little about the model. Not a test: it prints figures and writes them to bench/results/prediction-SPEC.json (SPEC:
-the spec's file name), with every cycle's errors by level.
+a fresh calibration (`cascadia calibrate --watch WATCH`: its rounds' spread over WATCH seconds more), then simulates
+and serves the workload REPEATS times (`cascadia validate --repeats --replay --interval`) at the given concurrency
+levels. Printed per cycle: the median absolute error over the levels of decode tokens/s and of TTFT p50 (the targets:
+5% and 10%), the same replayed (each run simulated again with its own frames' compute and handling, `simulate
+--replay-trace`: the model's error without the machine's drift; the target: 2%), the median spread of the repeated
+runs, (largest - smallest) / median: an error within the spread says little about the model; and the share of the
+runs' values (every level and figure) that the predicted 80% intervals held, and their median width (the target: at
+least 75% held, over all the cycles). Not a test: it prints figures and writes them to
+bench/results/prediction-SPEC.json (SPEC: the spec's file name), with every cycle's errors and intervals by level.
 
     python bench/prediction.py [SPEC] [--cycles 3] [--repeats 3] [--concurrency 1,2,4,8,16] [--requests 32]
+                               [--interval 80] [--watch 60]
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--requests", type=int, default=32, help="requests per phase")
+    parser.add_argument("--interval", type=float, default=80.0, help="the intervals' percent")
+    parser.add_argument("--watch", type=float, default=60.0, help="seconds each calibration watches the machine")
     parser.add_argument("--out", type=Path, help="default bench/results/prediction-SPEC.json")
     args = parser.parse_args()
     started = now()
@@ -43,23 +48,30 @@ def main() -> None:
     spec = attrs.evolve(spec, workload=attrs.evolve(spec.workload, concurrency=levels, rate=(),
                                                     requests=args.requests))
     plan = make_plan(spec)
+    columns = ["cycle", *(f"{name} |error| %" for name in METRICS), *(f"{name} replayed |error| %" for name in METRICS),
+               *(f"{name} spread %" for name in METRICS), f"{args.interval:g}% intervals held", "interval width %"]
     table = Table(f"{shown(args.spec)}: concurrency {args.concurrency}, {args.requests} requests a phase, "
-                  f"{args.repeats} runs a cycle", ["cycle", *(f"{name} |error| %" for name in METRICS),
-                                                   *(f"{name} replayed |error| %" for name in METRICS),
-                                                   *(f"{name} spread %" for name in METRICS)],
+                  f"{args.repeats} runs a cycle, each calibration watching {args.watch:g} s more", columns,
                   note="Median over the levels; replayed: each run against its own trace's replay (median of the "
                        "replays against median of the runs); spread: (largest - smallest) / median of the repeated "
-                       "runs. The targets: decode within 5%, TTFT within 10%; replayed, 2%.")
-    cycles = []
+                       f"runs; held: the runs' values (every level and figure) inside their predicted "
+                       f"{args.interval:g}% interval; width: (high - low) / median, the median over the levels and "
+                       "figures. The targets: decode within 5%, TTFT within 10%; replayed, 2%; at least 75% held "
+                       "over all the cycles.")
+    cycles, held, values = [], 0, 0
     for cycle in range(1, args.cycles + 1):
-        calibration = calibrate(spec, plan)
-        result = validate(spec, plan, calibration, repeats=args.repeats, replay=True)
+        calibration = calibrate(spec, plan, watch_s=args.watch)
+        result = validate(spec, plan, calibration, repeats=args.repeats, replay=True, interval=args.interval)
         errors, replayed, spreads = (result["median_abs_error"], result["replay"]["median_abs_error"],
                                      result["median_spread"])
+        interval = result["interval"]
+        held, values = held + interval["held"], values + interval["values"]
         table.add(cycle, *(100 * errors[name] for name in METRICS), *(100 * replayed[name] for name in METRICS),
-                  *(None if spreads[name] is None else 100 * spreads[name] for name in METRICS))
+                  *(None if spreads[name] is None else 100 * spreads[name] for name in METRICS),
+                  f"{interval['held']}/{interval['values']}", 100 * interval["median_width"])
         cycles.append({key: value for key, value in result.items() if key != "replayed"})  # its errors are kept
         print(f"cycle {cycle} done", flush=True)
+    table.add("all", *[None] * 3 * len(METRICS), f"{held}/{values} ({held / values:.0%})", None)
     print(table.text())
     write(f"prediction-{Path(args.spec).stem}",
           "How close the simulator comes: calibrate, then validate, cycle after cycle", started,

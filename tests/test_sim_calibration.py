@@ -74,14 +74,14 @@ def test_save_and_load_round_trip(tmp_path):
     cal = attrs.evolve(calibration(spec, lambda kind, r, x: 1e-3 * r + 1e-6 * x, frame_s=1e-4, row_s=1e-6,
                                    stream_s=1e-5),
                        routing=((1, 8), (2.0, 7.5)), hosts={"box": (1.0, 1.5, 1.25)},
-                       spread=Spread({"n0": (0.9, 1.0, 1.2), "n1": (1.0, 1.1)}, (0.95, 1.0, 1.3)))
+                       spread=Spread({"n0": (0.9, 1.0, 1.2), "n1": (1.0, 1.1)}, (0.95, 1.0, 1.3), (0.7,), 42.5))
     cal = attrs.evolve(cal, nodes={**cal.nodes, "n1": attrs.evolve(cal.nodes["n1"], restart_s=1.5)})
     path = tmp_path / "cal.json"
     cal.save(path)
     loaded = Calibration.load(path)
     assert loaded == attrs.evolve(cal, source=str(path))
     assert json.loads(path.read_text())["grid_bounds"]["sliding"] == {"rows": [1, 64], "context": [1, 64]}
-    assert loaded.spread.levels() == (0.9, 0.95, 1.0, 1.0, 1.0, 1.1, 1.2, 1.3)
+    assert loaded.spread.levels() == (0.7, 0.9, 0.95, 1.0, 1.0, 1.0, 1.1, 1.2, 1.3)
 
 
 def test_relative_levels_are_each_round_over_the_median_round():
@@ -172,6 +172,8 @@ TABLES = "nodes.n0.tables"
     ("spread", {"pipeline": [1.0]}, "spread: missing 'tables'"),
     ("spread", {"tables": {"n0": []}}, "spread.tables.n0: expected a non-empty list"),
     ("spread", {"tables": {"n0": [1.0]}, "pipeline": [1.0, 0]}, r"spread.pipeline\[1\]: must be positive"),
+    ("spread", {"tables": {"n0": [1.0]}, "watch": "often"}, "spread.watch: expected a list"),
+    ("spread", {"tables": {"n0": [1.0]}, "seconds": -1}, "spread.seconds: a time cannot be negative"),
 ])
 def test_bad_calibration_files_name_file_and_key(tmp_path, path, value, message):
     good = calibration(tiny_spec(), lambda kind, r, x: 1e-3).to_dict()

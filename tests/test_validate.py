@@ -111,7 +111,7 @@ def bounds(low, high):
     return {"low": low, "median": (low + high) / 2, "high": high}
 
 
-INTERVAL = {"percent": 80, "samples": 5, "machine_levels": [0.9, 0.95, 1.0, 1.05, 1.2], "levels": [
+INTERVAL = {"percent": 80, "samples": 5, "machine_levels": [0.9, 0.95, 1.0, 1.05, 1.2], "seconds": 64.0, "levels": [
     {"concurrency": 1, "rate": None, "figures": {"decode tok/s": bounds(90.0, 105.0), "phase tok/s": bounds(70.0, 75.0),
                                                  "TTFT p50": bounds(0.04, 0.05), "TTFT p95": None,
                                                  "TPOT p50": bounds(0.009, 0.011)}}]}
@@ -129,6 +129,7 @@ def test_an_interval_counts_the_runs_values_it_holds():
     assert (held["held"], held["values"], held["coverage"]) == (4, 8, 0.5)
     assert held["coverage_by_figure"] == {"decode tok/s": 0.5, "phase tok/s": 0.5, "TTFT p50": 0.5, "TTFT p95": None,
                                           "TPOT p50": 0.5}
+    assert held["median_width"] == pytest.approx((15 / 97.5 + 0.002 / 0.01) / 2)  # and 5/72.5, 0.01/0.045
     one = {"levels": MEASURED["levels"][:1]}
     lines = format_comparison({**compare([one, slow], {"levels": PREDICTED["levels"][:1]}),
                                "interval": held}).splitlines()
@@ -136,9 +137,9 @@ def test_an_interval_counts_the_runs_values_it_holds():
                                 "runs", "in", "it"]
     assert lines[1].split()[-2:] == ["90.00-105.00", "1/2"]
     assert lines[4].split()[-2:] == ["-", "0/0"]  # TTFT p95
-    assert lines[-1] == ("80% intervals (over 5 speeds, 0.90-1.20x the calibration's time) held 4 of 8 measured "
-                         "values (50.0%): decode tok/s 50.0%, phase tok/s 50.0%, TTFT p50 50.0%, TTFT p95 -, "
-                         "TPOT p50 50.0%")
+    assert lines[-1] == ("80% intervals (over 5 speeds, 0.90-1.20x the calibration's time over 64 s; median width "
+                         "17.7%) held 4 of 8 measured values (50.0%): decode tok/s 50.0%, phase tok/s 50.0%, TTFT p50 "
+                         "50.0%, TTFT p95 -, TPOT p50 50.0%")
 
 
 def test_open_loop_levels_are_headed_load_not_streams():
@@ -225,7 +226,7 @@ def test_validate_runs_and_simulates_the_same_requests(spec, checkpoint, tmp_pat
     assert [line.split()[0] for line in lines[1::len(FIGURES)][:2]] == ["1", "3"]
     assert lines[-4].startswith("median spread of the runs: decode tok/s ")
     assert lines[-3].startswith("median |error|: decode tok/s ")
-    assert lines[-2].startswith("80% intervals (over 11 speeds, 0.50-2.00x the calibration's time) held ")
+    assert lines[-2].startswith("80% intervals (over 11 speeds, 0.50-2.00x the calibration's time over 0 s; median ")
     assert lines[-1] == f"wrote {out}"
     saved = json.loads(out.read_text())
     assert saved["schema"] == SCHEMA

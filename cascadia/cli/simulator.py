@@ -146,11 +146,14 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
 @click.option("--layers-only", is_flag=True,
               help="the layer tables and links alone, without the pipeline's overheads and shared cores (zero, as "
                    "analytic): minutes, not an hour, for a spec with large prefill buckets")
+@click.option("--watch", "watch_s", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+              help="then time one stream's frames once a second for this long, so that the spread of the rounds "
+                   "(`simulate --interval`) holds how the machine's speed moves over minutes, not one")
 @click.option("-o", "--output", type=OutputPath(), required=True,
               help="the calibration JSON to write (for `cascadia simulate --calibration`)")
 @speculate_option
 def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, rounds: int | None,
-                      layers_only: bool, output: str, speculate: str | None) -> None:
+                      layers_only: bool, watch_s: float, output: str, speculate: str | None) -> None:
     """Measure what the simulator needs with the real engine and transport on the plan's local nodes: per node and
     layer kind, time over rows, attended positions (1, 2, 4 ... up to the spec's context_budget: a stream's length
     is set where a frame starts, so a long context costs one frame, no prefill) and distinct experts; the links;
@@ -160,21 +163,24 @@ def calibrate_command(spec: str, plan_path: str | None, checkpoint: str | None, 
 
     report = report_to(output)
     loaded = with_runtime(load_spec(spec), speculate=speculate)
-    measured = _calibrate(loaded, chosen_plan(loaded, plan_path), checkpoint, rounds, layers_only)
+    if layers_only and watch_s:
+        raise click.UsageError("--watch times frames on the pipeline, which --layers-only does not start")
+    measured = _calibrate(loaded, chosen_plan(loaded, plan_path), checkpoint, rounds, layers_only, watch_s)
     with writing(output) as f:
         f.write(measured.to_json())
     report(format_calibration(measured))
     say_written(report, output)
 
 
-def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None = None, layers_only: bool = False):
+def _calibrate(loaded, chosen, checkpoint: str | None = None, rounds: int | None = None, layers_only: bool = False,
+               watch_s: float = 0.0):
     """The measured calibration, with progress on stderr."""
     from pathlib import Path
 
     from cascadia.measure.calibrate import ROUNDS, calibrate
 
     return calibrate(loaded, chosen, Path(checkpoint) if checkpoint else None, rounds or ROUNDS,
-                     progress=lambda text: click.echo(text, err=True), layers_only=layers_only)
+                     progress=lambda text: click.echo(text, err=True), layers_only=layers_only, watch_s=watch_s)
 
 
 @click.command("validate")

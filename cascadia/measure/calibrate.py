@@ -4,7 +4,9 @@ under the settings `cascadia run` uses (the same stage construction, thread coun
 1. layer tables, node by node, each alone on the host (`cascadia.measure.tables`);
 2. the links' latency and bandwidth on the real transport (`cascadia.measure.links`);
 3. the real pipeline: each node's level there and what each stream adds, the message overheads, and the speedup
-   of hosts that several nodes share (`cascadia.measure.pipeline_probe`, fitted by `cascadia.sim.fit`).
+   of hosts that several nodes share (`cascadia.measure.pipeline_probe`, fitted by `cascadia.sim.fit`);
+4. asked to, the machine's speed watched for a while longer, so that the spread of the calibration's rounds
+   (`Calibration.spread`, what `simulate --interval` draws from) spans more than its own minute.
 
 With `layers_only`, 1 and 2 alone: overheads zero and every host one core, as in an analytic calibration. The
 pipeline's frames alone run every shape 40 times at short contexts, which with a large prefill bucket (a long-context
@@ -13,9 +15,11 @@ spec's 256 rows) takes most of an hour, while the tables reach the context budge
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import openvino as ov
 
 from cascadia.errors import CheckpointError, SpecError
@@ -31,15 +35,19 @@ Progress = Callable[[str], None]
 
 
 def calibrate(spec: Spec, plan: Plan, checkpoint: Path | None = None, rounds: int = ROUNDS,
-              progress: Progress = lambda text: None, layers_only: bool = False) -> Calibration:
-    """Measure every node of `plan` (all local), their links and overheads (not with `layers_only`); see the
-    module's description."""
+              progress: Progress = lambda text: None, layers_only: bool = False, watch_s: float = 0.0) -> Calibration:
+    """Measure every node of `plan` (all local), their links and overheads (not with `layers_only`), and watch the
+    machine's speed `watch_s` seconds more on the pipeline; see the module's description."""
     checkpoint = checkpoint or spec.model.checkpoint
     if checkpoint is None:
         raise CheckpointError("no checkpoint: the spec's model names none; give one (--checkpoint DIR)")
     nodes = {node.name: node for node in spec.cluster.nodes}
     if remote := [s.node for s in plan.stages if not nodes[s.node].is_local]:
         raise SpecError(f"calibrate measures local nodes only; {', '.join(remote)} have tcp addresses")
+    if layers_only and watch_s:
+        raise SpecError("watching the machine's speed needs the pipeline, which a calibration of the layers alone "
+                        "does not start")
+    started = time.monotonic()
     grid = Grid.of(spec, rounds)
     tables, levels, devices = {}, {}, []
     for stage in plan.stages:
@@ -50,7 +58,8 @@ def calibrate(spec: Spec, plan: Plan, checkpoint: Path | None = None, rounds: in
     links = {(a, b): loopback for a, b in plan.hops() if a != b}
     meta = make_meta(spec, MEASURED, device="; ".join(devices), openvino=ov.get_version())
     layers = Calibration(meta, {name: NodeCalibration(t) for name, t in tables.items()}, links, spread=Spread(levels))
-    return layers if layers_only else measure_pipeline(spec, plan, Path(checkpoint), layers, progress)
+    measured = layers if layers_only else measure_pipeline(spec, plan, Path(checkpoint), layers, progress, watch_s)
+    return attrs.evolve(measured, spread=attrs.evolve(measured.spread, seconds=time.monotonic() - started))
 
 
 def format_calibration(calibration: Calibration) -> str:
@@ -69,6 +78,7 @@ def format_calibration(calibration: Calibration) -> str:
         *(f"link {a} -> {b}: {describe_link(link)}" for (a, b), link in calibration.links.items()),
         *(f"host {host}: speedup {', '.join(f'{s:.2f}' for s in speedup)} with 1, 2, ... nodes computing at once"
           for host, speedup in calibration.hosts.items()),
-        *([f"rounds: each took {levels[0]:.2f}-{levels[-1]:.2f}x the median round's time ({len(levels)} rounds)"]
-          if calibration.spread and (levels := calibration.spread.levels()) else []),
+        *([f"rounds: each took {levels[0]:.2f}-{levels[-1]:.2f}x the median round's time ({len(levels)} rounds over "
+           f"{calibration.spread.seconds:.0f} s)"] if calibration.spread and (levels := calibration.spread.levels())
+          else []),
     ])

@@ -5,12 +5,15 @@ The pipeline (`Pipeline.start`) serves passes that interleave two kinds of traff
 passes): frames alone in the pipeline, of decode rows (one stream each) and of prompt windows (one stream), of
 1 ... the largest bucket rows; and bursts of one-row streams all in flight (`burst_streams`). Then each node is
 started again, as `cascadia serve` does after its loss, and timed until it is ready (for `simulate --fail`). Each
-pass's level (its frames' round trips over the median pass's) joins the calibration's spread.
+pass's level (its frames' round trips over the median pass's) joins the calibration's spread; so, when asked to watch
+the machine for a while, does each one-row stream's frames sent once a second meanwhile (their round trips over the
+passes' median for the same frames).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,14 +33,17 @@ from cascadia.spec.types import Spec
 STEPS = 8  # frames of one shape alone through the pipeline, one after the other (at most)
 PASSES = 5  # passes over the pipeline's traffic; each figure is their median
 BURST_STEPS = 16  # frames per stream in a burst of streams all in flight
+WATCH_EVERY_S = 1.0  # while watching the machine's speed: one stream's frames this often
 
 Progress = Callable[[str], None]
 Rows = tuple[list[int], list[int]]  # the slots and positions of a frame's rows
 
 
-def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibration, progress: Progress) -> Calibration:
+def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibration, progress: Progress,
+                     watch_s: float = 0.0) -> Calibration:
     """`layers` (tables and links) completed on the plan's real pipeline: tables at the nodes' level there, the
-    per-stream and overhead times, and the speedups of shared hosts."""
+    per-stream and overhead times, and the speedups of shared hosts; the machine's speed watched `watch_s` seconds
+    more (see the module's text)."""
     runtime = spec.runtime
     largest = runtime.largest_bucket
     rows = sorted(set(range(1, largest + 1, max(1, largest // 8))) | set(runtime.row_buckets))
@@ -57,14 +63,31 @@ def measure_pipeline(spec: Spec, plan: Plan, checkpoint: Path, layers: Calibrati
                 passes.append(probe.saturate(n, min(BURST_STEPS, runtime.context_budget)))
             bursts_of = f", bursts of {', '.join(map(str, streams))} streams at once" if streams else ""
             progress(f"pipeline: pass {sweep + 1}/{PASSES}: {len(alone)} frame shapes alone{bursts_of}")
+        one_stream = alone.index((decode_rows, 1))
+        watched = watch(probe, statistics.median(sweep[one_stream].round_trips for sweep in frames),
+                        [decode_rows(1, step) for step in range(min(STEPS, runtime.context_budget))], watch_s,
+                        progress)
         restarts = {stage.node: restart_time(pipeline, stage.node, progress) for stage in plan.stages}
     calibration = fit_overheads(spec, plan, layers, [AloneFrames.median(passes) for passes in zip(*frames)],
                                 progress)
     calibration = attrs.evolve(calibration, nodes={name: attrs.evolve(node, restart_s=restarts[name])
                                                    for name, node in calibration.nodes.items()})
     levels = relative_levels([sum(shape.round_trips for shape in sweep) for sweep in frames])
-    spread = attrs.evolve(layers.spread or Spread({}), pipeline=levels)
+    spread = attrs.evolve(layers.spread or Spread({}), pipeline=levels, watch=watched)
     return attrs.evolve(calibration, hosts=shared_speedup(spec, plan, calibration, bursts, progress), spread=spread)
+
+
+def watch(probe: PipelineProbe, usual_s: float, frames: Sequence[Rows], seconds: float,
+          progress: Progress) -> tuple[float, ...]:
+    """`frames` sent alone once every WATCH_EVERY_S for `seconds`: each time, their round trips over `usual_s`."""
+    levels: list[float] = []
+    end = time.monotonic() + seconds
+    while (now := time.monotonic()) < end:
+        levels.append(probe.alone(frames).round_trips / usual_s)
+        if len(levels) % 30 == 0:
+            progress(f"watching the machine's speed: {len(levels)} probes, {end - now:.0f} s left")
+        time.sleep(max(0.0, min(end, now + WATCH_EVERY_S) - time.monotonic()))
+    return tuple(levels)
 
 
 def restart_time(pipeline: Pipeline, node: str, progress: Progress) -> float:

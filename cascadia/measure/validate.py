@@ -114,10 +114,10 @@ def compare_replays(runs: Sequence[dict], replays: Sequence[dict]) -> dict:
 def compare_interval(runs: Sequence[dict], interval: dict) -> dict:
     """Each run's figures against the predicted intervals (`cascadia.sim.interval`): per level and figure, each run's
     value and whether the interval holds it; the share of all runs' values it holds ("coverage"), overall and per
-    figure."""
+    figure; and the intervals' median width, (high - low) / median."""
     run_levels = [{_load(level): level for level in run["levels"]} for run in runs]
     held: dict[str, list[bool]] = {name: [] for name in FIGURES}
-    levels = []
+    levels, widths = [], []
     for level in interval["levels"]:
         figures = {}
         for name, bounds in level["figures"].items():
@@ -125,11 +125,14 @@ def compare_interval(runs: Sequence[dict], interval: dict) -> dict:
             inside = [None if v is None or bounds is None else bounds["low"] <= v <= bounds["high"] for v in values]
             held[name] += [i for i in inside if i is not None]
             figures[name] = {**(bounds or {}), "measured": values, "inside": inside}
+            if bounds and bounds["median"]:
+                widths.append((bounds["high"] - bounds["low"]) / bounds["median"])
         levels.append({"concurrency": level["concurrency"], "rate": level["rate"], "figures": figures})
     every = [i for inside in held.values() for i in inside]
-    return {**{key: interval[key] for key in ("percent", "samples", "machine_levels")}, "levels": levels,
+    return {**{key: interval[key] for key in ("percent", "samples", "machine_levels", "seconds")}, "levels": levels,
             "held": sum(every), "values": len(every), "coverage": sum(every) / len(every) if every else None,
-            "coverage_by_figure": {name: sum(i) / len(i) if i else None for name, i in held.items()}}
+            "coverage_by_figure": {name: sum(i) / len(i) if i else None for name, i in held.items()},
+            "median_width": statistics.median(widths) if widths else None}
 
 
 def compare_frame_times(measured: Sequence[FrameTiming], predicted: Sequence[FrameTiming],
@@ -344,8 +347,10 @@ def format_comparison(comparison: dict) -> str:
     if interval:
         speeds = interval["machine_levels"]
         lines.append(f"{interval['percent']:g}% intervals (over {interval['samples']} speeds, {speeds[0]:.2f}-"
-                     f"{speeds[-1]:.2f}x the calibration's time) held {interval['held']} of {interval['values']} "
-                     f"measured values ({_percent(interval['coverage'])}): " + ", ".join(
+                     f"{speeds[-1]:.2f}x the calibration's time over {interval['seconds']:.0f} s; median width "
+                     f"{_percent(interval['median_width'])})"
+                     f" held {interval['held']} of {interval['values']} measured values "
+                     f"({_percent(interval['coverage'])}): " + ", ".join(
                          f"{name} {_percent(c)}" for name, c in interval["coverage_by_figure"].items()))
     if "frame_times" in comparison:
         lines.append("\n" + format_frame_times(comparison["frame_times"]))

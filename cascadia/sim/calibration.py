@@ -14,7 +14,8 @@ from the spec's hardware figures (kind "analytic", see `analytic.py`):
      "links": [{"from": A, "to": B, "latency_s": S, "bandwidth_Bps": B}],
      "hosts": {HOST: {"speedup": [S1, S2, ...]}}, # optional: nodes sharing HOST (default: one core, S = [1])
      "routing": {"rows": [...], "distinct_experts": [...]},  # optional: measured from real routing
-     "spread": {"tables": {NODE: [L...]}, "pipeline": [L...]}}  # optional: a measured one's rounds (below)
+     "spread": {"tables": {NODE: [L...]}, "pipeline": [L...], "watch": [L...],   # optional: a measured one's
+                "seconds": S}}                                                   # rounds, and the time they spanned
 
 A TABLE is the time (s) of ONE layer of its kind over a grid: "sliding" and "global" attention over rows x "context"
 (attended positions: a sliding layer attends at most its window), "moe" over rows x "experts" (distinct routed experts
@@ -26,9 +27,10 @@ fairly would be S_k = min(k, N).
 A second axis with a single point means the time does not depend on it. Lookups interpolate linearly along each axis
 (bilinear) and extrapolate linearly from the edge segment outside the grid, noting that they did.
 The spread says how the machine's speed moved while it was measured: each round's level L, the seconds it measured
-over the median round's (1.1: 10% slower), for each node's sweeps of its layer grid and for the pipeline's passes
-(their frames' round trips). A measured figure is the rounds' median; `simulate --interval` reads the levels as the
-speeds a later run may meet (`cascadia.sim.interval`).
+over the median round's (1.1: 10% slower), for each node's sweeps of its layer grid, for the pipeline's passes (their
+frames' round trips) and for the probes of `calibrate --watch` (one stream's frames, against the passes' median), over
+S seconds from the first sweep to the last probe. A measured figure is the rounds' median; `simulate --interval`
+reads the levels as the speeds a later run may meet (`cascadia.sim.interval`).
 """
 
 from __future__ import annotations
@@ -122,10 +124,13 @@ class Spread:
 
     tables: dict[str, tuple[float, ...]]  # by node: the sweeps of its layer grid
     pipeline: tuple[float, ...] = ()  # the pipeline's passes; () for a calibration of the layers alone
+    watch: tuple[float, ...] = ()  # the probes of the machine's speed after the passes
+    seconds: float = 0.0  # the time from the first sweep to the last round or probe
 
     def levels(self) -> tuple[float, ...]:
         """Every round's level, sorted."""
-        return tuple(sorted([*self.pipeline, *(level for levels in self.tables.values() for level in levels)]))
+        tables = (level for levels in self.tables.values() for level in levels)
+        return tuple(sorted([*tables, *self.pipeline, *self.watch]))
 
 
 def relative_levels(seconds: Sequence[float]) -> tuple[float, ...]:
@@ -224,7 +229,8 @@ class Calibration:
             out["routing"] = {"rows": list(self.routing[0]), "distinct_experts": list(self.routing[1])}
         if self.spread is not None:
             out["spread"] = {"tables": {node: list(levels) for node, levels in self.spread.tables.items()},
-                             "pipeline": list(self.spread.pipeline)}
+                             "pipeline": list(self.spread.pipeline), "watch": list(self.spread.watch),
+                             "seconds": self.spread.seconds}
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -305,7 +311,9 @@ class Calibration:
             sp = r.mapping(raw["spread"], "spread")
             tables = {node: r.levels(levels, f"spread.tables.{node}")
                       for node, levels in r.mapping(r.get(sp, "tables", "spread"), "spread.tables").items()}
-            spread = Spread(tables, r.levels(sp.get("pipeline", []), "spread.pipeline", empty=True))
+            spread = Spread(tables, *(r.levels(sp.get(key, []), f"spread.{key}", empty=True)
+                                      for key in ("pipeline", "watch")),
+                            r.seconds(sp.get("seconds", 0.0), "spread.seconds"))
         return cls(meta, nodes, links, hosts, routing, source=where, spread=spread)
 
 

@@ -77,7 +77,8 @@ def simulate_interval(spec: Spec, calibration: Calibration, plan: Plan, percent:
             known = [v for v in values if v is not None]
             figures[name] = dict(zip(("low", "median", "high"), middle(known, percent))) if known else None
         out.append({"concurrency": level["concurrency"], "rate": level.get("rate"), "figures": figures})
-    return {"percent": percent, "samples": samples, "machine_levels": levels, "levels": out}
+    return {"percent": percent, "samples": samples, "machine_levels": levels, "seconds": calibration.spread.seconds,
+            "levels": out}
 
 
 def format_interval(interval: dict) -> str:
@@ -94,4 +95,5 @@ def format_interval(interval: dict) -> str:
         rows.append((level_label(level), *cells))
     speeds = interval["machine_levels"]
     return (f"{interval['percent']:g}% intervals: median (low-high) over {interval['samples']} speeds, "
-            f"{speeds[0]:.2f}-{speeds[-1]:.2f}x the calibration's time\n" + format_rows(rows))
+            f"{speeds[0]:.2f}-{speeds[-1]:.2f}x the calibration's time (its rounds over {interval['seconds']:.0f} s)"
+            "\n" + format_rows(rows))
