@@ -45,8 +45,8 @@ def calibrate(spec: Spec, plan: Plan, checkpoint: Path | None = None, rounds: in
     if remote := [s.node for s in plan.stages if not nodes[s.node].is_local]:
         raise SpecError(f"calibrate measures local nodes only; {', '.join(remote)} have tcp addresses")
     if layers_only and watch_s:
-        raise SpecError("watching the machine's speed needs the pipeline, which a calibration of the layers alone "
-                        "does not start")
+        raise ValueError("watching the machine's speed needs the pipeline, which a calibration of the layers alone "
+                         "does not start")
     started = time.monotonic()
     grid = Grid.of(spec, rounds)
     tables, levels, devices = {}, {}, []

@@ -100,8 +100,7 @@ def fit_overheads(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[
                                             [sum(s.streams for s in f.shapes) for f in frames]],
                                            [f.busy[i] for f in frames])
         progress(f"{stage.node}: busy in the pipeline {scale:.2f} x its tables + {stream_s * 1e3:.3f} ms per stream")
-        tables = {kind: attrs.evolve(table, time_s=tuple(tuple(t * scale for t in line) for line in table.time_s))
-                  for kind, table in layers.nodes[stage.node].tables.items()}
+        tables = {kind: table.scaled(scale) for kind, table in layers.nodes[stage.node].tables.items()}
         nodes[stage.node] = NodeCalibration(tables, frame_s, row_s, stream_s)
     return attrs.evolve(layers, nodes=nodes)
 

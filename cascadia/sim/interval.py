@@ -31,9 +31,7 @@ def scaled(calibration: Calibration, level: float) -> Calibration:
     """The calibration on a machine `level` times as slow: every node's tables and handling times `level`."""
     nodes = {name: attrs.evolve(node, frame_s=node.frame_s * level, row_s=node.row_s * level,
                                 stream_s=node.stream_s * level,
-                                tables={kind: attrs.evolve(table, time_s=tuple(tuple(t * level for t in line)
-                                                                               for line in table.time_s))
-                                        for kind, table in node.tables.items()})
+                                tables={kind: table.scaled(level) for kind, table in node.tables.items()})
              for name, node in calibration.nodes.items()}
     return attrs.evolve(calibration, nodes=nodes)
 
