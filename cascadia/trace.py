@@ -8,10 +8,10 @@ frame's group and rows; its "link to NEXT" track the frame's way to the next sta
 the next stage taking it in: the handling of its message, the wire, and any wait in the next stage's queue). The
 coordinator's process holds the link into the first stage and each request as an async span from its arrival to
 its last token.
-`frame_times` gives each node's per-frame compute and onward link times, for comparing two timelines node by node
-(a link there reaches the next stage's compute, so that it holds the whole of the message's handling: a run's node
-decodes a frame after taking it in). `frame_timings` reads a trace document back into its nodes and frames (what
-`cascadia simulate --replay-trace` replays).
+`frame_times` gives each node's per-frame compute and onward link times, and its time between frames while it has
+work, for comparing two timelines node by node (a link there reaches the next stage's compute, so that it holds the
+whole of the message's handling: a run's node decodes a frame after taking it in). `frame_timings` reads a trace
+document back into its nodes and frames (what `cascadia simulate --replay-trace` replays).
 """
 
 from __future__ import annotations
@@ -131,14 +131,20 @@ def records_of(result: dict) -> list[RequestRecord]:
 
 def frame_times(frames: Iterable[FrameTiming], nodes: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
     """Per node and frame, in seconds: its "compute" time, and its "link" time (from the end of its compute to the
-    next stage starting to compute the frame, or, from the last stage, to its tokens reaching the coordinator)."""
+    next stage starting to compute the frame, or, from the last stage, to its tokens reaching the coordinator); and
+    "between" frames: from the end of a frame's compute to the start of the node's next, where the stage before
+    (the coordinator, before the first) was done with the next one first, so that it was on its way: what the node
+    spends between frames while it has work (sending one, taking the next in), for the frames that say it."""
     frames = list(frames)
     times = {}
     for i, node in enumerate(nodes):
         ends = np.array([frame.stages[i].end for frame in frames])
         onward = np.array([frame.stages[i + 1].start if i + 1 < len(nodes) else frame.done for frame in frames])
+        ordered = sorted(frames, key=lambda frame: frame.stages[i].start)
+        between = [after.stages[i].start - before.stages[i].end for before, after in zip(ordered, ordered[1:])
+                   if (after.stages[i - 1].end if i else after.sent) < before.stages[i].end]
         times[node] = {"compute": ends - np.array([frame.stages[i].start for frame in frames]),
-                       "link": onward - ends}
+                       "link": onward - ends, "between": np.array(between)}
     return times
 
 

@@ -35,8 +35,8 @@ def test_a_frame_becomes_a_compute_event_per_node_and_a_link_event_per_hop():
     assert (begin["id"], begin["ts"], end["ts"]) == (9, 0.5e6, 2.25e6)
     times = frame_times([frame], ["a", "b"])  # a's link reaches b's compute: b's decoding of the frame is in it
     assert {node: {part: t.tolist() for part, t in parts.items()} for node, parts in times.items()} == {
-        "a": {"compute": pytest.approx([0.3]), "link": pytest.approx([0.2])},
-        "b": {"compute": pytest.approx([0.3]), "link": pytest.approx([0.25])}}
+        "a": {"compute": pytest.approx([0.3]), "link": pytest.approx([0.2]), "between": []},
+        "b": {"compute": pytest.approx([0.3]), "link": pytest.approx([0.25]), "between": []}}  # no frame after it
 
 
 def test_run_trace_holds_every_frame_once_per_node_in_pipeline_order(tmp_path, checkpoint):

@@ -165,10 +165,24 @@ def test_per_frame_times_of_both_backends_node_by_node():
     assert times["a"]["link"]["predicted"]["p50"] == pytest.approx(0.005)  # ... to the next stage taking it in
     comparison = compare([MEASURED], PREDICTED) | {"frame_times": times}
     lines = format_comparison(comparison).splitlines()
-    assert lines[-5].split() == ["node", "per", "frame", "frames", "measured", "p50", "p95", "predicted", "p50", "p95",
+    assert lines[-7].split() == ["node", "per", "frame", "frames", "measured", "p50", "p95", "predicted", "p50", "p95",
                                  "error", "p50"]
-    assert lines[-4].split() == ["a", "compute", "3/1", "20.00", "29.00", "15.00", "15.00", "-25.0%"]
-    assert lines[-1].split() == ["link", "to", "coordinator", "3/1", "20.00", "20.00", "5.00", "5.00", "-75.0%"]
+    assert lines[-6].split() == ["a", "compute", "3/1", "20.00", "29.00", "15.00", "15.00", "-25.0%"]
+    assert lines[-2].split() == ["link", "to", "coordinator", "3/1", "20.00", "20.00", "5.00", "5.00", "-75.0%"]
+    assert lines[-1].split()[:4] == ["between", "frames,", "busy", "2/0"]  # none simulated after the one
+
+
+def test_time_between_frames_counts_the_frames_that_were_on_their_way():
+    """A node's gap from one frame's end to its next's start counts where the stage before was done with the next
+    one first: not where the node sat idle waiting for it."""
+    busy = [_frame(0, (0.0, 0.0, 0.010), (0.011, 0.011, 0.020), done=0.021),
+            _frame(1, (0.0, 0.0101, 0.019), (0.0202, 0.0203, 0.029), done=0.030),  # sent at once: queued at a and b
+            _frame(2, (0.0, 0.040, 0.050), (0.051, 0.051, 0.060), done=0.061)]  # a sat idle first: not counted
+    busy = [attrs.evolve(frame, sent=sent) for frame, sent in zip(busy, (0.0, 0.0, 0.035))]
+    times = compare_frame_times(busy, [], ["a", "b"])
+    assert times["a"]["between"]["measured"] == {"frames": 1, "p50": pytest.approx(1e-4), "p95": pytest.approx(1e-4)}
+    assert times["b"]["between"]["measured"]["frames"] == 1  # frame 1 was done at a (0.019) before b's end (0.020)
+    assert times["b"]["between"]["measured"]["p50"] == pytest.approx(0.0003)
 
 
 def _request(level, phase, arrival, finish):
@@ -302,7 +316,7 @@ def test_validate_writes_both_timelines_and_compares_each_node_per_frame(spec, c
     table = lines[lines.index("per frame (ms; frames measured/predicted)") + 1:]
     frames = len(computed[0])
     table = table[:table.index("")]
-    assert [line.split()[:3] for line in table[1::2]] == [[node, "compute", f"{frames}/{frames}"]
+    assert [line.split()[:3] for line in table[1::3]] == [[node, "compute", f"{frames}/{frames}"]
                                                           for node in ("node0", "node1", "node2")]
     phases = lines[lines.index("compute per frame by phase (ms, p50; frames measured/predicted)") + 2:]
     assert [line.split()[:3] for line in phases[:-1]] == [["1", "1", "warmup"], ["1", "1", "measured"]]
@@ -322,7 +336,7 @@ def test_validate_replays_each_run_from_its_own_trace(spec, checkpoint, tmp_path
     assert sorted(path.name for path in (tmp_path / "traces").iterdir()) == ["replay.json", "run.json",
                                                                              "simulate.json"]
     lines = result.stdout.splitlines()
-    replayed = lines[lines.index("per frame (ms; frames measured/replayed)") + 2::2][:3]  # the nodes' compute rows
+    replayed = lines[lines.index("per frame (ms; frames measured/replayed)") + 2::3][:3]  # the nodes' compute rows
     assert [line.split()[0] for line in replayed] == ["node0", "node1", "node2"]
     assert all(line.split()[3] == line.split()[5] for line in replayed)  # the run's own compute, replayed
     assert lines[0].split() == ["streams", "metric", "measured", "spread", "predicted", "error", "replayed", "replay",

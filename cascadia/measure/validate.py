@@ -137,8 +137,8 @@ def compare_interval(runs: Sequence[dict], interval: dict) -> dict:
 
 def compare_frame_times(measured: Sequence[FrameTiming], predicted: Sequence[FrameTiming],
                         nodes: Sequence[str]) -> dict:
-    """Per node, for its compute and its link onward (`trace.frame_times`): how many frames each backend timed,
-    and their time's median and p95, in seconds."""
+    """Per node, for its compute, its link onward and its time between frames while it has work
+    (`trace.frame_times`): how many frames each backend timed, and their time's median and p95, in seconds."""
     real, model = frame_times(measured, nodes), frame_times(predicted, nodes)
 
     def figures(times: np.ndarray) -> dict:
@@ -147,7 +147,7 @@ def compare_frame_times(measured: Sequence[FrameTiming], predicted: Sequence[Fra
         return {"frames": len(times), "p50": float(np.median(times)), "p95": float(np.percentile(times, 95))}
 
     return {node: {part: {"measured": figures(real[node][part]), "predicted": figures(model[node][part])}
-                   for part in ("compute", "link")} for node in nodes}
+                   for part in ("compute", "link", "between")} for node in nodes}
 
 
 def frames_by_phase(frames: Sequence[FrameTiming], requests: Sequence[dict]) -> dict[tuple, list[FrameTiming]]:
@@ -278,15 +278,15 @@ def _percent(value: float | None, sign: str = "") -> str:
 
 
 def format_frame_times(frame_times: dict, simulated: str = "predicted") -> str:
-    """`compare_frame_times` as a table: per node, its compute and its link onward, ms per frame, measured and
-    `simulated` ("predicted", or "replayed")."""
+    """`compare_frame_times` as a table: per node, its compute, its link onward and its time between frames while
+    it has work, ms per frame, measured and `simulated` ("predicted", or "replayed")."""
     onward = [*list(frame_times)[1:], "coordinator"]
     rows = [("node", "per frame", "frames", "measured p50", "p95", f"{simulated} p50", "p95", "error p50")]
     for i, (node, parts) in enumerate(frame_times.items()):
         for part, both in parts.items():
             real, model = both["measured"], both["predicted"]
             error = _error(model["p50"], real["p50"])
-            what = "compute" if part == "compute" else f"link to {onward[i]}"
+            what = {"compute": "compute", "link": f"link to {onward[i]}", "between": "between frames, busy"}[part]
             rows.append((node if part == "compute" else "", what, f"{real['frames']}/{model['frames']}",
                          _shown(real["p50"], 1e3), _shown(real["p95"], 1e3), _shown(model["p50"], 1e3),
                          _shown(model["p95"], 1e3), _percent(error, "+")))
