@@ -103,12 +103,11 @@ def simulate(spec: str, calibration_path: str | None, analytic: bool, plan_path:
     calibration = Calibration.load(calibration_path) if calibration_path else analytic_calibration(loaded)
     timings = [] if trace_path else None
     replay = _replay(replay_path) if replay_path else None
-    drafts = {"acceptance": acceptance, "acceptance_trace": trace, "proposing": proposing}
-    result = run_simulation(loaded, calibration, chosen, timings=timings, loss=loss,
-                            detect_s=DETECT_S if detect_s is None else detect_s, replay=replay, **drafts)
+    how = {"loss": loss, "detect_s": DETECT_S if detect_s is None else detect_s, "acceptance": acceptance,
+           "acceptance_trace": trace, "proposing": proposing}
+    result = run_simulation(loaded, calibration, chosen, timings=timings, replay=replay, **how)
     if interval is not None:
-        result["interval"] = simulate_interval(loaded, calibration, chosen, interval, samples, loss=loss,
-                                               detect_s=DETECT_S if detect_s is None else detect_s, **drafts)
+        result["interval"] = simulate_interval(loaded, calibration, chosen, interval, samples, **how)
     report(describe_workload(loaded.workload))
     if replay:
         report(f"replayed the compute of {replay.replayed} of {replay.replayed + replay.tabled} frames from "
