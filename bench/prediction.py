@@ -9,7 +9,8 @@ levels. Printed per cycle: the median absolute error over the levels of decode t
 runs, (largest - smallest) / median: an error within the spread says little about the model; and the share of the
 runs' values (every level and figure) that the predicted 80% intervals held, and their median width (the target: at
 least 75% held, over all the cycles). Not a test: it prints figures and writes them to
-bench/results/prediction-SPEC.json (SPEC: the spec's file name), with every cycle's errors and intervals by level.
+bench/results/prediction-SPEC.json (SPEC: the spec's file name; -watchW after it for a watch of W seconds other
+than a minute), with every cycle's errors and intervals by level.
 
     python bench/prediction.py [SPEC] [--cycles 3] [--repeats 3] [--concurrency 1,2,4,8,16] [--requests 32]
                                [--interval 80] [--watch 60]
@@ -29,6 +30,7 @@ from cascadia.measure.validate import validate
 from cascadia.spec.load import load_spec
 
 METRICS = ("decode tok/s", "TTFT p50")
+WATCH_S = 60.0  # each calibration's watch of the machine; another one's results are named for it
 
 
 def main() -> None:
@@ -39,7 +41,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--requests", type=int, default=32, help="requests per phase")
     parser.add_argument("--interval", type=float, default=80.0, help="the intervals' percent")
-    parser.add_argument("--watch", type=float, default=60.0, help="seconds each calibration watches the machine")
+    parser.add_argument("--watch", type=float, default=WATCH_S, help="seconds each calibration watches the machine")
     parser.add_argument("--out", type=Path, help="default bench/results/prediction-SPEC.json")
     args = parser.parse_args()
     started = now()
@@ -73,7 +75,8 @@ def main() -> None:
         print(f"cycle {cycle} done", flush=True)
     table.add("all", *[None] * 3 * len(METRICS), f"{held}/{values} ({held / values:.0%})", None)
     print(table.text())
-    write(f"prediction-{Path(args.spec).stem}",
+    watched = "" if args.watch == WATCH_S else f"-watch{args.watch:g}"
+    write(f"prediction-{Path(args.spec).stem}{watched}",
           "How close the simulator comes: calibrate, then validate, cycle after cycle", started,
           [table], args.out, cycles=cycles)
 
