@@ -214,7 +214,7 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
         stratified_levels(calibration, interval_samples)
     traced = timelines is not None
     predicted_frames: list[FrameTiming] | None = [] if traced else None
-    drafts = {"acceptance": DEFAULT_ACCEPTANCE if acceptance is None else acceptance}
+    drafts = _drafts(spec, acceptance)
     predicted = simulate(spec, calibration, plan, timings=predicted_frames, **drafts)
     runs, run_timelines, first_outputs, replays, replayed_frames = [], [], None, [], []
     nodes = [stage.node for stage in plan.stages]
@@ -231,18 +231,16 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
             run_timelines.append((done.frames, done.result))
             timelines[f"run-{i + 1}" if repeats > 1 else "run"] = (done.frames, done.result, done.clock_error_s)
         if replay:
-            drafts = {"acceptance_trace": acceptance_trace(done.outputs, f"run {i + 1}'s outputs")} \
-                if spec.runtime.max_draft and acceptance is None else \
-                {"acceptance": DEFAULT_ACCEPTANCE if acceptance is None else acceptance}
             timings: list[FrameTiming] | None = [] if traced else None
             replays.append(simulate(spec, calibration, plan, timings=timings,
-                                    replay=ReplayTimes(nodes, done.frames, f"run {i + 1}'s trace"), **drafts))
+                                    replay=ReplayTimes(nodes, done.frames, f"run {i + 1}'s trace"),
+                                    **_drafts(spec, acceptance, done.outputs, f"run {i + 1}'s outputs")))
             if traced:
                 replayed_frames += timings
                 timelines[f"replay-{i + 1}" if repeats > 1 else "replay"] = (timings, replays[-1], None)
     if spec.runtime.max_draft and acceptance is None:
         predicted_frames = [] if traced else None
-        drafts = {"acceptance_trace": acceptance_trace(first_outputs, "the first run's outputs")}
+        drafts = _drafts(spec, acceptance, first_outputs, "the first run's outputs")
         predicted = simulate(spec, calibration, plan, timings=predicted_frames, **drafts)
     result = {"schema": SCHEMA, **compare(runs, predicted), "measured": runs, "predicted": predicted}
     if interval is not None:
@@ -258,6 +256,14 @@ def validate(spec: Spec, plan: Plan, calibration: Calibration, *, repeats: int =
         if replay:  # the same compute by construction: the links say where the model parts from the runs
             result["replay_frame_times"] = compare_frame_times(run_frames, replayed_frames, nodes)
     return result
+
+
+def _drafts(spec: Spec, acceptance: float | None, outputs: list | None = None, where: str = "") -> dict:
+    """How a simulation accepts drafts: at `acceptance` (the default one for None), or, speculating with None given,
+    as a run's `outputs` did, request by request and step by step."""
+    if spec.runtime.max_draft and acceptance is None and outputs is not None:
+        return {"acceptance_trace": acceptance_trace(outputs, where)}
+    return {"acceptance": DEFAULT_ACCEPTANCE if acceptance is None else acceptance}
 
 
 def _with_emulated_links(calibration: Calibration, spec: Spec, plan: Plan) -> Calibration:
