@@ -22,9 +22,10 @@ from cascadia.measure import pipeline_probe
 from cascadia.measure.calibrate import format_calibration
 from cascadia.measure.tables import Grid, StageProbe, SteeredRouter
 from cascadia.pipeline.stage import load_stage
-from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration
-from cascadia.sim.fit import burst_streams, fit_non_negative, shared_speedup, simulate_burst
-from cascadia.sim.model import stage_kinds
+from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration, CoordinatorCalibration
+from cascadia.sim.fit import (AloneFrames, burst_streams, fit_non_negative, fit_overheads, shared_speedup,
+                              simulate_burst)
+from cascadia.sim.model import FrameShape, PipelineModel, stage_kinds
 from cascadia.spec.types import RuntimeSpec
 from tests.sim_specs import calibration as hand_calibration
 from tests.sim_specs import even_plan, tiny_spec
@@ -39,6 +40,28 @@ def test_fit_non_negative():
     assert fit_non_negative([np.ones(8), x], 10 - x) == pytest.approx((np.mean(10 - x), 0))
     # through the origin when the intercept would be negative
     assert fit_non_negative([np.ones(8), x], 3 * x - 1) == pytest.approx((0, (3 * x - 1) @ x / (x @ x)))
+
+
+def test_the_coordinators_own_work_is_fitted_apart_from_the_nodes_handling():
+    spec = tiny_spec()
+    plan = even_plan(spec)
+    layers = hand_calibration(spec, lambda kind, rows, x: 1e-4 * rows + 1e-6 * x)
+    truth = attrs.evolve(layers, nodes={name: attrs.evolve(node, frame_s=2e-4, row_s=3e-6)
+                                        for name, node in layers.nodes.items()},
+                         coordinator=CoordinatorCalibration(5e-4, 7e-6))
+    model = PipelineModel(spec, plan, truth)
+    frames = []
+    for n in (1, 2, 4, 8):  # frames alone as the pipeline probe measures them: round trip, busy, coordinator CPU
+        shapes = tuple(FrameShape(n, n, float(step + 1), float(step + 1), n, n) for step in range(3))
+        alone = [model.alone_s(shape) for shape in shapes]
+        busy = [sum(stages[i] - (2e-4 + 3e-6 * shape.rows) for (stages, _), shape in zip(alone, shapes))
+                for i in range(len(plan.stages))]
+        frames.append(AloneFrames(shapes, sum(trip for _, trip in alone), tuple(busy),
+                                  sum(truth.coordinator.seconds(shape.rows) for shape in shapes)))
+    fitted = fit_overheads(spec, plan, layers, frames)
+    assert attrs.astuple(fitted.coordinator) == pytest.approx((5e-4, 7e-6))
+    for node in fitted.nodes.values():
+        assert (node.frame_s, node.row_s, node.stream_s) == pytest.approx((2e-4, 3e-6, 0.0), abs=1e-12)
 
 
 @pytest.mark.parametrize("speedup", [(1.0, 1.0, 1.0), (1.0, 1.37, 1.1), (1.0, 2.0, 2.2), (1.0, 2.0, 3.0)])
@@ -148,6 +171,8 @@ def test_calibrate_writes_a_measured_calibration_with_every_table_the_plan_needs
         assert set(node.tables) == set(stage_kinds(stage, spec.model.config))
         assert node.stream_s >= 0 and node.frame_s >= 0 and node.row_s >= 0
         assert node.restart_s > 0  # timed (a node not back within the node timeout fails the calibration)
+    assert calibration.coordinator.frame_s > 0 and calibration.coordinator.row_s >= 0  # its CPU time, its own
+    assert "the coordinator: " in output
     assert set(calibration.links) == {("node0", "node1"), ("node1", "node2"), ("node2", "node0")}
     assert all(link.latency > 0 and link.bandwidth > 0 for link in calibration.links.values())
     speedup = calibration.hosts["localhost"]  # three nodes share this machine
@@ -195,12 +220,13 @@ def test_format_calibration():
 
     spec = tiny_spec()
     cal = attrs.evolve(calibration(spec, lambda kind, r, x: 1e-3 * r, rows=(1, 4), stream_s=2e-4, frame_s=1e-3),
-                       hosts={"box": (1.0, 1.5)})
+                       hosts={"box": (1.0, 1.5)}, coordinator=CoordinatorCalibration(3e-4, 2e-6))
     lines = format_calibration(cal).splitlines()
     assert lines[0].split() == ["node", "sliding", "global", "moe", "dense", "embedding", "head", "per", "stream",
                                 "per", "frame", "per", "row", "restart", "s"]
     assert lines[1].split() == ["n0", *["1.000-4.000"] * 6, "0.200", "1.000", "0.000", "-"]
-    assert lines[4] == "link n0 -> n1: latency 100 us, bandwidth 800 Mbit/s"
+    assert lines[4] == "the coordinator: 0.300 ms per frame + 0.002 ms per row (its own work)"
+    assert lines[5] == "link n0 -> n1: latency 100 us, bandwidth 800 Mbit/s"
     assert lines[-1] == "host box: speedup 1.00, 1.50 with 1, 2, ... nodes computing at once"
 
 

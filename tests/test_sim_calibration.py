@@ -7,8 +7,8 @@ import pytest
 from sim_specs import calibration, tiny_spec
 
 from cascadia import host_cpus
-from cascadia.sim.calibration import (Calibration, CalibrationError, Extrapolations, Spread, Table, interpolate,
-                                      relative_levels, uniform_distinct_experts)
+from cascadia.sim.calibration import (Calibration, CalibrationError, CoordinatorCalibration, Extrapolations, Spread,
+                                      Table, interpolate, relative_levels, uniform_distinct_experts)
 from cascadia.spec.types import WeightFormat, WeightFormats
 
 
@@ -74,7 +74,8 @@ def test_save_and_load_round_trip(tmp_path):
     cal = attrs.evolve(calibration(spec, lambda kind, r, x: 1e-3 * r + 1e-6 * x, frame_s=1e-4, row_s=1e-6,
                                    stream_s=1e-5),
                        routing=((1, 8), (2.0, 7.5)), hosts={"box": (1.0, 1.5, 1.25)},
-                       spread=Spread({"n0": (0.9, 1.0, 1.2), "n1": (1.0, 1.1)}, (0.95, 1.0, 1.3), (0.7,), 42.5))
+                       spread=Spread({"n0": (0.9, 1.0, 1.2), "n1": (1.0, 1.1)}, (0.95, 1.0, 1.3), (0.7,), 42.5),
+                       coordinator=CoordinatorCalibration(2e-4, 3e-6))
     cal = attrs.evolve(cal, nodes={**cal.nodes, "n1": attrs.evolve(cal.nodes["n1"], restart_s=1.5)})
     path = tmp_path / "cal.json"
     cal.save(path)
@@ -119,7 +120,8 @@ def test_a_calibration_records_its_cpu_and_warns_on_another(tmp_path):
 def test_an_older_calibration_without_a_cpu_still_loads(tmp_path):
     raw = calibration(tiny_spec(), lambda kind, r, x: 1.0).to_dict()
     del raw["meta"]["cpu"]
-    assert Calibration.from_dict(raw).meta.cpu is None
+    loaded = Calibration.from_dict(raw)
+    assert loaded.meta.cpu is None and loaded.coordinator is None  # the nodes' handling holds the coordinator's work
 
 
 DELETE = object()
@@ -174,6 +176,8 @@ TABLES = "nodes.n0.tables"
     ("spread", {"tables": {"n0": [1.0]}, "pipeline": [1.0, 0]}, r"spread.pipeline\[1\]: must be positive"),
     ("spread", {"tables": {"n0": [1.0]}, "watch": "often"}, "spread.watch: expected a list"),
     ("spread", {"tables": {"n0": [1.0]}, "seconds": -1}, "spread.seconds: a time cannot be negative"),
+    ("coordinator", {"frame_s": -1}, "coordinator.frame_s: a time cannot be negative"),
+    ("coordinator", [1e-4], "coordinator: expected an object, got list"),
 ])
 def test_bad_calibration_files_name_file_and_key(tmp_path, path, value, message):
     good = calibration(tiny_spec(), lambda kind, r, x: 1e-3).to_dict()

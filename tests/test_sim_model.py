@@ -12,8 +12,9 @@ from cascadia.metrics import Recorder, format_table, summarize_level
 from cascadia.policy import Policy, Request
 from cascadia.sampling import Sampling
 from cascadia.sim.analytic import analytic_calibration
-from cascadia.sim.calibration import CalibrationError, Extrapolations
-from cascadia.sim.model import FrameShape, PipelineModel, SharedHost, StageCost, shared_hosts, stage_hosts
+from cascadia.sim.calibration import CalibrationError, CoordinatorCalibration, Extrapolations
+from cascadia.sim.model import (FrameShape, PipelineModel, SharedHost, StageCost, coordinator_stage, shared_hosts,
+                                stage_hosts)
 from cascadia.sim.simulate import simulate
 from cascadia.spec.types import LengthSpec, LinkSpec, RuntimeSpec, SloSpec, WorkloadSpec
 from cascadia.workload import ClosedLoop, OpenLoop
@@ -67,6 +68,43 @@ def test_the_trace_of_a_single_stream_holds_each_stage_and_link_time():
     assert [t - s.end for s, t in zip(frame.stages, arrivals)] == pytest.approx([handling + w for w in wires],
                                                                                 rel=1e-9)
     assert (frame.sent, frame.done) == (record.t_arrival, record.token_times[0])
+
+
+def _pinned(spec, coordinator_cpus):
+    """`spec` with its local nodes pinned to CPUs 0, 1, ... in order, and the coordinator to `coordinator_cpus`."""
+    nodes = tuple(attrs.evolve(node, cpus=(i,)) for i, node in enumerate(spec.cluster.nodes))
+    return attrs.evolve(spec, cluster=attrs.evolve(spec.cluster, nodes=nodes, coordinator_cpus=coordinator_cpus))
+
+
+@pytest.mark.parametrize("coordinator_cpus, shares", [(None, None), ((0,), 0), ((2,), 2), ((1, 2), 1), ((5,), None)])
+def test_the_coordinators_work_is_in_every_round_trip_on_its_own_core_or_on_the_stage_it_shares(coordinator_cpus,
+                                                                                                shares):
+    spec, cal, stages, wires = _three_stages_and_their_links()
+    spec = _pinned(spec, coordinator_cpus)
+    assert coordinator_stage(spec, even_plan(spec)) == shares
+    cal = attrs.evolve(cal, coordinator=CoordinatorCalibration(3e-4, 2e-5))
+    [record], busy, model = run(spec, cal, [Request(0, (7,), 1)], traced=True)
+    assert record.ttft == pytest.approx(sum(stages) + sum(wires) + 3e-4 + 2e-5, rel=1e-12)
+    assert list(busy.values()) == pytest.approx(stages, rel=1e-12)  # its work is not the nodes'
+    [frame] = model.timings
+    handling = 1e-5 + 1e-6
+    assert [s.end - s.start for s in frame.stages] == pytest.approx([t - handling for t in stages], rel=1e-12)
+    assert any("coordinator is not pinned" in note for note in model.notes) == (coordinator_cpus is None)
+
+
+def test_a_coordinator_on_the_busiest_stages_core_slows_a_full_pipeline_by_its_work():
+    spec, cal, stages, _ = _three_stages_and_their_links()
+    work = 1e-3
+    cal = attrs.evolve(cal, coordinator=CoordinatorCalibration(work, 0.0))
+    busiest = max(range(3), key=stages.__getitem__)
+    requests = [Request(i, (7,), 40) for i in range(6)]
+
+    def last_token(coordinator_cpus):
+        records, _, _ = run(_pinned(spec, coordinator_cpus), cal, requests, clients=6)
+        return max(r.t_finish for r in records)
+
+    # three frames in flight keep the busiest stage's core working: there it serves the coordinator's work too
+    assert last_token((busiest,)) / last_token((9,)) == pytest.approx(1 + work / stages[busiest], rel=0.02)
 
 
 def test_rows_and_streams_are_charged_apart():

@@ -75,6 +75,8 @@ def format_calibration(calibration: Calibration) -> str:
                      "-" if node.restart_s is None else f"{node.restart_s:.2f}"))
     return "\n".join([
         format_rows(rows, left={0}),
+        *([f"the coordinator: {c.frame_s * 1e3:.3f} ms per frame + {c.row_s * 1e3:.3f} ms per row (its own work)"]
+          if (c := calibration.coordinator) else []),
         *(f"link {a} -> {b}: {describe_link(link)}" for (a, b), link in calibration.links.items()),
         *(f"host {host}: speedup {', '.join(f'{s:.2f}' for s in speedup)} with 1, 2, ... nodes computing at once"
           for host, speedup in calibration.hosts.items()),

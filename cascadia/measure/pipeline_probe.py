@@ -124,17 +124,19 @@ class PipelineProbe:
 
     def alone(self, frames: Sequence[Rows]) -> AloneFrames:
         """Frames one after the other, each sent as soon as the one before is back, as a single stream's are: their
-        round trips and each node's busy seconds on them."""
+        round trips, each node's busy seconds on them, and this process's CPU seconds (the coordinator's work: its
+        thread's and ZeroMQ's, which wait without using any)."""
         before = self.coordinator.stats()
-        shapes, round_trips = [], 0.0
+        shapes, round_trips, cpu = [], 0.0, 0.0
         for slots, positions in frames:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             shapes.append(self.send(0, slots, positions))
             self.coordinator.next_tokens()
             round_trips += time.perf_counter() - start
+            cpu += time.process_time() - cpu_start
         after = self.coordinator.stats()
         return AloneFrames(tuple(shapes), round_trips,
-                           tuple(after[name].busy_s - before[name].busy_s for name in after))
+                           tuple(after[name].busy_s - before[name].busy_s for name in after), cpu)
 
     def saturate(self, groups: int, steps: int) -> list[float]:
         """`groups` one-row streams (slot = group) of `steps` frames each, all in flight at once (the real

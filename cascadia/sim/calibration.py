@@ -15,7 +15,8 @@ from the spec's hardware figures (kind "analytic", see `analytic.py`):
      "hosts": {HOST: {"speedup": [S1, S2, ...]}}, # optional: nodes sharing HOST (default: one core, S = [1])
      "routing": {"rows": [...], "distinct_experts": [...]},  # optional: measured from real routing
      "spread": {"tables": {NODE: [L...]}, "pipeline": [L...], "watch": [L...],   # optional: a measured one's
-                "seconds": S}}                                                   # rounds, and the time they spanned
+                "seconds": S},                                                   # rounds, and the time they spanned
+     "coordinator": {"frame_s": S, "row_s": S}}  # optional: its own work per frame and row (then not the nodes')
 
 A TABLE is the time (s) of ONE layer of its kind over a grid: "sliding" and "global" attention over rows x "context"
 (attended positions: a sliding layer attends at most its window), "moe" over rows x "experts" (distinct routed experts
@@ -31,6 +32,9 @@ over the median round's (1.1: 10% slower), for each node's sweeps of its layer g
 frames' round trips) and for the probes of `calibrate --watch` (one stream's frames, against the passes' median), over
 S seconds from the first sweep to the last probe. A measured figure is the rounds' median; `simulate --interval`
 reads the levels as the speeds a later run may meet (`cascadia.sim.interval`).
+The coordinator's work on each frame (encoding and sending it, taking its tokens in: its process's CPU seconds) is
+its own where a measured calibration has it, and the simulator puts it on the core it runs on
+(`cascadia.sim.model.coordinator_stage`); without it, the nodes' per-frame and per-row times hold it, shared evenly.
 """
 
 from __future__ import annotations
@@ -123,6 +127,17 @@ class NodeCalibration:
 
 
 @attrs.frozen
+class CoordinatorCalibration:
+    """The coordinator's own work on a frame: CPU seconds per frame and per real row."""
+
+    frame_s: float = 0.0
+    row_s: float = 0.0
+
+    def seconds(self, rows: int) -> float:
+        return self.frame_s + self.row_s * rows
+
+
+@attrs.frozen
 class Spread:
     """Each measuring round's level (its seconds over the median round's): see the module's text."""
 
@@ -165,6 +180,7 @@ class Calibration:
     routing: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # (rows, expected distinct experts)
     source: str | None = None  # the file it came from
     spread: Spread | None = None  # a measured one's rounds; None: analytic, or measured before they were kept
+    coordinator: CoordinatorCalibration | None = None  # None: the nodes' handling holds the coordinator's work
 
     @property
     def is_analytic(self) -> bool:
@@ -235,6 +251,8 @@ class Calibration:
             out["spread"] = {"tables": {node: list(levels) for node, levels in self.spread.tables.items()},
                              "pipeline": list(self.spread.pipeline), "watch": list(self.spread.watch),
                              "seconds": self.spread.seconds}
+        if self.coordinator is not None:
+            out["coordinator"] = attrs.asdict(self.coordinator)
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -318,7 +336,12 @@ class Calibration:
             spread = Spread(tables, *(r.levels(sp.get(key, []), f"spread.{key}", empty=True)
                                       for key in ("pipeline", "watch")),
                             r.seconds(sp.get("seconds", 0.0), "spread.seconds"))
-        return cls(meta, nodes, links, hosts, routing, source=where, spread=spread)
+        coordinator = None
+        if "coordinator" in raw:
+            entry = r.mapping(raw["coordinator"], "coordinator")
+            coordinator = CoordinatorCalibration(*(r.seconds(entry.get(key, 0.0), f"coordinator.{key}")
+                                                   for key in ("frame_s", "row_s")))
+        return cls(meta, nodes, links, hosts, routing, source=where, spread=spread, coordinator=coordinator)
 
 
 class Extrapolations:

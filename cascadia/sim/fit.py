@@ -3,9 +3,9 @@
 - `fit_overheads`: frames that went through the pipeline alone, one after the other (`AloneFrames`). Each node's own
   count of busy seconds fits busy = a x tables + stream_s x streams: the layer tables give each kind's shape, the
   node in the pipeline (its own process, idle between frames, other processes around it) their level and what each
-  stream adds. The rest of the round trip beyond the nodes' busy time and the links is shared evenly by the nodes as
-  frame_s + row_s x rows: each receives, decodes, encodes and sends every frame outside its busy count (the
-  coordinator's part comes with it).
+  stream adds. The coordinator's own CPU seconds on the frames fit its frame_s + row_s x rows. The rest of the
+  round trip beyond the nodes' busy time, the coordinator's work and the links is shared evenly by the nodes as
+  frame_s + row_s x rows: each receives, decodes, encodes and sends every frame outside its busy count.
 - `shared_speedup`: bursts of one-row streams all in flight (`burst_streams`: 2, 3, ... then twice as many as
   stages). On a host that several nodes share they find how much work k nodes computing at once get done against
   one alone (the speedup S_k, each fitted so that the simulator, given the burst, takes as long as the pipeline
@@ -24,7 +24,7 @@ import numpy as np
 
 from cascadia.graph.plan import Plan
 from cascadia.policy import DECODE, Frame, Row, padded_size
-from cascadia.sim.calibration import Calibration, Extrapolations, NodeCalibration
+from cascadia.sim.calibration import Calibration, CoordinatorCalibration, Extrapolations, NodeCalibration
 from cascadia.sim.model import FrameShape, PipelineModel, StageCost, message_sizes, shared_hosts, stage_kinds
 from cascadia.sim.replay import ReplayTimes
 from cascadia.spec.types import Spec
@@ -41,13 +41,15 @@ class AloneFrames:
     shapes: tuple[FrameShape, ...]
     round_trips: float  # their round trips, summed
     busy: tuple[float, ...]  # the seconds each stage's node was busy on them
+    coordinator: float = 0.0  # the coordinator's CPU seconds on them (its process's: its threads and ZeroMQ's)
 
     @classmethod
     def median(cls, passes: Sequence[AloneFrames]) -> AloneFrames:
-        """The same frames as several passes found them, in the middle: the median round trip and busy seconds of
-        each node (a pass that met a burst of other load moves neither)."""
+        """The same frames as several passes found them, in the middle: the median round trip, busy seconds of
+        each node and coordinator seconds (a pass that met a burst of other load moves none of them)."""
         return cls(passes[0].shapes, statistics.median(p.round_trips for p in passes),
-                   tuple(map(statistics.median, zip(*(p.busy for p in passes)))))
+                   tuple(map(statistics.median, zip(*(p.busy for p in passes)))),
+                   statistics.median(p.coordinator for p in passes))
 
 
 def fit_non_negative(columns: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[float, float]:
@@ -88,10 +90,15 @@ def fit_handling(spec: Spec, plan: Plan, links: dict, frames: Sequence[tuple[Seq
 def fit_overheads(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[AloneFrames],
                   progress: Progress = lambda text: None) -> Calibration:
     """`layers` (each node's tables and the links) with each node's tables scaled and its stream_s, frame_s and
-    row_s fitted to the frames that went alone (see the module's text)."""
+    row_s, and the coordinator's work, fitted to the frames that went alone (see the module's text)."""
     config = spec.model.config
-    frame_s, row_s = fit_handling(spec, plan, layers.links, [(f.shapes, f.round_trips - sum(f.busy)) for f in frames],
-                                  progress)
+    coordinator = CoordinatorCalibration(*fit_non_negative(
+        [[len(f.shapes) for f in frames], [sum(shape.rows for shape in f.shapes) for f in frames]],
+        [f.coordinator for f in frames]))
+    progress(f"the coordinator: {coordinator.frame_s * 1e3:.2f} ms per frame + {coordinator.row_s * 1e3:.3f} ms per "
+             "row (its CPU time)")
+    frame_s, row_s = fit_handling(spec, plan, layers.links,
+                                  [(f.shapes, f.round_trips - sum(f.busy) - f.coordinator) for f in frames], progress)
     nodes = {}
     for i, stage in enumerate(plan.stages):
         cost = StageCost(f"node {stage.node}", stage_kinds(stage, config, spec.runtime), layers.nodes[stage.node],
@@ -102,17 +109,19 @@ def fit_overheads(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[
         progress(f"{stage.node}: busy in the pipeline {scale:.2f} x its tables + {stream_s * 1e3:.3f} ms per stream")
         tables = {kind: table.scaled(scale) for kind, table in layers.nodes[stage.node].tables.items()}
         nodes[stage.node] = NodeCalibration(tables, frame_s, row_s, stream_s)
-    return attrs.evolve(layers, nodes=nodes)
+    return attrs.evolve(layers, nodes=nodes, coordinator=coordinator)
 
 
 def replayed_handling(spec: Spec, plan: Plan, calibration: Calibration, replay: ReplayTimes) -> Calibration:
     """`calibration` with each node's handling fitted as `fit_overheads` fits it, on the frames a replayed run's
     trace shows alone in its pipeline (`ReplayTimes.alone`), where it has two or more: a node's handling is CPU work
-    that drifts with the machine as its compute does."""
+    that drifts with the machine as its compute does. The coordinator's part stays the calibration's (a trace does
+    not tell it from the nodes')."""
     if len(replay.alone) < 2:
         return calibration
+    coordinator = calibration.coordinator or CoordinatorCalibration()
     # a shape for its messages' sizes, which only its rows and sampled rows set
-    frames = [((FrameShape(padded, rows, 0.0, 0.0, 1, sampled),), outside)
+    frames = [((FrameShape(padded, rows, 0.0, 0.0, 1, sampled),), outside - coordinator.seconds(rows))
               for rows, padded, sampled, outside in replay.alone]
     frame_s, row_s = fit_handling(spec, plan, calibration.links, frames)
     return attrs.evolve(calibration, nodes={name: attrs.evolve(node, frame_s=frame_s, row_s=row_s)

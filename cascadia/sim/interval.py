@@ -28,12 +28,16 @@ SAMPLES = 11  # levels simulated for an interval
 
 
 def scaled(calibration: Calibration, level: float) -> Calibration:
-    """The calibration on a machine `level` times as slow: every node's tables and handling times `level`."""
+    """The calibration on a machine `level` times as slow: every node's tables and handling, and the
+    coordinator's work, times `level`."""
     nodes = {name: attrs.evolve(node, frame_s=node.frame_s * level, row_s=node.row_s * level,
                                 stream_s=node.stream_s * level,
                                 tables={kind: table.scaled(level) for kind, table in node.tables.items()})
              for name, node in calibration.nodes.items()}
-    return attrs.evolve(calibration, nodes=nodes)
+    coordinator = calibration.coordinator and attrs.evolve(calibration.coordinator,
+                                                           frame_s=calibration.coordinator.frame_s * level,
+                                                           row_s=calibration.coordinator.row_s * level)
+    return attrs.evolve(calibration, nodes=nodes, coordinator=coordinator)
 
 
 def strata(count: int) -> np.ndarray:

@@ -9,6 +9,10 @@ seconds of work per second, S being the host's measured speedup (the calibration
 S_k = 1). A link is a capacity-1 resource held for bytes / bandwidth, then the message travels for the link's latency
 (so messages queue behind each other but overlap their latencies).
 
+The coordinator's own work on each frame (where the calibration measured it apart from the nodes') takes a hop of
+its own before the first stage, or, where its thread shares a stage's CPU (`coordinator_stage`), adds to that
+stage's time: a core that computes one stage and also feeds the pipeline serves both in turn.
+
 A stage's time for a frame is its node's overheads (per frame, per real row, per stream) plus its layers' calibrated
 times at the frame's padded rows: attention at the mean attended positions of the frame's rows (each row attends its
 position + 1, at most a sliding layer's window; a table row holds one stream's rows, which read its keys once, so
@@ -211,6 +215,15 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return max(0.0, statistics.linear_regression(xs, ys).slope)
 
 
+def coordinator_stage(spec: Spec, plan: Plan) -> int | None:
+    """The first stage whose host the coordinator's thread shares: a local node pinned to a CPU that
+    `cluster.coordinator_cpus` pins the coordinator to. None: as far as the spec says, it has a core of its own."""
+    cpus = set(spec.cluster.coordinator_cpus or ())
+    nodes = {node.name: node for node in spec.cluster.nodes}
+    return next((i for i, stage in enumerate(plan.stages)
+                 if nodes[stage.node].is_local and cpus & set(nodes[stage.node].cpus or ())), None)
+
+
 def stage_hosts(spec: Spec, plan: Plan) -> list[str]:
     """The host of each stage's node."""
     nodes = {node.name: node for node in spec.cluster.nodes}
@@ -327,6 +340,14 @@ class PipelineModel:
         self._stage_hops: list[int] = []  # each stage's compute hop
         self._wire_hops: list[int | None] = []  # each stage's link's wire hop (None: no link)
         self._latency: list[float] = []  # by hop: what a message travels after the wire (0 for a compute)
+        self._coordinator = calibration.coordinator  # None: the stages' handling holds its work
+        shares = None if self._coordinator is None else coordinator_stage(spec, plan)
+        if self._coordinator is not None and shares is None:  # a core of its own: a hop before the first stage
+            self._latency.append(0.0)
+            if spec.cluster.coordinator_cpus is None and any(nodes[n].is_local and nodes[n].cpus for n in self._names):
+                self.notes.append("the coordinator is not pinned (cluster.coordinator_cpus) while local nodes are: "
+                                  "its work is simulated on a core of its own, which it has only where the nodes "
+                                  "leave one free (pin it with a node's CPUs to simulate it there)")
         # a stage on a shared host: the host's speed and its node's turn, by hop
         self._sharing: dict[int, tuple[SharedHost, simpy.Resource]] = {}
         for host, link in zip(host_names, self._links):
@@ -337,6 +358,9 @@ class PipelineModel:
             self._wire_hops.append(None if link is None else len(self._latency))
             if link is not None:
                 self._latency.append(link.latency)
+        # the hop whose time holds the coordinator's work: its own, or the stage's whose host it shares
+        self._coordinator_hop = None if self._coordinator is None else (
+            0 if shares is None else self._stage_hops[shares])
         self._free_at = [0.0] * len(self._latency)  # by hop: when an exclusive hop next falls free
         self._legs = self._split_into_legs()
         self._by_shape: dict[tuple, FrameCosts] = {}  # by FrameShape.figures
@@ -408,8 +432,12 @@ class PipelineModel:
         stage_s = tuple(seconds + self.costs[cost].handling(rows) for seconds, cost in zip(computed, self._cost_index))
         hop_s = list(costs.hop_s)
         for seconds, hop in zip(stage_s, self._stage_hops):
-            hop_s[hop] = seconds
+            hop_s[hop] = seconds + self._coordinator_s(hop, rows)
         return FrameCosts(stage_s, tuple(hop_s))
+
+    def _coordinator_s(self, hop: int, rows: int) -> float:
+        """The coordinator's work on a frame of `rows` real rows, where `hop`'s time holds it; else 0."""
+        return self._coordinator.seconds(rows) if hop == self._coordinator_hop else 0.0
 
     def alone_s(self, shape: FrameShape) -> tuple[tuple[float, ...], float]:
         """A frame of `shape` alone in the pipeline: each stage's compute seconds, and its whole way round the ring
@@ -426,6 +454,8 @@ class PipelineModel:
             hop_s[compute] = time
             if wire is not None:
                 hop_s[wire] = size / link.bandwidth
+        if self._coordinator_hop is not None:
+            hop_s[self._coordinator_hop] += self._coordinator.seconds(shape.rows)
         return FrameCosts(stage_s, tuple(hop_s))
 
     def _enter(self, leg: Leg, costs: FrameCosts, t: float, served: list | None = None) -> float:
@@ -491,7 +521,9 @@ class PipelineModel:
         yield from self.carry(frame, served)
         del self._flying[frame.seq]
         if self.timings is not None:
-            handling = [self.costs[cost].handling(len(frame.rows)) for cost in self._cost_index]
+            rows = len(frame.rows)
+            handling = [self.costs[cost].handling(rows) + self._coordinator_s(hop, rows)
+                        for cost, hop in zip(self._cost_index, self._stage_hops)]
             stages = tuple(StageTiming(served[hop][0], served[hop][0], served[hop][1] - handled)
                            for hop, handled in zip(self._stage_hops, handling))
             self.timings.append(FrameTiming(frame.seq, frame.group, len(frame.rows), frame.padded_rows, sent, stages,
