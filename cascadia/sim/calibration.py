@@ -34,7 +34,7 @@ S seconds from the first sweep to the last probe. A measured figure is the round
 reads the levels as the speeds a later run may meet (`cascadia.sim.interval`).
 The coordinator's work on each frame (encoding and sending it, taking its tokens in: its process's CPU seconds) is
 its own where a measured calibration has it, and the simulator puts it on the core it runs on
-(`cascadia.sim.model.coordinator_stage`); without it, the nodes' per-frame and per-row times hold it, shared evenly.
+(`cascadia.sim.model.coordinator_shares`); without it, the nodes' per-frame and per-row times hold it, shared evenly.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ seconds of work per second, S being the host's measured speedup (the calibration
 S_k = 1). A link is a capacity-1 resource held for bytes / bandwidth, then the message travels for the link's latency
 (so messages queue behind each other but overlap their latencies).
 
-The coordinator's own work on each frame (where the calibration measured it apart from the nodes') takes a hop of
-its own before the first stage, or, where its thread shares a stage's CPU (`coordinator_stage`), adds to that
-stage's time: a core that computes one stage and also feeds the pipeline serves both in turn.
+The coordinator's own work on each frame (where the calibration measured it apart from the nodes') adds to the
+time of the stages whose CPUs it shares (`coordinator_shares`), in equal parts: a core that computes a stage and also
+feeds the pipeline serves both in turn. Where it has a CPU of its own, it takes a hop of its own before the first
+stage.
 
 A stage's time for a frame is its node's overheads (per frame, per real row, per stream) plus its layers' calibrated
 times at the frame's padded rows: attention at the mean attended positions of the frame's rows (each row attends its
@@ -215,13 +216,21 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return max(0.0, statistics.linear_regression(xs, ys).slope)
 
 
-def coordinator_stage(spec: Spec, plan: Plan) -> int | None:
-    """The first stage whose host the coordinator's thread shares: a local node pinned to a CPU that
-    `cluster.coordinator_cpus` pins the coordinator to. None: as far as the spec says, it has a core of its own."""
-    cpus = set(spec.cluster.coordinator_cpus or ())
+def coordinator_shares(spec: Spec, plan: Plan) -> dict[int, float]:
+    """The share of the coordinator's work each stage's host takes, by stage; empty: it has a CPU of its own. Pinned
+    (`cluster.coordinator_cpus`), it shares the CPUs of the local nodes pinned to those it may run on, unless one of
+    them is no such node's. Unpinned, the operating system moves it among the cores of its machine, which the local
+    nodes use: it shares their stages' hosts."""
     nodes = {node.name: node for node in spec.cluster.nodes}
-    return next((i for i, stage in enumerate(plan.stages)
-                 if nodes[stage.node].is_local and cpus & set(nodes[stage.node].cpus or ())), None)
+    local = {i: nodes[stage.node] for i, stage in enumerate(plan.stages) if nodes[stage.node].is_local}
+    if (cpus := spec.cluster.coordinator_cpus) is None:
+        sharing = list(local)
+    else:
+        held = {i: set(node.cpus) for i, node in local.items() if node.cpus}
+        if set(cpus) - set().union(*held.values()):
+            return {}
+        sharing = [i for i, node_cpus in held.items() if node_cpus & set(cpus)]
+    return {i: 1 / len(sharing) for i in sharing}
 
 
 def stage_hosts(spec: Spec, plan: Plan) -> list[str]:
@@ -341,13 +350,9 @@ class PipelineModel:
         self._wire_hops: list[int | None] = []  # each stage's link's wire hop (None: no link)
         self._latency: list[float] = []  # by hop: what a message travels after the wire (0 for a compute)
         self._coordinator = calibration.coordinator  # None: the stages' handling holds its work
-        shares = None if self._coordinator is None else coordinator_stage(spec, plan)
-        if self._coordinator is not None and shares is None:  # a core of its own: a hop before the first stage
+        shares = {} if self._coordinator is None else coordinator_shares(spec, plan)
+        if self._coordinator is not None and not shares:  # a CPU of its own: a hop before the first stage
             self._latency.append(0.0)
-            if spec.cluster.coordinator_cpus is None and any(nodes[n].is_local and nodes[n].cpus for n in self._names):
-                self.notes.append("the coordinator is not pinned (cluster.coordinator_cpus) while local nodes are: "
-                                  "its work is simulated on a core of its own, which it has only where the nodes "
-                                  "leave one free (pin it with a node's CPUs to simulate it there)")
         # a stage on a shared host: the host's speed and its node's turn, by hop
         self._sharing: dict[int, tuple[SharedHost, simpy.Resource]] = {}
         for host, link in zip(host_names, self._links):
@@ -358,9 +363,9 @@ class PipelineModel:
             self._wire_hops.append(None if link is None else len(self._latency))
             if link is not None:
                 self._latency.append(link.latency)
-        # the hop whose time holds the coordinator's work: its own, or the stage's whose host it shares
-        self._coordinator_hop = None if self._coordinator is None else (
-            0 if shares is None else self._stage_hops[shares])
+        # the hops whose time holds the coordinator's work, and each one's share: its own, or the stages' it shares
+        self._coordinator_hops = {self._stage_hops[stage]: share for stage, share in shares.items()} or (
+            {} if self._coordinator is None else {0: 1.0})
         self._free_at = [0.0] * len(self._latency)  # by hop: when an exclusive hop next falls free
         self._legs = self._split_into_legs()
         self._by_shape: dict[tuple, FrameCosts] = {}  # by FrameShape.figures
@@ -436,8 +441,9 @@ class PipelineModel:
         return FrameCosts(stage_s, tuple(hop_s))
 
     def _coordinator_s(self, hop: int, rows: int) -> float:
-        """The coordinator's work on a frame of `rows` real rows, where `hop`'s time holds it; else 0."""
-        return self._coordinator.seconds(rows) if hop == self._coordinator_hop else 0.0
+        """`hop`'s share of the coordinator's work on a frame of `rows` real rows."""
+        share = self._coordinator_hops.get(hop)
+        return 0.0 if share is None else share * self._coordinator.seconds(rows)
 
     def alone_s(self, shape: FrameShape) -> tuple[tuple[float, ...], float]:
         """A frame of `shape` alone in the pipeline: each stage's compute seconds, and its whole way round the ring
@@ -454,8 +460,8 @@ class PipelineModel:
             hop_s[compute] = time
             if wire is not None:
                 hop_s[wire] = size / link.bandwidth
-        if self._coordinator_hop is not None:
-            hop_s[self._coordinator_hop] += self._coordinator.seconds(shape.rows)
+        for hop in self._coordinator_hops:
+            hop_s[hop] += self._coordinator_s(hop, shape.rows)
         return FrameCosts(stage_s, tuple(hop_s))
 
     def _enter(self, leg: Leg, costs: FrameCosts, t: float, served: list | None = None) -> float:
