@@ -14,7 +14,7 @@ from cascadia.cli import cli
 from cascadia.errors import CalibrationError
 from cascadia.metrics import FIGURES, figure
 from cascadia.sim.analytic import analytic_calibration
-from cascadia.sim.calibration import Spread
+from cascadia.sim.calibration import CoordinatorCalibration, Spread
 from cascadia.sim.interval import middle, scaled, simulate_interval, stratified_levels
 from cascadia.sim.simulate import simulate
 from cascadia.spec.load import load_spec
@@ -30,8 +30,9 @@ def measured(spec, *levels: float):
 
 
 def test_scaled_makes_every_cpu_time_of_the_model_that_many_times_slower():
-    cal = measured(tiny_spec(), 1.0)
+    cal = attrs.evolve(measured(tiny_spec(), 1.0), coordinator=CoordinatorCalibration(3e-4, 5e-6))
     slow = scaled(cal, 2.0)
+    assert slow.coordinator == CoordinatorCalibration(6e-4, 1e-5)
     for name, node in cal.nodes.items():
         twice = slow.nodes[name]
         assert (twice.frame_s, twice.row_s, twice.stream_s) == (2 * node.frame_s, 2 * node.row_s, 2 * node.stream_s)
