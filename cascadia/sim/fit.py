@@ -68,6 +68,13 @@ def fit_non_negative(columns: Sequence[Sequence[float]], y: Sequence[float]) -> 
     return min(candidates, key=lambda c: float(((c[0] * a + c[1] * b - y) ** 2).sum()))
 
 
+def fit_per_frame_and_row(frames: Sequence[Sequence[FrameShape]], seconds: Sequence[float]) -> tuple[float, float]:
+    """(frame_s, row_s) >= 0 of seconds = frame_s x frames + row_s x real rows, each entry of `frames` a run of frames
+    that took its entry of `seconds`."""
+    return fit_non_negative([[len(shapes) for shapes in frames],
+                             [sum(shape.rows for shape in shapes) for shapes in frames]], seconds)
+
+
 def fit_handling(spec: Spec, plan: Plan, links: dict, frames: Sequence[tuple[Sequence[FrameShape], float]],
                  progress: Progress = lambda text: None) -> tuple[float, float]:
     """Each node's handling of a frame's messages, (frame_s, row_s): `frames` (the shapes of frames that went through
@@ -81,8 +88,7 @@ def fit_handling(spec: Spec, plan: Plan, links: dict, frames: Sequence[tuple[Seq
         return sum(hop.latency + size / hop.bandwidth for hop, size in zip(hops, sizes) if hop is not None)
 
     handling = [(outside - sum(map(wires, shapes))) / nodes for shapes, outside in frames]
-    frame_s, row_s = fit_non_negative([[len(shapes) for shapes, _ in frames],
-                                       [sum(shape.rows for shape in shapes) for shapes, _ in frames]], handling)
+    frame_s, row_s = fit_per_frame_and_row([shapes for shapes, _ in frames], handling)
     progress(f"message handling: {frame_s * 1e3:.2f} ms per frame + {row_s * 1e3:.3f} ms per row, each node")
     return frame_s, row_s
 
@@ -92,9 +98,8 @@ def fit_overheads(spec: Spec, plan: Plan, layers: Calibration, frames: Sequence[
     """`layers` (each node's tables and the links) with each node's tables scaled and its stream_s, frame_s and
     row_s, and the coordinator's work, fitted to the frames that went alone (see the module's text)."""
     config = spec.model.config
-    coordinator = CoordinatorCalibration(*fit_non_negative(
-        [[len(f.shapes) for f in frames], [sum(shape.rows for shape in f.shapes) for f in frames]],
-        [f.coordinator for f in frames]))
+    coordinator = CoordinatorCalibration(*fit_per_frame_and_row([f.shapes for f in frames],
+                                                                [f.coordinator for f in frames]))
     progress(f"the coordinator: {coordinator.frame_s * 1e3:.2f} ms per frame + {coordinator.row_s * 1e3:.3f} ms per "
              "row (its CPU time)")
     frame_s, row_s = fit_handling(spec, plan, layers.links,

@@ -351,7 +351,8 @@ class PipelineModel:
         self._latency: list[float] = []  # by hop: what a message travels after the wire (0 for a compute)
         self._coordinator = calibration.coordinator  # None: the stages' handling holds its work
         shares = {} if self._coordinator is None else coordinator_shares(spec, plan)
-        if self._coordinator is not None and not shares:  # a CPU of its own: a hop before the first stage
+        own_hop = self._coordinator is not None and not shares  # a CPU of its own: a hop before the first stage
+        if own_hop:
             self._latency.append(0.0)
         # a stage on a shared host: the host's speed and its node's turn, by hop
         self._sharing: dict[int, tuple[SharedHost, simpy.Resource]] = {}
@@ -364,8 +365,8 @@ class PipelineModel:
             if link is not None:
                 self._latency.append(link.latency)
         # the hops whose time holds the coordinator's work, and each one's share: its own, or the stages' it shares
-        self._coordinator_hops = {self._stage_hops[stage]: share for stage, share in shares.items()} or (
-            {} if self._coordinator is None else {0: 1.0})
+        self._coordinator_hops = {0: 1.0} if own_hop else {self._stage_hops[stage]: share
+                                                           for stage, share in shares.items()}
         self._free_at = [0.0] * len(self._latency)  # by hop: when an exclusive hop next falls free
         self._legs = self._split_into_legs()
         self._by_shape: dict[tuple, FrameCosts] = {}  # by FrameShape.figures
