@@ -24,6 +24,7 @@ from cascadia.cli import cli
 from cascadia.errors import PlanError, SpecError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.metrics import RequestRecord
+from cascadia.search.bounds import bounds, least_mean_cost
 from cascadia.search.capacity import arrival_seconds, highest_rate, serves_users
 from cascadia.search.fanout import Processes, RayCluster
 from cascadia.search.search import BOUNDS, DOMINATED, cheapest, cheapest_for_users, evaluate, frontier, search
@@ -203,6 +204,48 @@ def test_the_bounds_hold_for_what_the_simulator_finds(catalogue, name, count, fo
     assert found.ttft_s <= soonest and found.tpot_s <= fastest
     assert found.ttft_s > 0.5 * soonest and found.tpot_s > 0.5 * fastest  # close enough to rule fleets out
     assert 0 < simulated.rate <= found.capacity_rps
+
+
+def test_the_least_mean_cost_mixes_the_frame_sizes_either_side_of_the_bound():
+    trips, costs = [1.0, 2.0, 4.0], [10.0, 6.0, 1.0]
+    assert least_mean_cost(trips, costs, 0.5) == math.inf  # no frame comes round that soon
+    assert least_mean_cost(trips, costs, 1.0) == 10.0
+    # at 3: half of 2 and half of 4 (3.5) beats a third of 1 and two thirds of 4 (4.0) and 2 alone (6.0)
+    assert least_mean_cost(trips, costs, 3.0) == pytest.approx(3.5)
+    assert least_mean_cost(trips, costs, 9.0) == 1.0
+
+
+WEAK_SLO = "ttft_p90=5ms,tpot_p99=0.17ms"
+WEAK = "machines:\n  - {name: weak, memory: 1GiB, memory_bandwidth: 8GB/s, compute: 20GFLOPS, price: 100}\n"
+
+
+def test_a_bound_on_later_tokens_limits_the_rows_a_frame_may_carry_and_the_capacity_bound_still_holds(tmp_path):
+    """On a machine whose frames of many rows go round slower than the objective allows a later token, the capacity
+    bound within it is lower than the bound on throughput alone, and no lower than what the simulator finds."""
+    path = tmp_path / "weak.yaml"
+    path.write_text(WEAK)
+    spec = load_spec(TINY)
+    candidate = Candidate(load_catalogue(path).machine("weak"), 1, "spec")
+    fleet_spec = candidate.spec(spec)
+    plan, calibration = make_plan(fleet_spec), candidate.calibration(fleet_spec)
+    slo = LatencySlo.parse(WEAK_SLO)
+    within = bounds(fleet_spec, plan, calibration, slo)
+    throughput = bounds(fleet_spec, plan, calibration, LatencySlo.parse(WEAK_SLO.split(",")[0]))
+    assert within.capacity_rps < 0.8 * throughput.capacity_rps
+    simulated = evaluate(spec, candidate, slo, prune=False)
+    assert 0 < simulated.rate <= within.capacity_rps
+
+
+def test_the_slots_bound_the_requests_a_second(catalogue):
+    """Each request holds a slot from its admission to its last token, at least its soonest first token and later
+    tokens: with one slot, no more requests a second than one over that time (Little's law)."""
+    spec = load_spec(TINY)
+    spec = attrs.evolve(spec, runtime=attrs.evolve(spec.runtime, max_streams=1))
+    candidate = fleet(catalogue, "small")
+    fleet_spec = candidate.spec(spec)
+    found = bounds(fleet_spec, make_plan(fleet_spec), candidate.calibration(fleet_spec))
+    assert found.capacity_rps == pytest.approx(1 / (found.ttft_s + (spec.workload.output_tokens - 1) * found.tpot_s))
+    assert 0 < evaluate(spec, candidate, LatencySlo.parse(SLO), prune=False).rate <= found.capacity_rps
 
 
 def test_the_space_runs_from_the_fewest_machines_to_twice_as_many_in_each_preset(catalogue, tmp_path):

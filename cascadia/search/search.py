@@ -3,12 +3,12 @@
 The space (`cascadia.search.space`) is every machine type of a catalogue, from the fewest that hold the model at the
 spec's runtime up to a most, in each weight-format preset and with each runtime setting asked for. Fleets are taken
 cheapest first. Each is planned by the planner; one whose bounds (`cascadia.search.bounds`) miss the objective even
-alone, or whose most requests a second no more than a cheaper fleet already carries (it cannot be on the frontier,
-nor the cheapest for any load), is dropped without a simulation. The rest get their capacity
-(`cascadia.search.capacity`), simulated from the catalogue's figures (`cascadia.sim.analytic`: a roofline of memory
-bandwidth and compute, links as listed, no host overheads), or from the times measured on one of its machines where
-the catalogue names a calibration. The frontier is the fleets no cheaper (or equally priced) fleet carries as much
-as.
+alone, or whose most requests a second within it, less the probes' tolerance, no more than a cheaper fleet already
+carries (it cannot be on the frontier, nor the cheapest for any load), is dropped without a simulation. The rest get
+their capacity (`cascadia.search.capacity`), simulated from the catalogue's figures (`cascadia.sim.analytic`: a
+roofline of memory bandwidth and compute, links as listed, no host overheads), or from the times measured on one of
+its machines where the catalogue names a calibration. The frontier is the fleets no cheaper (or equally priced)
+fleet carries as much as.
 """
 
 from __future__ import annotations
@@ -108,13 +108,14 @@ def evaluate(spec: Spec, candidate: Candidate, slo: LatencySlo, tolerance: float
     fleet_spec = candidate.spec(spec)
     plan = make_plan(fleet_spec)
     calibration = candidate.calibration(fleet_spec)
-    found = bounds(fleet_spec, plan, calibration)
+    found = bounds(fleet_spec, plan, calibration, slo, least_requests)
     common = dict(machine=candidate.machine, formats=candidate.formats, candidate=candidate,
                   settings=candidate.settings, plan=plan, bounds=found)
     if prune and (missed := missed_alone(slo, found)):
         return Evaluated(**common, pruned=BOUNDS, why=f"misses it even alone: {missed}",
                          seconds=time.perf_counter() - start)
-    if prune and better is not None and better.price <= candidate.price and better.rate >= found.capacity_rps:
+    if (prune and better is not None and better.price <= candidate.price
+            and better.rate >= found.capacity_rps * (1 + tolerance)):
         return Evaluated(**common, pruned=DOMINATED,
                          why=f"carries at most {found.capacity_rps:.3g}/s; {better.fleet} carries {better.rate:.3g}/s "
                              f"for {better.price:,.0f}", seconds=time.perf_counter() - start)
