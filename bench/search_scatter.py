@@ -2,9 +2,9 @@
 
 Scenario: one fleet, the README's answer for 0.1 requests a second of Inkling 975B (6 x ryzen-ai-max-395-128gb from
 specs/catalogues/ai-pcs.yaml, int4 weights), under ttft_p90=10s,tpot_p90=500ms. Its capacity is bisected as
-`cascadia search` does, once per workload seed (SEEDS of them), with probes of at least 64, 256 and 1024 requests
-(`--probe-requests`). At these rates a probe is its least number of requests, so that number is how many first
-tokens its 90th percentile is taken over. Per probe size:
+`cascadia search` does, once per workload seed (SEEDS of them), with probes of at least 64, 250 (the default for a
+p90 bound) and 1024 requests (`--probe-requests`). At these rates a probe is its least number of requests, so that
+number is how many first tokens its 90th percentile is taken over. Per probe size:
   capacity      requests/s found (median, range over the seeds)
   cv            the seeds' standard deviation over their mean
   max/min       the largest capacity found over the smallest
@@ -32,7 +32,7 @@ from cascadia.spec.load import load_catalogue, load_spec
 SPEC = ROOT / "specs" / "inkling-975b-11pc.yaml"
 CATALOGUE = ROOT / "specs" / "catalogues" / "ai-pcs.yaml"
 SLO = "ttft_p90=10s,tpot_p90=500ms"
-PROBES = (64, 256, 1024)
+PROBES = (64, 250, 1024)
 
 
 def main() -> None:

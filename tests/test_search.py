@@ -25,7 +25,7 @@ from cascadia.errors import PlanError, SpecError
 from cascadia.graph.planner import plan as make_plan
 from cascadia.metrics import RequestRecord
 from cascadia.search.bounds import bounds, least_mean_cost
-from cascadia.search.capacity import arrival_seconds, highest_rate, serves_users
+from cascadia.search.capacity import arrival_seconds, fewest_requests, highest_rate, probe_requests, serves_users
 from cascadia.search.fanout import Processes, RayCluster
 from cascadia.search.search import BOUNDS, DOMINATED, cheapest, cheapest_for_users, evaluate, frontier, search
 from cascadia.search.space import Candidate, Settings, Unfit, settings_grid, space
@@ -121,6 +121,14 @@ def test_the_arrivals_span_long_enough_for_a_rate_over_capacity_to_show():
     assert 0.9 * seconds * 0.05 / 1.05 == pytest.approx(10.0)
 
 
+
+@pytest.mark.parametrize("ttft, least", [("ttft_p90=10s", 250), ("ttft_p50=1s", 64), ("ttft_p99=1s", 2500),
+                                         ("ttft_p100=1s", 2500), ("ttft_p95=1s", 500)])
+def test_a_probe_holds_by_default_enough_requests_beyond_the_first_token_percentile(ttft, least):
+    slo = LatencySlo.parse(ttft + ",tpot_p99=1s")
+    assert fewest_requests(slo) == least and fewest_requests(slo, 32) == 32
+    assert probe_requests(1e-3, slo) == least  # a low rate: the fewest
+
 # ---- the catalogue --------------------------------------------------------------------------------------------------
 def test_the_shipped_catalogue_loads_with_its_sources():
     shipped = load_catalogue(ROOT / "specs" / "catalogues" / "ai-pcs.yaml")
@@ -169,7 +177,7 @@ def test_the_capacity_found_is_met_and_a_tolerance_above_it_is_not(catalogue):
     seconds = arrival_seconds(slo, tolerance)
 
     def judged(at: float):
-        workload = attrs.evolve(spec.workload, rate=(at,), requests=max(64, math.ceil(at * seconds)), slo=None)
+        workload = attrs.evolve(spec.workload, rate=(at,), requests=probe_requests(at, slo, tolerance), slo=None)
         result = simulate(attrs.evolve(fleet_spec, workload=workload), calibration, make_plan(fleet_spec),
                           warm_up=False)
         return slo.judge([RequestRecord(**r) for r in result["requests"] if r["phase"] == MEASURED])

@@ -101,10 +101,10 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
                    "fleet that serves them within the objective is named")
 @click.option("--tolerance", type=click.FloatRange(0.001, 1), default=0.05, show_default=True,
               help="relative width of each capacity's boundary when the bisection stops")
-@click.option("--probe-requests", type=click.IntRange(min=8), default=64, show_default=True,
-              help="the fewest requests a probe simulates: at low rates, more make a capacity less optimistic and "
-                   "less scattered (bench/search_scatter.py: a quarter high and 15% at 64, within 5% at 1024), at "
-                   "the search's time")
+@click.option("--probe-requests", type=click.IntRange(min=8),
+              help="the fewest requests a probe simulates: at low rates, more make a capacity less scattered, "
+                   "fewer read it high (bench/search_scatter.py) [default: 25 beyond the first-token bound's "
+                   "percentile, 250 for p90, at least 64]")
 @click.option("--no-prune", "keep_all", is_flag=True,
               help="simulate every fleet, even those the bounds rule out (slower; the same frontier)")
 @click.option("--jobs", type=click.IntRange(min=1),
@@ -117,7 +117,7 @@ def _names(value: str | None, known: list[str], option: str) -> list[str]:
 def search(spec: str, catalogue_path: str, slo, machines: str | None, presets: str, max_streams, prefill_windows,
            drafts: tuple[str, ...], row_buckets: tuple[tuple[int, ...], ...], pipeline_groups,
            acceptance: float | None, mixes: bool, spares: int, most: int | None, load: float | None,
-           users: int | None, tolerance: float, probe_requests: int, keep_all: bool, jobs: int | None,
+           users: int | None, tolerance: float, probe_requests: int | None, keep_all: bool, jobs: int | None,
            ray_address: str | None, out_dir: str | None) -> None:
     """Which machines to buy: the fleets of each machine type in the catalogue, from the fewest that hold the spec's
     model at its runtime up to --most (with --mixes, and mixes of two types that just hold it), in each weight-format
@@ -249,7 +249,7 @@ def _print(spec, catalogue, slo, evaluated, load: float | None, for_users) -> No
 
 
 def _write(out_dir: str, spec, catalogue, slo, evaluated, tolerance: float, load: float | None, complete: bool,
-           for_users, acceptance: float | None, least_requests: int) -> list[str]:
+           for_users, acceptance: float | None, least_requests: int | None) -> list[str]:
     """search.json, pareto.png (where matplotlib is installed) and frontier-N.yaml; the paths written."""
     import json
     import os

@@ -18,9 +18,9 @@ context, and per row do not rise as it gains rows (a roofline's, as `cascadia.si
   sizes B (each a trip t_B alone, the least a frame of that padded size carrying a sampled row takes, and a stage
   cost c_B per row, the least per row any frame of that size costs), a request within the bound rode a mix whose
   mean t is at most the bound, so its rows cost each stage at least the least mean c of such a mix (the lower
-  convex hull of the points (t_B, c_B) at the bound). The objective's percentile over a probe's n >= LEAST_REQUESTS
-  requests holds only if more than q (1 - 1/n) of them (q the percentile's fraction) were within it; the others
-  cost at least the cheapest c_B;
+  convex hull of the points (t_B, c_B) at the bound). The objective's percentile over a probe's n requests (at
+  least `fewest_requests`) holds only if more than q (1 - 1/n) of them (q the percentile's fraction) were within
+  it; the others cost at least the cheapest c_B;
 - and a request holds a slot (`max_streams` of them; one per choice) from its admission to its last token, at least
   its soonest first token and its later tokens' soonest trips, so no more requests a second can be served than the
   slots over that time (Little's law).
@@ -36,7 +36,7 @@ import attrs
 
 from cascadia.graph.plan import Plan
 from cascadia.policy import padded_size
-from cascadia.search.capacity import LEAST_REQUESTS
+from cascadia.search.capacity import fewest_requests
 from cascadia.search.slo import LatencySlo
 from cascadia.sim.analytic import row_grid
 from cascadia.sim.calibration import Calibration
@@ -59,9 +59,9 @@ def _shape(rows: int, padded: int, sampled: int) -> FrameShape:
 
 
 def bounds(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo | None = None,
-           least_requests: int = LEAST_REQUESTS) -> Bounds:
+           least_requests: int | None = None) -> Bounds:
     """The bounds of `plan`; its capacity within `slo` where it bounds the time per later token, for probes of at
-    least `least_requests` requests (`cascadia.search.capacity`)."""
+    least `fewest_requests(slo, least_requests)` requests (`cascadia.search.capacity`)."""
     model = PipelineModel(spec, plan, calibration)
     runtime, workload = spec.runtime, spec.workload
     prompts = workload_prompts(workload, spec.model.checkpoint, spec.model.config)
@@ -81,7 +81,7 @@ def bounds(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo | N
     if tpot is not None and later and slo is not None and any(b.metric == "tpot" for b in slo.bounds):
         bound = slo.bound("tpot")
         trips = [model.alone_s(_shape(1, rows, 1))[1] for rows in grid]
-        within = bound.percentile / 100 * (1 - 1 / least_requests)
+        within = bound.percentile / 100 * (1 - 1 / fewest_requests(slo, least_requests))
         later_row = [within * least_mean_cost(trips, costs, bound.seconds) + (1 - within) * low
                      for costs, low in zip(zip(*per_row), cheapest)]
     throughput = 1 / max(prompt * low + later * row for low, row in zip(cheapest, later_row))

@@ -36,6 +36,7 @@ TOLERANCE = 0.05  # the boundary's relative width when the bisection stops
 REACH = 2**12  # how far from the first guess the rate may go, up or down
 ALONE_REQUESTS = 8  # requests of the one-client run that gives the first guess
 LEAST_REQUESTS = 64  # a probe's fewest requests, however short its arrivals' span
+TAIL_REQUESTS = 25  # ... and, by default, enough that this many lie beyond the first-token bound's percentile
 USER_REQUESTS = 4  # requests each client of a closed loop sends in turn
 
 
@@ -95,10 +96,21 @@ def arrival_seconds(slo: LatencySlo, tolerance: float = TOLERANCE) -> float:
     return ttft.seconds * (1 + tolerance) / (ttft.percentile / 100 * tolerance)
 
 
+def fewest_requests(slo: LatencySlo, given: int | None = None) -> int:
+    """A probe's fewest requests: `given`, or enough that TAIL_REQUESTS of them lie beyond the first-token bound's
+    percentile (250 for p90, 2,500 for p99 and above), at least LEAST_REQUESTS. Fewer read a capacity high: near it
+    a queue takes long to grow, and in a few requests it has not (bench/search_scatter.py: at 64 requests a p90
+    bound's capacity came out 24-41% above what 1,024 found)."""
+    if given is not None:
+        return given
+    beyond = max(1 - slo.bound("ttft").percentile / 100, 0.01)
+    return max(LEAST_REQUESTS, math.ceil(round(TAIL_REQUESTS / beyond, 6)))
+
+
 def probe_requests(rate: float, slo: LatencySlo, tolerance: float = TOLERANCE,
-                   least_requests: int = LEAST_REQUESTS) -> int:
-    """Requests of a probe at `rate`: those arriving in `arrival_seconds`, at least `least_requests`."""
-    return max(least_requests, math.ceil(rate * arrival_seconds(slo, tolerance)))
+                   least_requests: int | None = None) -> int:
+    """Requests of a probe at `rate`: those arriving in `arrival_seconds`, at least `fewest_requests`."""
+    return max(fewest_requests(slo, least_requests), math.ceil(rate * arrival_seconds(slo, tolerance)))
 
 
 def _judged(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo,
@@ -120,10 +132,10 @@ def serves_users(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencyS
 
 
 def capacity(spec: Spec, plan: Plan, calibration: Calibration, slo: LatencySlo, tolerance: float = TOLERANCE,
-             least_requests: int = LEAST_REQUESTS, acceptance: float = DEFAULT_ACCEPTANCE) -> Capacity:
+             least_requests: int | None = None, acceptance: float = DEFAULT_ACCEPTANCE) -> Capacity:
     """The highest open-loop rate of `spec.workload`'s requests that `plan` serves within `slo` (which bounds the
     first token), simulated with `calibration` (drafts, with speculation, accepted at `acceptance`): each probe's
-    requests arrive for `arrival_seconds`, at least `least_requests` of them."""
+    requests arrive for `arrival_seconds`, at least `fewest_requests(slo, least_requests)` of them."""
     probes: list[Probe] = []
 
     def run(workload) -> tuple[Verdict, list[RequestRecord]]:

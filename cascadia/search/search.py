@@ -21,7 +21,7 @@ import attrs
 from cascadia.graph.plan import Plan
 from cascadia.graph.planner import plan as make_plan
 from cascadia.search.bounds import Bounds, bounds
-from cascadia.search.capacity import LEAST_REQUESTS, TOLERANCE, Capacity, capacity, serves_users
+from cascadia.search.capacity import TOLERANCE, Capacity, capacity, fewest_requests, serves_users
 from cascadia.search.fanout import InProcess, Pool
 from cascadia.search.slo import LatencySlo, Verdict
 from cascadia.search.space import Candidate, Settings, Unfit
@@ -100,7 +100,7 @@ class Carried:
 
 def evaluate(spec: Spec, candidate: Candidate, slo: LatencySlo, tolerance: float = TOLERANCE,
              better: Carried | None = None, prune: bool = True, acceptance: float = DEFAULT_ACCEPTANCE,
-             least_requests: int = LEAST_REQUESTS) -> Evaluated:
+             least_requests: int | None = None) -> Evaluated:
     """`candidate` planned, its bounds taken and, unless (with `prune`) they rule it out against `slo` or against
     what `better`, a fleet no dearer, carries, its capacity found (probes of at least `least_requests` requests;
     drafts, where it speculates, accepted at `acceptance`)."""
@@ -126,7 +126,7 @@ def evaluate(spec: Spec, candidate: Candidate, slo: LatencySlo, tolerance: float
 
 def search(spec: Spec, fleets: Sequence[Candidate | Unfit], slo: LatencySlo, tolerance: float = TOLERANCE,
            prune: bool = True, pool: Pool | None = None, acceptance: float = DEFAULT_ACCEPTANCE,
-           least_requests: int = LEAST_REQUESTS) -> Iterator[Evaluated]:
+           least_requests: int | None = None) -> Iterator[Evaluated]:
     """The fleets of a space (`cascadia.search.space.space`) evaluated on `pool` (default: here, one at a time),
     machine types that hold no layer first, then the fleets, started cheapest first and given as they finish
     (`prune`: dropping what the bounds rule out). Each fleet starts with the best capacity known by then of the
@@ -208,7 +208,7 @@ def cheapest_for_users(spec: Spec, evaluated: Sequence[Evaluated], slo: LatencyS
 
 def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequence[Evaluated], tolerance: float,
            load: float | None = None, complete: bool = True, for_users: ForUsers | None = None,
-           acceptance: float | None = None, least_requests: int = LEAST_REQUESTS) -> dict:
+           acceptance: float | None = None, least_requests: int | None = None) -> dict:
     """What `search.json` holds: the question (with `acceptance`, the drafts' where fleets speculate), every fleet
     evaluated (those that hold no layer first, then by price), the frontier and the answer to `load` (indexes into
     the fleets)."""
@@ -226,7 +226,7 @@ def report(spec: Spec, catalogue: Catalogue, slo: LatencySlo, evaluated: Sequenc
         "currency": catalogue.currency,
         "slo": str(slo),
         "tolerance": tolerance,
-        "probe_requests": least_requests,
+        "probe_requests": fewest_requests(slo, least_requests),
         "acceptance": acceptance,
         "complete": complete,
         "load_rps": load,
