@@ -370,7 +370,9 @@ def test_serve_discover_forms_a_pipeline_of_the_nodes_standing_by_and_a_spare_ta
             assert [n.address for n in formed.cluster.nodes] == [f"tcp://{a}:5601" for a in lan.addresses[:3]]
             assert all(n.memory_bytes == 2**30 and n.memory_bandwidth > 1e8 for n in formed.cluster.nodes)
             measured = [formed.cluster.link("pc0", "pc1").bandwidth, formed.cluster.link("pc1", "pc2").bandwidth]
-            assert measured == pytest.approx(RATES, rel=0.25), measured  # what pc0 and pc1 send is shaped so
+            # what pc0 and pc1 send is shaped so; a token bucket never passes more than its rate (framing takes 5%),
+            # but a loaded machine's may pass less (72% of it once in CI)
+            assert all(0.5 * rate <= m <= 1.05 * rate for m, rate in zip(measured, RATES)), measured
             shown = json.loads(cascadia_python(lan, 4, STATUS, f"http://{lan.addresses[4]}:8000").communicate()[0])
             assert [(s["node"], s["machine"]["address"]) for s in shown["stages"]] == [
                 (n.name, n.address) for n in formed.cluster.nodes]
