@@ -168,8 +168,10 @@ class EngineStage:
         head_inputs = []  # what the head reads, where it is sent back
         if len(heads):
             engine.head_input_observer = head_inputs.append if self.with_logits else None
-            logits = np.concatenate([engine.logits(heads[rows]) for rows in self._calls(len(heads))])
-            engine.head_input_observer = None
+            try:
+                logits = np.concatenate([engine.logits(heads[rows]) for rows in self._calls(len(heads))])
+            finally:  # a failed call must not leave the next frames observed
+                engine.head_input_observer = None
         sampled = frame.sample[reporting]
         self.sampler.observe(frame)
         tokens = self.sampler.sample(logits[sampled], frame)
