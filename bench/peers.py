@@ -331,10 +331,10 @@ class Cascadia:
     """Cascadia's engine in one process: one stage holding every layer. It counts the distinct experts each MoE
     layer's rows choose in a decode (for the roofline)."""
 
-    def __init__(self, path: Path, formats: WeightFormats, precision: str):
+    def __init__(self, path: Path, formats: WeightFormats, precision: str, stage_graph: bool = False):
         runtime = RuntimeSpec(precision=precision, kv_precision=precision, max_streams=max(STREAMS),
                               context_budget=max(PROMPT_TOKENS + DECODE_TOKENS, FIRST_TOKEN_PROMPT + 1),
-                              row_buckets=(*STREAMS, PREFILL_ROWS))
+                              row_buckets=(*STREAMS, PREFILL_ROWS), stage_graph=stage_graph)
         self.engine = Engine(Checkpoint.open(path), runtime, formats=formats)
         self.experts = ExpertCounts(self.engine)
         self.distinct: dict[int, dict[int, float]] = {}  # by stream count: the last decode's mean, by MoE layer

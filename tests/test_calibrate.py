@@ -26,6 +26,7 @@ from cascadia.sim.calibration import KIND_AXES, MEASURED, Calibration, Coordinat
 from cascadia.sim.fit import (AloneFrames, burst_streams, fit_non_negative, fit_overheads, shared_speedup,
                               simulate_burst)
 from cascadia.sim.model import FrameShape, PipelineModel, stage_kinds
+from cascadia.spec.load import load_spec
 from cascadia.spec.types import RuntimeSpec
 from tests.sim_specs import calibration as hand_calibration
 from tests.sim_specs import even_plan, tiny_spec
@@ -272,3 +273,15 @@ def test_calibrate_layers_only_measures_the_tables_to_the_budget_without_the_pip
     assert result.exit_code == 2 and "--watch times frames on the pipeline" in result.output
     assert all((node.frame_s, node.row_s, node.stream_s, node.restart_s) == (0, 0, 0, None)
                for node in calibration.nodes.values())
+
+
+def test_a_stage_as_one_graph_is_not_calibrated_yet(tmp_path):
+    """Its layers cannot be timed one by one: the calibration says so before it starts any node."""
+    fixture = Path(__file__).parent / "fixtures" / "llama_odd"
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(f"model: {{hf_config: {fixture}/config.json, checkpoint: {fixture}, formats: f32}}\n"
+                         "cluster: {reserve: 64MiB, nodes: [{name: a, memory: 1GiB, host: localhost}]}\n"
+                         "runtime: {stage_graph: true, context_budget: 64}\n")
+    spec = load_spec(spec_file)
+    with pytest.raises(SpecError, match="with runtime.stage_graph they run as one graph"):
+        calibrate_module.calibrate(spec, make_plan(spec))

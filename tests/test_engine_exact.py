@@ -2,7 +2,7 @@
 scripts/make_fixtures.py): prefill, cached decode, and batches mixing streams at different positions; Inkling's MoE
 and Qwen3-MoE's and DeepSeek-V3's layers fused, and expert-grouped at every call size; Llamas of odd shapes (GQA,
 head_dim, biases, a tied head, llama3 and linear RoPE); DeepSeek-V3 attending in the latent (YaRN, interleaved RoPE,
-grouped routing, shared experts)."""
+grouped routing, shared experts); the Llamas and Qwen3-MoEs with each stage as one graph (`runtime.stage_graph`)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,12 @@ def assert_close(logits: np.ndarray, reference: np.ndarray) -> None:
     np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))  # identical greedy tokens
 
 
-# runtime.moe_grouped_from of each MoE path.
-MOE_PATHS = {"fused": "never", "grouped": 1, "dense": "never"}
-PARAMS = [(c, p) for c in CASES for p in ("fused", "grouped")] + [(c, "dense") for c in DENSE_CASES]
+# runtime.moe_grouped_from of each MoE path; "graph": the stage as one graph (`runtime.stage_graph`), its experts
+# fused in it.
+MOE_PATHS = {"fused": "never", "grouped": 1, "dense": "never", "graph": "never"}
+GRAPH_CASES = ("llama_odd", "llama_plain", "qwen3_odd", "qwen3_norm", "qwen3_stacked")
+PARAMS = [(c, p) for c in CASES for p in ("fused", "grouped")] + [(c, "dense") for c in DENSE_CASES] + \
+    [(c, "graph") for c in GRAPH_CASES]
 
 
 @pytest.fixture(scope="module", params=PARAMS, ids=[f"{c}-{p}" for c, p in PARAMS])
@@ -41,8 +44,11 @@ def case(request):
     path = FIXTURES / name
     # Blocks of 8 positions: the global layers' keys of a stream lie in several blocks, and streams interleave.
     runtime = RuntimeSpec(precision="f32", max_streams=12, context_budget=64, kv_block=8,
-                          moe_grouped_from=MOE_PATHS[moe_path])
+                          moe_grouped_from=MOE_PATHS[moe_path], stage_graph=moe_path == "graph")
     engine = Engine(Checkpoint.open(path), runtime)
+    if moe_path == "graph":
+        assert engine.stage.graph is not None and not engine.stage.layers
+        return engine, dict(np.load(path / "reference.npz"))
     moe_layers = [layer for layer in engine.stage.layers if layer.router is not None]
     assert bool(moe_layers) == (moe_path != "dense")
     assert all(layer.runs_grouped(b) == (moe_path == "grouped") for layer in moe_layers for b in runtime.row_buckets)
@@ -176,8 +182,9 @@ def test_a_llama_prompt_chunk_reads_its_far_keys_fused_as_the_spans_do():
     np.testing.assert_allclose(fused.score(ids), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("name", ["base", "llama_odd", "qwen3_odd"])
-def test_a_forked_stream_goes_on_as_its_source_would_sharing_its_full_blocks(name):
+@pytest.mark.parametrize("name, stage_graph", [("base", False), ("llama_odd", False), ("qwen3_odd", False),
+                                               ("llama_odd", True), ("qwen3_odd", True)])
+def test_a_forked_stream_goes_on_as_its_source_would_sharing_its_full_blocks(name, stage_graph):
     """Three choices of one 21-token prompt computed once: slots 1 and 2 fork slot 0 at position 21, sharing its
     two full blocks of 8 and copying the one still filling (and Inkling's rings and convolution states). Slot 0
     writes other tokens at the same positions between slot 1's steps, past the next block boundary, and is
@@ -185,7 +192,7 @@ def test_a_forked_stream_goes_on_as_its_source_would_sharing_its_full_blocks(nam
     stream that computed the prompt itself (slot 3, same calls), and within tolerance the reference's."""
     path = FIXTURES / name
     ref = dict(np.load(path / "reference.npz"))
-    runtime = RuntimeSpec(precision="f32", max_streams=5, context_budget=64, kv_block=8)
+    runtime = RuntimeSpec(precision="f32", max_streams=5, context_budget=64, kv_block=8, stage_graph=stage_graph)
     engine = Engine(Checkpoint.open(path), runtime)
     pool, ids = engine.stage.pool, ref["ids"]
     other = ids[::-1]  # tokens slot 0 goes on with

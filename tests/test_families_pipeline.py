@@ -26,6 +26,7 @@ from cascadia.pipeline.run import Pipeline
 from cascadia.sampling import Sampling
 from cascadia.spec.dump import write_spec
 from cascadia.spec.load import load_spec
+from cascadia.spec.types import STAGE_GRAPH_FAMILIES
 from cascadia.speculation import ReplayDrafter
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -59,23 +60,49 @@ workload: {{concurrency: [1, 4], prompt_tokens: {{uniform: [6, 14]}}, output_tok
 """
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_spec(request, tmp_path_factory):
-    fixture = FAMILIES[request.param][0]
-    path = tmp_path_factory.mktemp(fixture) / "spec.yaml"
+def spec_of(family: str, folder: Path):
+    """The 3-node spec of the family's fixture checkpoint."""
+    fixture = FAMILIES[family][0]
+    path = folder / "spec.yaml"
     path.write_text(SPEC.format(name=fixture, checkpoint=FIXTURES / fixture))
     return load_spec(path)
 
 
+def engine_of(spec) -> Engine:
+    """The single-process engine of `spec`, its layers one by one."""
+    runtime = attrs.evolve(spec.runtime, stage_graph=False)
+    return Engine(Checkpoint.open(spec.model.checkpoint), runtime, formats=spec.model.formats, threads=1)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_spec(request, tmp_path_factory):
+    return spec_of(request.param, tmp_path_factory.mktemp(request.param))
+
+
 @pytest.fixture(scope="module")
 def family_engine(family_spec):
-    return Engine(Checkpoint.open(family_spec.model.checkpoint), family_spec.runtime, formats=family_spec.model.formats,
-                  threads=1)
+    return engine_of(family_spec)
 
 
 @pytest.mark.parametrize("speculate", [None, "ngram:4"], ids=["plain", "speculating"])
 def test_three_nodes_give_the_single_process_tokens(family_spec, family_engine, speculate):
-    spec = attrs.evolve(family_spec, runtime=attrs.evolve(family_spec.runtime, speculate=speculate))
+    assert_three_nodes_give_the_engines_tokens(
+        attrs.evolve(family_spec, runtime=attrs.evolve(family_spec.runtime, speculate=speculate)), family_engine)
+
+
+@pytest.mark.parametrize("family", STAGE_GRAPH_FAMILIES)
+def test_three_nodes_each_a_stage_as_one_graph_give_the_single_process_tokens(family, tmp_path):
+    """`runtime.stage_graph` on every node, speculating (rows of several drafts a stream, rewinds): the tokens of
+    the single-process engine that runs its layers one by one."""
+    spec = spec_of(family, tmp_path)
+    runtime = attrs.evolve(spec.runtime, speculate="ngram:4", stage_graph=True)
+    assert_three_nodes_give_the_engines_tokens(attrs.evolve(spec, runtime=runtime), engine_of(spec))
+
+
+def assert_three_nodes_give_the_engines_tokens(spec, family_engine) -> None:
+    """Greedy and sampled (with the greedy run's tokens replayed as drafts where `spec` speculates), a 3-node run of
+    `spec` gives `family_engine`'s tokens, and its nodes end cleanly."""
+    speculate = spec.runtime.speculate
     plan = make_plan(spec)
     assert len(plan.stages) == 3
     with Pipeline.start(spec, plan, checkpoint=spec.model.checkpoint, node_timeout_s=20) as pipeline:

@@ -593,3 +593,14 @@ def test_spec_from_hf_names_nearby_configs_relatively(tmp_path):
     assert body["model"]["name"] == "tiny"
     elsewhere = spec_from_hf(tmp_path / "models" / "tiny", tmp_path / "specs", nodes=2, memory_bytes=8 * 10**9)
     assert elsewhere["model"]["hf_config"] == str(tmp_path / "models" / "tiny")
+
+
+def test_stage_graph_is_a_boolean_for_the_families_that_run_it(tmp_path):
+    llama = "model: {config: {model_type: llama}}\n"
+    assert load_spec(write(tmp_path, "s.yaml", llama + CLUSTER + "runtime: {stage_graph: true}\n")).runtime.stage_graph
+    assert not load_spec(write(tmp_path, "t.yaml", llama + CLUSTER)).runtime.stage_graph
+    with pytest.raises(SpecError, match=r"runtime\.stage_graph: runs the layers of llama and qwen3_moe models as one "
+                                        r"graph, not inkling"):
+        load_spec(write(tmp_path, "u.yaml", MODEL + CLUSTER + "runtime: {stage_graph: true}\n"))
+    with pytest.raises(SpecError, match=r"runtime\.stage_graph: expected true or false"):
+        load_spec(write(tmp_path, "v.yaml", llama + CLUSTER + "runtime: {stage_graph: 1}\n"))

@@ -29,6 +29,7 @@ from cascadia.engine.moe_choice import measured_grouped_from
 from cascadia.engine.mtp import MtpLayer
 from cascadia.engine.quantize import Quantized, quantize_stacks
 from cascadia.engine.rows import BatchError, Rows
+from cascadia.engine.stage_graph import StageGraph
 from cascadia.engine.state_format import StateFormat
 from cascadia.errors import RequestError
 from cascadia.graph.costs import layer_costs, pool_layout
@@ -49,12 +50,14 @@ class StageEngine:
                  formats: WeightFormats = WeightFormats(), device: str = "auto", threads: int | None = None,
                  dense_slices: int | None = None, warm_up: bool = True, progress: ProgressFn | None = None,
                  kv_blocks: int | None = None):
-        """Compile the stage's graphs (one per weight block, dynamic rows) and allocate its slots, as `runtime`
-        says: compute `precision`, `max_streams` slots of at most `context_budget` positions, states stored in
-        `kv_precision` (computed with in f32), calls padded to `row_buckets`. Keys and values take blocks from a
-        pool of `kv_blocks` (`PoolLayout`; None: enough for every slot at the budget).
-        `formats`: how weights are stored. `dense_slices`: run dense MLPs as that many all-active expert slices.
-        `warm_up`: run every graph at every bucket once now, so that first requests are not slow. MoE calls of at
+        """Compile the stage's graphs (one per weight block, dynamic rows; with `runtime.stage_graph`, one for all
+        its layers: `cascadia.engine.stage_graph`) and allocate its slots, as `runtime` says: compute `precision`,
+        `max_streams` slots of at most `context_budget` positions, states stored in `kv_precision` (computed with
+        in f32), calls padded to `row_buckets` (the stage graph's calls are not padded). Keys and values take
+        blocks from a pool of `kv_blocks` (`PoolLayout`; None: enough for every slot at the budget).
+        `formats`: how weights are stored. `dense_slices`: run dense MLPs as that many all-active expert slices
+        (not in a stage graph). `warm_up`: run every block at every bucket once now, so that first requests are not
+        slow (a stage graph warms up on its first calls). MoE calls of at
         least `moe_grouped_from` rows run expert-grouped (`cascadia.engine.moe_choice`; "auto" is measured here and
         the result kept in `self.moe_grouped_from`, None for fused only)."""
         cfg = self.config = checkpoint.config
@@ -101,19 +104,29 @@ class StageEngine:
                               runtime.max_streams) if layout else None
         self.moe_grouped_from = _grouped_setting(runtime)
         fused_from = None if runtime.fused_attention_from == "never" else runtime.fused_attention_from
+        self.graph = None  # the stage's layers as one graph (`runtime.stage_graph`), in place of `layers`
         for i in layers:
-            grouped = compile_grouped if self.moe_grouped_from is not None else None
-            self.layers.append(host.build_layer(cfg, i, checkpoint.layer(i), formats, compile_block, dense_slices,
-                                                grouped, fused="fused" in runtime.moe_paths))
-            self._choose_moe_path(self.layers[-1])
-            shape = self.layers[-1].shape
-            if cfg.is_sliding(i):
-                place = sum(map(cfg.is_sliding, layers[:len(self.states)]))  # among the stage's sliding layers
-                kv = PagedRing(self.pool, place, shape.kv_heads, shape.head_dim, fmt)
+            if runtime.stage_graph:
+                _, kv_heads, head_dim = cfg.heads(i)
+                kv = PagedKV(self.pool, kv_heads, head_dim, fmt)
             else:
-                kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt, fused_from, shape.values_are_keys)
+                grouped = compile_grouped if self.moe_grouped_from is not None else None
+                self.layers.append(host.build_layer(cfg, i, checkpoint.layer(i), formats, compile_block,
+                                                    dense_slices, grouped, fused="fused" in runtime.moe_paths))
+                self._choose_moe_path(self.layers[-1])
+                shape = self.layers[-1].shape
+                if cfg.is_sliding(i):
+                    place = sum(map(cfg.is_sliding, layers[:len(self.states)]))  # among the stage's sliding layers
+                    kv = PagedRing(self.pool, place, shape.kv_heads, shape.head_dim, fmt)
+                else:
+                    kv = PagedKV(self.pool, shape.kv_heads, shape.head_dim, fmt, fused_from, shape.values_are_keys)
+                advance()
             self.states.append(host.slot_state(cfg, kv, runtime.max_streams, fmt, self.rewind))
-            advance()
+        if runtime.stage_graph and len(layers):
+            self.graph = StageGraph(cfg, layers, {i: checkpoint.layer(i) for i in layers}, formats, self.pool,
+                                    [state.kv for state in self.states], fmt, self.device, options)
+            for _ in layers:
+                advance()
         if head:
             self.final_norm = checkpoint.tensor(FINAL_NORM)
             self.head = compile_block(graphs.projection([_matrix(checkpoint, checkpoint.head_weight, formats.head)],
@@ -191,6 +204,8 @@ class StageEngine:
                              f"position), got {list(x.shape)}")
         if self.pool:
             self.pool.grow(dict(zip(rows.group_slots.tolist(), ends.tolist())))
+        if self.graph is not None:
+            x = self.graph.forward(x, rows)
         for layer, state in zip(self.layers, self.states):
             x = layer.forward(x, rows, state)
         self.lengths[rows.group_slots] = ends

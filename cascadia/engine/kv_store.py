@@ -203,6 +203,11 @@ class PagedKV:
         layout = PoolLayout.of(2 * kv_heads * head_dim * fmt.dtype.itemsize, 0, 0, 0, block)
         return cls(BlockPool(blocks, layout, slots), kv_heads, head_dim, fmt, fused_from)
 
+    @property
+    def places(self) -> tuple[int, int]:
+        """Where the layer's keys and values lie among each block's parts (`BlockPool.parts`)."""
+        return self._k_part, self._v_part
+
     def write(self, slots: np.ndarray, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """As `PagedRing.write`; the pool has already given the slots blocks for these positions."""
         block = self.pool.block

@@ -41,6 +41,9 @@ def calibrate(spec: Spec, plan: Plan, checkpoint: Path | None = None, rounds: in
     checkpoint = checkpoint or spec.model.checkpoint
     if checkpoint is None:
         raise CheckpointError("no checkpoint: the spec's model names none; give one (--checkpoint DIR)")
+    if spec.runtime.stage_graph:
+        raise SpecError("calibrate times a stage's layers one by one; with runtime.stage_graph they run as one graph, "
+                        "which it cannot time yet: calibrate the spec without it")
     nodes = {node.name: node for node in spec.cluster.nodes}
     if remote := [s.node for s in plan.stages if not nodes[s.node].is_local]:
         raise SpecError(f"calibrate measures local nodes only; {', '.join(remote)} have tcp addresses")

@@ -592,6 +592,7 @@ def _runtime(ctx: _Context, node: Node | None) -> RuntimeSpec:
         "pipeline_groups": fields.take("pipeline_groups", _positive_int),
         "moe_grouped_from": fields.take("moe_grouped_from", _rows_or("auto", "never")),
         "fused_attention_from": fields.take("fused_attention_from", _rows_or("never")),
+        "stage_graph": fields.take("stage_graph", _boolean),
         "speculate": fields.take("speculate", _speculate),
     }
     fields.finish()
@@ -689,6 +690,8 @@ def _check_runtime_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, mode
         ctx.report(at.get("prefill_window", node), "runtime.prefill_window", misfit)
     if misfit := runtime.drafting_misfit(model.config):
         ctx.report(at.get("speculate", node), "runtime.speculate", misfit)
+    if misfit := runtime.stage_graph_misfit(model.config):
+        ctx.report(at.get("stage_graph", node), "runtime.stage_graph", misfit)
 
 
 def _check_workload_fits(ctx: _Context, root: _Fields, runtime: RuntimeSpec, workload: WorkloadSpec) -> None:

@@ -1,0 +1,210 @@
+"""A stage's layers as one compiled graph (`runtime.stage_graph`), for the families whose layers are a Llama's
+(Llama, Qwen3-MoE): one infer call computes every layer of a frame, where the layer-by-layer engine makes three a
+layer with attention, RoPE, norms, routers and residuals on the host between them (bench/one_graph.py: 1.3-1.6x
+faster decode steps at one stream).
+
+    StageGraph(x [T, H]) for the rows of G streams with R rows each (T = G R, a stream's rows consecutive):
+      for each layer:
+        q, k, v = qkv(input_layernorm(x)) (+ bias); q, k = q_norm(q), k_norm(k) (Qwen3-MoE); RoPE
+        keys = the stream's pool blocks (gathered, widened to f32) ++ the frame's own k      [G, kv, S + R, d]
+        a = ScaledDotProductAttention(q as [G, kv, g R, d], keys, values, mask)            g = h / kv
+        x = x + o_proj(a) (+ bias)
+        h = post_attention_layernorm(x)
+        x = x + experts(h, top_k(softmax(router h)))  |  mlp(h)                         tiled MoE or SwiGLU
+      out: x, and each layer's new k, v [T, kv, d], which the host writes into the pool after the call
+
+The mask lets a row see its stream's pool entries before the frame's first position (later ones are stale: rejected
+drafts, or not yet written) and the frame's rows up to its own. Streams of different row counts (decode rows beside
+a prompt's chunk) go in separate calls, one per count. The pool goes in whole, shared, in its stored format.
+
+Against the layer-by-layer engine, in f32: the same model within about 1e-6 of the largest logit
+(tests/test_stage_graph.py), not bit for bit: a row's attention and sums depend on the frame it rides in, so a
+replayed stream's logits are not its decode steps' to the last bit. At bf16 the graph computes its residuals,
+RoPE, router and attention at the engine's precision where the layer-by-layer engine keeps them in f32 on the host,
+and the FP32 restoration (for a GPU's f16) is not there: on the CPU only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import openvino as ov
+import openvino.opset16 as ops
+
+from cascadia.engine.device import Compiled
+from cascadia.engine.kv_store import BlockPool, PagedKV
+from cascadia.engine.ov_ops import const, ints, linear, rms_norm, swiglu, tiled_experts, weight
+from cascadia.engine.rope import cos_sin_factor, inverse_frequencies
+from cascadia.engine.rows import Rows
+from cascadia.engine.state_format import StateFormat
+from cascadia.models import llama, qwen3_moe
+from cascadia.models.base import UnsupportedModel
+from cascadia.models.names import expert
+from cascadia.spec.types import RuntimeSpec, WeightFormats
+
+_STORED_TYPES = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16}
+
+
+class StageGraph:
+    """The compiled graph of a stage's `layers` and how to call it on a frame's rows (`forward`)."""
+
+    def __init__(self, config, layers: range, tensors: Mapping[int, Mapping[str, np.ndarray]],
+                 formats: WeightFormats, pool: BlockPool, stores: list[PagedKV], fmt: StateFormat, device: str,
+                 options: dict[str, object]):
+        """`tensors[i]`: layer i's float32 tensors by name relative to its prefix (`Checkpoint.layer`); `stores`:
+        each layer's keys and values in `pool`, kept in `fmt`."""
+        if why := RuntimeSpec(stage_graph=True).stage_graph_misfit(config):
+            raise UnsupportedModel(f"runtime.stage_graph {why}")
+        if device != "CPU":
+            raise UnsupportedModel(f"runtime.stage_graph runs on the CPU, not {device}: it has no FP32 restoration "
+                                   "for a GPU's f16")
+        self.config, self.pool, self.stores, self.fmt = config, pool, stores, fmt
+        heads, self.kv_heads, self.head_dim = config.heads(layers[0])
+        self.inv_freq = inverse_frequencies(self.head_dim, config.rope_theta, config.rope_scaling)
+        self.rope_factor = np.float32(cos_sin_factor(config.rope_scaling))
+        shape = (self.kv_heads, pool.block, self.head_dim)
+        self.parts = pool.parts(fmt.dtype, shape)  # the whole pool, as the graph reads it
+        self.parts_a_block = len(self.parts) // pool.blocks
+        model = _stage_model(config, layers, tensors, formats, [store.places for store in stores],
+                             _STORED_TYPES[fmt.precision], heads)
+        self.compiled = Compiled(model, device, options)
+        self.pool_tensor = ov.Tensor(self.parts, list(self.parts.shape), _STORED_TYPES[fmt.precision])
+
+    def forward(self, x: np.ndarray, rows: Rows) -> np.ndarray:
+        """The rows x [T, H] through the stage's layers, one call for the streams of each row count; writes their
+        keys and values (the pool has given the slots blocks for their positions)."""
+        out = np.empty_like(x)
+        starts, counts = rows.starts, rows.counts
+        for count in np.unique(counts).tolist():
+            groups = np.flatnonzero(counts == count)
+            picked = (starts[groups][:, None] + np.arange(count)).reshape(-1)
+            out[picked] = self._call(x[picked], rows.slots[picked], rows.positions[picked], len(groups), count)
+        return out
+
+    def _call(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray, streams: int,
+              count: int) -> np.ndarray:
+        """One call on `streams` streams of `count` rows each (a stream's rows consecutive)."""
+        first = positions[::count]  # [G]: each stream's first position in the frame
+        blocks = max(1, self.pool.blocks_for(int(first.max())))
+        table = self.pool.table(slots[::count], blocks) * self.parts_a_block
+        entries = np.arange(blocks * self.pool.block)
+        seen = np.concatenate([np.broadcast_to(entries < first[:, None, None], (streams, count, len(entries))),
+                               np.broadcast_to(np.tri(count, dtype=bool), (streams, count, count))], axis=2)
+        mask = np.where(seen, np.float32(0), np.float32(-np.inf))[:, None]
+        angles = positions.astype(np.float32)[:, None, None] * self.inv_freq
+        outputs = self.compiled.request.infer(
+            {"x": x, "cos": self.rope_factor * np.cos(angles), "sin": self.rope_factor * np.sin(angles),
+             "mask": mask, "table": table, "pool": self.pool_tensor}, share_inputs=True)
+        by_stream = (streams, count, self.kv_heads, self.head_dim)
+        for i, store in enumerate(self.stores):
+            store.write(slots[::count], positions.reshape(streams, count), outputs[1 + 2 * i].reshape(by_stream),
+                        outputs[2 + 2 * i].reshape(by_stream))
+        return outputs[0]
+
+
+def _stage_model(config, layers: range, tensors, formats: WeightFormats, places: list[tuple[int, int]],
+                 stored: ov.Type, heads: int) -> ov.Model:
+    """The graph: in x [T, H], cos and sin [T, 1, d/2], mask [G, 1, R, S + R], table [G, S / block] (each stream's
+    blocks' first part in the pool's parts), pool [parts, kv, block, d] in the stored type; out x and each layer's
+    new keys and values [T, kv, d]. `places[i]`: layer i's keys' and values' part in a block."""
+    _, kv_heads, d = config.heads(layers[0])
+    eps = config.rms_norm_eps
+    x = ops.parameter([-1, config.hidden_size], ov.Type.f32, name="x")
+    cos, sin = (ops.parameter([-1, 1, d // 2], ov.Type.f32, name=name) for name in ("cos", "sin"))
+    given_mask = ops.parameter([-1, 1, -1, -1], ov.Type.f32, name="mask")
+    table = ops.parameter([-1, -1], ov.Type.i64, name="table")
+    pool = ops.parameter([-1, kv_heads, -1, d], stored, name="pool")
+    streams = ops.gather(ops.shape_of(table), ints(0), const(np.int64(0)))  # [1]: G
+    frame = _Frame(streams, kv_heads, heads // kv_heads, d)
+    # a K/V head's query rows: its g query heads' R rows each, head by head
+    mask = ops.tile(given_mask, ints(1, 1, heads // kv_heads, 1)).output(0)
+    h, new = x.output(0), []
+    for layer, (key_part, value_part) in zip(layers, places):
+        t = tensors[layer]
+        q, k, v = _qkv(config, t, rms_norm(h, t[llama.INPUT_NORM], eps), formats, heads, kv_heads, d)
+        q, k = _rope(q, cos, sin, d // 2), _rope(k, cos, sin, d // 2)
+        new += [k, v]
+        past = [frame.past(pool, ops.add(table, const(np.int64(part))).output(0)) for part in (key_part, value_part)]
+        keys, values = (ops.concat([p, frame.by_stream(z)], 2).output(0) for p, z in zip(past, (k, v)))
+        attended = ops.scaled_dot_product_attention(frame.queries(q), keys, values, mask,
+                                                    const(np.float32(d ** -0.5)), causal=False)
+        o = linear(frame.rows(attended.output(0)), weight(t[llama.O_PROJ], formats.attention))
+        if (bias := t.get(llama.O_PROJ.replace(".weight", ".bias"))) is not None:
+            o = ops.add(o, const(bias.astype(np.float32))).output(0)
+        h = ops.add(h, o).output(0)
+        h = ops.add(h, _mlp(config, layer, t, rms_norm(h, t[llama.POST_NORM], eps), formats)).output(0)
+    return ov.Model([h, *new], [x, cos, sin, given_mask, table, pool], "stage")
+
+
+class _Frame:
+    """Reshapes between the frame's rows [T, ...] (G streams of R rows) and attention's layout per stream."""
+
+    def __init__(self, streams: ov.Output, kv_heads: int, group: int, head_dim: int):
+        self.streams, self.kv_heads, self.group, self.head_dim = streams, kv_heads, group, head_dim
+
+    def _shape(self, *dims) -> ov.Output:
+        """[G, *dims] (-1 at most once among dims)."""
+        return ops.concat([self.streams, ints(*dims)], 0).output(0)
+
+    def by_stream(self, z: ov.Output) -> ov.Output:
+        """A layer's new keys or values [T, kv, d] -> [G, kv, R, d]."""
+        return ops.transpose(ops.reshape(z, self._shape(-1, self.kv_heads, self.head_dim), False),
+                             ints(0, 2, 1, 3)).output(0)
+
+    def queries(self, q: ov.Output) -> ov.Output:
+        """[T, h, d] -> [G, kv, g R, d]: each K/V head's query heads, R rows each, as its query rows."""
+        split = ops.reshape(q, self._shape(-1, self.kv_heads, self.group, self.head_dim), False)  # [G, R, kv, g, d]
+        return ops.reshape(ops.transpose(split, ints(0, 2, 3, 1, 4)), self._shape(self.kv_heads, -1, self.head_dim),
+                           False).output(0)
+
+    def rows(self, attended: ov.Output) -> ov.Output:
+        """[G, kv, g R, d] -> [T, h d]."""
+        split = ops.reshape(attended, self._shape(self.kv_heads, self.group, -1, self.head_dim), False)
+        return ops.reshape(ops.transpose(split, ints(0, 3, 1, 2, 4)),
+                           ints(-1, self.kv_heads * self.group * self.head_dim), False).output(0)
+
+    def past(self, pool: ov.Output, parts: ov.Output) -> ov.Output:
+        """Each stream's pool entries [G, kv, S, d] in f32, from its blocks' parts [G, b]."""
+        gathered = ops.convert(ops.gather(pool, parts, const(np.int64(0))), ov.Type.f32)  # [G, b, kv, block, d]
+        return ops.reshape(ops.transpose(gathered, ints(0, 2, 1, 3, 4)), self._shape(self.kv_heads, -1, self.head_dim),
+                           False).output(0)
+
+
+def _qkv(config, t, normed: ov.Output, formats: WeightFormats, heads: int, kv_heads: int,
+         d: int) -> tuple[ov.Output, ov.Output, ov.Output]:
+    """q [T, h, d], k and v [T, kv, d] of the normed rows, with the projections' biases and q's and k's per-head
+    norms where the model has them."""
+    names = (llama.Q_PROJ, llama.K_PROJ, llama.V_PROJ)
+    projected = linear(normed, weight(np.concatenate([t[name] for name in names]), formats.attention))
+    if config.attention_bias:
+        bias = np.concatenate([t[name.replace(".weight", ".bias")] for name in names]).astype(np.float32)
+        projected = ops.add(projected, const(bias)).output(0)
+    q, k, v = ops.variadic_split(projected, const(np.int64(-1)), ints(heads * d, kv_heads * d, kv_heads * d)).outputs()
+    q, k, v = (ops.reshape(z, ints(0, n, d), True).output(0) for z, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
+    if qwen3_moe.Q_NORM in t:
+        q, k = rms_norm(q, t[qwen3_moe.Q_NORM], config.rms_norm_eps), rms_norm(k, t[qwen3_moe.K_NORM],
+                                                                               config.rms_norm_eps)
+    return q, k, v
+
+
+def _rope(z: ov.Output, cos: ov.Output, sin: ov.Output, half: int) -> ov.Output:
+    """z [T, heads, 2 half] rotated as `cascadia.engine.rope.rotate` does: z cos + rotate_half(z) sin."""
+    first, second = ops.variadic_split(z, const(np.int64(-1)), ints(half, half)).outputs()
+    return ops.concat([ops.subtract(ops.multiply(first, cos), ops.multiply(second, sin)),
+                       ops.add(ops.multiply(second, cos), ops.multiply(first, sin))], -1).output(0)
+
+
+def _mlp(config, layer: int, t, normed: ov.Output, formats: WeightFormats) -> ov.Output:
+    """A dense layer's SwiGLU, or a MoE layer's router (softmax of f32 logits, top k, normalised where the model
+    says so) and its experts in the tiled form the CPU plugin fuses."""
+    if not (config.model_type == "qwen3_moe" and config.is_sparse(layer)):
+        return swiglu(normed, *(weight(t[name], formats.dense_mlp) for name in (llama.GATE, llama.UP, llama.DOWN)))
+    probabilities = ops.softmax(linear(normed, const(t[qwen3_moe.ROUTER].astype(np.float32))), -1)
+    top = ops.topk(probabilities, const(np.int64(config.num_experts_per_tok)), -1, "max", "value", ov.Type.i32)
+    chosen, index = top.output(0), top.output(1)
+    if config.norm_topk_prob:
+        chosen = ops.divide(chosen, ops.reduce_sum(chosen, ints(-1), True)).output(0)
+    stacks = [weight(np.stack([t[expert(j, p)] for j in range(config.num_experts)]), formats.routed_experts)
+              for p in ("gate", "up", "down")]
+    return tiled_experts(normed, *stacks, config.num_experts, config.hidden_size, index, chosen)
