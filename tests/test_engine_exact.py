@@ -13,8 +13,10 @@ import pytest
 
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
+from cascadia.engine.families import HOST_LAYERS
 from cascadia.engine.rows import BatchError
-from cascadia.spec.types import RuntimeSpec
+from cascadia.models import FAMILIES
+from cascadia.spec.types import STAGE_GRAPH_FAMILIES, RuntimeSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded", "qwen3_odd", "qwen3_norm", "qwen3_stacked", "deepseek_odd",
@@ -220,3 +222,8 @@ def test_a_forked_stream_goes_on_as_its_source_would_sharing_its_full_blocks(nam
     assert pool.free == pool.blocks
     with pytest.raises(BatchError, match="into itself"):
         engine.fork(0, 0)
+
+
+def test_the_families_whose_stages_run_as_one_graph_are_those_a_spec_may_ask_it_of():
+    built = {model_type for model_type, module in FAMILIES.items() if hasattr(HOST_LAYERS[module], "graph_layer")}
+    assert built == set(STAGE_GRAPH_FAMILIES)

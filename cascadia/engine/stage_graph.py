@@ -33,14 +33,13 @@ import openvino as ov
 import openvino.opset16 as ops
 
 from cascadia.engine.device import Compiled
+from cascadia.engine.families import host_layers
 from cascadia.engine.kv_store import BlockPool, PagedKV
-from cascadia.engine.ov_ops import const, ints, linear, rms_norm, swiglu, tiled_experts, weight
+from cascadia.engine.ov_ops import const, ints
 from cascadia.engine.rope import cos_sin_factor, inverse_frequencies
 from cascadia.engine.rows import Rows
 from cascadia.engine.state_format import StateFormat
-from cascadia.models import llama, qwen3_moe
 from cascadia.models.base import UnsupportedModel
-from cascadia.models.names import expert
 from cascadia.spec.types import RuntimeSpec, WeightFormats
 
 _STORED_TYPES = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16}
@@ -55,7 +54,7 @@ class StageGraph:
         """`tensors[i]`: layer i's float32 tensors by name relative to its prefix (`Checkpoint.layer`); `stores`:
         each layer's keys and values in `pool`, kept in `fmt`."""
         if why := RuntimeSpec(stage_graph=True).stage_graph_misfit(config):
-            raise UnsupportedModel(f"runtime.stage_graph {why}")
+            raise UnsupportedModel(f"runtime.stage_graph {why}")  # a family module without `graph_layer`
         if device != "CPU":
             raise UnsupportedModel(f"runtime.stage_graph runs on the CPU, not {device}: it has no FP32 restoration "
                                    "for a GPU's f16")
@@ -107,9 +106,9 @@ def _stage_model(config, layers: range, tensors, formats: WeightFormats, places:
                  stored: ov.Type, heads: int) -> ov.Model:
     """The graph: in x [T, H], cos and sin [T, 1, d/2], mask [G, 1, R, S + R], table [G, S / block] (each stream's
     blocks' first part in the pool's parts), pool [parts, kv, block, d] in the stored type; out x and each layer's
-    new keys and values [T, kv, d]. `places[i]`: layer i's keys' and values' part in a block."""
+    new keys and values [T, kv, d]. `places[i]`: layer i's keys' and values' part in a block. The family's module
+    builds each layer (`graph_layer`) around the attention built here."""
     _, kv_heads, d = config.heads(layers[0])
-    eps = config.rms_norm_eps
     x = ops.parameter([-1, config.hidden_size], ov.Type.f32, name="x")
     cos, sin = (ops.parameter([-1, 1, d // 2], ov.Type.f32, name=name) for name in ("cos", "sin"))
     given_mask = ops.parameter([-1, 1, -1, -1], ov.Type.f32, name="mask")
@@ -120,20 +119,19 @@ def _stage_model(config, layers: range, tensors, formats: WeightFormats, places:
     # a K/V head's query rows: its g query heads' R rows each, head by head
     mask = ops.tile(given_mask, ints(1, 1, heads // kv_heads, 1)).output(0)
     h, new = x.output(0), []
-    for layer, (key_part, value_part) in zip(layers, places):
-        t = tensors[layer]
-        q, k, v = _qkv(config, t, rms_norm(h, t[llama.INPUT_NORM], eps), formats, heads, kv_heads, d)
-        q, k = _rope(q, cos, sin, d // 2), _rope(k, cos, sin, d // 2)
-        new += [k, v]
-        past = [frame.past(pool, ops.add(table, const(np.int64(part))).output(0)) for part in (key_part, value_part)]
-        keys, values = (ops.concat([p, frame.by_stream(z)], 2).output(0) for p, z in zip(past, (k, v)))
-        attended = ops.scaled_dot_product_attention(frame.queries(q), keys, values, mask,
-                                                    const(np.float32(d ** -0.5)), causal=False)
-        o = linear(frame.rows(attended.output(0)), weight(t[llama.O_PROJ], formats.attention))
-        if (bias := t.get(llama.O_PROJ.replace(".weight", ".bias"))) is not None:
-            o = ops.add(o, const(bias.astype(np.float32))).output(0)
-        h = ops.add(h, o).output(0)
-        h = ops.add(h, _mlp(config, layer, t, rms_norm(h, t[llama.POST_NORM], eps), formats)).output(0)
+    for layer, parts in zip(layers, places):
+        def attend(q: ov.Output, k: ov.Output, v: ov.Output, parts=parts) -> ov.Output:
+            """q [T, h, d], k and v [T, kv, d], before RoPE -> attention over the pool and the frame [T, h d]; the
+            frame's keys and values are the graph's outputs, to be written into the pool."""
+            q, k = _rope(q, cos, sin, d // 2), _rope(k, cos, sin, d // 2)
+            new.extend((k, v))
+            past = [frame.past(pool, ops.add(table, const(np.int64(part))).output(0)) for part in parts]
+            keys, values = (ops.concat([p, frame.by_stream(z)], 2).output(0) for p, z in zip(past, (k, v)))
+            attended = ops.scaled_dot_product_attention(frame.queries(q), keys, values, mask,
+                                                        const(np.float32(d ** -0.5)), causal=False)
+            return frame.rows(attended.output(0))
+
+        h = host_layers(config).graph_layer(config, layer, tensors[layer], formats, h, attend)
     return ov.Model([h, *new], [x, cos, sin, given_mask, table, pool], "stage")
 
 
@@ -171,40 +169,8 @@ class _Frame:
                            False).output(0)
 
 
-def _qkv(config, t, normed: ov.Output, formats: WeightFormats, heads: int, kv_heads: int,
-         d: int) -> tuple[ov.Output, ov.Output, ov.Output]:
-    """q [T, h, d], k and v [T, kv, d] of the normed rows, with the projections' biases and q's and k's per-head
-    norms where the model has them."""
-    names = (llama.Q_PROJ, llama.K_PROJ, llama.V_PROJ)
-    projected = linear(normed, weight(np.concatenate([t[name] for name in names]), formats.attention))
-    if config.attention_bias:
-        bias = np.concatenate([t[name.replace(".weight", ".bias")] for name in names]).astype(np.float32)
-        projected = ops.add(projected, const(bias)).output(0)
-    q, k, v = ops.variadic_split(projected, const(np.int64(-1)), ints(heads * d, kv_heads * d, kv_heads * d)).outputs()
-    q, k, v = (ops.reshape(z, ints(0, n, d), True).output(0) for z, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
-    if qwen3_moe.Q_NORM in t:
-        q, k = rms_norm(q, t[qwen3_moe.Q_NORM], config.rms_norm_eps), rms_norm(k, t[qwen3_moe.K_NORM],
-                                                                               config.rms_norm_eps)
-    return q, k, v
-
-
 def _rope(z: ov.Output, cos: ov.Output, sin: ov.Output, half: int) -> ov.Output:
     """z [T, heads, 2 half] rotated as `cascadia.engine.rope.rotate` does: z cos + rotate_half(z) sin."""
     first, second = ops.variadic_split(z, const(np.int64(-1)), ints(half, half)).outputs()
     return ops.concat([ops.subtract(ops.multiply(first, cos), ops.multiply(second, sin)),
                        ops.add(ops.multiply(second, cos), ops.multiply(first, sin))], -1).output(0)
-
-
-def _mlp(config, layer: int, t, normed: ov.Output, formats: WeightFormats) -> ov.Output:
-    """A dense layer's SwiGLU, or a MoE layer's router (softmax of f32 logits, top k, normalised where the model
-    says so) and its experts in the tiled form the CPU plugin fuses."""
-    if not (config.model_type == "qwen3_moe" and config.is_sparse(layer)):
-        return swiglu(normed, *(weight(t[name], formats.dense_mlp) for name in (llama.GATE, llama.UP, llama.DOWN)))
-    probabilities = ops.softmax(linear(normed, const(t[qwen3_moe.ROUTER].astype(np.float32))), -1)
-    top = ops.topk(probabilities, const(np.int64(config.num_experts_per_tok)), -1, "max", "value", ov.Type.i32)
-    chosen, index = top.output(0), top.output(1)
-    if config.norm_topk_prob:
-        chosen = ops.divide(chosen, ops.reduce_sum(chosen, ints(-1), True)).output(0)
-    stacks = [weight(np.stack([t[expert(j, p)] for j in range(config.num_experts)]), formats.routed_experts)
-              for p in ("gate", "up", "down")]
-    return tiled_experts(normed, *stacks, config.num_experts, config.hidden_size, index, chosen)

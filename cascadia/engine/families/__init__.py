@@ -12,6 +12,9 @@ chosen by the family module a config belongs to. A module holds:
   the family keeps (`nbytes`, `release(slot)`, `fork(source, target)`: a new stream's state as another's stands);
 - `embedded(cfg, x, tensors)` and `head_input(cfg, h)`: what the family does between the embedding table and the
   first layer, and between the final norm and the LM head.
+- where the family's stages can run as one graph (`runtime.stage_graph`, `spec.types.STAGE_GRAPH_FAMILIES`):
+  `graph_layer(cfg, layer, tensors, formats, x, attend)`, the layer built into that graph around the attention the
+  stage graph builds (`cascadia.engine.stage_graph`).
 """
 
 from __future__ import annotations

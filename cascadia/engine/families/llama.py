@@ -21,12 +21,14 @@ heads, d head dim.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 import numpy as np
+import openvino as ov
+import openvino.opset16 as ops
 
-from cascadia.engine import graphs
+from cascadia.engine import graphs, ov_ops
 from cascadia.engine.attention import AttentionShape, KeyStore, attend_rows
 from cascadia.engine.device import Compiled, CompiledBlock
 from cascadia.engine.layer_build import Compile, CompileGrouped, swiglu_block
@@ -126,6 +128,43 @@ def build_layer(cfg: LlamaConfig, layer: int, t: Mapping[str, np.ndarray], forma
                                 compile, dense_slices)
     return DecoderLayer(**attention_parts(cfg, layer, t, formats, compile), mlp=mlp, up_divisor=divisor,
                         dense_slices=dense_slices)
+
+
+# ---- the layer inside a stage graph (`cascadia.engine.stage_graph`) -----------------------------------------------
+Attend = Callable[[ov.Output, ov.Output, ov.Output], ov.Output]  # q [T, h, d], k, v [T, kv, d] -> [T, h d]
+
+
+def graph_layer(cfg: LlamaConfig, layer: int, t: Mapping[str, np.ndarray], formats: WeightFormats, x: ov.Output,
+                attend: Attend, q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
+                mlp: Callable[[ov.Output], ov.Output] | None = None) -> ov.Output:
+    """Layer `layer` built into a stage graph on the rows x [T, H] -> after it, the order `DecoderLayer.forward`
+    computes: q|k|v of the input norm (+ biases), q and k normed per head by `q_norm` and `k_norm` where given,
+    `attend` (RoPE and attention, the stage graph's), o (+ bias), the residual, then `mlp` of the post-attention
+    norm (default: the dense SwiGLU) and the residual."""
+    heads, kv_heads, d = cfg.heads(layer)
+    projections = (names.Q_PROJ, names.K_PROJ, names.V_PROJ)
+    projected = ov_ops.linear(ov_ops.rms_norm(x, t[names.INPUT_NORM], cfg.rms_norm_eps),
+                              ov_ops.weight(np.concatenate([t[name] for name in projections]), formats.attention))
+    if cfg.attention_bias:
+        projected = _plus(projected, np.concatenate([t[name.replace(".weight", ".bias")] for name in projections]))
+    widths = ov_ops.ints(heads * d, kv_heads * d, kv_heads * d)
+    q, k, v = (ops.reshape(z, ov_ops.ints(0, n, d), True).output(0) for z, n in zip(
+        ops.variadic_split(projected, ov_ops.const(np.int64(-1)), widths).outputs(), (heads, kv_heads, kv_heads)))
+    if q_norm is not None:
+        q, k = ov_ops.rms_norm(q, q_norm, cfg.rms_norm_eps), ov_ops.rms_norm(k, k_norm, cfg.rms_norm_eps)
+    out = ov_ops.linear(attend(q, k, v), ov_ops.weight(t[names.O_PROJ], formats.attention))
+    if cfg.attention_bias:
+        out = _plus(out, t[names.O_PROJ.replace(".weight", ".bias")])
+    x = ops.add(x, out).output(0)
+    normed = ov_ops.rms_norm(x, t[names.POST_NORM], cfg.rms_norm_eps)
+    if mlp is not None:
+        return ops.add(x, mlp(normed)).output(0)
+    dense = [ov_ops.weight(t[name], formats.dense_mlp) for name in (names.GATE, names.UP, names.DOWN)]
+    return ops.add(x, ov_ops.swiglu(normed, *dense)).output(0)
+
+
+def _plus(x: ov.Output, bias: np.ndarray) -> ov.Output:
+    return ops.add(x, ov_ops.const(np.asarray(bias, np.float32))).output(0)
 
 
 # ---- the ends of the model and the state of a stream ------------------------------------------------------------

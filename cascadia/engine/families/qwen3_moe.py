@@ -21,7 +21,11 @@ from collections.abc import Iterator, Mapping
 
 import attrs
 import numpy as np
+import openvino as ov
+import openvino.opset16 as ops
 
+from cascadia.engine import ov_ops
+from cascadia.engine.families import llama
 from cascadia.engine.families.llama import DecoderLayer, attention_parts, embedded, head_input, slot_state
 from cascadia.engine.layer_build import Chunk, Compile, CompileGrouped, moe_blocks, swiglu_block
 from cascadia.engine.layers import Routing, router_logits, softmax
@@ -29,7 +33,7 @@ from cascadia.models import qwen3_moe as names
 from cascadia.models.qwen3_moe import Qwen3MoeConfig
 from cascadia.spec.types import WeightFormats
 
-__all__ = ["Router", "build_layer", "embedded", "head_input", "slot_state"]
+__all__ = ["Router", "build_layer", "embedded", "graph_layer", "head_input", "slot_state"]
 
 
 @attrs.frozen(eq=False)
@@ -74,3 +78,23 @@ def build_layer(cfg: Qwen3MoeConfig, layer: int, t: Mapping[str, np.ndarray], fo
                                        compile if fused else None, compile_grouped)
     router = Router(t[names.ROUTER], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     return DecoderLayer(**parts, mlp=mlp, up_divisor=divisor, router=router, grouped=grouped)
+
+
+def graph_layer(cfg: Qwen3MoeConfig, layer: int, t: Mapping[str, np.ndarray], formats: WeightFormats,
+                x: ov.Output, attend: llama.Attend) -> ov.Output:
+    """Layer `layer` built into a stage graph (`llama.graph_layer`) with q and k normed per head and, on MoE layers,
+    the router (softmax of its logits, top k, divided by their sum where `norm_topk_prob`) and the experts in the
+    tiled form the CPU plugin fuses."""
+    def experts(normed: ov.Output) -> ov.Output:
+        logits = ov_ops.linear(normed, ov_ops.const(np.asarray(t[names.ROUTER], np.float32)))
+        top = ops.topk(ops.softmax(logits, -1), ov_ops.const(np.int64(cfg.num_experts_per_tok)), -1, "max", "value",
+                       ov.Type.i32)
+        weights, index = top.output(0), top.output(1)
+        if cfg.norm_topk_prob:
+            weights = ops.divide(weights, ops.reduce_sum(weights, ov_ops.ints(-1), True)).output(0)
+        stacks = [ov_ops.weight(np.stack([t[names.expert(j, p)] for j in range(cfg.num_experts)]),
+                                formats.routed_experts) for p in ("gate", "up", "down")]
+        return ov_ops.tiled_experts(normed, *stacks, cfg.num_experts, cfg.hidden_size, index, weights)
+
+    return llama.graph_layer(cfg, layer, t, formats, x, attend, t[names.Q_NORM], t[names.K_NORM],
+                             experts if cfg.is_sparse(layer) else None)
