@@ -15,6 +15,8 @@ check       The models at --quick sizes: one stream's prompt and DECODE_STEPS te
             layers at f32: the largest logit difference over the largest logit, and the rows whose greedy token
             agrees.
 first token A 512-token prompt's, one stream, in chunks of 256 rows (median of the rounds).
+memory      A fresh process for each way, model and format (`peers.peak_memory`): loaded, that first token, then 32
+            streams' decode; its peak resident memory (VmHWM).
 
 Not a test: it prints its tables and writes them to bench/results/one_graph.json.
 
@@ -29,7 +31,8 @@ import statistics
 import time
 
 import numpy as np
-from peers import FIRST_TOKEN_PROMPT, FORMATS, MODELS, SEED, STREAMS, Cascadia, arguments, checkpoint
+from peers import (FIRST_TOKEN_PROMPT, FORMATS, MODELS, SEED, STREAMS, Cascadia, arguments, checkpoint,
+                   peak_memory)
 from record import Table, now, spread, write
 
 from cascadia.engine.device import runs_as
@@ -91,6 +94,10 @@ def main() -> None:
                   note=f"Median (min-max) of {args.rounds} rounds, the two ways alternating, of {DECODE_STEPS} greedy "
                        f"steps after prompts of {PROMPT_TOKENS}. Agree: the leading tokens each stream decodes the "
                        f"same both ways, summed over the streams, in the last round.")
+    memory = Table("Peak memory of a process running the engine, MiB", ["model", "weights", *WAYS,
+                                                                         "one graph over layers"],
+                   note="A fresh process each: loaded, the first token of the 512-token prompt, 64 tokens of 32 "
+                        "streams; its peak resident set (VmHWM).")
     first = Table(f"First token of a {FIRST_TOKEN_PROMPT}-token prompt, one stream, seconds ({precision} compute)",
                   ["model", "weights", *WAYS, "layers over one graph"],
                   note="Median (min-max) of the rounds, alternating with the decode's; the prompt in chunks of 256.")
@@ -122,9 +129,12 @@ def main() -> None:
             medians = [statistics.median(seconds[way, "first"]) for way in WAYS]
             first.add(model, fmt, *(spread(seconds[way, "first"]) for way in WAYS), round(medians[0] / medians[1], 2))
             del contestants
-            print(speed.text(), "\n", first.text(), "\n", flush=True)
+            peaks = [peak_memory(who, path, fmt, precision, prompts, long_prompt) / 2**20
+                     for who in ("Cascadia", "Cascadia one graph")]
+            memory.add(model, fmt, *(round(peak) for peak in peaks), round(peaks[1] / peaks[0], 2))
+            print(speed.text(), "\n", first.text(), "\n", memory.text(), "\n", flush=True)
     write("one_graph", "The engine with a stage as one compiled graph against the engine layer by layer", started,
-          [checked, speed, first], args.out, quick=args.quick)
+          [checked, speed, first, memory], args.out, quick=args.quick)
 
 
 def _leading(a: list[int], b: list[int]) -> int:

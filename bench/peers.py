@@ -392,10 +392,12 @@ class CascadiaRun:
 
 def contestant(who: str, path: Path, fmt: str, precision: str) -> GenAI | LlamaCpp | Cascadia:
     """One contestant on its form of the model (an export, a GGUF or the checkpoint) as a user would run it: GenAI's
-    continuous batching alone."""
+    continuous batching alone; Cascadia's engine layer by layer, or ("Cascadia one graph") each stage one graph."""
     if who == "GenAI":
         return GenAI(path, precision, single=False)
-    return LlamaCpp(path) if who == "llama.cpp" else Cascadia(path, FORMATS[fmt].cascadia, precision)
+    if who == "llama.cpp":
+        return LlamaCpp(path)
+    return Cascadia(path, FORMATS[fmt].cascadia, precision, stage_graph=who == "Cascadia one graph")
 
 
 def peak_memory_child(who: str, path: str, fmt: str, precision: str, prompts: np.ndarray, long_prompt: np.ndarray,

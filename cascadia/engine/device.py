@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import openvino as ov
@@ -79,7 +79,9 @@ class Compiled:
     compiling, and for matmuls on the first call of a shape) `drop_mapped_pages` takes those file pages out of the
     process."""
 
-    def __init__(self, model: ov.Model, device: str, options: dict[str, object]):
+    def __init__(self, model: ov.Model | Callable[[], ov.Model], device: str, options: dict[str, object]):
+        """`model`, or what builds it: built, saved and let go before the plugin compiles it, so that its weights
+        are not held twice while it does (a whole stage's, `cascadia.engine.stage_graph`)."""
         self.compiled, self._weights_file = _compile_from_file(model, device, options)
         self.drop_mapped_pages()
         self.request = self.compiled.create_infer_request()
@@ -140,13 +142,15 @@ class CompiledBlock(Compiled):
         self.drop_mapped_pages()
 
 
-def _compile_from_file(model: ov.Model, device: str, options: dict[str, object]) -> tuple[ov.CompiledModel, str]:
-    """Compile `model` through a temporary IR file, deleted at once (the plugin's mapping keeps its data on disk
-    until the block goes). Returns the compiled model and the path its weights were mapped from."""
+def _compile_from_file(model: ov.Model | Callable[[], ov.Model], device: str,
+                       options: dict[str, object]) -> tuple[ov.CompiledModel, str]:
+    """Compile `model` (or the one it builds, let go once saved) through a temporary IR file, deleted at once (the
+    plugin's mapping keeps its data on disk until the block goes). Returns the compiled model and the path its
+    weights were mapped from."""
     folder = tempfile.mkdtemp(prefix="cascadia-ir-", dir=_IR_FOLDER)
     try:
         xml = os.path.join(folder, "block.xml")
-        ov.save_model(model, xml, compress_to_fp16=False)
+        ov.save_model(model if isinstance(model, ov.Model) else model(), xml, compress_to_fp16=False)
         return core().compile_model(xml, device, options), os.path.join(folder, "block.bin")
     finally:
         shutil.rmtree(folder)

@@ -123,7 +123,7 @@ class StageEngine:
                 advance()
             self.states.append(host.slot_state(cfg, kv, runtime.max_streams, fmt, self.rewind))
         if runtime.stage_graph and len(layers):
-            self.graph = StageGraph(cfg, layers, {i: checkpoint.layer(i) for i in layers}, formats, self.pool,
+            self.graph = StageGraph(cfg, layers, checkpoint.layer, formats, self.pool,
                                     [state.kv for state in self.states], fmt, self.device, options)
             for _ in layers:
                 advance()
@@ -140,6 +140,8 @@ class StageEngine:
         if warm_up:
             for block in self.blocks:
                 block.warm_up()
+            if self.graph is not None:
+                self.graph.warm_up((1, self.max_rows))
             if self.states:  # every attention layer's spans, a global layer's or a ring's, go through the kernel
                 paged_kernel.warm_up(fmt.dtype)
 

@@ -54,8 +54,8 @@ def moe_blocks(routed: Chunks, n_routed: int, shared: Chunks | None, n_shared: i
     divisor = up_divisor(*_peak_rows(routed(_per(routed_fmt))), norm_weight)
     if shared is not None:
         divisor = max(divisor, up_divisor(*_peak_rows(shared(_per(shared_fmt))), norm_weight))
-    routed_weights = _expert_weights(routed(_per(routed_fmt)), n_routed, routed_fmt, divisor)
-    shared_weights = None if shared is None else _expert_weights(shared(_per(shared_fmt)), n_shared, shared_fmt,
+    routed_weights = expert_weights(routed(_per(routed_fmt)), n_routed, routed_fmt, divisor)
+    shared_weights = None if shared is None else expert_weights(shared(_per(shared_fmt)), n_shared, shared_fmt,
                                                                   divisor)
     fused = grouped = None
     if compile is not None:
@@ -120,7 +120,7 @@ def _peak_rows(chunks: Iterator[Chunk]) -> list[np.ndarray]:
     return [np.stack(rows) for rows in peaks]
 
 
-def _expert_weights(chunks: Iterator[Chunk], count: int, fmt: WeightFormat, divisor: float):
+def expert_weights(chunks: Iterator[Chunk], count: int, fmt: WeightFormat, divisor: float = 1.0):
     """Gate, up / A and down of `count` experts: quantised chunk by chunk for an integer `fmt`, else the float32
     stacks (one chunk)."""
     scaled = ((gate, up / np.float32(divisor), down) for gate, up, down in chunks)

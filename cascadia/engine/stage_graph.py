@@ -1,7 +1,7 @@
 """A stage's layers as one compiled graph (`runtime.stage_graph`), for the families whose layers are a Llama's
 (Llama, Qwen3-MoE): one infer call computes every layer of a frame, where the layer-by-layer engine makes three a
-layer with attention, RoPE, norms, routers and residuals on the host between them (bench/one_graph.py: 1.3-1.6x
-faster decode steps at one stream).
+layer with attention, RoPE, norms, routers and residuals on the host between them (bench/one_graph.py: decode
+steps 1.0-1.5x as fast at one stream on the race's models).
 
     StageGraph(x [T, H]) for the rows of G streams with R rows each (T = G R, a stream's rows consecutive):
       for each layer:
@@ -26,7 +26,7 @@ and the FP32 restoration (for a GPU's f16) is not there: on the CPU only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import openvino as ov
@@ -48,11 +48,11 @@ _STORED_TYPES = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16}
 class StageGraph:
     """The compiled graph of a stage's `layers` and how to call it on a frame's rows (`forward`)."""
 
-    def __init__(self, config, layers: range, tensors: Mapping[int, Mapping[str, np.ndarray]],
+    def __init__(self, config, layers: range, tensors: Callable[[int], Mapping[str, np.ndarray]],
                  formats: WeightFormats, pool: BlockPool, stores: list[PagedKV], fmt: StateFormat, device: str,
                  options: dict[str, object]):
-        """`tensors[i]`: layer i's float32 tensors by name relative to its prefix (`Checkpoint.layer`); `stores`:
-        each layer's keys and values in `pool`, kept in `fmt`."""
+        """`tensors(i)`: layer i's float32 tensors by name relative to its prefix (`Checkpoint.layer`: read as the
+        graph is built, a layer at a time); `stores`: each layer's keys and values in `pool`, kept in `fmt`."""
         if why := RuntimeSpec(stage_graph=True).stage_graph_misfit(config):
             raise UnsupportedModel(f"runtime.stage_graph {why}")  # a family module without `graph_layer`
         if device != "CPU":
@@ -65,9 +65,9 @@ class StageGraph:
         shape = (self.kv_heads, pool.block, self.head_dim)
         self.parts = pool.parts(fmt.dtype, shape)  # the whole pool, as the graph reads it
         self.parts_a_block = len(self.parts) // pool.blocks
-        model = _stage_model(config, layers, tensors, formats, [store.places for store in stores],
-                             _STORED_TYPES[fmt.precision], heads)
-        self.compiled = Compiled(model, device, options)
+        self.compiled = Compiled(lambda: _stage_model(config, layers, tensors, formats,
+                                                      [store.places for store in stores],
+                                                      _STORED_TYPES[fmt.precision], heads), device, options)
         self.pool_tensor = ov.Tensor(self.parts, list(self.parts.shape), _STORED_TYPES[fmt.precision])
 
     def forward(self, x: np.ndarray, rows: Rows) -> np.ndarray:
@@ -81,25 +81,39 @@ class StageGraph:
             out[picked] = self._call(x[picked], rows.slots[picked], rows.positions[picked], len(groups), count)
         return out
 
+    def warm_up(self, sizes: Sequence[int]) -> None:
+        """One stream's call at each of `sizes` rows (nothing written), then the weights' file pages out of the
+        process (`Compiled.drop_mapped_pages`), so that first requests are not slow, nor the weights held twice."""
+        for count in sizes:
+            table = self.pool.table(np.zeros(1, np.int64), 1)  # its first block or 0: every entry is masked
+            self._infer(np.zeros((count, self.config.hidden_size), np.float32), np.arange(count), 1, count, table)
+        self.compiled.drop_mapped_pages()
+
     def _call(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray, streams: int,
               count: int) -> np.ndarray:
-        """One call on `streams` streams of `count` rows each (a stream's rows consecutive)."""
-        first = positions[::count]  # [G]: each stream's first position in the frame
-        blocks = max(1, self.pool.blocks_for(int(first.max())))
-        table = self.pool.table(slots[::count], blocks) * self.parts_a_block
-        entries = np.arange(blocks * self.pool.block)
-        seen = np.concatenate([np.broadcast_to(entries < first[:, None, None], (streams, count, len(entries))),
-                               np.broadcast_to(np.tri(count, dtype=bool), (streams, count, count))], axis=2)
-        mask = np.where(seen, np.float32(0), np.float32(-np.inf))[:, None]
-        angles = positions.astype(np.float32)[:, None, None] * self.inv_freq
-        outputs = self.compiled.request.infer(
-            {"x": x, "cos": self.rope_factor * np.cos(angles), "sin": self.rope_factor * np.sin(angles),
-             "mask": mask, "table": table, "pool": self.pool_tensor}, share_inputs=True)
+        """One call on `streams` streams of `count` rows each (a stream's rows consecutive); writes their keys and
+        values."""
+        first = positions[::count]
+        table = self.pool.table(slots[::count], max(1, self.pool.blocks_for(int(first.max()))))
+        outputs = self._infer(x, positions, streams, count, table)
         by_stream = (streams, count, self.kv_heads, self.head_dim)
         for i, store in enumerate(self.stores):
             store.write(slots[::count], positions.reshape(streams, count), outputs[1 + 2 * i].reshape(by_stream),
                         outputs[2 + 2 * i].reshape(by_stream))
         return outputs[0]
+
+    def _infer(self, x: np.ndarray, positions: np.ndarray, streams: int, count: int, table: np.ndarray):
+        """The graph's outputs for these rows, the streams' pool blocks `table` [G, b]: a row sees its stream's
+        entries before the stream's first position in the call, and the call's rows up to its own."""
+        first = positions[::count]  # [G]
+        entries = np.arange(table.shape[1] * self.pool.block)
+        seen = np.concatenate([np.broadcast_to(entries < first[:, None, None], (streams, count, len(entries))),
+                               np.broadcast_to(np.tri(count, dtype=bool), (streams, count, count))], axis=2)
+        mask = np.where(seen, np.float32(0), np.float32(-np.inf))[:, None]
+        angles = positions.astype(np.float32)[:, None, None] * self.inv_freq
+        return self.compiled.request.infer(
+            {"x": x, "cos": self.rope_factor * np.cos(angles), "sin": self.rope_factor * np.sin(angles),
+             "mask": mask, "table": table * self.parts_a_block, "pool": self.pool_tensor}, share_inputs=True)
 
 
 def _stage_model(config, layers: range, tensors, formats: WeightFormats, places: list[tuple[int, int]],
@@ -131,7 +145,7 @@ def _stage_model(config, layers: range, tensors, formats: WeightFormats, places:
                                                         const(np.float32(d ** -0.5)), causal=False)
             return frame.rows(attended.output(0))
 
-        h = host_layers(config).graph_layer(config, layer, tensors[layer], formats, h, attend)
+        h = host_layers(config).graph_layer(config, layer, tensors(layer), formats, h, attend)
     return ov.Model([h, *new], [x, cos, sin, given_mask, table, pool], "stage")
 
 

@@ -27,7 +27,8 @@ import openvino.opset16 as ops
 from cascadia.engine import ov_ops
 from cascadia.engine.families import llama
 from cascadia.engine.families.llama import DecoderLayer, attention_parts, embedded, head_input, slot_state
-from cascadia.engine.layer_build import Chunk, Compile, CompileGrouped, moe_blocks, swiglu_block
+from cascadia.engine.layer_build import (Chunk, Chunks, Compile, CompileGrouped, expert_weights, moe_blocks,
+                                         swiglu_block)
 from cascadia.engine.layers import Routing, router_logits, softmax
 from cascadia.models import qwen3_moe as names
 from cascadia.models.qwen3_moe import Qwen3MoeConfig
@@ -54,6 +55,17 @@ class Router:
         return Routing(index.astype(np.int32), weights, np.zeros((len(h), 0), np.float32))
 
 
+def _routed(cfg: Qwen3MoeConfig, t: Mapping[str, np.ndarray]) -> Chunks:
+    """A layer's routed experts' gate, up and down stacks, `per` experts at a time (None: whole)."""
+    def chunks(per: int | None) -> Iterator[Chunk]:
+        step = per or cfg.num_experts
+        for first in range(0, cfg.num_experts, step):
+            experts = range(first, min(first + step, cfg.num_experts))
+            yield tuple(np.stack([t[names.expert(j, projection)] for j in experts])
+                        for projection in ("gate", "up", "down"))
+    return chunks
+
+
 def build_layer(cfg: Qwen3MoeConfig, layer: int, t: Mapping[str, np.ndarray], formats: WeightFormats,
                 compile: Compile, dense_slices: int | None = None, compile_grouped: CompileGrouped | None = None,
                 fused: bool = True) -> DecoderLayer:
@@ -67,15 +79,8 @@ def build_layer(cfg: Qwen3MoeConfig, layer: int, t: Mapping[str, np.ndarray], fo
                                     dense_slices)
         return DecoderLayer(**parts, mlp=mlp, up_divisor=divisor, dense_slices=dense_slices)
 
-    def routed(per: int | None) -> Iterator[Chunk]:
-        step = per or cfg.num_experts
-        for first in range(0, cfg.num_experts, step):
-            experts = range(first, min(first + step, cfg.num_experts))
-            yield tuple(np.stack([t[names.expert(j, projection)] for j in experts])
-                        for projection in ("gate", "up", "down"))
-
-    mlp, grouped, divisor = moe_blocks(routed, cfg.num_experts, None, 0, cfg.num_experts_per_tok, formats, post_norm,
-                                       compile if fused else None, compile_grouped)
+    mlp, grouped, divisor = moe_blocks(_routed(cfg, t), cfg.num_experts, None, 0, cfg.num_experts_per_tok, formats,
+                                       post_norm, compile if fused else None, compile_grouped)
     router = Router(t[names.ROUTER], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     return DecoderLayer(**parts, mlp=mlp, up_divisor=divisor, router=router, grouped=grouped)
 
@@ -92,9 +97,10 @@ def graph_layer(cfg: Qwen3MoeConfig, layer: int, t: Mapping[str, np.ndarray], fo
         weights, index = top.output(0), top.output(1)
         if cfg.norm_topk_prob:
             weights = ops.divide(weights, ops.reduce_sum(weights, ov_ops.ints(-1), True)).output(0)
-        stacks = [ov_ops.weight(np.stack([t[names.expert(j, p)] for j in range(cfg.num_experts)]),
-                                formats.routed_experts) for p in ("gate", "up", "down")]
-        return ov_ops.tiled_experts(normed, *stacks, cfg.num_experts, cfg.hidden_size, index, weights)
+        fmt = formats.routed_experts  # an integer format's stacks quantised an expert at a time
+        stacks = expert_weights(_routed(cfg, t)(1 if fmt.is_integer else None), cfg.num_experts, fmt)
+        return ov_ops.tiled_experts(normed, *(ov_ops.weight(w, fmt) for w in stacks), cfg.num_experts,
+                                    cfg.hidden_size, index, weights)
 
     return llama.graph_layer(cfg, layer, t, formats, x, attend, t[names.Q_NORM], t[names.K_NORM],
                              experts if cfg.is_sparse(layer) else None)
