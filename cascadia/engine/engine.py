@@ -57,7 +57,7 @@ class StageEngine:
         blocks from a pool of `kv_blocks` (`PoolLayout`; None: enough for every slot at the budget).
         `formats`: how weights are stored. `dense_slices`: run dense MLPs as that many all-active expert slices
         (not in a stage graph). `warm_up`: run every block at every bucket once now, so that first requests are not
-        slow (a stage graph warms up on its first calls). MoE calls of at
+        slow (a stage graph: one call at one row and one at the largest bucket). MoE calls of at
         least `moe_grouped_from` rows run expert-grouped (`cascadia.engine.moe_choice`; "auto" is measured here and
         the result kept in `self.moe_grouped_from`, None for fused only)."""
         cfg = self.config = checkpoint.config

@@ -58,12 +58,12 @@ class StageGraph:
         if device != "CPU":
             raise UnsupportedModel(f"runtime.stage_graph runs on the CPU, not {device}: it has no FP32 restoration "
                                    "for a GPU's f16")
-        self.config, self.pool, self.stores, self.fmt = config, pool, stores, fmt
+        self.config, self.pool, self.stores = config, pool, stores
         heads, self.kv_heads, self.head_dim = config.heads(layers[0])
         self.inv_freq = inverse_frequencies(self.head_dim, config.rope_theta, config.rope_scaling)
         self.rope_factor = np.float32(cos_sin_factor(config.rope_scaling))
         shape = (self.kv_heads, pool.block, self.head_dim)
-        self.parts = pool.parts(fmt.dtype, shape)  # the whole pool, as the graph reads it
+        self.parts = pool.parts(fmt.dtype, shape)  # the whole pool, as the graph reads it (its tensor shares this)
         self.parts_a_block = len(self.parts) // pool.blocks
         self.compiled = Compiled(lambda: _stage_model(config, layers, tensors, formats,
                                                       [store.places for store in stores],
