@@ -9,13 +9,15 @@ backup precision). llama.cpp's own converter (convert_hf_to_gguf.py) writes it a
 quantises to Q8_0 and to Q4_0 (blocks of 32, symmetric), the embedding and head Q8_0 in both. Cascadia reads the
 same checkpoint in the matching formats (int8 per row, asymmetric; int4 in groups of 32, asymmetric, embedding and
 head int8). OpenVINO computes in bf16 where the CPU has it (f32 elsewhere); llama.cpp multiplies its quantised
-weights by activations it quantises to 8 bits, with f16 K/V. Every contestant on every core this process may use,
-in one process.
+weights by activations it quantises to 8 bits, with f16 K/V. Cascadia runs two ways: its engine layer by layer
+(the default: three compiled blocks a layer, attention and norms on the host) and "Cascadia one graph"
+(`runtime.stage_graph`: the stage's layers as one compiled graph). Every contestant on every core this process may
+use, in one process.
 
-agreement  Greedy tokens from one prompt, each peer against Cascadia's single-process engine: at f32 (the models
-           at --quick sizes, unquantised: the same model, so the same tokens) and at int8 and int4 (each engine's
-           own quantisation of the same weights: how far they agree). The count of leading tokens that agree, of
-           AGREE_TOKENS.
+agreement  Greedy tokens from one prompt, each peer and the one graph against Cascadia's engine layer by layer: at
+           f32 (the models at --quick sizes, unquantised: the same model, so the same tokens) and at int8 and int4
+           (each engine's own quantisation of the same weights: how far they agree). The count of leading tokens
+           that agree, of AGREE_TOKENS.
 decode     Decode tokens a second at 1, 8 and 32 streams, each stream a PROMPT_TOKENS prompt of its own: GenAI's
            LLMPipeline for one stream and its ContinuousBatchingPipeline for more, timed as (DECODE_TOKENS new tokens)
            minus (1 new token), so that prefill and the first token fall out; llama.cpp (every stream a sequence of
@@ -37,7 +39,7 @@ compiles llama.cpp for this CPU, about 10 minutes on 2 cores):
 
     python -m venv .venv-race
     .venv-race/bin/pip install torch==2.13.0 "transformers>=5.2,<5.6" "optimum==2.3.*" nncf requests \
-        openvino-genai==2026.4.1 openvino-tokenizers==2026.4.1 llama-cpp-python==0.3.36 -e .
+        openvino-genai==2026.4.1 openvino-tokenizers==2026.4.1 llama-cpp-python==0.3.36 sentencepiece -e .
     .venv-race/bin/pip install --no-deps optimum-intel==2.2.0   # its torchvision pin would pull a CUDA torch
     .venv-race/bin/python bench/peers.py [--quick] [--folder DIR] [--rounds N]
 
@@ -86,8 +88,10 @@ DECODE_TOKENS = 64
 AGREE_TOKENS = 32
 STREAMS = (1, 8, 32)
 ROUNDS = 3
-WHO = ("GenAI", "llama.cpp", "Cascadia")
-PEERS = WHO[:-1]
+WHO = ("GenAI", "llama.cpp", "Cascadia", "Cascadia one graph")
+PEERS = WHO[:2]
+CASCADIA = WHO[2:]  # layer by layer (the default) and each stage one graph (`runtime.stage_graph`)
+AGAINST_LAYERS = tuple(who for who in WHO if who != "Cascadia")  # greedy tokens held against the layers'
 FIRST_TOKEN_PROMPT = 512  # tokens of the prompt whose first token is timed
 PREFILL_ROWS = 256  # Cascadia's largest row bucket: a 512-token prompt in two calls
 COMMON = {"vocab_size": 32000, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -430,13 +434,14 @@ def agreeing(a: list[int], b: list[int]) -> int:
 def tables(precision: str, rounds: int) -> tuple[Table, Table, Table, Table, Table]:
     """The empty tables: agreement, decode, deployed, first token, memory."""
     agreement = Table("Greedy tokens that agree with Cascadia's, the same weights",
-                      ["model", "weights", *PEERS],
+                      ["model", "weights", *AGAINST_LAYERS],
                       note=f"Leading tokens of {AGREE_TOKENS} greedy ones after one prompt of {PROMPT_TOKENS} that "
-                           f"each peer shares with Cascadia. f32: the models at --quick sizes, computed in f32 "
-                           f"(llama.cpp with f32 K/V and without its flash attention, which rounds to f16); int8 and "
-                           f"int4: each engine's own quantisation, in {precision}, llama.cpp as for the race.")
+                           f"each shares with Cascadia's engine layer by layer. f32: the models at --quick sizes, "
+                           f"computed in f32 (llama.cpp with f32 K/V and without its flash attention, which rounds to "
+                           f"f16); int8 and int4: each engine's own quantisation, in {precision}, llama.cpp as for the "
+                           f"race.")
     decode = Table(f"Decode tokens a second ({precision} compute) on the same weights",
-                   ["model", "weights", "streams", *WHO, *(f"Cascadia over {peer}" for peer in PEERS),
+                   ["model", "weights", "streams", *WHO, *(f"{c} over {peer}" for c in CASCADIA for peer in PEERS),
                     "roofline", *(f"{who} % of roofline" for who in WHO)],
                    note=f"Median (min-max) of {rounds} alternating rounds; {DECODE_TOKENS - 1} decode steps after "
                         f"prompts of {PROMPT_TOKENS}. Ratios of the medians. Roofline: the tokens a second if a step "
@@ -452,12 +457,12 @@ def tables(precision: str, rounds: int) -> tuple[Table, Table, Table, Table, Tab
                           f"bench's process; the run's decode rate for {DECODE_TOKENS}-token requests as many at once "
                           f"as streams, each count after a warm-up.")
     first = Table(f"First token of a {FIRST_TOKEN_PROMPT}-token prompt, one stream, seconds",
-                  ["model", "weights", *WHO, *(f"{peer} over Cascadia" for peer in PEERS)],
+                  ["model", "weights", *WHO, *(f"{peer} over {c}" for c in CASCADIA for peer in PEERS)],
                   note=f"Median (min-max) of {rounds} rounds alternating with the decode's. GenAI and llama.cpp "
-                       f"take the prompt in one call, Cascadia's engine in calls of {PREFILL_ROWS} rows.")
+                       f"take the prompt in one call, Cascadia's engine (both ways) in calls of {PREFILL_ROWS} rows.")
     memory = Table("Peak memory of a process running one contestant, MiB",
                    ["model", "weights", "OpenVINO export", "GGUF", *WHO,
-                    *(f"Cascadia over {peer}" for peer in PEERS)],
+                    *(f"{c} over {peer}" for c in CASCADIA for peer in PEERS)],
                    note=f"A fresh process each (GenAI's continuous batching alone): loaded, the first token of the "
                         f"{FIRST_TOKEN_PROMPT}-token prompt, {DECODE_TOKENS} tokens of {max(STREAMS)} streams; its "
                         f"peak resident set (VmHWM). Beside them the weights' files: optimum-intel's "
@@ -488,20 +493,23 @@ def main() -> None:
         prompt = rng.integers(3, read_config(small).vocab_size, PROMPT_TOKENS)
         tokens = {"GenAI": GenAI(exported(small, "f32"), "f32").greedy(prompt, AGREE_TOKENS),
                   "llama.cpp": LlamaCpp(gguf(small, "f32", args.folder), exact=True).greedy(prompt, AGREE_TOKENS),
-                  "Cascadia": Cascadia(small, FORMATS["f32"].cascadia, "f32").greedy(prompt, AGREE_TOKENS)}
-        agreement.add(model, "f32", *(agreeing(tokens[peer], tokens["Cascadia"]) for peer in PEERS))
+                  **{c: Cascadia(small, FORMATS["f32"].cascadia, "f32", stage_graph=c == "Cascadia one graph")
+                     .greedy(prompt, AGREE_TOKENS) for c in CASCADIA}}
+        agreement.add(model, "f32", *(agreeing(tokens[who], tokens["Cascadia"]) for who in AGAINST_LAYERS))
         path = checkpoint(args.folder, model, args.quick)
         vocab = read_config(path).vocab_size
         prompts = rng.integers(3, vocab, (max(STREAMS), PROMPT_TOKENS))
         long_prompt = rng.integers(3, vocab, FIRST_TOKEN_PROMPT)
         for fmt in ("int8", "int4"):
             files = {"GenAI": exported(path, fmt), "llama.cpp": gguf(path, fmt, args.folder), "Cascadia": path}
+            files["Cascadia one graph"] = path
             contestants = {"GenAI": GenAI(files["GenAI"], precision), "llama.cpp": LlamaCpp(files["llama.cpp"]),
-                           "Cascadia": Cascadia(path, FORMATS[fmt].cascadia, precision)}
+                           **{c: Cascadia(path, FORMATS[fmt].cascadia, precision,
+                                          stage_graph=c == "Cascadia one graph") for c in CASCADIA}}
             runs = {nodes: CascadiaRun(path, FORMATS[fmt].cascadia, precision, nodes) for nodes in (1, 2)}
             if not args.quick:
                 tokens = {who: c.greedy(prompts[0], AGREE_TOKENS) for who, c in contestants.items()}
-                agreement.add(model, fmt, *(agreeing(tokens[peer], tokens["Cascadia"]) for peer in PEERS))
+                agreement.add(model, fmt, *(agreeing(tokens[who], tokens["Cascadia"]) for who in AGAINST_LAYERS))
             rates = {(who, g): [] for who in WHO for g in STREAMS}
             run_rates = {(nodes, g): [] for nodes in runs for g in STREAMS}
             seconds, bandwidth = {who: [] for who in WHO}, []
@@ -524,7 +532,8 @@ def main() -> None:
                 medians = {who: statistics.median(rates[who, g]) for who in WHO}
                 roofline = g * statistics.median(bandwidth) / step_bytes(spec, g, distinct[g])
                 decode.add(model, fmt, g, *(spread(rates[who, g]) for who in WHO),
-                           *(round(medians["Cascadia"] / medians[peer], 2) for peer in PEERS), round(roofline),
+                           *(round(medians[c] / medians[peer], 2) for c in CASCADIA for peer in PEERS),
+                           round(roofline),
                            *(round(100 * medians[who] / roofline, 1) for who in WHO))
                 deployed_medians = {nodes: statistics.median(run_rates[nodes, g]) for nodes in runs}
                 deployed.add(model, fmt, g, spread(rates["Cascadia", g]), *(spread(run_rates[n, g]) for n in runs),
@@ -532,16 +541,17 @@ def main() -> None:
                              round(deployed_medians[2] / medians["GenAI"], 2))
             medians = {who: statistics.median(seconds[who]) for who in WHO}
             first.add(model, fmt, *(spread(seconds[who]) for who in WHO),
-                      *(round(medians[peer] / medians["Cascadia"], 2) for peer in PEERS))
+                      *(round(medians[peer] / medians[c], 2) for c in CASCADIA for peer in PEERS))
             peaks = {who: peak_memory(who, files[who], fmt, precision, prompts, long_prompt) for who in WHO}
             memory.add(model, fmt, round((files["GenAI"] / "openvino_model.bin").stat().st_size / 2**20),
                        round(files["llama.cpp"].stat().st_size / 2**20), *(round(peaks[who] / 2**20) for who in WHO),
-                       *(round(peaks["Cascadia"] / peaks[peer], 2) for peer in PEERS))
+                       *(round(peaks[c] / peaks[peer], 2) for c in CASCADIA for peer in PEERS))
             for table in (decode, deployed, first, memory):
                 print(table.text(), "\n", flush=True)
+            # after each model and format, so that a failure later loses nothing measured
+            write("peers", "Cascadia against OpenVINO GenAI and llama.cpp on the same weights", started,
+                  [agreement, decode, deployed, first, memory], args.out, quick=args.quick)
     print(agreement.text(), "\n")
-    write("peers", "Cascadia against OpenVINO GenAI and llama.cpp on the same weights", started,
-          [agreement, decode, deployed, first, memory], args.out, quick=args.quick)
 
 
 if __name__ == "__main__":
