@@ -227,3 +227,11 @@ def test_a_forked_stream_goes_on_as_its_source_would_sharing_its_full_blocks(nam
 def test_the_families_whose_stages_run_as_one_graph_are_those_a_spec_may_ask_it_of():
     built = {model_type for model_type, module in FAMILIES.items() if hasattr(HOST_LAYERS[module], "graph_layer")}
     assert built == set(STAGE_GRAPH_FAMILIES)
+
+
+@pytest.mark.parametrize("name", ["llama_odd", "qwen3_norm"])
+def test_a_stage_graph_rotates_by_the_plugins_rope_kernel(name):
+    """The graph's RoPE is in the form the CPU plugin fuses into one kernel (one node, not a split, four products
+    and a concat per q and k of every layer)."""
+    engine = Engine(Checkpoint.open(FIXTURES / name), RuntimeSpec(precision="f32", stage_graph=True))
+    assert "RoPE" in engine.stage.graph.compiled.op_types()

@@ -18,7 +18,7 @@ drafts, or not yet written) and the frame's rows up to its own. Streams of diffe
 a prompt's chunk) go in separate calls, one per count. The pool goes in whole, shared, in its stored format.
 
 Against the layer-by-layer engine, in f32: the same model within about 1e-6 of the largest logit
-(tests/test_stage_graph.py), not bit for bit: a row's attention and sums depend on the frame it rides in, so a
+(tests/test_engine_exact.py), not bit for bit: a row's attention and sums depend on the frame it rides in, so a
 replayed stream's logits are not its decode steps' to the last bit. At bf16 the graph computes its residuals,
 RoPE, router and attention at the engine's precision where the layer-by-layer engine keeps them in f32 on the host,
 and the FP32 restoration (for a GPU's f16) is not there: on the CPU only.
@@ -111,6 +111,7 @@ class StageGraph:
                                np.broadcast_to(np.tri(count, dtype=bool), (streams, count, count))], axis=2)
         mask = np.where(seen, np.float32(0), np.float32(-np.inf))[:, None]
         angles = positions.astype(np.float32)[:, None, None] * self.inv_freq
+        angles = np.concatenate([angles, angles], -1)  # each half of a head rotates by the same angles
         return self.compiled.request.infer(
             {"x": x, "cos": self.rope_factor * np.cos(angles), "sin": self.rope_factor * np.sin(angles),
              "mask": mask, "table": table * self.parts_a_block, "pool": self.pool_tensor}, share_inputs=True)
@@ -118,13 +119,13 @@ class StageGraph:
 
 def _stage_model(config, layers: range, tensors, formats: WeightFormats, places: list[tuple[int, int]],
                  stored: ov.Type, heads: int) -> ov.Model:
-    """The graph: in x [T, H], cos and sin [T, 1, d/2], mask [G, 1, R, S + R], table [G, S / block] (each stream's
+    """The graph: in x [T, H], cos and sin [T, 1, d], mask [G, 1, R, S + R], table [G, S / block] (each stream's
     blocks' first part in the pool's parts), pool [parts, kv, block, d] in the stored type; out x and each layer's
     new keys and values [T, kv, d]. `places[i]`: layer i's keys' and values' part in a block. The family's module
     builds each layer (`graph_layer`) around the attention built here."""
     _, kv_heads, d = config.heads(layers[0])
     x = ops.parameter([-1, config.hidden_size], ov.Type.f32, name="x")
-    cos, sin = (ops.parameter([-1, 1, d // 2], ov.Type.f32, name=name) for name in ("cos", "sin"))
+    cos, sin = (ops.parameter([-1, 1, d], ov.Type.f32, name=name) for name in ("cos", "sin"))
     given_mask = ops.parameter([-1, 1, -1, -1], ov.Type.f32, name="mask")
     table = ops.parameter([-1, -1], ov.Type.i64, name="table")
     pool = ops.parameter([-1, kv_heads, -1, d], stored, name="pool")
@@ -184,7 +185,9 @@ class _Frame:
 
 
 def _rope(z: ov.Output, cos: ov.Output, sin: ov.Output, half: int) -> ov.Output:
-    """z [T, heads, 2 half] rotated as `cascadia.engine.rope.rotate` does: z cos + rotate_half(z) sin."""
-    first, second = ops.variadic_split(z, const(np.int64(-1)), ints(half, half)).outputs()
-    return ops.concat([ops.subtract(ops.multiply(first, cos), ops.multiply(second, sin)),
-                       ops.add(ops.multiply(second, cos), ops.multiply(first, sin))], -1).output(0)
+    """z [T, heads, 2 half] rotated as `cascadia.engine.rope.rotate` does: z cos + rotate_half(z) sin, cos and sin
+    [T, 1, 2 half], in the form the CPU plugin fuses into one RoPE kernel (halves sliced, not split)."""
+    first = ops.slice(z, ints(0), ints(half), ints(1), ints(2))
+    second = ops.slice(z, ints(half), ints(2 * half), ints(1), ints(2))
+    rotated = ops.concat([ops.negative(second), first], -1)
+    return ops.add(ops.multiply(z, cos), ops.multiply(rotated, sin)).output(0)
