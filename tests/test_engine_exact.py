@@ -33,23 +33,26 @@ def assert_close(logits: np.ndarray, reference: np.ndarray) -> None:
 
 
 # runtime.moe_grouped_from of each MoE path; "graph": the stage as one graph (`runtime.stage_graph`), its experts
-# fused in it.
-MOE_PATHS = {"fused": "never", "grouped": 1, "dense": "never", "graph": "never"}
+# fused in it, its attention over blocks of 8 gathered from the pool; "paged graph": over blocks of 32 read and
+# written in place by OpenVINO's PagedAttention (`cascadia.engine.paged_attention`).
+MOE_PATHS = {"fused": "never", "grouped": 1, "dense": "never", "graph": "never", "paged graph": "never"}
 GRAPH_CASES = ("llama_odd", "llama_plain", "qwen3_odd", "qwen3_norm", "qwen3_stacked")
 PARAMS = [(c, p) for c in CASES for p in ("fused", "grouped")] + [(c, "dense") for c in DENSE_CASES] + \
-    [(c, "graph") for c in GRAPH_CASES]
+    [(c, p) for c in GRAPH_CASES for p in ("graph", "paged graph")]
 
 
 @pytest.fixture(scope="module", params=PARAMS, ids=[f"{c}-{p}" for c, p in PARAMS])
 def case(request):
     name, moe_path = request.param
     path = FIXTURES / name
-    # Blocks of 8 positions: the global layers' keys of a stream lie in several blocks, and streams interleave.
-    runtime = RuntimeSpec(precision="f32", max_streams=12, context_budget=64, kv_block=8,
-                          moe_grouped_from=MOE_PATHS[moe_path], stage_graph=moe_path == "graph")
+    # Blocks of 8 positions (32 paged): the global layers' keys of a stream lie in several blocks, and streams
+    # interleave.
+    runtime = RuntimeSpec(precision="f32", max_streams=12, context_budget=64, kv_block=32 if moe_path == "paged graph"
+                          else 8, moe_grouped_from=MOE_PATHS[moe_path], stage_graph=moe_path.endswith("graph"))
     engine = Engine(Checkpoint.open(path), runtime)
-    if moe_path == "graph":
+    if runtime.stage_graph:
         assert engine.stage.graph is not None and not engine.stage.layers
+        assert engine.stage.graph.paged == (moe_path == "paged graph")
         return engine, dict(np.load(path / "reference.npz"))
     moe_layers = [layer for layer in engine.stage.layers if layer.router is not None]
     assert bool(moe_layers) == (moe_path != "dense")
@@ -184,37 +187,43 @@ def test_a_llama_prompt_chunk_reads_its_far_keys_fused_as_the_spans_do():
     np.testing.assert_allclose(fused.score(ids), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("name, stage_graph", [("base", False), ("llama_odd", False), ("qwen3_odd", False),
-                                               ("llama_odd", True), ("qwen3_odd", True)])
-def test_a_forked_stream_goes_on_as_its_source_would_sharing_its_full_blocks(name, stage_graph):
-    """Three choices of one 21-token prompt computed once: slots 1 and 2 fork slot 0 at position 21, sharing its
-    two full blocks of 8 and copying the one still filling (and Inkling's rings and convolution states). Slot 0
-    writes other tokens at the same positions between slot 1's steps, past the next block boundary, and is
-    released, and a new stream takes the blocks it gave back; slot 1 still gives, bit for bit, the logits of a
-    stream that computed the prompt itself (slot 3, same calls), and within tolerance the reference's."""
+@pytest.mark.parametrize("name, stage_graph, block", [("base", False, 8), ("llama_odd", False, 8),
+                                                      ("qwen3_odd", False, 8), ("llama_odd", True, 8),
+                                                      ("qwen3_odd", True, 8), ("llama_odd", True, 32),
+                                                      ("qwen3_odd", True, 32)])
+def test_a_forked_stream_goes_on_as_its_source_would_sharing_its_full_blocks(name, stage_graph, block):
+    """Three choices of one prompt computed once: slots 1 and 2 fork slot 0 past its first full blocks (21 tokens
+    with blocks of 8, 33 with blocks of 32: a stage graph's paged attention), sharing them and copying the one
+    still filling (and Inkling's rings and convolution states). Slot 0 writes other tokens at the same positions
+    between slot 1's steps (with blocks of 8, past the next block boundary), and is released, and a new stream
+    takes the blocks it gave back; slot 1 still gives, bit for bit, the logits of a stream that computed the prompt
+    itself (slot 3, same calls), and within tolerance the reference's."""
     path = FIXTURES / name
     ref = dict(np.load(path / "reference.npz"))
-    runtime = RuntimeSpec(precision="f32", max_streams=5, context_budget=64, kv_block=8, stage_graph=stage_graph)
+    runtime = RuntimeSpec(precision="f32", max_streams=5, context_budget=64, kv_block=block, stage_graph=stage_graph)
     engine = Engine(Checkpoint.open(path), runtime)
+    assert not stage_graph or engine.stage.graph.paged == (block == 32)
     pool, ids = engine.stage.pool, ref["ids"]
     other = ids[::-1]  # tokens slot 0 goes on with
     rings = pool.layout.ring_blocks
-    engine.prefill(0, ids[:21])
+    fork_at = 2 * block + 5 if block == 8 else block + 1
+    between = (fork_at + len(ids)) // 2  # slot 0 steps beside slot 1 up to here, then slot 1 alone
+    engine.prefill(0, ids[:fork_at])
     free = pool.free
     engine.fork(0, 1)
     engine.fork(0, 2)
-    assert free - pool.free == 2 * (1 + rings)  # the block holding positions 16..20, and the rings
-    assert pool.held(1) == pool.held(0) == 3 + rings
+    assert free - pool.free == 2 * (1 + rings)  # the block holding the last prompt positions, and the rings
+    assert pool.held(1) == pool.held(0) == pool.blocks_for(fork_at) + rings
     forked = []
-    for token, its_other in zip(ids[21:30], other[21:30]):  # slot 0 writes the same positions between slot 1's steps
+    for token, its_other in zip(ids[fork_at:between], other[fork_at:between]):  # slot 0 writes the same positions
         forked.append(engine.step([1], [token])[0])
         engine.step([0], [its_other])
     engine.release(0)
-    engine.prefill(4, other[:30])  # takes the blocks slot 0 gave back: not the two it shares with slots 1 and 2
-    forked = np.stack(forked + [engine.step([1], [token])[0] for token in ids[30:40]])
-    fresh = engine.score(ids, prefill=21, slot=3)[21:]
+    engine.prefill(4, other[:between])  # takes the blocks slot 0 gave back: not those it shares with slots 1 and 2
+    forked = np.stack(forked + [engine.step([1], [token])[0] for token in ids[between:]])
+    fresh = engine.score(ids, prefill=fork_at, slot=3)[fork_at:]
     np.testing.assert_array_equal(forked, fresh)
-    assert_close(forked, ref["prefill_logits"][21:40])
+    assert_close(forked, ref["prefill_logits"][fork_at:])
     engine.release(1)
     engine.release(2)
     engine.release(3)

@@ -26,7 +26,7 @@ from cascadia.pipeline.run import Pipeline
 from cascadia.sampling import Sampling
 from cascadia.spec.dump import write_spec
 from cascadia.spec.load import load_spec
-from cascadia.spec.types import STAGE_GRAPH_FAMILIES
+from cascadia.spec.types import PAGED_ATTENTION_BLOCK, STAGE_GRAPH_FAMILIES
 from cascadia.speculation import ReplayDrafter
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -90,12 +90,14 @@ def test_three_nodes_give_the_single_process_tokens(family_spec, family_engine, 
         attrs.evolve(family_spec, runtime=attrs.evolve(family_spec.runtime, speculate=speculate)), family_engine)
 
 
+@pytest.mark.parametrize("kv_block", [PAGED_ATTENTION_BLOCK, 16], ids=["paged", "gathered"])
 @pytest.mark.parametrize("family", STAGE_GRAPH_FAMILIES)
-def test_three_nodes_each_a_stage_as_one_graph_give_the_single_process_tokens(family, tmp_path):
-    """`runtime.stage_graph` on every node, speculating (rows of several drafts a stream, rewinds): the tokens of
-    the single-process engine that runs its layers one by one."""
+def test_three_nodes_each_a_stage_as_one_graph_give_the_single_process_tokens(family, kv_block, tmp_path):
+    """`runtime.stage_graph` on every node, speculating (rows of several drafts a stream, rewinds), its attention
+    paged (OpenVINO's PagedAttention writing the pool in place) or gathered: the tokens of the single-process
+    engine that runs its layers one by one."""
     spec = spec_of(family, tmp_path)
-    runtime = attrs.evolve(spec.runtime, speculate="ngram:4", stage_graph=True)
+    runtime = attrs.evolve(spec.runtime, speculate="ngram:4", stage_graph=True, kv_block=kv_block)
     assert_three_nodes_give_the_engines_tokens(attrs.evolve(spec, runtime=runtime), engine_of(spec))
 
 

@@ -79,10 +79,12 @@ class Compiled:
     compiling, and for matmuls on the first call of a shape) `drop_mapped_pages` takes those file pages out of the
     process."""
 
-    def __init__(self, model: ov.Model | Callable[[], ov.Model], device: str, options: dict[str, object]):
+    def __init__(self, model: ov.Model | Callable[[], ov.Model], device: str, options: dict[str, object],
+                 finish: Callable[[ov.Model], None] | None = None):
         """`model`, or what builds it: built, saved and let go before the plugin compiles it, so that its weights
-        are not held twice while it does (a whole stage's, `cascadia.engine.stage_graph`)."""
-        self.compiled, self._weights_file = _compile_from_file(model, device, options)
+        are not held twice while it does (a whole stage's, `cascadia.engine.stage_graph`). `finish`: what to do to
+        the model read back from the file before it compiles (put in the ops an IR file cannot hold)."""
+        self.compiled, self._weights_file = _compile_from_file(model, device, options, finish)
         self.drop_mapped_pages()
         self.request = self.compiled.create_infer_request()
 
@@ -142,8 +144,8 @@ class CompiledBlock(Compiled):
         self.drop_mapped_pages()
 
 
-def _compile_from_file(model: ov.Model | Callable[[], ov.Model], device: str,
-                       options: dict[str, object]) -> tuple[ov.CompiledModel, str]:
+def _compile_from_file(model: ov.Model | Callable[[], ov.Model], device: str, options: dict[str, object],
+                       finish: Callable[[ov.Model], None] | None = None) -> tuple[ov.CompiledModel, str]:
     """Compile `model` (or the one it builds, let go once saved) through a temporary IR file, deleted at once (the
     plugin's mapping keeps its data on disk until the block goes). Returns the compiled model and the path its
     weights were mapped from."""
@@ -151,7 +153,11 @@ def _compile_from_file(model: ov.Model | Callable[[], ov.Model], device: str,
     try:
         xml = os.path.join(folder, "block.xml")
         ov.save_model(model if isinstance(model, ov.Model) else model(), xml, compress_to_fp16=False)
-        return core().compile_model(xml, device, options), os.path.join(folder, "block.bin")
+        if finish is None:
+            return core().compile_model(xml, device, options), os.path.join(folder, "block.bin")
+        read = core().read_model(xml)  # its weights mapped from the file, as compile_model(xml) maps them
+        finish(read)
+        return core().compile_model(read, device, options), os.path.join(folder, "block.bin")
     finally:
         shutil.rmtree(folder)
 

@@ -1,21 +1,25 @@
 """A stage's layers as one compiled graph (`runtime.stage_graph`), for the families whose layers are a Llama's
 (Llama, Qwen3-MoE): one infer call computes every layer of a frame, where the layer-by-layer engine makes three a
-layer with attention, RoPE, norms, routers and residuals on the host between them (bench/one_graph.py: decode
-steps 1.0-1.5x as fast at one stream on the race's models).
+layer with attention, RoPE, norms, routers and residuals on the host between them (bench/one_graph.py).
 
-    StageGraph(x [T, H]) for the rows of G streams with R rows each (T = G R, a stream's rows consecutive):
+    StageGraph(x [T, H]) for the rows of G streams (T rows, a stream's rows consecutive):
       for each layer:
         q, k, v = qkv(input_layernorm(x)) (+ bias); q, k = q_norm(q), k_norm(k) (Qwen3-MoE); RoPE
-        keys = the stream's pool blocks (gathered, widened to f32) ++ the frame's own k      [G, kv, S + R, d]
-        a = ScaledDotProductAttention(q as [G, kv, g R, d], keys, values, mask)            g = h / kv
+        a = attention of q over the stream's keys in the pool before its first row in the call, and the call's own
         x = x + o_proj(a) (+ bias)
         h = post_attention_layernorm(x)
         x = x + experts(h, top_k(softmax(router h)))  |  mlp(h)                         tiled MoE or SwiGLU
-      out: x, and each layer's new k, v [T, kv, d], which the host writes into the pool after the call
+      out: x
 
-The mask lets a row see its stream's pool entries before the frame's first position (later ones are stale: rejected
-drafts, or not yet written) and the frame's rows up to its own. Streams of different row counts (decode rows beside
-a prompt's chunk) go in separate calls, one per count. The pool goes in whole, shared, in its stored format.
+Attention runs one of two ways, as the pool allows:
+- paged (`cascadia.engine.paged_attention`): OpenVINO's PagedAttention reads the pool's blocks where they lie and
+  writes the call's keys and values into them itself; one call for every row of a frame. Where the CPU plugin takes
+  the pool as it is: blocks of 32 positions (the default `kv_block` with a stage graph), K/V stored in f32 or f16
+  under f32 compute, in bf16 under bf16.
+- gathered, elsewhere: each stream's blocks gathered from the pool (passed in whole, in its stored format) and
+  widened to f32, the call's own k/v concatenated, ScaledDotProductAttention under a mask that lets a row see its
+  stream's entries before the call's first position and the call's rows up to its own; the streams of each row
+  count in one call; the graph returns each layer's new k/v, which the host writes into the pool.
 
 Against the layer-by-layer engine, in f32: the same model within about 1e-6 of the largest logit
 (tests/test_engine_exact.py), not bit for bit: a row's attention and sums depend on the frame it rides in, so a
@@ -32,7 +36,8 @@ import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
 
-from cascadia.engine.device import Compiled
+from cascadia.engine import paged_attention
+from cascadia.engine.device import Compiled, runs_as
 from cascadia.engine.families import host_layers
 from cascadia.engine.kv_store import BlockPool, PagedKV
 from cascadia.engine.ov_ops import const, ints
@@ -63,34 +68,80 @@ class StageGraph:
         self.inv_freq = inverse_frequencies(self.head_dim, config.rope_theta, config.rope_scaling)
         self.rope_factor = np.float32(cos_sin_factor(config.rope_scaling))
         shape = (self.kv_heads, pool.block, self.head_dim)
-        self.parts = pool.parts(fmt.dtype, shape)  # the whole pool, as the graph reads it (its tensor shares this)
+        self.parts = pool.parts(fmt.dtype, shape)  # the whole pool, as the graph reads it (its tensors share this)
         self.parts_a_block = len(self.parts) // pool.blocks
-        self.compiled = Compiled(lambda: _stage_model(config, layers, tensors, formats,
-                                                      [store.places for store in stores],
-                                                      _STORED_TYPES[fmt.precision], heads), device, options)
-        self.pool_tensor = ov.Tensor(self.parts, list(self.parts.shape), _STORED_TYPES[fmt.precision])
+        places = [store.places for store in stores]
+        compute = runs_as(str(options["INFERENCE_PRECISION_HINT"]), device)
+        self.paged = paged_attention.takes(pool.block, fmt.precision, compute) and all(
+            values == keys + 1 for keys, values in places)  # a block's values right after its keys
+        finish = None
+        if self.paged:  # the plugin stores its caches as asked (else in u8)
+            finish = lambda model: paged_attention.substitute(model, self.kv_heads, self.head_dim)  # noqa: E731
+            options = {**options, "KEY_CACHE_PRECISION": fmt.precision, "VALUE_CACHE_PRECISION": fmt.precision}
+        self.compiled = Compiled(lambda: _stage_model(config, layers, tensors, formats, places,
+                                                      _STORED_TYPES[fmt.precision], heads, self.paged),
+                                 device, options, finish)
+        if self.paged:
+            self.caches = dict(zip(("keys", "values"), paged_attention.cache_tensors(self.parts, fmt.precision)))
+            taken = self.compiled.compiled.input("keys")
+            if taken.get_element_type() != _STORED_TYPES[fmt.precision] or taken.get_partial_shape()[2] != pool.block:
+                raise UnsupportedModel(f"OpenVINO's paged attention stores its cache as {taken.get_element_type()} "
+                                       f"{taken.get_partial_shape()}, not as the pool's {fmt.precision} blocks of "
+                                       f"{pool.block} positions under {compute} compute")
+        else:
+            self.pool_tensor = ov.Tensor(self.parts, list(self.parts.shape), _STORED_TYPES[fmt.precision])
 
     def forward(self, x: np.ndarray, rows: Rows) -> np.ndarray:
-        """The rows x [T, H] through the stage's layers, one call for the streams of each row count; writes their
-        keys and values (the pool has given the slots blocks for their positions)."""
+        """The rows x [T, H] through the stage's layers; writes their keys and values (the pool has given the slots
+        blocks for their positions). Paged: one call; gathered: one for the streams of each row count."""
+        if self.paged:
+            ends = rows.positions[rows.starts] + rows.counts
+            table = self.pool.table(rows.group_slots, self.pool.blocks_for(int(ends.max())))
+            return self._paged(x, rows.positions, rows.starts, rows.counts, table)
         out = np.empty_like(x)
         starts, counts = rows.starts, rows.counts
         for count in np.unique(counts).tolist():
             groups = np.flatnonzero(counts == count)
             picked = (starts[groups][:, None] + np.arange(count)).reshape(-1)
-            out[picked] = self._call(x[picked], rows.slots[picked], rows.positions[picked], len(groups), count)
+            out[picked] = self._gathered(x[picked], rows.slots[picked], rows.positions[picked], len(groups), count)
         return out
 
     def warm_up(self, sizes: Sequence[int]) -> None:
-        """One stream's call at each of `sizes` rows (nothing written), then the weights' file pages out of the
-        process (`Compiled.drop_mapped_pages`), so that first requests are not slow, nor the weights held twice."""
+        """One stream's call at each of `sizes` rows, then the weights' file pages out of the process
+        (`Compiled.drop_mapped_pages`), so that first requests are not slow, nor the weights held twice. Paged, the
+        calls write into the pool's first blocks: before any stream holds them."""
         for count in sizes:
-            table = self.pool.table(np.zeros(1, np.int64), 1)  # its first block or 0: every entry is masked
-            self._infer(np.zeros((count, self.config.hidden_size), np.float32), np.arange(count), 1, count, table)
+            x, positions = np.zeros((count, self.config.hidden_size), np.float32), np.arange(count)
+            if self.paged:
+                self._paged(x, positions, np.zeros(1, np.int64), np.array([count]),
+                            np.arange(self.pool.blocks_for(count))[None])
+            else:
+                table = self.pool.table(np.zeros(1, np.int64), 1)  # its first block or 0: every entry is masked
+                self._infer(x, positions, 1, count, table)
         self.compiled.drop_mapped_pages()
 
-    def _call(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray, streams: int,
-              count: int) -> np.ndarray:
+    def _rotation(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """RoPE's cos and sin [T, 1, d] at the rows' positions."""
+        angles = positions.astype(np.float32)[:, None, None] * self.inv_freq
+        angles = np.concatenate([angles, angles], -1)  # each half of a head rotates by the same angles
+        return {"cos": self.rope_factor * np.cos(angles), "sin": self.rope_factor * np.sin(angles)}
+
+    def _paged(self, x: np.ndarray, positions: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+               table: np.ndarray) -> np.ndarray:
+        """The graph's output for the rows of streams starting at rows `starts` with `counts` rows each, `table`
+        [G, b] their blocks (at least enough for each one's last row)."""
+        first = positions[starts]
+        held = -(-(first + counts) // self.pool.block)
+        blocks = table[np.arange(table.shape[1]) < held[:, None]] * self.parts_a_block  # stream by stream
+        i32 = np.int32
+        return self.compiled.request.infer(
+            {"x": x, **self._rotation(positions), "past_lens": first.astype(i32),
+             "subsequence_begins": np.append(starts, len(x)).astype(i32), "block_indices": blocks.astype(i32),
+             "block_indices_begins": np.append(0, np.cumsum(held)).astype(i32),
+             "max_context_len": np.array((first + counts).max(), i32), **self.caches}, share_inputs=True)[0]
+
+    def _gathered(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray, streams: int,
+                  count: int) -> np.ndarray:
         """One call on `streams` streams of `count` rows each (a stream's rows consecutive); writes their keys and
         values."""
         first = positions[::count]
@@ -103,43 +154,52 @@ class StageGraph:
         return outputs[0]
 
     def _infer(self, x: np.ndarray, positions: np.ndarray, streams: int, count: int, table: np.ndarray):
-        """The graph's outputs for these rows, the streams' pool blocks `table` [G, b]: a row sees its stream's
-        entries before the stream's first position in the call, and the call's rows up to its own."""
+        """The gathered graph's outputs for these rows, the streams' pool blocks `table` [G, b]: a row sees its
+        stream's entries before the stream's first position in the call, and the call's rows up to its own."""
         first = positions[::count]  # [G]
         entries = np.arange(table.shape[1] * self.pool.block)
         seen = np.concatenate([np.broadcast_to(entries < first[:, None, None], (streams, count, len(entries))),
                                np.broadcast_to(np.tri(count, dtype=bool), (streams, count, count))], axis=2)
         mask = np.where(seen, np.float32(0), np.float32(-np.inf))[:, None]
-        angles = positions.astype(np.float32)[:, None, None] * self.inv_freq
-        angles = np.concatenate([angles, angles], -1)  # each half of a head rotates by the same angles
         return self.compiled.request.infer(
-            {"x": x, "cos": self.rope_factor * np.cos(angles), "sin": self.rope_factor * np.sin(angles),
-             "mask": mask, "table": table * self.parts_a_block, "pool": self.pool_tensor}, share_inputs=True)
+            {"x": x, **self._rotation(positions), "mask": mask, "table": table * self.parts_a_block,
+             "pool": self.pool_tensor}, share_inputs=True)
 
 
 def _stage_model(config, layers: range, tensors, formats: WeightFormats, places: list[tuple[int, int]],
-                 stored: ov.Type, heads: int) -> ov.Model:
-    """The graph: in x [T, H], cos and sin [T, 1, d], mask [G, 1, R, S + R], table [G, S / block] (each stream's
-    blocks' first part in the pool's parts), pool [parts, kv, block, d] in the stored type; out x and each layer's
+                 stored: ov.Type, heads: int, paged: bool) -> ov.Model:
+    """The graph: in x [T, H], cos and sin [T, 1, d]; paged, the streams' lengths, rows and blocks and the caches
+    (`paged_attention.Inputs`); gathered, mask [G, 1, R, S + R], table [G, S / block] (each stream's blocks' first
+    part in the pool's parts), pool [parts, kv, block, d] in the stored type. Out x; gathered, also each layer's
     new keys and values [T, kv, d]. `places[i]`: layer i's keys' and values' part in a block. The family's module
     builds each layer (`graph_layer`) around the attention built here."""
     _, kv_heads, d = config.heads(layers[0])
     x = ops.parameter([-1, config.hidden_size], ov.Type.f32, name="x")
     cos, sin = (ops.parameter([-1, 1, d], ov.Type.f32, name=name) for name in ("cos", "sin"))
-    given_mask = ops.parameter([-1, 1, -1, -1], ov.Type.f32, name="mask")
-    table = ops.parameter([-1, -1], ov.Type.i64, name="table")
-    pool = ops.parameter([-1, kv_heads, -1, d], stored, name="pool")
-    streams = ops.gather(ops.shape_of(table), ints(0), const(np.int64(0)))  # [1]: G
-    frame = _Frame(streams, kv_heads, heads // kv_heads, d)
-    # a K/V head's query rows: its g query heads' R rows each, head by head
-    mask = ops.tile(given_mask, ints(1, 1, heads // kv_heads, 1)).output(0)
-    h, new = x.output(0), []
+    h, outputs, extra = x.output(0), [], []
+    if paged:
+        given = paged_attention.Inputs(kv_heads, d)
+        inputs = [x, cos, sin, *given.parameters]
+    else:
+        given_mask = ops.parameter([-1, 1, -1, -1], ov.Type.f32, name="mask")
+        table = ops.parameter([-1, -1], ov.Type.i64, name="table")
+        pool = ops.parameter([-1, kv_heads, -1, d], stored, name="pool")
+        inputs = [x, cos, sin, given_mask, table, pool]
+        streams = ops.gather(ops.shape_of(table), ints(0), const(np.int64(0)))  # [1]: G
+        frame = _Frame(streams, kv_heads, heads // kv_heads, d)
+        # a K/V head's query rows: its g query heads' R rows each, head by head
+        mask = ops.tile(given_mask, ints(1, 1, heads // kv_heads, 1)).output(0)
     for layer, parts in zip(layers, places):
-        def attend(q: ov.Output, k: ov.Output, v: ov.Output, parts=parts) -> ov.Output:
-            """q [T, h, d], k and v [T, kv, d], before RoPE -> attention over the pool and the frame [T, h d]; the
-            frame's keys and values are the graph's outputs, to be written into the pool."""
+        def attend(q: ov.Output, k: ov.Output, v: ov.Output, layer=layer, parts=parts) -> ov.Output:
+            """q [T, h, d], k and v [T, kv, d], before RoPE -> attention over the pool and the frame [T, h d]."""
             q, k = _rope(q, cos, sin, d // 2), _rope(k, cos, sin, d // 2)
-            new.extend((k, v))
+            if paged:
+                rows = [ops.reshape(z, ints(0, -1), True).output(0) for z in (q, k, v)]
+                blocks = ops.add(given.blocks, const(np.int32(parts[0]))).output(0)
+                out, carried = paged_attention.stand_in(layer, *rows, blocks)
+                extra.extend(carried)
+                return out
+            outputs.extend((k, v))  # to be written into the pool
             past = [frame.past(pool, ops.add(table, const(np.int64(part))).output(0)) for part in parts]
             keys, values = (ops.concat([p, frame.by_stream(z)], 2).output(0) for p, z in zip(past, (k, v)))
             attended = ops.scaled_dot_product_attention(frame.queries(q), keys, values, mask,
@@ -147,7 +207,7 @@ def _stage_model(config, layers: range, tensors, formats: WeightFormats, places:
             return frame.rows(attended.output(0))
 
         h = host_layers(config).graph_layer(config, layer, tensors(layer), formats, h, attend)
-    return ov.Model([h, *new], [x, cos, sin, given_mask, table, pool], "stage")
+    return ov.Model([ops.result(h), *[ops.result(z) for z in outputs], *extra], inputs, "stage")
 
 
 class _Frame:

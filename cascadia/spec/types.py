@@ -210,13 +210,13 @@ class Catalogue:
 
 
 STAGE_GRAPH_FAMILIES = ("llama", "qwen3_moe")  # model types whose stages run as one graph (`runtime.stage_graph`)
+PAGED_ATTENTION_BLOCK = 32  # positions a block of the CPU plugin's PagedAttention caches holds
 
 
 @attrs.frozen
 class RuntimeSpec:
     context_budget: int = 1024  # the most positions a stream may reach
     max_streams: int = 16  # concurrent streams (slots)
-    kv_block: int = 64  # positions per block of a global layer's K/V pool
     precision: str = "bf16"  # compute precision of the engine
     kv_precision: str = "f32"  # dtype of the K/V cache and convolution states
     row_buckets: tuple[int, ...] = (1, 2, 8, 16, 24, 32)  # increasing: rows of a call are padded up to one
@@ -233,6 +233,10 @@ class RuntimeSpec:
     # a stage's layers as one compiled graph a call (Llama and Qwen3-MoE, on the CPU): faster steps, exact to about
     # 1e-6 in f32 but not batch-invariant (`cascadia.engine.stage_graph`)
     stage_graph: bool = False
+    # positions per block of a global layer's K/V pool; with a stage graph, the blocks OpenVINO's paged attention
+    # reads and writes in place on the CPU (`cascadia.engine.paged_attention`)
+    kv_block: int = attrs.field(default=attrs.Factory(lambda runtime: PAGED_ATTENTION_BLOCK if runtime.stage_graph
+                                                      else 64, takes_self=True))
     # "ngram", "mtp" or "ngram+mtp", each maybe ":MAX_DRAFT": speculative decoding with prompt-lookup drafts, the
     # checkpoint's multi-token-prediction layer's, or both (`cascadia.speculation`); None: off
     speculate: str | None = attrs.field(default=None, validator=lambda _, __, value: parse_speculate(value))
