@@ -8,7 +8,8 @@ decodes DECODE_STEPS greedy steps each way, the ways alternating:
 layers      `stage_graph: false`, the default: per layer three compiled blocks (norm and q|k|v; o; the MLP or
             experts), with RoPE, attention over the paged K/V pool, routers, norms and residuals on the host.
 one graph   `stage_graph: true`: every layer of the stage in one OpenVINO graph (`cascadia.engine.stage_graph`), its
-            attention reading the pool's blocks; a step is the embedding's call, the stage's and the head's.
+            attention OpenVINO's PagedAttention over the pool's blocks of 32 in place; a step is the embedding's
+            call, the stage's and the head's.
 
 check       The models at --quick sizes: one stream's prompt and DECODE_STEPS teacher-forced tokens scored each way
             (`Engine.score`: the prompt in one chunk, then a row a step), at f32 and at bf16, each against the

@@ -16,7 +16,7 @@ from cascadia.engine.engine import Engine
 from cascadia.engine.families import HOST_LAYERS
 from cascadia.engine.rows import BatchError
 from cascadia.models import FAMILIES
-from cascadia.spec.types import STAGE_GRAPH_FAMILIES, RuntimeSpec
+from cascadia.spec.types import PAGED_ATTENTION_BLOCK, STAGE_GRAPH_FAMILIES, RuntimeSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ("base", "sharded", "bf16_unpadded", "qwen3_odd", "qwen3_norm", "qwen3_stacked", "deepseek_odd",
@@ -236,6 +236,27 @@ def test_a_forked_stream_goes_on_as_its_source_would_sharing_its_full_blocks(nam
 def test_the_families_whose_stages_run_as_one_graph_are_those_a_spec_may_ask_it_of():
     built = {model_type for model_type, module in FAMILIES.items() if hasattr(HOST_LAYERS[module], "graph_layer")}
     assert built == set(STAGE_GRAPH_FAMILIES)
+
+
+@pytest.mark.parametrize("precision, kv_precision, block", [
+    ("f32", "f32", 32), ("f32", "f16", 32), ("bf16", "bf16", 32), ("f32", "bf16", 32), ("bf16", "f32", 32),
+    ("f32", "f32", 16)])
+def test_a_stage_graph_attends_by_paged_attention_where_the_plugin_takes_the_pool(precision, kv_precision, block):
+    """OpenVINO's PagedAttention reads and writes the pool in place where it stores what the pool holds: blocks of
+    32, f32 or f16 under f32 compute, bf16 under bf16 (the precision the engine runs: f32 for a bf16 request on a
+    CPU without bf16); elsewhere the graph gathers the blocks. The exactness tests above hold both ways to the
+    reference."""
+    runtime = RuntimeSpec(precision=precision, kv_precision=kv_precision, kv_block=block, stage_graph=True)
+    engine = Engine(Checkpoint.open(FIXTURES / "llama_odd"), runtime)
+    stored = {"f32": ("f32", "f16"), "bf16": ("bf16",)}[engine.stage.precision]
+    paged = block == 32 and kv_precision in stored
+    assert engine.stage.graph.paged == paged
+    assert ("PagedAttention" in engine.stage.graph.compiled.op_types()) == paged
+
+
+def test_a_stage_graph_is_paged_by_default():
+    assert RuntimeSpec(stage_graph=True).kv_block == PAGED_ATTENTION_BLOCK
+    assert RuntimeSpec().kv_block == 64
 
 
 @pytest.mark.parametrize("name", ["llama_odd", "qwen3_norm"])

@@ -14,6 +14,8 @@ replaces once the file is read.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
@@ -22,14 +24,26 @@ from openvino._pyopenvino.op import _PagedAttentionExtension
 from cascadia.spec.types import PAGED_ATTENTION_BLOCK as BLOCK
 
 CACHE_TYPES = {"f32": ("f32", "f16"), "bf16": ("bf16",)}  # the cache's stored types at each compute precision
-_TYPES = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16}
 _STAND_IN, _KEYS, _VALUES, _BLOCKS = "paged_attention", "paged_keys", "paged_values", "paged_blocks"
 
 
 def takes(block: int, stored: str, compute: str) -> bool:
     """Whether the CPU plugin's PagedAttention reads and writes a pool of `block` positions a block, its keys and
-    values stored in `stored`, under `compute` precision."""
-    return block == BLOCK and stored in CACHE_TYPES.get(compute, ())
+    values stored in `stored`, under `compute` precision (and this OpenVINO's op takes the inputs built here)."""
+    return block == BLOCK and stored in CACHE_TYPES.get(compute, ()) and _builds()
+
+
+@functools.cache
+def _builds() -> bool:
+    """Whether this OpenVINO builds the op from the inputs `_op` gives (2026.4's; its list moves between versions)."""
+    given = Inputs(1, 2)
+    params = {p.get_friendly_name(): p.output(0) for p in given.parameters}
+    q = ops.parameter([-1, 2], ov.Type.f32).output(0)
+    try:
+        _op(q, q, q, params, given.blocks.output(0), 1, 2)
+    except RuntimeError:
+        return False
+    return True
 
 
 class Inputs:
@@ -108,7 +122,8 @@ def _op(q: ov.Output, k: ov.Output, v: ov.Output, params: dict[str, ov.Output], 
     return node.output(0)
 
 
-def cache_tensors(parts: np.ndarray, stored: str) -> tuple[ov.Tensor, ov.Tensor]:
-    """The pool's parts [parts, kv, block, d] as the op's key and value caches: views, the values' one part on."""
-    keys, values = parts[:-1], parts[1:]
-    return ov.Tensor(keys, list(keys.shape), _TYPES[stored]), ov.Tensor(values, list(values.shape), _TYPES[stored])
+def cache_tensors(parts: np.ndarray, stored: ov.Type) -> dict[str, ov.Tensor]:
+    """The pool's parts [parts, kv, block, d] as the op's key and value caches, by input name: views, the values'
+    one part on."""
+    return {name: ov.Tensor(view, list(view.shape), stored) for name, view in (("keys", parts[:-1]),
+                                                                                ("values", parts[1:]))}

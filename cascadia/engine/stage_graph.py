@@ -82,7 +82,7 @@ class StageGraph:
                                                       _STORED_TYPES[fmt.precision], heads, self.paged),
                                  device, options, finish)
         if self.paged:
-            self.caches = dict(zip(("keys", "values"), paged_attention.cache_tensors(self.parts, fmt.precision)))
+            self.caches = paged_attention.cache_tensors(self.parts, _STORED_TYPES[fmt.precision])
             taken = self.compiled.compiled.input("keys")
             if taken.get_element_type() != _STORED_TYPES[fmt.precision] or taken.get_partial_shape()[2] != pool.block:
                 raise UnsupportedModel(f"OpenVINO's paged attention stores its cache as {taken.get_element_type()} "
