@@ -7,12 +7,14 @@ and runs as bf16 on a CPU (`device_precision`). `CompiledBlock.precision` report
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -153,13 +155,47 @@ def _compile_from_file(model: ov.Model | Callable[[], ov.Model], device: str, op
     try:
         xml = os.path.join(folder, "block.xml")
         ov.save_model(model if isinstance(model, ov.Model) else model(), xml, compress_to_fp16=False)
-        if finish is None:
-            return core().compile_model(xml, device, options), os.path.join(folder, "block.bin")
-        read = core().read_model(xml)  # its weights mapped from the file, as compile_model(xml) maps them
-        finish(read)
-        return core().compile_model(read, device, options), os.path.join(folder, "block.bin")
+        _give_back_freed_heap()
+        weights = os.path.join(folder, "block.bin")
+        source: str | ov.Model = xml
+        if finish is not None:
+            source = core().read_model(xml)  # its weights mapped from the file, as compile_model(xml) maps them
+            finish(source)
+        with _dropping_mapped_pages(weights):
+            return core().compile_model(source, device, options), weights
     finally:
         shutil.rmtree(folder)
+
+
+def _give_back_freed_heap() -> None:
+    """Return the heap's free pages to the system (glibc's malloc_trim; elsewhere nothing). Building a graph frees
+    large arrays that glibc keeps in its heap (their frees raise its threshold for mapping large blocks apart), and
+    the plugin allocates its repacked weights elsewhere: without this the process holds both (the race's Qwen3-MoE
+    as one stage graph at int4 peaked at 1.86 GB, 1.27 GB with this, 1.13 GB with `_dropping_mapped_pages` too)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+@contextlib.contextmanager
+def _dropping_mapped_pages(path: str, every_s: float = 0.05):
+    """Drop the file pages of `path` from this process every `every_s` while the block runs: the plugin reads each
+    weight once as it repacks it, so a large graph's compile holds its repacked weights and only the pages it reads
+    now, not the whole file beside them (that stage graph: 1.86 GB at its peak, 1.62 GB with this alone)."""
+    done = threading.Event()
+
+    def drop() -> None:
+        while not done.wait(every_s):
+            _drop_mapped_pages(path)
+
+    dropper = threading.Thread(target=drop, name="drop-mapped-pages", daemon=True)
+    dropper.start()
+    try:
+        yield
+    finally:
+        done.set()
+        dropper.join()
 
 
 def _drop_mapped_pages(path: str) -> None:
