@@ -24,6 +24,10 @@ from openvino._pyopenvino.op import _PagedAttentionExtension
 from cascadia.spec.types import PAGED_ATTENTION_BLOCK as BLOCK
 
 CACHE_TYPES = {"f32": ("f32", "f16"), "bf16": ("bf16",)}  # the cache's stored types at each compute precision
+# The longest context a stage graph's warm-up tells the plugin of (`StageGraph.warm_up`): it then holds a score
+# buffer of threads x heads x 32 x this many f32 for prefill (17 MB for 16 heads on 2 threads), rebuilt as a stream
+# reaches further.
+WARM_REACH = 4096
 _STAND_IN, _KEYS, _VALUES, _BLOCKS = "paged_attention", "paged_keys", "paged_values", "paged_blocks"
 
 
