@@ -141,7 +141,7 @@ class StageEngine:
             for block in self.blocks:
                 block.warm_up()
             if self.graph is not None:
-                self.graph.warm_up((self.max_rows, 1), context_budget)
+                self.graph.warm_up((1, self.max_rows), context_budget)
             if self.states:  # every attention layer's spans, a global layer's or a ring's, go through the kernel
                 paged_kernel.warm_up(fmt.dtype)
 
