@@ -204,9 +204,8 @@ def _stage_model(config, layers: range, tensors, formats: WeightFormats, places:
     """The graph: in x [T, H], cos and sin [T, 1, d]; paged, the streams' lengths, rows and blocks and the caches
     (`paged_attention.Inputs`); gathered, mask [G, 1, R, S + R], table [G, S / block] (each stream's blocks' first
     part in the pool's parts), pool [parts, kv, block, d] in the stored type. Out x in `out_type` (the compute
-    precision); gathered, also each layer's
-    new keys and values [T, kv, d]. `places[i]`: layer i's keys' and values' part in a block. The family's module
-    builds each layer (`graph_layer`) around the attention built here."""
+    precision); gathered, also each layer's new keys and values [T, kv, d]. `places[i]`: layer i's keys' and values'
+    part in a block. The family's module builds each layer (`graph_layer`) around the attention built here."""
     _, kv_heads, d = config.heads(layers[0])
     x = ops.parameter([-1, config.hidden_size], ov.Type.f32, name="x")
     cos, sin = (ops.parameter([-1, 1, d], ov.Type.f32, name=name) for name in ("cos", "sin"))
