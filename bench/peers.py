@@ -23,7 +23,10 @@ decode     Decode tokens a second at 1, 8 and 32 streams, each stream a PROMPT_T
            minus (1 new token), so that prefill and the first token fall out; llama.cpp (every stream a sequence of
            one context, one batch a step) and Cascadia's engine (one process, the stage holding every layer, row
            buckets 1, 8 and 32) prefilling their streams and then timed over DECODE_TOKENS - 1 decode steps of all
-           of them together. Rounds alternate between the contestants; each cell is the median (min-max) of ROUNDS.
+           of them together. Rounds alternate between the contestants; each cell is the median (min-max) of ROUNDS,
+           PAIR_ROUNDS for GenAI and the one graph (the pair the goal compares: this VM's speed moves a cell by
+           10-25% from one run to the next). Each "over" column is the median (min-max) of the rounds' own ratios,
+           the two measured within seconds of each other, so that the machine's drift between rounds falls out.
            Beside them the memory roofline (`bench/engine.py`'s: the weight bytes a step needs at the measured
            bandwidth) and each contestant's share of it.
 first      The first token of a FIRST_TOKEN_PROMPT-token prompt, one stream: GenAI's LLMPipeline and llama.cpp (the
@@ -41,7 +44,7 @@ compiles llama.cpp for this CPU, about 10 minutes on 2 cores):
     .venv-race/bin/pip install torch==2.13.0 "transformers>=5.2,<5.6" "optimum==2.3.*" nncf requests \
         openvino-genai==2026.4.1 openvino-tokenizers==2026.4.1 llama-cpp-python==0.3.36 sentencepiece -e .
     .venv-race/bin/pip install --no-deps optimum-intel==2.2.0   # its torchvision pin would pull a CUDA torch
-    .venv-race/bin/python bench/peers.py [--quick] [--folder DIR] [--rounds N]
+    .venv-race/bin/python bench/peers.py [--quick] [--folder DIR] [--rounds N] [--pair-rounds N]
 
 The checkpoints, exports and GGUFs (about 8 GB) go to DIR (default the system's temporary folder), made on first
 use, with llama.cpp's converter (from llama-cpp-python's source package of the installed version).
@@ -88,6 +91,8 @@ DECODE_TOKENS = 64
 AGREE_TOKENS = 32
 STREAMS = (1, 8, 32)
 ROUNDS = 3
+PAIR = ("GenAI", "Cascadia one graph")  # decoded in every one of PAIR_ROUNDS rounds, the others in ROUNDS
+PAIR_ROUNDS = 7
 WHO = ("GenAI", "llama.cpp", "Cascadia", "Cascadia one graph")
 PEERS = WHO[:2]
 CASCADIA = WHO[2:]  # layer by layer (the default) and each stage one graph (`runtime.stage_graph`)
@@ -426,12 +431,17 @@ def peak_memory(who: str, path: Path, fmt: str, precision: str, prompts: np.ndar
     return peak
 
 
+def paired(ours: list[float], theirs: list[float]) -> dict:
+    """The spread of round-by-round ratios ours / theirs over the rounds both ran (each list from round 0 on)."""
+    return spread(round(a / b, 3) for a, b in zip(ours, theirs))
+
+
 def agreeing(a: list[int], b: list[int]) -> int:
     """Leading tokens two greedy runs share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def tables(precision: str, rounds: int) -> tuple[Table, Table, Table, Table, Table]:
+def tables(precision: str, rounds: int, pair_rounds: int) -> tuple[Table, Table, Table, Table, Table]:
     """The empty tables: agreement, decode, deployed, first token, memory."""
     agreement = Table("Greedy tokens that agree with Cascadia's, the same weights",
                       ["model", "weights", *AGAINST_LAYERS],
@@ -443,11 +453,12 @@ def tables(precision: str, rounds: int) -> tuple[Table, Table, Table, Table, Tab
     decode = Table(f"Decode tokens a second ({precision} compute) on the same weights",
                    ["model", "weights", "streams", *WHO, *(f"{c} over {peer}" for c in CASCADIA for peer in PEERS),
                     "roofline", *(f"{who} % of roofline" for who in WHO)],
-                   note=f"Median (min-max) of {rounds} alternating rounds; {DECODE_TOKENS - 1} decode steps after "
-                        f"prompts of {PROMPT_TOKENS}. Ratios of the medians. Roofline: the tokens a second if a step "
-                        f"cost only reading once, at the memory bandwidth measured in each round (a streaming read "
-                        f"of 1 GiB), the weight bytes it needs in Cascadia's formats (routed experts: the distinct "
-                        f"ones its rows chose in Cascadia's run).")
+                   note=f"Median (min-max) of {rounds} alternating rounds, {pair_rounds} for {' and '.join(PAIR)}; "
+                        f"{DECODE_TOKENS - 1} decode steps after prompts of {PROMPT_TOKENS}. Ratios: the median "
+                        f"(min-max) of each round's ratio, over the rounds both ran. Roofline: the tokens a second "
+                        f"if a step cost only reading once, at the memory bandwidth measured in each round (a "
+                        f"streaming read of 1 GiB), the weight bytes it needs in Cascadia's formats (routed experts: "
+                        f"the distinct ones its rows chose in Cascadia's run).")
     deployed = Table(f"Decode tokens a second ({precision} compute): Cascadia deployed by `cascadia run` here",
                      ["model", "weights", "streams", "engine alone", "1 node", "2 pinned nodes", "2 nodes over 1",
                       "2 nodes over GenAI"],
@@ -470,23 +481,27 @@ def tables(precision: str, rounds: int) -> tuple[Table, Table, Table, Table, Tab
     return agreement, decode, deployed, first, memory
 
 
-def arguments(doc: str, results: str, rounds: int = ROUNDS) -> argparse.Namespace:
+def arguments(doc: str, results: str, rounds: int = ROUNDS, pair_rounds: int | None = None) -> argparse.Namespace:
     """The options of the race's benches (this one and bench/step_parts.py), read from the command line."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the models at small sizes (checks the bench)")
     parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "cascadia-peers",
                         help="where the checkpoints, exports and GGUFs are, made on first use")
     parser.add_argument("--rounds", type=int, default=rounds)
+    if pair_rounds:
+        parser.add_argument("--pair-rounds", type=int, default=pair_rounds,
+                            help=f"rounds of {' and '.join(PAIR)} (at least --rounds)")
     parser.add_argument("--out", type=Path, help=f"default bench/results/{results}.json")
     return parser.parse_args()
 
 
 def main() -> None:
-    args = arguments(__doc__, "peers")
+    args = arguments(__doc__, "peers", ROUNDS, PAIR_ROUNDS)
     started, rng = now(), np.random.default_rng(SEED)
     precision = runs_as("bf16", "CPU")
     print(f"computing in {precision} (OpenVINO's CPU plugin on this CPU)\n")
-    agreement, decode, deployed, first, memory = tables(precision, args.rounds)
+    pair_rounds = max(args.rounds, args.pair_rounds)
+    agreement, decode, deployed, first, memory = tables(precision, args.rounds, pair_rounds)
     stream = np.ones(2**27, np.int64)  # 1 GiB to read for the bandwidth
     for model in MODELS:
         small = checkpoint(args.folder, model, quick=True)
@@ -513,15 +528,18 @@ def main() -> None:
             rates = {(who, g): [] for who in WHO for g in STREAMS}
             run_rates = {(nodes, g): [] for nodes in runs for g in STREAMS}
             seconds, bandwidth = {who: [] for who in WHO}, []
-            for _ in range(args.rounds):
+            for round_ in range(pair_rounds):
+                everyone = round_ < args.rounds  # then the pair alone
                 bandwidth.append(memory_bandwidth(stream))
                 for who, c in contestants.items():
-                    seconds[who].append(c.first_token_seconds(long_prompt))
+                    if everyone:
+                        seconds[who].append(c.first_token_seconds(long_prompt))
                 for g in STREAMS:
                     for who, c in contestants.items():
-                        rates[who, g].append(g * (DECODE_TOKENS - 1) / c.decode_seconds(prompts[:g]))
+                        if everyone or who in PAIR:
+                            rates[who, g].append(g * (DECODE_TOKENS - 1) / c.decode_seconds(prompts[:g]))
                 for nodes, deployment in runs.items():
-                    for g, rate in deployment.decode_rates(prompts).items():
+                    for g, rate in (deployment.decode_rates(prompts) if everyone else {}).items():
                         run_rates[nodes, g].append(rate)
             distinct = contestants["Cascadia"].distinct
             del contestants
@@ -532,7 +550,7 @@ def main() -> None:
                 medians = {who: statistics.median(rates[who, g]) for who in WHO}
                 roofline = g * statistics.median(bandwidth) / step_bytes(spec, g, distinct[g])
                 decode.add(model, fmt, g, *(spread(rates[who, g]) for who in WHO),
-                           *(round(medians[c] / medians[peer], 2) for c in CASCADIA for peer in PEERS),
+                           *(paired(rates[c, g], rates[peer, g]) for c in CASCADIA for peer in PEERS),
                            round(roofline),
                            *(round(100 * medians[who] / roofline, 1) for who in WHO))
                 deployed_medians = {nodes: statistics.median(run_rates[nodes, g]) for nodes in runs}
