@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cascadia.engine import paged_attention
 from cascadia.engine.checkpoint import Checkpoint
 from cascadia.engine.engine import Engine
 from cascadia.engine.families import HOST_LAYERS
@@ -252,6 +253,28 @@ def test_a_stage_graph_attends_by_paged_attention_where_the_plugin_takes_the_poo
     paged = block == 32 and kv_precision in stored
     assert engine.stage.graph.paged == paged
     assert ("PagedAttention" in engine.stage.graph.compiled.op_types()) == paged
+
+
+def test_a_stage_graph_tells_the_plugin_of_longer_contexts_a_quarter_at_a_time(monkeypatch):
+    """Past the warm-up's reach, the context the PagedAttention kernel is told of grows by a quarter whenever a stream
+    passes it (each growth rebuilds the kernel's buffers and brgemm kernels: 10-15 ms on the race's models), not by
+    a block every 32 steps; the logits are those of a graph told each call's exact context."""
+    monkeypatch.setattr(paged_attention, "WARM_REACH", 40)
+    runtime = RuntimeSpec(precision="f32", max_streams=2, context_budget=160, stage_graph=True)
+    logits, told = {}, {}
+    for growth in (1.0, paged_attention.REACH_GROWTH):
+        monkeypatch.setattr(paged_attention, "REACH_GROWTH", growth)
+        engine = Engine(Checkpoint.open(FIXTURES / "llama_odd"), runtime)
+        assert engine.stage.graph.paged and engine.stage.graph.reach_told == 40  # the warm-up's, capped
+        ids = np.arange(130) % engine.config.vocab_size
+        rows, told[growth] = [engine.prefill(0, ids[:30])], []
+        for token in ids[30:]:
+            rows.append(engine.step([0], [token])[0])
+            told[growth].append(engine.stage.graph.reach_told)
+        logits[growth] = np.stack(rows)
+    assert told[1.0] == [40] * 10 + list(range(41, 131))  # past 40, every call its own context
+    assert sorted(set(told[1.25])) == [40, 50, 62, 77, 96, 120, 150]
+    np.testing.assert_array_equal(logits[1.25], logits[1.0])
 
 
 def test_a_stage_graph_is_paged_by_default():

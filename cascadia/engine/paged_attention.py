@@ -28,6 +28,12 @@ CACHE_TYPES = {"f32": ("f32", "f16"), "bf16": ("bf16",)}  # the cache's stored t
 # buffer of threads x heads x 32 x this many f32 for prefill (17 MB for 16 heads on 2 threads), rebuilt as a stream
 # reaches further.
 WARM_REACH = 4096
+# How much further than the furthest so far a stage graph tells the plugin a stream reaches when one passes it
+# (`StageGraph.reach_told`): the plugin rebuilds its kernels (10-15 ms here) each time the context it is told of
+# passes the largest before, rounded up to a block, so exact values past the warm-up's reach cost a rebuild every 32
+# decode steps of the longest stream; told a quarter further, one every quarter of its length. Its score buffer is
+# then at most a quarter larger than the longest stream needs.
+REACH_GROWTH = 1.25
 _STAND_IN, _KEYS, _VALUES, _BLOCKS = "paged_attention", "paged_keys", "paged_values", "paged_blocks"
 
 

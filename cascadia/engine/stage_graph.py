@@ -96,6 +96,7 @@ class StageGraph:
         for name, tensor in pool_tensors.items():  # bound once: the pool's array never moves
             self.compiled.request.set_tensor(name, tensor)
         self._bound: dict[str, np.ndarray] = {}  # the other inputs as the request reads them (`_call`)
+        self.reach_told = 0  # paged: the longest context told to the plugin so far (`_paged`)
 
     def forward(self, x: np.ndarray, rows: Rows) -> np.ndarray:
         """The rows x [T, H] through the stage's layers; writes their keys and values (the pool has given the slots
@@ -142,15 +143,19 @@ class StageGraph:
                table: np.ndarray, longest: int | None = None) -> np.ndarray:
         """The graph's output for the rows of streams starting at rows `starts` with `counts` rows each, `table`
         [G, b] their blocks (at least enough for each one's last row). `longest`: the context the plugin is told
-        the longest stream reaches (default: the calls' own; the op's single-row path costs in proportion)."""
+        the longest stream reaches (default: the call's own; the op's single-row path costs in proportion), told
+        further where that passes the furthest so far (`paged_attention.REACH_GROWTH`)."""
         first = positions[starts]
         held = -(-(first + counts) // self.pool.block)
         blocks = table[np.arange(table.shape[1]) < held[:, None]] * self.parts_a_block  # stream by stream
+        longest = longest or int((first + counts).max())
+        if longest > self.reach_told:  # the plugin rebuilds its kernels: tell it of more (`REACH_GROWTH`)
+            longest = self.reach_told = max(longest, int(self.reach_told * paged_attention.REACH_GROWTH))
         i32 = np.int32
         self._call({"x": x, **self._rotation(positions), "past_lens": first.astype(i32),
                     "subsequence_begins": np.append(starts, len(x)).astype(i32), "block_indices": blocks.astype(i32),
                     "block_indices_begins": np.append(0, np.cumsum(held)).astype(i32),
-                    "max_context_len": np.array(longest or (first + counts).max(), i32)})
+                    "max_context_len": np.array(longest, i32)})
         return self._hidden()
 
     def _call(self, inputs: dict[str, np.ndarray]) -> None:
