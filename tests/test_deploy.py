@@ -31,7 +31,7 @@ def test_systemd_analyze_verifies_the_unit(tmp_path, unit):
     assert (done.returncode, done.stderr) == (0, "")
 
 
-@pytest.mark.parametrize("unit, mode", zip(UNITS, ["--keep-serving", "--standby --announce"]),
+@pytest.mark.parametrize("unit, mode", list(zip(UNITS, ["--keep-serving", "--standby --announce"])),
                          ids=lambda value: getattr(value, "name", value))
 def test_the_units_options_are_cascadia_nodes(unit, mode):
     text = unit.read_text()
